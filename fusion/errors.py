@@ -1,0 +1,40 @@
+"""Errors users see. Every message names the problem and the fix.
+
+One class per kind of mistake so tests and callers can catch precisely; all derive from FusionError.
+"""
+
+
+class FusionError(Exception):
+    """Base of every error fusion raises on purpose."""
+
+
+class ShapeError(FusionError, ValueError):
+    """A tensor or op has a shape the next op cannot take."""
+
+
+class DTypeError(FusionError, TypeError):
+    """A dtype is not supported here, or tensors of one call mix dtypes."""
+
+
+class DeviceError(FusionError, ValueError):
+    """Tensors of one call live on different devices."""
+
+
+class ExtraInputError(FusionError, TypeError):
+    """A keyword input of Sequential.__call__ is missing, unexpected, or malformed."""
+
+
+class GroupSizesError(ExtraInputError, ValueError):
+    """group_sizes has the wrong length, dtype, device or sum."""
+
+
+class FallbackError(FusionError, RuntimeError):
+    """backend="fused" was asked for but some op would run unfused; the message lists why."""
+
+
+class PatternError(FusionError, ValueError):
+    """A .fpat file has a mistake; the message has file, line, column, the text and what was expected."""
+
+
+class CompileError(FusionError, RuntimeError):
+    """A kernel failed to compile; the message names the kernel and the plan step."""

@@ -1,0 +1,100 @@
+"""Reference grouped matmul: forward, dgrad and per-group wgrad, with `group_sizes` kept on the device.
+
+Two methods, chosen per call by `grouped_mm_method`:
+  * "grouped_mm": torch._grouped_mm, one launch for all groups, reading cumulative offsets computed on the
+    device. No host copy of the sizes, so a forward+backward can be captured in a CUDA graph. Used on
+    Hopper (and newer) GPUs for bf16/fp16 with 16-byte aligned rows.
+  * "loop": one matmul per group, which needs the sizes on the host. On CPU that costs nothing; on a GPU it
+    is a host sync, and explain() says so. Works in every dtype (float64 for gradcheck) and device.
+"""
+from __future__ import annotations
+
+import torch
+
+#: Why a call took the loop method, keyed by the reason's short name; explain() shows these.
+HOST_SYNC_NOTE = "group sizes are copied to the host (one sync per GroupLinear call)"
+
+
+def group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
+    """Cumulative end offsets (int32, on the sizes' device): the layout torch._grouped_mm and our kernels read."""
+    return torch.cumsum(group_sizes, 0, dtype=torch.int32)
+
+
+def row_group_index(group_sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """For each row, the index of its group; computed on the device without reading the sizes on the host."""
+    groups = torch.arange(group_sizes.numel(), device=group_sizes.device)
+    return torch.repeat_interleave(groups, group_sizes, output_size=rows)
+
+
+def grouped_mm_method(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Which reference method a (x, weight) pair takes; see the module docstring."""
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+        return "loop"
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return "loop"
+    elem = x.element_size()
+    if (x.shape[-1] * elem) % 16 or (weight.shape[-2] * elem) % 16:
+        return "loop"
+    return "grouped_mm"
+
+
+def _split_rows(t: torch.Tensor, group_sizes: torch.Tensor):
+    return torch.split(t, group_sizes.tolist(), dim=0)
+
+
+def _forward(x, weight, group_sizes, offsets, method):
+    """y[rows of g] = x[rows of g] @ weight[g].T ; weight is (G, out, in)."""
+    if method == "grouped_mm":
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    parts = [xg @ weight[g].T for g, xg in enumerate(_split_rows(x, group_sizes))]
+    if not parts:
+        return x.new_empty(0, weight.shape[1])
+    return torch.cat(parts, 0)
+
+
+def _dgrad(dy, weight, group_sizes, offsets, method):
+    if method == "grouped_mm":
+        return torch._grouped_mm(dy, weight, offs=offsets)
+    parts = [dyg @ weight[g] for g, dyg in enumerate(_split_rows(dy, group_sizes))]
+    return torch.cat(parts, 0) if parts else dy.new_empty(0, weight.shape[2])
+
+
+def _wgrad(dy, x, group_sizes, offsets, method, weight_shape):
+    """dW[g] = dy_g.T @ x_g; zero for empty groups."""
+    if method == "grouped_mm":
+        # 2-D x 2-D with offsets splits the reduction (row) dimension into groups -> (G, out, in).
+        return torch._grouped_mm(dy.t(), x, offs=offsets)
+    dw = torch.zeros(weight_shape, dtype=dy.dtype, device=dy.device)
+    for g, (dyg, xg) in enumerate(zip(_split_rows(dy, group_sizes), _split_rows(x, group_sizes))):
+        if dyg.shape[0]:
+            dw[g] = dyg.T @ xg
+    return dw
+
+
+class GroupedMatmul(torch.autograd.Function):
+    """Differentiable grouped matmul over consecutive row groups (bias is added outside, by autograd)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group_sizes, offsets, method):
+        ctx.save_for_backward(x, weight, group_sizes, offsets)
+        ctx.method = method
+        return _forward(x, weight, group_sizes, offsets, method)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, group_sizes, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _dgrad(dy, weight, group_sizes, offsets, ctx.method)
+        if ctx.needs_input_grad[1]:
+            dw = _wgrad(dy, x, group_sizes, offsets, ctx.method, weight.shape)
+        return dx, dw, None, None, None
+
+
+def grouped_matmul(x, weight, group_sizes, offsets=None, method=None):
+    """x (M, in), weight (G, out, in), group_sizes (G,) int on x's device -> (M, out)."""
+    if offsets is None:
+        offsets = group_offsets(group_sizes)
+    method = method or grouped_mm_method(x, weight)
+    return GroupedMatmul.apply(x.contiguous(), weight, group_sizes, offsets, method)

@@ -1,0 +1,96 @@
+"""The op protocol: what every op tells the planner, as data, and how it runs unfused.
+
+The planner never inspects op classes; it reads `OpSpec`s. That keeps patterns (data in .fpat files)
+matchable against ops without Python if-chains, and lets user-declared activations look exactly like
+built-in ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from fusion.errors import ShapeError
+
+#: What an op is, for the pattern matcher. A chain element in a .fpat file names ops or one of these.
+OP_KINDS = ("gemm", "activation", "elementwise", "quantize")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """Everything the planner may know about an op, as plain data.
+
+    name: the op's public class name ("GroupLinear", "SwiGLU", "Activation"...).
+    kind: one of OP_KINDS.
+    attrs: constraint-able attributes (ints, floats, bools, strings), e.g. in_features, gated, columnwise.
+    extra_inputs: keyword inputs of Sequential.__call__ the op reads ("group_sizes", "scale"...).
+    """
+
+    name: str
+    kind: str
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    extra_inputs: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in OP_KINDS:
+            raise ValueError(f"OpSpec {self.name}: kind {self.kind!r} is not one of {OP_KINDS}")
+
+    @property
+    def gated(self) -> bool:
+        return bool(self.attrs.get("gated", False))
+
+    def signature(self) -> tuple:
+        """Hashable identity used for plan caching."""
+        return (self.name, self.kind, tuple(sorted(self.attrs.items())), self.extra_inputs)
+
+
+@dataclass
+class RunContext:
+    """The extra inputs of one Sequential call, validated, shared by every op of that call."""
+
+    group_sizes: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Cumulative group offsets, computed once per call on the device (see fusion.grouped).
+    offsets: torch.Tensor | None = None
+
+
+class Op(torch.nn.Module):
+    """Base of every op. Subclasses set `spec` (property) and implement `reference` and `out_features`."""
+
+    @property
+    def spec(self) -> OpSpec:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def op_name(self) -> str:
+        return self.spec.name
+
+    def output_features(self, in_features: int) -> int:
+        """The shape rule: features of the output given features of the input (rows never change)."""
+        return in_features
+
+    def check_input(self, in_features: int) -> None:
+        """Raise ShapeError, naming this op, if it cannot take `in_features`. Default: anything goes."""
+
+    def reference(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+        """Run this op alone on the reference path (handy in tests)."""
+        from fusion.sequential import make_context
+
+        ctx = make_context([self], x, extra)
+        return self.reference(x, ctx)
+
+    def describe(self) -> str:
+        """Short text for explain(): `Name(attr=value, ...)`."""
+        shown = ", ".join(f"{k}={v}" for k, v in self.spec.attrs.items() if k not in ("gated",))
+        return f"{self.spec.name}({shown})"
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.spec.attrs.items())
+
+
+def shape_error(op: Op, message: str) -> ShapeError:
+    return ShapeError(f"{op.describe()}: {message}")

@@ -1,0 +1,107 @@
+"""GroupLinear and Linear: per-group (per-expert) GEMMs, the ops fused kernels are built around."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fusion.grouped import grouped_matmul, row_group_index
+from fusion.ops.base import Op, OpSpec, RunContext, shape_error
+
+
+def as_high_precision(x: torch.Tensor) -> torch.Tensor:
+    """A quantized input (QuantizedTensor) is consumed as its exact dequantized value on the reference path."""
+    if hasattr(x, "dequantize") and getattr(x, "is_quantized_tensor", False):
+        return _Dequantize.apply(x)
+    return x
+
+
+class _Dequantize(torch.autograd.Function):
+    """Dequantize with a straight-through gradient, whatever the quantized type does under autograd."""
+
+    @staticmethod
+    def forward(ctx, q):
+        return q.dequantize()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class GroupLinear(Op):
+    """Rows of x are split into consecutive groups by `group_sizes`; group g computes x_g @ W[g].T (+ b[g]).
+
+    weight: (num_groups, out_features, in_features), bias: (num_groups, out_features): the canonical layout
+    that state_dict() holds, whatever a fused kernel repacks internally.
+    """
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        for name, value in (("num_groups", num_groups), ("in_features", in_features),
+                            ("out_features", out_features)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GroupLinear: {name} must be a positive int, got {value!r}")
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        factory = {"device": device, "dtype": dtype}
+        self.weight = torch.nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
+        self.bias = (torch.nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Like nn.Linear, independently per group: kaiming-uniform(a=sqrt(5)) weight, uniform bias."""
+        for g in range(self.num_groups):
+            torch.nn.init.kaiming_uniform_(self.weight[g], a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    @property
+    def spec(self) -> OpSpec:
+        return OpSpec(
+            name="GroupLinear",
+            kind="gemm",
+            attrs={"num_groups": self.num_groups, "in_features": self.in_features,
+                   "out_features": self.out_features, "bias": self.bias is not None},
+            extra_inputs=("group_sizes",),
+        )
+
+    def check_input(self, in_features: int) -> None:
+        if in_features != self.in_features:
+            raise shape_error(self, f"expects {self.in_features} input features, got {in_features}")
+
+
+    def output_features(self, in_features: int) -> int:  # noqa: D102 - shape rule
+        self.check_input(in_features)
+        return self.out_features
+
+    def reference(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+        x = as_high_precision(x)
+        y = grouped_matmul(x, self.weight, ctx.group_sizes, ctx.offsets)
+        if self.bias is not None:
+            y = y + self.bias[row_group_index(ctx.group_sizes, x.shape[0])]
+        return y
+
+
+class Linear(GroupLinear):
+    """The dense case: one group. Weight is (out_features, in_features) like nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
+        super().__init__(1, in_features, out_features, bias=bias, device=device, dtype=dtype)
+        # Canonical dense layout: drop the group dimension from the parameters users see.
+        self.weight = torch.nn.Parameter(self.weight.data[0])
+        if self.bias is not None:
+            self.bias = torch.nn.Parameter(self.bias.data[0])
+
+    @property
+    def spec(self) -> OpSpec:
+        return OpSpec(
+            name="Linear",
+            kind="gemm",
+            attrs={"num_groups": 1, "in_features": self.in_features,
+                   "out_features": self.out_features, "bias": self.bias is not None},
+        )
+
+    def reference(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+        x = as_high_precision(x)
+        return torch.nn.functional.linear(x, self.weight, self.bias)

@@ -1,0 +1,44 @@
+"""Quantize ops: the output is a QuantizedTensor (data, scales, amax) that the next GroupLinear consumes."""
+from __future__ import annotations
+
+from fusion.ops.base import Op, OpSpec, shape_error
+
+
+class _QuantizeOp(Op):
+    format: str = ""
+    block: int = 0
+
+    def __init__(self, columnwise: bool = True):
+        super().__init__()
+        self.columnwise = bool(columnwise)
+
+    @property
+    def spec(self) -> OpSpec:
+        return OpSpec(name=type(self).__name__, kind="quantize",
+                      attrs={"format": self.format, "columnwise": self.columnwise, "block": self.block})
+
+    def check_input(self, in_features: int) -> None:
+        if in_features % self.block:
+            raise shape_error(self, f"last dim {in_features} is not divisible by the {self.format.upper()} "
+                                    f"block size {self.block}; make the previous op's features a multiple "
+                                    f"of {self.block}, or drop the quantize op")
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}(columnwise={self.columnwise})"
+
+    def reference(self, x, ctx=None):
+        from fusion.quant import quantize
+
+        return quantize(x, self.format, columnwise=self.columnwise)
+
+
+class QuantizeMXFP8(_QuantizeOp):
+    """MXFP8: E4M3 elements, one E8M0 scale per 32 elements (rounded up: nothing saturates)."""
+
+    format, block = "mxfp8", 32
+
+
+class QuantizeNVFP4(_QuantizeOp):
+    """NVFP4: E2M1 elements, one E4M3 scale per 16 elements, one FP32 per-tensor scale from amax."""
+
+    format, block = "nvfp4", 16

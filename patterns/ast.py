@@ -1,0 +1,87 @@
+"""Typed AST of .fpat files.
+
+The parser (patterns/parser.py) produces these; the loader turns them into the activation registry and the
+pattern library the planner matches. Every node keeps its source location so errors and explain() can
+point at a file and line.
+
+CONTRACT: the matcher/planner (fusion/matcher.py, fusion/planner.py) consumes FusionPattern, ChainElement
+and Predicate exactly as declared here. Extend with new optional fields only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SourceLoc:
+    file: str
+    line: int
+    column: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+@dataclass(frozen=True)
+class Predicate:
+    """A constraint on one matched op's attributes, e.g. `in_features % 64 == 0`.
+
+    `expr` is a small expression tree (never Python source); `holds(attrs)` evaluates it against an op's
+    OpSpec.attrs (plus derived names the matcher adds such as `dtype`), and `text` is the source text,
+    shown by explain() when the predicate fails.
+    """
+
+    text: str
+    expr: Any
+    loc: SourceLoc
+
+    def holds(self, attrs: dict) -> bool:  # implemented by the parser's predicate evaluator
+        from fusion.patterns.predicates import evaluate_predicate
+
+        return bool(evaluate_predicate(self.expr, attrs))
+
+
+@dataclass(frozen=True)
+class ChainElement:
+    """One position of a pattern's op chain.
+
+    label: the name used in `epilogue`, `save`, `export` (e.g. "gemm", "act").
+    ops: op names ("GroupLinear", "Linear", "Scale", ...) or op kinds ("activation", "gemm",
+         "elementwise", "quantize"); an op matches if its OpSpec.name or OpSpec.kind is listed.
+    optional: `X?` in the source: the position may be absent.
+    where: all must hold for the op to match.
+    """
+
+    label: str
+    ops: tuple[str, ...]
+    optional: bool
+    where: tuple[Predicate, ...]
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class FusionPattern:
+    """`fusion NAME { ... }`: which op chain becomes which kernel, with which epilogue.
+
+    direction: "forward" — the chain's forward runs as one kernel; "backward" — the chain's backward
+    (the last GEMM's dgrad plus the backward of the elementwise ops before it) runs as one kernel.
+    epilogue: labels of chain elements applied in the kernel's epilogue, in order.
+    save: what the forward keeps for the backward ("gemm.out", "act.in", ...).
+    export: interior results that may be used outside the match ("act.out"...).
+    priority: higher wins overlaps; None means "number of ops covered".
+    """
+
+    name: str
+    kernel: str
+    direction: str
+    chain: tuple[ChainElement, ...]
+    epilogue: tuple[str, ...]
+    loc: SourceLoc
+    arch_min: int = 90
+    arch_max: int | None = None
+    dtypes: tuple[str, ...] = ("bfloat16", "float16")
+    priority: int | None = None
+    save: tuple[str, ...] = ()
+    export: tuple[str, ...] = ()
+    options: dict = field(default_factory=dict)
