@@ -159,15 +159,16 @@ class Sequential(torch.nn.Module):
         if x.dim() != 2:
             raise ShapeError(f"Sequential: x must be 2-D (rows, features), got shape {tuple(x.shape)}; "
                              f"flatten leading dims with x.reshape(-1, x.shape[-1])")
+        for name, p in self.named_parameters():
+            if p.device != x.device:
+                raise DeviceError(f"Sequential: x is on {x.device} but parameter {name!r} is on {p.device}; "
+                                  f"move the block with mlp.to({str(x.device)!r})")
         allowed = SUPPORTED_DTYPES.get(x.device.type, SUPPORTED_DTYPES["cuda"])
         if x.dtype not in allowed:
             names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
             raise DTypeError(f"Sequential: x has dtype {x.dtype}; on {x.device.type} the supported dtypes are "
                              f"{names}")
         for name, p in self.named_parameters():
-            if p.device != x.device:
-                raise DeviceError(f"Sequential: x is on {x.device} but parameter {name!r} is on {p.device}; "
-                                  f"move the block with mlp.to({str(x.device)!r})")
             if p.dtype != x.dtype:
                 raise DTypeError(f"Sequential: x has dtype {x.dtype} but parameter {name!r} has {p.dtype}; "
                                  f"convert the block with mlp.to({x.dtype}) (or x.to({p.dtype}))")

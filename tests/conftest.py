@@ -1,0 +1,21 @@
+"""Shared test setup: GPU tests skip without a CUDA device; seeds are fixed per test."""
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marker `gpu`)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def hopper_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
