@@ -1,0 +1,332 @@
+"""Host-side API: config, compile (no GPU needed), run on torch CUDA tensors."""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass, asdict
+from typing import Optional
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_ptr
+
+from .epilogue import Epilogue, RowVector, GroupVector, AuxInput, Output, MXFP8Output
+from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
+
+__all__ = [
+    "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
+    "choose_config", "offsets_from_group_sizes", "sass_text",
+]
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    stages: int = 4
+    cluster_m: int = 1      # reserved: clusters are not used yet (must be 1)
+    cluster_n: int = 1
+    persistent: bool = True  # False: one CTA per tile (grid = number of tiles upper bound)
+    dynamic: bool = False    # dynamic (atomic counter) tile scheduler
+    sm_margin: int = 0       # leave this many SMs free
+
+
+def _max_stages(tile_m, tile_n, tile_k, elem_bytes=2, smem=227 * 1024, reserve=1024):
+    per = (tile_m + tile_n) * tile_k * elem_bytes
+    return max(2, (smem - reserve) // per)
+
+
+def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False) -> GemmConfig:
+    """Small heuristic: 128x256 tiles for wide N, 128x128 when N is small or groups are tiny."""
+    rows_per_group = max(1, M_estimate // max(G, 1))
+    if N >= 1024 and N % 256 == 0 and rows_per_group >= 256:
+        tn = 256
+    elif N % 192 == 0 and N >= 1536 and rows_per_group >= 256 and N % 256 != 0:
+        tn = 192
+    else:
+        tn = 128
+    tk = 64
+    st = min(_max_stages(128, tn, tk), 8)
+    return GemmConfig(tile_m=128, tile_n=tn, tile_k=tk, stages=st)
+
+
+def offsets_from_group_sizes(group_sizes: torch.Tensor) -> torch.Tensor:
+    """(G,) sizes -> (G+1,) int32 cumulative offsets, on the same device (no host sync)."""
+    offs = torch.zeros(group_sizes.numel() + 1, dtype=torch.int32, device=group_sizes.device)
+    torch.cumsum(group_sizes.to(torch.int32), 0, out=offs[1:])
+    return offs
+
+
+_TORCH_DT = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8,
+}
+
+
+def _dtype_name(dt) -> str:
+    if isinstance(dt, str):
+        return dt
+    return str(dt).replace("torch.", "")
+
+
+def _cubin_nv_info(cubin: bytes) -> dict:
+    """Parse the cubin's global .nv.info section: {'registers': EIATTR_REGCOUNT (0x2f),
+    'frame_size': EIATTR_FRAME_SIZE (0x11), 'max_stack_size': EIATTR_MAX_STACK_SIZE (0x12)} (max over
+    functions)."""
+    out = {}
+    try:
+        if not cubin or cubin[:4] != b"\x7fELF":
+            return out
+        shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+        secs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+        stroff = secs[shstrndx][4]
+        names = {0x2F: "registers", 0x11: "frame_size", 0x12: "max_stack_size"}
+        for sec in secs:
+            nm = cubin[stroff + sec[0]:cubin.index(b"\0", stroff + sec[0])].decode()
+            if nm != ".nv.info":
+                continue
+            d = cubin[sec[4]:sec[4] + sec[5]]
+            i = 0
+            while i + 4 <= len(d):
+                fmt, attr = d[i], d[i + 1]
+                if fmt == 4:
+                    sz = struct.unpack_from("<H", d, i + 2)[0]
+                    if attr in names and sz == 8:
+                        val = struct.unpack_from("<I", d, i + 8)[0]
+                        out[names[attr]] = max(out.get(names[attr], 0), val)
+                    i += 4 + sz
+                else:
+                    i += 4
+    except Exception:
+        pass
+    return out
+
+
+def _cubin_register_count(cubin: bytes) -> Optional[int]:
+    return _cubin_nv_info(cubin).get("registers")
+
+
+def _nvdisasm() -> Optional[str]:
+    p = shutil.which("nvdisasm")
+    if p:
+        return p
+    try:
+        import nvidia.cu13 as _c  # type: ignore
+        cand = os.path.join(list(_c.__path__)[0], "bin", "nvdisasm")
+        if os.path.exists(cand):
+            return cand
+    except Exception:
+        pass
+    for c in glob.glob("/usr/local/cuda*/bin/nvdisasm"):
+        return c
+    return None
+
+
+def sass_text(cubin: bytes) -> str:
+    """Disassemble a cubin with nvdisasm (raises if nvdisasm is unavailable)."""
+    tool = _nvdisasm()
+    if tool is None:
+        raise RuntimeError("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        return subprocess.run([tool, "-c", path], check=True, capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+
+
+class CompiledGroupedGemm:
+    """A compiled kernel: call through :func:`run_grouped_gemm`.  Exposes .ptx, .cubin, .registers,
+    .shared_memory_bytes, .sass (lazy), .name, .config, .epilogue, .dtype, .N, .K, .G."""
+
+    def __init__(self, fn, kernel: GroupedGemmKernel, config, epilogue, dtype, N, K, G, ptx, cubin, smem):
+        self.fn = fn
+        self.kernel = kernel
+        self.config = config
+        self.epilogue = epilogue
+        self.dtype = dtype
+        self.N, self.K, self.G = N, K, G
+        self.ptx = ptx
+        self.cubin = cubin
+        self.shared_memory_bytes = smem
+        info = _cubin_nv_info(cubin)
+        self.registers = info.get("registers")
+        self.frame_size = info.get("frame_size", 0)
+        self.max_stack_size = info.get("max_stack_size", 0)
+        self.name = f"grouped_gemm_{type(epilogue).__name__}_{dtype}_N{N}_K{K}_G{G}_" \
+                    f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}" + \
+                    ("_dyn" if config.dynamic else "")
+        self._sass = None
+        self._counter = {}
+
+    @property
+    def sass(self) -> str:
+        if self._sass is None:
+            self._sass = sass_text(self.cubin)
+        return self._sass
+
+    def __repr__(self):
+        return f"<CompiledGroupedGemm {self.name} regs={self.registers} smem={self.shared_memory_bytes}>"
+
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+
+
+def _fake_ptr(dt_name, align=16):
+    return make_ptr(cutlass_dtype(dt_name), 0, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _slot_dtypes(epilogue: Epilogue, dtype: str):
+    """dtype names of the epilogue's tensor slots: inputs..., outputs... (MXFP8: data, scale)."""
+    out = []
+    for s in epilogue.inputs:
+        out.append(s.dtype if getattr(s, "dtype", None) is not None else dtype)
+    for s in epilogue.outputs:
+        if isinstance(s, MXFP8Output):
+            out += ["float8_e4m3fn", "uint8"]
+        else:
+            out.append(s.dtype if s.dtype is not None else dtype)
+    return out
+
+
+def compile_grouped_gemm(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, G: int,
+                         target: str = "sm_90a") -> CompiledGroupedGemm:
+    """Compile (cached in memory) for B of shape (G, N, K); M (rows) stays dynamic."""
+    dtype = _dtype_name(dtype)
+    if target != "sm_90a":
+        raise ValueError("only sm_90a is supported")
+    if config.cluster_m != 1 or config.cluster_n != 1:
+        raise NotImplementedError("clusters > 1 are not implemented yet")
+    if K % 8 != 0:
+        raise ValueError("K must be a multiple of 8 (16-byte TMA rows)")
+    if epilogue.gated and N % 16 != 0:
+        raise ValueError("gated GEMM needs N % 16 == 0")
+    key = (config, epilogue.cache_key(), dtype, N, K, G, target)
+    with _LOCK:
+        hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    kern = GroupedGemmKernel(config, epilogue, dtype)
+    ptrs = tuple(_fake_ptr(d, 4 if d not in ("uint8",) else 1) for d in _slot_dtypes(epilogue, dtype))
+    from cutlass.runtime import make_fake_stream
+    args = (
+        _fake_ptr(dtype), _fake_ptr(dtype), _fake_ptr("int32", 4) if False else make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
+        make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
+        ptrs, cutlass.Int32(1), N, K, G, cutlass.Int32(1), make_fake_stream(),
+    )
+    fn = cute.compile(kern, *args, options="--keep-ptx --keep-cubin")
+    ptx = getattr(fn, "__ptx__", None)
+    cubin = getattr(fn, "__cubin__", None)
+    if isinstance(ptx, bytes):
+        ptx = ptx.decode()
+    smem = kern.shared_storage.size_in_bytes() if hasattr(kern, "shared_storage") else None
+    res = CompiledGroupedGemm(fn, kern, config, epilogue, dtype, N, K, G, ptx, cubin, smem)
+    with _LOCK:
+        _CACHE[key] = res
+    return res
+
+
+_SM_COUNT = {}
+
+
+def _num_sms(device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
+                     outputs: dict, extras: Optional[dict] = None, num_ctas: Optional[int] = None,
+                     stream=None):
+    """Launch.  ``outputs``/``extras`` map the epilogue's declared names to tensors (MXFP8 outputs: the
+    e4m3 data under its name and the uint8 scales under ``name + '_scale'``).  No host sync."""
+    extras = extras or {}
+    cfg = compiled.config
+    epi = compiled.epilogue
+    M = A.shape[0]
+    assert A.is_contiguous() and B.is_contiguous()
+    assert B.shape == (compiled.G, compiled.N, compiled.K), (B.shape, compiled.G, compiled.N, compiled.K)
+    assert offsets.dtype == torch.int32 and offsets.numel() == compiled.G + 1
+    tensors = []
+    for s in epi.inputs:
+        t = extras[s.name]
+        tensors.append(t)
+    for s in epi.outputs:
+        tensors.append(outputs[s.name])
+        if isinstance(s, MXFP8Output):
+            tensors.append(outputs[s.scale_name])
+    for t in tensors:
+        assert t.is_cuda and t.is_contiguous()
+    if M == 0:
+        return
+    dev = A.device
+    n_sms = _num_sms(dev)
+    if num_ctas is None:
+        n_tiles = ((M + cfg.tile_m - 1) // cfg.tile_m + compiled.G) * ((compiled.N + cfg.tile_n - 1) // cfg.tile_n)
+        if cfg.persistent:
+            num_ctas = max(1, min(n_sms - cfg.sm_margin, n_tiles))
+        else:
+            num_ctas = n_tiles
+    counter = compiled._counter.get(dev)
+    if cfg.dynamic:
+        if counter is None:
+            counter = torch.zeros(1, dtype=torch.int32, device=dev)
+            compiled._counter[dev] = counter
+        counter.zero_()
+    else:
+        counter = offsets  # unused
+    if stream is None:
+        import cuda.bindings.driver as cuda_drv
+        stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    ab = cutlass_dtype(compiled.dtype)
+    slot_dt = _slot_dtypes(epi, compiled.dtype)
+    ptrs = tuple(make_ptr(cutlass_dtype(d), t.data_ptr(), cute.AddressSpace.gmem,
+                          assumed_align=4 if d != "uint8" else 1) for d, t in zip(slot_dt, tensors))
+    compiled.fn(
+        make_ptr(ab, A.data_ptr(), cute.AddressSpace.gmem, assumed_align=16),
+        make_ptr(ab, B.data_ptr(), cute.AddressSpace.gmem, assumed_align=16),
+        make_ptr(cutlass.Int32, offsets.data_ptr(), cute.AddressSpace.gmem, assumed_align=4),
+        make_ptr(cutlass.Int32, counter.data_ptr(), cute.AddressSpace.gmem, assumed_align=4),
+        ptrs, cutlass.Int32(M), cutlass.Int32(num_ctas), stream,
+    )
+
+
+def grouped_gemm(A, B, group_sizes=None, offsets=None, epilogue: Optional[Epilogue] = None,
+                 extras: Optional[dict] = None, config: Optional[GemmConfig] = None):
+    """Convenience: allocate outputs, compile (cached) and run.  Returns a dict name -> tensor."""
+    epilogue = epilogue or IdentityEpilogueDefault
+    if offsets is None:
+        offsets = offsets_from_group_sizes(group_sizes)
+    G, N, K = B.shape
+    M = A.shape[0]
+    dtype = _dtype_name(A.dtype)
+    config = config or choose_config(M, N, K, G, epilogue.gated)
+    comp = compile_grouped_gemm(config, epilogue, dtype, N, K, G)
+    n_log = N // 2 if epilogue.gated else N
+    outs = {}
+    for s in epilogue.outputs:
+        w = 2 * n_log if s.paired else n_log
+        if isinstance(s, MXFP8Output):
+            outs[s.name] = torch.empty(M, w, dtype=torch.float8_e4m3fn, device=A.device)
+            outs[s.scale_name] = torch.empty(M, w // 32, dtype=torch.uint8, device=A.device)
+        else:
+            outs[s.name] = torch.empty(M, w, dtype=_TORCH_DT[s.dtype or dtype], device=A.device)
+    run_grouped_gemm(comp, A, B, offsets, outs, extras)
+    return outs
+
+
+from .epilogue import IdentityEpilogue as _IE  # noqa: E402
+
+IdentityEpilogueDefault = _IE()

@@ -1,0 +1,105 @@
+"""Elementwise fp32 math for epilogues, callable at kernel trace time on ``cutlass.Float32`` values.
+
+Generated epilogue code should only use these names plus ``+ - * /`` and Python float constants.
+"""
+from __future__ import annotations
+
+import math as _m
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+_LOG2E = 1.4426950408889634
+
+
+def _f(x):
+    return x if isinstance(x, Float32) else Float32(x)
+
+
+def exp(x):
+    return cute.math.exp2(_f(x) * _LOG2E, fastmath=True)
+
+
+def exp2(x):
+    return cute.math.exp2(_f(x), fastmath=True)
+
+
+def log(x):
+    return cute.math.log(_f(x), fastmath=True)
+
+
+def sqrt(x):
+    return cute.math.sqrt(_f(x), fastmath=True)
+
+
+def rcp(x):
+    return cute.arch.rcp_approx(_f(x))
+
+
+def sigmoid(x):
+    return rcp(1.0 + exp(-_f(x)))
+
+
+def silu(x):
+    x = _f(x)
+    return x * sigmoid(x)
+
+
+def tanh(x):
+    return cute.math.tanh(_f(x), fastmath=True)
+
+
+def gelu_tanh(x):
+    x = _f(x)
+    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+def erf(x):
+    return cute.math.erf(_f(x))
+
+
+def softplus(x):
+    x = _f(x)
+    # log(1 + exp(x)), linear for large x
+    return where(x > 20.0, x, log(1.0 + exp(x)))
+
+
+def abs(x):  # noqa: A001
+    return cute.math.abs(_f(x))
+
+
+def maximum(a, b):
+    return cute.arch.fmax(_f(a), _f(b))
+
+
+def minimum(a, b):
+    return cute.arch.fmin(_f(a), _f(b))
+
+
+def relu(x):
+    return maximum(x, 0.0)
+
+
+def clamp(x, lo=None, hi=None):
+    x = _f(x)
+    if lo is not None:
+        x = maximum(x, lo)
+    if hi is not None:
+        x = minimum(x, hi)
+    return x
+
+
+def where(cond, a, b):
+    return cutlass.select_(cond, _f(a), _f(b))
+
+
+def pow_const(x, p: float):
+    """x ** p for a Python constant p (integer powers unrolled)."""
+    x = _f(x)
+    if float(p).is_integer() and 0 <= p <= 8:
+        r = Float32(1.0)
+        for _ in range(int(p)):
+            r = r * x
+        return r
+    return exp2(log(x) * (float(p) / _m.log(2.0)) * _m.log(2.0) / _m.log(2.0))

@@ -1,0 +1,157 @@
+"""The epilogue protocol of the grouped GEMM kernel.
+
+An epilogue is a plain Python object the kernel calls *at trace time*, once per accumulator element
+(or per gate/up pair), on fp32 values.  It declares, as class attributes:
+
+- ``gated``   : bool.  When True the accumulator tile holds interleaved (gate, up) columns (see
+                 :func:`kernels.layout.interleave_gated_weight`) and ``apply`` receives ``(gate, up)``;
+                 the logical output width is half the GEMM N.  When False ``apply`` receives ``(acc,)``.
+- ``inputs``  : tuple of :class:`RowVector`, :class:`GroupVector`, :class:`AuxInput` (in call order).
+- ``outputs`` : tuple of :class:`Output` / :class:`MXFP8Output` (at least one).
+
+and a method ``apply(self, *values)``: positional arguments are the accumulator value(s) followed by
+one value per unpaired input and two values (gate-half, up-half) per ``paired`` input, in declaration
+order.  It returns one value per unpaired output and two per paired output (a bare value when the
+total is one, else a tuple).  Values are ``cutlass.Float32`` scalars; use :mod:`kernels.epi_math`
+(silu, sigmoid, exp, ...) and ordinary ``+ - * /`` on them.
+
+Logical columns: column ``j`` of the epilogue's output space.  ``gated``: j in [0, N/2), the kernel
+feeds gate = acc column ``16*(j//8) + j%8`` and up = that + 8.  ``paired`` inputs/outputs of width
+``2*n_logical`` use the same 8-column-block interleave.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = [
+    "Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output",
+    "IdentityEpilogue", "SwiGLUScaleEpilogue", "DSwiGLUEpilogue", "SwiGLUScaleMXFP8Epilogue",
+]
+
+
+@dataclass(frozen=True)
+class RowVector:
+    """One value per row of A: a (M,) tensor (e.g. router probabilities).  dtype: torch dtype name."""
+    name: str
+    dtype: str = "float32"
+    paired = False
+
+
+@dataclass(frozen=True)
+class GroupVector:
+    """One value per (group, logical column): a (G, n) tensor (per-expert bias). ``paired``: width 2n,
+    8-column-block interleaved (gate j at 16*(j//8)+j%8, up j at +8)."""
+    name: str
+    paired: bool = False
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class AuxInput:
+    """An auxiliary (M, n) matrix read at the output coordinates (e.g. the saved pre-activation in a
+    backward).  ``paired``: width 2n interleaved as above.  dtype None: the GEMM's input dtype."""
+    name: str
+    paired: bool = False
+    dtype: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Output:
+    """An (M, n) output (``paired``: (M, 2n) interleaved).  dtype None: the GEMM's input dtype."""
+    name: str
+    paired: bool = False
+    dtype: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class MXFP8Output:
+    """An MXFP8-quantized (M, n) output: e4m3 values (torch.float8_e4m3fn) plus one E8M0 scale (uint8)
+    per 32 consecutive logical columns, tensor (M, n // 32).  scale = 2**ceil(log2(amax / 448))
+    (clamped to the E8M0 range), value = x / scale rounded to e4m3 with saturation."""
+    name: str
+    paired = False
+    dtype: str = "float8_e4m3fn"
+
+    @property
+    def scale_name(self) -> str:
+        return self.name + "_scale"
+
+
+class Epilogue:
+    """Base class.  Subclasses set ``gated``, ``inputs``, ``outputs`` and define ``apply``."""
+
+    gated: bool = False
+    inputs: tuple = ()
+    outputs: tuple = (Output("out"),)
+
+    def apply(self, *values):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # --- helpers used by the kernel and host wrapper ---
+    def cache_key(self) -> Any:
+        """Identity of the generated code.  Override when instances of one class differ (parameters)."""
+        params = tuple(sorted((k, repr(v)) for k, v in vars(self).items())) if hasattr(self, "__dict__") else ()
+        return (type(self).__module__, type(self).__qualname__, self.gated, self.inputs, self.outputs, params)
+
+    def num_apply_args(self) -> int:
+        n = 2 if self.gated else 1
+        for i in self.inputs:
+            n += 2 if getattr(i, "paired", False) else 1
+        return n
+
+    def num_apply_results(self) -> int:
+        return sum(2 if getattr(o, "paired", False) else 1 for o in self.outputs)
+
+
+# ---------------------------------------------------------------- hand-written epilogues
+class IdentityEpilogue(Epilogue):
+    """Plain grouped GEMM: D = A @ B[g].T in the input dtype (or ``out_dtype``)."""
+
+    gated = False
+    inputs = ()
+
+    def __init__(self, out_dtype: Optional[str] = None):
+        self.outputs = (Output("out", dtype=out_dtype),)
+
+    def apply(self, acc):
+        return acc
+
+
+class SwiGLUScaleEpilogue(Epilogue):
+    """out[:, j] = silu(gate_j) * up_j * scale[row]  (FC1 of an MoE MLP, router prob fused)."""
+
+    gated = True
+    inputs = (RowVector("scale"),)
+    outputs = (Output("out"),)
+
+    def apply(self, gate, up, scale):
+        from . import epi_math as em
+        return em.silu(gate) * up * scale
+
+
+class DSwiGLUEpilogue(Epilogue):
+    """Backward of silu(g)*u*s fused in the dgrad GEMM dH = dY @ W2 (acc = dH, logical width f).
+
+    Reads the saved pre-activation ``pre`` (M, 2f) interleaved and the row scale; writes
+    ``dpre`` (M, 2f) interleaved: d_gate = dH*s*u*dsilu(g), d_up = dH*s*silu(g).
+    """
+
+    gated = False
+    inputs = (AuxInput("pre", paired=True), RowVector("scale"))
+    outputs = (Output("dpre", paired=True),)
+
+    def apply(self, dh, g, u, scale):
+        from . import epi_math as em
+        sig = em.sigmoid(g)
+        silu_g = g * sig
+        dhs = dh * scale
+        d_gate = dhs * u * (sig + silu_g * (1.0 - sig))
+        d_up = dhs * silu_g
+        return d_gate, d_up
+
+
+class SwiGLUScaleMXFP8Epilogue(SwiGLUScaleEpilogue):
+    """SwiGLU * scale, quantized to MXFP8 rowwise (e4m3 values + E8M0 scales per 32 columns)."""
+
+    outputs = (MXFP8Output("out"),)

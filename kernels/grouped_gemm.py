@@ -1,0 +1,504 @@
+"""Persistent, warp-specialized grouped GEMM for sm_90a (CuTe DSL), with a generated epilogue.
+
+D[rows of g] = epilogue(A[rows of g] @ B[g].T)
+
+- A: (M, K) row-major, rows of all groups concatenated; M is dynamic (one compile for every batch).
+- B: (G, N, K) K-major (nn.Linear weight per group).
+- offsets: (G+1,) int32 device tensor of cumulative row offsets.
+- warp roles: warpgroup 0 = producer (warp 0 issues TMA loads of A/B into a multi-stage smem ring),
+  warpgroups 1..2 = wgmma consumers (cooperative on a tile_m=128 tile, 64 rows each) + epilogue.
+- tile scheduler: walks (group, m-tile, n-tile) on the device from the offsets; static persistent
+  (tile t -> CTA t % grid) or dynamic (global atomic counter, broadcast through smem).
+- rows of a tile past the group's end are computed (TMA of A reads the next group's rows) but never
+  stored: the epilogue masks every store by the group's row range.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32, Int64, Float32, Boolean, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .epilogue import Epilogue, RowVector, GroupVector, AuxInput, Output, MXFP8Output
+
+_BIG = 1 << 30
+
+_DTYPES = {
+    "bfloat16": cutlass.BFloat16,
+    "float16": cutlass.Float16,
+    "float32": cutlass.Float32,
+    "float8_e4m3fn": cutlass.Float8E4M3FN,
+    "uint8": cutlass.Uint8,
+}
+
+
+def cutlass_dtype(name):
+    if not isinstance(name, str):
+        name = str(name).replace("torch.", "")
+    return _DTYPES[name]
+
+
+class GroupedGemmKernel:
+    def __init__(self, config, epilogue: Epilogue, dtype: str):
+        self.cfg = config
+        self.epi = epilogue
+        self.ab_dtype = cutlass_dtype(dtype)
+        self.dtype_name = dtype
+        self.acc_dtype = Float32
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.tile_k = config.tile_k
+        assert self.tile_m in (64, 128), "tile_m must be 64 or 128"
+        assert self.tile_n % 16 == 0 and self.tile_n <= 256
+        self.num_mma_wg = self.tile_m // 64
+        self.threads = 128 * (1 + self.num_mma_wg)
+        self.stages = config.stages
+        self.dynamic = config.dynamic
+        self.gated = epilogue.gated
+        self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
+        for o in epilogue.outputs:
+            if isinstance(o, MXFP8Output):
+                assert self.tile_n_log % 32 == 0, "MXFP8 output needs 32-column blocks within a tile"
+
+    # ------------------------------------------------------------------ host-side (traced) entry
+    @cute.jit
+    def __call__(
+        self,
+        pA: cute.Pointer,
+        pB: cute.Pointer,
+        pOffs: cute.Pointer,
+        pCounter: cute.Pointer,
+        ptrs: tuple,
+        M: Int32,
+        N: cutlass.Constexpr,
+        K: cutlass.Constexpr,
+        G: cutlass.Constexpr,
+        num_ctas: Int32,
+        stream,
+    ):
+        mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
+        mB = cute.make_tensor(pB, cute.make_layout((N, K, G), stride=(K, 1, N * K)))
+        mOffs = cute.make_tensor(pOffs, cute.make_layout((G + 1,)))
+        mCounter = cute.make_tensor(pCounter, cute.make_layout((1,)))
+        n_log = N // 2 if const_expr(self.gated) else N
+        # epilogue tensors, in the order: inputs..., outputs... (MXFP8 outputs take two slots)
+        tensors = []
+        i = 0
+        for spec in self.epi.inputs:
+            p = ptrs[i]
+            i += 1
+            if const_expr(isinstance(spec, RowVector)):
+                tensors.append(cute.make_tensor(p, cute.make_layout((M,))))
+            elif const_expr(isinstance(spec, GroupVector)):
+                w = 2 * n_log if spec.paired else n_log
+                tensors.append(cute.make_tensor(p, cute.make_layout((G, w), stride=(w, 1))))
+            else:
+                w = 2 * n_log if spec.paired else n_log
+                tensors.append(cute.make_tensor(p, cute.make_layout((M, w), stride=(w, 1))))
+        for spec in self.epi.outputs:
+            p = ptrs[i]
+            i += 1
+            w = 2 * n_log if spec.paired else n_log
+            tensors.append(cute.make_tensor(p, cute.make_layout((M, w), stride=(w, 1))))
+            if const_expr(isinstance(spec, MXFP8Output)):
+                p2 = ptrs[i]
+                i += 1
+                tensors.append(cute.make_tensor(p2, cute.make_layout((M, w // 32), stride=(w // 32, 1))))
+
+        tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.acc_dtype, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        self.tiled_mma_log = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.acc_dtype, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n_log),
+        )
+        a_layout_atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, self.tile_k), self.ab_dtype
+        )
+        self.sA_layout = cute.tile_to_shape(a_layout_atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
+        self.sB_layout = cute.tile_to_shape(a_layout_atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
+        sA_one = cute.slice_(self.sA_layout, (None, None, 0))
+        sB_one = cute.slice_(self.sB_layout, (None, None, 0))
+        tma_a, tma_tA = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, sA_one, (self.tile_m, self.tile_k)
+        )
+        tma_b, tma_tB = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB, sB_one, (self.tile_n, self.tile_k)
+        )
+        self.tx_bytes = cute.size_in_bytes(self.ab_dtype, sA_one) + cute.size_in_bytes(self.ab_dtype, sB_one)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sched: cute.struct.MemRange[cutlass.Int64, 4]
+            tile_slot: cute.struct.MemRange[Int32, 4]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.sB_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_a, tma_tA, tma_b, tma_tB, mOffs, mCounter, tuple(tensors), M, N, K, G,
+            self.tiled_mma, self.tiled_mma_log, self.sA_layout, self.sB_layout,
+        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), smem=SharedStorage.size_in_bytes(),
+                 min_blocks_per_mp=1, stream=stream)
+
+    # ------------------------------------------------------------------ device helpers
+    @cute.jit
+    def _group_tiles(self, mOffs: cute.Tensor, g: Int32, G: cutlass.Constexpr, n_tiles: cutlass.Constexpr):
+        gi = cutlass.min(g, G - 1)
+        rows = mOffs[gi + 1] - mOffs[gi]
+        cnt = ((rows + (self.tile_m - 1)) // self.tile_m) * n_tiles
+        return cutlass.select_(g < G, cnt, Int32(_BIG))
+
+    @cute.jit
+    def _advance(self, mOffs, tile_id: Int32, g: Int32, base: Int32, cnt: Int32, G: cutlass.Constexpr,
+                 n_tiles: cutlass.Constexpr):
+        while tile_id >= base + cnt:
+            base = base + cnt
+            g = g + 1
+            cnt = self._group_tiles(mOffs, g, G, n_tiles)
+        return g, base, cnt
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        mOffs: cute.Tensor,
+        mCounter: cute.Tensor,
+        epi_tensors: tuple,
+        M: Int32,
+        N: cutlass.Constexpr,
+        K: cutlass.Constexpr,
+        G: cutlass.Constexpr,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_log: cute.TiledMma,
+        sA_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_tiles = (N + self.tile_n - 1) // self.tile_n
+        k_tiles = (K + self.tile_k - 1) // self.tile_k
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        prod_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        cons_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=prod_group,
+            consumer_group=cons_group,
+            tx_count=self.tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        if const_expr(self.dynamic):
+            # sched pipeline: producer warp fetches the next tile id and publishes it to consumers.
+            sched_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.sched.data_ptr(),
+                num_stages=2,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 128),
+            )
+        sTile = storage.tile_slot.get_tensor(cute.make_layout((4,)))
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        cute.arch.sync_threads()
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if wg_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(40)
+            if warp_idx == 0:
+                # ---------------------------------------------------------- producer (TMA loads)
+                prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                if const_expr(self.dynamic):
+                    sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+                tile_id = bidx
+                g = Int32(0)
+                base = Int32(0)
+                cnt = self._group_tiles(mOffs, g, G, n_tiles)
+                g, base, cnt = self._advance(mOffs, tile_id, g, base, cnt, G, n_tiles)
+                if const_expr(self.dynamic):
+                    sched_pipe.producer_acquire(sched_state)
+                    if cute.arch.lane_idx() == 0:
+                        sTile[sched_state.index] = tile_id
+                    sched_pipe.producer_commit(sched_state)
+                    sched_state.advance()
+                while g < G:
+                    local = tile_id - base
+                    mt = cnt // n_tiles
+                    m_idx = local % mt
+                    n_idx = local // mt
+                    row0 = mOffs[g] + m_idx * self.tile_m
+                    gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))
+                    gB = cute.local_tile(mB[None, None, g], (self.tile_n, self.tile_k), (n_idx, None))
+                    tAsA, tAgA = cpasync.tma_partition(
+                        tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                    )
+                    tBsB, tBgB = cpasync.tma_partition(
+                        tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+                    )
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        ab_pipe.producer_acquire(prod_state)
+                        bar = ab_pipe.producer_get_barrier(prod_state)
+                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
+                        ab_pipe.producer_commit(prod_state)
+                        prod_state.advance()
+                    # next tile
+                    if const_expr(self.dynamic):
+                        nt = Int32(0)
+                        if cute.arch.lane_idx() == 0:
+                            nt = cute.arch.atomic_add(mCounter.iterator.llvm_ptr, Int32(1)) + grid
+                        tile_id = cute.arch.shuffle_sync(nt, 0)
+                    else:
+                        tile_id = tile_id + grid
+                    g, base, cnt = self._advance(mOffs, tile_id, g, base, cnt, G, n_tiles)
+                    if const_expr(self.dynamic):
+                        sched_pipe.producer_acquire(sched_state)
+                        if cute.arch.lane_idx() == 0:
+                            sTile[sched_state.index] = tile_id
+                        sched_pipe.producer_commit(sched_state)
+                        sched_state.advance()
+                ab_pipe.producer_tail(prod_state)
+        else:
+            cute.arch.warpgroup_reg_alloc(232)
+            # -------------------------------------------------------------- consumers (wgmma + epilogue)
+            ctid = tidx - 128
+            thr_mma = tiled_mma.get_slice(ctid)
+            thr_mma_log = tiled_mma_log.get_slice(ctid)
+            tCsA = thr_mma.partition_A(sA)
+            tCsB = thr_mma.partition_B(sB)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            cC = cute.make_identity_tensor((self.tile_m, self.tile_n_log))
+            tCcC = thr_mma_log.partition_C(cC)
+            acc_shape = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))).shape
+            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            rel_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            if const_expr(self.dynamic):
+                sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+                sched_pipe.consumer_wait(sched_state)
+                tile_id = sTile[sched_state.index]
+                sched_pipe.consumer_release(sched_state)
+                sched_state.advance()
+            else:
+                tile_id = bidx
+            g = Int32(0)
+            base = Int32(0)
+            cnt = self._group_tiles(mOffs, g, G, n_tiles)
+            g, base, cnt = self._advance(mOffs, tile_id, g, base, cnt, G, n_tiles)
+            while g < G:
+                local = tile_id - base
+                mt = cnt // n_tiles
+                m_idx = local % mt
+                n_idx = local // mt
+                row_start = mOffs[g]
+                row_end = mOffs[g + 1]
+                row0 = row_start + m_idx * self.tile_m
+
+                # ---- mainloop
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                ab_pipe.consumer_wait(read_state)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)],
+                              tCrB[(None, None, kb, read_state.index)], acc)
+                warpgroup.commit_group()
+                read_state.advance()
+                for kt in cutlass.range(1, k_tiles, unroll=1):
+                    ab_pipe.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)],
+                                  tCrB[(None, None, kb, read_state.index)], acc)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    ab_pipe.consumer_release(rel_state)
+                    rel_state.advance()
+                    read_state.advance()
+                warpgroup.wait_group(0)
+                ab_pipe.consumer_release(rel_state)
+                rel_state.advance()
+
+                # ---- epilogue
+                self._epilogue(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, N)
+
+                # ---- next tile
+                if const_expr(self.dynamic):
+                    sched_pipe.consumer_wait(sched_state)
+                    tile_id = sTile[sched_state.index]
+                    sched_pipe.consumer_release(sched_state)
+                    sched_state.advance()
+                else:
+                    tile_id = tile_id + grid
+                g, base, cnt = self._advance(mOffs, tile_id, g, base, cnt, G, n_tiles)
+
+    # ------------------------------------------------------------------ epilogue (trace-time)
+    def _epilogue(self, acc, tCcC, epi_tensors, row0, row_end, g, n_idx, N):
+        """Plain Python, runs at trace time: unrolled over the thread's fragment."""
+        epi = self.epi
+        n_log = N // 2 if self.gated else N
+        col0 = n_idx * self.tile_n_log
+        frag_shape = tCcC.shape
+        n_v, n_h, n_c = frag_shape[0]
+        n_mm = frag_shape[1]
+        n_nn = frag_shape[2]
+        n_in = len(epi.inputs)
+        in_tensors = epi_tensors[:n_in]
+        out_tensors = epi_tensors[n_in:]
+        out_dtypes = [cutlass_dtype(s.dtype if s.dtype is not None else self.dtype_name) for s in epi.outputs]
+        for mm in range(n_mm):
+            for h in range(n_h):
+                r = tCcC[((0, h, 0), mm, 0)][0]
+                grow = row0 + r
+                row_ok = grow < row_end
+                row_vals = {}
+                for ii in range(n_in):
+                    spec = epi.inputs[ii]
+                    if isinstance(spec, RowVector):
+                        row_vals[ii] = _load1(in_tensors[ii], grow, row_ok)
+                for nn in range(n_nn):
+                    # results[oi][c][v]
+                    results = [[[None] * n_v for _ in range(n_c)] for _ in epi.outputs]
+                    lcols = []
+                    oks = []
+                    for c in range(n_c):
+                        lcol = col0 + tCcC[((0, h, c), mm, nn)][1]
+                        ok = row_ok & (lcol < n_log)
+                        lcols.append(lcol)
+                        oks.append(ok)
+                        for v in range(n_v):
+                            jcol = lcol + v
+                            args = []
+                            if self.gated:
+                                args.append(acc[((v, h, 2 * c), mm, nn)])
+                                args.append(acc[((v, h, 2 * c + 1), mm, nn)])
+                            else:
+                                args.append(acc[((v, h, c), mm, nn)])
+                            for ii in range(n_in):
+                                spec = epi.inputs[ii]
+                                t = in_tensors[ii]
+                                if isinstance(spec, RowVector):
+                                    args.append(row_vals[ii])
+                                    continue
+                                rr = grow if isinstance(spec, AuxInput) else g
+                                if spec.paired:
+                                    pc = (jcol // 8) * 16 + (jcol % 8)
+                                    args.append(_load2d(t, rr, pc, ok))
+                                    args.append(_load2d(t, rr, pc + 8, ok))
+                                else:
+                                    args.append(_load2d(t, rr, jcol, ok))
+                            res = epi.apply(*args)
+                            if not isinstance(res, (tuple, list)):
+                                res = (res,)
+                            k = 0
+                            for oi, spec in enumerate(epi.outputs):
+                                if spec.paired:
+                                    results[oi][c][v] = (res[k], res[k + 1])
+                                    k += 2
+                                else:
+                                    results[oi][c][v] = res[k]
+                                    k += 1
+                    ot = 0
+                    for oi, spec in enumerate(epi.outputs):
+                        dt = out_dtypes[oi]
+                        t = out_tensors[ot]
+                        if isinstance(spec, MXFP8Output):
+                            self._store_mxfp8(results[oi], lcols, oks, t, out_tensors[ot + 1], grow, row_ok)
+                            ot += 2
+                            continue
+                        for c in range(n_c):
+                            if spec.paired:
+                                pc = (lcols[c] // 8) * 16 + (lcols[c] % 8)
+                                _store2(t, grow, pc, results[oi][c][0][0], results[oi][c][1][0], dt, oks[c])
+                                _store2(t, grow, pc + 8, results[oi][c][0][1], results[oi][c][1][1], dt, oks[c])
+                            else:
+                                _store2(t, grow, lcols[c], results[oi][c][0], results[oi][c][1], dt, oks[c])
+                        ot += 1
+
+    def _store_mxfp8(self, res, lcols, oks, t, ts, grow, row_ok):
+        """res[c][v]: fp32 values of logical columns lcols[c] + v.  A 32-column block = 4 consecutive
+        8-column chunks; each quad of lanes holds the 32 values (2 per chunk per lane)."""
+        n_c = len(res)
+        assert n_c % 4 == 0
+        for b in range(n_c // 4):
+            amax = Float32(0.0)
+            for c in range(4 * b, 4 * b + 4):
+                for v in range(2):
+                    amax = cute.arch.fmax(amax, cute.math.abs(res[c][v]))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2))
+            e8, inv_scale = _e8m0_scale(amax)
+            for c in range(4 * b, 4 * b + 4):
+                _store2(t, grow, lcols[c], res[c][0] * inv_scale, res[c][1] * inv_scale, cutlass.Float8E4M3FN,
+                        oks[c])
+            # lane 0 of the quad writes the scale byte
+            first = lcols[4 * b]
+            _store_scale(ts, grow, first // 32, e8, oks[4 * b] & ((first % 32) == 0))
+
+
+@cute.jit
+def _load1(t: cute.Tensor, i: Int32, ok: Boolean) -> Float32:
+    v = Float32(0.0)
+    if ok:
+        v = Float32(t[i])
+    return v
+
+
+@cute.jit
+def _load2d(t: cute.Tensor, r: Int32, c: Int32, ok: Boolean) -> Float32:
+    v = Float32(0.0)
+    if ok:
+        v = Float32(t[r, c])
+    return v
+
+
+@cute.jit
+def _store2(t: cute.Tensor, row: Int32, col: Int32, v0: Float32, v1: Float32, dt: cutlass.Constexpr, ok: Boolean):
+    """Store 2 adjacent values (col, col+1) with one vector store."""
+    frag = cute.make_rmem_tensor((2,), dt)
+    frag[0] = v0.to(dt)
+    frag[1] = v1.to(dt)
+    if ok:
+        off = Int64(row) * t.layout.stride[0] + Int64(col)
+        addr = t.iterator.toint() + off * (dt.width // 8)
+        p = cute.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=2 * dt.width // 8)
+        dst = cute.make_tensor(p, cute.make_layout((2,)))
+        cute.autovec_copy(frag, dst)
+
+
+@cute.jit
+def _store_scale(ts: cute.Tensor, row: Int32, col: Int32, e8: Int32, ok: Boolean):
+    if ok:
+        ts[row, col] = cutlass.Uint8(e8)
+
+
+def _e8m0_scale(amax):
+    """E8M0 scale = 2**ceil(log2(amax/448)) as a biased exponent byte, and 1/scale as fp32.
+
+    Computed on the bit pattern: for amax/448 = m * 2**e (m in [1,2)), ceil(log2) = e + (m > 1).
+    """
+    x = amax * (1.0 / 448.0)
+    bits = cutlass.Int32(cute.arch.bitcast(x, Int32)) if hasattr(cute.arch, "bitcast") else None
+    raise NotImplementedError
