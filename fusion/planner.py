@@ -1,0 +1,289 @@
+"""Plans: which ops of a block run in which fused kernel, forward and backward, and why the rest do not.
+
+    plan_for(seq, dtype=torch.bfloat16, target="sm_90", patterns=None) -> Plan   (any machine)
+    plan_for_run(seq, x) -> Plan                                                  (the runtime, per call)
+
+Plans are cached per (op signatures, dtype, target, pattern library); the library is identified by the
+identities of its FusionPattern objects (the cache holds them, so identities are never reused while cached),
+so loading patterns (which changes `fusion_patterns()`) gives new plans. `clear_cache()` empties it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from fusion.errors import FallbackError
+from fusion.graph import build_graph
+from fusion.matcher import Attempt, Match, arch_of, dtype_name, format_loc, match_all, resolve
+from fusion.plan import Fallback, OpAttempt, OpInfo, Plan, Step
+
+_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
+_CACHE_SIZE = 256
+_GEMM_PARTS = ("dgrad", "wgrad")
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+# -- the pattern library -----------------------------------------------------------------------------------------
+def default_patterns() -> tuple[tuple, str | None]:
+    """(patterns, note): the registry's library (built-ins, then user files in load order). When the registry
+    cannot be imported the library is empty and the note says why."""
+    try:
+        from fusion.patterns.registry import fusion_patterns
+    except ImportError as err:
+        return (), f"no pattern library: fusion.patterns.registry is unavailable ({err})"
+    return tuple(fusion_patterns()), None
+
+
+def _library(patterns) -> tuple[tuple, str | None]:
+    if patterns is None:
+        return default_patterns()
+    return tuple(patterns), None
+
+
+def normalize_target(target) -> str | None:
+    if target is None:
+        return None
+    target = str(target).strip().lower()
+    if target == "cpu":
+        return None
+    arch_of(target)  # validates
+    return target
+
+
+# -- public entry points ------------------------------------------------------------------------------------------
+def plan_for(seq, dtype=torch.bfloat16, target: str | None = "sm_90", patterns: Sequence | None = None) -> Plan:
+    """The plan of `seq` at `dtype` on `target` ("sm_90", "sm_90a"...; None/"cpu": nothing fused), computed on
+    any machine. `patterns`: a list of FusionPattern to use instead of the registry's library."""
+    target = normalize_target(target)
+    lib, note = _library(patterns)
+    reason = "no fused kernels on cpu" if target is None else None
+    return _cached(seq, dtype_name(dtype), target, lib, note, reason)
+
+
+def plan_for_run(seq, x: torch.Tensor, patterns: Sequence | None = None) -> Plan:
+    """The plan for running `seq` on x (its device's target and x's dtype), honouring `seq.backend`:
+    "reference" -> every op unfused; "fused" -> FallbackError listing every op that would fall back, with
+    every pattern tried and why; "auto" -> fused where a pattern matches."""
+    from fusion.runtime import device_target
+
+    target = device_target(x.device)
+    dtype = dtype_name(x.dtype)
+    backend = getattr(seq, "backend", "auto")
+    lib, note = _library(patterns)
+    if backend == "reference":
+        plan = _cached(seq, dtype, target, lib, note, "backend='reference'")
+    elif target is None:
+        plan = _cached(seq, dtype, None, lib, note, f"no fused kernels on {x.device.type}")
+    else:
+        plan = _cached(seq, dtype, target, lib, note, None)
+    if backend == "fused" and not plan.fully_fused:
+        raise FallbackError(plan.fallback_report())
+    return plan
+
+
+def _cached(seq, dtype: str, target: str | None, lib: tuple, note: str | None, reason: str | None) -> Plan:
+    ops = list(seq.ops if hasattr(seq, "ops") else seq)
+    key = (tuple(op.spec.signature() for op in ops), dtype, target, reason,
+           tuple(id(p) for p in lib))
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return hit[1]
+    plan = build_plan(seq, dtype, target, lib, note=note, reason=reason)
+    _CACHE[key] = (lib, plan)  # keep the patterns alive: their ids stay unique while cached
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return plan
+
+
+# -- building a plan -------------------------------------------------------------------------------------------------
+def _ops_info(g) -> tuple[OpInfo, ...]:
+    from fusion.graph import op_nodes
+
+    out = []
+    for n in op_nodes(g):
+        d = g.nodes[n]
+        out.append(OpInfo(d["index"], d["spec"].name, d["spec"].kind, d["label"], d["in_features"],
+                          d["out_features"]))
+    return tuple(out)
+
+
+def build_plan(seq, dtype: str, target: str | None, patterns: tuple, note: str | None = None,
+               reason: str | None = None) -> Plan:
+    """Uncached planning. `reason` set: nothing is tried, every op runs unfused for that reason."""
+    g = build_graph(seq)
+    infos = _ops_info(g)
+    lib_info = tuple((p.name, format_loc(p.loc), p.direction) for p in patterns)
+    notes = (note,) if note else ()
+    if reason is not None:
+        attempts: list[Attempt] = []
+        chosen_f, chosen_b, losses = [], [], []
+    else:
+        attempts = match_all(g, patterns, dtype, target)
+        ok = [a.match for a in attempts if a.ok]
+        chosen_f, loss_f = resolve(m for m in ok if m.direction != "backward")
+        chosen_b, loss_b = resolve(m for m in ok if m.direction == "backward")
+        losses = loss_f + loss_b
+    forward = _forward_steps(infos, chosen_f, dtype, target)
+    backward = _backward_steps(infos, chosen_b, dtype, target)
+    per_op = _per_op_attempts(infos, patterns, attempts, chosen_f + chosen_b, losses)
+    fallbacks = _fallbacks(infos, forward, backward, per_op, patterns, reason)
+    return Plan(target=target, dtype=dtype, ops=infos, forward=tuple(forward), backward=tuple(backward),
+                attempts=per_op, fallbacks=tuple(fallbacks), fully_fused=not fallbacks, patterns=lib_info,
+                reason=reason, notes=notes)
+
+
+def _fused_step(m: Match, infos, direction: str) -> Step:
+    p = m.pattern
+    label_to_op = dict(m.bindings)
+    parts = tuple(sorted(m.covers, key=lambda u: (-u[0], u[1]) if direction == "backward" else u))
+    return Step(direction=direction, fused=True, ops=m.ops, descriptions=tuple(infos[i].description for i in m.ops),
+                parts=parts, pattern=p.name, pattern_loc=format_loc(p.loc), kernel=p.kernel,
+                epilogue=tuple((lab, label_to_op[lab]) for lab in (p.epilogue or ()) if lab in label_to_op),
+                saves=tuple(p.save or ()), labels=m.bindings)
+
+
+def _forward_steps(infos, chosen: list[Match], dtype: str, target: str | None) -> list[Step]:
+    owner = {i: m for m in chosen for i in m.ops}
+    steps = []
+    for info in infos:
+        m = owner.get(info.index)
+        if m is not None:
+            if info.index == m.ops[0]:
+                steps.append(_fused_step(m, infos, "forward"))
+            continue
+        method, notes = reference_method(info, "forward", dtype, target)
+        steps.append(Step("forward", False, (info.index,), (info.description,), ((info.index, "forward"),),
+                          method=method, notes=notes))
+    return steps
+
+
+def backward_parts(info: OpInfo) -> tuple[str, ...]:
+    """What autograd computes for one op, in the order it runs: a GEMM's dgrad then wgrad, any other op's
+    backward; a quantize op passes gradients straight through (no computation, no step)."""
+    if info.kind == "gemm":
+        return _GEMM_PARTS
+    if info.kind == "quantize":
+        return ()
+    return ("backward",)
+
+
+def _backward_steps(infos, chosen: list[Match], dtype: str, target: str | None) -> list[Step]:
+    owner = {u: m for m in chosen for u in m.covers}
+    emitted: set[int] = set()
+    steps = []
+    for info in reversed(infos):
+        for part in backward_parts(info):
+            m = owner.get((info.index, part))
+            if m is not None:
+                if id(m) not in emitted:
+                    emitted.add(id(m))
+                    steps.append(_fused_step(m, infos, "backward"))
+                continue
+            method, notes = reference_method(info, part, dtype, target)
+            steps.append(Step("backward", False, (info.index,), (info.description,), ((info.index, part),),
+                              method=method, notes=notes))
+    return steps
+
+
+def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) -> tuple[str, tuple[str, ...]]:
+    """Which reference implementation an unfused (op, part) runs, and notes worth telling the user
+    (mirrors fusion.grouped.grouped_mm_method, decided from the plan's dtype and target)."""
+    from fusion.grouped import HOST_SYNC_NOTE
+
+    grad = {"forward": "", "dgrad": " (input gradient)", "wgrad": " (weight gradient)", "backward": ""}[part]
+    if info.name == "GroupLinear":
+        why = None
+        arch = arch_of(target)
+        if arch is None:
+            return (f"per-group matmul loop{grad}", ("on the CPU the loop reads group sizes on the host, which is "
+                                                    "free there",))
+        elem = {"float32": 4, "float64": 8}.get(dtype, 2)
+        if not hasattr(torch, "_grouped_mm"):
+            why = "this torch has no torch._grouped_mm"
+        elif dtype not in ("bfloat16", "float16"):
+            why = f"torch._grouped_mm needs bfloat16/float16, the dtype is {dtype}"
+        elif arch < 90:
+            why = f"torch._grouped_mm needs sm_90 or newer, the target is {target}"
+        elif ((info.in_features or 0) * elem) % 16 or ((info.out_features or 0) * elem) % 16:
+            why = (f"rows are not 16-byte aligned for torch._grouped_mm (in_features={info.in_features}, "
+                   f"out_features={info.out_features})")
+        if why:
+            return f"per-group matmul loop{grad}", (f"{HOST_SYNC_NOTE}: {why}",)
+        return f"torch._grouped_mm{grad}", ()
+    if info.name == "Linear":
+        return f"torch.nn.functional.linear{grad}", ()
+    if part == "forward":
+        return f"{info.name}.reference (torch)", ()
+    return f"autograd of {info.name}.reference (torch)", ()
+
+
+def _per_op_attempts(infos, patterns, attempts: list[Attempt], chosen: list[Match], losses) -> dict:
+    """For every op and every pattern: applied / not chosen / failed, with the most telling reason.
+
+    failed: the reason of the attempt whose span (the ops the pattern would cover) contains the op, so the
+    SwiGLU after a misaligned GEMM says why the GEMM's pattern failed; where no span contains the op, the
+    structural reason of the attempt anchored at the op ("op 2 Clamp(...) is not Scale")."""
+    chosen_by_pattern: dict[int, list[Match]] = {}
+    for m in chosen:
+        chosen_by_pattern.setdefault(m.pattern_index, []).append(m)
+    lost_by_pattern: dict[int, list] = {}
+    for loss in losses:
+        lost_by_pattern.setdefault(loss.match.pattern_index, []).append(loss)
+    by_pattern: dict[int, list[Attempt]] = {}
+    for a in attempts:
+        by_pattern.setdefault(a.pattern_index, []).append(a)
+    out = {}
+    for info in infos:
+        i = info.index
+        rows = []
+        for pi, p in enumerate(patterns):
+            tried = by_pattern.get(pi)
+            if not tried:
+                continue
+            base = dict(pattern=p.name, loc=format_loc(p.loc), direction=p.direction)
+            hit = next((m for m in chosen_by_pattern.get(pi, ()) if i in m.ops), None)
+            if hit is not None:
+                rows.append(OpAttempt(outcome="applied", reason=None, ops=hit.ops, **base))
+                continue
+            loss = next((lo for lo in lost_by_pattern.get(pi, ()) if i in lo.match.ops), None)
+            if loss is not None:
+                rows.append(OpAttempt(outcome="not chosen", reason=loss.reason(), ops=loss.match.ops, **base))
+                continue
+            spanning = next((a for a in tried if i in a.ops and not a.ok), None)
+            if spanning is None:
+                spanning = next((a for a in tried if a.anchor == i), None)
+            if spanning is None or spanning.ok:
+                # matched only as a part that covers nothing (e.g. a backward match of quantize ops only)
+                rows.append(OpAttempt(outcome="failed", reason="the match computes nothing for this op",
+                                      ops=spanning.ops if spanning else (), **base))
+                continue
+            rows.append(OpAttempt(outcome="failed", reason=spanning.reason, ops=spanning.ops, **base))
+        out[i] = tuple(rows)
+    return out
+
+
+def _fallbacks(infos, forward, backward, per_op: dict, patterns, reason: str | None) -> list[Fallback]:
+    out = []
+    units = [(s.parts[0], "forward") for s in forward if not s.fused]
+    units += [(s.parts[0], "backward") for s in backward if not s.fused and s.parts[0][1] == "backward"]
+    for (i, part), direction in units:
+        info = infos[i]
+        if reason is not None:
+            reasons = (reason,)
+        else:
+            rows = [a for a in per_op.get(i, ()) if _direction(a.direction) == direction]
+            reasons = tuple(f"{a.pattern} [{a.loc}]: {a.reason or a.outcome}" for a in rows)
+            if not reasons:
+                reasons = (f"no {direction} fusion patterns are loaded",)
+        out.append(Fallback(op=i, description=info.description, direction=direction, part=part, reasons=reasons))
+    return out
+
+
+def _direction(d: str) -> str:
+    return "backward" if d == "backward" else "forward"
