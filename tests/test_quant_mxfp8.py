@@ -78,8 +78,8 @@ def test_hand_computed_block():
     q = quantize_mxfp8(x, columnwise=False)
     # amax 3 -> e = ceil(log2(3 / 448)) = -7, byte 120; elements x * 2^7
     assert q.scale.tolist() == [[120]]
-    # 384 = 1.5*2^8 -> 0x7C; 128 -> 0x70; -64 -> 0xE8; 0.128 -> 0.125 = 2^-3 -> 0x20;
-    # 371.2 -> 384 (step 32 in [256, 512): 352 / 384, nearer 384) -> 0x7C; 42.67 -> 40 (step 4... 1.25*32 = 40 -> 0x5A? see below)
+    # 384 = 1.5*2^8 -> 0x7C; 128 -> 0x70; -64 -> 0xE8; 0.128 -> 0.125 = 2^-3 -> 0x20 (step 2^-6);
+    # 371.2 -> 384 (step 32 in [256, 512): 352 or 384, nearer 384) -> 0x7C
     assert q.data[0, :5].tolist() == [0x7C, 0x70, 0xE8, 0x20, 0x7C]
     # 128/3 = 42.67, in [32, 64) step 4: 40 / 44 -> 44 = 1.375*32 -> (5+7)<<3 | 3 = 0x63
     assert q.data[0, 5].item() == 0x63
