@@ -79,7 +79,10 @@ def demo_patterns():
 E, D, F = 8, 1024, 2048
 
 
-def demo_block(**kw):
-    torch.manual_seed(0)
-    return fusion.Sequential(GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), QuantizeMXFP8(), GroupLinear(E, F, D),
-                             **kw).to(torch.bfloat16)
+def demo_block(*middle, dtype=torch.bfloat16, d=D, f=F, **kw):
+    """FC1 -> SwiGLU -> Scale -> QuantizeMXFP8 -> FC2 (or FC1 -> *middle -> FC2), weights on the meta device
+    (planning never reads them; building is instant)."""
+    if not middle:
+        middle = (SwiGLU(), Scale(), QuantizeMXFP8())
+    return fusion.Sequential(GroupLinear(E, d, 2 * f, device="meta", dtype=dtype), *middle,
+                             GroupLinear(E, f, d, device="meta", dtype=dtype), **kw)

@@ -1,0 +1,247 @@
+"""explain(): the plan of a block in words (text), as data (json) or as a Graphviz graph (dot).
+
+Format documented in docs/explain.md. Defaults: dtype = the parameters' dtype when it is bfloat16 or
+float16, else bfloat16 (fused kernels run only in those); target = "sm_90". The header always says which
+dtype and target the plan is for, and where they came from.
+"""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import torch
+
+from fusion.graph import build_graph, op_nodes
+from fusion.matcher import dtype_name
+from fusion.plan import Plan, Step
+
+FORMATS = ("text", "json", "dot")
+DEFAULT_TARGET = "sm_90"
+
+
+def _version() -> str:
+    import fusion
+
+    return getattr(fusion, "__version__", "?")
+
+
+def default_dtype(seq) -> tuple[torch.dtype, str]:
+    """(dtype, where it came from) for a plan when the caller gave none."""
+    dtypes = {p.dtype for p in seq.parameters()} if hasattr(seq, "parameters") else set()
+    if len(dtypes) == 1:
+        (dt,) = dtypes
+        name = dtype_name(dt)
+        if dt in (torch.bfloat16, torch.float16):
+            return dt, "the parameters' dtype"
+        return torch.bfloat16, f"default: the parameters are {name}, fused kernels run in bfloat16/float16"
+    if not dtypes:
+        return torch.bfloat16, "default: the block has no parameters"
+    return torch.bfloat16, "default: the parameters mix dtypes"
+
+
+def explain(seq, format: str = "text", dtype: torch.dtype | None = None, target: str | None = None,
+            patterns: Sequence | None = None) -> str:
+    """The plan of `seq` for (dtype, target) as text, json or dot. `patterns` overrides the library."""
+    from fusion.planner import plan_for
+
+    if format not in FORMATS:
+        raise ValueError(f"explain: format must be one of {FORMATS}, got {format!r}")
+    if dtype is None:
+        dtype, dtype_src = default_dtype(seq)
+    else:
+        dtype_src = "given"
+    if target is None:
+        target, target_src = DEFAULT_TARGET, "default; pass target= to change"
+    else:
+        target_src = "given"
+    plan = plan_for(seq, dtype=dtype, target=target, patterns=patterns)
+    ctx = dict(dtype_src=dtype_src, target_src=target_src, backend=getattr(seq, "backend", "auto"))
+    if format == "json":
+        return json.dumps(to_json(seq, plan, **ctx), indent=2)
+    if format == "dot":
+        return to_dot(seq, plan)
+    return to_text(seq, plan, **ctx)
+
+
+# -- text ------------------------------------------------------------------------------------------------------
+def _shape(f) -> str:
+    return f"(M, {f if f is not None else '?'})"
+
+
+def _span(ops) -> str:
+    ops = list(ops)
+    if len(ops) == 1:
+        return f"op {ops[0]}"
+    if ops == list(range(ops[0], ops[-1] + 1)):
+        return f"ops {ops[0]}-{ops[-1]}"
+    return "ops " + ", ".join(map(str, ops))
+
+
+def _short(info) -> str:
+    """The op's description, or just its name where that is long (the ops table has it in full)."""
+    return info.description if len(info.description) <= 32 else info.name
+
+
+def _n(k: int, word: str) -> str:
+    return f"{k} {word}{'' if k == 1 else 's'}"
+
+
+_PART_TEXT = {"forward": "forward", "dgrad": "dgrad", "wgrad": "wgrad", "backward": "backward"}
+
+
+def _step_lines(n: int, tag: str, step: Step, plan: Plan) -> list[str]:
+    lines = []
+    if step.fused:
+        lines.append(f"  [{tag}{n}] fused    {step.kernel}  <- pattern {step.pattern} [{step.pattern_loc}]")
+        labels = dict((i, lab) for lab, i in step.labels)
+        epi = {i for _, i in step.epilogue}
+        width = max(len(plan.ops[i].description) for i in step.ops)
+        if step.direction == "forward":
+            for i in step.ops:
+                role = "epilogue" if i in epi else "mainloop" if plan.ops[i].kind == "gemm" else "in kernel"
+                lines.append(f"         op {i}  {plan.ops[i].description:<{width}}  {labels.get(i, '')} ({role})")
+            if step.epilogue:
+                lines.append("         epilogue: " + " -> ".join(f"{lab} (op {i})" for lab, i in step.epilogue))
+            if step.saves:
+                lines.append("         saves for backward: " + ", ".join(step.saves))
+        else:
+            parts = ", ".join(f"{_PART_TEXT[p]} of op {i}" for i, p in step.parts)
+            lines.append(f"         computes: {parts}")
+            passthrough = [i for i in step.ops if plan.ops[i].kind == "quantize"]
+            if passthrough:
+                lines.append("         straight-through: " + ", ".join(f"op {i} {plan.ops[i].description}"
+                                                                    for i in passthrough))
+            if step.epilogue:
+                lines.append("         epilogue: " + " -> ".join(f"{lab} (op {i})" for lab, i in step.epilogue))
+    else:
+        i, part = step.parts[0]
+        what = "" if part == "forward" else f" {part}"
+        lines.append(f"  [{tag}{n}] unfused  op {i} {_short(plan.ops[i])}{what}: {step.method}")
+        for note in step.notes:
+            lines.append(f"         note: {note}")
+    return lines
+
+
+def to_text(seq, plan: Plan, dtype_src: str = "given", target_src: str = "given", backend: str = "auto") -> str:
+    out = [f"fusion {_version()} plan of a Sequential of {len(plan.ops)} ops (backend={backend!r})",
+           f"planned for: dtype {plan.dtype} ({dtype_src}), target {plan.target or 'cpu'} ({target_src})"]
+    if plan.patterns:
+        files = []
+        for _, loc, _ in plan.patterns:
+            f = loc.rsplit(":", 1)[0]
+            if f not in files:
+                files.append(f)
+        out.append(f"pattern library: {len(plan.patterns)} patterns from {', '.join(files)}")
+    else:
+        out.append("pattern library: empty")
+    for note in plan.notes:
+        out.append(f"note: {note}")
+    if plan.reason:
+        out.append(f"nothing fused: {plan.reason}")
+    out.append("")
+    out.append("ops (M = rows of x):")
+    width = max(len(o.description) for o in plan.ops)
+    g = build_graph(seq)
+    for o in plan.ops:
+        node = g.nodes[("op", o.index)]
+        reads = [n for n in node["spec"].extra_inputs]
+        extra = f"  reads {', '.join(reads)}" if reads else ""
+        out.append(f"  op {o.index}  {o.description:<{width}}  {_shape(o.in_features)} -> "
+                   f"{_shape(o.out_features)}{extra}")
+    out.append("")
+    nf = sum(s.fused for s in plan.forward)
+    out.append(f"forward: {_n(len(plan.forward), 'step')} ({_n(nf, 'fused kernel')}, "
+               f"{_n(len(plan.forward) - nf, 'unfused op')})")
+    for n, s in enumerate(plan.forward, 1):
+        out.extend(_step_lines(n, "F", s, plan))
+    nb = sum(s.fused for s in plan.backward)
+    out.append("")
+    out.append(f"backward, in autograd order: {_n(len(plan.backward), 'step')} ({_n(nb, 'fused kernel')}, "
+               f"{len(plan.backward) - nb} unfused)")
+    for n, s in enumerate(plan.backward, 1):
+        out.extend(_step_lines(n, "B", s, plan))
+    out.append("")
+    if plan.fallbacks:
+        out.append("left unfused, and why (every pattern tried):")
+        for fb in plan.fallbacks:
+            out.append(f"  op {fb.op} {fb.description} ({fb.part}):")
+            out.extend(f"    - {r}" for r in fb.reasons)
+    else:
+        out.append("left unfused: nothing (every op and every elementwise backward runs in a fused kernel)")
+    out.append("")
+    out.append(f"fully fused: {'yes' if plan.fully_fused else 'no'} "
+               f"({_n(len(plan.fused_steps), 'fused kernel')}, {_n(len(plan.fallbacks), 'fallback')})")
+    return "\n".join(out) + "\n"
+
+
+# -- json ---------------------------------------------------------------------------------------------------------
+def to_json(seq, plan: Plan, dtype_src: str = "given", target_src: str = "given", backend: str = "auto") -> dict:
+    g = build_graph(seq)
+    data = {"fusion_version": _version(), "backend": backend, "dtype": plan.dtype, "dtype_source": dtype_src,
+            "target": plan.target, "target_source": target_src,
+            "extra_inputs": {o.index: list(g.nodes[("op", o.index)]["spec"].extra_inputs) for o in plan.ops}}
+    data["extra_inputs"] = {str(k): v for k, v in data["extra_inputs"].items()}
+    data["plan"] = plan.to_dict()
+    return data
+
+
+# -- dot -----------------------------------------------------------------------------------------------------------
+def _q(s: str) -> str:
+    """A quoted DOT string; backslash-n / backslash-l in s stay line breaks."""
+    return '"' + str(s).replace('"', '\\"') + '"'
+
+
+def _nid(node) -> str:
+    kind, key = node
+    return {"op": f"op{key}", "in": f"in_{key}", "out": f"out{key}"}[kind]
+
+
+def to_dot(seq, plan: Plan) -> str:
+    g = build_graph(seq)
+    fallback_ops = {fb.op for fb in plan.fallbacks if fb.direction == "forward"}
+    title = f"fusion {_version()} plan: dtype {plan.dtype}, target {plan.target or 'cpu'}"
+    lines = ["digraph fusion_plan {",
+             f"  label={_q(title)};",
+             "  labelloc=t; rankdir=TB;",
+             '  node [shape=box, style="rounded,filled", fillcolor=white, fontname="monospace"];']
+    for node, d in g.nodes(data=True):
+        if d["type"] == "input":
+            feats = g.graph["features"][0] if d["name"] == "x" else None
+            label = f"x {_shape(feats)}" if d["name"] == "x" else d["name"]
+            lines.append(f"  {_nid(node)} [shape=ellipse, style=solid, label={_q(label)}];")
+        elif d["type"] == "output":
+            label = "y " + _shape(g.graph["features"][-1])
+            lines.append(f"  {_nid(node)} [shape=ellipse, style=solid, label={_q(label)}];")
+    for n, step in enumerate((s for s in plan.forward if s.fused), 1):
+        lines.append(f"  subgraph cluster_fwd{n} {{")
+        label = f"{step.pattern} [{step.pattern_loc}]: kernel {step.kernel}"
+        lines.append(f"    label={_q(label)};")
+        lines.append('    style="rounded,filled"; fillcolor="#e8f0fe"; color="#3367d6";')
+        for i in step.ops:
+            lines.append(f"    op{i};")
+        lines.append("  }")
+    for node in op_nodes(g):
+        d = g.nodes[node]
+        i = d["index"]
+        color = "#fde2e1" if i in fallback_ops else "white"
+        label = f"op {i}\\n{d['label']}"
+        lines.append(f"  op{i} [label={_q(label)}, fillcolor={_q(color)}];")
+    for u, v, d in sorted(g.edges(data=True), key=lambda e: (str(e[0]), str(e[1]))):
+        if d.get("operand") == 0:
+            feats = g.nodes[u].get("out_features") if u[0] == "op" else g.graph["features"][0]
+            lines.append(f"  {_nid(u)} -> {_nid(v)} [label={_q(_shape(feats))}];")
+        else:
+            lines.append(f"  {_nid(u)} -> {_nid(v)} [style=dashed, label={_q(d.get('operand'))}];")
+    if plan.backward:
+        rows = []
+        for n, s in enumerate(plan.backward, 1):
+            if s.fused:
+                rows.append(f"B{n} fused {s.kernel} ({s.pattern}): "
+                            + ", ".join(f"{p} op {i}" for i, p in s.parts))
+            else:
+                i, p = s.parts[0]
+                rows.append(f"B{n} unfused {p} op {i}: {s.method}")
+        text = "backward (autograd order)\\l" + "".join(r + "\\l" for r in rows)
+        lines.append(f"  backward [shape=note, style=solid, label={_q(text)}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
