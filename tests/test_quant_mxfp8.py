@@ -260,3 +260,12 @@ def test_empty_rows():
 def test_block_constant():
     assert MXFP8_BLOCK == 32
     np.testing.assert_equal(mxfp8_dequantize_2d(*mxfp8_quantize_2d(torch.ones(1, 32))).numpy(), np.ones((1, 32)))
+
+
+def test_docs_worked_example():
+    x = torch.zeros(1, 32)
+    x[0, :6] = torch.tensor([3.0, 1.0, -0.5, 0.001, 2.9, 1.0 / 3.0])
+    q = quantize_mxfp8(x, columnwise=False)
+    assert q.scale.tolist() == [[120]]
+    assert q.data[0, :6].tolist() == [0x7C, 0x70, 0xE8, 0x20, 0x7C, 0x63]
+    assert q.dequantize()[0, :6].tolist() == [3.0, 1.0, -0.5, 0.0009765625, 3.0, 0.34375]

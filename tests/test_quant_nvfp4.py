@@ -183,3 +183,12 @@ def test_errors():
         quantize_nvfp4(torch.randn(8, 32))
     assert quantize_nvfp4(torch.randn(8, 32), columnwise=False).data.shape == (8, 16)
     assert NVFP4_BLOCK == 16
+
+
+def test_docs_worked_example():
+    row = [0.3, -1.2, 2.6, 5.0, 0.0, 0.1, 7.9, -3.3, 0.75, 1.0, 1.25, 4.4, -0.2, 0.6, 2.0, 3.0, 100.0] + [0.0] * 15
+    q = quantize_nvfp4(torch.tensor([row]), columnwise=False)
+    assert q.scale.tolist() == [[0x61, 0x7E]]
+    assert q.data[0, :8].tolist() == [0xA0, 0x64, 0x00, 0xC7, 0x11, 0x52, 0x18, 0x43]
+    assert q.data[0, 8].item() == 0x07 and (q.data[0, 9:] == 0).all()
+    assert q.dequantize()[0, 16].item() == 100.0
