@@ -215,7 +215,7 @@ class GroupedGemmKernel:
             sched_pipe = pipeline.PipelineAsync.create(
                 barrier_storage=storage.sched.data_ptr(),
                 num_stages=2,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 128),
             )
         sTile = storage.tile_slot.get_tensor(cute.make_layout((4,)))
