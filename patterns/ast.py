@@ -85,3 +85,172 @@ class FusionPattern:
     save: tuple[str, ...] = ()
     export: tuple[str, ...] = ()
     options: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Expression AST: one expression language for activation bodies and chain predicates. The loader turns
+# activation expressions into fusion.symbolic nodes; predicates keep these nodes (Predicate.expr) and are
+# evaluated by fusion.patterns.predicates.evaluate_predicate, never by Python eval.
+
+
+@dataclass(frozen=True)
+class ENum:
+    value: float
+    loc: SourceLoc
+    is_int: bool = False
+
+
+@dataclass(frozen=True)
+class EStr:
+    value: str
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class EBool:
+    value: bool
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class EName:
+    name: str
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class ECall:
+    fn: str
+    args: tuple
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class EUnary:
+    """op: "-", "+" or "not"."""
+
+    op: str
+    operand: Any
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class EBinary:
+    """op: + - * / % **, comparisons < <= > >= == !=, or the logical "and" / "or"."""
+
+    op: str
+    lhs: Any
+    rhs: Any
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class EIn:
+    """`operand in (a, b, ...)`."""
+
+    operand: Any
+    choices: tuple
+    loc: SourceLoc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Activation declarations: `activation NAME(args; params) { let ... forward = ... grad(arg) = ... }`
+
+
+@dataclass(frozen=True)
+class ArgDecl:
+    name: str
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class ParamDecl:
+    name: str
+    type: str
+    default: Any  # expression AST or None
+    loc: SourceLoc
+    type_loc: SourceLoc | None = None
+
+
+@dataclass(frozen=True)
+class LetStmt:
+    name: str
+    expr: Any
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class ForwardStmt:
+    expr: Any
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class GradStmt:
+    arg: str
+    expr: Any
+    loc: SourceLoc
+    arg_loc: SourceLoc | None = None
+
+
+@dataclass(frozen=True)
+class ActivationDecl:
+    name: str
+    args: tuple[ArgDecl, ...]
+    params: tuple[ParamDecl, ...]
+    body: tuple  # LetStmt | ForwardStmt | GradStmt, in source order
+    loc: SourceLoc
+    name_loc: SourceLoc | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fusion declarations as written; the loader validates them into FusionPattern.
+
+
+@dataclass(frozen=True)
+class Value:
+    """A field value: kind is "name", "ref" (label.port), "number", "string" or "bool"."""
+
+    kind: str
+    value: Any
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class FieldItem:
+    """`key = v1, v2` (op "=") or `key >= v` (a comparison, used by `arch`)."""
+
+    key: str
+    op: str
+    values: tuple[Value, ...]
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class OptionItem:
+    key: str
+    value: Value
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class ChainDecl:
+    elements: tuple[ChainElement, ...]
+    loc: SourceLoc
+    #: per element: the location of each op name (parallel to element.ops), for "unknown op" errors
+    op_locs: tuple[tuple[SourceLoc, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class FusionDecl:
+    name: str
+    items: tuple  # FieldItem | OptionItem | ChainDecl
+    loc: SourceLoc
+    name_loc: SourceLoc | None = None
+
+
+@dataclass(frozen=True)
+class PatternFile:
+    path: str
+    source: str
+    decls: tuple  # ActivationDecl | FusionDecl

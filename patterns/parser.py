@@ -1,0 +1,389 @@
+"""Text -> typed AST (patterns/ast.py). Syntax errors become PatternError with file, line, column, caret.
+
+    parse_file(path) / parse_text(text, filename) -> PatternFile
+    parse_expression(text, filename="<expr>") -> expression AST (used by tests and round trips)
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+
+from fusion.errors import PatternError
+from fusion.patterns import ast as A
+from fusion.patterns.diagnostics import format_message, make_error
+
+GRAMMAR_PATH = Path(__file__).with_name("fpat.lark")
+
+# Terminal names lark shows in `expected` sets -> what a user reads.
+_TERMINALS = {
+    "NAME": "a name", "NUMBER": "a number", "STRING": "a string", "COMPARE": "a comparison (< <= > >= == !=)",
+    "ADD_OP": "'+' or '-'", "MUL_OP": "'*', '/' or '%'", "OPTIONAL": "'?'", "LPAR": "'('", "RPAR": "')'",
+    "LBRACE": "'{'", "RBRACE": "'}'", "COMMA": "','", "SEMICOLON": "';'", "COLON": "':'", "EQUAL": "'='",
+    "VBAR": "'|'", "DOT": "'.'", "MINUS": "'-'", "PLUS": "'+'", "__ANON_0": "'**'", "$END": "end of file",
+    "ACTIVATION": "'activation'", "FUSION": "'fusion'", "LET": "'let'", "FORWARD": "'forward'",
+    "GRAD": "'grad'", "CHAIN": "'chain'", "OPTION": "'option'", "WHERE": "'where'", "AND": "'and'",
+    "OR": "'or'", "NOT": "'not'", "IN": "'in'", "TRUE": "'true'", "FALSE": "'false'",
+}
+
+#: Typical mistakes -> friendly messages, matched by parser state with lark's match_examples.
+#: Each example is a whole file that fails at the mistake.
+ERROR_EXAMPLES: dict[str, list[str]] = {
+    "activation parameters come after ';' (write `activation name(gate, up; limit: float = 7.0)`)": [
+        "activation a(x, limit: float = 1.0) { forward = x }",
+        "activation a(x, y, limit: float) { forward = x }",
+    ],
+    "missing '=' after 'forward'": [
+        "activation a(x) { forward x }",
+        "activation a(x) { forward(x) }",
+    ],
+    "missing '=' after the let name": [
+        "activation a(x) { let y x }",
+        "activation a(x) { let y }",
+    ],
+    "an activation body holds only `let NAME = ...`, `forward = ...` and `grad(ARG) = ...` statements": [
+        "activation a(x) { y = x }",
+        "activation a(x) { forward = x y = x }",
+        "activation a(x) { return x }",
+    ],
+    "an expression is missing (or is incomplete) here": [
+        "activation a(x) { forward = }",
+        "activation a(x) { forward = x * }",
+        "activation a(x) { forward = x + }",
+        "activation a(x) { forward = (x }",
+        "activation a(x) { let y = }",
+        "activation a(x) { forward = f(x, ) }",
+    ],
+    "comparisons do not chain: write `a < b and b < c`": [
+        "fusion f { chain { g: GroupLinear where 1 < in_features < 9 } }",
+        "activation a(x) { forward = where(0 < x < 1, x, 0) }",
+    ],
+    "'=' assigns; compare with '=='": [
+        "fusion f { chain { g: GroupLinear where bias = true } }",
+        "fusion f { chain { g: GroupLinear where in_features % 8 = 0 } }",
+    ],
+    "a chain element is `label: OpName | OpName [?] [where predicate]`": [
+        "fusion f { chain { GroupLinear } }",
+        "fusion f { chain { g GroupLinear } }",
+        "fusion f { chain { g: } }",
+        "fusion f { chain { g: GroupLinear | } }",
+    ],
+    "a fusion field is `name = value, ...`, `arch >= sm_90`, `option name = value` or `chain { ... }`": [
+        "fusion f { kernel grouped_gemm }",
+        "fusion f { kernel: grouped_gemm }",
+        "fusion f { = grouped_gemm }",
+    ],
+    "a declaration starts with `activation NAME(...)` or `fusion NAME {`": [
+        "forward = x",
+        "activations a(x) { forward = x }",
+        "activation a(x) { forward = x } }",
+    ],
+    "missing '{' after the declaration header": [
+        "activation a(x) forward = x }",
+        "fusion f kernel = k }",
+    ],
+    "a '}' is missing (end of file inside a declaration)": [
+        "activation a(x) { forward = x",
+        "fusion f { kernel = k",
+        "fusion f { chain { g: GroupLinear }",
+    ],
+}
+
+
+@lru_cache(maxsize=1)
+def _lark() -> Lark:
+    return Lark(GRAMMAR_PATH.read_text(), parser="lalr", lexer="contextual", propagate_positions=True,
+                maybe_placeholders=False)
+
+
+def _friendly_expected(names) -> str:
+    shown = sorted({_TERMINALS.get(n, f"'{n}'" if not n.isupper() else n.lower()) for n in names})
+    return ", ".join(shown)
+
+
+def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> PatternError:
+    def try_parse(s):
+        return _lark().parse(s)
+
+    try:
+        label = e.match_examples(try_parse, ERROR_EXAMPLES, use_accepts=True)
+    except Exception:  # pragma: no cover - match_examples is best effort
+        label = None
+    if isinstance(e, UnexpectedCharacters):
+        got = f"unexpected character {text[e.pos_in_stream]!r}" if e.pos_in_stream < len(text) else "unexpected input"
+        expected = _friendly_expected(e.allowed or ())
+    elif isinstance(e, UnexpectedEOF):
+        got = "unexpected end of file"
+        expected = _friendly_expected(e.expected or ())
+    else:
+        tok = e.token
+        got = "unexpected end of file" if tok.type == "$END" else f"unexpected {tok.value!r}"
+        expected = _friendly_expected(getattr(e, "accepts", None) or e.expected or ())
+    line, column = e.line, e.column
+    if line is None or line < 1:  # EOF: point just after the last character
+        lines = text.splitlines() or [""]
+        line, column = len(lines), len(lines[-1]) + 1
+    message = got if label is None else f"{got}: {label}"
+    err = PatternError(format_message(filename, text, line, column, message, expected))
+    err.file, err.line, err.column, err.reason, err.expected = filename, line, column, message, expected
+    return err
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    def __init__(self, filename: str, text: str):
+        super().__init__()
+        self.filename = filename
+        self.text = text
+
+    def _loc(self, meta_or_tok) -> A.SourceLoc:
+        return A.SourceLoc(self.filename, meta_or_tok.line, meta_or_tok.column)
+
+    def _tok_loc(self, tok: Token) -> A.SourceLoc:
+        return A.SourceLoc(self.filename, tok.line, tok.column)
+
+    # ------------------------------------------------------------ file
+    def start(self, meta, children):
+        return tuple(children)
+
+    # ------------------------------------------------------------ activations
+    def activation(self, meta, ch):
+        name, args = ch[0], ch[1]
+        rest = ch[2:]
+        params = ()
+        if rest and isinstance(rest[0], tuple) and rest and rest[0][:1] and isinstance(rest[0][0], A.ParamDecl):
+            params, rest = rest[0], rest[1:]
+        return A.ActivationDecl(str(name), args, params, tuple(rest), self._loc(meta), self._tok_loc(name))
+
+    def arg_list(self, meta, ch):
+        return tuple(A.ArgDecl(str(t), self._tok_loc(t)) for t in ch)
+
+    def param_part(self, meta, ch):
+        return tuple(ch)
+
+    def param(self, meta, ch):
+        name, typ = ch[0], ch[1]
+        default = ch[2] if len(ch) > 2 else None
+        return A.ParamDecl(str(name), str(typ), default, self._tok_loc(name), self._tok_loc(typ))
+
+    def let_stmt(self, meta, ch):
+        return A.LetStmt(str(ch[0]), ch[1], self._tok_loc(ch[0]))
+
+    def forward_stmt(self, meta, ch):
+        return A.ForwardStmt(ch[0], self._loc(meta))
+
+    def grad_stmt(self, meta, ch):
+        return A.GradStmt(str(ch[0]), ch[1], self._loc(meta), self._tok_loc(ch[0]))
+
+    # ------------------------------------------------------------ fusion patterns
+    def fusion(self, meta, ch):
+        return A.FusionDecl(str(ch[0]), tuple(ch[1:]), self._loc(meta), self._tok_loc(ch[0]))
+
+    def field(self, meta, ch):
+        return A.FieldItem(str(ch[0]), "=", tuple(ch[1:]), self._tok_loc(ch[0]))
+
+    def constraint_field(self, meta, ch):
+        key, op, val = ch
+        return A.FieldItem(str(key), str(op), (A.Value("name", str(val), self._tok_loc(val)),), self._tok_loc(key))
+
+    def option_field(self, meta, ch):
+        return A.OptionItem(str(ch[0]), ch[1], self._tok_loc(ch[0]))
+
+    def chain(self, meta, ch):
+        elements = tuple(e for e, _ in ch)
+        return A.ChainDecl(elements, self._loc(meta), tuple(locs for _, locs in ch))
+
+    def chain_elem(self, meta, ch):
+        label = ch[0]
+        ops, op_locs, optional, pred = [], [], False, None
+        for c in ch[1:]:
+            if isinstance(c, Token) and c.type == "NAME":
+                ops.append(str(c))
+                op_locs.append(self._tok_loc(c))
+            elif isinstance(c, Token) and c.type == "OPTIONAL":
+                optional = True
+            else:
+                pred = c
+        preds = tuple(self._predicates(pred)) if pred is not None else ()
+        elem = A.ChainElement(str(label), tuple(ops), optional, preds, self._tok_loc(label))
+        return elem, tuple(op_locs)
+
+    def _predicates(self, expr):
+        """Split a top-level `and` so explain() can say which conjunct failed."""
+        if isinstance(expr, A.EBinary) and expr.op == "and":
+            yield from self._predicates(expr.lhs)
+            yield from self._predicates(expr.rhs)
+            return
+        text = self._text_of(expr)
+        yield A.Predicate(text, expr, expr.loc)
+
+    def _text_of(self, expr) -> str:
+        span = getattr(expr, "_span", None)
+        return span if span is not None else _render(expr)
+
+    def name_value(self, meta, ch):
+        return A.Value("name", str(ch[0]), self._tok_loc(ch[0]))
+
+    def ref_value(self, meta, ch):
+        return A.Value("ref", f"{ch[0]}.{ch[1]}", self._tok_loc(ch[0]))
+
+    def number_value(self, meta, ch):
+        return A.Value("number", _number(ch[0]), self._tok_loc(ch[0]))
+
+    def neg_number_value(self, meta, ch):
+        return A.Value("number", -_number(ch[0]), self._loc(meta))
+
+    def string_value(self, meta, ch):
+        return A.Value("string", str(ch[0])[1:-1], self._tok_loc(ch[0]))
+
+    def true_value(self, meta, ch):
+        return A.Value("bool", True, self._loc(meta))
+
+    def false_value(self, meta, ch):
+        return A.Value("bool", False, self._loc(meta))
+
+    # ------------------------------------------------------------ expressions
+    def or_(self, meta, ch):
+        return A.EBinary("or", ch[0], ch[1], self._loc(meta))
+
+    def and_(self, meta, ch):
+        return A.EBinary("and", ch[0], ch[1], self._loc(meta))
+
+    def not_(self, meta, ch):
+        return A.EUnary("not", ch[0], self._loc(meta))
+
+    def compare(self, meta, ch):
+        return A.EBinary(str(ch[1]), ch[0], ch[2], self._loc(meta))
+
+    def in_(self, meta, ch):
+        return A.EIn(ch[0], tuple(ch[1:]), self._loc(meta))
+
+    def binary(self, meta, ch):
+        return A.EBinary(str(ch[1]), ch[0], ch[2], self._loc(meta))
+
+    def neg(self, meta, ch):
+        operand = ch[0]
+        if isinstance(operand, A.ENum):  # -2 is a number, as in Python's constant folding
+            return A.ENum(-operand.value, self._loc(meta), operand.is_int)
+        return A.EUnary("-", operand, self._loc(meta))
+
+    def pos(self, meta, ch):
+        return A.EUnary("+", ch[0], self._loc(meta))
+
+    def pow(self, meta, ch):
+        return A.EBinary("**", ch[0], ch[1], self._loc(meta))
+
+    def number(self, meta, ch):
+        tok = ch[0]
+        return A.ENum(_number(tok), self._tok_loc(tok), _is_int_literal(str(tok)))
+
+    def string(self, meta, ch):
+        return A.EStr(str(ch[0])[1:-1], self._tok_loc(ch[0]))
+
+    def true(self, meta, ch):
+        return A.EBool(True, self._loc(meta))
+
+    def false(self, meta, ch):
+        return A.EBool(False, self._loc(meta))
+
+    def name(self, meta, ch):
+        return A.EName(str(ch[0]), self._tok_loc(ch[0]))
+
+    def call(self, meta, ch):
+        return A.ECall(str(ch[0]), tuple(ch[1:]), self._tok_loc(ch[0]))
+
+
+def _is_int_literal(s: str) -> bool:
+    return s.isdigit()
+
+
+def _number(tok) -> float:
+    s = str(tok)
+    return float(int(s)) if s.isdigit() else float(s)
+
+
+_PREC = {"or": 1, "and": 2, "not": 3, "cmp": 4, "in": 4, "+": 5, "-": 5, "*": 6, "/": 6, "%": 6, "neg": 7,
+         "**": 8, "atom": 9}
+_CMP = {"<", "<=", ">", ">=", "==", "!="}
+
+
+def _prec(e) -> int:
+    if isinstance(e, A.EBinary):
+        return _PREC["cmp"] if e.op in _CMP else _PREC[e.op]
+    if isinstance(e, A.EUnary):
+        return _PREC["not"] if e.op == "not" else _PREC["neg"]
+    if isinstance(e, A.EIn):
+        return _PREC["in"]
+    if isinstance(e, A.ENum) and e.value < 0:
+        return _PREC["neg"]
+    return _PREC["atom"]
+
+
+def _render(e) -> str:
+    """Canonical text of an expression AST (what explain() shows for a predicate)."""
+    def wrap(c, need):
+        s = _render(c)
+        return f"({s})" if _prec(c) < need else s
+
+    if isinstance(e, A.ENum):
+        v = e.value
+        return str(int(v)) if v.is_integer() and abs(v) < 1e16 else repr(v)
+    if isinstance(e, A.EStr):
+        return f'"{e.value}"'
+    if isinstance(e, A.EBool):
+        return "true" if e.value else "false"
+    if isinstance(e, A.EName):
+        return e.name
+    if isinstance(e, A.ECall):
+        return f"{e.fn}({', '.join(_render(a) for a in e.args)})"
+    if isinstance(e, A.EUnary):
+        if e.op == "not":
+            return "not " + wrap(e.operand, _PREC["not"])
+        return e.op + wrap(e.operand, _PREC["neg"])
+    if isinstance(e, A.EIn):
+        return f"{wrap(e.operand, _PREC['in'] + 1)} in ({', '.join(_render(c) for c in e.choices)})"
+    if isinstance(e, A.EBinary):
+        p = _prec(e)
+        if e.op == "**":
+            return f"{wrap(e.lhs, p + 1)} ** {wrap(e.rhs, _PREC['neg'])}"
+        if e.op in _CMP:
+            return f"{wrap(e.lhs, p + 1)} {e.op} {wrap(e.rhs, p + 1)}"
+        return f"{wrap(e.lhs, p)} {e.op} {wrap(e.rhs, p + 1)}"
+    raise TypeError(e)  # pragma: no cover
+
+
+def render_expression(e) -> str:
+    return _render(e)
+
+
+def parse_text(text: str, filename: str = "<string>") -> A.PatternFile:
+    try:
+        tree = _lark().parse(text)
+    except UnexpectedInput as e:
+        raise _syntax_error(e, text, filename) from None
+    try:
+        decls = _ToAst(filename, text).transform(tree)
+    except VisitError as e:  # pragma: no cover - transformer bugs surface as themselves
+        raise e.orig_exc
+    return A.PatternFile(filename, text, tuple(decls))
+
+
+def parse_file(path) -> A.PatternFile:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PatternError(f"{path}: cannot read pattern file: {e.strerror or e}") from None
+    return parse_text(text, str(path))
+
+
+def parse_expression(text: str, filename: str = "<expr>"):
+    """Parse one expression (as in `forward = ...`)."""
+    prefix = "activation __expr__(__x__) { forward = "
+    pf = parse_text(prefix + text + "\n}", filename)
+    return pf.decls[0].body[0].expr
+
+
+__all__ = ["parse_text", "parse_file", "parse_expression", "render_expression", "ERROR_EXAMPLES"]
