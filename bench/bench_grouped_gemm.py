@@ -102,7 +102,8 @@ def main():
         epi = K.SwiGLUScaleEpilogue()
         cfgs = [K.choose_config(M, N2, Kd, G, True)]
         if args.configs:
-            cfgs = [K.GemmConfig(tile_n=int(c.split(":")[0]), stages=int(c.split(":")[1])) for c in args.configs.split(",")]
+            cfgs = [K.GemmConfig(tile_n=int(c.split(":")[0]), stages=int(c.split(":")[1].rstrip("d")),
+                                 dynamic=c.endswith("d")) for c in args.configs.split(",")]
         best = None
         for cfg in cfgs:
             if N2 % cfg.tile_n:

@@ -24,6 +24,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64, Float32, Boolean, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass._mlir.dialects import llvm
 
 from .epilogue import Epilogue, RowVector, GroupVector, AuxInput, Output, MXFP8Output
 
@@ -494,11 +495,23 @@ def _store_scale(ts: cute.Tensor, row: Int32, col: Int32, e8: Int32, ok: Boolean
         ts[row, col] = cutlass.Uint8(e8)
 
 
-def _e8m0_scale(amax):
-    """E8M0 scale = 2**ceil(log2(amax/448)) as a biased exponent byte, and 1/scale as fp32.
+def _f32_bits(x) -> Int32:
+    return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value()))
 
-    Computed on the bit pattern: for amax/448 = m * 2**e (m in [1,2)), ceil(log2) = e + (m > 1).
-    """
-    x = amax * (1.0 / 448.0)
-    bits = cutlass.Int32(cute.arch.bitcast(x, Int32)) if hasattr(cute.arch, "bitcast") else None
-    raise NotImplementedError
+
+def _bits_f32(b) -> Float32:
+    return Float32(llvm.bitcast(Float32.mlir_type, Int32(b).ir_value()))
+
+
+def _e8m0_scale(amax):
+    """Exact MXFP8 scale (docs/quantization.md): e = ceil(log2(amax / 448)) from the fp32 bits,
+    amax = 1.f * 2^E -> e = E - 8 + (f > 0.75); amax == 0 / subnormal -> e = -127; clamp [-127, 127].
+    Returns (E8M0 byte as Int32, 2^-e as fp32)."""
+    bits = _f32_bits(amax) & 0x7FFFFFFF
+    biased = bits >> 23
+    frac = bits & 0x7FFFFF
+    e = biased - 135 + cutlass.select_(frac > 0x600000, Int32(1), Int32(0))
+    e = cutlass.select_(biased == 0, Int32(-127), e)
+    e = cutlass.max(cutlass.min(e, Int32(127)), Int32(-127))
+    inv = _bits_f32((cutlass.min(127 - e, Int32(254))) << 23)
+    return e + 127, inv
