@@ -158,6 +158,8 @@ class Attempt:
     ops: tuple[int, ...]
     reason: str | None
     match: Match | None = None
+    #: when it matched, but a longer binding was tried first and failed: (its ops, the failing check)
+    longer: tuple | None = None
 
     @property
     def ok(self) -> bool:
@@ -299,7 +301,10 @@ def attempt(g: nx.DiGraph, pattern, pattern_index: int, anchor: tuple, dtype: st
             m = Match(pattern=pattern, pattern_index=pattern_index,
                       bindings=tuple((chain[k].label, g.nodes[n]["index"]) for k, n in b),
                       kinds=tuple(g.nodes[n]["spec"].kind for _, n in b))
-            return Attempt(ops=m.ops, reason=None, match=m, **base)
+            longer = None
+            if first_reason is not None:
+                longer = (tuple(g.nodes[n]["index"] for _, n in bindings[0]), first_reason)
+            return Attempt(ops=m.ops, reason=None, match=m, longer=longer, **base)
         if first_reason is None:
             first_reason = why
     span = tuple(g.nodes[n]["index"] for _, n in bindings[0])

@@ -256,6 +256,18 @@ def _per_op_attempts(infos, patterns, attempts: list[Attempt], chosen: list[Matc
                 rows.append(OpAttempt(outcome="not chosen", reason=loss.reason(), ops=loss.match.ops, **base))
                 continue
             spanning = next((a for a in tried if i in a.ops and not a.ok), None)
+            longer = next((a for a in tried if a.ok and a.longer and i in a.longer[0]
+                           and i not in a.match.ops), None)
+            if spanning is None and longer is not None:
+                m = longer.match
+                span = f"op {m.ops[0]}" if len(m.ops) == 1 else f"ops {m.ops[0]}-{m.ops[-1]}"
+                rows.append(OpAttempt(outcome="failed", reason=f"its match on {span} leaves op {i} out: "
+                                      f"{longer.longer[1]}", ops=longer.longer[0], **base))
+                continue
+            stopped = _stopped_before(i, p, [a.match for a in tried if a.ok], infos)
+            if spanning is None and stopped is not None:
+                rows.append(OpAttempt(outcome="failed", reason=stopped[1], ops=stopped[0].ops, **base))
+                continue
             if spanning is None:
                 spanning = next((a for a in tried if a.anchor == i), None)
             if spanning is None or spanning.ok:
@@ -266,6 +278,28 @@ def _per_op_attempts(infos, patterns, attempts: list[Attempt], chosen: list[Matc
             rows.append(OpAttempt(outcome="failed", reason=spanning.reason, ops=spanning.ops, **base))
         out[i] = tuple(rows)
     return out
+
+
+def _stopped_before(i: int, pattern, matches: list[Match], infos):
+    """(match, reason) when a match of `pattern` ends right before op i with chain elements left that op i
+    does not fit: "its match on ops 0-1 stops before op 2: Clamp(...) is not Scale|QuantizeMXFP8"."""
+    chain = pattern.chain
+    for m in matches:
+        if m.ops[-1] != i - 1:
+            continue
+        last_label = m.bindings[-1][0]
+        k = next(j for j, e in enumerate(chain) if e.label == last_label)
+        rest = chain[k + 1:]
+        if not rest:
+            continue
+        wanted = []
+        for e in rest:
+            wanted.extend(o for o in e.ops if o not in wanted)
+        names = ", ".join(e.label + ("?" if e.optional else "") for e in rest)
+        span = f"op {m.ops[0]}" if len(m.ops) == 1 else f"ops {m.ops[0]}-{m.ops[-1]}"
+        return m, (f"its match on {span} stops before op {i}: {infos[i].description} is not "
+                   f"{'|'.join(wanted)} (the elements left: {names})")
+    return None
 
 
 def _fallbacks(infos, forward, backward, per_op: dict, patterns, reason: str | None) -> list[Fallback]:
