@@ -420,3 +420,25 @@ def _redefined(what: str, name: str, loc: A.SourceLoc, builtin: bool) -> str:
     origin = "a built-in, " if builtin else ""
     return (f"{what} '{name}' is already defined ({origin}at {loc.file}:{loc.line}:{loc.column}); "
             f"names are global across loaded files: pick another name")
+
+
+def _expression_from_source(text, args, params, allow_dy, activations, filename):
+    from fusion.patterns.parser import parse_expression
+
+    e = parse_expression(text, filename)
+    pf = A.PatternFile(filename, "activation __expr__(__x__) { forward =\n" + text + "\n}", ())
+    ctx = _Ctx(pf)
+    decl = A.ActivationDecl("__expr__", (), (), (), A.SourceLoc(filename, 1, 1))
+    scope = _Scope(decl, ctx)
+    for a in args:
+        scope.names[a] = Var(a)
+    for n, d in (params or {}).items():
+        scope.names[n] = Param(n, d)
+    return _to_expr(e, scope, dict(activations or {}), allow_dy)
+
+
+def expression_from_source(text: str, args=("x",), params: dict | None = None, allow_dy: bool = True,
+                           activations: dict | None = None, filename: str = "<expr>") -> Expr:
+    """Parse one activation expression to a fusion.symbolic expression, with `args` as Vars and `params`
+    (name -> default) as Params in scope (and `dy` when allow_dy). The inverse of fusion.symbolic.to_source."""
+    return _expression_from_source(text, args, params, allow_dy, activations, filename)

@@ -381,7 +381,7 @@ def parse_file(path) -> A.PatternFile:
 
 def parse_expression(text: str, filename: str = "<expr>"):
     """Parse one expression (as in `forward = ...`)."""
-    prefix = "activation __expr__(__x__) { forward = "
+    prefix = "activation __expr__(__x__) { forward =\n"
     pf = parse_text(prefix + text + "\n}", filename)
     return pf.decls[0].body[0].expr
 
