@@ -123,23 +123,39 @@ def test_cache_invalidated_when_patterns_are_loaded(monkeypatch):
     assert p2 is not p1 and p2.fully_fused
 
 
+USER_FPAT = """
+fusion gemm_clamp_user {
+    kernel    = grouped_gemm
+    direction = forward
+    chain {
+        gemm:  GroupLinear
+        clamp: Clamp
+    }
+    epilogue = clamp
+}
+"""
+
+
 def test_cache_invalidated_by_registry_load(tmp_path):
     import fusion.patterns.registry as registry
 
-    before = plan_for(demo_block())
-    assert plan_for(demo_block()) is before
-    f = tmp_path / "extra.fpat"
-    f.write_text("activation my_relu2(x) {\n    forward = relu(x) * relu(x)\n}\n")
+    registry.reset_to_builtins()
+    seq = fusion.Sequential(fusion.GroupLinear(8, 1024, 1024, device="meta"), Clamp(max=1.0))
     try:
+        before = plan_for(seq)
+        assert plan_for(seq) is before
+        assert [s.fused for s in before.forward] == [True, False]  # the plain GEMM pattern only
+        f = tmp_path / "user.fpat"
+        f.write_text(USER_FPAT)
         fusion.load_patterns(str(f))
-    except Exception as err:  # the parser is another engineer's; keep this test about the cache
-        pytest.skip(f"pattern loading not available: {err}")
-    try:
-        if registry.fusion_patterns() == []:
-            # loading activations only leaves the (empty) pattern list the same: the same plan is right
-            assert plan_for(demo_block()) is before
+        after = plan_for(seq)
+        assert after is not before
+        assert [(s.fused, s.pattern) for s in after.forward] == [(True, "gemm_clamp_user")]
+        assert after.forward[0].pattern_loc.endswith("user.fpat:2")
+        assert plan_for(seq) is after
     finally:
         registry.reset_to_builtins()
+    assert plan_for(seq) is not after
 
 
 def _x(seq):

@@ -1,0 +1,83 @@
+"""The built-in pattern library (patterns/*.fpat) on the demo blocks: the three NVIDIA kernel families."""
+import pytest
+import torch
+
+import fusion
+from fusion import Bias, Clamp, GeGLU, GroupLinear, Linear, QuantizeMXFP8, QuantizeNVFP4, Scale, SwiGLU
+from fusion.planner import clear_cache, plan_for
+from test_matcher_support import demo_block
+
+registry = pytest.importorskip("fusion.patterns.registry")
+
+
+@pytest.fixture(autouse=True)
+def _builtins_only():
+    registry.reset_to_builtins()
+    clear_cache()
+    if not any(p.direction == "backward" for p in registry.fusion_patterns()):
+        pytest.skip("the built-in pattern library has no backward patterns yet")
+    yield
+    clear_cache()
+
+
+def fused(plan, direction="forward"):
+    return [(s.pattern, s.ops) for s in getattr(plan, direction) if s.fused]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("target", ["sm_90", "sm_90a"])
+def test_moe_demo_block(dtype, target):
+    plan = plan_for(demo_block(dtype=dtype), dtype=dtype, target=target)
+    # (2) FC1 + SwiGLU + Scale + QuantizeMXFP8 is ONE fused forward kernel; FC2 is planned fused too
+    assert len(plan.forward) == 2 and all(s.fused for s in plan.forward)
+    fc1, fc2 = plan.forward
+    assert fc1.ops == (0, 1, 2, 3) and fc1.kernel == "grouped_gemm"
+    assert [lab for lab, _ in fc1.epilogue] == ["act", "scale", "quant"]
+    assert fc2.ops == (4,)
+    # (3) backward: FC2's dgrad fused with the backward of Scale and SwiGLU (quantize: straight-through)
+    b = plan.backward
+    assert b[0].fused and b[0].kernel == "grouped_gemm_dgrad" and b[0].ops == (1, 2, 3, 4)
+    assert set(b[0].parts) == {(4, "dgrad"), (2, "backward"), (1, "backward")}
+    # the remaining GEMM gradients are listed, in autograd order
+    rest = [(s.fused, s.parts) for s in b[1:]]
+    assert rest[0] == (False, ((4, "wgrad"),))
+    assert rest[1][1] == ((0, "dgrad"),)  # FC1's dgrad (a plain dgrad pattern may cover it)
+    assert rest[2] == (False, ((0, "wgrad"),))
+    assert plan.fully_fused and plan.fallbacks == ()
+
+
+def test_gemm_quantize_family():
+    # (1) GEMM + Quantize: a GEMM whose output is quantized for the next one
+    seq = fusion.Sequential(GroupLinear(8, 1024, 2048, device="meta"), QuantizeNVFP4(),
+                            GroupLinear(8, 2048, 1024, device="meta"))
+    plan = plan_for(seq)
+    assert fused(plan) == [("gemm_quantize", (0, 1)), ("gemm_bias_scale", (2,))]
+
+
+def test_dense_geglu_bias_clamp():
+    seq = fusion.Sequential(Linear(1024, 4096, device="meta"), Bias(4096), GeGLU(), Clamp(-8.0, 8.0),
+                            Linear(2048, 1024, device="meta"))
+    plan = plan_for(seq)
+    assert fused(plan) == [("gemm_act", (0, 1, 2, 3)), ("gemm_bias_scale", (4,))]
+    assert fused(plan, "backward")[0] == ("dgrad_dact", (1, 2, 3, 4))
+    assert plan.fully_fused
+
+
+def test_builtin_failures_read_well():
+    # float32, old arch, misaligned shapes: every op unfused, with the reason from the .fpat file
+    plan = plan_for(demo_block(), dtype=torch.float32)
+    assert not plan.fused_steps and "dtype float32 not in (bfloat16, float16)" in plan.fallbacks[0].reasons[1]
+    plan = plan_for(demo_block(), target="sm_80")
+    assert "arch sm_80 < sm_90" in plan.fallbacks[0].reasons[1]
+    plan = plan_for(demo_block(), target="sm_100a")
+    assert "arch sm_100a > sm_90" in plan.fallbacks[0].reasons[1]
+    plan = plan_for(demo_block(d=1004))
+    fc1 = [f for f in plan.fallbacks if f.op == 0][0]
+    assert any("predicate `" in r and "patterns/moe.fpat:" in r for r in fc1.reasons), fc1.reasons
+
+
+def test_explain_with_builtins_names_the_files():
+    text = demo_block().explain()
+    assert "pattern gemm_act [patterns/moe.fpat:" in text
+    assert "pattern dgrad_dact [patterns/moe.fpat:" in text
+    assert "fully fused: yes" in text
