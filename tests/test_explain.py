@@ -1,0 +1,114 @@
+"""explain(): text / json / dot on the demo block, against golden files (FUSION_UPDATE_GOLDEN=1 rewrites them).
+
+The goldens use the test pattern library of test_matcher_support (stable whatever the built-in .fpat files
+say); test_explain_builtin_golden covers the built-in library."""
+import json
+import os
+import pathlib
+
+import pytest
+import torch
+
+import fusion
+from fusion import Clamp, QuantizeMXFP8, SwiGLU
+from fusion.explain import explain
+from fusion.planner import clear_cache
+from test_matcher_support import demo_block, demo_patterns
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+UPDATE = os.environ.get("FUSION_UPDATE_GOLDEN") == "1"
+
+
+def check_golden(name: str, text: str):
+    path = GOLDEN / name
+    if UPDATE or not path.exists():
+        if not UPDATE:
+            pytest.fail(f"golden file {path} is missing; run with FUSION_UPDATE_GOLDEN=1 to create it")
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+        return
+    assert text == path.read_text(), f"{name} differs from its golden file; FUSION_UPDATE_GOLDEN=1 updates it"
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    clear_cache()
+    yield
+    clear_cache()
+
+
+PATS = demo_patterns()
+
+
+@pytest.mark.parametrize("fmt,ext", [("text", "txt"), ("json", "json"), ("dot", "dot")])
+def test_demo_golden(fmt, ext):
+    check_golden(f"explain_demo.{ext}", explain(demo_block(), format=fmt, patterns=PATS))
+
+
+@pytest.mark.parametrize("fmt,ext", [("text", "txt"), ("json", "json"), ("dot", "dot")])
+def test_partly_fused_golden(fmt, ext):
+    seq = demo_block(SwiGLU(), Clamp(min=-1.0, max=1.0), QuantizeMXFP8())
+    check_golden(f"explain_partial.{ext}", explain(seq, format=fmt, patterns=PATS))
+
+
+def test_builtin_golden():
+    registry = pytest.importorskip("fusion.patterns.registry")
+    registry.reset_to_builtins()
+    check_golden("explain_demo_builtin.txt", explain(demo_block()))
+
+
+def test_text_content():
+    text = explain(demo_block(), patterns=PATS)
+    assert text.startswith(f"fusion {fusion.__version__} plan of a Sequential of 5 ops")
+    assert "planned for: dtype bfloat16 (the parameters' dtype), target sm_90 (default" in text
+    assert "(M, 1024) -> (M, 4096)" in text
+    assert "[F1] fused    grouped_gemm  <- pattern gemm_act_scale_quant [patterns/test.fpat:2]" in text
+    assert "[B1] fused    grouped_gemm_dact  <- pattern dact_dgrad [patterns/test.fpat:15]" in text
+    assert "fully fused: yes" in text
+
+
+def test_defaults_and_header():
+    f32 = demo_block(dtype=torch.float32)
+    text = explain(f32, patterns=PATS)
+    assert "dtype bfloat16 (default: the parameters are float32" in text
+    text = explain(f32, dtype=torch.float32, target="sm_90a", patterns=PATS)
+    assert "planned for: dtype float32 (given), target sm_90a (given)" in text
+    assert "dtype float32 not in (bfloat16, float16)" in text
+    assert "left unfused, and why (every pattern tried):" in text
+    fp16 = demo_block(dtype=torch.float16)
+    assert "dtype float16 (the parameters' dtype)" in explain(fp16, patterns=PATS)
+
+
+def test_sequential_explain_method_and_formats():
+    seq = demo_block()
+    assert isinstance(seq.explain(), str)
+    data = json.loads(seq.explain(format="json"))
+    assert data["dtype"] == "bfloat16" and data["target"] == "sm_90"
+    assert data["fusion_version"] == fusion.__version__
+    assert seq.explain(format="dot").startswith("digraph fusion_plan {")
+    with pytest.raises(ValueError, match="format"):
+        seq.explain(format="yaml")
+
+
+def test_json_is_the_plan_as_data():
+    data = json.loads(explain(demo_block(SwiGLU(), Clamp(max=1.0), QuantizeMXFP8()), format="json", patterns=PATS))
+    plan = data["plan"]
+    assert [s["fused"] for s in plan["forward"]] == [True, False, False, True]
+    assert plan["fully_fused"] is False
+    fb = plan["fallbacks"][0]
+    assert fb["op"] == 2 and fb["part"] == "forward" and len(fb["reasons"]) == 2
+    assert plan["attempts"]["2"][0]["outcome"] == "failed"
+    assert plan["forward"][0]["epilogue"] == [["act", 1]]
+
+
+def test_dot_clusters_and_fallback_colour():
+    dot = explain(demo_block(SwiGLU(), Clamp(max=1.0), QuantizeMXFP8()), format="dot", patterns=PATS)
+    assert 'subgraph cluster_fwd1 {' in dot and 'label="gemm_act_scale_quant [patterns/test.fpat:2]' in dot
+    assert 'op2 [label="op 2\\nClamp(min=None, max=1.0)", fillcolor="#fde2e1"];' in dot
+    assert dot.rstrip().endswith("}")
+    try:
+        import networkx.drawing.nx_pydot  # noqa: F401
+        import pydot
+    except ImportError:
+        return
+    assert pydot.graph_from_dot_data(dot)
