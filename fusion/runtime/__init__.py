@@ -1,4 +1,5 @@
-"""Executes a Sequential: fused plan steps through compiled kernels, everything else through references."""
+"""Executes a Sequential by its plan: fused steps through generated kernels, every other op through its
+reference implementation."""
 from __future__ import annotations
 
 import torch
@@ -14,10 +15,36 @@ def device_target(device: torch.device) -> str | None:
     return f"sm_{major}{minor}"
 
 
+def fused_step(seq, step):
+    """The run-time object of a fused plan step, built once per block and step (it holds compiled kernels
+    and the repacked weight)."""
+    from fusion.runtime.fused import FusedForwardStep
+
+    cache = seq.__dict__.setdefault("_fused_steps", {})
+    if step not in cache:
+        cache[step] = FusedForwardStep(seq, step)
+    return cache[step]
+
+
 def execute(seq, x: torch.Tensor, extra: dict):
-    """Run `seq` on x. On the reference path each op runs its unfused implementation, in order."""
-    ops = seq.ops
-    ctx = make_context(ops, x, extra, check_sum=(seq.backend == "reference" or x.device.type == "cpu"))
-    for op in ops:
-        x = op.reference(x, ctx)
+    """Run `seq` on x by the plan for x's device and dtype (see fusion.planner.plan_for_run)."""
+    from fusion.planner import plan_for_run
+
+    plan = plan_for_run(seq, x)
+    fused = any(step.fused for step in plan.forward)
+    # The sum check reads the sizes on the host: free on the CPU, asked for by backend="reference"; elsewhere
+    # it is an asynchronous device assert, so a whole forward can be captured in a CUDA graph.
+    ctx = make_context(seq.ops, x, extra, check_sum=x.device.type == "cpu" or seq.backend == "reference")
+    if not fused:
+        for op in seq.ops:
+            x = op.reference(x, ctx)
+        return x
+    from fusion.runtime.fused import run_fused_forward
+
+    for step in plan.forward:
+        if step.fused:
+            x = run_fused_forward(fused_step(seq, step), x, ctx)
+        else:
+            (index,) = step.ops
+            x = seq[index].reference(x, ctx)
     return x

@@ -1,0 +1,208 @@
+"""A fused forward plan step: one grouped-GEMM kernel whose epilogue codegen wrote from the step's ops.
+
+The backward of a fused forward step is computed from what the kernel saved (the GEMM output, i.e. the
+activation's input): the epilogue ops' reference implementations are re-run on it under autograd, which
+gives the gradients of the pre-activation, the router scales and the biases exactly as the reference path
+defines them; the GEMM's dgrad and wgrad then run as grouped matmuls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+
+from fusion.codegen.cache import load_generated, source_key
+from fusion.codegen.emit import epilogue_source
+from fusion.codegen.spec import EpilogueSpec, spec_from_ops
+from fusion.grouped import _dgrad, _wgrad, grouped_mm_method, row_group_index
+from fusion.ops.base import RunContext
+
+#: A fixed row estimate per group for the tile heuristic: kernels must not depend on the row count, so one
+#: compile serves every batch (API.md).
+ROWS_PER_GROUP_ESTIMATE = 512
+
+
+def _kernels():
+    import fusion.kernels as kernels  # imports cutlass: only when a fused step is built
+
+    return kernels
+
+
+class FusedForwardStep:
+    """Everything one fused forward step needs at run time: generated epilogues, compiled kernels, the
+    repacked weight. Built once per (block, plan step) and reused across calls."""
+
+    def __init__(self, seq, step):
+        self.step = step
+        self.ops = [seq[i] for i in step.ops]
+        self.gemm = self.ops[0]
+        self.spec_train: EpilogueSpec = spec_from_ops(self.ops)
+        self.spec_infer = dataclasses.replace(self.spec_train, save_preactivation=False)
+        self.origin = f"pattern {step.pattern} [{step.pattern_loc}], ops {list(step.ops)}"
+        self._packed: tuple | None = None
+        self._lock = threading.Lock()
+
+    # -- code ---------------------------------------------------------------------------------------------
+    def spec(self, train: bool) -> EpilogueSpec:
+        return self.spec_train if train else self.spec_infer
+
+    def source(self, train: bool) -> str:
+        return epilogue_source(self.spec(train), origin=self.origin)
+
+    def epilogue(self, train: bool):
+        source = self.source(train)
+        return load_generated(source, "GeneratedEpilogue", source_key(source))()
+
+    def weight_shape(self) -> tuple[int, int, int]:
+        w = self.gemm.weight
+        return tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
+
+    def compile(self, dtype: torch.dtype, train: bool, target: str = "sm_90a"):
+        """The compiled kernel (cached in memory by the kernel library; needs no GPU)."""
+        k = _kernels()
+        G, N, K = self.weight_shape()
+        epilogue = self.epilogue(train)
+        config = k.choose_config(ROWS_PER_GROUP_ESTIMATE * G, N, K, G, epilogue.gated)
+        return k.compile_grouped_gemm(config, epilogue, str(dtype).removeprefix("torch."), N, K, G, target=target)
+
+    # -- data ---------------------------------------------------------------------------------------------
+    def packed_weight(self) -> torch.Tensor:
+        """The weight in the kernel's layout (gated: gate/up rows interleaved), repacked only when the
+        parameter changed (its version counter moves on every in-place update)."""
+        w = self.gemm.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        with self._lock:
+            if self._packed is None or self._packed[0] != key:
+                data = w.detach() if w.dim() == 3 else w.detach().unsqueeze(0)
+                if self.spec_train.gated:
+                    data = _kernels().interleave_gated_weight(data)
+                self._packed = (key, data.contiguous())
+            return self._packed[1]
+
+    def _bias_vector(self, stage_index: int, paired: bool, groups: int) -> torch.Tensor:
+        op = self.ops[stage_index]
+        bias = op.bias.detach().float()
+        bias = bias.expand(groups, bias.shape[-1]) if bias.dim() == 1 else bias
+        if paired:
+            bias = _kernels().interleave_gated_weight(bias, dim=-1)
+        return bias.contiguous()
+
+    def _extras(self, spec: EpilogueSpec, ctx: RunContext, groups: int) -> dict:
+        extras = {}
+        for name, paired in spec.group_inputs:
+            extras[name] = self._bias_vector(int(name.removeprefix("bias")), paired, groups)
+        for name in spec.row_inputs:
+            extras[f"scale_{name}"] = ctx.extra[name].float().contiguous()
+        return extras
+
+    def offsets(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+        if ctx.group_sizes is None:  # dense Linear: one group of every row
+            return torch.tensor([0, x.shape[0]], dtype=torch.int32, device=x.device)
+        return _kernels().offsets_from_group_sizes(ctx.group_sizes)
+
+    def launch(self, x: torch.Tensor, ctx: RunContext, train: bool) -> dict:
+        """Run the kernel; returns its outputs by name (out / out_scale / hp / pre)."""
+        k = _kernels()
+        compiled = self.compile(x.dtype, train)
+        spec = self.spec(train)
+        M = x.shape[0]
+        G, N, _ = self.weight_shape()
+        width = N // 2 if spec.gated else N
+        outs = {}
+        for slot in compiled.epilogue.outputs:
+            cols = 2 * width if slot.paired else width
+            if isinstance(slot, k.MXFP8Output):
+                outs[slot.name] = torch.empty(M, cols, dtype=torch.float8_e4m3fn, device=x.device)
+                outs[slot.scale_name] = torch.empty(M, cols // 32, dtype=torch.uint8, device=x.device)
+            else:
+                outs[slot.name] = torch.empty(M, cols, dtype=x.dtype, device=x.device)
+        k.run_grouped_gemm(compiled, x.contiguous(), self.packed_weight(), self.offsets(x, ctx), outs,
+                           self._extras(spec, ctx, G))
+        return outs
+
+    def wrap_output(self, outs: dict, x: torch.Tensor) -> torch.Tensor:
+        """The step's result as the reference returns it: a tensor, or a QuantizedTensor."""
+        if not self.spec_train.quantized:
+            return outs["out"]
+        from fusion.quant import QuantizedTensor
+        from fusion.quant._common import finite_amax
+        from fusion.quant.mxfp8 import mxfp8_quantize_2d
+
+        hp = outs["hp"]
+        quant_op = self.ops[-1]
+        cw_data = cw_scale = None
+        if quant_op.columnwise:
+            # 32-row blocks of the transpose span tiles of different groups: quantized outside the kernel.
+            cw_data, cw_scale = mxfp8_quantize_2d(hp.float().t().contiguous())
+        return QuantizedTensor("mxfp8", outs["out"].view(torch.uint8), outs["out_scale"],
+                               finite_amax(hp.float()), hp.shape, hp.dtype,
+                               columnwise_data=cw_data, columnwise_scale=cw_scale)
+
+    # -- autograd -----------------------------------------------------------------------------------------
+    def grad_inputs(self, ctx: RunContext) -> list[torch.Tensor]:
+        """Tensors whose gradients this step produces, after x: the GEMM weight (and bias), the epilogue
+        ops' parameters, the row scales."""
+        tensors = [p for op in self.ops for p in op.parameters(recurse=False)]
+        tensors += [ctx.extra[name] for name in self.spec_train.row_inputs]
+        return tensors
+
+    def backward(self, ctx: RunContext, grad: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, needs: tuple):
+        """Gradients of (x, *grad_inputs) from the saved pre-activation; see the module docstring."""
+        if self.spec_train.gated:
+            pre = _kernels().deinterleave_gated(pre, dim=-1)
+        targets = self.grad_inputs(ctx)
+        weight = self.gemm.weight
+        rest = [t for t, need in zip(targets, needs[1:]) if need and t is not weight]
+        with torch.enable_grad():
+            h = pre.detach().requires_grad_()
+            y = h
+            if getattr(self.gemm, "bias", None) is not None:
+                bias = self.gemm.bias
+                y = y + (bias if bias.dim() == 1 else bias[row_group_index(ctx.group_sizes, h.shape[0])])
+            for op in self.ops[1:]:
+                if op.spec.kind != "quantize":
+                    y = op.reference(y, ctx)
+            found = torch.autograd.grad(y, [h, *rest], grad, allow_unused=True)
+        dh, by_tensor = found[0], dict(zip(map(id, rest), found[1:]))
+        dx = dw = None
+        if weight.dim() == 2:
+            dx = dh @ weight if needs[0] else None
+            dw = dh.t() @ x if needs[1] else None
+        else:
+            method = grouped_mm_method(x, weight)
+            dx = _dgrad(dh, weight, ctx.group_sizes, ctx.offsets, method) if needs[0] else None
+            dw = _wgrad(dh, x, ctx.group_sizes, ctx.offsets, method, weight.shape) if needs[1] else None
+        grads = [dx]
+        for t, need in zip(targets, needs[1:]):
+            grads.append(dw if t is weight else (by_tensor.get(id(t)) if need else None))
+        return grads
+
+
+class _FusedForwardFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: FusedForwardStep, rctx: RunContext, train: bool, x, *tensors):
+        outs = step.launch(x, rctx, train)
+        if train:
+            ctx.save_for_backward(x, outs["pre"])
+            ctx.step, ctx.rctx = step, rctx
+        return step.wrap_output(outs, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from fusion.quant import QuantizedTensor
+
+        if isinstance(grad, QuantizedTensor):
+            grad = grad.dequantize()
+        x, pre = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        return (None, None, None, *ctx.step.backward(ctx.rctx, grad.contiguous(), x, pre, needs))
+
+
+def run_fused_forward(step: FusedForwardStep, x: torch.Tensor, ctx: RunContext):
+    from fusion.quant import dequantize
+
+    x = dequantize(x)
+    tensors = step.grad_inputs(ctx)
+    train = torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tensors))
+    return _FusedForwardFunction.apply(step, ctx, train, x, *tensors)
