@@ -53,6 +53,13 @@ class _Scope:
 def _to_expr(e, scope: _Scope, acts: dict[str, ActivationDef], allow_dy: bool) -> Expr:
     ctx = scope.ctx
 
+    def unknown_function(e: A.ECall):
+        names = list(dict.fromkeys([*FUNCTIONS, *acts]))
+        user = [a for a in acts if a not in FUNCTIONS]
+        raise ctx.error(e.loc, f"unknown function '{e.fn}'{did_you_mean(e.fn, names)}",
+                        expected="a function (" + ", ".join(FUNCTIONS) + ")" +
+                                 (" or a declared activation (" + ", ".join(user) + ")" if user else ""))
+
     def go(e) -> Expr:
         if isinstance(e, A.ENum):
             return Num(e.value)
@@ -91,6 +98,8 @@ def _to_expr(e, scope: _Scope, acts: dict[str, ActivationDef], allow_dy: bool) -
                                            "for a variable exponent write exp(b * log(a))")
             return BinOp(e.op, lhs, rhs)
         if isinstance(e, A.ECall):
+            if e.fn not in FUNCTIONS and e.fn not in acts:
+                unknown_function(e)
             args = [go(a) for a in e.args]
             if e.fn in FUNCTIONS:
                 n = FUNCTIONS[e.fn]
@@ -106,9 +115,7 @@ def _to_expr(e, scope: _Scope, acts: dict[str, ActivationDef], allow_dy: bool) -
                 mapping = {Var(a): v for a, v in zip(callee.args, args)}
                 mapping.update({Param(n, d): Num(d) for n, d in callee.params})  # callee params: defaults
                 return substitute(callee.forward_expr, mapping)
-            names = list(FUNCTIONS) + list(acts)
-            raise ctx.error(e.loc, f"unknown function '{e.fn}'{did_you_mean(e.fn, names)}",
-                            expected="one of: " + ", ".join(names))
+            unknown_function(e)  # pragma: no cover - checked above
         if isinstance(e, A.EStr):
             raise ctx.error(e.loc, "strings are for chain predicates, not activation expressions")
         if isinstance(e, A.EBool):

@@ -92,10 +92,21 @@ ERROR_EXAMPLES: dict[str, list[str]] = {
 }
 
 
+class _KeywordsAreWords:
+    """A no-op post-lexer whose only job is `always_accept`: NAME is in every state's lexer, so a keyword
+    never matches the front of a longer word (`activations` is a NAME, not `activation` + `s`); lark turns
+    a NAME that spells a keyword the state accepts into that keyword."""
+
+    always_accept = ("NAME",)
+
+    def process(self, stream):
+        return stream
+
+
 @lru_cache(maxsize=1)
 def _lark() -> Lark:
     return Lark(GRAMMAR_PATH.read_text(), parser="lalr", lexer="contextual", propagate_positions=True,
-                maybe_placeholders=False)
+                maybe_placeholders=False, postlex=_KeywordsAreWords())
 
 
 def _friendly_expected(names) -> str:
@@ -107,10 +118,12 @@ def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> PatternError:
     def try_parse(s):
         return _lark().parse(s)
 
-    try:
-        label = e.match_examples(try_parse, ERROR_EXAMPLES, use_accepts=True)
-    except Exception:  # pragma: no cover - match_examples is best effort
-        label = None
+    label = None
+    if not isinstance(e, UnexpectedCharacters):  # a bad character is its own explanation
+        try:
+            label = e.match_examples(try_parse, ERROR_EXAMPLES, use_accepts=True)
+        except Exception:  # pragma: no cover - match_examples is best effort
+            label = None
     if isinstance(e, UnexpectedCharacters):
         got = f"unexpected character {text[e.pos_in_stream]!r}" if e.pos_in_stream < len(text) else "unexpected input"
         expected = _friendly_expected(e.allowed or ())
@@ -122,8 +135,9 @@ def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> PatternError:
         got = "unexpected end of file" if tok.type == "$END" else f"unexpected {tok.value!r}"
         expected = _friendly_expected(getattr(e, "accepts", None) or e.expected or ())
     line, column = e.line, e.column
-    if line is None or line < 1:  # EOF: point just after the last character
-        lines = text.splitlines() or [""]
+    at_end = isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END")
+    if at_end or line is None or line < 1:  # end of file: point just after the last character
+        lines = text.rstrip().splitlines() or [""]
         line, column = len(lines), len(lines[-1]) + 1
     message = got if label is None else f"{got}: {label}"
     err = PatternError(format_message(filename, text, line, column, message, expected))
