@@ -123,7 +123,7 @@ def _step_lines(n: int, tag: str, step: Step, plan: Plan) -> list[str]:
 
 
 def to_text(seq, plan: Plan, dtype_src: str = "given", target_src: str = "given", backend: str = "auto") -> str:
-    out = [f"fusion {_version()} plan of a Sequential of {len(plan.ops)} ops (backend={backend!r})",
+    out = [f"fusion {_version()} plan of a Sequential of {_n(len(plan.ops), 'op')} (backend={backend!r})",
            f"planned for: dtype {plan.dtype} ({dtype_src}), target {plan.target or 'cpu'} ({target_src})"]
     if plan.patterns:
         files = []

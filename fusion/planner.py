@@ -9,6 +9,7 @@ so loading patterns (which changes `fusion_patterns()`) gives new plans. `clear_
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Sequence
 
@@ -21,11 +22,13 @@ from fusion.plan import Fallback, OpAttempt, OpInfo, Plan, Step
 
 _CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _CACHE_SIZE = 256
+_LOCK = threading.Lock()
 _GEMM_PARTS = ("dgrad", "wgrad")
 
 
 def clear_cache() -> None:
-    _CACHE.clear()
+    with _LOCK:
+        _CACHE.clear()
 
 
 # -- the pattern library -----------------------------------------------------------------------------------------
@@ -90,14 +93,19 @@ def _cached(seq, dtype: str, target: str | None, lib: tuple, note: str | None, r
     ops = list(seq.ops if hasattr(seq, "ops") else seq)
     key = (tuple(op.spec.signature() for op in ops), dtype, target, reason,
            tuple(id(p) for p in lib))
-    hit = _CACHE.get(key)
-    if hit is not None:
-        _CACHE.move_to_end(key)
-        return hit[1]
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit[1]
     plan = build_plan(seq, dtype, target, lib, note=note, reason=reason)
-    _CACHE[key] = (lib, plan)  # keep the patterns alive: their ids stay unique while cached
-    if len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:  # planned concurrently: keep the first, so callers share one object
+            return hit[1]
+        _CACHE[key] = (lib, plan)  # keep the patterns alive: their ids stay unique while cached
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
     return plan
 
 
