@@ -244,11 +244,19 @@ def test_error_rows_for_columnwise():
     assert q.columnwise_data is None and q.columnwise_scale is None
 
 
-@pytest.mark.parametrize("x", [torch.ones(64, 64, dtype=torch.float64), torch.ones(64, 64, dtype=torch.int32),
+@pytest.mark.parametrize("x", [torch.ones(64, 64, dtype=torch.int32),
                                torch.tensor(1.0)])
 def test_error_dtype_and_rank(x):
     with pytest.raises(QuantizationError, match="QuantizeMXFP8"):
         quantize_mxfp8(x)
+
+
+def test_float64_is_rounded_to_float32_first():
+    x = torch.randn(64, 64, dtype=torch.float64)
+    q = quantize_mxfp8(x)
+    ref = quantize_mxfp8(x.float())
+    assert q.dtype == torch.float64 and torch.equal(q.data, ref.data) and torch.equal(q.scale, ref.scale)
+    assert torch.equal(q.dequantize(), ref.dequantize().double())
 
 
 def test_empty_rows():

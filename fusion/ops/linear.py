@@ -10,22 +10,11 @@ from fusion.ops.base import Op, OpSpec, RunContext, shape_error
 
 
 def as_high_precision(x: torch.Tensor) -> torch.Tensor:
-    """A quantized input (QuantizedTensor) is consumed as its exact dequantized value on the reference path."""
-    if hasattr(x, "dequantize") and getattr(x, "is_quantized_tensor", False):
-        return _Dequantize.apply(x)
-    return x
+    """A quantized input (QuantizedTensor) is consumed as its exact dequantized value on the reference path;
+    the gradient passes straight through to the quantize op."""
+    from fusion.quant import dequantize
 
-
-class _Dequantize(torch.autograd.Function):
-    """Dequantize with a straight-through gradient, whatever the quantized type does under autograd."""
-
-    @staticmethod
-    def forward(ctx, q):
-        return q.dequantize()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
+    return dequantize(x)
 
 
 class GroupLinear(Op):

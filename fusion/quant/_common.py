@@ -6,7 +6,9 @@ import torch
 
 from .errors import QuantizationError
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: float64 is accepted for reference computations (gradcheck, float64 baselines): it is rounded to float32
+#: first, and the QuantizedTensor dequantizes back to float64 (every quantized value is exact there).
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def check_input(x: torch.Tensor, op_name: str, fmt_name: str, block: int, columnwise: bool):
@@ -16,7 +18,7 @@ def check_input(x: torch.Tensor, op_name: str, fmt_name: str, block: int, column
     if x.dtype not in SUPPORTED_DTYPES:
         raise QuantizationError(
             f"{op_name}: input dtype {x.dtype} is not supported; {fmt_name} quantizes float32, "
-            f"bfloat16 or float16 tensors (cast the input first)")
+            f"bfloat16, float16 (or float64, rounded to float32 first) tensors (cast the input first)")
     if x.dim() == 0:
         raise QuantizationError(
             f"{op_name}: cannot quantize a 0-dim tensor; {fmt_name} needs at least one dim whose "
@@ -39,7 +41,7 @@ def check_input(x: torch.Tensor, op_name: str, fmt_name: str, block: int, column
 
 
 def to_2d_float32(x: torch.Tensor, M: int, K: int) -> torch.Tensor:
-    """``x`` as a contiguous float32 (M, K) tensor (exact for bf16/fp16)."""
+    """``x`` as a contiguous float32 (M, K) tensor (exact for bf16/fp16; float64 is rounded)."""
     return x.detach().reshape(M, K).to(torch.float32).contiguous()
 
 
