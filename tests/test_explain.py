@@ -31,7 +31,10 @@ def check_golden(name: str, text: str):
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
+def _fresh(monkeypatch):
+    # unfused GEMM steps name torch._grouped_mm where this torch has it: keep expected texts independent of it
+    monkeypatch.setattr(torch, "_grouped_mm", getattr(torch, "_grouped_mm", None) or (lambda *a, **k: None),
+                        raising=False)
     clear_cache()
     yield
     clear_cache()

@@ -10,7 +10,10 @@ from test_matcher_support import demo_block, demo_patterns, el, pat
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache():
+def _fresh_cache(monkeypatch):
+    # unfused GEMM steps name torch._grouped_mm where this torch has it: keep expected texts independent of it
+    monkeypatch.setattr(torch, "_grouped_mm", getattr(torch, "_grouped_mm", None) or (lambda *a, **k: None),
+                        raising=False)
     clear_cache()
     yield
     clear_cache()
