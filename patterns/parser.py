@@ -244,10 +244,10 @@ class _ToAst(Transformer):
         return A.Value("ref", f"{ch[0]}.{ch[1]}", self._tok_loc(ch[0]))
 
     def number_value(self, meta, ch):
-        return A.Value("number", _number(ch[0]), self._tok_loc(ch[0]))
+        return A.Value("number", _field_number(ch[0]), self._tok_loc(ch[0]))
 
     def neg_number_value(self, meta, ch):
-        return A.Value("number", -_number(ch[0]), self._loc(meta))
+        return A.Value("number", -_field_number(ch[0]), self._loc(meta))
 
     def string_value(self, meta, ch):
         return A.Value("string", str(ch[0])[1:-1], self._tok_loc(ch[0]))
@@ -311,6 +311,12 @@ class _ToAst(Transformer):
 
 def _is_int_literal(s: str) -> bool:
     return s.isdigit()
+
+
+def _field_number(tok) -> int | float:
+    """Field values keep integer literals as ints (priority = 7, option tile_n = 128)."""
+    s = str(tok)
+    return int(s) if s.isdigit() else float(s)
 
 
 def _number(tok) -> float:

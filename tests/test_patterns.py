@@ -96,7 +96,7 @@ def test_fusion_pattern_fields():
     assert isinstance(p, A.FusionPattern)
     assert (p.name, p.kernel, p.direction) == ("my_pattern", "grouped_gemm", "backward")
     assert (p.arch_min, p.arch_max, p.dtypes, p.priority) == (90, 100, ("bfloat16",), 7)
-    assert p.options == {"tile_n": 128, "note": "free text"}
+    assert p.options == {"tile_n": 128, "note": "free text"} and isinstance(p.options["tile_n"], int)
     assert [(e.label, e.ops, e.optional) for e in p.chain] == [
         ("bias", ("Bias",), True), ("act", ("activation", "SwiGLU"), False), ("scale", ("Scale",), True),
         ("gemm", ("GroupLinear", "Linear"), False)]
