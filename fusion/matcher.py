@@ -5,6 +5,7 @@ element binds the next op if the op's name or kind is listed (`optional` element
 op has several data consumers (a DAG), the walk branches. Every structurally possible binding is then
 checked, largest first, against:
 
+  0. kernel template  the pattern's kernel template runs in this build (fusion/runtime/templates.py)
   1. dtype            the pattern's `dtypes` contains the plan's dtype
   2. arch             the target's arch number lies in [arch_min, arch_max]
   3. predicates       every `where` of every bound element holds on the op's attrs (+ dtype, op, kind and
@@ -252,6 +253,11 @@ def _predicate_failure(pred, env: dict, g: nx.DiGraph, node: tuple) -> str | Non
 
 def _check(g: nx.DiGraph, pattern, binding, dtype: str, target: str | None, arch: int | None) -> str | None:
     """The first failing check of one structural binding, or None."""
+    from fusion.runtime.templates import unavailable
+
+    missing = unavailable(pattern.kernel)
+    if missing:
+        return missing
     dtypes = tuple(getattr(pattern, "dtypes", ()) or ())
     if dtype not in dtypes:
         return f"dtype {dtype} not in ({', '.join(dtypes)})"

@@ -15,6 +15,8 @@ from fusion.explain import explain
 from fusion.planner import clear_cache
 from test_matcher_support import demo_block, demo_patterns
 
+pytestmark = pytest.mark.usefixtures("all_templates_available")
+
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 UPDATE = os.environ.get("FUSION_UPDATE_GOLDEN") == "1"
 

@@ -7,6 +7,8 @@ from fusion.graph import add_input, add_op, add_output, build_graph, connect
 from fusion.matcher import arch_of, attempt, dtype_name, format_loc, match_all, resolve
 from test_matcher_support import E, Pred, SourceLoc, align64, demo_block, demo_patterns, el, pat
 
+pytestmark = pytest.mark.usefixtures("all_templates_available")
+
 GEMM = ("GroupLinear", "Linear")
 
 

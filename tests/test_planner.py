@@ -8,6 +8,8 @@ from fusion.grouped import HOST_SYNC_NOTE
 from fusion.planner import clear_cache, plan_for, plan_for_run
 from test_matcher_support import demo_block, demo_patterns, el, pat
 
+pytestmark = pytest.mark.usefixtures("all_templates_available")
+
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):

@@ -7,6 +7,8 @@ from fusion import Bias, Clamp, GeGLU, GroupLinear, Linear, QuantizeMXFP8, Quant
 from fusion.planner import clear_cache, plan_for
 from test_matcher_support import demo_block
 
+pytestmark = pytest.mark.usefixtures("all_templates_available")
+
 registry = pytest.importorskip("fusion.patterns.registry")
 
 
@@ -48,10 +50,20 @@ def test_moe_demo_block(dtype, target):
 
 def test_gemm_quantize_family():
     # (1) GEMM + Quantize: a GEMM whose output is quantized for the next one
-    seq = fusion.Sequential(GroupLinear(8, 1024, 2048, device="meta"), QuantizeNVFP4(),
+    seq = fusion.Sequential(GroupLinear(8, 1024, 2048, device="meta"), QuantizeMXFP8(),
                             GroupLinear(8, 2048, 1024, device="meta"))
     plan = plan_for(seq)
     assert fused(plan) == [("gemm_quantize", (0, 1)), ("gemm_bias_scale", (2,))]
+
+
+def test_nvfp4_quantize_is_not_fused_and_says_why():
+    # The sm_90 epilogue has no NVFP4 store: the pattern library does not list it, and explain() says so.
+    seq = fusion.Sequential(GroupLinear(8, 1024, 2048, device="meta"), QuantizeNVFP4(),
+                            GroupLinear(8, 2048, 1024, device="meta"))
+    plan = plan_for(seq)
+    assert fused(plan) == [("gemm_bias_scale", (0,)), ("gemm_bias_scale", (2,))]
+    (fallback,) = [f for f in plan.fallbacks if f.direction == "forward"]
+    assert fallback.op == 1 and any("QuantizeNVFP4(columnwise=True) is not" in r for r in fallback.reasons)
 
 
 def test_dense_geglu_bias_clamp():
