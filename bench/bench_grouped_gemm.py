@@ -102,26 +102,33 @@ def main():
         epi = K.SwiGLUScaleEpilogue()
         cfgs = [K.choose_config(M, N2, Kd, G, True)]
         if args.configs:
-            cfgs = [K.GemmConfig(tile_n=int(c.split(":")[0]), stages=int(c.split(":")[1].rstrip("d")),
-                                 dynamic=c.endswith("d")) for c in args.configs.split(",")]
+            # tile_n:stages[p][d]  (p: pingpong, d: dynamic scheduler), e.g. 256:4,192:5p,192:5pd
+            cfgs = []
+            for c in args.configs.split(","):
+                tn, rest = c.split(":")
+                st = int(rest.rstrip("pd"))
+                flags = rest[len(str(st)):]
+                cfgs.append(K.GemmConfig(tile_n=int(tn), stages=st, dynamic="d" in flags, pingpong="p" in flags))
         best = None
         for cfg in cfgs:
-            if N2 % cfg.tile_n:
+            if N2 % cfg.tile_n and not cfg.pingpong:
                 continue
             comp = K.compile_grouped_gemm(cfg, epi, "bfloat16", N2, Kd, G)
             f = lambda: K.run_grouped_gemm(comp, A, Wi, offs, {"out": out}, {"scale": scale})
             f()
             t = bench(f)
-            print(f"  ours {cfg.tile_n}:{cfg.stages}{'d' if cfg.dynamic else ''} {t:.3f} ms", flush=True)
+            print(f"  ours {cfg.tile_n}:{cfg.stages}{'p' if cfg.pingpong else ''}{'d' if cfg.dynamic else ''}"
+                  f" {t:.3f} ms", flush=True)
             if best is None or t < best[0]:
-                best = (t, cfg)
+                best = (t, cfg, comp)
         r["ours"] = best[0]
-        r["cfg"] = f"{best[1].tile_m}x{best[1].tile_n}x{best[1].tile_k}s{best[1].stages}"
+        r["cfg"] = (f"{best[1].tile_m}x{best[1].tile_n}x{best[1].tile_k}s{best[1].stages}"
+                    + ("p" if best[1].pingpong else "") + ("d" if best[1].dynamic else ""))
         # correctness spot check against the unfused result
         h = torch._grouped_mm(A, W.transpose(-2, -1), offs=offs_end).float()
         g_, u_ = h.chunk(2, -1)
         ref = torch.nn.functional.silu(g_) * u_ * scale[:, None]
-        K.run_grouped_gemm(comp, A, Wi, offs, {"out": out}, {"scale": scale})
+        K.run_grouped_gemm(best[2], A, Wi, offs, {"out": out}, {"scale": scale})
         r["err"] = ((out.float() - ref).norm() / ref.norm()).item()
         r["flops"] = flops
         rows.append(r)

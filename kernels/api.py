@@ -37,6 +37,8 @@ class GemmConfig:
     persistent: bool = True  # False: one CTA per tile (grid = number of tiles upper bound)
     dynamic: bool = False    # dynamic (atomic counter) tile scheduler
     sm_margin: int = 0       # leave this many SMs free
+    pingpong: bool = False   # 2 consumer warpgroups alternate whole tiles (epilogue overlaps the other's
+                             # mainloop); each holds a tile_m x tile_n fp32 accumulator (tile_n <= 192)
 
 
 def _max_stages(tile_m, tile_n, tile_k, elem_bytes=2, smem=227 * 1024, reserve=1024):
@@ -165,7 +167,7 @@ class CompiledGroupedGemm:
         self.max_stack_size = info.get("max_stack_size", 0)
         self.name = f"grouped_gemm_{type(epilogue).__name__}_{dtype}_N{N}_K{K}_G{G}_" \
                     f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}" + \
-                    ("_dyn" if config.dynamic else "")
+                    ("_dyn" if config.dynamic else "") + ("_pp" if getattr(config, "pingpong", False) else "")
         self._sass = None
         self._counter = {}
 
