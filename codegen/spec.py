@@ -111,6 +111,9 @@ def spec_from_ops(ops) -> EpilogueSpec:
             stages.append(Stage("quant_mxfp8", i, (spec.attrs["columnwise"],)))
         else:
             raise Unsupported(f"{op.describe()}: no epilogue stage for a {spec.kind} op")
+    # The backward recomputes the epilogue from the GEMM output only when a stage's gradient depends on its
+    # input (activation, clamp mask, d scale); a bias or a constant scale needs nothing saved.
+    needs_input = any(s.kind in ("act", "clamp", "scale_row") for s in stages)
     if gated and feats % 8:
         raise Unsupported(f"gated output width {feats} is not a multiple of 8 (the gate/up interleave block)")
-    return EpilogueSpec(gated=gated, stages=tuple(stages), out_features=feats)
+    return EpilogueSpec(gated=gated, stages=tuple(stages), out_features=feats, save_preactivation=needs_input)

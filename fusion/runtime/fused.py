@@ -8,15 +8,18 @@ defines them; the GEMM's dgrad and wgrad then run as grouped matmuls.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import torch
 
-from fusion.codegen.cache import load_generated, source_key
 from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import EpilogueSpec, spec_from_ops
 from fusion.grouped import _dgrad, _wgrad, grouped_mm_method, row_group_index
 from fusion.ops.base import RunContext
+
+#: Debugging aid (tests set it): fill kernel outputs with NaN before each launch.
+POISON_OUTPUTS = os.environ.get("FUSION_POISON_OUTPUTS") == "1"
 
 #: A fixed row estimate per group for the tile heuristic: kernels must not depend on the row count, so one
 #: compile serves every batch (API.md).
@@ -41,6 +44,7 @@ class FusedForwardStep:
         self.spec_infer = dataclasses.replace(self.spec_train, save_preactivation=False)
         self.origin = f"pattern {step.pattern} [{step.pattern_loc}], ops {list(step.ops)}"
         self._packed: tuple | None = None
+        self._compiled: dict = {}
         self._lock = threading.Lock()
 
     # -- code ---------------------------------------------------------------------------------------------
@@ -50,21 +54,29 @@ class FusedForwardStep:
     def source(self, train: bool) -> str:
         return epilogue_source(self.spec(train), origin=self.origin)
 
-    def epilogue(self, train: bool):
-        source = self.source(train)
-        return load_generated(source, "GeneratedEpilogue", source_key(source))()
-
     def weight_shape(self) -> tuple[int, int, int]:
         w = self.gemm.weight
         return tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
 
-    def compile(self, dtype: torch.dtype, train: bool, target: str = "sm_90a"):
-        """The compiled kernel (cached in memory by the kernel library; needs no GPU)."""
-        k = _kernels()
+    def job(self, dtype: torch.dtype, train: bool, target: str = "sm_90a", label: str = "step"):
+        """The compile job of this step's kernel (plain data; see fusion.runtime.compile)."""
+        from fusion.runtime.compile import KernelJob
+
         G, N, K = self.weight_shape()
-        epilogue = self.epilogue(train)
-        config = k.choose_config(ROWS_PER_GROUP_ESTIMATE * G, N, K, G, epilogue.gated)
-        return k.compile_grouped_gemm(config, epilogue, str(dtype).removeprefix("torch."), N, K, G, target=target)
+        config = _kernels().choose_config(ROWS_PER_GROUP_ESTIMATE * G, N, K, G, self.spec_train.gated)
+        return KernelJob(step=label, variant="train" if train else "inference", source=self.source(train),
+                         config=dataclasses.astuple(config), dtype=str(dtype).removeprefix("torch."),
+                         N=N, K=K, G=G, target=target)
+
+    def compile(self, dtype: torch.dtype, train: bool, target: str = "sm_90a"):
+        """The runnable kernel: from memory, the disk cache, or compiled now (needs no GPU)."""
+        from fusion.runtime.compile import load_compiled
+
+        key = (dtype, train, target)
+        hit = self._compiled.get(key)
+        if hit is None:
+            hit = self._compiled[key] = load_compiled(self.job(dtype, train, target))
+        return hit
 
     # -- data ---------------------------------------------------------------------------------------------
     def packed_weight(self) -> torch.Tensor:
@@ -117,6 +129,9 @@ class FusedForwardStep:
                 outs[slot.scale_name] = torch.empty(M, cols // 32, dtype=torch.uint8, device=x.device)
             else:
                 outs[slot.name] = torch.empty(M, cols, dtype=x.dtype, device=x.device)
+        if POISON_OUTPUTS:
+            for t in outs.values():
+                t.view(torch.uint8).fill_(0xFF)  # NaN in every float format: unwritten elements show up
         k.run_grouped_gemm(compiled, x.contiguous(), self.packed_weight(), self.offsets(x, ctx), outs,
                            self._extras(spec, ctx, G))
         return outs
@@ -149,7 +164,9 @@ class FusedForwardStep:
 
     def backward(self, ctx: RunContext, grad: torch.Tensor, x: torch.Tensor, pre: torch.Tensor, needs: tuple):
         """Gradients of (x, *grad_inputs) from the saved pre-activation; see the module docstring."""
-        if self.spec_train.gated:
+        if pre is None:  # no stage's gradient depends on the GEMM output (see spec_from_ops)
+            pre = grad.new_zeros(grad.shape[0], self.weight_shape()[1])
+        elif self.spec_train.gated:
             pre = _kernels().deinterleave_gated(pre, dim=-1)
         targets = self.grad_inputs(ctx)
         weight = self.gemm.weight
@@ -184,7 +201,7 @@ class _FusedForwardFunction(torch.autograd.Function):
     def forward(ctx, step: FusedForwardStep, rctx: RunContext, train: bool, x, *tensors):
         outs = step.launch(x, rctx, train)
         if train:
-            ctx.save_for_backward(x, outs["pre"])
+            ctx.save_for_backward(x, outs.get("pre"))
             ctx.step, ctx.rctx = step, rctx
         return step.wrap_output(outs, x)
 
