@@ -29,6 +29,7 @@ from cutlass._mlir.dialects import llvm
 from .epilogue import Epilogue, RowVector, GroupVector, AuxInput, Output, MXFP8Output
 
 _BIG = 1 << 30
+_PP_BAR = 8      # named barriers 8, 9: pingpong mainloop order (warpgroup 0, 1)
 _EPI_BATCH = 8  # 8-column chunks per epilogue batch (see _epilogue)
 
 _DTYPES = {
@@ -345,6 +346,10 @@ class GroupedGemmKernel:
             base = Int32(0)
             cnt = self._group_tiles(mOffs, g, G, n_tiles)
             g, base, cnt = self._advance(mOffs, tile_id, g, base, cnt, G, n_tiles)
+            if const_expr(self.pingpong):
+                if cwg == 0:
+                    # warpgroup 0 goes first: pre-arrive on its own mainloop barrier
+                    cute.arch.barrier_arrive(barrier_id=_PP_BAR, number_of_threads=256)
             while g < G:
                 local = tile_id - base
                 mt = cnt // n_tiles
@@ -355,6 +360,11 @@ class GroupedGemmKernel:
                 row0 = row_start + m_idx * self.tile_m
 
                 # ---- mainloop
+                if const_expr(self.pingpong):
+                    # wait for the other warpgroup to have issued its whole mainloop: tensor cores go to
+                    # one warpgroup at a time, and every smem stage of this tile then has its previous
+                    # fill consumed (mbarrier parity waits can only tell adjacent phases apart)
+                    cute.arch.barrier(barrier_id=_PP_BAR + cwg, number_of_threads=256)
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.fence()
@@ -374,6 +384,8 @@ class GroupedGemmKernel:
                     ab_pipe.consumer_release(rel_state)
                     rel_state.advance()
                     read_state.advance()
+                if const_expr(self.pingpong):
+                    cute.arch.barrier_arrive(barrier_id=_PP_BAR + 1 - cwg, number_of_threads=256)
                 warpgroup.wait_group(0)
                 ab_pipe.consumer_release(rel_state)
                 rel_state.advance()
