@@ -1,0 +1,116 @@
+"""CI compiles every kernel the built-in pattern library instantiates for the demo blocks and a matrix of
+dtypes and epilogues, for sm_90a on a machine without a GPU, and checks each cubin's SASS."""
+import os
+import re
+
+import pytest
+import torch
+
+import fusion
+from fusion import (Activation, Bias, Clamp, GeGLU, GroupLinear, Linear, QuantizeMXFP8, Scale, Sequential, SReLU,
+                    SwiGLU)
+
+pytestmark = pytest.mark.slow
+
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper block may use
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _private_cache(tmp_path_factory):
+    """A fresh kernel cache: every kernel really compiles here."""
+    old = os.environ.get("FUSION_CACHE_DIR")
+    os.environ["FUSION_CACHE_DIR"] = str(tmp_path_factory.mktemp("fusion-cache"))
+    yield
+    if old is None:
+        os.environ.pop("FUSION_CACHE_DIR")
+    else:
+        os.environ["FUSION_CACHE_DIR"] = old
+
+
+def check_sass(kernel):
+    from fusion.kernels import sass_text
+
+    sass = sass_text(kernel.cubin)
+    assert "HGMMA" in sass, f"{kernel.name}: no wgmma (HGMMA) in the SASS"
+    spills = re.findall(r"\b(LDL|STL)\b", sass)
+    assert not spills, f"{kernel.name}: {len(spills)} local-memory loads/stores (register spills)"
+    assert kernel.registers is not None and kernel.registers <= 255
+    assert 0 < kernel.shared_memory_bytes <= SMEM_LIMIT
+    assert kernel.ptx.lstrip().startswith("//") and ".target sm_90a" in kernel.ptx
+
+
+def demo_blocks(dtype):
+    from fusion.demo import DEEPSEEK_LIKE, GPT_OSS_LIKE, build_block
+
+    return [build_block(shape, dtype, "meta") for shape in (GPT_OSS_LIKE, DEEPSEEK_LIKE)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_demo_blocks_compile_for_sm90a(dtype):
+    for block in demo_blocks(dtype):
+        kernels = block.compile(dtype=dtype, target="sm_90a")
+        # FC1+SwiGLU+Scale+QuantizeMXFP8 and FC2, each in a training and an inference variant.
+        assert len(kernels) == 4, [k.name for k in kernels]
+        for k in kernels:
+            check_sass(k)
+
+
+def epilogue_matrix():
+    E, d, f = 4, 256, 256
+    cases = {
+        "swiglu-scale-mxfp8": [GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), QuantizeMXFP8()],
+        "geglu-bias-clamp": [GroupLinear(E, d, 2 * f, bias=True), GeGLU(), Clamp(-4.0, 4.0), Bias(f, num_groups=E)],
+        "srelu-const-scale": [GroupLinear(E, d, f), SReLU(), Scale(value=0.5)],
+        "gemm-mxfp8": [GroupLinear(E, d, f), QuantizeMXFP8(columnwise=False)],
+        "dense-gelu": [Linear(d, f, bias=True), Activation("gelu_tanh")],
+    }
+    for name in ("gptoss_swiglu", "reglu", "geglu_erf", "silu", "relu", "xielu"):
+        gated = fusion.patterns.registry.get_activation(name).gated
+        cases[name] = [GroupLinear(E, d, (2 if gated else 1) * f), Activation(name)]
+    return cases
+
+
+@pytest.mark.parametrize("case", sorted(epilogue_matrix()))
+def test_epilogue_matrix_compiles(case):
+    block = Sequential(*epilogue_matrix()[case]).to("meta")
+    kernels = block.compile(dtype=torch.bfloat16, target="sm_90a")
+    assert kernels
+    for k in kernels:
+        check_sass(k)
+
+
+def test_regenerating_a_plan_gives_the_same_cache_key():
+    from fusion.runtime.compile import plan_jobs
+
+    a = plan_jobs(demo_blocks(torch.bfloat16)[0], torch.bfloat16)
+    b = plan_jobs(demo_blocks(torch.bfloat16)[0], torch.bfloat16)  # a new block: everything regenerated
+    assert [j.key for j in a] == [j.key for j in b]
+    assert len({j.key for j in a}) == len(a)  # train and inference variants differ
+
+
+def test_second_compile_loads_from_the_disk_cache(monkeypatch):
+    from fusion.runtime import compile as aot
+
+    block = Sequential(GroupLinear(2, 128, 256), SwiGLU()).to("meta")
+    first = block.compile(dtype=torch.bfloat16)
+    monkeypatch.setattr(aot, "compile_to_disk", lambda job: pytest.fail("compiled again"))
+    again = Sequential(GroupLinear(2, 128, 256), SwiGLU()).to("meta").compile(dtype=torch.bfloat16)
+    assert [k.key for k in first] == [k.key for k in again] and [k.cubin for k in first] == [k.cubin for k in again]
+
+
+def test_cached_object_file_loads_as_a_runnable_function():
+    """The exported object reloads (in this process: no GPU is needed to load it, only to launch it)."""
+    from fusion.runtime.compile import _LOADED, load_compiled, plan_jobs
+
+    block = Sequential(GroupLinear(2, 128, 256), SwiGLU(), Scale()).to("meta")
+    block.compile(dtype=torch.bfloat16)
+    job = plan_jobs(block, torch.bfloat16)[0]
+    _LOADED.pop(job.key, None)
+    compiled = load_compiled(job)
+    assert compiled.fn is not None and compiled.cubin and compiled.ptx
+
+
+def test_only_sm90a_is_a_target():
+    block = Sequential(GroupLinear(2, 128, 256), SwiGLU()).to("meta")
+    with pytest.raises(fusion.CompileError, match="sm_90a"):
+        block.compile(dtype=torch.bfloat16, target="sm_100a")
