@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fusion
+from fusion.patterns.registry import get_activation
 from fusion import (Activation, Bias, Clamp, GeGLU, GroupLinear, Linear, QuantizeMXFP8, Scale, Sequential, SReLU,
                     SwiGLU)
 
@@ -65,7 +66,7 @@ def epilogue_matrix():
         "dense-gelu": [Linear(d, f, bias=True), Activation("gelu_tanh")],
     }
     for name in ("gptoss_swiglu", "reglu", "geglu_erf", "silu", "relu", "xielu"):
-        gated = fusion.patterns.registry.get_activation(name).gated
+        gated = get_activation(name).gated
         cases[name] = [GroupLinear(E, d, (2 if gated else 1) * f), Activation(name)]
     return cases
 

@@ -2,9 +2,14 @@
 reference implementation."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from fusion.sequential import make_context
+
+#: Run-time objects of fused steps per block, outside the module so copies and state_dicts never carry them.
+_FUSED_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def device_target(device: torch.device) -> str | None:
@@ -20,7 +25,7 @@ def fused_step(seq, step):
     and the repacked weight)."""
     from fusion.runtime.fused import FusedForwardStep
 
-    cache = seq.__dict__.setdefault("_fused_steps", {})
+    cache = _FUSED_STEPS.setdefault(seq, {})
     if step not in cache:
         cache[step] = FusedForwardStep(seq, step)
     return cache[step]
