@@ -49,11 +49,8 @@ from fusion.kernels import epilogue as _epi
 def _slot_declarations(spec: EpilogueSpec, backward: bool) -> tuple[list[str], list[str], list[str]]:
     """(apply's parameter names after the accumulator, input declarations, output declarations)."""
     params, inputs = [], []
-    if backward:
-        if spec.gated:
-            params += ["gate", "up"]
-        else:
-            params += ["x"]
+    if backward and spec.save_preactivation:  # the backward reads the forward's GEMM output
+        params += ["gate", "up"] if spec.gated else ["x"]
         inputs.append(f'_epi.AuxInput("pre", paired={spec.gated})')
     for name, paired in spec.group_inputs:
         inputs.append(f'_epi.GroupVector("{name}", paired={paired})')
@@ -63,6 +60,7 @@ def _slot_declarations(spec: EpilogueSpec, backward: bool) -> tuple[list[str], l
         params.append(f"scale_{name}")
     if backward:
         outputs = [f'_epi.Output("dpre", paired={spec.gated})']
+        outputs += [f'_epi.Output("dscale_{name}")' for name in spec.row_inputs]
     else:
         # A quantized output also comes in high precision: the columnwise (32-row block) copy and the
         # per-tensor amax are computed from it (a row block spans tiles of different groups).
@@ -78,8 +76,9 @@ def epilogue_source(spec: EpilogueSpec, backward: bool = False, origin: str = "a
     params, inputs, outputs = _slot_declarations(spec, backward)
     if backward:
         acc_args = ["dy"]
-        exprs = list(backward_math(spec))
-        out_names = ["dpre_gate", "dpre_up"] if spec.gated else ["dpre"]
+        grads, terms = backward_math(spec)
+        exprs = [*grads, *(terms[name] for name in spec.row_inputs)]
+        out_names = (["dpre_gate", "dpre_up"] if spec.gated else ["dpre"]) + [f"dscale_{n}" for n in spec.row_inputs]
     else:
         acc_args = ["gate", "up"] if spec.gated else ["x"]
         exprs = [forward_math(spec)]

@@ -92,8 +92,10 @@ def forward_math(spec: EpilogueSpec) -> Expr:
     return simplify(y if y is not None else acts[0])
 
 
-def backward_math(spec: EpilogueSpec, dy: Expr = Var("dy")) -> tuple[Expr, ...]:
-    """d(output)/d(pre-activation) * dy for each accumulator half, walking the stages backwards.
+def backward_math(spec: EpilogueSpec, dy: Expr = Var("dy")) -> tuple[tuple[Expr, ...], dict[str, Expr]]:
+    """(d(output)/d(pre-activation) * dy for each accumulator half, {row scale name: per-element term}),
+    walking the stages backwards. A per-row scale's gradient is the row sum of its term (dy at the scale
+    times the value it scaled), which the caller reduces.
 
     The activation's gradient is its declaration's (`grad(arg) = ...` when the file gives one, else
     derived), so a user-written derivative is what the kernel runs. Quantization passes gradients straight
@@ -106,7 +108,7 @@ def backward_math(spec: EpilogueSpec, dy: Expr = Var("dy")) -> tuple[Expr, ...]:
         values.append(y)
         if stage.kind not in SKIPPED:
             y = stage_forward(stage, y, acts)
-    g = dy
+    g, terms = dy, {}
     for stage, before in reversed(list(zip(spec.stages, values))):
         before = before if before is not None else acts[0]
         if stage.kind == "clamp":
@@ -118,6 +120,7 @@ def backward_math(spec: EpilogueSpec, dy: Expr = Var("dy")) -> tuple[Expr, ...]:
                 inside = where(cmp("<=", before, Num(hi)), inside, Num(0.0))
             g = g * inside
         elif stage.kind == "scale_row":
+            terms[stage.args[0]] = simplify(g * before)
             g = g * Var(f"scale_{stage.args[0]}")
         elif stage.kind == "scale_const":
             g = g * Num(stage.args[0])
@@ -125,6 +128,7 @@ def backward_math(spec: EpilogueSpec, dy: Expr = Var("dy")) -> tuple[Expr, ...]:
             definition, params = _activation(stage)
             mapping = {Var(a): v for a, v in zip(definition.args, acts)}
             mapping[Var("dy")] = g
-            return tuple(simplify(_bind_params(substitute(definition.grad_exprs[a], mapping), params))
-                         for a in definition.args)
-    return tuple(simplify(g) for _ in acts)
+            grads = tuple(simplify(_bind_params(substitute(definition.grad_exprs[a], mapping), params))
+                          for a in definition.args)
+            return grads, terms
+    return tuple(simplify(g) for _ in acts), terms

@@ -31,6 +31,13 @@ def fused_step(seq, step):
     return cache[step]
 
 
+def _needs_backward(seq, x, ctx) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return (x.requires_grad or any(p.requires_grad for p in seq.parameters())
+            or any(t.requires_grad for t in ctx.extra.values()))
+
+
 def execute(seq, x: torch.Tensor, extra: dict):
     """Run `seq` on x by the plan for x's device and dtype (see fusion.planner.plan_for_run)."""
     from fusion.planner import plan_for_run
@@ -44,6 +51,10 @@ def execute(seq, x: torch.Tensor, extra: dict):
         for op in seq.ops:
             x = op.reference(x, ctx)
         return x
+    if _needs_backward(seq, x, ctx) and any(step.fused for step in plan.backward):
+        from fusion.runtime.backward import run_block
+
+        return run_block(seq, plan, x, ctx)
     from fusion.runtime.fused import run_fused_forward
 
     for step in plan.forward:

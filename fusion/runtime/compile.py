@@ -158,9 +158,11 @@ def artifact(job: KernelJob) -> CompiledKernel:
 
 # -- plans ------------------------------------------------------------------------------------------------------
 def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob]:
-    """One job per fused forward step and variant (training writes the pre-activation, inference does not)."""
+    """One job per fused forward step and variant (training writes the pre-activation, inference does not),
+    and one per fused backward step."""
     from fusion.planner import plan_for
     from fusion.runtime import fused_step
+    from fusion.runtime.backward import block_run
 
     plan = plan_for(seq, dtype=dtype, target=target)
     jobs = []
@@ -169,6 +171,10 @@ def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob
             runner = fused_step(seq, step)
             for train in (True, False):
                 jobs.append(runner.job(dtype, train, target, label=f"F{index}"))
+    if any(step.fused for step in plan.backward):
+        for index, (step, runner) in enumerate(block_run(seq, plan).backward_steps, start=1):
+            if runner is not None:
+                jobs.append(runner.job(dtype, target, label=f"B{index}"))
     return jobs
 
 

@@ -22,10 +22,9 @@ TEMPLATES: dict[str, KernelTemplate] = {
         KernelTemplate("grouped_gemm", "forward", True,
                        "persistent warp-specialized grouped GEMM (sm_90a, TMA + wgmma) with a generated epilogue "
                        "(kernels/grouped_gemm.py)"),
-        KernelTemplate("grouped_gemm_dgrad", "backward", False,
-                       "grouped dgrad GEMM whose epilogue applies the backward of the elementwise ops before it",
-                       "the fused backward runtime is not built yet: the backward recomputes the epilogue's "
-                       "reference from the saved act.in and runs the dgrad as torch._grouped_mm"),
+        KernelTemplate("grouped_gemm_dgrad", "backward", True,
+                       "the grouped GEMM template computing a dgrad (dy @ W[g]) whose generated epilogue applies "
+                       "the backward of the elementwise ops before the GEMM (fusion/runtime/backward.py)"),
     )
 }
 
