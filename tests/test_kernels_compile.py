@@ -2,17 +2,12 @@
 import importlib
 import os
 import re
-import sys
 
 import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-try:
-    import fusion.kernels as K
-except Exception:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    import kernels as K
+import fusion.kernels as K  # noqa: E402
 
 
 def _ops(sass):

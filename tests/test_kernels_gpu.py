@@ -1,7 +1,5 @@
 """GPU correctness of fusion.kernels' grouped GEMM (needs an sm_90 GPU; skipped otherwise)."""
 import importlib
-import os
-import sys
 
 import pytest
 import torch
@@ -16,11 +14,7 @@ def _hopper():
 if not _hopper():
     pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
 
-try:
-    import fusion.kernels as K
-except Exception:  # layout of the package may not be installed: import the folder directly
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    import kernels as K
+import fusion.kernels as K  # noqa: E402
 
 
 def _sizes(G, M, zeros=True, gen=None):
