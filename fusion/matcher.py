@@ -70,8 +70,10 @@ def _short_path(file: str) -> str:
 
     if not os.path.isabs(file):
         return file
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository / install root
-    pat_dir = os.path.join(here, "patterns")
+    import fusion.patterns
+
+    # Built-in pattern files are shown as patterns/NAME.fpat wherever the package lives (repo or install).
+    pat_dir = os.path.dirname(os.path.abspath(fusion.patterns.__file__))
     if file.startswith(pat_dir + os.sep):
         return "patterns/" + os.path.relpath(file, pat_dir).replace(os.sep, "/")
     try:

@@ -312,7 +312,9 @@ def _stopped_before(i: int, pattern, matches: list[Match], infos):
 
 def _fallbacks(infos, forward, backward, per_op: dict, patterns, reason: str | None) -> list[Fallback]:
     out = []
-    units = [(s.parts[0], "forward") for s in forward if not s.fused]
+    # A GEMM is never a fallback: unfused it runs the vendor grouped GEMM; what falls back is elementwise
+    # work that a pattern could have put in its epilogue (and that op is listed, with the reasons).
+    units = [(s.parts[0], "forward") for s in forward if not s.fused and infos[s.parts[0][0]].kind != "gemm"]
     units += [(s.parts[0], "backward") for s in backward if not s.fused and s.parts[0][1] == "backward"]
     for (i, part), direction in units:
         info = infos[i]

@@ -15,27 +15,21 @@ GATE_BLOCK = 8
 
 
 def interleave_gated_weight(w: torch.Tensor, dim: int = -2) -> torch.Tensor:
-    """(…, 2f, K) [gate; up] -> interleaved (…, 2f, K) along ``dim`` (default: the row dim of a weight)."""
+    """(…, 2f, K) [gate; up] -> interleaved (…, 2f, K) along ``dim`` (default: the row dim of a weight).
+
+    One permuting copy: view the dim as (2 halves, f/8 blocks, 8) and swap the first two."""
     dim = dim % w.dim()
     two_f = w.shape[dim]
     assert two_f % (2 * GATE_BLOCK) == 0, "2f must be a multiple of 16"
-    f = two_f // 2
-    gate, up = w.narrow(dim, 0, f), w.narrow(dim, f, f)
-    shp = list(gate.shape)
-    blk = shp[:dim] + [f // GATE_BLOCK, 1, GATE_BLOCK] + shp[dim + 1:]
-    gate = gate.reshape(blk)
-    up = up.reshape(blk)
-    out = torch.cat([gate, up], dim=dim + 1)
-    return out.reshape(shp[:dim] + [two_f] + shp[dim + 1:]).contiguous()
+    shp = list(w.shape)
+    x = w.reshape(shp[:dim] + [2, two_f // (2 * GATE_BLOCK), GATE_BLOCK] + shp[dim + 1:])
+    return x.transpose(dim, dim + 1).reshape(shp).contiguous()
 
 
 def deinterleave_gated(w: torch.Tensor, dim: int = -2) -> torch.Tensor:
-    """Inverse of :func:`interleave_gated_weight`."""
+    """Inverse of :func:`interleave_gated_weight` (one permuting copy)."""
     dim = dim % w.dim()
     two_f = w.shape[dim]
-    f = two_f // 2
     shp = list(w.shape)
-    x = w.reshape(shp[:dim] + [f // GATE_BLOCK, 2, GATE_BLOCK] + shp[dim + 1:])
-    gate = x.select(dim + 1, 0).reshape(shp[:dim] + [f] + shp[dim + 1:])
-    up = x.select(dim + 1, 1).reshape(shp[:dim] + [f] + shp[dim + 1:])
-    return torch.cat([gate, up], dim=dim).contiguous()
+    x = w.reshape(shp[:dim] + [two_f // (2 * GATE_BLOCK), 2, GATE_BLOCK] + shp[dim + 1:])
+    return x.transpose(dim, dim + 1).reshape(shp).contiguous()

@@ -103,8 +103,8 @@ def test_every_builtin_activation_fused_matches_reference(name, make, gated):
     lambda E, d, f: [GroupLinear(E, d, 2 * f, bias=True), SwiGLU(), Clamp(-0.5, 0.5), Scale()],
     lambda E, d, f: [GroupLinear(E, d, 2 * f), Bias(2 * f, num_groups=E), SwiGLU(), Scale(value=0.25), Bias(f)],
     lambda E, d, f: [GroupLinear(E, d, f), Clamp(min=0.0), Bias(f, num_groups=E)],
-    lambda E, d, f: [GroupLinear(E, d, f)],
-], ids=["bias-swiglu-clamp-scale", "prebias-swiglu-const-postbias", "clamp-groupbias", "plain"])
+    lambda E, d, f: [GroupLinear(E, d, f), Scale()],
+], ids=["bias-swiglu-clamp-scale", "prebias-swiglu-const-postbias", "clamp-groupbias", "gemm-scale"])
 def test_epilogue_combinations(ops, dtype):
     E, d, f, M = 5, 192, 256, 777
     block = Sequential(*ops(E, d, f)).cuda().to(dtype)
@@ -152,7 +152,7 @@ def test_mxfp8_quantized_epilogue_is_exact_and_feeds_fc2():
     block = block.bfloat16()
     x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
     extras = {"group_sizes": ragged_sizes(E, M).cuda(), "scale": torch.rand(M, device="cuda", dtype=torch.bfloat16)}
-    assert_plan_fused(block, x, 2)
+    assert_plan_fused(block, x, 1)  # FC2 alone has nothing to fuse: it runs torch._grouped_mm
     # The quantizing epilogue is exact: its bytes equal the reference quantization of the kernel's own
     # high-precision output (the value rounded to bf16, as the reference path quantizes it).
     from fusion.runtime import fused_step
@@ -172,7 +172,7 @@ def test_mxfp8_quantized_epilogue_is_exact_and_feeds_fc2():
 def test_dense_linear_block():
     block = Sequential(Linear(256, 1024), GeGLU(), Linear(512, 256)).cuda().bfloat16()
     x = torch.randn(999, 256, device="cuda", dtype=torch.bfloat16)
-    assert_plan_fused(block, x, 2)
+    assert_plan_fused(block, x, 1)
     (y, g), (y_ref, g_ref) = run_both(block, x, {})
     assert rel(y, y_ref) < 1e-2 and rel(g["x"], g_ref["x"]) < 2e-2
 

@@ -43,6 +43,11 @@ class FusedDgradStep:
         self.first = min(step.ops)
         self.gemm = seq[self.gemm_index]
         elementwise = [seq[i] for i in range(self.first, self.gemm_index)]
+        if any(op.spec.name == "Bias" for op in elementwise[1:]):
+            from fusion.codegen.spec import Unsupported
+
+            raise Unsupported(f"{self.origin if hasattr(self, 'origin') else step.pattern}: a Bias inside a fused "
+                              f"backward step must be its first op (its gradient is the step's output summed)")
         before = seq[self.first - 1] if self.first > 0 else None
         #: The saved value entering op `first` is the raw output of the previous GEMM (no bias added) when a
         #: fused forward step produced it; the epilogue then adds that GEMM's bias itself.
@@ -112,7 +117,7 @@ class FusedDgradStep:
         dpre = outs["dpre"]
         if gated:
             dpre = k.deinterleave_gated(dpre, dim=-1)
-        terms = {name: outs[f"dscale_{name}"].float().sum(-1) for name in (self.spec.row_inputs if self.spec else ())}
+        terms = {name: outs[f"dscale_{name}"].sum(-1, dtype=torch.float32) for name in (self.spec.row_inputs if self.spec else ())}
         return dpre, terms
 
     def _op_for(self, bias_name: str, seq):
