@@ -41,34 +41,31 @@ def main():
         ctx = make_context(block.ops, x, {"group_sizes": sizes, "scale": probs}, check_sum=False)
         plan = plan_for_run(block, x)
         run = block_run(block, plan)
+        from fusion.kernels import deinterleave_gated, offsets_from_group_sizes
+
         f1 = run.forward_steps[0][1]
-        f2r = run.forward_steps[1][1]
         b1 = run.backward_steps[0][1]
-        b3 = run.backward_steps[2][1]
-        from fusion.kernels import offsets_from_group_sizes
         offs = offsets_from_group_sizes(sizes)
         outs = f1.launch(x, ctx, train=True)
         h = outs["out"]
+        W1, W2 = block[0].weight, block[3].weight
         rows = {}
         rows["F1 fused fwd (train: +pre)"] = bench(lambda: f1.launch(x, ctx, train=True))
         rows["F1 fused fwd (inference)"] = bench(lambda: f1.launch(x, ctx, train=False))
-        rows["F2 fwd"] = bench(lambda: f2r.launch(h, ctx, train=True))
-        rows["B1 dgrad FC2 + dSwiGLU*s"] = bench(lambda: b1.run(dy, outs["pre"], ctx, offs, block))
+        rows["F2 fwd (gmm)"] = bench(lambda: torch._grouped_mm(h, W2.transpose(-2, -1), offs=ctx.offsets))
+        rows["B1 dgrad FC2 + dSwiGLU*s (ours)"] = bench(lambda: b1.run(dy, outs["pre"], ctx, offs, block))
         dpre, _ = b1.run(dy, outs["pre"], ctx, offs, block)
-        rows["B3 dgrad FC1 (our kernel)"] = bench(lambda: b3.run(dpre, None, ctx, offs, block))
-        W1, W2 = block[0].weight, block[3].weight
-        rows["  gmm dgrad FC2"] = bench(lambda: _dgrad(dy, W2, sizes, ctx.offsets, "grouped_mm"))
-        rows["  gmm dgrad FC1"] = bench(lambda: _dgrad(dpre, W1, sizes, ctx.offsets, "grouped_mm"))
+        rows["  gmm dgrad FC2 alone"] = bench(lambda: _dgrad(dy, W2, sizes, ctx.offsets, "grouped_mm"))
+        rows["dgrad FC1 (gmm)"] = bench(lambda: _dgrad(dpre, W1, sizes, ctx.offsets, "grouped_mm"))
         rows["wgrad FC2 (gmm)"] = bench(lambda: _wgrad(dy, h, sizes, ctx.offsets, "grouped_mm", W2.shape))
         rows["wgrad FC1 (gmm)"] = bench(lambda: _wgrad(dpre, x, sizes, ctx.offsets, "grouped_mm", W1.shape))
-        from fusion.kernels import deinterleave_gated
         rows["deinterleave d(pre)"] = bench(lambda: deinterleave_gated(outs["pre"], dim=-1))
         xr = x.clone().requires_grad_()
         rows["whole fused step"] = bench(lambda: torch.autograd.backward(block(xr, group_sizes=sizes, scale=probs), dy))
         print(f"\nshape E,M,d,2f = {(E, M, d, f2)}")
         for k, v in rows.items():
             print(f"  {k:<32} {v:8.3f} ms")
-        del block, x, dy, outs, h, dpre
+        del block, x, dy, outs, h, dpre, xr
         torch.cuda.empty_cache()
 
 

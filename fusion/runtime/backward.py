@@ -75,6 +75,11 @@ class FusedDgradStep:
 
         G, N, K = self.weight_shape()
         config = _kernels().choose_config(ROWS_PER_GROUP_ESTIMATE * G, N, K, G, False)
+        if self.spec is not None and self.spec.save_preactivation:
+            # An epilogue reading the saved pre-activation holds twice the values per thread: in the pingpong
+            # schedule (a whole tile per warpgroup) it spills; the cooperative 128x128 tile does not
+            # (tests/test_compile_plans.py checks the SASS).
+            config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=False, dynamic=False)
         return KernelJob(step=label, variant="backward", source=self.source(), config=dataclasses.astuple(config),
                          dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target)
 
