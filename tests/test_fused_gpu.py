@@ -206,3 +206,20 @@ def test_group_sizes_never_leave_the_device():
     ref = copy.deepcopy(block)
     ref.backend = "reference"
     assert rel(y, ref(x.detach(), group_sizes=sizes, scale=probs)) < 1e-2
+
+
+def test_autotune_mode_picks_a_config_and_stays_correct(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSION_AUTOTUNE", "1")
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    E, d, f, M = 4, 256, 384, 3000
+    block = Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale()).cuda().bfloat16()
+    x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+    extras = {"group_sizes": ragged_sizes(E, M).cuda(), "scale": torch.rand(M, device="cuda", dtype=torch.bfloat16)}
+    with torch.no_grad():
+        (y, _), (y_ref, _) = run_both(block, x, extras, backward=False)
+    assert rel(y, y_ref) < 1e-2
+    import json
+
+    table = json.loads((tmp_path / "autotune.json").read_text())
+    (entry,) = table.values()
+    assert len(entry["tried"]) >= 2 and entry["seconds"] == min(t for _, t in entry["tried"])

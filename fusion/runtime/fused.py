@@ -113,10 +113,43 @@ class FusedForwardStep:
             return torch.tensor([0, x.shape[0]], dtype=torch.int32, device=x.device)
         return _kernels().offsets_from_group_sizes(ctx.group_sizes)
 
+    def tuned(self, x: torch.Tensor, ctx: RunContext, train: bool):
+        """The kernel for this launch: the heuristic's, or in autotune mode the fastest measured on this GPU
+        model (fusion/runtime/autotune.py), chosen on the first launch and recorded on disk."""
+        from fusion.runtime import autotune
+        from fusion.runtime.compile import load_compiled
+
+        key = (x.dtype, train, "tuned")
+        if not autotune.enabled():
+            return self.compile(x.dtype, train)
+        if key not in self._compiled:
+            job = self.job(x.dtype, train)
+            device = torch.cuda.get_device_name(x.device)
+            config = autotune.recorded(job, device)
+            if config is None:
+                config = autotune.tune(job, device, lambda cfg: self._time(job, cfg, x, ctx, train))
+            self._compiled[key] = load_compiled(dataclasses.replace(job, config=dataclasses.astuple(config)))
+        return self._compiled[key]
+
+    def _time(self, job, config, x, ctx, train, reps: int = 5) -> float:
+        from fusion.runtime.compile import load_compiled
+
+        compiled = load_compiled(dataclasses.replace(job, config=dataclasses.astuple(config)))
+        self._run(compiled, x, ctx, train)  # warm up (module load)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            self._run(compiled, x, ctx, train)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps / 1e3
+
     def launch(self, x: torch.Tensor, ctx: RunContext, train: bool) -> dict:
         """Run the kernel; returns its outputs by name (out / out_scale / hp / pre)."""
+        return self._run(self.tuned(x, ctx, train), x, ctx, train)
+
+    def _run(self, compiled, x: torch.Tensor, ctx: RunContext, train: bool) -> dict:
         k = _kernels()
-        compiled = self.compile(x.dtype, train)
         spec = self.spec(train)
         M = x.shape[0]
         G, N, _ = self.weight_shape()
