@@ -167,7 +167,7 @@ def to_text(seq, plan: Plan, dtype_src: str = "given", target_src: str = "given"
             out.append(f"  op {fb.op} {fb.description} ({fb.part}):")
             out.extend(f"    - {r}" for r in fb.reasons)
     else:
-        out.append("left unfused: nothing (every op and every elementwise backward runs in a fused kernel)")
+        out.append("left unfused: nothing (every non-GEMM op and elementwise backward runs in a fused kernel; a GEMM outside a fused kernel runs the vendor grouped GEMM)")
     out.append("")
     out.append(f"fully fused: {'yes' if plan.fully_fused else 'no'} "
                f"({_n(len(plan.fused_steps), 'fused kernel')}, {_n(len(plan.fallbacks), 'fallback')})")
