@@ -25,7 +25,7 @@ from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import spec_from_ops
 from fusion.grouped import _dgrad, _wgrad, grouped_mm_method, row_group_index
 from fusion.ops.base import RunContext
-from fusion.runtime.fused import ROWS_PER_GROUP_ESTIMATE, _kernels
+from fusion.runtime.fused import ROWS_PER_GROUP_ESTIMATE, _kernels, bias_vector
 
 
 def _gemm_without_bias(features: int):
@@ -46,13 +46,13 @@ class FusedDgradStep:
         if any(op.spec.name == "Bias" for op in elementwise[1:]):
             from fusion.codegen.spec import Unsupported
 
-            raise Unsupported(f"{self.origin if hasattr(self, 'origin') else step.pattern}: a Bias inside a fused "
-                              f"backward step must be its first op (its gradient is the step's output summed)")
+            raise Unsupported(f"pattern {step.pattern}: a Bias inside a fused backward step must be its first op "
+                              f"(its gradient is then the step's output summed per group)")
         before = seq[self.first - 1] if self.first > 0 else None
         #: The saved value entering op `first` is the raw output of the previous GEMM (no bias added) when a
         #: fused forward step produced it; the epilogue then adds that GEMM's bias itself.
         producer = before if (raw_gemm_output and before is not None) else _gemm_without_bias(
-            self.gemm.in_features if not elementwise else _width_into(seq, self.first))
+            _width_into(self.gemm, elementwise))
         self.spec = spec_from_ops([producer, *elementwise]) if elementwise else None
         self.producer = producer
         self.origin = f"pattern {step.pattern} [{step.pattern_loc}] (backward), ops {list(step.ops)}"
@@ -115,7 +115,7 @@ class FusedDgradStep:
             if self.spec.save_preactivation:
                 extras["pre"] = aux
             for name, paired in self.spec.group_inputs:
-                extras[name] = _bias_vector(self._op_for(name, seq), paired, G)
+                extras[name] = bias_vector(self._op_for(name, seq), paired, G)
             for name in self.spec.row_inputs:
                 extras[f"scale_{name}"] = ctx.extra[name].float().contiguous()
         k.run_grouped_gemm(compiled, grad.contiguous(), self.packed_weight(), offsets, outs, extras)
@@ -130,16 +130,13 @@ class FusedDgradStep:
         return self.producer if index == 0 else seq[self.first - 1 + index]
 
 
-def _width_into(seq, index: int) -> int:
-    return seq.features[index]
-
-
-def _bias_vector(op, paired: bool, groups: int) -> torch.Tensor:
-    bias = op.bias.detach().float()
-    bias = bias.expand(groups, bias.shape[-1]) if bias.dim() == 1 else bias
-    if paired:
-        bias = _kernels().interleave_gated_weight(bias, dim=-1)
-    return bias.contiguous()
+def _width_into(gemm, elementwise) -> int:
+    """Features entering the first of `elementwise` (which ends at `gemm`): gated activations halve them."""
+    width = gemm.in_features
+    for op in elementwise:
+        if op.spec.kind == "activation" and op.spec.gated:
+            width *= 2
+    return width
 
 
 def _segment_sum(values: torch.Tensor, ctx: RunContext, groups: int | None) -> torch.Tensor:
@@ -179,7 +176,6 @@ class BlockRun:
         """Run the forward steps; returns (output, values) where values[i] is the input of op i that was
         materialized, and raw[i] marks values that are a fused GEMM's raw (interleaved) output."""
         from fusion.quant import dequantize
-        from fusion.runtime.fused import POISON_OUTPUTS  # noqa: F401 - launch() reads it
 
         values, raw = {}, {}
         cur = x
@@ -320,7 +316,6 @@ class _BlockFunction(torch.autograd.Function):
     def forward(ctx, run: BlockRun, rctx: RunContext, names: tuple, x, *tensors):
         y, values, raw = run.forward(x, rctx)
         ctx.run, ctx.rctx, ctx.names, ctx.values, ctx.raw = run, rctx, names, values, raw
-        ctx.n_params = len(tensors) - len(names)
         return y
 
     @staticmethod
@@ -330,7 +325,8 @@ class _BlockFunction(torch.autograd.Function):
         params = run.params()
         grads = [pgrad.get(id(p)) for p in params]
         grads += [egrad.get(name) for name in ctx.names]
-        grads = [g.to(t.dtype) if g is not None else None for g, t in zip(grads, params + [ctx.rctx.extra[n] for n in ctx.names])]
+        targets = params + [ctx.rctx.extra[n] for n in ctx.names]
+        grads = [g.to(t.dtype) if g is not None else None for g, t in zip(grads, targets)]
         ctx.values = ctx.raw = None
         return (None, None, None, dx, *grads)
 

@@ -32,6 +32,15 @@ def _kernels():
     return kernels
 
 
+def bias_vector(op, paired: bool, groups: int) -> torch.Tensor:
+    """An op's bias as the kernel's GroupVector input: fp32 (groups, n), interleaved when paired."""
+    bias = op.bias.detach().float()
+    bias = bias.expand(groups, bias.shape[-1]) if bias.dim() == 1 else bias
+    if paired:
+        bias = _kernels().interleave_gated_weight(bias, dim=-1)
+    return bias.contiguous()
+
+
 class FusedForwardStep:
     """Everything one fused forward step needs at run time: generated epilogues, compiled kernels, the
     repacked weight. Built once per (block, plan step) and reused across calls."""
@@ -92,18 +101,10 @@ class FusedForwardStep:
                 self._packed = (key, data.contiguous())
             return self._packed[1]
 
-    def _bias_vector(self, stage_index: int, paired: bool, groups: int) -> torch.Tensor:
-        op = self.ops[stage_index]
-        bias = op.bias.detach().float()
-        bias = bias.expand(groups, bias.shape[-1]) if bias.dim() == 1 else bias
-        if paired:
-            bias = _kernels().interleave_gated_weight(bias, dim=-1)
-        return bias.contiguous()
-
     def _extras(self, spec: EpilogueSpec, ctx: RunContext, groups: int) -> dict:
         extras = {}
         for name, paired in spec.group_inputs:
-            extras[name] = self._bias_vector(int(name.removeprefix("bias")), paired, groups)
+            extras[name] = bias_vector(self.ops[int(name.removeprefix("bias"))], paired, groups)
         for name in spec.row_inputs:
             extras[f"scale_{name}"] = ctx.extra[name].float().contiguous()
         return extras
