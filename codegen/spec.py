@@ -6,7 +6,7 @@ planner can show the reason instead of failing at compile time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fusion.errors import CompileError
 
@@ -49,7 +49,6 @@ class EpilogueSpec:
     stages: tuple[Stage, ...]
     out_features: int
     save_preactivation: bool = True
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def quantized(self) -> bool:
@@ -69,9 +68,6 @@ class EpilogueSpec:
     @property
     def pre_activation_biases(self) -> tuple[str, ...]:
         return tuple(bias_name(s) for s in self.stages if s.kind in PRE_ACTIVATION)
-
-    def key(self) -> tuple:
-        return (self.gated, self.stages, self.save_preactivation)
 
 
 def spec_from_ops(ops) -> EpilogueSpec:

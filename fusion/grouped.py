@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-#: Why a call took the loop method, keyed by the reason's short name; explain() shows these.
+#: What the loop method costs on a GPU; explain() attaches it to the steps that take that method.
 HOST_SYNC_NOTE = "group sizes are copied to the host (one sync per GroupLinear call)"
 
 
