@@ -31,6 +31,11 @@ from .epilogue import Epilogue, RowVector, GroupVector, AuxInput, Output, MXFP8O
 _BIG = 1 << 30
 _PP_BAR = 8      # named barriers 8, 9: pingpong mainloop order (warpgroup 0, 1)
 _EPI_BATCH = 8  # 8-column chunks per epilogue batch (see _epilogue)
+# Registers a consumer thread may hold across the mainloop (fp32 accumulator + prefetched epilogue
+# inputs): the AuxInput values of a tile are loaded before its mainloop (see _epilogue_prefetch) as long
+# as the accumulator plus the packed 16-bit pairs stay under this.
+_PREFETCH_REGS = 136
+_PREFETCH_MIN = 16
 
 _DTYPES = {
     "bfloat16": cutlass.BFloat16,
@@ -74,6 +79,15 @@ class GroupedGemmKernel:
         for o in epilogue.outputs:
             if isinstance(o, MXFP8Output):
                 assert self.tile_n_log % 32 == 0, "MXFP8 output needs 32-column blocks within a tile"
+        # prefetch of AuxInput values into registers before the tile's mainloop: how many packed pairs
+        acc_regs = self.tile_m * self.tile_n // (128 * self.mma_atoms_m)
+        self.prefetch_pairs = 0
+        aux16 = [s for s in epilogue.inputs if isinstance(s, AuxInput)
+                 and cutlass_dtype(s.dtype or dtype).width == 16]
+        if aux16:
+            budget = _PREFETCH_REGS - acc_regs
+            if budget >= _PREFETCH_MIN:
+                self.prefetch_pairs = budget
 
     # ------------------------------------------------------------------ host-side (traced) entry
     @cute.jit
@@ -359,6 +373,12 @@ class GroupedGemmKernel:
                 row_end = mOffs[g + 1]
                 row0 = row_start + m_idx * self.tile_m
 
+                # ---- epilogue inputs read from global memory, issued now so that the loads complete
+                # under the mainloop instead of stalling the epilogue
+                pre = None
+                if const_expr(self.prefetch_pairs > 0):
+                    pre = self._epilogue_prefetch(tCcC, epi_tensors, row0, row_end, n_idx, N)
+
                 # ---- mainloop
                 if const_expr(self.pingpong):
                     # wait for the other warpgroup to have issued its whole mainloop: tensor cores go to
@@ -391,7 +411,7 @@ class GroupedGemmKernel:
                 rel_state.advance()
 
                 # ---- epilogue
-                self._epilogue(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, N)
+                self._epilogue(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, N, pre)
 
                 # ---- next tile
                 if const_expr(self.pingpong):
@@ -418,16 +438,73 @@ class GroupedGemmKernel:
                 g, base, cnt = self._advance(mOffs, tile_id, g, base, cnt, G, n_tiles)
 
     # ------------------------------------------------------------------ epilogue (trace-time)
-    def _epilogue(self, acc, tCcC, epi_tensors, row0, row_end, g, n_idx, N):
-        """Plain Python, runs at trace time: unrolled over the thread's fragment.
+    def _row_addr(self, t, grow, col, dt):
+        """Byte address of element (grow, col) of a row-major 2-D tensor (64-bit)."""
+        return t.iterator.toint() + (Int64(grow) * t.layout.stride[0] + Int64(col)) * (dt.width // 8)
 
-        Per fragment row, the 8-column chunks are processed in batches of ``_EPI_BATCH``: the batch's
-        input loads (2-element vectors), the epilogue math, then the batch's stores.  The stores keep
-        the next batch's loads from being hoisted (the pointers may alias), which bounds the live
-        registers (no spills with inputs at wide tiles) while a batch's loads still overlap."""
+    def _frag_cols(self, tCcC, col0, mm, h, nn):
+        """The thread's first logical column of fragment (mm, h, nn) and its first paired column.  Chunk
+        c of the wgmma accumulator fragment is 8*c columns further (paired: 16*c)."""
+        lc0 = col0 + tCcC[((0, h, 0), mm, nn)][1]
+        return lc0, (lc0 // 8) * 16 + (lc0 % 8)
+
+    def _epilogue_prefetch(self, tCcC, epi_tensors, row0, row_end, n_idx, N):
+        """Trace time, before the tile's mainloop: load the RowVector values of the thread's rows and, in
+        the order the epilogue consumes them, up to ``prefetch_pairs`` AuxInput pairs (2 adjacent 16-bit
+        values packed in one 32-bit register, 0 where masked).  Returns {key: value} for _epilogue.
+        Addresses are one 64-bit base per fragment row plus constants, so that what the epilogue shares
+        with them (the same bases) costs few registers across the mainloop."""
         epi = self.epi
         n_log = N // 2 if self.gated else N
         col0 = n_idx * self.tile_n_log
+        n_v, n_h, n_c = tCcC.shape[0]
+        n_mm, n_nn = tCcC.shape[1], tCcC.shape[2]
+        col_exact = n_log % self.tile_n_log == 0
+        pre = {}
+        left = self.prefetch_pairs
+        for mm in range(n_mm):
+            for h in range(n_h):
+                grow = row0 + tCcC[((0, h, 0), mm, 0)][0]
+                row_ok = grow < row_end
+                for ii, spec in enumerate(epi.inputs):
+                    if isinstance(spec, RowVector):
+                        pre[("row", ii, mm, h)] = _load1(epi_tensors[ii], grow, row_ok)
+                for nn in range(n_nn):
+                    lc0, pc0 = self._frag_cols(tCcC, col0, mm, h, nn)
+                    for ii, spec in enumerate(epi.inputs):
+                        if not isinstance(spec, AuxInput):
+                            continue
+                        dt = cutlass_dtype(spec.dtype or self.dtype_name)
+                        if dt.width != 16:
+                            continue
+                        t = epi_tensors[ii]
+                        base = self._row_addr(t, grow, pc0 if spec.paired else lc0, dt)
+                        for c in range(n_c):
+                            halves = 2 if spec.paired else 1
+                            if left < halves:
+                                break
+                            left -= halves
+                            ok = row_ok if col_exact else row_ok & (lc0 + 8 * c < n_log)
+                            if spec.paired:
+                                pre[("aux", ii, mm, h, nn, c)] = (_ld32(base + 32 * c, ok),
+                                                                  _ld32(base + 32 * c + 16, ok))
+                            else:
+                                pre[("aux", ii, mm, h, nn, c)] = _ld32(base + 16 * c, ok)
+        return pre
+
+    def _epilogue(self, acc, tCcC, epi_tensors, row0, row_end, g, n_idx, N, pre=None):
+        """Plain Python, runs at trace time: unrolled over the thread's fragment.
+
+        Per fragment row, the 8-column chunks are processed in batches of ``_EPI_BATCH``: the batch's
+        input loads (2-element vectors; none for what ``pre`` holds, see _epilogue_prefetch), the epilogue
+        math, then the batch's stores.  The stores keep the next batch's loads from being hoisted (the
+        pointers may alias), which bounds the live registers (no spills with inputs at wide tiles) while a
+        batch's loads still overlap.  Addresses: one 64-bit base per (tensor, fragment row) plus
+        constants (chunk c is 8 columns further, 16 when paired)."""
+        epi = self.epi
+        n_log = N // 2 if self.gated else N
+        col0 = n_idx * self.tile_n_log
+        col_exact = n_log % self.tile_n_log == 0
         frag_shape = tCcC.shape
         n_v, n_h, n_c = frag_shape[0]
         assert n_v == 2, "wgmma accumulator: 2 adjacent columns per thread and chunk"
@@ -451,8 +528,25 @@ class GroupedGemmKernel:
                 for ii in range(n_in):
                     spec = epi.inputs[ii]
                     if isinstance(spec, RowVector):
-                        row_vals[ii] = _load1(in_tensors[ii], grow, row_ok)
+                        if pre is not None and ("row", ii, mm, h) in pre:
+                            row_vals[ii] = pre[("row", ii, mm, h)]
+                        else:
+                            row_vals[ii] = _load1(in_tensors[ii], grow, row_ok)
                 for nn in range(n_nn):
+                    lc0, pc0 = self._frag_cols(tCcC, col0, mm, h, nn)
+                    in_base = {}
+                    for ii, spec in enumerate(epi.inputs):
+                        if isinstance(spec, RowVector):
+                            continue
+                        rr = grow if isinstance(spec, AuxInput) else g
+                        in_base[ii] = self._row_addr(in_tensors[ii], rr, pc0 if spec.paired else lc0, in_dtypes[ii])
+                    out_base = {}
+                    ot = 0
+                    for oi, spec in enumerate(epi.outputs):
+                        if not isinstance(spec, MXFP8Output):
+                            out_base[oi] = self._row_addr(out_tensors[ot], grow, pc0 if spec.paired else lc0,
+                                                          out_dtypes[oi])
+                        ot += 2 if isinstance(spec, MXFP8Output) else 1
                     for c0 in range(0, n_c, batch):
                         cs = list(range(c0, c0 + batch))
                         # results[oi][k][v] for chunk cs[k]
@@ -460,8 +554,9 @@ class GroupedGemmKernel:
                         lcols = []
                         oks = []
                         for k, c in enumerate(cs):
-                            lcol = col0 + tCcC[((0, h, c), mm, nn)][1]
-                            ok = row_ok & (lcol < n_log)
+                            lcol = lc0 + 8 * c
+                            col_ok = lcol < n_log
+                            ok = row_ok if col_exact else row_ok & col_ok
                             lcols.append(lcol)
                             oks.append(ok)
                             # inputs at (row or group, columns lcol, lcol+1): one 2-element vector load per
@@ -471,17 +566,23 @@ class GroupedGemmKernel:
                                 spec = epi.inputs[ii]
                                 if isinstance(spec, RowVector):
                                     continue
-                                t = in_tensors[ii]
-                                rr = grow if isinstance(spec, AuxInput) else g
-                                ok_in = ok if isinstance(spec, AuxInput) else (lcol < n_log)
-                                if spec.paired:
-                                    pc = (lcol // 8) * 16 + (lcol % 8)
-                                    a0, a1 = _load2(t, rr, pc, ok_in, in_dtypes[ii])
-                                    b0, b1 = _load2(t, rr, pc + 8, ok_in, in_dtypes[ii])
+                                dt = in_dtypes[ii]
+                                eb = dt.width // 8
+                                ok_in = ok if isinstance(spec, AuxInput) else (True if col_exact else col_ok)
+                                pkey = ("aux", ii, mm, h, nn, c)
+                                if pre is not None and pkey in pre:
+                                    if spec.paired:
+                                        a0, a1 = _unpack2(pre[pkey][0], dt)
+                                        b0, b1 = _unpack2(pre[pkey][1], dt)
+                                        in_vals[ii] = ((a0, b0), (a1, b1))
+                                    else:
+                                        in_vals[ii] = _unpack2(pre[pkey], dt)
+                                elif spec.paired:
+                                    a0, a1 = _load2_at(in_base[ii] + 16 * c * eb, ok_in, dt)
+                                    b0, b1 = _load2_at(in_base[ii] + (16 * c + 8) * eb, ok_in, dt)
                                     in_vals[ii] = ((a0, b0), (a1, b1))
                                 else:
-                                    a0, a1 = _load2(t, rr, lcol, ok_in, in_dtypes[ii])
-                                    in_vals[ii] = (a0, a1)
+                                    in_vals[ii] = _load2_at(in_base[ii] + 8 * c * eb, ok_in, dt)
                             for v in range(n_v):
                                 args = []
                                 if self.gated:
@@ -513,19 +614,19 @@ class GroupedGemmKernel:
                         ot = 0
                         for oi, spec in enumerate(epi.outputs):
                             dt = out_dtypes[oi]
+                            eb = dt.width // 8
                             t = out_tensors[ot]
                             if isinstance(spec, MXFP8Output):
                                 self._store_mxfp8(results[oi], lcols, oks, t, out_tensors[ot + 1], grow, row_ok)
                                 ot += 2
                                 continue
-                            for k in range(len(cs)):
+                            for k, c in enumerate(cs):
                                 rk = results[oi][k]
                                 if spec.paired:
-                                    pc = (lcols[k] // 8) * 16 + (lcols[k] % 8)
-                                    _store2(t, grow, pc, rk[0][0], rk[1][0], dt, oks[k])
-                                    _store2(t, grow, pc + 8, rk[0][1], rk[1][1], dt, oks[k])
+                                    _store2_at(out_base[oi] + 16 * c * eb, rk[0][0], rk[1][0], dt, oks[k])
+                                    _store2_at(out_base[oi] + (16 * c + 8) * eb, rk[0][1], rk[1][1], dt, oks[k])
                                 else:
-                                    _store2(t, grow, lcols[k], rk[0], rk[1], dt, oks[k])
+                                    _store2_at(out_base[oi] + 8 * c * eb, rk[0], rk[1], dt, oks[k])
                             ot += 1
 
     def _store_mxfp8(self, res, lcols, oks, t, ts, grow, row_ok):
@@ -574,17 +675,45 @@ def _load1(t: cute.Tensor, i: Int32, ok: Boolean) -> Float32:
 
 
 @cute.jit
-def _load2(t: cute.Tensor, row: Int32, col: Int32, ok: Boolean, dt: cutlass.Constexpr):
-    """Load 2 adjacent values (col, col+1) of row ``row`` with one vector load (0 where not ok)."""
+def _ld32(addr: Int64, ok: Boolean) -> Int32:
+    """One 32-bit load at a byte address (0 where not ok): 2 adjacent 16-bit values."""
+    v = Int32(0)
+    if ok:
+        p = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
+        v = cute.make_tensor(p, cute.make_layout((1,)))[0]
+    return v
+
+
+@cute.jit
+def _load2_at(addr: Int64, ok: Boolean, dt: cutlass.Constexpr):
+    """Load 2 adjacent values at a byte address with one vector load (0 where not ok)."""
     frag = cute.make_rmem_tensor((2,), dt)
     frag.fill(0.0)
     if ok:
-        off = Int64(row) * t.layout.stride[0] + Int64(col)
-        addr = t.iterator.toint() + off * (dt.width // 8)
         p = cute.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=2 * dt.width // 8)
-        src = cute.make_tensor(p, cute.make_layout((2,)))
-        cute.autovec_copy(src, frag)
+        cute.autovec_copy(cute.make_tensor(p, cute.make_layout((2,))), frag)
     return Float32(frag[0]), Float32(frag[1])
+
+
+@cute.jit
+def _store2_at(addr: Int64, v0: Float32, v1: Float32, dt: cutlass.Constexpr, ok: Boolean):
+    """Store 2 adjacent values at a byte address with one vector store."""
+    frag = cute.make_rmem_tensor((2,), dt)
+    frag[0] = v0.to(dt)
+    frag[1] = v1.to(dt)
+    if ok:
+        p = cute.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=2 * dt.width // 8)
+        cute.autovec_copy(frag, cute.make_tensor(p, cute.make_layout((2,))))
+
+
+def _unpack2(v, dt):
+    """(col, col+1) as fp32 from a word loaded by _ld32 (little endian: col in the low half)."""
+    if dt is cutlass.BFloat16:
+        return _bits_f32(v << 16), _bits_f32(v & -65536)
+    frag = cute.make_rmem_tensor((1,), Int32)
+    frag[0] = v
+    h = cute.recast_tensor(frag, dt)
+    return Float32(h[0]), Float32(h[1])
 
 
 @cute.jit

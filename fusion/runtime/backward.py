@@ -76,10 +76,11 @@ class FusedDgradStep:
         G, N, K = self.weight_shape()
         config = _kernels().choose_config(ROWS_PER_GROUP_ESTIMATE * G, N, K, G, False)
         if self.spec is not None and self.spec.save_preactivation:
-            # An epilogue reading the saved pre-activation holds twice the values per thread: in the pingpong
-            # schedule (a whole tile per warpgroup) it spills; the cooperative 128x128 tile does not
-            # (tests/test_compile_plans.py checks the SASS).
-            config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=False, dynamic=False)
+            # An epilogue reading the saved pre-activation holds twice the values per thread: 128x192 pingpong
+            # would spill; 128x128 pingpong does not (tests/test_compile_plans.py checks the SASS) and beat the
+            # cooperative 128x128 tile (which prefetches the aux tile under its mainloop) by 16 % on an H200
+            # (bench/bench_dgrad_epilogue.py, bench/results_h200_v5_profile.txt).
+            config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True)
         return KernelJob(step=label, variant="backward", source=self.source(), config=dataclasses.astuple(config),
                          dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target)
 

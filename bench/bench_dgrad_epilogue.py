@@ -1,0 +1,93 @@
+"""FC2's dgrad with the generated d(SwiGLU*scale) epilogue (aux input `pre`), timed alone per kernel variant.
+
+Usage: python bench/bench_dgrad_epilogue.py [--shape i] [--precompile]
+  --precompile: only compile the variants into the fusion kernel cache (no GPU needed), so that a device
+  run can load them (copy the cache folder to FUSION_CACHE_DIR there).
+Variants: the config FusedDgradStep.job() picks, cooperative 128x128 (which prefetches the aux tile under its
+mainloop), pingpong 128x128 (static, dynamic); outputs compared with the first variant's.
+Anchor: torch._grouped_mm of the same dgrad.
+"""
+import argparse
+import dataclasses
+
+import torch
+
+SHAPES = [(8, 32768, 4096, 28672), (32, 65536, 2880, 5760), (128, 196608, 1536, 512), (32, 49152, 1536, 2048),
+          (32, 32768, 7168, 4096)]
+
+
+def jobs(shape):
+    from fusion import GroupLinear, Scale, Sequential, SwiGLU
+    from fusion.runtime.compile import plan_jobs
+
+    E, M, d, f2 = shape
+    block = Sequential(GroupLinear(E, d, f2), SwiGLU(), Scale(), GroupLinear(E, f2 // 2, d)).to("meta")
+    base = [j for j in plan_jobs(block, torch.bfloat16) if j.variant == "backward"][0]
+    out = {"job()": base}
+    for name, kw in (("coop128", dict(pingpong=False, dynamic=False)), ("pp128", dict(pingpong=True, dynamic=False)),
+                     ("pp128dyn", dict(pingpong=True, dynamic=True))):
+        cfg = list(base.config)
+        cfg[1], cfg[3] = 128, 6
+        cfg[7], cfg[9] = kw["dynamic"], kw["pingpong"]
+        out[name] = dataclasses.replace(base, config=tuple(cfg))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", type=int, default=0)
+    ap.add_argument("--precompile", action="store_true")
+    args = ap.parse_args()
+    from fusion.runtime import compile as aot
+
+    js = jobs(SHAPES[args.shape])
+    if args.precompile:
+        for j in js.values():
+            aot.compile_to_disk(j)
+        return
+
+    import triton
+    from fusion.kernels import offsets_from_group_sizes, run_grouped_gemm
+
+    E, M, d, f2 = SHAPES[args.shape]
+    f = f2 // 2
+    torch.manual_seed(0)
+    w = torch.rand(E) + 0.5
+    sizes = torch.floor(w / w.sum() * M).long()
+    sizes[0] += M - int(sizes.sum())
+    offs = offsets_from_group_sizes(sizes.cuda())
+    dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+    W2 = torch.randn(E, d, f, device="cuda", dtype=torch.bfloat16) * 0.02     # FC2 weight (E, out=d, in=f)
+    B = W2.transpose(-1, -2).contiguous()                                      # (E, f, d): dgrad B operand
+    pre = torch.randn(M, 2 * f, device="cuda", dtype=torch.bfloat16)
+    scale = torch.rand(M, device="cuda", dtype=torch.float32)
+    ref = None
+    rows = []
+    rows.append(("gmm dgrad alone", triton.testing.do_bench(
+        lambda: torch._grouped_mm(dy, W2, offs=offs[1:]), warmup=5, rep=50, return_mode="median"), ""))
+    for name, job in js.items():
+        comp = aot.load_compiled(job)
+        outs = {"dpre": torch.full((M, 2 * f), float("nan"), device="cuda", dtype=torch.bfloat16),
+                "dscale_scale": torch.full((M, f), float("nan"), device="cuda", dtype=torch.bfloat16)}
+        ext = {"pre": pre, "scale_scale": scale}
+        run_grouped_gemm(comp, dy, B, offs, outs, ext)
+        torch.cuda.synchronize()
+        if ref is None:
+            ref = {k: v.float() for k, v in outs.items()}
+            err = "ref"
+        else:
+            err = max(float((outs[k].float() - ref[k]).norm() / ref[k].norm()) for k in ref)
+            err = f"rel diff vs first {err:.1e}"
+        nan = any(bool(v.isnan().any()) for v in outs.values())
+        ms = triton.testing.do_bench(lambda: run_grouped_gemm(comp, dy, B, offs, outs, ext), warmup=5, rep=50,
+                                     return_mode="median")
+        c = comp.config
+        rows.append((f"{name} {c.tile_m}x{c.tile_n} s{c.stages}{' pp' if c.pingpong else ''}"
+                     f"{' dyn' if c.dynamic else ''}", ms, f"{err}{' NaN!' if nan else ''}"))
+    print(f"\ndgrad FC2 + dSwiGLU*s kernel alone, E,M,d,2f = {SHAPES[args.shape]}")
+    for n, ms, e in rows:
+        print(f"  {n:<34} {ms:8.3f} ms  {e}")
+
+
+if __name__ == "__main__":
+    main()
