@@ -98,3 +98,17 @@ def grouped_matmul(x, weight, group_sizes, offsets=None, method=None):
         offsets = group_offsets(group_sizes)
     method = method or grouped_mm_method(x, weight)
     return GroupedMatmul.apply(x.contiguous(), weight, group_sizes, offsets, method)
+
+
+def linear_dgrad(dy, weight, group_sizes, offsets):
+    """Input gradient of a GroupLinear ((G, out, in) weight) or a Linear ((out, in) weight)."""
+    if weight.dim() == 2:
+        return dy @ weight
+    return _dgrad(dy, weight, group_sizes, offsets, grouped_mm_method(dy, weight))
+
+
+def linear_wgrad(dy, x, weight, group_sizes, offsets):
+    """Weight gradient of a GroupLinear (per group) or a Linear."""
+    if weight.dim() == 2:
+        return dy.t() @ x
+    return _wgrad(dy, x, group_sizes, offsets, grouped_mm_method(x, weight), weight.shape)

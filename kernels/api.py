@@ -8,7 +8,7 @@ import struct
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass, asdict, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -17,7 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_ptr
 
-from .epilogue import Epilogue, RowVector, GroupVector, AuxInput, Output, MXFP8Output
+from .epilogue import Epilogue, MXFP8Output
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
 
 __all__ = [

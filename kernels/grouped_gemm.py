@@ -14,9 +14,6 @@ D[rows of g] = epilogue(A[rows of g] @ B[g].T)
 """
 from __future__ import annotations
 
-import math
-from typing import Optional
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -26,7 +23,7 @@ from cutlass import Int32, Int64, Float32, Boolean, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass._mlir.dialects import llvm
 
-from .epilogue import Epilogue, RowVector, GroupVector, AuxInput, Output, MXFP8Output
+from .epilogue import Epilogue, RowVector, GroupVector, AuxInput, MXFP8Output
 
 _BIG = 1 << 30
 _PP_BAR = 8      # named barriers 8, 9: pingpong mainloop order (warpgroup 0, 1)
@@ -134,7 +131,6 @@ class GroupedGemmKernel:
                 i += 1
                 tensors.append(cute.make_tensor(p2, cute.make_layout((M, w // 32), stride=(w // 32, 1))))
 
-        tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
             self.acc_dtype, (self.mma_atoms_m, 1, 1), tiler_mn=(64, self.tile_n),

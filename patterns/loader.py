@@ -14,7 +14,7 @@ from fusion.patterns import ast as A
 from fusion.patterns.activation import DY, ActivationDef
 from fusion.patterns.diagnostics import did_you_mean, make_error
 from fusion.symbolic import (
-    BinOp, Call, COMPARE_OPS, FUNCTIONS, Expr, Neg, Num, Param, Var, gradient, is_constant, simplify,
+    BinOp, Call, FUNCTIONS, Expr, Neg, Num, Param, Var, gradient, is_constant, simplify,
     substitute,
 )
 

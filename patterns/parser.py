@@ -13,7 +13,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from fusion.errors import PatternError
 from fusion.patterns import ast as A
-from fusion.patterns.diagnostics import format_message, make_error
+from fusion.patterns.diagnostics import format_message
 
 GRAMMAR_PATH = Path(__file__).with_name("fpat.lark")
 

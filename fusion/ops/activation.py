@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusion.ops.base import Op, OpSpec, RunContext, shape_error
+from fusion.ops.base import Op, OpSpec, shape_error
 
 
 class _ActivationOp(Op):

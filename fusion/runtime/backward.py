@@ -16,16 +16,15 @@ Quantize ops pass gradients straight through (their reference does), so they hav
 from __future__ import annotations
 
 import dataclasses
-import threading
 from types import SimpleNamespace
 
 import torch
 
 from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import spec_from_ops
-from fusion.grouped import _dgrad, _wgrad, grouped_mm_method, row_group_index
+from fusion.grouped import linear_dgrad, linear_wgrad, row_group_index
 from fusion.ops.base import RunContext
-from fusion.runtime.fused import ROWS_PER_GROUP_ESTIMATE, _kernels, bias_vector
+from fusion.runtime.fused import ROWS_PER_GROUP_ESTIMATE, RepackedWeight, _kernels, bias_vector, kernel_offsets
 
 
 def _gemm_without_bias(features: int):
@@ -56,9 +55,8 @@ class FusedDgradStep:
         self.spec = spec_from_ops([producer, *elementwise]) if elementwise else None
         self.producer = producer
         self.origin = f"pattern {step.pattern} [{step.pattern_loc}] (backward), ops {list(step.ops)}"
-        self._packed = None
+        self._packed = RepackedWeight(lambda w: w.transpose(-1, -2))
         self._compiled = {}
-        self._lock = threading.Lock()
 
     def source(self) -> str:
         spec = self.spec or dataclasses.replace(spec_from_ops([_gemm_without_bias(self.gemm.in_features)]),
@@ -92,14 +90,8 @@ class FusedDgradStep:
         return self._compiled[dtype]
 
     def packed_weight(self) -> torch.Tensor:
-        """W_j transposed to (G, in, out), the B operand of the dgrad GEMM; redone when the weight changes."""
-        w = self.gemm.weight
-        key = (w.data_ptr(), w._version, w.dtype)
-        with self._lock:
-            if self._packed is None or self._packed[0] != key:
-                data = w.detach() if w.dim() == 3 else w.detach().unsqueeze(0)
-                self._packed = (key, data.transpose(-1, -2).contiguous())
-            return self._packed[1]
+        """W_j transposed to (G, in, out), the B operand of the dgrad GEMM."""
+        return self._packed(self.gemm.weight)
 
     def run(self, grad: torch.Tensor, aux: torch.Tensor | None, ctx: RunContext, offsets: torch.Tensor, seq):
         """(gradient at the value entering op `first`, canonical layout; {scale name: row gradient})."""
@@ -198,7 +190,7 @@ class BlockRun:
         return cur, values, raw
 
     # -- backward -----------------------------------------------------------------------------------------------
-    def value_in(self, i: int, values, raw, ctx, canonical: bool = True):
+    def value_in(self, i: int, values, raw, ctx):
         """The input of op i: saved, or the saved raw GEMM output (+ bias, de-interleaved), or recomputed."""
         from fusion.quant import dequantize
 
@@ -247,19 +239,17 @@ class BlockRun:
                 k += 1
             return gout[k]
 
-        offsets = _kernels().offsets_from_group_sizes(ctx.group_sizes) if ctx.group_sizes is not None else None
+        offsets = kernel_offsets(ctx, dy.shape[0], dy.device)
         for step, runner in self.backward_steps:
             if runner is not None:
                 j = runner.gemm_index
                 g = grad_out(j)
-                offs = offsets if offsets is not None else torch.tensor([0, g.shape[0]], dtype=torch.int32,
-                                                                        device=g.device)
                 aux = raw.get(runner.first) if runner.producer is self.ops[runner.first - 1] else None
                 if aux is None and runner.spec is not None and runner.spec.save_preactivation:
                     aux = self.value_in(runner.first, values, raw, ctx)
                     if runner.spec.gated:
                         aux = _kernels().interleave_gated_weight(aux, dim=-1)
-                dpre, terms = runner.run(g.contiguous(), aux, ctx, offs, self.seq)
+                dpre, terms = runner.run(g.contiguous(), aux, ctx, offsets, self.seq)
                 gout[runner.first - 1] = dpre
                 for name, t in terms.items():
                     add(egrad, name, t)
@@ -271,10 +261,11 @@ class BlockRun:
             for k, part in step.parts:
                 op = self.ops[k]
                 if part == "dgrad":
-                    gout[k - 1] = self._dgrad(op, grad_out(k), ctx)
+                    gout[k - 1] = linear_dgrad(grad_out(k), op.weight, ctx.group_sizes, ctx.offsets)
                 elif part == "wgrad":
                     g = grad_out(k)
-                    add(pgrad, id(op.weight), self._wgrad(op, g, self.value_in(k, values, raw, ctx), ctx))
+                    x = self.value_in(k, values, raw, ctx)
+                    add(pgrad, id(op.weight), linear_wgrad(g, x, op.weight, ctx.group_sizes, ctx.offsets))
                     if getattr(op, "bias", None) is not None:
                         add(pgrad, id(op.bias), _segment_sum(g, ctx, op.num_groups if op.weight.dim() == 3 else None))
                 elif part == "backward":
@@ -283,18 +274,6 @@ class BlockRun:
         if dx is None and n and self.ops[0].spec.kind == "quantize":
             dx = grad_out(-1)
         return dx, pgrad, egrad
-
-    def _dgrad(self, op, g, ctx):
-        w = op.weight
-        if w.dim() == 2:
-            return g @ w
-        return _dgrad(g, w, ctx.group_sizes, ctx.offsets, grouped_mm_method(g, w))
-
-    def _wgrad(self, op, g, x, ctx):
-        w = op.weight
-        if w.dim() == 2:
-            return g.t() @ x
-        return _wgrad(g, x, ctx.group_sizes, ctx.offsets, grouped_mm_method(x, w), w.shape)
 
     def _op_backward(self, k, g, values, raw, ctx, gout, pgrad, egrad, add):
         op = self.ops[k]

@@ -15,7 +15,7 @@ import torch
 
 from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import EpilogueSpec, spec_from_ops
-from fusion.grouped import _dgrad, _wgrad, grouped_mm_method, row_group_index
+from fusion.grouped import linear_dgrad, linear_wgrad, row_group_index
 from fusion.ops.base import RunContext
 
 #: Debugging aid (tests set it): fill kernel outputs with NaN before each launch.
@@ -41,6 +41,31 @@ def bias_vector(op, paired: bool, groups: int) -> torch.Tensor:
     return bias.contiguous()
 
 
+def kernel_offsets(ctx: RunContext, rows: int, device) -> torch.Tensor:
+    """The kernel's (G+1,) int32 group offsets, computed on the device; a dense Linear is one group."""
+    if ctx.group_sizes is None:
+        return torch.tensor([0, rows], dtype=torch.int32, device=device)
+    return _kernels().offsets_from_group_sizes(ctx.group_sizes)
+
+
+class RepackedWeight:
+    """A weight in a kernel's layout, redone only when the parameter changed (its version counter moves on every
+    in-place update, e.g. an optimizer step), never visible in state_dict()."""
+
+    def __init__(self, transform):
+        self.transform = transform
+        self._cached: tuple | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        with self._lock:
+            if self._cached is None or self._cached[0] != key:
+                data = weight.detach() if weight.dim() == 3 else weight.detach().unsqueeze(0)
+                self._cached = (key, self.transform(data).contiguous())
+            return self._cached[1]
+
+
 class FusedForwardStep:
     """Everything one fused forward step needs at run time: generated epilogues, compiled kernels, the
     repacked weight. Built once per (block, plan step) and reused across calls."""
@@ -52,9 +77,9 @@ class FusedForwardStep:
         self.spec_train: EpilogueSpec = spec_from_ops(self.ops)
         self.spec_infer = dataclasses.replace(self.spec_train, save_preactivation=False)
         self.origin = f"pattern {step.pattern} [{step.pattern_loc}], ops {list(step.ops)}"
-        self._packed: tuple | None = None
+        gated = self.spec_train.gated
+        self._packed = RepackedWeight(lambda w: _kernels().interleave_gated_weight(w) if gated else w)
         self._compiled: dict = {}
-        self._lock = threading.Lock()
 
     # -- code ---------------------------------------------------------------------------------------------
     def spec(self, train: bool) -> EpilogueSpec:
@@ -89,17 +114,8 @@ class FusedForwardStep:
 
     # -- data ---------------------------------------------------------------------------------------------
     def packed_weight(self) -> torch.Tensor:
-        """The weight in the kernel's layout (gated: gate/up rows interleaved), repacked only when the
-        parameter changed (its version counter moves on every in-place update)."""
-        w = self.gemm.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
-        with self._lock:
-            if self._packed is None or self._packed[0] != key:
-                data = w.detach() if w.dim() == 3 else w.detach().unsqueeze(0)
-                if self.spec_train.gated:
-                    data = _kernels().interleave_gated_weight(data)
-                self._packed = (key, data.contiguous())
-            return self._packed[1]
+        """The weight as (G, N, K), gate/up rows interleaved when gated."""
+        return self._packed(self.gemm.weight)
 
     def _extras(self, spec: EpilogueSpec, ctx: RunContext, groups: int) -> dict:
         extras = {}
@@ -108,11 +124,6 @@ class FusedForwardStep:
         for name in spec.row_inputs:
             extras[f"scale_{name}"] = ctx.extra[name].float().contiguous()
         return extras
-
-    def offsets(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
-        if ctx.group_sizes is None:  # dense Linear: one group of every row
-            return torch.tensor([0, x.shape[0]], dtype=torch.int32, device=x.device)
-        return _kernels().offsets_from_group_sizes(ctx.group_sizes)
 
     def tuned(self, x: torch.Tensor, ctx: RunContext, train: bool):
         """The kernel for this launch: the heuristic's, or in autotune mode the fastest measured on this GPU
@@ -166,7 +177,8 @@ class FusedForwardStep:
         if POISON_OUTPUTS:
             for t in outs.values():
                 t.view(torch.uint8).fill_(0xFF)  # NaN in every float format: unwritten elements show up
-        k.run_grouped_gemm(compiled, x.contiguous(), self.packed_weight(), self.offsets(x, ctx), outs,
+        offsets = kernel_offsets(ctx, x.shape[0], x.device)
+        k.run_grouped_gemm(compiled, x.contiguous(), self.packed_weight(), offsets, outs,
                            self._extras(spec, ctx, G))
         return outs
 
@@ -216,14 +228,8 @@ class FusedForwardStep:
                     y = op.reference(y, ctx)
             found = torch.autograd.grad(y, [h, *rest], grad, allow_unused=True)
         dh, by_tensor = found[0], dict(zip(map(id, rest), found[1:]))
-        dx = dw = None
-        if weight.dim() == 2:
-            dx = dh @ weight if needs[0] else None
-            dw = dh.t() @ x if needs[1] else None
-        else:
-            method = grouped_mm_method(x, weight)
-            dx = _dgrad(dh, weight, ctx.group_sizes, ctx.offsets, method) if needs[0] else None
-            dw = _wgrad(dh, x, ctx.group_sizes, ctx.offsets, method, weight.shape) if needs[1] else None
+        dx = linear_dgrad(dh, weight, ctx.group_sizes, ctx.offsets) if needs[0] else None
+        dw = linear_wgrad(dh, x, weight, ctx.group_sizes, ctx.offsets) if needs[1] else None
         grads = [dx]
         for t, need in zip(targets, needs[1:]):
             grads.append(dw if t is weight else (by_tensor.get(id(t)) if need else None))
