@@ -95,7 +95,6 @@ def main():
                 r["quack"] = bench(f)
             except Exception as e:
                 print("quack failed:", repr(e)[:300])
-        Wi = K.interleave_gated_weight(W)
         out = torch.empty(M, N2 // 2, dtype=dt, device=dev)
         epi = K.SwiGLUScaleEpilogue()
         cfgs = [K.choose_config(M, N2, Kd, G, True)]
@@ -112,7 +111,7 @@ def main():
             if N2 % cfg.tile_n and not cfg.pingpong:
                 continue
             comp = K.compile_grouped_gemm(cfg, epi, "bfloat16", N2, Kd, G)
-            f = lambda: K.run_grouped_gemm(comp, A, Wi, offs, {"out": out}, {"scale": scale})
+            f = lambda: K.run_grouped_gemm(comp, A, W, offs, {"out": out}, {"scale": scale})
             f()
             t = bench(f)
             print(f"  ours {cfg.tile_n}:{cfg.stages}{'p' if cfg.pingpong else ''}{'d' if cfg.dynamic else ''}"
@@ -135,13 +134,13 @@ def main():
         h = torch._grouped_mm(A, W.transpose(-2, -1), offs=offs_end).float()
         g_, u_ = h.chunk(2, -1)
         ref = torch.nn.functional.silu(g_) * u_ * scale[:, None]
-        K.run_grouped_gemm(best[2], A, Wi, offs, {"out": out}, {"scale": scale})
+        K.run_grouped_gemm(best[2], A, W, offs, {"out": out}, {"scale": scale})
         r["err"] = ((out.float() - ref).norm() / ref.norm()).item()
         r["fusion_err"] = ((fused_out.float() - ref).norm() / ref.norm()).item()
         r["flops"] = flops
         rows.append(r)
         print(r, f"({time.time() - t0:.0f}s)", flush=True)
-        del A, W, Wi, out, h, ref, g_, u_, mlp, fused_out
+        del A, W, out, h, ref, g_, u_, mlp, fused_out
 
     def tf(t, fl):
         return fl / t / 1e9 if t else float("nan")

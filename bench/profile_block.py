@@ -41,7 +41,7 @@ def main():
         ctx = make_context(block.ops, x, {"group_sizes": sizes, "scale": probs}, check_sum=False)
         plan = plan_for_run(block, x)
         run = block_run(block, plan)
-        from fusion.kernels import deinterleave_gated, offsets_from_group_sizes
+        from fusion.kernels import offsets_from_group_sizes
 
         f1 = run.forward_steps[0][1]
         b1 = run.backward_steps[0][1]
@@ -59,7 +59,6 @@ def main():
         rows["dgrad FC1 (gmm)"] = bench(lambda: _dgrad(dpre, W1, sizes, ctx.offsets, "grouped_mm"))
         rows["wgrad FC2 (gmm)"] = bench(lambda: _wgrad(dy, h, sizes, ctx.offsets, "grouped_mm", W2.shape))
         rows["wgrad FC1 (gmm)"] = bench(lambda: _wgrad(dpre, x, sizes, ctx.offsets, "grouped_mm", W1.shape))
-        rows["deinterleave d(pre)"] = bench(lambda: deinterleave_gated(outs["pre"], dim=-1))
         xr = x.clone().requires_grad_()
         rows["whole fused step"] = bench(lambda: torch.autograd.backward(block(xr, group_sizes=sizes, scale=probs), dy))
         print(f"\nshape E,M,d,2f = {(E, M, d, f2)}")

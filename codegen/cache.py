@@ -24,12 +24,16 @@ def cache_dir() -> Path:
 
 
 def dsl_version() -> str:
-    try:
-        from importlib.metadata import version
+    """The versions a compiled kernel depends on: the DSL's and TVM-FFI's (the launch ABI)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-        return version("nvidia-cutlass-dsl")
-    except Exception:  # pragma: no cover - the DSL is a dependency
-        return "unknown"
+    parts = []
+    for package in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
+        try:
+            parts.append(version(package))
+        except PackageNotFoundError:  # pragma: no cover - both are dependencies
+            parts.append("unknown")
+    return "+".join(parts)
 
 
 def source_key(source: str, target: str = "sm_90a", options: tuple = ()) -> str:

@@ -1,19 +1,25 @@
-"""Epilogue math as symbolic expressions: forward (acc -> output) and backward (dy -> d pre-activation).
+"""Epilogue math as symbolic expressions, from the same EpilogueSpec and the activation's declaration in the
+pattern registry, so the code that runs in the kernel is derived from the expressions the reference evaluates.
 
-Both are built from the same EpilogueSpec and the activation's declaration in the pattern registry, so the
-code that runs in the kernel is derived from the same expressions the reference path evaluates.
+    forward_math(spec)   -> the chain's output (before any quantization) as an expression of the accumulator
+    saved_math(spec)     -> the value the backward reads, as expressions of the accumulator
+    backward_math(spec)  -> the gradient of the chain's input and the row-scale terms, as expressions of the
+                            incoming gradient `dy` and the saved value; and the chain's output recomputed from
+                            the saved value
+
+Variable names are the typed slots' `values` (codegen/slots.py): the accumulator is `x` or (`gate`, `up`),
+biases `bias<position>` (paired: `_gate`/`_up`), row scales `scale_<name>`, the backward's saved value `x` or
+(`gate`, `up`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from fusion.symbolic import Expr, Num, Param, Var, call, cmp, postorder, simplify, substitute, where
 
-from fusion.symbolic import Expr, Num, Param, Var, call, cmp, simplify, substitute, where
+from fusion.codegen import slots
+from fusion.codegen.spec import EpilogueSpec, Stage
 
-from fusion.codegen.spec import PRE_ACTIVATION, EpilogueSpec, Stage, bias_name
-
-#: Stages with no elementwise math of their own here: pre-activation biases are folded into the
-#: accumulator arguments, and quantization happens in the kernel's store.
-SKIPPED = PRE_ACTIVATION + ("quant_mxfp8",)
+#: Stages with no elementwise math: quantization happens in the kernel's store and passes gradients through.
+PASS_THROUGH = ("quant_mxfp8", "quant_pass")
 
 
 def _activation(stage: Stage):
@@ -25,110 +31,112 @@ def _activation(stage: Stage):
 
 def _bind_params(expr: Expr, values: dict) -> Expr:
     """Replace each Param by its value (the op's parameter, else the declaration's default)."""
-    mapping = {}
-    for node in _params_of(expr):
-        value = values.get(node.name, node.default)
-        mapping[node] = Num(float(value))
+    mapping = {n: Num(float(values.get(n.name, n.default))) for n in postorder([expr]) if isinstance(n, Param)}
     return substitute(expr, mapping) if mapping else expr
 
 
-def _params_of(expr: Expr):
-    from fusion.symbolic import postorder
-
-    return {n for n in postorder([expr]) if isinstance(n, Param)}
+def _bias_vars(spec: EpilogueSpec, stage: Stage) -> tuple[Var, ...]:
+    return tuple(Var(v) for v in slots.GroupBias(stage.position, spec.bias_paired(stage)).values)
 
 
-@dataclass(frozen=True)
-class EpilogueMath:
-    """Argument names the kernel passes to `apply`, and output expressions in its output order."""
-
-    args: tuple[str, ...]
-    outputs: tuple[Expr, ...]
-
-
-def accumulator_args(spec: EpilogueSpec) -> tuple[Expr, ...]:
-    """The GEMM result as the activation sees it: (gate, up) or (x,), with the GEMM's own bias added."""
-    if spec.gated:
-        gate, up = Var("gate"), Var("up")
-        for name in spec.pre_activation_biases:
-            gate, up = gate + Var(f"{name}_gate"), up + Var(f"{name}_up")
-        return gate, up
-    x = Var("x")
-    for name in spec.pre_activation_biases:
-        x = x + Var(name)
-    return (x,)
-
-
-def stage_forward(stage: Stage, y: Expr | None, acts: tuple[Expr, ...]) -> Expr:
-    """Apply one stage to the running value `y` (None before the activation)."""
-    if stage.kind == "act":
+def _apply(spec: EpilogueSpec, stage: Stage, state: tuple[Expr, ...]) -> tuple[Expr, ...]:
+    """One stage forward. `state` is the (gate, up) halves before a gated activation, else one value."""
+    kind = stage.kind
+    if kind in PASS_THROUGH:
+        return state
+    if kind in ("gemm_bias", "bias"):
+        return tuple(v + b for v, b in zip(state, _bias_vars(spec, stage)))
+    if kind == "act":
         definition, params = _activation(stage)
-        mapping = {Var(a): v for a, v in zip(definition.args, acts)}
-        return _bind_params(substitute(definition.forward_expr, mapping), params)
-    if y is None:  # no activation: the stage applies to the accumulator itself
-        y = acts[0]
-    if stage.kind == "clamp":
+        mapping = {Var(a): v for a, v in zip(definition.args, state)}
+        return (_bind_params(substitute(definition.forward_expr, mapping), params),)
+    (y,) = state
+    if kind == "clamp":
         lo, hi = stage.args
         if lo is not None and hi is not None:
-            return call("clamp", y, Num(lo), Num(hi))
-        return call("max", y, Num(lo)) if lo is not None else call("min", y, Num(hi))
-    if stage.kind == "scale_row":
-        return y * Var(f"scale_{stage.args[0]}")
-    if stage.kind == "scale_const":
-        return y * Num(stage.args[0])
-    if stage.kind == "bias":
-        return y + Var(bias_name(stage))
-    raise ValueError(f"no forward for stage {stage.kind}")  # pragma: no cover
+            return (call("clamp", y, Num(lo), Num(hi)),)
+        return (call("max", y, Num(lo)) if lo is not None else call("min", y, Num(hi)),)
+    if kind == "scale_row":
+        return (y * Var(slots.RowScale(stage.args[0]).kernel_name),)
+    if kind == "scale_const":
+        return (y * Num(stage.args[0]),)
+    raise ValueError(f"no forward for stage {kind}")  # pragma: no cover
+
+
+def _accumulator(spec: EpilogueSpec) -> tuple[Expr, ...]:
+    return (Var("gate"), Var("up")) if spec.gated else (Var("x"),)
+
+
+def _forward_states(spec: EpilogueSpec, state: tuple[Expr, ...], start: int = 0) -> list[tuple[Expr, ...]]:
+    """The value entering each stage from `start` on, and the chain's output last."""
+    states = [state]
+    for stage in spec.stages[start:]:
+        state = _apply(spec, stage, state)
+        states.append(state)
+    return states
 
 
 def forward_math(spec: EpilogueSpec) -> Expr:
-    """The epilogue's output value (before any quantization) as one expression of the accumulator."""
-    acts = accumulator_args(spec)
-    y = None
-    for stage in spec.stages:
-        if stage.kind in SKIPPED:
-            continue
-        y = stage_forward(stage, y, acts)
-    return simplify(y if y is not None else acts[0])
+    """The chain's output (before any quantization) as one expression of the accumulator."""
+    (y,) = _forward_states(spec, _accumulator(spec))[-1]
+    return simplify(y)
+
+
+def saved_math(spec: EpilogueSpec) -> tuple[Expr, ...]:
+    """The value entering the saved stage (two halves when paired), as expressions of the accumulator."""
+    if spec.saved is None:
+        return ()
+    return tuple(simplify(v) for v in _forward_states(spec, _accumulator(spec))[spec.saved])
+
+
+def _saved_vars(spec: EpilogueSpec) -> tuple[Expr, ...]:
+    return tuple(Var(v) for v in slots.SavedIn(spec.saved_paired).values)
+
+
+def postact_math(spec: EpilogueSpec) -> Expr:
+    """The chain's output recomputed from the saved value (the backward kernel's optional output)."""
+    (y,) = _forward_states(spec, _saved_vars(spec), spec.saved)[-1]
+    return simplify(y)
 
 
 def backward_math(spec: EpilogueSpec, dy: Expr = Var("dy")) -> tuple[tuple[Expr, ...], dict[str, Expr]]:
-    """(d(output)/d(pre-activation) * dy for each accumulator half, {row scale name: per-element term}),
-    walking the stages backwards. A per-row scale's gradient is the row sum of its term (dy at the scale
-    times the value it scaled), which the caller reduces.
+    """(d(chain input) for each half, {row scale name: per-element term}) walking the stages backwards from the
+    incoming gradient `dy`. Values entering stages at or after the saved one are recomputed from the saved
+    value; stages before it have gradients that need no value (biases, constant scales: spec.py checks).
 
-    The activation's gradient is its declaration's (`grad(arg) = ...` when the file gives one, else
-    derived), so a user-written derivative is what the kernel runs. Quantization passes gradients straight
-    through; a clamp passes them where the value was inside its bounds (torch.clamp's convention).
+    The activation's gradient is its declaration's (`grad(arg) = ...` when the file gives one, else derived),
+    so a user-written derivative is what the kernel runs. Quantization passes gradients straight through; a
+    clamp passes them where the value was inside its bounds (torch.clamp's convention). A per-row scale's
+    gradient is the row sum of its term (dy at the scale times the value it scaled), reduced by the caller.
     """
-    acts = accumulator_args(spec)
-    # Forward values entering each stage, needed by clamp (the mask) and the activation (its arguments).
-    values, y = [], None
-    for stage in spec.stages:
-        values.append(y)
-        if stage.kind not in SKIPPED:
-            y = stage_forward(stage, y, acts)
-    g, terms = dy, {}
-    for stage, before in reversed(list(zip(spec.stages, values))):
-        before = before if before is not None else acts[0]
-        if stage.kind == "clamp":
+    start = spec.saved if spec.saved is not None else len(spec.stages)
+    states = _forward_states(spec, _saved_vars(spec), start) if spec.saved is not None else []
+    grads: tuple[Expr, ...] = (dy,)
+    terms: dict[str, Expr] = {}
+    for k in reversed(range(len(spec.stages))):
+        stage = spec.stages[k]
+        before = states[k - start] if k >= start else None
+        if stage.kind in PASS_THROUGH or stage.kind in ("gemm_bias", "bias"):
+            continue
+        if stage.kind == "scale_const":
+            grads = tuple(g * Num(stage.args[0]) for g in grads)
+        elif stage.kind == "clamp":
             lo, hi = stage.args
             inside = Num(1.0)
             if lo is not None:
-                inside = where(cmp(">=", before, Num(lo)), inside, Num(0.0))
+                inside = where(cmp(">=", before[0], Num(lo)), inside, Num(0.0))
             if hi is not None:
-                inside = where(cmp("<=", before, Num(hi)), inside, Num(0.0))
-            g = g * inside
+                inside = where(cmp("<=", before[0], Num(hi)), inside, Num(0.0))
+            grads = (grads[0] * inside,)
         elif stage.kind == "scale_row":
-            terms[stage.args[0]] = simplify(g * before)
-            g = g * Var(f"scale_{stage.args[0]}")
-        elif stage.kind == "scale_const":
-            g = g * Num(stage.args[0])
+            terms[stage.args[0]] = simplify(grads[0] * before[0])
+            grads = (grads[0] * Var(slots.RowScale(stage.args[0]).kernel_name),)
         elif stage.kind == "act":
             definition, params = _activation(stage)
-            mapping = {Var(a): v for a, v in zip(definition.args, acts)}
-            mapping[Var("dy")] = g
-            grads = tuple(simplify(_bind_params(substitute(definition.grad_exprs[a], mapping), params))
+            mapping = {Var(a): v for a, v in zip(definition.args, before)}
+            mapping[Var("dy")] = grads[0]
+            grads = tuple(_bind_params(substitute(definition.grad_exprs[a], mapping), params)
                           for a in definition.args)
-            return grads, terms
-    return tuple(simplify(g) for _ in acts), terms
+    if spec.gated and len(grads) == 1:  # pragma: no cover - a gated chain always passes its activation
+        raise ValueError("gated chain without an activation")
+    return tuple(simplify(g) for g in grads), terms

@@ -1,14 +1,25 @@
 """What a fused kernel's epilogue must compute, as data, derived from the ops a plan step covers.
 
-The spec is the bridge between the planner's world (ops, OpSpecs) and the kernel's world (an Epilogue
-class with declared inputs and outputs). Building it is where unsupported combinations are detected, so the
+The spec is the bridge between the planner's world (ops, OpSpecs) and the kernel's world (an Epilogue class
+with declared inputs and outputs). Building it is where unsupported combinations are detected, so the
 planner can show the reason instead of failing at compile time.
+
+Two specs exist per fused chain:
+  * a forward spec (`forward_spec`): the GEMM's accumulator -> the chain's output (and, for training, the
+    value the backward reads: the input of the first stage whose gradient needs its input, "saved");
+  * a backward spec (`backward_spec`): the gradient of the chain's output (a dgrad GEMM's accumulator) -> the
+    gradient of the chain's input, reading that saved value, with per-row scale gradients as side outputs
+    and, on request, the chain's output recomputed from the saved value (the next GEMM's wgrad input).
+
+The kernel operands each spec needs are typed slots (codegen/slots.py); the runtime binds tensors to them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from fusion.errors import CompileError
+
+from fusion.codegen import slots
 
 
 class Unsupported(CompileError):
@@ -19,97 +30,170 @@ class Unsupported(CompileError):
 class Stage:
     """One epilogue stage.
 
-    kind: gemm_bias (the GEMM's own bias) | pre_bias (a Bias op before the activation) | act | clamp |
-    scale_row | scale_const | bias (a Bias op after the activation) | quant_mxfp8.
+    kind: gemm_bias (the GEMM's own bias) | bias (a Bias op) | act | clamp | scale_row | scale_const |
+    quant_mxfp8 (forward: the kernel's store quantizes) | quant_pass (backward: straight through). position: the op's position in the step's op list (0 = the GEMM of a forward step).
+    args: kind-specific data (the activation name and parameters, clamp bounds, the scale's input name...).
     """
 
     kind: str
-    op_index: int
+    position: int
     args: tuple = ()
 
-
-#: Stages that add a bias to the accumulator before the activation.
-PRE_ACTIVATION = ("gemm_bias", "pre_bias")
-
-
-def bias_name(stage: Stage) -> str:
-    """The kernel input name of a bias stage: bias<op index> (op 0 is the GEMM's own bias)."""
-    return f"bias{stage.op_index}"
+    @property
+    def needs_input(self) -> bool:
+        """Whether this stage's gradient depends on the value entering it (so the backward must read it)."""
+        return self.kind in ("act", "clamp", "scale_row")
 
 
 @dataclass(frozen=True)
 class EpilogueSpec:
-    """A forward epilogue: acc -> (gemm bias) -> activation -> clamp -> scale -> bias -> output/quantize.
+    """An epilogue as a list of stages applied to the accumulator, in chain order.
 
-    gated: the GEMM's output is (gate, up) halves, interleaved in the weight so a tile holds both.
-    save_preactivation: also write the GEMM output (interleaved) for the backward to read.
+    gated: the value entering the activation is (gate, up) halves; the chain's GEMM output has 2x the width.
+    out_features: width of the chain's output. in_features: width entering the first stage (the GEMM output).
+    saved: index into `stages` of the first stage that needs its input (None: the backward reads nothing).
     """
 
     gated: bool
     stages: tuple[Stage, ...]
     out_features: int
-    save_preactivation: bool = True
+    in_features: int
+    saved: int | None
 
     @property
     def quantized(self) -> bool:
+        """The kernel stores its output quantized (forward)."""
         return any(s.kind == "quant_mxfp8" for s in self.stages)
 
     @property
-    def row_inputs(self) -> tuple[str, ...]:
-        return tuple(s.args[0] for s in self.stages if s.kind == "scale_row")
+    def has_quantize(self) -> bool:
+        """A quantize op lies in the chain (forward: quantized store; backward: passed straight through)."""
+        return any(s.kind.startswith("quant") for s in self.stages)
 
     @property
-    def group_inputs(self) -> tuple[tuple[str, bool], ...]:
-        """(name, paired) of per-group column vectors (biases). Biases added before a gated activation are
-        paired: interleaved like the weight, so each thread reads the gate and up halves it holds."""
-        return tuple((bias_name(s), self.gated and s.kind in PRE_ACTIVATION)
-                     for s in self.stages if s.kind in PRE_ACTIVATION + ("bias",))
+    def saved_paired(self) -> bool:
+        """The saved value holds (gate, up) halves: it is the activation's input of a gated activation."""
+        return self.saved is not None and self.gated and self.stages[self.saved].kind == "act"
+
+    def width_at(self, k: int) -> int:
+        """Features of the value entering stage k (k == len(stages): the chain's output)."""
+        act = next((i for i, s in enumerate(self.stages) if s.kind == "act"), None)
+        return self.in_features if act is None or k <= act else self.out_features
 
     @property
-    def pre_activation_biases(self) -> tuple[str, ...]:
-        return tuple(bias_name(s) for s in self.stages if s.kind in PRE_ACTIVATION)
+    def saved_position(self) -> int | None:
+        return None if self.saved is None else self.stages[self.saved].position
+
+    def bias_paired(self, stage: Stage) -> bool:
+        """Biases added before a gated activation cover both halves: (gate, up) in the canonical layout."""
+        return self.gated and stage.kind in ("gemm_bias", "bias") and any(
+            s.kind == "act" for s in self.stages[self.stages.index(stage):])
+
+    def row_scales(self) -> tuple[slots.RowScale, ...]:
+        return tuple(slots.RowScale(s.args[0]) for s in self.stages if s.kind == "scale_row")
+
+    def group_biases(self, stages=None) -> tuple[slots.GroupBias, ...]:
+        stages = self.stages if stages is None else stages
+        return tuple(slots.GroupBias(s.position, self.bias_paired(s)) for s in stages
+                     if s.kind in ("gemm_bias", "bias"))
+
+    # -- the kernels' operands -------------------------------------------------------------------------------
+    def forward_slots(self, train: bool) -> tuple[tuple, tuple]:
+        """(inputs, outputs) of the forward kernel. Training adds the saved value as an output."""
+        inputs = self.group_biases() + self.row_scales()
+        if self.quantized:
+            outputs: tuple = (slots.Quantized(), slots.HighPrecision())
+        else:
+            outputs = (slots.Out(),)
+        if train and self.saved is not None:
+            outputs += (slots.SavedOut(self.saved_paired),)
+        return inputs, outputs
+
+    def backward_slots(self, postact: bool) -> tuple[tuple, tuple]:
+        """(inputs, outputs) of the dgrad kernel: reads the saved value (when a stage needs it), the row
+        scales and, to recompute the output, the biases after the saved stage; writes the input gradient,
+        the per-element terms of each row scale's gradient, and optionally the recomputed output."""
+        inputs: tuple = ()
+        if self.saved is not None:
+            inputs += (slots.SavedIn(self.saved_paired),)
+            if postact:
+                inputs += self.group_biases(self.stages[self.saved:])
+        inputs += self.row_scales()
+        outputs: tuple = (slots.DInput(self.gated),)
+        outputs += tuple(slots.DScale(s.name) for s in self.row_scales())
+        if postact:
+            outputs += (slots.PostAct(),)
+        return inputs, outputs
 
 
-def spec_from_ops(ops) -> EpilogueSpec:
+_QUANT_STAGES = {"mxfp8": "quant_mxfp8"}
+
+
+def _elementwise_stage(op, position: int, backward: bool = False) -> Stage:
+    spec = op.spec
+    if backward and spec.kind == "quantize":  # straight-through in the backward, whatever the format
+        return Stage("quant_pass", position, (spec.attrs["format"],))
+    if spec.kind == "activation":
+        params = tuple(sorted((k, v) for k, v in spec.attrs.items() if k not in ("activation", "gated")))
+        return Stage("act", position, (spec.attrs["activation"], params))
+    if spec.name == "Clamp":
+        return Stage("clamp", position, (spec.attrs["min"], spec.attrs["max"]))
+    if spec.name == "Scale":
+        if spec.attrs["per_row"]:
+            return Stage("scale_row", position, (spec.attrs["name"],))
+        return Stage("scale_const", position, (spec.attrs["value"],))
+    if spec.name == "Bias":
+        return Stage("bias", position, (spec.attrs["per_group"],))
+    if spec.kind == "quantize":
+        kind = _QUANT_STAGES.get(spec.attrs["format"])
+        if kind is None:
+            raise Unsupported(f"{op.describe()}: the sm_90 epilogue quantizes to MXFP8 only")
+        return Stage(kind, position, (spec.attrs["columnwise"],))
+    raise Unsupported(f"{op.describe()}: no epilogue stage for a {spec.kind} op")
+
+
+def _spec(stages: list[Stage], ops, width: int, gated: bool) -> EpilogueSpec:
+    feats = width
+    seen_act = False
+    for stage, op in zip(stages, ops):
+        if stage.kind == "act":
+            if seen_act or any(s.kind in ("clamp", "scale_row", "scale_const") for s in stages[:stages.index(stage)]):
+                raise Unsupported(f"{op.describe()}: only a bias may come before the activation in the epilogue")
+            seen_act = True
+            feats = op.output_features(feats)
+        elif stage.kind in ("quant_mxfp8", "quant_pass") and stage is not stages[-1]:
+            raise Unsupported(f"{op.describe()}: quantization must be the last epilogue stage")
+    if gated and feats % 8:
+        raise Unsupported(f"gated output width {feats} is not a multiple of 8 (16-byte aligned halves)")
+    saved = next((k for k, s in enumerate(stages) if s.needs_input), None)
+    return EpilogueSpec(gated=gated, stages=tuple(stages), out_features=feats, in_features=width, saved=saved)
+
+
+def forward_spec(ops) -> EpilogueSpec:
     """The epilogue of a forward step whose first op is the GEMM and the rest are its epilogue ops."""
     gemm, rest = ops[0], list(ops[1:])
     if gemm.spec.kind != "gemm":
         raise Unsupported(f"a fused step starts with a GEMM, not {gemm.describe()}")
     stages: list[Stage] = []
-    gated = False
-    feats = gemm.spec.attrs["out_features"]
+    owners = []
     if gemm.spec.attrs.get("bias"):
         stages.append(Stage("gemm_bias", 0))
+        owners.append(gemm)
     for i, op in enumerate(rest, start=1):
-        spec = op.spec
-        if spec.kind == "activation":
-            if any(s.kind in ("act", "clamp", "scale_row", "scale_const") for s in stages):
-                raise Unsupported(f"{op.describe()}: only a bias may come before the activation in the epilogue")
-            gated = spec.gated
-            params = tuple(sorted((k, v) for k, v in spec.attrs.items() if k not in ("activation", "gated")))
-            stages.append(Stage("act", i, (spec.attrs["activation"], params)))
-            feats = op.output_features(feats)
-        elif spec.name == "Clamp":
-            stages.append(Stage("clamp", i, (spec.attrs["min"], spec.attrs["max"])))
-        elif spec.name == "Scale":
-            if spec.attrs["per_row"]:
-                stages.append(Stage("scale_row", i, (spec.attrs["name"],)))
-            else:
-                stages.append(Stage("scale_const", i, (spec.attrs["value"],)))
-        elif spec.name == "Bias":
-            before_activation = any(op2.spec.kind == "activation" for op2 in rest[i:])
-            stages.append(Stage("pre_bias" if before_activation else "bias", i, (spec.attrs["per_group"],)))
-        elif spec.kind == "quantize":
-            if spec.attrs["format"] != "mxfp8":
-                raise Unsupported(f"{op.describe()}: the sm_90 epilogue quantizes to MXFP8 only")
-            if i != len(rest):
-                raise Unsupported(f"{op.describe()}: quantization must be the last epilogue stage")
-            stages.append(Stage("quant_mxfp8", i, (spec.attrs["columnwise"],)))
-        else:
-            raise Unsupported(f"{op.describe()}: no epilogue stage for a {spec.kind} op")
-    # The backward recomputes the epilogue from the GEMM output only when a stage's gradient depends on its
-    # input (activation, clamp mask, d scale); a bias or a constant scale needs nothing saved.
-    needs_input = any(s.kind in ("act", "clamp", "scale_row") for s in stages)
-    if gated and feats % 8:
-        raise Unsupported(f"gated output width {feats} is not a multiple of 8 (the gate/up interleave block)")
-    return EpilogueSpec(gated=gated, stages=tuple(stages), out_features=feats, save_preactivation=needs_input)
+        stages.append(_elementwise_stage(op, i))
+        owners.append(op)
+    gated = any(op.spec.kind == "activation" and op.spec.gated for op in rest)
+    return _spec(stages, owners, gemm.spec.attrs["out_features"], gated)
+
+
+def backward_spec(ops, width: int) -> EpilogueSpec:
+    """The epilogue of a dgrad step: `ops` are the elementwise ops between the value the chain starts from (of
+    `width` features) and the GEMM whose dgrad the kernel computes, in forward order; positions count from 0."""
+    stages = [_elementwise_stage(op, i, backward=True) for i, op in enumerate(ops)]
+    gated = any(op.spec.kind == "activation" and op.spec.gated for op in ops)
+    spec = _spec(stages, list(ops), width, gated)
+    if spec.saved is not None:
+        for stage in stages[:spec.saved]:
+            if stage.kind not in ("bias", "scale_const"):
+                raise Unsupported(f"stage {stage.kind} before the saved value has an input-dependent gradient")
+    return spec

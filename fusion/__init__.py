@@ -38,9 +38,11 @@ _map_source_checkout()
 
 from fusion.errors import (CompileError, DeviceError, DTypeError, ExtraInputError, FallbackError, FusionError,
                            GroupSizesError, PatternError, ShapeError)
-from fusion.ops import (Activation, Bias, Clamp, GeGLU, GroupLinear, Linear, QuantizeMXFP8, QuantizeNVFP4, Scale,
-                        SReLU, SwiGLU)
+from fusion.ops import (Activation, Bias, Clamp, Combine, Gather, GeGLU, GroupLinear, Linear, QuantizeFP8Block,
+                        QuantizeMXFP8, QuantizeNVFP4, Scale, SReLU, SwiGLU)
 from fusion.sequential import Sequential
+from fusion import moe
+from fusion.moe import MoE
 
 __version__ = "0.1.0"
 
@@ -53,5 +55,6 @@ def load_patterns(path):
 
 
 __all__ = ["Sequential", "GroupLinear", "Linear", "SwiGLU", "GeGLU", "SReLU", "Activation", "Clamp", "Scale",
-           "Bias", "QuantizeMXFP8", "QuantizeNVFP4", "load_patterns", "FusionError", "ShapeError", "DTypeError",
-           "DeviceError", "ExtraInputError", "GroupSizesError", "FallbackError", "PatternError", "CompileError"]
+           "Bias", "QuantizeMXFP8", "QuantizeNVFP4", "QuantizeFP8Block", "Gather", "Combine", "MoE", "moe",
+           "load_patterns", "FusionError", "ShapeError", "DTypeError", "DeviceError", "ExtraInputError",
+           "GroupSizesError", "FallbackError", "PatternError", "CompileError"]

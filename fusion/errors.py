@@ -38,3 +38,8 @@ class PatternError(FusionError, ValueError):
 
 class CompileError(FusionError, RuntimeError):
     """A kernel failed to compile; the message names the kernel and the plan step."""
+
+
+class KernelConfigError(FusionError, ValueError):
+    """A kernel configuration (tile shape, operand layout, epilogue, shapes) the kernel template cannot build;
+    the message names the constraint and what to change."""

@@ -102,8 +102,10 @@ def _step_lines(n: int, tag: str, step: Step, plan: Plan) -> list[str]:
                 lines.append(f"         op {i}  {plan.ops[i].description:<{width}}  {labels.get(i, '')} ({role})")
             if step.epilogue:
                 lines.append("         epilogue: " + " -> ".join(f"{lab} (op {i})" for lab, i in step.epilogue))
-            if step.saves:
-                lines.append("         saves for backward: " + ", ".join(step.saves))
+            kept = [w for w in step.writes if w != step.writes[0]]
+            if kept:
+                lines.append("         saves for backward: " + ", ".join(
+                    f"{ref} = {w}" for ref, w in zip(step.saves, kept)))
         else:
             parts = ", ".join(f"{_PART_TEXT[p]} of op {i}" for i, p in step.parts)
             lines.append(f"         computes: {parts}")
@@ -119,6 +121,8 @@ def _step_lines(n: int, tag: str, step: Step, plan: Plan) -> list[str]:
         lines.append(f"  [{tag}{n}] unfused  op {i} {_short(plan.ops[i])}{what}: {step.method}")
         for note in step.notes:
             lines.append(f"         note: {note}")
+    if step.direction == "backward" and step.reads:
+        lines.append(f"         reads {', '.join(step.reads)}; writes {', '.join(step.writes)}")
     return lines
 
 
@@ -160,6 +164,7 @@ def to_text(seq, plan: Plan, dtype_src: str = "given", target_src: str = "given"
                f"{len(plan.backward) - nb} unfused)")
     for n, s in enumerate(plan.backward, 1):
         out.extend(_step_lines(n, "B", s, plan))
+    out.extend(_saves_lines(plan))
     out.append("")
     if plan.fallbacks:
         out.append("left unfused, and why (every pattern tried):")
@@ -169,9 +174,41 @@ def to_text(seq, plan: Plan, dtype_src: str = "given", target_src: str = "given"
     else:
         out.append("left unfused: nothing (every non-GEMM op and elementwise backward runs in a fused kernel; a GEMM outside a fused kernel runs the vendor grouped GEMM)")
     out.append("")
-    out.append(f"fully fused: {'yes' if plan.fully_fused else 'no'} "
-               f"({_n(len(plan.fused_steps), 'fused kernel')}, {_n(len(plan.fallbacks), 'fallback')})")
+    out.append(_summary(plan))
     return "\n".join(out) + "\n"
+
+
+def _summary(plan: Plan) -> str:
+    """What is fused, precisely: fused kernels per direction, and which GEMM computations run unfused."""
+    if plan.reason:
+        return f"fused: nothing ({plan.reason})"
+    fw = sum(s.fused for s in plan.forward)
+    bw = sum(s.fused for s in plan.backward)
+    lone = [f"op {s.parts[0][0]} {s.parts[0][1]}" for s in plan.steps
+            if not s.fused and plan.ops[s.parts[0][0]].kind == "gemm"]
+    text = (f"fused: {fw} of {len(plan.forward)} forward steps and {bw} of {len(plan.backward)} backward steps run "
+            f"in fused kernels; {_n(len(plan.fallbacks), 'elementwise computation')} fall back")
+    if lone:
+        text += f"; GEMMs without an epilogue run the vendor grouped GEMM: {', '.join(lone)}"
+    return text
+
+
+def _saves_lines(plan: Plan) -> list[str]:
+    """The forward's saves for the backward, with bytes per row (fusion/dataflow.py)."""
+    from fusion.dataflow import bytes_per_row, index_of
+
+    if not plan.saves:
+        return []
+    rows, total = [], 0.0
+    for name in plan.saves:
+        i = index_of(name)
+        what = "x (the block input)" if i == 0 else f"output of op {i - 1} {_short(plan.ops[i - 1])}"
+        size = bytes_per_row(plan.ops, name)
+        total += size or 0
+        extra = " (recomputed in backward: the forward does not keep it)" if name in plan.recomputed else ""
+        rows.append(f"  {name}: {what}, {'?' if size is None else f'{size:g}'} B/row{extra}")
+    kept = sum((bytes_per_row(plan.ops, n) or 0) for n in plan.saves if n not in plan.recomputed and n != "v0")
+    return ["", f"saved for backward (besides x): {kept:g} B per row", *rows]
 
 
 # -- json ---------------------------------------------------------------------------------------------------------

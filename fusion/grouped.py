@@ -42,21 +42,57 @@ def _split_rows(t: torch.Tensor, group_sizes: torch.Tensor):
     return torch.split(t, group_sizes.tolist(), dim=0)
 
 
+# The loop method reads the sizes on the host, which torch.compile cannot trace: each loop is a custom op (opaque
+# to the compiler, with exact output shapes), so compiled reference blocks have no graph break.
+@torch.library.custom_op("fusion::grouped_mm_loop", mutates_args=())
+def _loop_forward(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """y[rows of g] = x[rows of g] @ weight[g].T ; weight is (G, out, in)."""
+    parts = [xg @ weight[g].T for g, xg in enumerate(_split_rows(x, group_sizes))]
+    return torch.cat(parts, 0) if parts else x.new_empty(0, weight.shape[1])
+
+
+@_loop_forward.register_fake
+def _(x, weight, group_sizes):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("fusion::grouped_mm_loop_dgrad", mutates_args=())
+def _loop_dgrad(dy: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    parts = [dyg @ weight[g] for g, dyg in enumerate(_split_rows(dy, group_sizes))]
+    return torch.cat(parts, 0) if parts else dy.new_empty(0, weight.shape[2])
+
+
+@_loop_dgrad.register_fake
+def _(dy, weight, group_sizes):
+    return dy.new_empty(dy.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("fusion::grouped_mm_loop_wgrad", mutates_args=())
+def _loop_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """dW[g] = dy_g.T @ x_g; zero for empty groups."""
+    dw = dy.new_zeros(group_sizes.shape[0], dy.shape[1], x.shape[1])
+    for g, (dyg, xg) in enumerate(zip(_split_rows(dy, group_sizes), _split_rows(x, group_sizes))):
+        if dyg.shape[0]:
+            dw[g] = dyg.T @ xg
+    return dw
+
+
+@_loop_wgrad.register_fake
+def _(dy, x, group_sizes):
+    return dy.new_empty(group_sizes.shape[0], dy.shape[1], x.shape[1])
+
+
 def _forward(x, weight, group_sizes, offsets, method):
     """y[rows of g] = x[rows of g] @ weight[g].T ; weight is (G, out, in)."""
     if method == "grouped_mm":
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-    parts = [xg @ weight[g].T for g, xg in enumerate(_split_rows(x, group_sizes))]
-    if not parts:
-        return x.new_empty(0, weight.shape[1])
-    return torch.cat(parts, 0)
+    return _loop_forward(x, weight, group_sizes)
 
 
 def _dgrad(dy, weight, group_sizes, offsets, method):
     if method == "grouped_mm":
         return torch._grouped_mm(dy, weight, offs=offsets)
-    parts = [dyg @ weight[g] for g, dyg in enumerate(_split_rows(dy, group_sizes))]
-    return torch.cat(parts, 0) if parts else dy.new_empty(0, weight.shape[2])
+    return _loop_dgrad(dy, weight, group_sizes)
 
 
 def _wgrad(dy, x, group_sizes, offsets, method, weight_shape):
@@ -64,11 +100,7 @@ def _wgrad(dy, x, group_sizes, offsets, method, weight_shape):
     if method == "grouped_mm":
         # 2-D x 2-D with offsets splits the reduction (row) dimension into groups -> (G, out, in).
         return torch._grouped_mm(dy.t(), x, offs=offsets)
-    dw = torch.zeros(weight_shape, dtype=dy.dtype, device=dy.device)
-    for g, (dyg, xg) in enumerate(zip(_split_rows(dy, group_sizes), _split_rows(x, group_sizes))):
-        if dyg.shape[0]:
-            dw[g] = dyg.T @ xg
-    return dw
+    return _loop_wgrad(dy, x, group_sizes)
 
 
 class GroupedMatmul(torch.autograd.Function):

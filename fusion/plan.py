@@ -18,6 +18,11 @@ class OpInfo:
     description: str  # op.describe()
     in_features: int | None
     out_features: int | None
+    #: its gradient needs the value entering it (activations, clamps, per-row scales, GEMMs' wgrad)
+    grad_reads_input: bool = False
+    #: bytes per element of its input / output at the plan's dtype (quantized outputs: data and scales)
+    in_bytes: float = 2.0
+    out_bytes: float | None = 2.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class Step:
     labels: tuple[tuple[str, int], ...] = ()  # every bound chain element: (label, op index)
     method: str | None = None
     notes: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()   # values (v<i>: input of op i) and gradients (g<i>) it reads (fusion/dataflow.py)
+    writes: tuple[str, ...] = ()  # what it writes
 
     @property
     def title(self) -> str:
@@ -114,6 +121,8 @@ class Plan:
     patterns: tuple[tuple[str, str, str], ...] = ()
     reason: str | None = None
     notes: tuple[str, ...] = field(default=())
+    saves: tuple[str, ...] = ()       # values the forward keeps for the backward, in first-use order
+    recomputed: tuple[str, ...] = ()  # saved values the forward does not produce: recomputed for the backward
 
     @property
     def steps(self) -> tuple[Step, ...]:

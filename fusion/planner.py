@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from fusion.dataflow import annotate
 from fusion.errors import FallbackError
 from fusion.graph import build_graph
 from fusion.matcher import Attempt, Match, arch_of, dtype_name, format_loc, match_all, resolve
@@ -24,6 +25,8 @@ _CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _CACHE_SIZE = 256
 _LOCK = threading.Lock()
 _GEMM_PARTS = ("dgrad", "wgrad")
+#: The target whose plan backend="emulate" runs.
+EMULATED_TARGET = "sm_90"
 
 
 def clear_cache() -> None:
@@ -77,6 +80,10 @@ def plan_for_run(seq, x: torch.Tensor, patterns: Sequence | None = None) -> Plan
     target = device_target(x.device)
     dtype = dtype_name(x.dtype)
     backend = getattr(seq, "backend", "auto")
+    if backend == "emulate":
+        # The plan a Hopper GPU would run for this block; the emulation runs it in x's dtype on x's device.
+        target = EMULATED_TARGET
+        dtype = dtype if dtype in ("bfloat16", "float16") else "bfloat16"
     lib, note = _library(patterns)
     if backend == "reference":
         plan = _cached(seq, dtype, target, lib, note, "backend='reference'")
@@ -110,14 +117,40 @@ def _cached(seq, dtype: str, target: str | None, lib: tuple, note: str | None, r
 
 
 # -- building a plan -------------------------------------------------------------------------------------------------
-def _ops_info(g) -> tuple[OpInfo, ...]:
+#: Bytes per element of each quantized format, rowwise data + scales (the columnwise copy doubles it).
+_QUANT_BYTES = {"mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16, "fp8_block": 1 + 4 / 128}
+_ELEM_BYTES = {"float64": 8, "float32": 4}
+
+
+def _grad_reads_input(spec) -> bool:
+    """Whether an op's gradient needs the value entering it (so the forward must keep or recompute it)."""
+    if spec.kind in ("gemm", "activation"):
+        return True
+    if spec.name == "Clamp":
+        return True
+    return spec.name == "Scale" and bool(spec.attrs.get("per_row"))
+
+
+def _out_bytes(spec, elem: float) -> float | None:
+    if spec.kind != "quantize":
+        return elem
+    per = _QUANT_BYTES.get(spec.attrs.get("format"))
+    if per is None:
+        return None
+    return per * (2 if spec.attrs.get("columnwise") else 1)
+
+
+def _ops_info(g, dtype: str = "bfloat16") -> tuple[OpInfo, ...]:
     from fusion.graph import op_nodes
 
+    elem = _ELEM_BYTES.get(dtype, 2)
     out = []
     for n in op_nodes(g):
         d = g.nodes[n]
-        out.append(OpInfo(d["index"], d["spec"].name, d["spec"].kind, d["label"], d["in_features"],
-                          d["out_features"]))
+        spec = d["spec"]
+        out.append(OpInfo(d["index"], spec.name, spec.kind, d["label"], d["in_features"], d["out_features"],
+                          grad_reads_input=_grad_reads_input(spec), in_bytes=elem,
+                          out_bytes=_out_bytes(spec, elem)))
     return tuple(out)
 
 
@@ -125,7 +158,7 @@ def build_plan(seq, dtype: str, target: str | None, patterns: tuple, note: str |
                reason: str | None = None) -> Plan:
     """Uncached planning. `reason` set: nothing is tried, every op runs unfused for that reason."""
     g = build_graph(seq)
-    infos = _ops_info(g)
+    infos = _ops_info(g, dtype)
     lib_info = tuple((p.name, format_loc(p.loc), p.direction) for p in patterns)
     notes = (note,) if note else ()
     if reason is not None:
@@ -139,11 +172,12 @@ def build_plan(seq, dtype: str, target: str | None, patterns: tuple, note: str |
         losses = loss_f + loss_b
     forward = _forward_steps(infos, chosen_f, dtype, target)
     backward = _backward_steps(infos, chosen_b, dtype, target)
+    forward, backward, saves, recomputed = annotate(infos, forward, backward)
     per_op = _per_op_attempts(infos, patterns, attempts, chosen_f + chosen_b, losses)
     fallbacks = _fallbacks(infos, forward, backward, per_op, patterns, reason)
     return Plan(target=target, dtype=dtype, ops=infos, forward=tuple(forward), backward=tuple(backward),
                 attempts=per_op, fallbacks=tuple(fallbacks), fully_fused=not fallbacks, patterns=lib_info,
-                reason=reason, notes=notes)
+                reason=reason, notes=notes, saves=saves, recomputed=recomputed)
 
 
 def _fused_step(m: Match, infos, direction: str) -> Step:

@@ -11,8 +11,7 @@ from .epilogue import (  # noqa: E402,F401
     Epilogue, RowVector, GroupVector, AuxInput, Output, MXFP8Output,
     IdentityEpilogue, SwiGLUScaleEpilogue, DSwiGLUEpilogue, SwiGLUScaleMXFP8Epilogue,
 )
-from .layout import interleave_gated_weight, deinterleave_gated, GATE_BLOCK  # noqa: E402,F401
 from .api import (  # noqa: E402,F401
     GemmConfig, CompiledGroupedGemm, compile_grouped_gemm, run_grouped_gemm, grouped_gemm,
-    choose_config, offsets_from_group_sizes, sass_text,
+    choose_config, check_config, offsets_from_group_sizes, sass_text,
 )

@@ -13,16 +13,23 @@ from typing import Optional
 
 import torch
 
+# Kernels launch through TVM-FFI with plain integer arguments (pointers as ints, torch's stream as an int): about
+# 1 us of host time per launch instead of ~33 us through the DSL's argument conversion. Passing ints never uses
+# DLPack, so the tensor-exchange add-on that tvm_ffi would otherwise try to build at import is not needed.
+os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_ptr
+
+from fusion.errors import KernelConfigError, ShapeError
 
 from .epilogue import Epilogue, MXFP8Output
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
 
 __all__ = [
     "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
-    "choose_config", "offsets_from_group_sizes", "sass_text",
+    "choose_config", "check_config", "offsets_from_group_sizes", "sass_text",
 ]
 
 
@@ -39,6 +46,13 @@ class GemmConfig:
     sm_margin: int = 0       # leave this many SMs free
     pingpong: bool = False   # 2 consumer warpgroups alternate whole tiles (epilogue overlaps the other's
                              # mainloop); each holds a tile_m x tile_n fp32 accumulator (tile_n <= 192)
+    b_major: str = "K"       # "K": B is (G, N, K), K contiguous (a forward reads W[g] (out, in) so);
+                             # "MN": B is (G, K, N), N contiguous (a dgrad dX = dY @ W[g] reads W[g] so)
+
+    @property
+    def b_shape_order(self) -> str:
+        """The order of B's dimensions in memory: "GNK" or "GKN"."""
+        return "GNK" if self.b_major == "K" else "GKN"
 
 
 def _max_stages(tile_m, tile_n, tile_k, elem_bytes=2, smem=227 * 1024, reserve=1024):
@@ -46,9 +60,9 @@ def _max_stages(tile_m, tile_n, tile_k, elem_bytes=2, smem=227 * 1024, reserve=1
     return max(2, (smem - reserve) // per)
 
 
-def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False) -> GemmConfig:
+def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, b_major: str = "K") -> GemmConfig:
     """Tile heuristic, a function of the weight shape (N, K, G) only (M is dynamic; ``M_estimate`` and
-    ``gated`` are accepted for compatibility and ignored).
+    ``gated`` are accepted for compatibility and ignored); ``b_major`` is passed through.
 
     Pingpong consumers (epilogue overlapped with the other warpgroup's mainloop) everywhere; 128x192 tiles
     with the dynamic scheduler for wide N (>= 4096; a ragged last n-tile is cheap there), else 128x128.
@@ -58,8 +72,8 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False) 
     tk = 64
     if N >= 4096:
         return GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
-                          dynamic=True, pingpong=True)
-    return GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True)
+                          dynamic=True, pingpong=True, b_major=b_major)
+    return GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major)
 
 
 def offsets_from_group_sizes(group_sizes: torch.Tensor) -> torch.Tensor:
@@ -169,9 +183,15 @@ class CompiledGroupedGemm:
         self.max_stack_size = info.get("max_stack_size", 0)
         self.name = f"grouped_gemm_{type(epilogue).__name__}_{dtype}_N{N}_K{K}_G{G}_" \
                     f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}" + \
-                    ("_dyn" if config.dynamic else "") + ("_pp" if getattr(config, "pingpong", False) else "")
+                    ("_dyn" if config.dynamic else "") + ("_pp" if getattr(config, "pingpong", False) else "") + \
+                    ("_bmn" if getattr(config, "b_major", "K") == "MN" else "")
         self._sass = None
         self._counter = {}
+        #: The raw TVM-FFI function (positional ints): fn.__tvm_ffi_object__() for a kernel compiled in this
+        #: process, or what load_module(..., enable_tvm_ffi=True) returned (already raw).
+        self.launch = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else fn
+        self.slots = [(s.name, isinstance(s, MXFP8Output)) for s in epilogue.inputs + epilogue.outputs]
+        self.b_shape = (G, N, K) if config.b_major == "K" else (G, K, N)
 
     @property
     def sass(self) -> str:
@@ -204,20 +224,56 @@ def _slot_dtypes(epilogue: Epilogue, dtype: str):
     return out
 
 
+def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, target: str = "sm_90a"):
+    """Raise :class:`fusion.errors.KernelConfigError` naming the constraint when the template cannot build
+    this kernel (reads no data: cheap)."""
+    dtype = _dtype_name(dtype)
+    problems = []
+    if target != "sm_90a":
+        problems.append(f"target {target!r}: only sm_90a is supported")
+    if dtype not in ("bfloat16", "float16"):
+        problems.append(f"dtype {dtype}: A and B must be bfloat16 or float16")
+    if config.cluster_m != 1 or config.cluster_n != 1:
+        problems.append("clusters > 1 are not implemented yet: use cluster_m = cluster_n = 1")
+    if config.tile_m not in (64, 128) or config.tile_n % 16 or not 16 <= config.tile_n <= 256:
+        problems.append(f"tile {config.tile_m}x{config.tile_n}: tile_m is 64 or 128, tile_n a multiple of 16 "
+                        "up to 256")
+    if config.b_major not in ("K", "MN"):
+        problems.append(f"b_major {config.b_major!r}: use 'K' (B is (G, N, K)) or 'MN' (B is (G, K, N))")
+    if K % 8 != 0:
+        problems.append(f"K = {K}: must be a multiple of 8 (16-byte TMA rows of A)")
+    if config.b_major == "MN" and N % 8 != 0:
+        problems.append(f"N = {N}: b_major='MN' needs N % 8 == 0 (16-byte TMA rows of B (G, K, N))")
+    paired = any(getattr(s, "paired", False) for s in (*epilogue.inputs, *epilogue.outputs))
+    if epilogue.gated:
+        if N % 16 != 0:
+            problems.append(f"N = {N}: a gated GEMM needs N % 16 == 0 (gate and up halves of 8-column chunks)")
+        if config.b_major != "K":
+            problems.append("a gated GEMM reads the canonical (G, N, K) weight: use b_major='K' (gated epilogues "
+                            "are forward-only; the dgrad of a gated layer is a plain GEMM with b_major='MN')")
+        if config.tile_k != 64:
+            problems.append(f"tile_k = {config.tile_k}: a gated GEMM loads half B tiles of one 128-byte swizzle "
+                            "atom, so tile_k must be 64")
+        tile_log = config.tile_n // 2
+    else:
+        if paired and N % 8 != 0:
+            problems.append(f"N = {N}: paired epilogue tensors (M, 2N) need N % 8 == 0 (aligned up half)")
+        tile_log = config.tile_n
+    if any(isinstance(s, MXFP8Output) for s in epilogue.outputs) and tile_log % 32:
+        problems.append(f"MXFP8 output: the logical tile ({tile_log} columns) must hold whole 32-column blocks")
+    if problems:
+        raise KernelConfigError(f"cannot build the grouped GEMM ({type(epilogue).__name__}, {dtype}, N={N}, "
+                                f"K={K}, {config}): " + "; ".join(problems))
+
+
 def compile_grouped_gemm(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, G: int,
                          target: str = "sm_90a") -> CompiledGroupedGemm:
-    """Compile (cached in memory) for B of shape (G, N, K); M (rows) stays dynamic.  The returned
-    kernel's ``.config`` is the one it was built with: a pingpong config with tile_n > 128 whose
-    epilogue spills is built at tile_n = 128 (stages >= 6) when that does not spill."""
+    """Compile (cached in memory); M (rows) stays dynamic.  B is (G, N, K) for ``config.b_major == "K"``,
+    (G, K, N) for ``"MN"``.  The returned kernel's ``.config`` is the one it was built with: a pingpong
+    config with tile_n > 128 whose epilogue spills is built at tile_n = 128 (stages >= 6) when that does
+    not spill."""
     dtype = _dtype_name(dtype)
-    if target != "sm_90a":
-        raise ValueError("only sm_90a is supported")
-    if config.cluster_m != 1 or config.cluster_n != 1:
-        raise NotImplementedError("clusters > 1 are not implemented yet")
-    if K % 8 != 0:
-        raise ValueError("K must be a multiple of 8 (16-byte TMA rows)")
-    if epilogue.gated and N % 16 != 0:
-        raise ValueError("gated GEMM needs N % 16 == 0")
+    check_config(config, epilogue, dtype, N, K, target)
     key = (config, epilogue.cache_key(), dtype, N, K, G, target)
     with _LOCK:
         hit = _CACHE.get(key)
@@ -245,7 +301,7 @@ def _compile(config, epilogue, dtype, N, K, G):
         make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
         ptrs, cutlass.Int32(1), N, K, G, cutlass.Int32(1), make_fake_stream(),
     )
-    fn = cute.compile(kern, *args, options="--keep-ptx --keep-cubin")
+    fn = cute.compile(kern, *args, options=COMPILE_OPTIONS)
     ptx = getattr(fn, "__ptx__", None)
     cubin = getattr(fn, "__cubin__", None)
     if isinstance(ptx, bytes):
@@ -253,6 +309,9 @@ def _compile(config, epilogue, dtype, N, K, G):
     smem = kern.shared_storage.size_in_bytes() if hasattr(kern, "shared_storage") else None
     return CompiledGroupedGemm(fn, kern, config, epilogue, dtype, N, K, G, ptx, cubin, smem)
 
+
+#: Kernels keep their PTX and cubin (Sequential.compile returns them); TVM-FFI is the launch path.
+COMPILE_OPTIONS = "--enable-tvm-ffi --keep-ptx --keep-cubin"
 
 _SM_COUNT = {}
 
@@ -265,69 +324,62 @@ def _num_sms(device) -> int:
 
 
 def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
-                     outputs: dict, extras: Optional[dict] = None, num_ctas: Optional[int] = None,
-                     stream=None):
-    """Launch.  ``outputs``/``extras`` map the epilogue's declared names to tensors (MXFP8 outputs: the
-    e4m3 data under its name and the uint8 scales under ``name + '_scale'``).  No host sync."""
+                     outputs: dict, extras: Optional[dict] = None, num_ctas: Optional[int] = None):
+    """Launch on torch's current stream.  ``A`` (M, K); ``B`` (G, N, K) when the kernel was built with
+    ``b_major="K"``, (G, K, N) with ``"MN"`` (a GroupLinear weight W (G, out, in) is B of the dgrad
+    dX = dY @ W[g] as is: K = out, N = in); ``offsets`` (G+1,) int32.  ``outputs``/``extras`` map the
+    epilogue's declared names to tensors (MXFP8 outputs: the e4m3 data under its name and the uint8 scales
+    under ``name + '_scale'``); paired tensors (M, 2n) / (G, 2n) hold the gate half in columns [0, n) and the
+    up half in [n, 2n).  Every tensor must be contiguous on A's device (checked: shapes, 16-byte A/B
+    alignment, contiguity; cheap).  No host sync."""
     extras = extras or {}
     cfg = compiled.config
-    epi = compiled.epilogue
     M = A.shape[0]
-    assert A.is_contiguous() and B.is_contiguous()
-    assert B.shape == (compiled.G, compiled.N, compiled.K), (B.shape, compiled.G, compiled.N, compiled.K)
-    assert offsets.dtype == torch.int32 and offsets.numel() == compiled.G + 1
-    tensors = []
-    for s in epi.inputs:
-        t = extras[s.name]
-        tensors.append(t)
-    for s in epi.outputs:
-        tensors.append(outputs[s.name])
-        if isinstance(s, MXFP8Output):
-            tensors.append(outputs[s.scale_name])
-    for t in tensors:
-        assert t.is_cuda and t.is_contiguous()
+    if B.shape != compiled.b_shape or A.dim() != 2 or A.shape[1] != compiled.K:
+        raise ShapeError(f"grouped GEMM {compiled.name}: A must be (M, {compiled.K}) and B {compiled.b_shape} "
+                         f"(b_major={cfg.b_major!r}: dims {cfg.b_shape_order}), got A {tuple(A.shape)}, "
+                         f"B {tuple(B.shape)}")
+    a_ptr, b_ptr = A.data_ptr(), B.data_ptr()
+    if (a_ptr | b_ptr) & 15 or not (A.is_contiguous() and B.is_contiguous()) or offsets.numel() != compiled.G + 1:
+        raise ShapeError(f"grouped GEMM {compiled.name}: A and B must be contiguous and 16-byte aligned, and "
+                         f"offsets must hold G+1 = {compiled.G + 1} int32 bounds")
+    ptrs = []
+    for name, mx in compiled.slots:
+        t = extras[name] if name in extras else outputs[name]
+        if not t.is_contiguous():
+            raise ShapeError(f"grouped GEMM {compiled.name}: epilogue tensor {name!r} must be contiguous")
+        ptrs.append(t.data_ptr())
+        if mx:
+            ptrs.append(outputs[name + "_scale"].data_ptr())
     if M == 0:
         return
     dev = A.device
-    n_sms = _num_sms(dev)
     if num_ctas is None:
         n_tiles = ((M + cfg.tile_m - 1) // cfg.tile_m + compiled.G) * ((compiled.N + cfg.tile_n - 1) // cfg.tile_n)
-        if cfg.persistent:
-            num_ctas = max(1, min(n_sms - cfg.sm_margin, n_tiles))
-        else:
-            num_ctas = n_tiles
-    counter = compiled._counter.get(dev)
+        num_ctas = max(1, min(_num_sms(dev) - cfg.sm_margin, n_tiles)) if cfg.persistent else n_tiles
     if cfg.dynamic:
+        counter = compiled._counter.get(dev)
         if counter is None:
-            counter = torch.zeros(1, dtype=torch.int32, device=dev)
-            compiled._counter[dev] = counter
+            counter = compiled._counter[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
         counter.zero_()
     else:
-        counter = offsets  # unused
-    if stream is None:
-        import cuda.bindings.driver as cuda_drv
-        stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    ab = cutlass_dtype(compiled.dtype)
-    slot_dt = _slot_dtypes(epi, compiled.dtype)
-    ptrs = tuple(make_ptr(cutlass_dtype(d), t.data_ptr(), cute.AddressSpace.gmem,
-                          assumed_align=4 if d != "uint8" else 1) for d, t in zip(slot_dt, tensors))
-    compiled.fn(
-        make_ptr(ab, A.data_ptr(), cute.AddressSpace.gmem, assumed_align=16),
-        make_ptr(ab, B.data_ptr(), cute.AddressSpace.gmem, assumed_align=16),
-        make_ptr(cutlass.Int32, offsets.data_ptr(), cute.AddressSpace.gmem, assumed_align=4),
-        make_ptr(cutlass.Int32, counter.data_ptr(), cute.AddressSpace.gmem, assumed_align=4),
-        ptrs, cutlass.Int32(M), cutlass.Int32(num_ctas), stream,
-    )
+        counter = offsets  # unused by a static schedule
+    compiled.launch(a_ptr, b_ptr, offsets.data_ptr(), counter.data_ptr(), tuple(ptrs), M, num_ctas,
+                    torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else
+                                                       torch.cuda.current_device()))
 
 
 def grouped_gemm(A, B, group_sizes=None, offsets=None, epilogue: Optional[Epilogue] = None,
                  extras: Optional[dict] = None, config: Optional[GemmConfig] = None):
-    """Convenience: allocate outputs, compile (cached) and run.  Returns a dict name -> tensor."""
+    """Convenience: allocate outputs, compile (cached) and run.  Returns a dict name -> tensor.  B's layout
+    follows ``config.b_major`` (default "K": (G, N, K))."""
     epilogue = epilogue or IdentityEpilogueDefault
     if offsets is None:
         offsets = offsets_from_group_sizes(group_sizes)
-    G, N, K = B.shape
     M = A.shape[0]
+    K = A.shape[1]
+    b_major = config.b_major if config is not None else "K"
+    G, N = B.shape[0], (B.shape[1] if b_major == "K" else B.shape[2])
     dtype = _dtype_name(A.dtype)
     config = config or choose_config(M, N, K, G, epilogue.gated)
     comp = compile_grouped_gemm(config, epilogue, dtype, N, K, G)

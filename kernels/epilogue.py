@@ -3,9 +3,9 @@
 An epilogue is a plain Python object the kernel calls *at trace time*, once per accumulator element
 (or per gate/up pair), on fp32 values.  It declares, as class attributes:
 
-- ``gated``   : bool.  When True the accumulator tile holds interleaved (gate, up) columns (see
-                 :func:`kernels.layout.interleave_gated_weight`) and ``apply`` receives ``(gate, up)``;
-                 the logical output width is half the GEMM N.  When False ``apply`` receives ``(acc,)``.
+- ``gated``   : bool.  When True B is a canonical gated weight (G, N, K): gate rows [0, N/2), up rows
+                 [N/2, N); ``apply`` receives ``(gate, up)`` of one logical column and the logical output
+                 width is N/2.  When False ``apply`` receives ``(acc,)`` and the logical width is N.
 - ``inputs``  : tuple of :class:`RowVector`, :class:`GroupVector`, :class:`AuxInput` (in call order).
 - ``outputs`` : tuple of :class:`Output` / :class:`MXFP8Output` (at least one).
 
@@ -15,9 +15,10 @@ order.  It returns one value per unpaired output and two per paired output (a ba
 total is one, else a tuple).  Values are ``cutlass.Float32`` scalars; use :mod:`kernels.epi_math`
 (silu, sigmoid, exp, ...) and ordinary ``+ - * /`` on them.
 
-Logical columns: column ``j`` of the epilogue's output space.  ``gated``: j in [0, N/2), the kernel
-feeds gate = acc column ``16*(j//8) + j%8`` and up = that + 8.  ``paired`` inputs/outputs of width
-``2*n_logical`` use the same 8-column-block interleave.
+Logical columns: column ``j`` of the epilogue's output space, ``j`` in [0, n).  ``gated``: the kernel
+feeds gate = (A @ B[g].T)[:, j] and up = (A @ B[g].T)[:, n + j] (n = N/2).  ``paired`` inputs/outputs
+(width ``2n``) use the same canonical split layout: the gate half in columns [0, n), the up half in
+[n, 2n), so ``torch.chunk(x, 2, -1)`` gives (gate half, up half) without a copy.
 """
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ class RowVector:
 
 @dataclass(frozen=True)
 class GroupVector:
-    """One value per (group, logical column): a (G, n) tensor (per-expert bias). ``paired``: width 2n,
-    8-column-block interleaved (gate j at 16*(j//8)+j%8, up j at +8)."""
+    """One value per (group, logical column): a (G, n) tensor (per-expert bias). ``paired``: (G, 2n), gate
+    value of column j at j, up value at n + j (a gated layer's bias as stored)."""
     name: str
     paired: bool = False
     dtype: str = "float32"
@@ -50,7 +51,8 @@ class GroupVector:
 @dataclass(frozen=True)
 class AuxInput:
     """An auxiliary (M, n) matrix read at the output coordinates (e.g. the saved pre-activation in a
-    backward).  ``paired``: width 2n interleaved as above.  dtype None: the GEMM's input dtype."""
+    backward).  ``paired``: (M, 2n), gate half [0, n), up half [n, 2n).  dtype None: the GEMM's input
+    dtype."""
     name: str
     paired: bool = False
     dtype: Optional[str] = None
@@ -58,7 +60,8 @@ class AuxInput:
 
 @dataclass(frozen=True)
 class Output:
-    """An (M, n) output (``paired``: (M, 2n) interleaved).  dtype None: the GEMM's input dtype."""
+    """An (M, n) output (``paired``: (M, 2n), gate half [0, n), up half [n, 2n)).  dtype None: the GEMM's
+    input dtype."""
     name: str
     paired: bool = False
     dtype: Optional[str] = None
@@ -133,8 +136,9 @@ class SwiGLUScaleEpilogue(Epilogue):
 class DSwiGLUEpilogue(Epilogue):
     """Backward of silu(g)*u*s fused in the dgrad GEMM dH = dY @ W2 (acc = dH, logical width f).
 
-    Reads the saved pre-activation ``pre`` (M, 2f) interleaved and the row scale; writes
-    ``dpre`` (M, 2f) interleaved: d_gate = dH*s*u*dsilu(g), d_up = dH*s*silu(g).
+    Reads the saved pre-activation ``pre`` (M, 2f) = [gate | up] and the row scale; writes ``dpre`` (M, 2f)
+    = [d_gate | d_up]: d_gate = dH*s*u*dsilu(g), d_up = dH*s*silu(g).  Run it with ``b_major="MN"`` and
+    B = W2 (G, d, f) as stored.
     """
 
     gated = False

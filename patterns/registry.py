@@ -165,3 +165,9 @@ def reset_to_builtins(read_env: bool = False) -> None:
     global _state
     with _lock:
         _state = _init(read_env=read_env)
+
+
+def library() -> object:
+    """The current library as one object (activations and patterns): a load replaces it, so callers that
+    cached something made with it compare identities to know it is still current."""
+    return _current()

@@ -1,41 +1,20 @@
 """Generated epilogues compute what the reference ops compute, forward and backward.
 
-The generated source is executed on the CPU with torch standing in for the kernel's fp32 math (`em`), then
-compared with the ops' reference implementations (forward) and torch.autograd through them (backward).
+The generated source is executed with torch standing in for the kernel's fp32 math (the emulate backend's
+`em`, fusion/runtime/torch_math.py), in float64, and compared with the ops' reference implementations
+(forward) and torch.autograd through them (backward), including the saved value, the row-scale terms and the
+output recomputed from the saved value.
 """
-import types
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fusion import Activation, Bias, Clamp, GeGLU, GroupLinear, QuantizeMXFP8, Scale, SReLU, SwiGLU
+from fusion.codegen import slots
 from fusion.codegen.cache import source_key
 from fusion.codegen.emit import epilogue_source
-from fusion.codegen.spec import Unsupported, spec_from_ops
+from fusion.codegen.spec import Unsupported, backward_spec, forward_spec
 from fusion.ops.base import RunContext
-
-TORCH_EM = types.SimpleNamespace(
-    exp=torch.exp, log=torch.log, sqrt=torch.sqrt, tanh=torch.tanh, erf=torch.erf, abs=torch.abs,
-    sigmoid=torch.sigmoid, silu=F.silu, relu=torch.relu, softplus=F.softplus,
-    gelu_tanh=lambda x: F.gelu(x, approximate="tanh"),
-    minimum=lambda a, b: torch.minimum(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)),
-    maximum=lambda a, b: torch.maximum(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)),
-    clamp=lambda x, lo=None, hi=None: torch.clamp(x, lo, hi),
-    where=lambda c, a, b: torch.where(c, torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)),
-    pow_const=lambda x, p: x ** p,
-)
-
-
-def load(source):
-    """The generated Epilogue class, with torch in place of the kernel math."""
-    import fusion.kernels.epilogue as epi
-
-    body = "\n".join(line for line in source.splitlines() if not line.startswith(("from cutlass", "from fusion")))
-    ns = {"_f32": lambda v: v, "em": TORCH_EM, "_epi": epi}
-    exec(compile(body, "<generated>", "exec"), ns)
-    return ns["GeneratedEpilogue"]()
-
+from fusion.runtime.emulate import epilogue_class
 
 CASES = {
     "swiglu-scale-mxfp8": lambda: [GroupLinear(3, 8, 16), SwiGLU(), Scale(), QuantizeMXFP8()],
@@ -44,34 +23,31 @@ CASES = {
     "gptoss": lambda: [GroupLinear(3, 8, 16), Activation("gptoss_swiglu", limit=1.5)],
     "xielu-scale": lambda: [GroupLinear(3, 8, 16), Activation("xielu"), Scale()],
     "prebias-swiglu": lambda: [GroupLinear(3, 8, 16, bias=True), Bias(16, num_groups=3), SwiGLU()],
+    "clamp-scale-no-act": lambda: [GroupLinear(3, 8, 16), Scale(value=2.0), Clamp(-0.5, 0.5), Scale()],
 }
+ROWS = 64
+SIZES = torch.tensor([ROWS // 2, 0, ROWS - ROWS // 2])
+GROUP = torch.repeat_interleave(torch.arange(3), SIZES)
 
 
-def inputs_for(ops, spec, rows=64):
-    """Random accumulator values, the kernel's extra inputs, and the same data for the reference ops."""
-    torch.manual_seed(0)
-    width = ops[0].out_features
-    acc = torch.randn(rows, width, dtype=torch.float64) * 2
-    sizes = torch.tensor([rows // 2, 0, rows - rows // 2])
-    group = torch.repeat_interleave(torch.arange(3), sizes)
-    probs = torch.rand(rows, dtype=torch.float64)
-    ctx = RunContext(group_sizes=sizes, extra={"scale": probs})
-    values = {}
-    for name, paired in spec.group_inputs:
-        index = int(name.removeprefix("bias"))
-        bias = ops[index].bias.detach().double()
-        per_row = bias[group] if bias.dim() == 2 else bias.expand(rows, -1)
-        values[name] = per_row.chunk(2, -1) if paired else (per_row,)
-    for name in spec.row_inputs:
-        values[f"scale_{name}"] = (probs[:, None],)
-    halves = acc.chunk(2, -1) if spec.gated else (acc,)
-    return acc, halves, values, ctx
+def load(source):
+    return epilogue_class(source)()
+
+
+def slot_values(slot, ops, ctx):
+    """The values `apply` receives for an input slot, as full (rows, n) tensors."""
+    if isinstance(slot, slots.RowScale):
+        return (ctx.extra[slot.name][:, None],)
+    bias = ops[slot.position].bias.detach().double()
+    per_row = bias[GROUP] if bias.dim() == 2 else bias.expand(ROWS, -1)
+    return tuple(per_row.chunk(2, -1)) if slot.paired else (per_row,)
 
 
 def reference(ops, acc, ctx):
+    """The chain's reference on the GEMM output `acc` (the GEMM's own bias added)."""
     y = acc
     if ops[0].bias is not None:
-        y = y + ops[0].bias.detach().double()[torch.repeat_interleave(torch.arange(3), ctx.group_sizes)]
+        y = y + ops[0].bias.detach().double()[GROUP]
     for op in ops[1:]:
         if op.spec.kind != "quantize":
             y = op.reference(y, ctx)
@@ -80,41 +56,94 @@ def reference(ops, acc, ctx):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_generated_forward_and_backward_match_the_reference(case):
+    torch.manual_seed(0)
     ops = [op.double() for op in CASES[case]()]
-    spec = spec_from_ops(ops)
-    acc, halves, values, ctx = inputs_for(ops, spec)
-    args = [v for name, _ in spec.group_inputs for v in values[name]]
-    args += [v for name in spec.row_inputs for v in values[f"scale_{name}"]]
+    spec = forward_spec(ops)
+    acc = torch.randn(ROWS, ops[0].out_features, dtype=torch.float64) * 2
+    ctx = RunContext(group_sizes=SIZES, extra={"scale": torch.rand(ROWS, dtype=torch.float64)})
+    in_slots, out_slots = spec.forward_slots(train=True)
+    args = [v for slot in in_slots for v in slot_values(slot, ops, ctx)]
+    halves = acc.chunk(2, -1) if spec.gated else (acc,)
 
-    forward = load(epilogue_source(spec))
-    out = forward.apply(*halves, *args)
-    out = out[0] if isinstance(out, tuple) else out
+    results = load(epilogue_source(spec, "float64", train=True)).apply(*halves, *args)
+    results = list(results) if isinstance(results, tuple) else [results]
     expected = reference(ops, acc, ctx)
-    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(results[0], expected, rtol=1e-12, atol=1e-12)
 
-    dy = torch.randn_like(expected)
-    leaf = acc.clone().requires_grad_()
+    # The saved value is the input of the first stage whose gradient needs it.
+    saved = None
+    if spec.saved is not None:
+        k = spec.saved_position
+        leaf = acc.clone()
+        saved = reference(ops[:k], leaf, ctx) if k > 0 else leaf
+        got = torch.cat(results[-2:], -1) if spec.saved_paired else results[-1]
+        torch.testing.assert_close(got, saved, rtol=1e-12, atol=1e-12)
+
+    # Backward: the gradient of the chain's input (after the GEMM and its bias) from the saved value.
+    chain = ops[1:]
+    bspec = backward_spec(chain, ops[0].out_features)
+    post_ok = bspec.saved is not None and not bspec.has_quantize
+    b_in, b_out = bspec.backward_slots(postact=post_ok)
+    start = acc + (ops[0].bias.detach().double()[GROUP] if ops[0].bias is not None else 0)
+    leaf = start.clone().requires_grad_()
     ctx.extra["scale"].requires_grad_()
-    torch.autograd.backward(reference(ops, leaf, ctx), dy)
-    backward = load(epilogue_source(spec, backward=True))
-    results = backward.apply(dy, *(halves if spec.save_preactivation else ()), *args)
-    results = results if isinstance(results, tuple) else (results,)
-    dpre = torch.cat(results[:2], -1) if spec.gated else results[0]
-    torch.testing.assert_close(dpre, leaf.grad, rtol=1e-9, atol=1e-9)
-    if spec.row_inputs:
-        torch.testing.assert_close(results[-1].sum(-1), ctx.extra["scale"].grad, rtol=1e-9, atol=1e-9)
+    out = _chain(chain, leaf, ctx)
+    dy = torch.randn_like(out)
+    torch.autograd.backward(out, dy)
+    bargs = []
+    for slot in b_in:
+        if isinstance(slot, slots.SavedIn):
+            value = _chain(chain[:bspec.saved_position], start, ctx)
+            bargs += list(value.chunk(2, -1)) if slot.paired else [value]
+        else:
+            bargs += list(_bias_values(slot, chain) if isinstance(slot, slots.GroupBias)
+                          else slot_values(slot, chain, ctx))
+    res = load(epilogue_source(bspec, "float64", backward=True, postact=post_ok)).apply(dy, *bargs)
+    res = list(res) if isinstance(res, tuple) else [res]
+    dinput = torch.cat(res[:2], -1) if bspec.gated else res[0]
+    torch.testing.assert_close(dinput, leaf.grad, rtol=1e-12, atol=1e-12)
+    terms = [s for s in b_out if isinstance(s, slots.DScale)]
+    if terms:
+        k = 2 if bspec.gated else 1
+        torch.testing.assert_close(res[k].sum(-1), ctx.extra["scale"].grad, rtol=1e-12, atol=1e-12)
+    if post_ok:
+        torch.testing.assert_close(res[-1], out.detach(), rtol=1e-12, atol=1e-12)
+
+
+def _chain(ops, value, ctx):
+    for op in ops:
+        if op.spec.kind != "quantize":
+            value = op.reference(value, ctx)
+    return value
+
+
+def _bias_values(slot, ops):
+    bias = ops[slot.position].bias.detach().double()
+    per_row = bias[GROUP] if bias.dim() == 2 else bias.expand(ROWS, -1)
+    return tuple(per_row.chunk(2, -1)) if slot.paired else (per_row,)
 
 
 def test_source_and_key_are_deterministic():
-    spec = spec_from_ops([GroupLinear(2, 8, 16), SwiGLU(), Scale()])
-    assert epilogue_source(spec) == epilogue_source(spec_from_ops([GroupLinear(2, 8, 16), SwiGLU(), Scale()]))
-    assert source_key(epilogue_source(spec)) != source_key(epilogue_source(spec, backward=True))
+    spec = forward_spec([GroupLinear(2, 8, 16), SwiGLU(), Scale()])
+    again = forward_spec([GroupLinear(2, 8, 16), SwiGLU(), Scale()])
+    assert epilogue_source(spec, "bfloat16") == epilogue_source(again, "bfloat16")
+    assert source_key(epilogue_source(spec, "bfloat16")) != source_key(epilogue_source(spec, "float16"))
+    bspec = backward_spec([SwiGLU(), Scale()], 16)
+    assert source_key(epilogue_source(spec, "bfloat16")) != source_key(epilogue_source(bspec, "bfloat16",
+                                                                                      backward=True))
 
 
 def test_unsupported_epilogues_say_which_op():
     from fusion import QuantizeNVFP4
 
     with pytest.raises(Unsupported, match="QuantizeNVFP4.*MXFP8 only"):
-        spec_from_ops([GroupLinear(2, 8, 32), QuantizeNVFP4()])
+        forward_spec([GroupLinear(2, 8, 32), QuantizeNVFP4()])
     with pytest.raises(Unsupported, match="only a bias may come before the activation"):
-        spec_from_ops([GroupLinear(2, 8, 16), Scale(), SwiGLU()])
+        forward_spec([GroupLinear(2, 8, 16), Scale(), SwiGLU()])
+
+
+def test_saved_value_is_the_first_input_needing_stage():
+    """A bias and a constant scale need no input for their gradient: the saved value is the clamp's input."""
+    spec = forward_spec([GroupLinear(2, 8, 16, bias=True), Scale(value=3.0), Clamp(-1, 1), Scale()])
+    assert spec.stages[spec.saved].kind == "clamp" and spec.saved_position == 2
+    assert forward_spec([GroupLinear(2, 8, 16), Bias(16)]).saved is None

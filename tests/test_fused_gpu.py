@@ -1,7 +1,8 @@
 """Fused (generated-kernel) path against the reference path on a Hopper GPU: forward and backward.
 
 Every case draws fresh random data, poisons kernel outputs with NaN before each launch (so an unwritten
-element fails), and compares with the reference backend on the same inputs and weights.
+element fails), compares with the reference backend on the same inputs and weights, and asserts from the launch
+counter that the plan's fused kernels really ran (a silent fallback would compare the reference with itself).
 """
 import copy
 
@@ -20,9 +21,9 @@ pytestmark = pytest.mark.gpu
 def _hopper_and_poison(monkeypatch):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fused kernels need a Hopper (sm_90) GPU")
-    import fusion.runtime.fused as fused
+    from fusion.runtime import steps
 
-    monkeypatch.setattr(fused, "POISON_OUTPUTS", True)
+    monkeypatch.setitem(steps.POISON, "on", True)
 
 
 def rel(a, b):
@@ -40,11 +41,17 @@ def ragged_sizes(groups, rows, zero_every=3, seed=0):
 
 
 def run_both(block, x, extras, backward=True):
-    """(fused outputs and grads, reference outputs and grads) on identical weights and inputs."""
+    """(fused outputs and grads, reference outputs and grads) on identical weights and inputs; asserts that every
+    fused kernel of the plan launched (forward, and backward when it ran)."""
+    from fusion.runtime.kernel import LAUNCHES
+
     ref_block = copy.deepcopy(block)
     ref_block.backend = "reference"
     results, dy = [], None
+    plan = plan_for_run(block, x)
+    expected = sum(s.fused for s in plan.forward) + (sum(s.fused for s in plan.backward) if backward else 0)
     for b in (block, ref_block):
+        LAUNCHES.reset()
         xi = x.detach().clone().requires_grad_(backward)
         ex = {k: (v.detach().clone().requires_grad_(backward) if v.is_floating_point() else v)
               for k, v in extras.items()}
@@ -56,6 +63,8 @@ def run_both(block, x, extras, backward=True):
             (y.float() * dy).sum().backward()
             grads = {"x": xi.grad, **{f"p:{n}": p.grad for n, p in b.named_parameters()},
                      **{f"e:{k}": v.grad for k, v in ex.items() if v.is_floating_point()}}
+        if b is block and x.shape[0]:
+            assert LAUNCHES.total == expected, (LAUNCHES.by_step, expected)
         results.append((y, grads))
     return results
 
@@ -148,7 +157,7 @@ def test_large_m_forward():
     check_swiglu_scale_forward(32, 512, 512, 262144)
 
 
-def test_mxfp8_quantized_epilogue_is_exact_and_feeds_fc2():
+def test_mxfp8_quantized_epilogue_is_exact_and_feeds_fc2(monkeypatch):
     from fusion.quant.mxfp8 import mxfp8_quantize_2d
 
     E, d, f, M = 8, 256, 512, 4096
@@ -159,15 +168,21 @@ def test_mxfp8_quantized_epilogue_is_exact_and_feeds_fc2():
     assert_plan_fused(block, x, 1)  # FC2 alone has nothing to fuse: it runs torch._grouped_mm
     # The quantizing epilogue is exact: its bytes equal the reference quantization of the kernel's own
     # high-precision output (the value rounded to bf16, as the reference path quantizes it).
-    from fusion.runtime import fused_step
-    from fusion.sequential import make_context
+    from fusion.runtime import steps
 
-    plan = plan_for_run(block, x)
-    step = fused_step(block, plan.forward[0])
-    outs = step.launch(x, make_context(block.ops, x, extras, check_sum=False), train=False)
-    ref_data, ref_scale = mxfp8_quantize_2d(outs["hp"].float())
-    assert torch.equal(outs["out_scale"], ref_scale)
-    assert torch.equal(outs["out"].view(torch.uint8), ref_data)
+    seen = {}
+    original = steps._quantized
+
+    def capture(op, outs, ctx):
+        seen.update(outs)
+        return original(op, outs, ctx)
+
+    monkeypatch.setattr(steps, "_quantized", capture)
+    with torch.no_grad():
+        block(x, **extras)
+    ref_data, ref_scale = mxfp8_quantize_2d(seen["hp"].float())
+    assert torch.equal(seen["out_scale"], ref_scale)
+    assert torch.equal(seen["out"].view(torch.uint8), ref_data)
     (y, g), (y_ref, g_ref) = run_both(block, x, extras)
     assert rel(y, y_ref) < 2e-2
     assert rel(g["x"], g_ref["x"]) < 3e-2 and rel(g["e:scale"], g_ref["e:scale"]) < 3e-2
@@ -193,23 +208,49 @@ def test_user_activation_file_compiles_and_runs(tmp_path):
     assert rel(y, y_ref) < 1e-2 and rel(g["x"], g_ref["x"]) < 2e-2
 
 
-def test_group_sizes_never_leave_the_device():
-    """A fused forward + backward runs under CUDA graph capture (which fails on any host sync)."""
+def test_cuda_graph_forward_and_backward_replay_with_new_group_sizes():
+    """A whole fused forward + backward is captured in one CUDA graph (any host sync would fail the capture) and
+    replays exactly after new inputs and new group_sizes are copied in place."""
     E, d, f, M = 8, 128, 256, 2048
     block = Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d)).cuda().bfloat16()
     x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     sizes = ragged_sizes(E, M).cuda()
-    probs = torch.rand(M, device="cuda", dtype=torch.bfloat16)
-    block(x, group_sizes=sizes, scale=probs).sum().backward()  # warm up: compile, repack
+    probs = torch.rand(M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for t in (x, probs, *block.parameters()):
+            t.grad = None
+        y = block(x, group_sizes=sizes, scale=probs)
+        y.backward(dy)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up: compile, load, allocate
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = block(x, group_sizes=sizes, scale=probs)
-    graph.replay()
-    torch.cuda.synchronize()
-    ref = copy.deepcopy(block)
-    ref.backend = "reference"
-    assert rel(y, ref(x.detach(), group_sizes=sizes, scale=probs)) < 1e-2
+        y = step()
+    for seed in (1, 2):
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+            probs.copy_(torch.rand_like(probs))
+            sizes.copy_(ragged_sizes(E, M, seed=seed).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = copy.deepcopy(block)
+        ref.backend = "reference"
+        xr = x.detach().clone().requires_grad_()
+        pr = probs.detach().clone().requires_grad_()
+        y_ref = ref(xr, group_sizes=sizes, scale=pr)
+        y_ref.backward(dy)
+        assert rel(y, y_ref) < 1e-2
+        assert rel(x.grad, xr.grad) < 2e-2 and rel(probs.grad, pr.grad) < 2e-2
+        for p, q in zip(block.parameters(), ref.parameters()):
+            assert rel(p.grad, q.grad) < 2e-2
 
 
 def test_autotune_mode_picks_a_config_and_stays_correct(tmp_path, monkeypatch):

@@ -1,13 +1,21 @@
-"""CPU-only: compile the grouped GEMM for sm_90a and check the SASS (no GPU needed)."""
+"""CPU-only: compile the grouped GEMM for sm_90a and check the SASS / PTX (no GPU needed)."""
 import importlib
 import os
 import re
 
 import pytest
+import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import fusion.kernels as K  # noqa: E402
+from fusion.errors import KernelConfigError, ShapeError  # noqa: E402
+
+N_, K_, G_ = 1024, 512, 8   # every kernel here: B (G, N, K) or, MN-major, (G, K, N)
+
+
+def _em():
+    return importlib.import_module(K.__name__ + ".epi_math")
 
 
 def _ops(sass):
@@ -28,6 +36,52 @@ def _check(comp):
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local-memory spills"
     assert comp.frame_size == 0
     assert any(o.startswith("UTMALDG") for o in ops), "no TMA loads"
+    return ops
+
+
+def _b_loads(ptx):
+    """The 3-D (N, K, G) TMA loads of B in the PTX (A's are 2-D)."""
+    return re.findall(r"cp\.async\.bulk\.tensor\.3d\.[^\[]*\[[^\]]*\], \[%rd\d+, \{([^}]*)\}\]", ptx)
+
+
+def _wgmma_trans_b(ptx):
+    """The imm-trans-b operand (last) of every wgmma: 1 = MN-major B."""
+    return set(re.findall(r"wgmma\.mma_async\.sync\.aligned[^;]*, (\d);", ptx))
+
+
+# ---- the epilogues the product generates (codegen/emit.py), written out by hand
+class _SwiGLUTrainMXFP8(K.Epilogue):
+    """FC1 training forward: silu(g)*u*scale as MXFP8 + high precision, and the pre-activation [g | u]."""
+    gated = True
+    inputs = (K.RowVector("scale_x"),)
+    outputs = (K.MXFP8Output("out"), K.Output("hp"), K.Output("pre", paired=True))
+
+    def apply(self, gate, up, scale):
+        v = _em().silu(gate) * up * scale
+        return v, v, gate, up
+
+
+class _SwiGLUTrain(K.Epilogue):
+    gated = True
+    inputs = (K.RowVector("scale_x"),)
+    outputs = (K.Output("out"), K.Output("pre", paired=True))
+
+    def apply(self, gate, up, scale):
+        return _em().silu(gate) * up * scale, gate, up
+
+
+class _DSwiGLUScaleDgrad(K.Epilogue):
+    """FC2 dgrad dH = dY @ W2[g] with d(silu(g)*u*s): reads [g | u], writes [d_gate | d_up] and the per-element
+    d(scale) terms (the row reduction of the scale's gradient)."""
+    gated = False
+    inputs = (K.AuxInput("pre", paired=True), K.RowVector("scale_x"))
+    outputs = (K.Output("dpre", paired=True), K.Output("dscale_x"))
+
+    def apply(self, dy, g, u, scale):
+        em = _em()
+        sig = em.sigmoid(g)
+        silu = g * sig
+        return dy * scale * u * (sig + silu * (1.0 - sig)), dy * scale * silu, dy * silu * u
 
 
 class _Bias(K.Epilogue):
@@ -36,55 +90,110 @@ class _Bias(K.Epilogue):
     outputs = (K.Output("out"),)
 
     def apply(self, gate, up, bg, bu, b2, scale):
-        em = importlib.import_module(K.__name__ + ".epi_math")
-        return em.silu(gate + bg) * (up + bu) * scale + b2
+        return _em().silu(gate + bg) * (up + bu) * scale + b2
 
 
-class _MXHP(K.SwiGLUScaleMXFP8Epilogue):
-    outputs = (K.MXFP8Output("out"), K.Output("hp"))
+PP128 = dict(tile_n=128, stages=6, pingpong=True)                  # choose_config, N < 4096
+PP192 = dict(tile_n=192, stages=5, pingpong=True, dynamic=True)    # choose_config, N >= 4096
+DGRAD = dict(tile_n=128, stages=6, pingpong=True, dynamic=True, b_major="MN")  # the product's dgrad
 
-    def apply(self, gate, up, scale):
-        v = super().apply(gate, up, scale)
-        return v, v
-
-
-@pytest.mark.parametrize("epi,cfg", [
-    (K.IdentityEpilogue(), K.GemmConfig(tile_n=128, stages=6)),
-    (K.SwiGLUScaleEpilogue(), K.GemmConfig(tile_n=256, stages=4, dynamic=True)),
-    (K.DSwiGLUEpilogue(), K.GemmConfig(tile_n=128, stages=6)),
-    (K.DSwiGLUEpilogue(), K.GemmConfig(tile_n=256, stages=4)),
-    (K.SwiGLUScaleMXFP8Epilogue(), K.GemmConfig(tile_n=256, stages=4)),
-    (_MXHP(), K.GemmConfig(tile_n=256, stages=4)),
-    (_Bias(), K.GemmConfig(tile_n=256, stages=4)),
-    (K.SwiGLUScaleEpilogue(), K.GemmConfig(tile_n=192, stages=5, pingpong=True)),
-    (K.SwiGLUScaleEpilogue(), K.GemmConfig(tile_n=192, stages=5, pingpong=True, dynamic=True)),
-    (K.SwiGLUScaleMXFP8Epilogue(), K.GemmConfig(tile_n=128, stages=6, pingpong=True)),
-    (K.DSwiGLUEpilogue(), K.GemmConfig(tile_n=128, stages=6, pingpong=True)),
-])
-def test_compile_sass(epi, cfg):
-    comp = K.compile_grouped_gemm(cfg, epi, "bfloat16", N=1024, K=512, G=8)
-    _check(comp)
-    # cached in memory
-    assert K.compile_grouped_gemm(cfg, epi, "bfloat16", N=1024, K=512, G=8) is comp
+CASES = {
+    # gated canonical forward (the product's FC1 variants)
+    "fc1-train-mxfp8-bf16": (_SwiGLUTrainMXFP8(), PP128, "bfloat16"),
+    "fc1-train-mxfp8-fp16": (_SwiGLUTrainMXFP8(), PP128, "float16"),
+    "fc1-train-wide-bf16": (_SwiGLUTrain(), PP192, "bfloat16"),
+    "fc1-mxfp8-coop": (K.SwiGLUScaleMXFP8Epilogue(), dict(tile_n=256, stages=4), "bfloat16"),
+    "fc1-coop-dynamic": (K.SwiGLUScaleEpilogue(), dict(tile_n=256, stages=4, dynamic=True), "float16"),
+    "fc1-paired-bias": (_Bias(), dict(tile_n=256, stages=4), "bfloat16"),
+    # MN-major dgrad on the weight as stored
+    "fc2-dgrad-bf16": (_DSwiGLUScaleDgrad(), DGRAD, "bfloat16"),
+    "fc2-dgrad-fp16": (_DSwiGLUScaleDgrad(), DGRAD, "float16"),
+    "fc2-dgrad-coop-prefetch": (K.DSwiGLUEpilogue(), dict(tile_n=128, stages=6, b_major="MN"), "bfloat16"),
+    "fc1-dgrad-wide": (K.IdentityEpilogue(), dict(PP192, b_major="MN"), "bfloat16"),
+    # K-major, not gated
+    "plain": (K.IdentityEpilogue(), dict(tile_n=128, stages=6), "bfloat16"),
+    "dswiglu-k256": (K.DSwiGLUEpilogue(), dict(tile_n=256, stages=4), "bfloat16"),
+}
 
 
-def test_interleave_roundtrip():
-    import torch
-    W = torch.randn(3, 64, 5)
-    Wi = K.interleave_gated_weight(W)
-    assert torch.equal(Wi[:, 8:16], W[:, 32:40])
-    assert torch.equal(K.deinterleave_gated(Wi), W)
-    x = torch.randn(7, 32)
-    assert torch.equal(K.deinterleave_gated(K.interleave_gated_weight(x, dim=-1), dim=-1), x)
+def _compile(name):
+    epi, cfg, dtype = CASES[name]
+    return K.compile_grouped_gemm(K.GemmConfig(**cfg), epi, dtype, N=N_, K=K_, G=G_)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compile_sass(name):
+    epi, cfg, dtype = CASES[name]
+    comp = _compile(name)
+    ops = _check(comp)
+    assert _compile(name) is comp  # cached in memory
+    b_loads = _b_loads(comp.ptx)
+    if epi.gated:
+        # two half-tile boxes of B per stage: the gate rows and the up rows N/2 further
+        assert len(b_loads) == 2, b_loads
+        assert sum(o.startswith("UTMALDG") for o in ops) >= 3     # A, gate box, up box
+    mn = cfg.get("b_major") == "MN"
+    assert _wgmma_trans_b(comp.ptx) == {"1" if mn else "0"}
+    if mn:
+        assert comp.config.b_major == "MN" and comp.name.endswith("_bmn")
+
+
+def test_gated_up_box_starts_at_half_n():
+    """The second B box of a gated stage is at row N/2 + (the gate box's row) and lands tile_n/2 rows further
+    in smem."""
+    ptx = _compile("fc1-coop-dynamic").ptx
+    text = ptx.replace("\n", " ")
+    # up-box row = gate-box row + N/2 (512)
+    assert re.search(r"add\.s32\s+%r\d+, %r\d+, 512;", text)
+    offs = [int(o) for o in re.findall(r"cp\.async\.bulk\.tensor\.3d\.[^\[]*\[%r\d+\+(\d+)\]", ptx)]
+    assert len(offs) == 2 and offs[1] - offs[0] == 128 * 64 * 2  # tile_n/2 rows of 64 16-bit values
+
+
+def test_paired_tensors_use_the_split_layout():
+    """The dgrad reads pre and writes dpre with the up half n = 1024 columns (2048 bytes) after the gate half."""
+    ptx = _compile("fc2-dgrad-bf16").ptx
+    offs = {int(o) for o in re.findall(r"(?:ld|st)\.global[^\[]*\[%rd\d+\+(\d+)\]", ptx)}
+    assert {2048, 2048 + 16, 2048 + 32} <= offs, sorted(offs)
 
 
 def test_mxfp8_exact_rule_in_ptx():
     """The MXFP8 epilogue computes the scale with integer ops (no float log2 / division), rounds to the
     GEMM dtype first, and encodes with one RNE cvt per element pair."""
-    comp = K.compile_grouped_gemm(K.GemmConfig(tile_n=256, stages=4), K.SwiGLUScaleMXFP8Epilogue(), "bfloat16",
-                                  N=1024, K=512, G=8)
-    ptx = comp.ptx
+    ptx = _compile("fc1-mxfp8-coop").ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "cvt.rn.bf16.f32" in ptx                 # rounded to the GEMM dtype before quantizing
     assert "lg2" not in ptx and "div.rn.f32" not in ptx
     assert "max.u32" in ptx or "max.s32" in ptx     # integer amax over |x| bit patterns
+
+
+# ---- configurations the template cannot build are refused by name (no compile)
+@pytest.mark.parametrize("epi,cfg,N,match", [
+    (K.SwiGLUScaleEpilogue(), dict(b_major="MN"), 1024, "gated GEMM reads the canonical"),
+    (K.SwiGLUScaleEpilogue(), dict(tile_k=128), 1024, "tile_k must be 64"),
+    (K.SwiGLUScaleEpilogue(), dict(), 1000, "N % 16"),
+    (K.IdentityEpilogue(), dict(b_major="MN"), 1020, "N % 8"),
+    (K.IdentityEpilogue(), dict(b_major="KN"), 1024, "b_major"),
+    (K.DSwiGLUEpilogue(), dict(), 1020, "paired"),
+    (K.SwiGLUScaleMXFP8Epilogue(), dict(tile_n=48), 1024, "32-column"),
+])
+def test_unsupported_configs_are_rejected(epi, cfg, N, match):
+    with pytest.raises(KernelConfigError, match=match):
+        K.compile_grouped_gemm(K.GemmConfig(**cfg), epi, "bfloat16", N=N, K=512, G=8)
+
+
+def test_gemm_config_tuples_of_the_old_fields_still_build_a_k_major_config():
+    old = K.GemmConfig(tile_n=128, stages=6, pingpong=True)
+    fields = (128, 128, 64, 6, 1, 1, True, False, 0, True)      # the ten fields before b_major
+    assert K.GemmConfig(*fields) == old and old.b_major == "K"
+    assert K.choose_config(4096, 4096, 1024, 8, b_major="MN").b_major == "MN"
+
+
+def test_run_checks_b_shape_for_its_major_mode():
+    comp = _compile("fc2-dgrad-bf16")                           # MN-major: B must be (G, K, N)
+    A = torch.zeros(4, K_, dtype=torch.bfloat16)
+    offs = torch.zeros(G_ + 1, dtype=torch.int32)
+    with pytest.raises(ShapeError, match=r"\(8, 512, 1024\)"):
+        K.run_grouped_gemm(comp, A, torch.zeros(G_, N_, K_, dtype=torch.bfloat16), offs, {})
+    comp_k = _compile("plain")                                  # K-major: B must be (G, N, K)
+    with pytest.raises(ShapeError, match=r"\(8, 1024, 512\)"):
+        K.run_grouped_gemm(comp_k, A, torch.zeros(G_, K_, N_, dtype=torch.bfloat16), offs, {})

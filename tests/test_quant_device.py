@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from fusion.quant import encode_e4m3, quantize_mxfp8, quantize_nvfp4
+from fusion.quant import encode_e4m3, quantize, quantize_fp8_block, quantize_mxfp8, quantize_nvfp4
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("fn", [quantize_mxfp8, quantize_nvfp4])
+@pytest.mark.parametrize("fn", [quantize_mxfp8, quantize_nvfp4, quantize_fp8_block])
 @pytest.mark.parametrize("spread", [0, 3, 7])
 def test_cpu_and_cuda_agree(fn, dtype, spread):
     g = torch.Generator().manual_seed(spread)
@@ -20,7 +20,8 @@ def test_cpu_and_cuda_agree(fn, dtype, spread):
     x[9, :32] = 0.0
     x[10, :16] = -0.0
     x = x.to(dtype)
-    a, b = fn(x), fn(x.cuda())
+    gs = torch.tensor([20, 0, 33, 11])                      # ragged groups: partial columnwise blocks
+    a, b = fn(x, group_sizes=gs), fn(x.cuda(), group_sizes=gs.cuda())
     for name in ("data", "scale", "columnwise_data", "columnwise_scale"):
         assert torch.equal(getattr(a, name), getattr(b, name).cpu()), name
     assert torch.equal(a.amax, b.amax.cpu())
@@ -41,3 +42,35 @@ def test_gradient_and_move_on_cuda():
     c = q.detach().cpu()
     assert type(c).__name__ == "QuantizedTensor" and c.data.device.type == "cpu"
     assert torch.equal(c.dequantize(), q.detach().dequantize().cpu())
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "fp8_block"])
+def test_grouped_columnwise_on_cuda_needs_no_host_sync(fmt):
+    x = torch.randn(301, 128, device="cuda")
+    gs = torch.tensor([100, 0, 201], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")                   # any host sync raises
+    try:
+        q = quantize(x, fmt, group_sizes=gs)
+        d = q.dequantize(columnwise=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = quantize(x.cpu(), fmt, group_sizes=gs.cpu())
+    assert torch.equal(q.columnwise_scale.cpu(), ref.columnwise_scale)
+    assert torch.equal(d.cpu(), ref.dequantize(columnwise=True))
+
+
+def test_fp8_group_linear_on_cuda_needs_no_host_sync():
+    from fusion import GroupLinear
+    from fusion.ops.base import RunContext
+
+    layer = GroupLinear(3, 128, 64, weight_format="fp8_block").cuda()
+    x = torch.randn(301, 128, device="cuda", requires_grad=True)
+    gs = torch.tensor([100, 0, 201], device="cuda")
+    layer.quantized_weight()                                   # the cache fills outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = layer.reference(x, RunContext(group_sizes=gs))
+        y.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.grad.isfinite().all() and layer.weight.grad.isfinite().all()

@@ -167,12 +167,15 @@ def test_dequantize_exact_and_idempotent():
 
 
 def test_columnwise_is_rowwise_of_transpose():
+    # one group (no group_sizes): the columnwise blocks are the rowwise blocks of x.T; the scales are stored
+    # k-block-major (capacity ceil(M/32) + 1, K), the last row of the capacity unused (byte 0)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(96, 64, generator=g) * 10
     q = quantize_mxfp8(x)
     t = quantize_mxfp8(x.t().contiguous(), columnwise=False)
-    assert q.columnwise_data.shape == (64, 96) and q.columnwise_scale.shape == (64, 3)
-    assert torch.equal(q.columnwise_data, t.data) and torch.equal(q.columnwise_scale, t.scale)
+    assert q.columnwise_data.shape == (64, 96) and q.columnwise_scale.shape == (3 + 1, 64)
+    assert torch.equal(q.columnwise_data, t.data) and torch.equal(q.columnwise_scale[:3], t.scale.t())
+    assert (q.columnwise_scale[3] == 0).all()
     assert torch.equal(q.dequantize(columnwise=True), t.dequantize().t())
 
 
@@ -182,7 +185,7 @@ def test_nd_input_flattens_leading_dims():
     q = quantize_mxfp8(x)
     q2 = quantize_mxfp8(x.reshape(32, 64))
     assert q.shape == (2, 16, 64) and q.data.shape == (32, 64) and q.scale.shape == (32, 2)
-    assert q.columnwise_data.shape == (64, 32) and q.columnwise_scale.shape == (64, 1)
+    assert q.columnwise_data.shape == (64, 32) and q.columnwise_scale.shape == (2, 64)
     assert torch.equal(q.data, q2.data) and torch.equal(q.columnwise_data, q2.columnwise_data)
     assert torch.equal(q.dequantize(), q2.dequantize().reshape(2, 16, 64))
     one = quantize_mxfp8(torch.ones(64), columnwise=False)  # 1-D: one row
@@ -232,15 +235,22 @@ def test_error_last_dim():
     assert "QuantizeMXFP8" in msg and "last dim 100" in msg and "block size 32" in msg and "pad" in msg
 
 
-def test_error_rows_for_columnwise():
-    x = torch.randn(40, 64)
-    with pytest.raises(QuantizationError) as ei:
-        quantize_mxfp8(x)
-    msg = str(ei.value)
-    assert "row count 40" in msg and "32" in msg and "columnwise=False" in msg
-    with pytest.raises(QuantizationError, match=r"row count 30 \(the product of the leading dims of shape \(3, 10, 64\)\)"):
-        quantize_mxfp8(torch.randn(3, 10, 64))
-    q = quantize_mxfp8(x, columnwise=False)               # rowwise only is fine
+def test_any_row_count_for_columnwise():
+    # 40 rows: one full 32-row block and a partial block of 8 rows whose scale comes from those 8 rows
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(8))
+    q = quantize_mxfp8(x)
+    assert q.columnwise_data.shape == (64, 40) and q.columnwise_scale.shape == (2 + 1, 64)
+    full = quantize_mxfp8(x[:32].t().contiguous(), columnwise=False)
+    tail = mxfp8_scale_exponent(x[32:].abs().amax(0)) + 127
+    assert torch.equal(q.columnwise_scale[0], full.scale[:, 0])
+    assert torch.equal(q.columnwise_scale[1], tail.to(torch.uint8))
+    assert (q.columnwise_scale[2] == 0).all()
+    assert torch.equal(q.columnwise_data[:, :32], full.data)
+    d = q.dequantize(columnwise=True)
+    assert d.shape == x.shape and torch.allclose(d, x, rtol=2.0 ** -4, atol=2.0 ** -9 * 2.0 ** -6)
+    nd = quantize_mxfp8(torch.randn(3, 10, 64))                  # 30 rows: one partial block
+    assert nd.columnwise_scale.shape == (2, 64) and nd.dequantize(columnwise=True).shape == (3, 10, 64)
+    q = quantize_mxfp8(x, columnwise=False)               # rowwise only
     assert q.columnwise_data is None and q.columnwise_scale is None
 
 

@@ -155,8 +155,9 @@ def test_columnwise_is_rowwise_of_transpose():
     x = torch.randn(48, 32, generator=g)
     q = quantize_nvfp4(x)
     t = quantize_nvfp4(x.t().contiguous(), columnwise=False)
-    assert q.columnwise_data.shape == (32, 24) and q.columnwise_scale.shape == (32, 3)
-    assert torch.equal(q.columnwise_data, t.data) and torch.equal(q.columnwise_scale, t.scale)
+    assert q.columnwise_data.shape == (32, 24) and q.columnwise_scale.shape == (3 + 1, 32)
+    assert torch.equal(q.columnwise_data, t.data) and torch.equal(q.columnwise_scale[:3], t.scale.t())
+    assert (q.columnwise_scale[3] == 0).all()
     assert torch.equal(q.dequantize(columnwise=True), t.dequantize().t())
 
 
@@ -168,7 +169,7 @@ def test_input_dtypes_and_nd(dtype):
     ref = quantize_nvfp4(x.float().reshape(16, 64))
     assert q.shape == (2, 8, 64) and q.dtype == dtype
     assert q.data.shape == (16, 32) and q.scale.shape == (16, 4)
-    assert q.columnwise_data.shape == (64, 8) and q.columnwise_scale.shape == (64, 1)
+    assert q.columnwise_data.shape == (64, 8) and q.columnwise_scale.shape == (1 + 1, 64)
     assert torch.equal(q.data, ref.data) and torch.equal(q.scale, ref.scale)
     assert torch.equal(q.columnwise_data, ref.columnwise_data)
     assert torch.equal(q.dequantize(), ref.dequantize().reshape(2, 8, 64).to(dtype))
@@ -179,8 +180,9 @@ def test_errors():
         quantize_nvfp4(torch.randn(32, 40))
     msg = str(ei.value)
     assert "QuantizeNVFP4" in msg and "last dim 40" in msg and "block size 16" in msg and "pad" in msg
-    with pytest.raises(QuantizationError, match="row count 8"):
-        quantize_nvfp4(torch.randn(8, 32))
+    q = quantize_nvfp4(torch.randn(7, 32))                # any row count: one partial block, odd M padded
+    assert q.columnwise_data.shape == (32, 4) and q.columnwise_scale.shape == (1 + 1, 32)
+    assert (q.columnwise_data[:, 3] >> 4 == 0).all()       # the pad nibble
     assert quantize_nvfp4(torch.randn(8, 32), columnwise=False).data.shape == (8, 16)
     assert NVFP4_BLOCK == 16
 

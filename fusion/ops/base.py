@@ -14,7 +14,7 @@ import torch
 from fusion.errors import ShapeError
 
 #: What an op is, for the pattern matcher. A chain element in a .fpat file names ops or one of these.
-OP_KINDS = ("gemm", "activation", "elementwise", "quantize")
+OP_KINDS = ("gemm", "activation", "elementwise", "quantize", "gather", "combine")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,13 @@ class RunContext:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     #: Cumulative group offsets, computed once per call on the device (see fusion.grouped).
     offsets: torch.Tensor | None = None
+    #: MoE blocks (a Gather first): the token of each routed row (M,), -1 for padding rows; the block input's
+    #: row count T (Combine's output rows); and group_sizes as the caller gave them (they may sum to less
+    #: than M). `group_sizes` above then has the padding rows added to its last group, so it sums to exactly
+    #: M and every grouped op sees all rows; a fused runtime may use `routed_group_sizes` to skip them.
+    index: torch.Tensor | None = None
+    tokens: int | None = None
+    routed_group_sizes: torch.Tensor | None = None
 
 
 class Op(torch.nn.Module):

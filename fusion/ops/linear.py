@@ -5,8 +5,27 @@ import math
 
 import torch
 
+from fusion.errors import FusionError
 from fusion.grouped import grouped_matmul, row_group_index
 from fusion.ops.base import Op, OpSpec, RunContext, shape_error
+
+#: weight_format values: "bf16" (None is the same) uses the parameter as is, whatever its dtype; "fp8_block"
+#: quantizes it in 128x128 FP8 blocks (cached per parameter version) and runs the FP8-block recipe
+#: (docs/quantization.md).
+WEIGHT_FORMATS = ("bf16", "fp8_block")
+
+
+class WeightFormatError(FusionError, ValueError):
+    """A (Group)Linear was given a weight_format it does not know."""
+
+
+def check_weight_format(op_name: str, value) -> str:
+    fmt = "bf16" if value is None else value
+    if not isinstance(fmt, str) or fmt not in WEIGHT_FORMATS:
+        raise WeightFormatError(f"{op_name}: weight_format must be one of {WEIGHT_FORMATS} (or None, the same as "
+                                f"'bf16': the parameter as is), got {value!r}; 'fp8_block' quantizes the weight "
+                                f"in 128x128 FP8 blocks")
+    return fmt
 
 
 def as_high_precision(x: torch.Tensor) -> torch.Tensor:
@@ -25,8 +44,15 @@ class GroupLinear(Op):
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = False,
-                 device=None, dtype=None):
+                 device=None, dtype=None, weight_format=None):
         super().__init__()
+        self.weight_format = check_weight_format(type(self).__name__, weight_format)
+        self._fp8_weight = None
+        if self.weight_format == "fp8_block":
+            from fusion.quant.fp8_weight import FP8BlockWeightCache
+
+            # a plain attribute, not a buffer: never in state_dict(), re-quantized when the weight changes
+            self._fp8_weight = FP8BlockWeightCache()
         for name, value in (("num_groups", num_groups), ("in_features", in_features),
                             ("out_features", out_features)):
             if not isinstance(value, int) or value <= 0:
@@ -51,9 +77,19 @@ class GroupLinear(Op):
             name="GroupLinear",
             kind="gemm",
             attrs={"num_groups": self.num_groups, "in_features": self.in_features,
-                   "out_features": self.out_features, "bias": self.bias is not None},
+                   "out_features": self.out_features, "bias": self.bias is not None,
+                   "weight_format": self.weight_format},
             extra_inputs=("group_sizes",),
         )
+
+    def describe(self) -> str:
+        """Like Op.describe, with weight_format shown only when it is not the default."""
+        attrs = {k: v for k, v in self.spec.attrs.items() if not (k == "weight_format" and v == "bf16")}
+        return f"{self.spec.name}(" + ", ".join(f"{k}={v}" for k, v in attrs.items()) + ")"
+
+    def quantized_weight(self):
+        """The weight's FP8-block buffers (fusion.quant.FP8BlockWeight), from the cache; None for "bf16"."""
+        return None if self._fp8_weight is None else self._fp8_weight.get(self.weight)
 
     def check_input(self, in_features: int) -> None:
         if in_features != self.in_features:
@@ -65,6 +101,13 @@ class GroupLinear(Op):
         return self.out_features
 
     def reference(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+        if self.weight_format == "fp8_block":
+            from fusion.quant.fp8_linear import fp8_block_linear
+
+            y = fp8_block_linear(x, self.weight, ctx.group_sizes, self.quantized_weight())
+            if self.bias is not None:
+                y = y + self.bias[row_group_index(ctx.group_sizes, y.shape[0])]
+            return y
         x = as_high_precision(x)
         y = grouped_matmul(x, self.weight, ctx.group_sizes, ctx.offsets)
         if self.bias is not None:
@@ -75,8 +118,10 @@ class GroupLinear(Op):
 class Linear(GroupLinear):
     """The dense case: one group. Weight is (out_features, in_features) like nn.Linear."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
-        super().__init__(1, in_features, out_features, bias=bias, device=device, dtype=dtype)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None,
+                 weight_format=None):
+        super().__init__(1, in_features, out_features, bias=bias, device=device, dtype=dtype,
+                         weight_format=weight_format)
         # Canonical dense layout: drop the group dimension from the parameters users see.
         self.weight = torch.nn.Parameter(self.weight.data[0])
         if self.bias is not None:
@@ -88,9 +133,15 @@ class Linear(GroupLinear):
             name="Linear",
             kind="gemm",
             attrs={"num_groups": 1, "in_features": self.in_features,
-                   "out_features": self.out_features, "bias": self.bias is not None},
+                   "out_features": self.out_features, "bias": self.bias is not None,
+                   "weight_format": self.weight_format},
         )
 
     def reference(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+        if self.weight_format == "fp8_block":
+            from fusion.quant.fp8_linear import fp8_block_linear
+
+            y = fp8_block_linear(x, self.weight, None, self.quantized_weight())
+            return y if self.bias is None else y + self.bias
         x = as_high_precision(x)
         return torch.nn.functional.linear(x, self.weight, self.bias)

@@ -1,7 +1,8 @@
 """Exact codecs of the element and scale formats used by MXFP8 and NVFP4.
 
 Pure torch, vectorized, any device, no host synchronisation. Every encoder returns ``torch.uint8``
-codes (raw bytes); every decoder returns ``torch.float32`` and is exact (a table lookup).
+codes (raw bytes); every decoder returns ``torch.float32`` and is exact (integer arithmetic on the code bits; no
+cached table, so everything traces under ``torch.compile(fullgraph=True)``).
 
 Formats
 -------
@@ -27,7 +28,7 @@ __all__ = [
     "encode_e8m0", "decode_e8m0",
     "encode_e2m1", "decode_e2m1",
     "pack_fp4", "unpack_fp4",
-    "float32_bits",
+    "float32_bits", "pow2_f32",
 ]
 
 E4M3_MAX = 448.0
@@ -54,50 +55,18 @@ def float32_bits(x: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# decode tables (built once per device)
+# exact powers of two
 # ----------------------------------------------------------------------------------------------
 
-_TABLES: dict = {}
+def pow2_f32(e: torch.Tensor) -> torch.Tensor:
+    """Exact ``2^e`` as float32 for integer tensors ``e`` in ``[-127, 127]``.
 
-
-def _table(name: str, device: torch.device) -> torch.Tensor:
-    key = (name, str(device))
-    t = _TABLES.get(key)
-    if t is None:
-        t = _BUILDERS[name]().to(device)
-        _TABLES[key] = t
-    return t
-
-
-def _build_e4m3() -> torch.Tensor:
-    c = torch.arange(256, dtype=torch.int64)
-    sign = (c >> 7) & 1
-    e = (c >> 3) & 0xF
-    m = c & 7
-    mag = torch.where(
-        e == 0,
-        m.to(torch.float64) * 2.0 ** -9,
-        (8 + m).to(torch.float64) * torch.pow(2.0, (e - 10).to(torch.float64)),
-    )
-    val = torch.where(sign == 1, -mag, mag)
-    val[0x7F] = float("nan")
-    val[0xFF] = float("nan")
-    return val.to(torch.float32)  # every value is exact in float32
-
-
-def _build_e8m0() -> torch.Tensor:
-    b = torch.arange(256, dtype=torch.int64)
-    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)  # 2^-127 is a subnormal
-    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)  # NaN
-    return bits.to(torch.int32).view(torch.float32).clone()
-
-
-def _build_e2m1() -> torch.Tensor:
-    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    return torch.cat([mag, -mag])
-
-
-_BUILDERS = {"e4m3": _build_e4m3, "e8m0": _build_e8m0, "e2m1": _build_e2m1}
+    Built from the bit pattern (no ``exp2``, whose accuracy is backend dependent): ``(e + 127) << 23``
+    for ``e >= -126``, and the subnormal ``0x00400000`` for ``e = -127``.
+    """
+    e = e.to(torch.int32)
+    bits = torch.where(e == -127, torch.full_like(e, 0x00400000), (e + 127) << 23)
+    return bits.view(torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,7 +115,16 @@ def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
     """E4M3 codes (uint8, or a ``torch.float8_e4m3fn`` tensor) to float32, exact."""
     if codes.dtype == torch.float8_e4m3fn:
         codes = codes.view(torch.uint8)
-    return _table("e4m3", codes.device)[codes.to(torch.int64)]
+    # Decoded by arithmetic, not a cached lookup table: a module-level tensor would be captured as a real
+    # tensor by torch.compile ("Please convert all Tensors to FakeTensors"), and this is as fast.
+    c = codes.to(torch.int32)
+    e = (c >> 3) & 0xF
+    m = c & 7
+    normal = (((e + 120) << 23) | (m << 20)).view(torch.float32)  # 1.mmm * 2^(e-7), exact
+    sub = m.to(torch.float32) * E4M3_MIN_SUBNORMAL  # 0.mmm * 2^-6 = m * 2^-9, exact
+    mag = torch.where(e == 0, sub, normal)
+    mag = torch.where((c & 0x7F) == 0x7F, torch.full_like(mag, float("nan")), mag)
+    return torch.where((c & 0x80) != 0, -mag, mag)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,7 +141,9 @@ def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
     """E8M0 codes to float32 ``2^(code - 127)`` (``0xFF`` -> NaN), exact."""
     if codes.dtype != torch.uint8 and codes.is_floating_point():
         codes = codes.view(torch.uint8)  # e.g. torch.float8_e8m0fnu
-    return _table("e8m0", codes.device)[codes.to(torch.int64)]
+    b = codes.to(torch.int32)
+    value = pow2_f32(b - E8M0_BIAS)  # b = 0 is 2^-127, a float32 subnormal
+    return torch.where(b == E8M0_NAN, torch.full_like(value, float("nan")), value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,7 +172,12 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, low 4 bits used) to float32, exact."""
-    return _table("e2m1", codes.device)[(codes.to(torch.int64) & 0xF)]
+    c = codes.to(torch.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(torch.float32)
+    # e == 0: 0 or 0.5 (subnormal); else (1 + m/2) * 2^(e-1) = (2 + m) * 2^e / 4, all exact
+    mag = torch.where(e == 0, m * 0.5, (2.0 + m) * (1 << e).to(torch.float32) * 0.25)
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,27 @@
-"""Executes a Sequential by its plan: fused steps through generated kernels, every other op through its
-reference implementation."""
+"""Executes a Sequential by its plan: fused steps through generated kernels (or their torch emulation), every
+other op through its reference implementation.
+
+Per call, only what depends on the call is done: a dictionary lookup finds the block's runner for (device,
+dtype, backend, pattern library), which holds the plan, the program (fusion/runtime/program.py) with its
+kernels, and the block's input checks; the checks read no data on a GPU; the program launches.
+"""
 from __future__ import annotations
 
 import weakref
 
 import torch
 
-from fusion.sequential import make_context
+from fusion.errors import DeviceError, DTypeError, ShapeError
 
-#: Run-time objects of fused steps per block, outside the module so copies and state_dicts never carry them.
-_FUSED_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: Run-time objects per block, outside the module so copies and state_dicts never carry them.
+_RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+#: Dtypes each backend runs on each device type. Fused kernels: bf16/fp16 on Hopper (fp32 runs unfused).
+SUPPORTED_DTYPES = {
+    "cpu": (torch.float32, torch.bfloat16, torch.float16, torch.float64),
+    "cuda": (torch.bfloat16, torch.float16, torch.float32),
+}
+EMULATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def device_target(device: torch.device) -> str | None:
@@ -20,47 +32,91 @@ def device_target(device: torch.device) -> str | None:
     return f"sm_{major}{minor}"
 
 
-def fused_step(seq, step):
-    """The run-time object of a fused plan step, built once per block and step (it holds compiled kernels
-    and the repacked weight)."""
-    from fusion.runtime.fused import FusedForwardStep
+def _library():
+    from fusion.patterns.registry import library
 
-    cache = _FUSED_STEPS.setdefault(seq, {})
-    if step not in cache:
-        cache[step] = FusedForwardStep(seq, step)
-    return cache[step]
+    return library()
 
 
-def _needs_backward(seq, x, ctx) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    return (x.requires_grad or any(p.requires_grad for p in seq.parameters())
-            or any(t.requires_grad for t in ctx.extra.values()))
+class BlockRunner:
+    """A block's plan, program and checks for one (device, dtype, backend)."""
+
+    def __init__(self, seq, x: torch.Tensor, library):
+        from fusion.planner import plan_for_run
+
+        self.seq = seq
+        self.library = library
+        self.backend = seq.backend
+        self.params = list(seq.parameters())
+        self.plan = plan_for_run(seq, x)
+        fused = any(step.fused for step in self.plan.forward + self.plan.backward)
+        self.program = None
+        if fused:
+            from fusion.runtime.program import BlockProgram
+
+            self.program = BlockProgram(seq, self.plan, "emulate" if seq.backend == "emulate" else "cute")
+        # The sum check reads the sizes on the host: free on the CPU, asked for by backend="reference"; on a
+        # GPU it is an asynchronous device assert, so a whole forward can be captured in a CUDA graph.
+        self.check_sum = x.device.type == "cpu" or seq.backend == "reference"
+        allowed = EMULATE_DTYPES if seq.backend == "emulate" else SUPPORTED_DTYPES.get(x.device.type,
+                                                                                        SUPPORTED_DTYPES["cuda"])
+        self.allowed = allowed
+
+    def check(self, x: torch.Tensor) -> None:
+        """What no plan can take: wrong rank or width, dtype or device mismatches (reads no data)."""
+        if x.dim() != 2:
+            raise ShapeError(f"Sequential: x must be 2-D (rows, features), got shape {tuple(x.shape)}; "
+                             f"flatten leading dims with x.reshape(-1, x.shape[-1])")
+        width = self.seq.features[0]
+        if width is not None and x.shape[1] != width:
+            from fusion.shapes import feature_chain
+
+            feature_chain(self.seq.ops, x.shape[-1])  # raises, naming the op
+        if x.dtype not in self.allowed or any(p.device != x.device or p.dtype != x.dtype for p in self.params):
+            self._error(x)
+
+    def _error(self, x):
+        for name, p in self.seq.named_parameters():
+            if p.device != x.device:
+                raise DeviceError(f"Sequential: x is on {x.device} but parameter {name!r} is on {p.device}; "
+                                  f"move the block with mlp.to({str(x.device)!r})")
+        if x.dtype not in self.allowed:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.allowed)
+            raise DTypeError(f"Sequential: x has dtype {x.dtype}; on {x.device.type} the supported dtypes are "
+                             f"{names}" + ("" if self.backend == "emulate" else
+                                           " (backend='emulate' also runs float64)"))
+        for name, p in self.seq.named_parameters():
+            if p.dtype != x.dtype:
+                raise DTypeError(f"Sequential: x has dtype {x.dtype} but parameter {name!r} has {p.dtype}; "
+                                 f"convert the block with mlp.to({x.dtype}) (or x.to({p.dtype}))")
+
+    def __call__(self, x: torch.Tensor, extra: dict):
+        self.check(x)
+        ctx = self.seq.inputs.context(x, extra, check_sum=self.check_sum)
+        if self.program is None:
+            for op in self.seq.ops:
+                x = op.reference(x, ctx)
+            return x
+        from fusion.runtime.autograd import run_program
+
+        return run_program(self, x, ctx)
+
+
+def runner_for(seq, x: torch.Tensor) -> BlockRunner:
+    """The block's runner for x's device and dtype, and the block's backend and the pattern library now."""
+    runners = _RUNNERS.get(seq)
+    if runners is None:
+        runners = _RUNNERS[seq] = {}
+    library = _library()
+    key = (x.device, x.dtype, seq.backend)
+    runner = runners.get(key)
+    if runner is None or runner.library is not library:
+        runner = runners[key] = BlockRunner(seq, x, library)
+    return runner
 
 
 def execute(seq, x: torch.Tensor, extra: dict):
     """Run `seq` on x by the plan for x's device and dtype (see fusion.planner.plan_for_run)."""
-    from fusion.planner import plan_for_run
-
-    plan = plan_for_run(seq, x)
-    fused = any(step.fused for step in plan.forward)
-    # The sum check reads the sizes on the host: free on the CPU, asked for by backend="reference"; elsewhere
-    # it is an asynchronous device assert, so a whole forward can be captured in a CUDA graph.
-    ctx = make_context(seq.ops, x, extra, check_sum=x.device.type == "cpu" or seq.backend == "reference")
-    if not fused:
-        for op in seq.ops:
-            x = op.reference(x, ctx)
-        return x
-    if _needs_backward(seq, x, ctx) and any(step.fused for step in plan.backward):
-        from fusion.runtime.backward import run_block
-
-        return run_block(seq, plan, x, ctx)
-    from fusion.runtime.fused import run_fused_forward
-
-    for step in plan.forward:
-        if step.fused:
-            x = run_fused_forward(fused_step(seq, step), x, ctx)
-        else:
-            (index,) = step.ops
-            x = seq[index].reference(x, ctx)
-    return x
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"Sequential: x must be a torch.Tensor, got {type(x).__name__}")
+    return runner_for(seq, x)(x, extra)

@@ -35,7 +35,8 @@ def candidates(base, N: int) -> list:
             continue
         for pingpong in (False, True):
             for dynamic in (False, True):
-                cfg = GemmConfig(tile_n=tile_n, stages=stages, pingpong=pingpong, dynamic=dynamic)
+                cfg = dataclasses.replace(GemmConfig(), tile_n=tile_n, stages=stages, pingpong=pingpong,
+                                          dynamic=dynamic, b_major=base.b_major)
                 if cfg not in out:
                     out.append(cfg)
     return out

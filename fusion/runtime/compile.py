@@ -95,7 +95,7 @@ def compile_to_disk(job: KernelJob) -> str:
     compiled = compile_grouped_gemm(_config(job), _epilogue(job), job.dtype, job.N, job.K, job.G, target=job.target)
     tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "kernel.o").write_bytes(compiled.fn.dump_to_object(f"k{job.key}"))
+    compiled.fn.export_to_c(str(tmp / "kernel.o"), function_name=f"k{job.key}")
     (tmp / "kernel.ptx").write_text(compiled.ptx or "")
     (tmp / "kernel.cubin").write_bytes(compiled.cubin or b"")
     meta = {"name": job.name, "job": asdict(job) | {"source": None}, "registers": compiled.registers,
@@ -136,7 +136,7 @@ def _load_from_disk(job: KernelJob, folder: Path):
 
     meta = json.loads((folder / "meta.json").read_text())
     try:
-        fn = cute.runtime.load_module(str(folder / "kernel.o"))[f"k{job.key}"]
+        fn = cute.runtime.load_module(str(folder / "kernel.o"), enable_tvm_ffi=True)[f"k{job.key}"]
     except Exception as err:  # a cache from an incompatible build: compile again, and say so
         log.warning("fusion: cached kernel %s could not be loaded (%s); recompiling", job.name, err)
         from fusion.kernels import compile_grouped_gemm
@@ -158,23 +158,21 @@ def artifact(job: KernelJob) -> CompiledKernel:
 
 # -- plans ------------------------------------------------------------------------------------------------------
 def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob]:
-    """One job per fused forward step and variant (training writes the pre-activation, inference does not),
-    and one per fused backward step."""
+    """One job per fused kernel the block's plan can launch: a forward step's training variant (which also
+    writes the value the backward reads) and inference variant, and each fused backward step's kernel."""
     from fusion.planner import plan_for
-    from fusion.runtime import fused_step
-    from fusion.runtime.backward import block_run
+    from fusion.runtime.program import BlockProgram
+    from fusion.runtime.steps import FusedForward
 
     plan = plan_for(seq, dtype=dtype, target=target)
+    program = BlockProgram(seq, plan, "cute")
     jobs = []
-    for index, step in enumerate(plan.forward, start=1):
-        if step.fused:
-            runner = fused_step(seq, step)
-            for train in (True, False):
-                jobs.append(runner.job(dtype, train, target, label=f"F{index}"))
-    if any(step.fused for step in plan.backward):
-        for index, (step, runner) in enumerate(block_run(seq, plan).backward_steps, start=1):
-            if runner is not None:
-                jobs.append(runner.job(dtype, target, label=f"B{index}"))
+    for runner in program.fused_runners():
+        if isinstance(runner, FusedForward):
+            variants = ("train", "inference") if runner.writes_saved else ("inference",)
+        else:
+            variants = ("backward",)
+        jobs.extend(runner.job(dtype, variant) for variant in variants)
     return jobs
 
 

@@ -24,7 +24,7 @@ TEMPLATES: dict[str, KernelTemplate] = {
                        "(kernels/grouped_gemm.py)"),
         KernelTemplate("grouped_gemm_dgrad", "backward", True,
                        "the grouped GEMM template computing a dgrad (dy @ W[g]) whose generated epilogue applies "
-                       "the backward of the elementwise ops before the GEMM (fusion/runtime/backward.py)"),
+                       "the backward of the elementwise ops before the GEMM (fusion/runtime/steps.py)"),
     )
 }
 

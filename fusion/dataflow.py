@@ -1,0 +1,115 @@
+"""What each plan step reads and writes, and what the forward must keep for the backward.
+
+Values are named by position in the block: `v<i>` is the input of op i (`v0` = x, `v<n>` = the block output),
+`g<i>` its gradient. A forward step reads the value entering its first op and writes the value leaving its
+last; a fused forward step also writes the interior values its pattern saves (`save = act.in`). A backward
+step reads the gradient of its last op's output and whatever values its gradient needs, and writes the
+gradient of its first op's input:
+
+    fused dgrad (ops a..j):  reads g<j+1>, v<k> (k: the first op whose gradient reads its input)
+                             writes g<a>, and v<j> (the next GEMM's wgrad input, recomputed from v<k> by the
+                             kernel) when no quantize op lies between
+    GEMM j dgrad:            reads g<j+1>                  writes g<j>
+    GEMM j wgrad:            reads g<j+1>, v<j>            writes the weight (and bias) gradient
+    op k backward:           reads g<k+1> (+ v<k> when its gradient reads its input)   writes g<k>
+    quantize op k:           no step: g<k> is g<k+1> (straight through)
+
+The values the backward reads that no earlier backward step wrote are the forward's saves. A saved value the
+forward does not produce (interior to a fused step whose pattern does not save it) is recomputed from the
+nearest value before it; the plan lists those, and explain() says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+def v(i: int) -> str:
+    return f"v{i}"
+
+
+def g(i: int) -> str:
+    return f"g{i}"
+
+
+def index_of(name: str) -> int:
+    return int(name[1:])
+
+
+def _label_value(label_ref: str, labels: dict) -> str | None:
+    """`act.in` -> v<op of act>; `gemm.out` -> v<op of gemm + 1>; None when the label is not bound."""
+    label, _, side = label_ref.partition(".")
+    if label not in labels:
+        return None
+    return v(labels[label] + (1 if side == "out" else 0))
+
+
+def out_grad(infos, i: int) -> str:
+    """The name of the gradient of op i's output: g<i+1>, or past straight-through quantize ops after op i
+    (the gradient of a quantize op's input is the gradient of its output)."""
+    while i + 1 < len(infos) and infos[i + 1].kind == "quantize":
+        i += 1
+    return g(i + 1)
+
+
+def forward_io(infos, step, train: bool = True) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    first, last = step.ops[0], step.ops[-1]
+    writes = [v(last + 1)]
+    if step.fused and train:
+        labels = {lab: i for lab, i in step.labels}
+        for ref in step.saves:
+            name = _label_value(ref, labels)
+            if name is not None and name not in writes:
+                writes.append(name)
+    return (v(first),), tuple(writes)
+
+
+def backward_io(infos, step) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if step.fused:
+        ops = step.ops
+        j = ops[-1]
+        elementwise = ops[:-1]
+        reads = [out_grad(infos, j)]
+        k = next((i for i in elementwise if infos[i].grad_reads_input), None)
+        if k is not None:
+            reads.append(v(k))
+        writes = [g(ops[0])]
+        if k is not None and not any(infos[i].kind == "quantize" for i in elementwise):
+            writes.append(v(j))
+        return tuple(reads), tuple(writes)
+    (i, part) = step.parts[0]
+    grad = out_grad(infos, i)
+    if part == "dgrad":
+        return (grad,), (g(i),)
+    if part == "wgrad":
+        return (grad, v(i)), (f"dW{i}",)
+    reads = (grad, v(i)) if infos[i].grad_reads_input else (grad,)
+    return reads, (g(i),)
+
+
+def annotate(infos, forward, backward, train: bool = True):
+    """(forward steps, backward steps) with reads/writes filled in, the saved values in first-use order, and the
+    values the backward needs that the forward does not produce (recomputed)."""
+    forward = [dataclasses.replace(s, **dict(zip(("reads", "writes"), forward_io(infos, s, train))))
+               for s in forward]
+    backward = [dataclasses.replace(s, **dict(zip(("reads", "writes"), backward_io(infos, s)))) for s in backward]
+    produced = {name for s in forward for name in s.writes} | {v(0)}
+    written: set[str] = set()
+    saves: list[str] = []
+    for s in backward:
+        for name in s.reads:
+            if name.startswith("v") and name not in written and name not in saves:
+                saves.append(name)
+        written.update(s.writes)
+    recomputed = tuple(name for name in saves if name not in produced)
+    return forward, backward, tuple(saves), recomputed
+
+
+def bytes_per_row(infos, name: str) -> float | None:
+    """Bytes one row of a saved value takes (None where unknown)."""
+    i = index_of(name)
+    if i == 0:
+        return None if infos[0].in_features is None else infos[0].in_features * infos[0].in_bytes
+    info = infos[i - 1]
+    if info.out_features is None or info.out_bytes is None:
+        return None
+    return info.out_features * info.out_bytes

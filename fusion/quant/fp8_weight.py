@@ -1,0 +1,157 @@
+"""FP8-block weights: 128x128 blocks, and a cache that re-quantizes only when the parameter changes.
+
+A weight ``W`` of a (Group)Linear, ``(G, N, K)`` (or ``(N, K)``), is quantized in 128x128 blocks of its
+last two dims with the FP8-block scale rule (``fusion/quant/fp8_block.py``): one FP32 power-of-two scale
+per block, E4M3 elements; edge blocks are partial. The forward GEMM reads ``data`` (``N x K``, K-major);
+the input-gradient (dgrad) GEMM needs the weight K-major along N, i.e. the transpose (FP8 wgmma reads both
+operands K-major), so the transposed codes are stored too. A 128x128 block maps onto itself under
+transposition, so ``data_t`` is exactly ``data`` transposed and ``scale_t`` is ``scale`` transposed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from ._common import SUPPORTED_DTYPES
+from .errors import QuantizationError
+from .formats import decode_e4m3, encode_e4m3, pow2_f32
+from .fp8_block import FP8_BLOCK, fp8_block_scale_exponent
+
+__all__ = ["FP8BlockWeight", "quantize_weight_fp8_block", "FP8BlockWeightCache", "invalidate_weight_caches"]
+
+
+class FP8BlockWeight(NamedTuple):
+    """The FP8-block buffers of a weight ``(G, N, K)``; for an ``(N, K)`` weight the ``G`` dim is absent.
+
+    data    uint8 E4M3 ``(G, N, K)``, row-major (K-major): the forward GEMM's B operand
+    scale   float32 ``(G, ceil(N/128), ceil(K/128))``: ``scale[g, i, j]`` scales
+            ``W[g, 128i:128i+128, 128j:128j+128]``
+    data_t  uint8 E4M3 ``(G, K, N)``: ``data`` transposed, contiguous (the dgrad GEMM's B operand)
+    scale_t float32 ``(G, ceil(K/128), ceil(N/128))``: ``scale`` transposed, contiguous
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    data_t: torch.Tensor
+    scale_t: torch.Tensor
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """The ``(G, N, K)`` (or ``(N, K)``) value, exact in float32, then cast."""
+        return _dequantize_blocks(self.data, self.scale).to(dtype)
+
+    def dequantize_t(self, dtype=torch.float32) -> torch.Tensor:
+        """The transposed ``(G, K, N)`` value from ``data_t`` / ``scale_t`` (equal to ``dequantize().mT``)."""
+        return _dequantize_blocks(self.data_t, self.scale_t).to(dtype)
+
+
+def _spread(per_block: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``(..., nb, kb)`` block values to ``(..., rows, cols)``: each repeated over its (partial) block."""
+    *lead, nb, kb = per_block.shape
+    b = FP8_BLOCK
+    full = per_block[..., :, None, :, None].expand(*lead, nb, b, kb, b).reshape(*lead, nb * b, kb * b)
+    return full[..., :rows, :cols]
+
+
+def _dequantize_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, cols = data.shape[-2:]
+    return decode_e4m3(data) * _spread(scale, rows, cols)
+
+
+def quantize_weight_fp8_block(weight: torch.Tensor) -> FP8BlockWeight:
+    """Quantize a ``(G, N, K)`` or ``(N, K)`` weight in 128x128 FP8 blocks (see :class:`FP8BlockWeight`).
+
+    Scale rule as FP8-block activations: ``2^ceil(log2(block_amax / 448))`` over the block's finite
+    elements, 1 for an all-zero block; NaN / Inf elements encode as E4M3 NaN ``0x7F``. Not differentiable
+    (the recipe's autograd function gives the weight its gradient).
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dim() not in (2, 3):
+        what = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise QuantizationError(f"quantize_weight_fp8_block: expected a (G, N, K) or (N, K) weight, got {what}")
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise QuantizationError(f"quantize_weight_fp8_block: weight dtype {weight.dtype} is not supported; "
+                                f"use float32, bfloat16, float16 or float64")
+    w = weight.detach().to(torch.float32)
+    rows, cols = w.shape[-2:]
+    nb, kb = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    mag = torch.where(torch.isfinite(w), w.abs(), torch.zeros_like(w))
+    padded = torch.nn.functional.pad(mag, (0, kb * FP8_BLOCK - cols, 0, nb * FP8_BLOCK - rows))
+    lead = w.shape[:-2]
+    block_amax = padded.reshape(*lead, nb, FP8_BLOCK, kb, FP8_BLOCK).amax(dim=(-3, -1))
+    e = fp8_block_scale_exponent(block_amax)
+    data = encode_e4m3(w * _spread(pow2_f32(-e), rows, cols))
+    scale = pow2_f32(e)
+    return FP8BlockWeight(data, scale, data.mT.contiguous(), scale.mT.contiguous())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the cache
+# ------------------------------------------------------------------------------------------------------------
+
+#: Bumped after every optimizer step (a global optimizer hook, installed with the first cache) and by
+#: invalidate_weight_caches(): fused optimizers (``fused=True``) update parameters without bumping their
+#: ``_version``, so the version counter alone would let a cache go stale.
+_GENERATION = [0]
+_HOOK = []
+
+
+def invalidate_weight_caches() -> None:
+    """Make every FP8 weight cache re-quantize on its next use. Needed only after writing a parameter in a
+    way that bumps neither its version counter nor an optimizer step (e.g. through ``param.data``)."""
+    _GENERATION[0] += 1
+
+
+def _install_optimizer_hook() -> None:
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK.append(register_optimizer_step_post_hook(lambda *_: invalidate_weight_caches()))
+
+
+class FP8BlockWeightCache:
+    """The FP8-block quantization of one parameter, recomputed only when the parameter changed.
+
+    The key is the parameter's identity, ``data_ptr``, ``_version`` (moved by every in-place update under
+    autograd's version counter, e.g. ``optimizer.step()`` of the for-loop and foreach optimizers), shape,
+    strides, dtype, device, and a global generation bumped after every optimizer step (fused optimizers do
+    not move ``_version``). The cache keeps a reference to the storage it quantized, so a replaced
+    ``param.data`` cannot hand its address to a new tensor while the entry lives. It is a plain attribute,
+    never a buffer: nothing shows up in ``state_dict()``; copies and pickles start empty.
+    Inside ``torch.compile`` the weight is quantized in the graph (no Python-side cache there).
+    """
+
+    def __init__(self):
+        _install_optimizer_hook()
+        self._param = None      # weakref to the parameter
+        self._source = None     # the storage quantized (kept alive: see above)
+        self._key = None
+        self._value = None
+        self.misses = 0         # how many times it quantized (tests, explain)
+
+    def get(self, param: torch.Tensor) -> FP8BlockWeight:
+        if torch.compiler.is_compiling():
+            return quantize_weight_fp8_block(param)
+        key = (param.data_ptr(), param._version, tuple(param.shape), tuple(param.stride()), param.dtype,
+               param.device, _GENERATION[0])
+        if self._value is None or self._param is None or self._param() is not param or self._key != key:
+            self._value = quantize_weight_fp8_block(param)
+            self._param, self._source, self._key = weakref.ref(param), param.detach(), key
+            self.misses += 1
+        return self._value
+
+    def clear(self) -> None:
+        self._param = self._source = self._key = self._value = None
+
+    def __deepcopy__(self, memo):
+        return FP8BlockWeightCache()
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()
+
+    def __repr__(self):
+        return f"FP8BlockWeightCache(cached={self._value is not None}, misses={self.misses})"

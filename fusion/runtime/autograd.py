@@ -1,0 +1,53 @@
+"""The autograd node of a fused block: the program's forward, and its backward as the node's backward.
+
+Eagerly the block is one torch.autograd.Function (the cheapest way into autograd); under torch.compile it is
+the custom op pair `fusion::block_forward` / `fusion::block_backward` (fusion/runtime/custom_ops.py), so
+dynamo sees an opaque op with exact output shapes instead of tracing into the launcher.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _needs_grad(runner, x, ctx) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return (x.requires_grad or any(p.requires_grad for p in runner.params)
+            or any(t.requires_grad for t in ctx.extra.values()))
+
+
+class _BlockFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, program, ctx, x, *tensors):
+        y, saved = program.forward(x, ctx, train=True)
+        fctx.program, fctx.ctx, fctx.rows = program, ctx, x.shape[0]
+        fctx.recompute = [i for i, t in enumerate(saved) if t is None]
+        fctx.save_for_backward(*(t for t in saved if t is not None))
+        return y
+
+    @staticmethod
+    def backward(fctx, dy):
+        from fusion.quant import QuantizedTensor
+
+        if isinstance(dy, QuantizedTensor):
+            dy = dy.dequantize()
+        saved = list(fctx.saved_tensors)
+        for i in fctx.recompute:
+            saved.insert(i, None)
+        dx, grads, extra = fctx.program.backward(dy.contiguous(), saved, fctx.ctx, fctx.rows, fctx.needs_input_grad[2:])
+        targets = fctx.program.params + list(fctx.ctx.extra.values())
+        out = [g.to(t.dtype) if g is not None and g.dtype != t.dtype else g
+               for g, t in zip(grads + extra, targets)]
+        return (None, None, dx, *out)
+
+
+def run_program(runner, x: torch.Tensor, ctx):
+    """The block's output, with autograd through the program when anything needs a gradient."""
+    program = runner.program
+    if torch.compiler.is_compiling():
+        from fusion.runtime.custom_ops import run_compiled
+
+        return run_compiled(runner, x, ctx)
+    if not _needs_grad(runner, x, ctx):
+        return program.forward(x, ctx, train=False)[0]
+    return _BlockFunction.apply(program, ctx, x, *runner.params, *ctx.extra.values())

@@ -1,0 +1,279 @@
+"""torch.compile: the block as graph-friendly code.
+
+A block that runs the fused program (a Hopper GPU with fused kernels in its plan, or backend="emulate") is the
+custom op pair `fusion::block_forward` / `fusion::block_backward`: opaque to the compiler, with exact output
+shapes (register_fake) and the program's backward as its autograd formula (register_autograd). Planning,
+compiling kernels and the input checks run inside the op (eagerly, at run time), so nothing data-dependent is
+traced. The reference path is traced op by op, so inductor fuses its elementwise ops; its data-dependent parts
+are custom ops (fusion/grouped.py) or asynchronous device asserts.
+
+The ops take the block by a key (an int attribute of the Sequential, fresh for every copy) and return plain
+tensors: the block output and the values saved for the backward, each QuantizedTensor flattened into its
+buffers (`__tensor_flatten__`). A QuantizedTensor block output is rebuilt outside the op (inference only: a
+block ending in a quantize op cannot be trained under torch.compile; see docs/user-guide.md).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+
+from fusion.errors import FusionError
+
+_BLOCKS: dict[int, weakref.ref] = {}
+_KEYS = itertools.count(1)
+
+
+def register(seq) -> int:
+    """A fresh key for `seq` (a Sequential); the ops find the block by it."""
+    key = next(_KEYS)
+    _BLOCKS[key] = weakref.ref(seq, lambda _, k=key: _BLOCKS.pop(k, None))
+    return key
+
+
+def _block(key: int):
+    seq = _BLOCKS.get(key, lambda: None)()
+    if seq is None:
+        raise FusionError(f"fusion: block {key} of a compiled graph no longer exists; recompile the model")
+    return seq
+
+
+@torch._dynamo.assume_constant_result
+def _runs_program(backend: str, device_type: str, device_index: int) -> bool:
+    """Whether a call runs the fused program (an opaque op) rather than the reference ops (traced)."""
+    if backend == "emulate":
+        return True
+    if backend == "reference" or device_type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+# -- what the ops return ---------------------------------------------------------------------------------------------
+def _quantize_op_of(seq, name: str):
+    """The quantize op whose output value `name` (v<i>) is, or None for a plain tensor."""
+    i = int(name[1:])
+    if i == 0:
+        return None
+    op = seq[i - 1]
+    return op if op.spec.kind == "quantize" else None
+
+
+def _buffer_names(value) -> list[str]:
+    """A QuantizedTensor's buffers the ops pass: all but group_sizes (an input of the op, re-attached)."""
+    names, _ = value.__tensor_flatten__()
+    return [n for n in names if n != "group_sizes"]
+
+
+def _flatten(value) -> list[torch.Tensor]:
+    from fusion.quant import QuantizedTensor
+
+    if isinstance(value, QuantizedTensor):
+        return [getattr(value, n) for n in _buffer_names(value)]
+    return [value]
+
+
+def _unflatten(seq, name: str, tensors: list, rows: int, features: int, dtype, group_sizes=None):
+    """(value, tensors left) rebuilt from the front of `tensors`."""
+    op = _quantize_op_of(seq, name)
+    if op is None:
+        return tensors[0], tensors[1:]
+    from fusion.quant import QuantizedTensor
+
+    meta_value = _meta_quantized(op, rows, features, dtype, group_sizes)
+    names = _buffer_names(meta_value)
+    _, meta = meta_value.__tensor_flatten__()
+    inner = dict(zip(names, tensors[:len(names)]))
+    if meta_value.group_sizes is not None:
+        inner["group_sizes"] = group_sizes
+    return QuantizedTensor.__tensor_unflatten__(inner, meta, torch.Size((rows, features)), None), tensors[len(names):]
+
+
+def _meta_quantized(op, rows: int, features: int, dtype, group_sizes=None):
+    """The quantize op's output for an input of this shape, on the meta device: its buffers' shapes (the
+    columnwise blocks' capacity depends on the number of groups only)."""
+    from fusion.ops.base import RunContext
+
+    sizes = None if group_sizes is None else torch.empty(group_sizes.shape, dtype=group_sizes.dtype, device="meta")
+    with torch.device("meta"):
+        return op.reference(torch.empty(rows, features, dtype=dtype, device="meta"), RunContext(group_sizes=sizes))
+
+
+def _rows(seq, i: int, x_rows: int, index: Optional[torch.Tensor]) -> int:
+    """Rows of value v<i>: the tokens before a Gather and after a Combine, the routed rows in between."""
+    if index is None or i == 0 or (i == len(seq.ops) and seq[i - 1].spec.kind == "combine"):
+        return x_rows
+    return index.shape[0]
+
+
+def _outputs(seq, program, train: bool) -> list[str]:
+    """The values the forward op returns: the block output, then (training) the saved values it keeps."""
+    out = [f"v{len(seq.ops)}"]
+    if train:
+        out += _kept(program)
+    return out
+
+
+def _kept(program) -> list[str]:
+    """The saved values the forward op returns: all but the recomputed ones and x (saved as an input)."""
+    return [n for n in program.plan.saves if n not in program.plan.recomputed and n != "v0"]
+
+
+def _context(seq, x, group_sizes, index, floats):
+    """The RunContext of one call from the op's inputs (already checked outside, on the traced side)."""
+    from fusion.grouped import group_offsets
+    from fusion.inputs import _absorb_padding
+    from fusion.ops.base import RunContext
+
+    ctx = RunContext(extra=dict(zip(seq.inputs.floats, floats)))
+    if index is not None:
+        ctx.index, ctx.tokens = index, x.shape[0]
+    if group_sizes is not None:
+        ctx.group_sizes = ctx.routed_group_sizes = group_sizes
+        if index is not None:
+            ctx.group_sizes = _absorb_padding(group_sizes, index.shape[0])
+        ctx.offsets = group_offsets(ctx.group_sizes)
+    return ctx
+
+
+def _program(seq, x):
+    from fusion.runtime import runner_for
+    from fusion.runtime.program import BlockProgram
+
+    runner = runner_for(seq, x)
+    if runner.program is None:  # a plan with nothing fused: the same executor runs its unfused steps
+        runner.program = BlockProgram(seq, runner.plan, "emulate")
+        runner.program_unfused = True
+    return runner.program
+
+
+# -- the ops -----------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("fusion::block_forward", mutates_args=())
+def block_forward(key: int, x: torch.Tensor, params: list[torch.Tensor], group_sizes: Optional[torch.Tensor],
+                  index: Optional[torch.Tensor], floats: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
+    seq = _block(key)
+    program = _program(seq, x)
+    ctx = _context(seq, x, group_sizes, index, floats)
+    with torch.no_grad():
+        y, saved = program.forward(x, ctx, train)
+    values = dict(zip(program.plan.saves, saved))
+    values[f"v{len(seq.ops)}"] = y
+    return [t for name in _outputs(seq, program, train) for t in _flatten(values[name])]
+
+
+@block_forward.register_fake
+def _(key, x, params, group_sizes, index, floats, train):
+    seq = _block(key)
+    program = _program(seq, x)
+    out = []
+    for name in _outputs(seq, program, train):
+        i = int(name[1:])
+        rows, feats = _rows(seq, i, x.shape[0], index), seq.features[i]
+        op = _quantize_op_of(seq, name)
+        if op is None:
+            out.append(x.new_empty(rows, feats))
+        else:
+            meta = _meta_quantized(op, rows, feats, x.dtype, group_sizes)
+            out += [torch.empty_like(t, device=x.device) for t in _flatten(meta)]
+    return out
+
+
+@torch.library.custom_op("fusion::block_backward", mutates_args=())
+def block_backward(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: torch.Tensor, params: list[torch.Tensor],
+                   group_sizes: Optional[torch.Tensor], index: Optional[torch.Tensor], floats: list[torch.Tensor],
+                   needs: list[bool]) -> list[torch.Tensor]:
+    seq = _block(key)
+    program = _program(seq, x)
+    x_rows = x.shape[0]
+    ctx = _context(seq, x, group_sizes, index, floats)
+    names = _kept(program)
+    values, rest = {"v0": x}, list(saved)
+    for name in names:
+        i = int(name[1:])
+        values[name], rest = _unflatten(seq, name, rest, _rows(seq, i, x_rows, index), seq.features[i], dy.dtype,
+                                        ctx.group_sizes)
+    saved_values = [values.get(n) for n in program.plan.saves]
+    tensors = [*params, *floats]
+    with torch.no_grad():
+        dx, grads, extra = program.backward(dy, saved_values, ctx, x_rows, tuple(needs))
+    out = [dx] + grads + extra
+    shapes = [(x_rows, seq.features[0])] + [tuple(t.shape) for t in tensors]
+    dtypes = [dy.dtype] + [t.dtype for t in tensors]
+    return [torch.zeros(shape, dtype=dt, device=dy.device) if g is None and need else
+            (dy.new_empty(0) if g is None else g.to(dt))
+            for g, shape, dt, need in zip(out, shapes, dtypes, needs)]
+
+
+@block_backward.register_fake
+def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
+    shapes = [tuple(x.shape)] + [tuple(t.shape) for t in [*params, *floats]]
+    dtypes = [dy.dtype] + [t.dtype for t in [*params, *floats]]
+    return [dy.new_empty(shape, dtype=dt) if need else dy.new_empty(0)
+            for shape, dt, need in zip(shapes, dtypes, needs)]
+
+
+def _setup(ctx, inputs, output):
+    key, x, params, group_sizes, index, floats, train = inputs
+    seq = _block(key)
+    n_out = len(_flatten_count(seq, x, index, group_sizes, output))
+    ctx.key, ctx.rows, ctx.n_params, ctx.n_out = key, x.shape[0], len(params), n_out
+    ctx.needs = [x.requires_grad, *(p.requires_grad for p in params), *(f.requires_grad for f in floats)]
+    ctx.has_gs, ctx.has_index = group_sizes is not None, index is not None
+    ctx.save_for_backward(*output[n_out:], x, *params, *floats,
+                          *([group_sizes] if group_sizes is not None else []),
+                          *([index] if index is not None else []))
+    ctx.n_saved, ctx.n_floats = len(output) - n_out, len(floats)
+
+
+def _flatten_count(seq, x, index, group_sizes, output) -> list:
+    """The tensors of the block output among the op's outputs (one, or a QuantizedTensor's buffers)."""
+    name = f"v{len(seq.ops)}"
+    op = _quantize_op_of(seq, name)
+    if op is None:
+        return output[:1]
+    meta = _meta_quantized(op, _rows(seq, len(seq.ops), x.shape[0], index), seq.features[-1], x.dtype, group_sizes)
+    return output[:len(_flatten(meta))]
+
+
+def _backward(ctx, grads):
+    if ctx.n_out != 1:
+        raise FusionError("fusion: a block ending in a quantize op cannot be trained under torch.compile (its "
+                          "output is a QuantizedTensor); end the block with the GEMM that consumes it")
+    tensors = list(ctx.saved_tensors)
+    saved, tensors = tensors[:ctx.n_saved], tensors[ctx.n_saved:]
+    x, tensors = tensors[0], tensors[1:]
+    params, tensors = tensors[:ctx.n_params], tensors[ctx.n_params:]
+    floats, tensors = tensors[:ctx.n_floats], tensors[ctx.n_floats:]
+    group_sizes = tensors.pop(0) if ctx.has_gs else None
+    index = tensors.pop(0) if ctx.has_index else None
+    dy = grads[0].contiguous()
+    out = block_backward(ctx.key, dy, saved, x, params, group_sizes, index, floats, ctx.needs)
+    keep = [g if need else None for g, need in zip(out, ctx.needs)]
+    dx, rest = keep[0], keep[1:]
+    return None, dx, rest[:ctx.n_params], None, None, rest[ctx.n_params:], None
+
+
+block_forward.register_autograd(_backward, setup_context=_setup)
+
+
+# -- the traced side ------------------------------------------------------------------------------------------------
+def compiled_forward(seq, x: torch.Tensor, extra: dict):
+    """Sequential.forward under torch.compile."""
+    ctx = seq.inputs.context(x, extra, check_sum=False, host=False)
+    device_index = x.device.index if x.device.index is not None else -1
+    if not _runs_program(seq.backend, x.device.type, device_index):
+        for op in seq.ops:
+            x = op.reference(x, ctx)
+        return x
+    params = list(seq.parameters())
+    floats = [extra[name] for name in seq.inputs.floats]
+    train = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)
+                                         or any(f.requires_grad for f in floats))
+    out = block_forward(seq._fusion_key, x, params, extra.get("group_sizes"), extra.get("index"), floats, train)
+    name = f"v{len(seq.ops)}"
+    if _quantize_op_of(seq, name) is None:
+        return out[0]
+    value, _ = _unflatten(seq, name, list(out), _rows(seq, len(seq.ops), x.shape[0], extra.get("index")),
+                          seq.features[-1], x.dtype, ctx.group_sizes)
+    return value

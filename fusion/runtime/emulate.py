@@ -1,0 +1,100 @@
+"""backend="emulate": a fused kernel executed in torch, exactly as the GPU template would run it.
+
+Only the mainloop is replaced: each group's GEMM is one torch matmul in the compute dtype (float32, float64 for
+float64 blocks; the tensor cores accumulate bf16/fp16 products in fp32). Everything else is the kernel's: the
+same generated Epilogue class (its source executed with fusion.runtime.torch_math as `em`), the same operand
+protocol (RowVector / GroupVector / AuxInput inputs, Output / MXFP8Output outputs, canonical (gate, up) halves
+for paired tensors and gated accumulators), the same B layouts (K-major (G, N, K) or MN-major (G, K, N)), rows
+written only inside the groups' ranges, MXFP8 stores on the value rounded to the GEMM dtype.
+
+Reading the group bounds takes one host copy per launch: emulate is for tests and CPUs, not for speed.
+"""
+from __future__ import annotations
+
+import torch
+
+from fusion.codegen.emit import IMPORTS
+from fusion.runtime import torch_math
+
+_CLASSES: dict[str, type] = {}
+
+
+def _kernel_protocol():
+    import fusion.kernels.epilogue as protocol
+
+    return protocol
+
+
+def epilogue_class(source: str, class_name: str = "GeneratedEpilogue") -> type:
+    """The generated Epilogue class with torch math in place of the kernel's (cached per source)."""
+    cls = _CLASSES.get(source)
+    if cls is None:
+        body = "\n".join(line for line in source.splitlines() if line.strip() not in IMPORTS)
+        namespace = {"_f32": torch_math.as_value, "em": _Math(), "_epi": _kernel_protocol()}
+        exec(compile(body, f"<generated epilogue {class_name}>", "exec"), namespace)
+        cls = _CLASSES[source] = namespace[class_name]
+    return cls
+
+
+class _Math:
+    """`em` for generated code: attribute access to torch_math's functions."""
+
+    def __getattr__(self, name):
+        return torch_math.functions()[name]
+
+
+def _halves(t: torch.Tensor, paired: bool) -> tuple[torch.Tensor, ...]:
+    return tuple(t.chunk(2, -1)) if paired else (t,)
+
+
+class EmulatedKernel:
+    """Runs one generated grouped-GEMM kernel in torch; `run` has the launcher's signature."""
+
+    def __init__(self, source: str, gated: bool, b_major: str = "K"):
+        self.epilogue = epilogue_class(source)()
+        self.gated = gated
+        self.b_major = b_major
+
+    def run(self, A: torch.Tensor, B: torch.Tensor, bounds: torch.Tensor, tensors: dict) -> None:
+        """A (M, K); B (G, N, K) for b_major "K" or (G, K, N) for "MN"; bounds (G+1,) row offsets; tensors: the
+        epilogue's inputs and outputs by name (MXFP8 outputs: data under the name, scales under name_scale)."""
+        epi = self.epilogue
+        compute = torch.float64 if A.dtype == torch.float64 else torch.float32
+        edges = bounds.tolist()
+        for g in range(len(edges) - 1):
+            start, end = edges[g], edges[g + 1]
+            if end <= start:
+                continue
+            a = A[start:end].to(compute)
+            b = B[g].to(compute)
+            acc = a @ (b.t() if self.b_major == "K" else b)
+            args = list(_halves(acc, self.gated))
+            for slot in epi.inputs:
+                t = tensors[slot.name]
+                if isinstance(slot, _kernel_protocol().RowVector):
+                    args.append(t[start:end].to(compute)[:, None])
+                elif isinstance(slot, _kernel_protocol().GroupVector):
+                    args.extend(h[None, :] for h in _halves(t[g].to(compute), slot.paired))
+                else:
+                    args.extend(_halves(t[start:end].to(compute), slot.paired))
+            results = epi.apply(*args)
+            results = list(results) if isinstance(results, (tuple, list)) else [results]
+            rows = end - start
+            for slot in epi.outputs:
+                parts = [results.pop(0) for _ in range(2 if slot.paired else 1)]
+                width = tensors[slot.name].shape[-1] // len(parts)
+                parts = [torch.as_tensor(p, dtype=compute, device=A.device).expand(rows, width) for p in parts]
+                value = torch.cat(parts, -1) if slot.paired else parts[0]
+                if isinstance(slot, _kernel_protocol().MXFP8Output):
+                    self._store_mxfp8(value.to(A.dtype), tensors, slot, start, end)
+                else:
+                    tensors[slot.name][start:end] = value.to(tensors[slot.name].dtype)
+
+    @staticmethod
+    def _store_mxfp8(value: torch.Tensor, tensors: dict, slot, start: int, end: int) -> None:
+        """The kernel's MXFP8 store: rowwise blocks of 32 of the value rounded to the GEMM dtype."""
+        from fusion.quant.mxfp8 import mxfp8_quantize_2d
+
+        data, scale = mxfp8_quantize_2d(value.float())
+        tensors[slot.name][start:end] = data.view(torch.float8_e4m3fn)
+        tensors[slot.scale_name][start:end] = scale

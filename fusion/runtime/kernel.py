@@ -1,0 +1,139 @@
+"""One fused grouped-GEMM launch, whatever executes it: the CuTe DSL kernel on Hopper, or its torch emulation.
+
+A `KernelJob` (fusion/runtime/compile.py) describes a kernel as plain data: the generated epilogue source, the
+tile configuration, dtype and weight shape. `kernel_for(job, backend)` returns an object with
+`run(A, B, bounds, tensors)`: the compiled kernel's launch for backend "cute", the emulation for "emulate".
+Both read the same operands by the same names (the epilogue's declared slots), so the runtime that binds them
+is the same code either way.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fusion.runtime.compile import KernelJob
+
+#: A fixed row estimate per group for the tile heuristic: kernels must not depend on the row count, so one
+#: compile serves every batch (API.md).
+ROWS_PER_GROUP = 512
+
+
+def _kernels():
+    import fusion.kernels as kernels  # imports cutlass: only where a kernel is configured or compiled
+
+    return kernels
+
+
+def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool) -> tuple:
+    """The tile configuration of a kernel (as GemmConfig fields): the heuristic of fusion.kernels, with one
+    override: an epilogue reading a saved (M, n) tensor holds twice the values per thread, so it takes the
+    128x128 pingpong tile that does not spill (tests/test_compile_plans.py checks the SASS)."""
+    k = _kernels()
+    config = k.choose_config(ROWS_PER_GROUP * G, N, K, G, gated, b_major=b_major)
+    if reads_aux:
+        config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True)
+    return dataclasses.astuple(config)
+
+
+def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: bool, b_major: str,
+             reads_aux: bool, step: str, variant: str, target: str = "sm_90a", tiles: bool = True) -> KernelJob:
+    """A kernel's job; `tiles=False` leaves the tile configuration out (the emulation needs none)."""
+    return KernelJob(step=step, variant=variant, source=source,
+                     config=tile_config(N, K, G, gated, b_major, reads_aux) if tiles else (),
+                     dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target)
+
+
+class CuteKernel:
+    """The compiled kernel of a job (memory, disk cache or compiled now), launched on the current stream. In
+    autotune mode (fusion/runtime/autotune.py) the first launch picks the tile configuration on the real inputs."""
+
+    def __init__(self, job: KernelJob):
+        from fusion.runtime import autotune
+        from fusion.runtime.compile import load_compiled
+
+        self.job = job
+        self.compiled = None if autotune.enabled() else load_compiled(job)
+        self._run = _kernels().run_grouped_gemm
+
+    def run(self, A, B, bounds, tensors: dict) -> None:
+        if self.compiled is None:
+            self.compiled = self._tuned(A, B, bounds, tensors)
+        self._run(self.compiled, A, B, bounds, tensors, tensors)
+        LAUNCHES.count(self.job)
+
+    def _tuned(self, A, B, bounds, tensors):
+        from fusion.runtime import autotune
+        from fusion.runtime.compile import load_compiled
+
+        device = torch.cuda.get_device_name(A.device)
+        config = autotune.recorded(self.job, device)
+        if config is None:
+            def time_config(cfg) -> float:
+                compiled = load_compiled(dataclasses.replace(self.job, config=dataclasses.astuple(cfg)))
+                self._run(compiled, A, B, bounds, tensors, tensors)  # warm up (module load)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(5):
+                    self._run(compiled, A, B, bounds, tensors, tensors)
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / 5e3
+
+            config = autotune.tune(self.job, device, time_config)
+        return load_compiled(dataclasses.replace(self.job, config=dataclasses.astuple(config)))
+
+
+class LaunchCounter:
+    """How many fused kernels launched, per step label: GPU tests assert that the fused path really ran."""
+
+    def __init__(self):
+        self.by_step: dict[str, int] = {}
+
+    def count(self, job) -> None:
+        self.by_step[job.step] = self.by_step.get(job.step, 0) + 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_step.values())
+
+    def reset(self) -> None:
+        self.by_step.clear()
+
+
+LAUNCHES = LaunchCounter()
+
+
+class EmulatedLaunch:
+    """The emulation of a job's kernel (fusion/runtime/emulate.py), counted like a real launch."""
+
+    def __init__(self, job: KernelJob, gated: bool, b_major: str):
+        from fusion.runtime.emulate import EmulatedKernel
+
+        self.job = job
+        self.kernel = EmulatedKernel(job.source, gated, b_major)
+
+    def run(self, A, B, bounds, tensors: dict) -> None:
+        self.kernel.run(A, B, bounds, tensors)
+        LAUNCHES.count(self.job)
+
+
+class CuteLauncher:
+    """Kernels of backend "cute": compiled (or loaded from the disk cache) on first use."""
+
+    name = "cute"
+
+    def make(self, runner, dtype, variant):
+        return CuteKernel(runner.job(dtype, variant))
+
+
+class EmulateLauncher:
+    """Kernels of backend "emulate": the same generated source, executed in torch."""
+
+    name = "emulate"
+
+    def make(self, runner, dtype, variant):
+        return EmulatedLaunch(runner.job(dtype, variant, tiles=False), runner.gated, runner.b_major)
+
+
+LAUNCHERS = {"cute": CuteLauncher(), "emulate": EmulateLauncher()}

@@ -1,0 +1,108 @@
+"""A block's plan made executable: the one forward and backward executor of fused plans.
+
+    program = BlockProgram(seq, plan, backend)        # once per block, plan and backend ("cute" | "emulate")
+    y, saved = program.forward(x, ctx, train=True)    # the forward steps; `saved`: plan.saves, in order
+    dx, param_grads, extra_grads = program.backward(dy, saved, ctx, rows, needs)
+
+Read it top to bottom: forward runs each forward step's runner (fusion/runtime/steps.py) over one dictionary
+of named values (v<i>: the input of op i); the values the plan saves are returned for the backward. Backward
+starts from the gradient of the block output and runs each backward step's runner in plan order over the same
+kind of dictionary (g<i>: the gradient of v<i>), after recomputing any saved value the forward did not
+produce (plan.recomputed). Steps whose results nobody needs are skipped. The autograd wrappers around it
+(eager autograd.Function, torch.library custom ops for torch.compile) live in fusion/runtime/autograd.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from fusion.dataflow import index_of, out_grad, v
+from fusion.runtime import steps as S
+from fusion.runtime.kernel import LAUNCHERS
+
+
+def group_bounds(ctx, rows: int, device) -> torch.Tensor:
+    """The kernels' (G+1,) int32 row bounds [0, o_1, ..., o_G], on the device, no host sync."""
+    if ctx.offsets is None:
+        return torch.arange(2, dtype=torch.int32, device=device) * rows
+    return torch.nn.functional.pad(ctx.offsets.to(torch.int32), (1, 0))
+
+
+class BlockProgram:
+    def __init__(self, seq, plan, backend: str):
+        self.seq, self.plan, self.backend = seq, plan, backend
+        self.params = list(seq.parameters())
+        launcher = LAUNCHERS[backend]
+        self.forward_steps = []
+        for n, step in enumerate(plan.forward, 1):
+            runner = S.FusedForward(seq, step, launcher, f"F{n}") if step.fused else S.OpForward(seq, step)
+            self.forward_steps.append(runner)
+        self.backward_steps = []
+        for n, step in enumerate(plan.backward, 1):
+            self.backward_steps.append(self._backward_runner(seq, step, launcher, f"B{n}"))
+        self.output_grad = f"g{len(plan.ops)}"
+        self.input_grad = out_grad(plan.ops, -1)
+
+    def _backward_runner(self, seq, step, launcher, label):
+        if step.fused:
+            return S.FusedDgrad(seq, step, launcher, label, self.plan)
+        part = step.parts[0][1]
+        kind = {"dgrad": S.GemmDgrad, "wgrad": S.GemmWgrad}.get(part, S.OpBackward)
+        return kind(seq, step, self.plan)
+
+    def fused_runners(self):
+        return [r for r in self.forward_steps + self.backward_steps if isinstance(r, S._KernelStep)]
+
+    # -- forward ---------------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ctx, train: bool):
+        """(block output, saved values in plan.saves order; None for values to recompute)."""
+        state = S.RunState(ctx=ctx, bounds=group_bounds(ctx, x.shape[0] if ctx.index is None else ctx.index.numel(),
+                                                        x.device), rows=x.shape[0])
+        state.env[v(0)] = x
+        for runner in self.forward_steps:
+            runner.run(state, train)
+        y = state.env[v(len(self.plan.ops))]
+        saved = [state.env.get(name) for name in self.plan.saves] if train else []
+        return y, saved
+
+    # -- backward --------------------------------------------------------------------------------------------------
+    def backward(self, dy: torch.Tensor, saved, ctx, rows: int, needs: tuple):
+        """Gradients of (x, *self.params, *ctx.extra values); `needs` says which are wanted (autograd's
+        needs_input_grad in that order)."""
+        routed = rows if ctx.index is None else ctx.index.numel()
+        state = S.RunState(ctx=ctx, bounds=group_bounds(ctx, routed, dy.device), rows=rows)
+        state.env.update((name, value) for name, value in zip(self.plan.saves, saved) if value is not None)
+        self._recompute(state)
+        state.env[self.output_grad] = dy
+        need_x = bool(needs[0])
+        for step, runner in zip(self.plan.backward, self.backward_steps):
+            if not self._wanted(step, runner, need_x):
+                continue
+            runner.run(state)
+        dx = state.env.get(self.input_grad) if need_x else None
+        grads = [state.param_grads.get(id(p)) for p in self.params]
+        extra = [state.extra_grads.get(name) for name in ctx.extra]
+        return dx, grads, extra
+
+    def _wanted(self, step, runner, need_x: bool) -> bool:
+        """Skip what only produces unwanted gradients: the input gradient when x needs none, a weight gradient
+        whose parameters need none."""
+        if isinstance(runner, S.GemmWgrad):
+            op = runner.op
+            return op.weight.requires_grad or (op.bias is not None and op.bias.requires_grad)
+        if step.writes == (self.input_grad,) and not need_x:
+            if isinstance(runner, S.OpBackward):
+                op = runner.op
+                return any(p.requires_grad for p in op.parameters(recurse=False)) or bool(op.spec.extra_inputs)
+            return isinstance(runner, S.FusedDgrad)
+        return True
+
+    def _recompute(self, state) -> None:
+        """Values the backward reads that the forward did not keep: rerun the ops from the nearest kept value."""
+        for name in self.plan.recomputed:
+            k = index_of(name)
+            i = max(index_of(n) for n in state.env if n.startswith("v") and index_of(n) < k)
+            with torch.no_grad():
+                value = state.env[v(i)]
+                for j in range(i, k):
+                    value = self.seq[j].reference(value, state.ctx)
+            state.env[name] = value

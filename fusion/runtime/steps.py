@@ -1,0 +1,351 @@
+"""The runners of plan steps: each reads and writes the named values its plan step declares (fusion/dataflow.py).
+
+Forward:  FusedForward (a generated GEMM kernel)           OpForward (an op's reference, no autograd)
+Backward: FusedDgrad (a dgrad kernel with a generated       GemmDgrad, GemmWgrad (grouped matmuls)
+          d-epilogue)                                       OpBackward (autograd through one op's reference)
+
+A runner is built once per block and plan; `run(state)` does one call's work. `state.env` maps value names to
+tensors; backward runners add parameter gradients (by parameter) and extra-input gradients (by name).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fusion.codegen import slots
+from fusion.codegen.emit import epilogue_source
+from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forward_spec
+from fusion.dataflow import out_grad, v
+from fusion.grouped import linear_dgrad, linear_wgrad
+from fusion.ops.base import RunContext
+from fusion.runtime.kernel import make_job
+
+
+@dataclass
+class RunState:
+    """One call's values, gradients and inputs."""
+
+    ctx: RunContext
+    bounds: torch.Tensor  # (G+1,) int32 group row bounds on the device (one group [0, M) for a dense block)
+    rows: int = 0         # rows of the block's input x
+    env: dict = field(default_factory=dict)
+    param_grads: dict = field(default_factory=dict)  # id(parameter) -> gradient
+    extra_grads: dict = field(default_factory=dict)  # extra input name -> gradient
+
+    def add(self, store: dict, key, grad) -> None:
+        if grad is not None:
+            store[key] = grad if key not in store else store[key] + grad
+
+
+def _weight_as_b(weight: torch.Tensor) -> torch.Tensor:
+    """A GroupLinear weight (G, out, in) as is; a Linear weight (out, in) as one group. No copy."""
+    w = weight.detach()
+    w = w if w.dim() == 3 else w.unsqueeze(0)
+    return w if w.is_contiguous() else w.contiguous()
+
+
+class _SharedBias:
+    """A bias shared by all groups as the kernel's (G, n) group vector: one expanded copy, redone only when the
+    parameter changes (G x n elements; a per-group bias or a dense block's is read as is)."""
+
+    def __init__(self):
+        self._key, self._value = None, None
+
+    def __call__(self, bias: torch.Tensor, groups: int) -> torch.Tensor:
+        b = bias.detach()
+        if b.dim() == 2:
+            return b
+        if groups == 1:
+            return b.unsqueeze(0)
+        key = (b.data_ptr(), b._version, groups, b.dtype)
+        if self._key != key:
+            self._key, self._value = key, b.expand(groups, b.shape[0]).contiguous()
+        return self._value
+
+
+def segment_sum(values: torch.Tensor, bounds: torch.Tensor, per_group: bool) -> torch.Tensor:
+    """Column sums per group (or over all rows), deterministic and without a host sync, in values' dtype."""
+    acc = torch.float64 if values.dtype == torch.float64 else torch.float32
+    if not per_group:
+        return values.sum(0, dtype=acc).to(values.dtype)
+    out = torch.segment_reduce(values.to(acc), "sum", offsets=bounds.long(), axis=0, unsafe=True)
+    return out.to(values.dtype)
+
+
+class _KernelStep:
+    """What fused runners share: their kernels, per (dtype, variant), made by the block's launcher."""
+
+    def __init__(self, launcher, label: str):
+        self.launcher = launcher
+        self.label = label
+        self._kernels: dict = {}
+
+    def kernel(self, dtype: torch.dtype, variant: str):
+        key = (dtype, variant)
+        k = self._kernels.get(key)
+        if k is None:
+            k = self._kernels[key] = self.launcher.make(self, dtype, variant)
+        return k
+
+
+# -- forward ---------------------------------------------------------------------------------------------------------
+class FusedForward(_KernelStep):
+    """A GEMM and its epilogue ops in one kernel; in training it also writes the value its pattern saves."""
+
+    def __init__(self, seq, step, launcher, label: str):
+        super().__init__(launcher, label)
+        self.step = step
+        self.ops = [seq[i] for i in step.ops]
+        self.gemm = self.ops[0]
+        self.spec: EpilogueSpec = forward_spec(self.ops)
+        self.gated, self.b_major = self.spec.gated, "K"
+        self.input, self.output = v(step.ops[0]), v(step.ops[-1] + 1)
+        self.saved = None
+        wanted = [name for name in step.writes if name != self.output]
+        if self.spec.saved is not None:
+            self.saved = v(step.ops[0] + self.spec.saved_position)
+        if wanted and wanted != [self.saved]:
+            raise Unsupported(f"pattern {step.pattern} saves {', '.join(step.saves)} ({', '.join(wanted)}) but its "
+                              f"kernel can write {self.saved or 'nothing'} for the backward")
+        self.writes_saved = bool(wanted)
+        self.origin = f"pattern {step.pattern} [{step.pattern_loc}], ops {list(step.ops)}"
+        self._shared_bias = {}
+
+    def weight_shape(self) -> tuple[int, int, int]:
+        w = self.gemm.weight
+        return tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
+
+    def source(self, dtype: torch.dtype, train: bool) -> str:
+        return epilogue_source(self.spec, str(dtype).removeprefix("torch."), train=train and self.writes_saved,
+                               origin=self.origin)
+
+    def job(self, dtype: torch.dtype, variant: str, tiles: bool = True):
+        G, N, K = self.weight_shape()
+        return make_job(self.source(dtype, variant == "train"), dtype, N, K, G, self.spec.gated, "K", False,
+                        self.label, variant, tiles=tiles)
+
+    def _inputs(self, ctx: RunContext, groups: int) -> dict:
+        tensors = {}
+        for slot in self.spec.forward_slots(False)[0]:
+            if isinstance(slot, slots.GroupBias):
+                shared = self._shared_bias.setdefault(slot.position, _SharedBias())
+                tensors[slot.kernel_name] = shared(self.ops[slot.position].bias, groups)
+            else:
+                tensors[slot.kernel_name] = ctx.extra[slot.name]
+        return tensors
+
+    def run(self, state: RunState, train: bool) -> None:
+        from fusion.quant import dequantize
+
+        x = dequantize(state.env[self.input])
+        x = x if x.is_contiguous() else x.contiguous()
+        variant = "train" if train and self.writes_saved else "inference"
+        kernel = self.kernel(x.dtype, variant)
+        G = self.weight_shape()[0]
+        M = x.shape[0]
+        spec = self.spec
+        tensors = self._inputs(state.ctx, G)
+        out_w = spec.out_features
+        outs = {}
+        for slot in spec.forward_slots(variant == "train")[1]:
+            if isinstance(slot, slots.Quantized):
+                outs["out"] = torch.empty(M, out_w, dtype=torch.float8_e4m3fn, device=x.device)
+                outs["out_scale"] = torch.empty(M, out_w // 32, dtype=torch.uint8, device=x.device)
+            elif isinstance(slot, slots.SavedOut):
+                outs["saved"] = torch.empty(M, spec.width_at(spec.saved), dtype=x.dtype, device=x.device)
+            else:
+                outs[slot.kernel_name] = torch.empty(M, out_w, dtype=x.dtype, device=x.device)
+        _poison(outs)
+        tensors.update(outs)
+        kernel.run(x, _weight_as_b(self.gemm.weight), state.bounds, tensors)
+        if spec.quantized:
+            state.env[self.output] = _quantized(self.ops[-1], outs, state.ctx)
+        else:
+            state.env[self.output] = outs["out"]
+        if "saved" in outs:
+            state.env[self.saved] = outs["saved"]
+
+
+def _quantized(op, outs: dict, ctx: RunContext):
+    """The fused step's MXFP8 output as the reference returns it: the kernel's rowwise bytes, and the columnwise
+    copy (per-group blocks) and amax from its high-precision output."""
+    from fusion.quant import QuantizedTensor
+
+    hp = outs["hp"]
+    ref = op.reference(hp, ctx)
+    return QuantizedTensor(ref.format, outs["out"].view(torch.uint8), outs["out_scale"], ref.amax, hp.shape,
+                           hp.dtype, columnwise_data=ref.columnwise_data, columnwise_scale=ref.columnwise_scale,
+                           group_sizes=ref.group_sizes)
+
+
+#: Tests set it: fill kernel outputs with NaN before each launch, so an unwritten element shows up.
+POISON = {"on": False}
+
+
+def _poison(outs: dict) -> None:
+    if POISON["on"]:
+        for t in outs.values():
+            t.view(torch.uint8).fill_(0xFF)
+
+
+class OpForward:
+    """An op outside any fused kernel: its reference implementation (autograd is the block's)."""
+
+    def __init__(self, seq, step):
+        (self.index,) = step.ops
+        self.op = seq[self.index]
+
+    def run(self, state: RunState, train: bool) -> None:
+        state.env[v(self.index + 1)] = self.op.reference(state.env[v(self.index)], state.ctx)
+
+
+# -- backward --------------------------------------------------------------------------------------------------------
+class FusedDgrad(_KernelStep):
+    """GEMM j's dgrad whose epilogue runs the backward of the elementwise ops a..j-1 (reading the saved value),
+    and, when the plan asks, recomputes GEMM j's input for its wgrad."""
+
+    def __init__(self, seq, step, launcher, label: str, plan):
+        super().__init__(launcher, label)
+        self.step = step
+        self.first, self.j = step.ops[0], step.ops[-1]
+        self.gemm = seq[self.j]
+        self.elementwise = [seq[i] for i in step.ops[:-1]]
+        for op in self.elementwise[1:]:
+            if op.spec.name == "Bias":
+                raise Unsupported(f"pattern {step.pattern}: a Bias inside a fused backward step must be its first "
+                                  f"op (its gradient is then the step's output summed per group)")
+        self.spec = backward_spec(self.elementwise, seq.features[self.first])
+        self.gated, self.b_major = False, "MN"
+        self.grad_in = out_grad(plan.ops, self.j)
+        self.saved = next((r for r in step.reads if r.startswith("v")), None)
+        self.postact = v(self.j) in step.writes
+        self.origin = f"pattern {step.pattern} [{step.pattern_loc}] (backward), ops {list(step.ops)}"
+        self._shared_bias = {}
+
+    def weight_shape(self) -> tuple[int, int, int]:
+        """(G, N, K) of the dgrad GEMM: N = the GEMM's in_features, K = its out_features."""
+        w = self.gemm.weight
+        G, out_f, in_f = w.shape if w.dim() == 3 else (1, *w.shape)
+        return G, in_f, out_f
+
+    def job(self, dtype: torch.dtype, variant: str = "backward", tiles: bool = True):
+        G, N, K = self.weight_shape()
+        source = epilogue_source(self.spec, str(dtype).removeprefix("torch."), backward=True, postact=self.postact,
+                                 origin=self.origin)
+        return make_job(source, dtype, N, K, G, False, "MN", self.spec.saved is not None, self.label, variant,
+                        tiles=tiles)
+
+    def run(self, state: RunState) -> None:
+        from fusion.quant import dequantize
+
+        dy = dequantize(state.env[self.grad_in])
+        dy = dy if dy.is_contiguous() else dy.contiguous()
+        kernel = self.kernel(dy.dtype, "backward")
+        spec, ctx = self.spec, state.ctx
+        G, N, _ = self.weight_shape()
+        M = dy.shape[0]
+        in_slots, out_slots = spec.backward_slots(self.postact)
+        tensors = {}
+        for slot in in_slots:
+            if isinstance(slot, slots.SavedIn):
+                tensors["saved"] = state.env[self.saved]
+            elif isinstance(slot, slots.GroupBias):
+                shared = self._shared_bias.setdefault(slot.position, _SharedBias())
+                tensors[slot.kernel_name] = shared(self.elementwise[slot.position].bias, G)
+            else:
+                tensors[slot.kernel_name] = ctx.extra[slot.name]
+        outs = {}
+        for slot in out_slots:
+            width = spec.in_features if isinstance(slot, slots.DInput) else spec.out_features
+            outs[slot.kernel_name] = torch.empty(M, width, dtype=dy.dtype, device=dy.device)
+        _poison(outs)
+        tensors.update(outs)
+        kernel.run(dy, _weight_as_b(self.gemm.weight), state.bounds, tensors)
+        dinput = outs["dinput"]
+        state.env[f"g{self.first}"] = dinput
+        for slot in out_slots:
+            if isinstance(slot, slots.DScale):
+                term = outs[slot.kernel_name]
+                acc = torch.float64 if term.dtype == torch.float64 else torch.float32
+                state.add(state.extra_grads, slot.name, term.sum(-1, dtype=acc))
+        for op in self.elementwise:
+            if op.spec.name == "Bias":  # first in the chain: d bias = d(chain input) summed per group
+                state.add(state.param_grads, id(op.bias), segment_sum(dinput, state.bounds, op.num_groups is not None))
+        if self.postact:
+            state.env[v(self.j)] = outs["postact"]
+
+
+class GemmDgrad:
+    def __init__(self, seq, step, plan):
+        (self.index,) = step.ops
+        self.op = seq[self.index]
+        self.grad_in = out_grad(plan.ops, self.index)
+
+    def run(self, state: RunState) -> None:
+        from fusion.quant import dequantize
+
+        ctx = state.ctx
+        dy = dequantize(state.env[self.grad_in])
+        state.env[f"g{self.index}"] = linear_dgrad(dy.contiguous(), self.op.weight.detach(), ctx.group_sizes,
+                                                   ctx.offsets)
+
+
+class GemmWgrad:
+    def __init__(self, seq, step, plan):
+        (self.index,) = step.ops
+        self.op = seq[self.index]
+        self.grad_in = out_grad(plan.ops, self.index)
+
+    def run(self, state: RunState) -> None:
+        from fusion.quant import dequantize
+
+        ctx, op = state.ctx, self.op
+        dy = dequantize(state.env[self.grad_in]).contiguous()
+        x = dequantize(state.env[v(self.index)]).contiguous()
+        if op.weight.requires_grad:
+            state.add(state.param_grads, id(op.weight),
+                      linear_wgrad(dy, x, op.weight.detach(), ctx.group_sizes, ctx.offsets))
+        if op.bias is not None and op.bias.requires_grad:
+            state.add(state.param_grads, id(op.bias), segment_sum(dy, state.bounds, op.weight.dim() == 3))
+
+
+class OpBackward:
+    """Autograd through one op's reference at its saved input: the gradients of its input, its parameters and
+    the extra inputs it reads."""
+
+    def __init__(self, seq, step, plan):
+        (self.index,) = step.ops
+        self.op = seq[self.index]
+        self.grad_in = out_grad(plan.ops, self.index)
+        self.features = plan.ops[self.index].in_features
+
+    def run(self, state: RunState) -> None:
+        from fusion.quant import dequantize
+
+        op, ctx = self.op, state.ctx
+        params = [p for p in op.parameters(recurse=False) if p.requires_grad]
+        extras = [(name, ctx.extra[name]) for name in op.spec.extra_inputs
+                  if name in ctx.extra and ctx.extra[name].requires_grad]
+        with torch.enable_grad():
+            value = state.env.get(v(self.index))
+            if value is None:  # its gradient reads no input value: a zero of the input's shape stands in
+                value = state.env[self.grad_in].new_zeros(()).expand(self._rows(state), self.features)
+            x = dequantize(value).detach().requires_grad_()
+            out = op.reference(x, ctx)
+            out = dequantize(out)
+            grads = torch.autograd.grad(out, [x, *params, *(t for _, t in extras)], state.env[self.grad_in],
+                                        allow_unused=True)
+        state.env[f"g{self.index}"] = grads[0]
+        for p, gp in zip(params, grads[1:1 + len(params)]):
+            state.add(state.param_grads, id(p), gp)
+        for (name, _), ge in zip(extras, grads[1 + len(params):]):
+            state.add(state.extra_grads, name, ge)
+
+    def _rows(self, state: RunState) -> int:
+        """Rows entering this op: the block's tokens before a Gather, the routed rows after it."""
+        index = state.ctx.index
+        if index is None or self.index == 0:
+            return state.rows
+        return index.numel()
+

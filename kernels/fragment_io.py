@@ -1,0 +1,100 @@
+"""Register <-> global memory moves of the epilogue, at 64-bit byte addresses, predicated.
+
+The epilogue keeps one 64-bit base address per (tensor, fragment row) and reaches every element of the
+row by a constant offset from it, so addresses cost few registers. Pairs of adjacent columns move as one
+vector (32-bit for 16-bit types, 16-bit for e4m3); masked loads yield 0, masked stores do nothing.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+
+
+def row_addr(t: cute.Tensor, row, col, dt):
+    """Byte address of element (row, col) of a row-major 2-D tensor (64-bit arithmetic)."""
+    return t.iterator.toint() + (Int64(row) * t.layout.stride[0] + Int64(col)) * (dt.width // 8)
+
+
+@cute.jit
+def load1(t: cute.Tensor, i: Int32, ok: Boolean) -> Float32:
+    """``t[i]`` as fp32 (0 where not ok)."""
+    v = Float32(0.0)
+    if ok:
+        v = Float32(t[i])
+    return v
+
+
+@cute.jit
+def load_word(addr: Int64, ok: Boolean) -> Int32:
+    """One 32-bit load at a byte address (0 where not ok): 2 adjacent 16-bit values."""
+    v = Int32(0)
+    if ok:
+        p = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
+        v = cute.make_tensor(p, cute.make_layout((1,)))[0]
+    return v
+
+
+@cute.jit
+def load2(addr: Int64, ok: Boolean, dt: cutlass.Constexpr):
+    """2 adjacent values at a byte address, one vector load, as fp32 (0 where not ok)."""
+    frag = cute.make_rmem_tensor((2,), dt)
+    frag.fill(0.0)
+    if ok:
+        p = cute.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=2 * dt.width // 8)
+        cute.autovec_copy(cute.make_tensor(p, cute.make_layout((2,))), frag)
+    return Float32(frag[0]), Float32(frag[1])
+
+
+@cute.jit
+def store2(addr: Int64, v0: Float32, v1: Float32, dt: cutlass.Constexpr, ok: Boolean):
+    """Store 2 adjacent values (converted to ``dt``) at a byte address with one vector store."""
+    frag = cute.make_rmem_tensor((2,), dt)
+    frag[0] = v0.to(dt)
+    frag[1] = v1.to(dt)
+    if ok:
+        p = cute.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=2 * dt.width // 8)
+        cute.autovec_copy(frag, cute.make_tensor(p, cute.make_layout((2,))))
+
+
+@cute.jit
+def store2_rc(t: cute.Tensor, row: Int32, col: Int32, v0: Float32, v1: Float32, dt: cutlass.Constexpr,
+              ok: Boolean):
+    """Store 2 adjacent values at (row, col), (row, col + 1) of a row-major tensor, one vector store."""
+    frag = cute.make_rmem_tensor((2,), dt)
+    frag[0] = v0.to(dt)
+    frag[1] = v1.to(dt)
+    if ok:
+        off = Int64(row) * t.layout.stride[0] + Int64(col)
+        addr = t.iterator.toint() + off * (dt.width // 8)
+        p = cute.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=2 * dt.width // 8)
+        dst = cute.make_tensor(p, cute.make_layout((2,)))
+        cute.autovec_copy(frag, dst)
+
+
+@cute.jit
+def store_byte(ts: cute.Tensor, row: Int32, col: Int32, e8: Int32, ok: Boolean):
+    """``ts[row, col] = e8`` as uint8 where ok."""
+    if ok:
+        ts[row, col] = cutlass.Uint8(e8)
+
+
+def unpack2(v, dt):
+    """(col, col + 1) as fp32 from a word loaded by :func:`load_word` (little endian: col in the low half)."""
+    if dt is cutlass.BFloat16:
+        return bits_f32(v << 16), bits_f32(v & -65536)
+    frag = cute.make_rmem_tensor((1,), Int32)
+    frag[0] = v
+    h = cute.recast_tensor(frag, dt)
+    return Float32(h[0]), Float32(h[1])
+
+
+def f32_bits(x) -> Int32:
+    """The bit pattern of an fp32 value."""
+    return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value()))
+
+
+def bits_f32(b) -> Float32:
+    """The fp32 value of a bit pattern."""
+    return Float32(llvm.bitcast(Float32.mlir_type, Int32(b).ir_value()))

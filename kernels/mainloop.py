@@ -1,0 +1,183 @@
+"""The two warp roles of the grouped GEMM kernel: the TMA producer and the wgmma consumers.
+
+- producer (warp 0 of warpgroup 0): walks its CTA's tiles and fills a ``stages``-deep smem ring with
+  the A and B tiles of every k-step (``PipelineTmaAsync``); with the dynamic scheduler it also takes the
+  tile ids and publishes them to the consumers. A gated GEMM reads the canonical weight (gate rows
+  ``[0, N/2)``, up rows ``[N/2, N)``): each stage's B tile is two ``tile_n/2``-row TMA boxes, the gate rows
+  of the n-tile into the tile's first half and the same up rows into its second half (one expect-tx count
+  for the whole tile), so the accumulator holds gate in columns ``[0, tile_n/2)`` and up in the rest.
+- consumers (warpgroups 1..2): wgmma over the ring into an fp32 accumulator, then the epilogue
+  (:class:`kernels.tile_epilogue.TileEpilogue`). Cooperative: both warpgroups work on one tile (64 rows
+  each). Pingpong: each warpgroup owns every other tile of the CTA's sequence; a named-barrier pair
+  orders their mainloops (warpgroup w starts once the other has issued all of its own), so one's epilogue
+  overlaps the other's mainloop, and each skips the other's ``k_tiles`` stages of the ring.
+
+A mixin of :class:`kernels.grouped_gemm.GroupedGemmKernel`: it reads the kernel's trace-time attributes
+(tile shape, ``stages``, ``k_tiles``, ``sched``, ``gated``, ``tile_epi``, ...).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+PINGPONG_BARRIER = 8  # named barriers 8, 9: pingpong mainloop order (consumer warpgroup 0, 1)
+
+
+class WarpRoles:
+    """Producer and consumer bodies (``@cute.jit``, inlined into the kernel)."""
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def produce(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+                mOffs: cute.Tensor, mCounter: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe,
+                sched_pipe, sTile: cute.Tensor, bidx: Int32, grid: Int32):
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if const_expr(self.dynamic):
+            sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
+        tile_id = bidx
+        g, base, cnt = self.sched.start(mOffs, tile_id)
+        if const_expr(self.dynamic):
+            sched_state = self.sched.publish(sched_pipe, sched_state, sTile, tile_id)
+        while g < self.G:
+            m_idx, n_idx = self.sched.coords(tile_id, base, cnt)
+            row0 = mOffs[g] + m_idx * self.tile_m
+            gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            )
+            if const_expr(self.gated):
+                # gate rows [n_idx * tile_n/2, +tile_n/2) -> first half of the B tile, the same rows of
+                # the up half (N/2 further) -> second half.  A partial last n-tile: the gate box reads up
+                # rows (their results are masked: logical column >= N/2), the up box reads past N (zeros).
+                half = self.tile_n // 2
+                mBg = mB[None, None, g]
+                gB0 = cute.local_tile(mBg, (half, self.tile_k), (n_idx, None))
+                gB1 = cute.local_tile(cute.domain_offset((self.N // 2, 0), mBg), (half, self.tile_k), (n_idx, None))
+                sB0 = cute.local_tile(sB, (half, self.tile_k, self.stages), (0, 0, 0))
+                sB1 = cute.local_tile(sB, (half, self.tile_k, self.stages), (1, 0, 0))
+                tBsB1, tBgB1 = cpasync.tma_partition(
+                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB1, 0, 2), cute.group_modes(gB1, 0, 2)
+                )
+            else:
+                gB0 = cute.local_tile(mB[None, None, g], (self.tile_n, self.tile_k), (n_idx, None))
+                sB0 = sB
+            tBsB0, tBgB0 = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB0, 0, 2)
+            )
+            for kt in cutlass.range(self.k_tiles, unroll=1):
+                ab_pipe.producer_acquire(prod_state)
+                bar = ab_pipe.producer_get_barrier(prod_state)
+                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_b, tBgB0[(None, kt)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
+                if const_expr(self.gated):
+                    cute.copy(tma_b, tBgB1[(None, kt)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar)
+                ab_pipe.producer_commit(prod_state)
+                prod_state.advance()
+            tile_id = self.sched.producer_next(mCounter, tile_id, grid)
+            g, base, cnt = self.sched.seek(mOffs, tile_id, g, base, cnt)
+            if const_expr(self.dynamic):
+                sched_state = self.sched.publish(sched_pipe, sched_state, sTile, tile_id)
+        if const_expr(self.dynamic and self.pingpong):
+            # pingpong consumers read entries in pairs (the other warpgroup's, then their own): a second
+            # end-of-work entry lets the warpgroup that skips the first one stop too
+            sched_state = self.sched.publish(sched_pipe, sched_state, sTile, tile_id)
+        ab_pipe.producer_tail(prod_state)
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def consume(self, tiled_mma: cute.TiledMma, tiled_mma_log: cute.TiledMma, sA: cute.Tensor,
+                sB: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple, ab_pipe, sched_pipe,
+                sTile: cute.Tensor, tidx: Int32, wg_idx: Int32, bidx: Int32, grid: Int32):
+        k_tiles = self.k_tiles
+        cwg = Int32(0)
+        if const_expr(self.pingpong):
+            cwg = wg_idx - 1            # this consumer warpgroup's parity in the CTA's tile sequence
+            ctid = tidx % 128
+        else:
+            ctid = tidx - 128
+        thr_mma = tiled_mma.get_slice(ctid)
+        thr_mma_log = tiled_mma_log.get_slice(ctid)
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        cC = cute.make_identity_tensor((self.tile_m, self.tile_n_log))
+        tCcC = thr_mma_log.partition_C(cC)
+        acc_shape = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))).shape
+        acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        rel_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if const_expr(self.pingpong):
+            # warpgroup 1 starts after warpgroup 0's first tile in the smem ring
+            read_state.advance(cwg * k_tiles)
+            rel_state.advance(cwg * k_tiles)
+        if const_expr(self.dynamic):
+            sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
+            tile_id, sched_state = self.sched.first_dynamic(sched_pipe, sched_state, sTile, cwg)
+        else:
+            tile_id = self.sched.first_static(bidx, grid, cwg)
+        g, base, cnt = self.sched.start(mOffs, tile_id)
+        if const_expr(self.pingpong):
+            if cwg == 0:
+                # warpgroup 0 goes first: pre-arrive on its own mainloop barrier
+                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=256)
+        while g < self.G:
+            m_idx, n_idx = self.sched.coords(tile_id, base, cnt)
+            row_start = mOffs[g]
+            row_end = mOffs[g + 1]
+            row0 = row_start + m_idx * self.tile_m
+
+            # ---- epilogue inputs read from global memory, issued now so that the loads complete under
+            # the mainloop instead of stalling the epilogue
+            pre = None
+            if const_expr(self.tile_epi.prefetch_pairs > 0):
+                pre = self.tile_epi.prefetch(tCcC, epi_tensors, row0, row_end, n_idx, self.N)
+
+            # ---- mainloop
+            if const_expr(self.pingpong):
+                # wait for the other warpgroup to have issued its whole mainloop: tensor cores go to one
+                # warpgroup at a time, and every smem stage of this tile then has its previous fill
+                # consumed (mbarrier parity waits can only tell adjacent phases apart)
+                cute.arch.barrier(barrier_id=PINGPONG_BARRIER + cwg, number_of_threads=256)
+            acc.fill(0.0)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.fence()
+            ab_pipe.consumer_wait(read_state)
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)],
+                          tCrB[(None, None, kb, read_state.index)], acc)
+            warpgroup.commit_group()
+            read_state.advance()
+            for kt in cutlass.range(1, k_tiles, unroll=1):
+                ab_pipe.consumer_wait(read_state)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)],
+                              tCrB[(None, None, kb, read_state.index)], acc)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                ab_pipe.consumer_release(rel_state)
+                rel_state.advance()
+                read_state.advance()
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg, number_of_threads=256)
+            warpgroup.wait_group(0)
+            ab_pipe.consumer_release(rel_state)
+            rel_state.advance()
+
+            # ---- epilogue
+            self.tile_epi.run(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, self.N, pre)
+
+            # ---- next tile
+            if const_expr(self.pingpong):
+                # skip the other warpgroup's tile in the smem ring
+                read_state.advance(k_tiles)
+                rel_state.advance(k_tiles)
+            if const_expr(self.dynamic):
+                tile_id, sched_state = self.sched.next_dynamic(sched_pipe, sched_state, sTile)
+            else:
+                tile_id = self.sched.next_static(tile_id, grid)
+            g, base, cnt = self.sched.seek(mOffs, tile_id, g, base, cnt)

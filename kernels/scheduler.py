@@ -1,0 +1,141 @@
+"""Device tile scheduler of the grouped GEMM: which (group, m-tile, n-tile) a warpgroup works on next.
+
+Tiles are numbered group by group; within a group m runs fastest, then n. A cursor ``(g, base, cnt)`` =
+(group, id of the group's first tile, tiles in the group) is moved forward to a tile id by reading the
+device ``offsets`` (no host sync, so one compile serves every batch and every ``group_sizes``).
+
+- static: the tile ids of CTA ``b`` are ``b, b + grid, b + 2 grid, ...``;
+- dynamic: the producer warp takes the next id from a global atomic counter and publishes it to the
+  consumer warpgroups through a small smem pipeline (``sTile`` slots guarded by mbarriers).
+
+Pingpong consumers own every other tile of their CTA's sequence: warpgroup ``w`` takes entries
+``w, w + 2, ...``. The producer then publishes one extra end-of-work entry, so the warpgroup that skips
+the last real entry also reads an end marker.
+
+Methods are ``@cute.jit`` helpers inlined into the kernel; they return the pipeline state they advanced,
+so the caller's loops carry it (a state only passed as an argument would not be seen as loop-carried).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+_NO_GROUP = 1 << 30  # tile count of the groups past the last one: the cursor stops there
+
+
+class TileScheduler:
+    """Trace-time description of the tile order: ``tile_m`` rows per m-tile, ``n_tiles`` n-tiles per
+    group (compile-time, from N), ``G`` groups (compile-time)."""
+
+    def __init__(self, tile_m: int, n_tiles: int, G: int, dynamic: bool, pingpong: bool):
+        self.tile_m = tile_m
+        self.n_tiles = n_tiles
+        self.G = G
+        self.dynamic = dynamic
+        self.pingpong = pingpong
+
+    # ---------------------------------------------------------------- cursor over the groups
+    @cute.jit
+    def group_tiles(self, mOffs: cute.Tensor, g: Int32) -> Int32:
+        """Tiles of group ``g`` (a huge count past the last group, which ends every walk there)."""
+        gi = cutlass.min(g, self.G - 1)
+        rows = mOffs[gi + 1] - mOffs[gi]
+        cnt = ((rows + (self.tile_m - 1)) // self.tile_m) * self.n_tiles
+        return cutlass.select_(g < self.G, cnt, Int32(_NO_GROUP))
+
+    @cute.jit
+    def seek(self, mOffs: cute.Tensor, tile_id: Int32, g: Int32, base: Int32, cnt: Int32):
+        """Move the cursor forward to the group holding ``tile_id`` (``g == G`` when there is none)."""
+        while tile_id >= base + cnt:
+            base = base + cnt
+            g = g + 1
+            cnt = self.group_tiles(mOffs, g)
+        return g, base, cnt
+
+    @cute.jit
+    def start(self, mOffs: cute.Tensor, tile_id: Int32):
+        """A cursor at group 0, moved to ``tile_id``."""
+        g = Int32(0)
+        base = Int32(0)
+        cnt = self.group_tiles(mOffs, g)
+        g, base, cnt = self.seek(mOffs, tile_id, g, base, cnt)
+        return g, base, cnt
+
+    def coords(self, tile_id, base, cnt):
+        """(m_idx, n_idx) of ``tile_id`` inside its group (m fastest)."""
+        local = tile_id - base
+        mt = cnt // self.n_tiles
+        return local % mt, local // mt
+
+    # ---------------------------------------------------------------- next tile id
+    @cute.jit
+    def producer_next(self, mCounter: cute.Tensor, tile_id: Int32, grid: Int32) -> Int32:
+        """The producer warp's next tile id: from the atomic counter (dynamic; lane 0 takes it and the
+        warp shares it) or ``grid`` further (static)."""
+        nxt = tile_id + grid
+        if cutlass.const_expr(self.dynamic):
+            nt = Int32(0)
+            if cute.arch.lane_idx() == 0:
+                nt = cute.arch.atomic_add(mCounter.iterator.llvm_ptr, Int32(1)) + grid
+            nxt = cute.arch.shuffle_sync(nt, 0)
+        return nxt
+
+    @cute.jit
+    def publish(self, sched_pipe, state, sTile: cute.Tensor, tile_id: Int32):
+        """Producer warp: hand ``tile_id`` to the consumer warpgroups (dynamic scheduler)."""
+        sched_pipe.producer_acquire(state)
+        if cute.arch.lane_idx() == 0:
+            sTile[state.index] = tile_id
+        sched_pipe.producer_commit(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def receive(self, sched_pipe, state, sTile: cute.Tensor):
+        """Consumer: the next published tile id."""
+        sched_pipe.consumer_wait(state)
+        tile_id = sTile[state.index]
+        sched_pipe.consumer_release(state)
+        state.advance()
+        return tile_id, state
+
+    @cute.jit
+    def skip(self, sched_pipe, state):
+        """Consumer: pass over one published entry (the other pingpong warpgroup's tile)."""
+        sched_pipe.consumer_wait(state)
+        sched_pipe.consumer_release(state)
+        state.advance()
+        return state
+
+    def first_static(self, bidx, grid, cwg=None):
+        """Static scheduler: a consumer warpgroup's first tile id (pingpong: ``cwg`` = its parity in the
+        CTA's tile sequence)."""
+        return bidx + cwg * grid if self.pingpong else bidx
+
+    def next_static(self, tile_id, grid):
+        """Static scheduler: a consumer warpgroup's tile id after ``tile_id``."""
+        return tile_id + (2 * grid if self.pingpong else grid)
+
+    @cute.jit
+    def first_dynamic(self, sched_pipe, state, sTile: cute.Tensor, cwg):
+        """Dynamic scheduler: a consumer warpgroup's first tile id (pingpong: ``cwg`` = its parity)."""
+        tile_id, state = self.receive(sched_pipe, state, sTile)
+        if cutlass.const_expr(self.pingpong):
+            # warpgroup 1 skips entry 0 (warpgroup 0's tile) and takes entry 1
+            t1 = tile_id
+            if cwg == 1:
+                sched_pipe.consumer_wait(state)
+                t1 = sTile[state.index]
+                sched_pipe.consumer_release(state)
+            state.advance(cwg)
+            tile_id = cutlass.select_(cwg == 1, t1, tile_id)
+        return tile_id, state
+
+    @cute.jit
+    def next_dynamic(self, sched_pipe, state, sTile: cute.Tensor):
+        """Dynamic scheduler: a consumer warpgroup's next tile id (pingpong: skips the other's entry)."""
+        if cutlass.const_expr(self.pingpong):
+            state = self.skip(sched_pipe, state)
+        tile_id, state = self.receive(sched_pipe, state, sTile)
+        return tile_id, state

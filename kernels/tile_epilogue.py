@@ -1,0 +1,233 @@
+"""The epilogue protocol (kernels/epilogue.py) applied to one tile's accumulator fragment, at trace time.
+
+Plain Python, unrolled over the thread's wgmma accumulator fragment: for every (row, 2 adjacent columns) it
+loads the epilogue's inputs, calls ``Epilogue.apply`` on fp32 values and stores its results, masked by the
+group's rows and by the logical width. Coordinates come from the *logical* tiled MMA (``tCcC``: the
+accumulator layout of a ``tile_m x tile_n_log`` tile), so logical chunk ``c`` (8 columns) of a fragment row is
+accumulator chunk ``c``. In a gated GEMM the B tile holds the gate rows in its first half and the up rows
+in its second (kernels/mainloop.py), so the up value of the same column is accumulator chunk ``c + n_c``
+(``n_c`` chunks per logical row fragment), ``tile_n / 2`` columns further, in the same thread.
+
+Paired tensors (``paired=True``, width ``2n``) have the canonical split layout: gate half at columns
+``[0, n)``, up half at ``[n, 2n)``; the gate and up values of logical column ``j`` are at ``j`` and ``n + j``,
+a constant offset from one base address.
+"""
+from __future__ import annotations
+
+
+
+import cutlass.cute as cute
+
+from .dtypes import cutlass_dtype
+from .epilogue import AuxInput, Epilogue, MXFP8Output, RowVector
+from .fragment_io import load1, load2, load_word, row_addr, store2, unpack2
+from .mxfp8_store import store_mxfp8
+
+_EPI_BATCH = 8  # 8-column chunks per epilogue batch (see TileEpilogue.run)
+
+
+class TileEpilogue:
+    """``epilogue`` of a GEMM in ``dtype`` whose logical tile is ``tile_n_log`` columns wide (the GEMM
+    tile, or half of it when gated); ``prefetch_pairs``: how many packed 16-bit AuxInput pairs
+    :meth:`prefetch` may hold in registers across the mainloop."""
+
+    def __init__(self, epilogue: Epilogue, dtype: str, tile_n_log: int, prefetch_pairs: int):
+        self.epi = epilogue
+        self.dtype_name = dtype
+        self.ab_dtype = cutlass_dtype(dtype)
+        self.gated = epilogue.gated
+        self.tile_n_log = tile_n_log
+        self.prefetch_pairs = prefetch_pairs
+        self.in_dtypes = [cutlass_dtype(s.dtype if s.dtype is not None else dtype) for s in epilogue.inputs]
+        self.out_dtypes = [cutlass_dtype(s.dtype if s.dtype is not None else dtype) for s in epilogue.outputs]
+
+    def logical_width(self, N):
+        return N // 2 if self.gated else N
+
+    def _first_col(self, tCcC, col0, mm, h, nn):
+        """The thread's first logical column of fragment (mm, h, nn); chunk c is 8*c columns further."""
+        return col0 + tCcC[((0, h, 0), mm, nn)][1]
+
+    def prefetch(self, tCcC, epi_tensors, row0, row_end, n_idx, N):
+        """Before the tile's mainloop: load the RowVector values of the thread's rows and, in the order
+        :meth:`run` consumes them, up to ``prefetch_pairs`` AuxInput pairs (2 adjacent 16-bit values packed
+        in one 32-bit register, 0 where masked), so their latency hides under the mainloop.  Returns
+        {key: value} for :meth:`run`.  Addresses are one 64-bit base per fragment row plus constants, so
+        what the epilogue shares with them (the same bases) costs few registers across the mainloop."""
+        epi = self.epi
+        n_log = self.logical_width(N)
+        col0 = n_idx * self.tile_n_log
+        n_v, n_h, n_c = tCcC.shape[0]
+        n_mm, n_nn = tCcC.shape[1], tCcC.shape[2]
+        col_exact = n_log % self.tile_n_log == 0
+        pre = {}
+        left = self.prefetch_pairs
+        for mm in range(n_mm):
+            for h in range(n_h):
+                grow = row0 + tCcC[((0, h, 0), mm, 0)][0]
+                row_ok = grow < row_end
+                for ii, spec in enumerate(epi.inputs):
+                    if isinstance(spec, RowVector):
+                        pre[("row", ii, mm, h)] = load1(epi_tensors[ii], grow, row_ok)
+                for nn in range(n_nn):
+                    lc0 = self._first_col(tCcC, col0, mm, h, nn)
+                    for ii, spec in enumerate(epi.inputs):
+                        if not isinstance(spec, AuxInput):
+                            continue
+                        dt = self.in_dtypes[ii]
+                        if dt.width != 16:
+                            continue
+                        base = row_addr(epi_tensors[ii], grow, lc0, dt)
+                        up = n_log * (dt.width // 8)   # byte offset of the up half
+                        for c in range(n_c):
+                            halves = 2 if spec.paired else 1
+                            if left < halves:
+                                break
+                            left -= halves
+                            ok = row_ok if col_exact else row_ok & (lc0 + 8 * c < n_log)
+                            if spec.paired:
+                                pre[("aux", ii, mm, h, nn, c)] = (load_word(base + 16 * c, ok),
+                                                                  load_word(base + up + 16 * c, ok))
+                            else:
+                                pre[("aux", ii, mm, h, nn, c)] = load_word(base + 16 * c, ok)
+        return pre
+
+    def run(self, acc, tCcC, epi_tensors, row0, row_end, g, n_idx, N, pre=None):
+        """Unrolled over the thread's fragment.
+
+        Per fragment row, the 8-column chunks are processed in batches of ``_EPI_BATCH``: the batch's
+        input loads (2-element vectors; none for what ``pre`` holds, see :meth:`prefetch`), the epilogue
+        math, then the batch's stores.  The stores keep the next batch's loads from being hoisted (the
+        pointers may alias), which bounds the live registers (no spills with inputs at wide tiles) while a
+        batch's loads still overlap.  Addresses: one 64-bit base per (tensor, fragment row) plus
+        constants (chunk c is 8 columns further; the up half of a paired tensor n columns further)."""
+        epi = self.epi
+        n_log = self.logical_width(N)
+        col0 = n_idx * self.tile_n_log
+        col_exact = n_log % self.tile_n_log == 0
+        frag_shape = tCcC.shape
+        n_v, n_h, n_c = frag_shape[0]
+        assert n_v == 2, "wgmma accumulator: 2 adjacent columns per thread and chunk"
+        n_mm = frag_shape[1]
+        n_nn = frag_shape[2]
+        n_in = len(epi.inputs)
+        in_tensors = epi_tensors[:n_in]
+        out_tensors = epi_tensors[n_in:]
+        in_dtypes, out_dtypes = self.in_dtypes, self.out_dtypes
+        has_mx = any(isinstance(s, MXFP8Output) for s in epi.outputs)
+        batch = _EPI_BATCH if n_c % _EPI_BATCH == 0 else n_c
+        if has_mx:
+            assert n_c % 4 == 0 and batch % 4 == 0
+        if self.gated:
+            # one wgmma atom spans the tile's N: accumulator chunks [0, n_c) = gate, [n_c, 2 n_c) = up
+            assert cute.size(acc.shape[0][2]) == 2 * n_c and cute.size(acc.shape[2]) == n_nn == 1, \
+                "gated epilogue: the accumulator must be one wgmma atom wide (gate half, up half)"
+        for mm in range(n_mm):
+            for h in range(n_h):
+                r = tCcC[((0, h, 0), mm, 0)][0]
+                grow = row0 + r
+                row_ok = grow < row_end
+                row_vals = {}
+                for ii in range(n_in):
+                    spec = epi.inputs[ii]
+                    if isinstance(spec, RowVector):
+                        if pre is not None and ("row", ii, mm, h) in pre:
+                            row_vals[ii] = pre[("row", ii, mm, h)]
+                        else:
+                            row_vals[ii] = load1(in_tensors[ii], grow, row_ok)
+                for nn in range(n_nn):
+                    lc0 = self._first_col(tCcC, col0, mm, h, nn)
+                    in_base = {}
+                    for ii, spec in enumerate(epi.inputs):
+                        if isinstance(spec, RowVector):
+                            continue
+                        rr = grow if isinstance(spec, AuxInput) else g
+                        in_base[ii] = row_addr(in_tensors[ii], rr, lc0, in_dtypes[ii])
+                    out_base = {}
+                    ot = 0
+                    for oi, spec in enumerate(epi.outputs):
+                        if not isinstance(spec, MXFP8Output):
+                            out_base[oi] = row_addr(out_tensors[ot], grow, lc0, out_dtypes[oi])
+                        ot += 2 if isinstance(spec, MXFP8Output) else 1
+                    for c0 in range(0, n_c, batch):
+                        cs = list(range(c0, c0 + batch))
+                        # results[oi][k][v] for chunk cs[k]
+                        results = [[[None] * n_v for _ in cs] for _ in epi.outputs]
+                        lcols = []
+                        oks = []
+                        for k, c in enumerate(cs):
+                            lcol = lc0 + 8 * c
+                            col_ok = lcol < n_log
+                            ok = row_ok if col_exact else row_ok & col_ok
+                            lcols.append(lcol)
+                            oks.append(ok)
+                            # inputs at (row or group, columns lcol, lcol+1): one 2-element vector load per
+                            # (input, half); in_vals[ii][v] = value, or (gate-half, up-half) when paired
+                            in_vals = {}
+                            for ii in range(n_in):
+                                spec = epi.inputs[ii]
+                                if isinstance(spec, RowVector):
+                                    continue
+                                dt = in_dtypes[ii]
+                                eb = dt.width // 8
+                                ok_in = ok if isinstance(spec, AuxInput) else (True if col_exact else col_ok)
+                                pkey = ("aux", ii, mm, h, nn, c)
+                                if pre is not None and pkey in pre:
+                                    if spec.paired:
+                                        a0, a1 = unpack2(pre[pkey][0], dt)
+                                        b0, b1 = unpack2(pre[pkey][1], dt)
+                                        in_vals[ii] = ((a0, b0), (a1, b1))
+                                    else:
+                                        in_vals[ii] = unpack2(pre[pkey], dt)
+                                elif spec.paired:
+                                    a0, a1 = load2(in_base[ii] + 8 * c * eb, ok_in, dt)
+                                    b0, b1 = load2(in_base[ii] + (n_log + 8 * c) * eb, ok_in, dt)
+                                    in_vals[ii] = ((a0, b0), (a1, b1))
+                                else:
+                                    in_vals[ii] = load2(in_base[ii] + 8 * c * eb, ok_in, dt)
+                            for v in range(n_v):
+                                args = []
+                                if self.gated:
+                                    args.append(acc[((v, h, c), mm, nn)])
+                                    args.append(acc[((v, h, c + n_c), mm, nn)])
+                                else:
+                                    args.append(acc[((v, h, c), mm, nn)])
+                                for ii in range(n_in):
+                                    spec = epi.inputs[ii]
+                                    if isinstance(spec, RowVector):
+                                        args.append(row_vals[ii])
+                                    elif spec.paired:
+                                        args.append(in_vals[ii][v][0])
+                                        args.append(in_vals[ii][v][1])
+                                    else:
+                                        args.append(in_vals[ii][v])
+                                res = epi.apply(*args)
+                                if not isinstance(res, (tuple, list)):
+                                    res = (res,)
+                                assert len(res) == epi.num_apply_results(), "apply returned a wrong count"
+                                kk = 0
+                                for oi, spec in enumerate(epi.outputs):
+                                    if spec.paired:
+                                        results[oi][k][v] = (res[kk], res[kk + 1])
+                                        kk += 2
+                                    else:
+                                        results[oi][k][v] = res[kk]
+                                        kk += 1
+                        ot = 0
+                        for oi, spec in enumerate(epi.outputs):
+                            dt = out_dtypes[oi]
+                            eb = dt.width // 8
+                            t = out_tensors[ot]
+                            if isinstance(spec, MXFP8Output):
+                                store_mxfp8(results[oi], lcols, oks, t, out_tensors[ot + 1], grow, self.ab_dtype)
+                                ot += 2
+                                continue
+                            for k, c in enumerate(cs):
+                                rk = results[oi][k]
+                                if spec.paired:
+                                    store2(out_base[oi] + 8 * c * eb, rk[0][0], rk[1][0], dt, oks[k])
+                                    store2(out_base[oi] + (n_log + 8 * c) * eb, rk[0][1], rk[1][1], dt,
+                                           oks[k])
+                                else:
+                                    store2(out_base[oi] + 8 * c * eb, rk[0], rk[1], dt, oks[k])
+                            ot += 1

@@ -1,0 +1,127 @@
+"""FP8-block weights (128x128 blocks, transposed copy) and the cache that is never stale."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+from fusion import GroupLinear, Linear
+from fusion.quant import (FP8BlockWeightCache, QuantizationError, invalidate_weight_caches,
+                          quantize_weight_fp8_block)
+
+
+def test_hand_computed_weight():
+    # (G=2, N=130, K=140): 2 x 2 blocks per group, the last row and column of blocks partial
+    w = torch.zeros(2, 130, 140)
+    w[0, 0, 0] = 3.0           # block (0, 0): amax 3 -> 2^-7, 3 * 2^7 = 384 -> 0x7C
+    w[0, 5, 130] = -0.5        # block (0, 1): amax 0.5 = 2^-1 -> e = -1 - 8 = -9, -0.5 * 2^9 = -256 -> 0xF8
+    w[0, 129, 139] = 1000.0    # block (1, 1): amax 1000 -> e = 2, 250 -> 256 -> 0x78
+    q = quantize_weight_fp8_block(w)
+    assert q.data.shape == (2, 130, 140) and q.data.dtype == torch.uint8
+    assert q.scale.shape == (2, 2, 2) and q.scale.dtype == torch.float32
+    assert q.scale[0].tolist() == [[2.0 ** -7, 2.0 ** -9], [1.0, 4.0]]
+    assert (q.scale[1] == 1).all()                        # all-zero blocks: scale 1
+    assert q.data[0, 0, 0].item() == 0x7C and q.data[0, 5, 130].item() == 0xF8
+    assert q.data[0, 129, 139].item() == 0x78
+    assert int((q.data != 0).sum()) == 3
+    d = q.dequantize()
+    assert d[0, 0, 0].item() == 3.0 and d[0, 5, 130].item() == -0.5 and d[0, 129, 139].item() == 1024.0
+    # the transposed copy: (G, K, N) data, (G, ceil(K/128), ceil(N/128)) scales, the same blocks
+    assert q.data_t.shape == (2, 140, 130) and q.scale_t.shape == (2, 2, 2)
+    assert q.data_t.is_contiguous() and q.scale_t.is_contiguous()
+    assert torch.equal(q.data_t, q.data.mT) and torch.equal(q.scale_t, q.scale.mT)
+    assert torch.equal(q.dequantize_t(), d.mT)
+
+
+def test_weight_blocks_are_2d_and_nan_inf():
+    w = torch.randn(300, 260, generator=torch.Generator().manual_seed(0))
+    w[200, 10] = float("nan")
+    w[5, 250] = float("inf")
+    q = quantize_weight_fp8_block(w)                      # (N, K): no group dim
+    assert q.data.shape == (300, 260) and q.scale.shape == (3, 3) and q.data_t.shape == (260, 300)
+    assert q.data[200, 10].item() == 0x7F and q.data[5, 250].item() == 0x7F
+    for i, j in [(0, 0), (1, 2), (2, 1), (2, 2)]:
+        blk = w[128 * i:128 * i + 128, 128 * j:128 * j + 128]
+        amax = torch.where(blk.isfinite(), blk.abs(), torch.zeros_like(blk)).amax()
+        assert q.scale[i, j].item() >= amax.item() / 448 > q.scale[i, j].item() / 2
+    d = q.dequantize()
+    fin = w.isfinite()
+    assert ((d - w).abs()[fin] <= 2.0 ** -4 * w.abs()[fin] + 2.0 ** -10 * q.scale.max()).all()
+    with pytest.raises(QuantizationError, match="weight"):
+        quantize_weight_fp8_block(torch.randn(4))
+    assert quantize_weight_fp8_block(w.double()).dequantize().dtype == torch.float32
+
+
+def fresh(layer):
+    return quantize_weight_fp8_block(layer.weight).data
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.1, foreach=False),
+    lambda p: torch.optim.Adam(p, lr=0.1, foreach=True),
+    lambda p: torch.optim.AdamW(p, lr=0.1, fused=True),       # does not bump _version
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+], ids=["sgd", "adam_foreach", "adamw_fused", "sgd_fused"])
+def test_cache_never_stale_after_optimizer_step(make_opt):
+    layer = GroupLinear(2, 64, 32, weight_format="fp8_block")
+    cache = layer._fp8_weight
+    a = layer.quantized_weight()
+    assert layer.quantized_weight() is a and cache.misses == 1          # cached
+    opt = make_opt(layer.parameters())
+    x = torch.randn(10, 64)
+    gs = torch.tensor([4, 6])
+    layer(x, group_sizes=gs).square().sum().backward()
+    opt.step()
+    b = layer.quantized_weight()
+    assert b is not a and cache.misses == 2 and torch.equal(b.data, fresh(layer))
+    assert not torch.equal(b.data, a.data)
+    # the forward after the step uses the new weight
+    from fusion.quant import fp8_block_linear
+    assert torch.equal(layer(x, group_sizes=gs), fp8_block_linear(x, layer.weight.detach(), gs))
+
+
+def test_cache_sees_inplace_writes_and_replaced_data():
+    layer = Linear(64, 32, weight_format="fp8_block")
+    cache = layer._fp8_weight
+    layer.quantized_weight()
+    with torch.no_grad():
+        layer.weight.mul_(2)                              # bumps _version
+    assert torch.equal(layer.quantized_weight().data, fresh(layer)) and cache.misses == 2
+    layer.weight.data = torch.randn(32, 64)               # new storage
+    assert torch.equal(layer.quantized_weight().data, fresh(layer)) and cache.misses == 3
+    layer.load_state_dict({"weight": torch.randn(32, 64)})
+    assert torch.equal(layer.quantized_weight().data, fresh(layer)) and cache.misses == 4
+    layer.weight.data.add_(1.0)                           # bypasses the version counter: documented ...
+    invalidate_weight_caches()                            # ... and this is the way out
+    assert torch.equal(layer.quantized_weight().data, fresh(layer)) and cache.misses == 5
+    layer.weight = torch.nn.Parameter(torch.randn(32, 64))  # another parameter
+    assert torch.equal(layer.quantized_weight().data, fresh(layer)) and cache.misses == 6
+
+
+def test_cache_is_not_state_and_copies_start_empty():
+    layer = GroupLinear(3, 64, 32, bias=True, weight_format="fp8_block")
+    layer.quantized_weight()
+    assert list(layer.state_dict()) == ["weight", "bias"]
+    assert not any(isinstance(b, torch.Tensor) for b in layer.buffers())
+    clone = copy.deepcopy(layer)
+    assert clone._fp8_weight is not layer._fp8_weight and clone._fp8_weight.misses == 0
+    assert torch.equal(clone.quantized_weight().data, layer.quantized_weight().data)
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded._fp8_weight.misses == 0 and torch.equal(loaded.quantized_weight().data, fresh(layer))
+    plain = GroupLinear(3, 64, 32)
+    assert plain.quantized_weight() is None and plain._fp8_weight is None
+
+
+def test_cache_standalone():
+    cache = FP8BlockWeightCache()
+    p = torch.nn.Parameter(torch.randn(16, 16))
+    a = cache.get(p)
+    assert cache.get(p) is a
+    q = torch.nn.Parameter(p.detach().clone())            # equal values, another parameter: not the same entry
+    assert cache.get(q) is not a
+    cache.clear()
+    assert cache.get(q) is not a and "FP8BlockWeightCache" in repr(cache)

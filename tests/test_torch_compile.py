@@ -1,0 +1,156 @@
+"""torch.compile(fullgraph=True) of blocks and of models holding them: forward and backward equal eager, with
+zero graph breaks, on the reference path (traced op by op) and on the fused program (backend="emulate" here:
+the same custom ops the Hopper path uses, fusion::block_forward / fusion::block_backward)."""
+import copy
+
+import pytest
+import torch
+
+import fusion
+from fusion import (Activation, Bias, Clamp, GroupLinear, Linear, QuantizeMXFP8, QuantizeNVFP4, Scale, Sequential,
+                    SReLU, SwiGLU)
+
+USER_FILE = """
+activation mish_glu(gate, up) {
+    forward = gate * tanh(softplus(gate)) * up
+}
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _user_patterns(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fpat") / "user.fpat"
+    path.write_text(USER_FILE)
+    fusion.load_patterns(path)
+    yield
+    from fusion.patterns.registry import reset_to_builtins
+
+    reset_to_builtins()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+E, D, F = 4, 32, 64
+
+BLOCKS = {
+    "moe-swiglu-scale": lambda: [GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D)],
+    "moe-bias-clamp": lambda: [GroupLinear(E, D, 2 * F, bias=True), SwiGLU(), Clamp(-1.0, 1.0), GroupLinear(E, F, D)],
+    "moe-bias-op-scale": lambda: [GroupLinear(E, D, F), Bias(F, num_groups=E), Scale(), GroupLinear(E, F, D)],
+    "moe-user-activation": lambda: [GroupLinear(E, D, 2 * F), Activation("mish_glu"), Scale(), GroupLinear(E, F, D)],
+    "moe-mxfp8": lambda: [GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), QuantizeMXFP8(columnwise=False),
+                          GroupLinear(E, F, D)],
+    "moe-nvfp4": lambda: [GroupLinear(E, D, F), SReLU(), QuantizeNVFP4(columnwise=False), GroupLinear(E, F, D)],
+    "dense-srelu-const-scale": lambda: [Linear(D, F, bias=True), SReLU(), Scale(value=0.5), Linear(F, D)],
+}
+
+
+def inputs(block, rows=48):
+    x = torch.randn(rows, D)
+    extra = {}
+    if any("group_sizes" in op.spec.extra_inputs for op in block):
+        extra["group_sizes"] = torch.tensor([10, 0, 30, rows - 40])
+    if any(op.spec.name == "Scale" and op.per_row for op in block):
+        extra["scale"] = torch.rand(rows)
+    return x, extra
+
+
+def forward_backward(block, x, extra, dy):
+    xi = x.clone().requires_grad_()
+    ex = {k: (v.clone().requires_grad_() if v.is_floating_point() else v) for k, v in extra.items()}
+    y = block(xi, **ex)
+    y.backward(dy)
+    return [y.detach(), xi.grad, *(p.grad for p in block.parameters()),
+            *(v.grad for v in ex.values() if v.is_floating_point())]
+
+
+@pytest.mark.parametrize("backend", ["auto", "emulate"])
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_fullgraph_equals_eager(name, backend):
+    torch.manual_seed(0)
+    block = Sequential(*BLOCKS[name](), backend=backend)
+    x, extra = inputs(block)
+    explanation = torch._dynamo.explain(block)(x, **extra)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    eager = copy.deepcopy(block)
+    dy = torch.randn(x.shape[0], D)
+    compiled = torch.compile(block, fullgraph=True)
+    got = forward_backward(compiled, x, extra, dy)
+    want = forward_backward(eager, x, extra, dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+class Model(torch.nn.Module):
+    """Blocks among ordinary layers: norm -> MoE experts -> residual -> dense MLP."""
+
+    def __init__(self, backend):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(D)
+        self.experts = Sequential(GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D), backend=backend)
+        self.mlp = Sequential(Linear(D, 2 * F), SwiGLU(), Linear(F, D), backend=backend)
+        self.head = torch.nn.Linear(D, 8)
+
+    def forward(self, x, group_sizes, probs):
+        h = x + self.experts(self.norm(x), group_sizes=group_sizes, scale=probs)
+        return self.head(h + self.mlp(h))
+
+
+@pytest.mark.parametrize("backend", ["auto", "emulate"])
+def test_model_with_blocks_fullgraph(backend):
+    torch.manual_seed(0)
+    model = Model(backend)
+    x, sizes, probs = torch.randn(40, D), torch.tensor([8, 12, 0, 20]), torch.rand(40)
+    explanation = torch._dynamo.explain(model)(x, sizes, probs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True)
+    for m in (compiled, eager):
+        m(x, sizes, probs).square().sum().backward()
+    torch.testing.assert_close(compiled(x, sizes, probs), eager(x, sizes, probs), rtol=1e-5, atol=1e-5)
+    for (n, a), b in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_new_group_sizes_do_not_recompile():
+    """group_sizes are data: new counts (same shapes) reuse the compiled graph."""
+    block = Sequential(GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D), backend="emulate")
+    compiled = torch.compile(block, fullgraph=True)
+    x, extra = inputs(block)
+    compiled(x, **extra)
+    torch._dynamo.utils.counters.clear()
+    for sizes in ([48, 0, 0, 0], [12, 12, 12, 12]):
+        y = compiled(x, group_sizes=torch.tensor(sizes), scale=extra["scale"])
+        torch.testing.assert_close(y, block(x, group_sizes=torch.tensor(sizes), scale=extra["scale"]))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+def test_bad_inputs_still_raise_under_compile():
+    block = Sequential(GroupLinear(E, D, 2 * F), SwiGLU(), GroupLinear(E, F, D), backend="emulate")
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(16, D)
+    with pytest.raises(Exception, match="group_sizes"):
+        compiled(x, group_sizes=torch.tensor([4, 4, 4, 5]))
+
+
+def test_export_inference_block():
+    """torch.export of an inference block (reference path): the exported program computes the block."""
+    block = Sequential(GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D))
+    x, extra = inputs(block)
+    with torch.no_grad():
+        exported = torch.export.export(block, (x,), kwargs=extra)
+        torch.testing.assert_close(exported.module()(x, **extra), block(x, **extra))
+
+
+def test_export_emulated_block():
+    """torch.export of a block on the fused program: the custom op is in the exported graph."""
+    block = Sequential(GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D), backend="emulate")
+    x, extra = inputs(block)
+    with torch.no_grad():
+        exported = torch.export.export(block, (x,), kwargs=extra)
+        assert "fusion.block_forward" in str(exported.graph)
+        torch.testing.assert_close(exported.module()(x, **extra), block(x, **extra))
