@@ -1,0 +1,374 @@
+"""The benchmark of record: MLP blocks of real models, forward and training step, every path, one run.
+
+    python bench/bench_training_step.py                      # all blocks, all paths -> bench/results/<gpu>-<date>.json
+    python bench/bench_training_step.py --models qwen3-30b-a3b,small --paths fusion,unfused_compiled
+    python bench/bench_training_step.py --precompile         # no GPU: compile every fused kernel into FUSION_CACHE_DIR
+
+Block: GroupLinear(E, d, 2f) -> SwiGLU -> Scale (router probabilities, bf16) -> GroupLinear(E, f, d) in bf16; dense
+models drop Scale and run one group. Rows = tokens x top-k, split over the experts by random imbalanced weights
+(log-normal, sigma 0.6, seeded; some experts may get none).
+
+Paths (all in bf16, the same weights, inputs and group sizes):
+- fusion            fusion.Sequential, backend="auto": the fused kernels where the plan has them.
+- fusion_compiled   the same block inside torch.compile(fullgraph=True) (its custom ops).
+- unfused_compiled  what a user writes: torch._grouped_mm with its autograd around a torch.compile'd
+                    silu(g) * u * probs[:, None] (dense: F.linear and a compiled silu(g) * u).
+- quack             quack-kernels: gemm_act (SwiGLU) + a compiled * probs + gemm forward; backward gemm_dact
+                    (dSwiGLU with the router scale, colvec_scale, and its reduction for d probs) and quack's
+                    varlen-K gemm for the weight gradients.
+- reference         backend="reference": the eager specification (not a baseline; for scale).
+
+Per (block, phase, path): b2b_ms (20 calls back to back, one sync per 10), sync_ms (median of calls each followed
+by a sync), host_us (CPU time to issue one call, measured while the GPU is busy), peak_MB
+(torch.cuda.max_memory_allocated during one call, minus what was allocated before it: the call's own memory,
+weights and inputs excluded). A training step is forward + backward of a random output gradient with the weight
+gradients freshly allocated (set to None first); no optimizer.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout: `fusion` is this repository
+
+
+@dataclass(frozen=True)
+class Block:
+    model: str
+    E: int          # experts on this GPU (1: dense)
+    tokens: int
+    top_k: int
+    d: int          # hidden size
+    f: int          # expert intermediate size (FC1 has 2f outputs)
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.top_k
+
+    @property
+    def moe(self) -> bool:
+        return self.E > 1
+
+
+# Real models' MLP blocks at realistic per-GPU batch sizes. DeepSeek-V3: 256 experts, 8 per token, the per-GPU
+# share under 8-way expert parallelism (32 local experts; each GPU receives tokens x 8 / 8 routed rows).
+BLOCKS = [
+    Block("llama-3-8b", 1, 16384, 1, 4096, 14336),
+    Block("llama-3-70b", 1, 8192, 1, 8192, 28672),
+    Block("mixtral-8x7b", 8, 8192, 2, 4096, 14336),
+    Block("deepseek-v3-ep8", 32, 8192, 4, 7168, 2048),
+    Block("deepseek-v2-lite", 64, 8192, 6, 2048, 1408),
+    Block("qwen3-30b-a3b", 128, 8192, 8, 2048, 768),
+    Block("qwen3-235b-a22b", 128, 4096, 8, 4096, 1536),
+    Block("olmoe-1b-7b", 64, 8192, 8, 2048, 1024),
+    Block("gpt-oss-20b", 32, 8192, 4, 2880, 2880),
+    Block("gpt-oss-120b", 128, 8192, 4, 2880, 2880),
+    Block("small-batch", 8, 2048, 2, 2048, 1024),
+    Block("qwen3-30b-a3b-small", 128, 512, 8, 2048, 768),
+]
+PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "quack", "reference"]
+PHASES = ["forward", "training_step"]
+
+
+def group_sizes(block: Block, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if block.E == 1:
+        return torch.tensor([block.rows])
+    weights = torch.exp(0.6 * torch.randn(block.E, generator=gen))
+    return torch.distributions.Multinomial(block.rows, probs=weights / weights.sum()).sample().long()
+
+
+def fusion_block(block: Block, device="cuda", dtype=torch.bfloat16):
+    from fusion import GroupLinear, Scale, Sequential, SwiGLU
+
+    ops = [GroupLinear(block.E, block.d, 2 * block.f), SwiGLU()]
+    ops += [Scale()] if block.moe else []
+    ops += [GroupLinear(block.E, block.f, block.d)]
+    return Sequential(*ops).to(device, dtype)
+
+
+# -- paths --------------------------------------------------------------------------------------------------------
+class Path_:
+    """A path's forward(x) and the parameters whose gradients a training step makes."""
+
+    params: list
+
+    def forward(self, x):
+        raise NotImplementedError
+
+
+class FusionPath(Path_):
+    def __init__(self, seq, sizes, probs, compiled=False):
+        self.seq, self.sizes, self.probs = seq, sizes, probs
+        self.params = list(seq.parameters())
+        self.call = torch.compile(seq, fullgraph=True) if compiled else seq
+
+    def forward(self, x):
+        extra = {"scale": self.probs} if self.probs is not None else {}
+        return self.call(x, group_sizes=self.sizes, **extra)
+
+
+@torch.compile(dynamic=True)
+def _swiglu_scale(h, probs):
+    g, u = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u * probs[:, None]
+
+
+@torch.compile(dynamic=True)
+def _swiglu(h):
+    g, u = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
+
+
+@torch.compile(dynamic=True)
+def _scale_rows(y, probs):
+    return y * probs[:, None]
+
+
+class UnfusedCompiledPath(Path_):
+    """torch._grouped_mm + a compiled elementwise function: what a user writes in five lines."""
+
+    def __init__(self, seq, offsets, probs):
+        self.w1, self.w2 = seq[0].weight, seq[-1].weight  # (E, 2f, d), (E, d, f): the same parameters
+        self.params = [self.w1, self.w2]
+        self.offsets, self.probs = offsets, probs
+
+    def forward(self, x):
+        if self.probs is None:  # dense
+            h = torch.nn.functional.linear(x, self.w1[0])
+            return torch.nn.functional.linear(_swiglu(h), self.w2[0])
+        h = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=self.offsets)
+        y = _swiglu_scale(h, self.probs)
+        return torch._grouped_mm(y, self.w2.transpose(-2, -1), offs=self.offsets)
+
+
+class _QuackBlock(torch.autograd.Function):
+    """FC1 (gemm_act, SwiGLU) -> * probs -> FC2, with quack's kernels forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, w1t, w2t, probs, cu_seqlens):
+        from quack.gemm_interface import gemm, gemm_act
+
+        preact, post = gemm_act(x, w1t, activation="swiglu", cu_seqlens_m=cu_seqlens,
+                                store_preact=torch.is_grad_enabled() or ctx.needs_input_grad[0], tuned=False)
+        y = post if probs is None else _scale_rows(post, probs)
+        out = gemm(y, w2t, cu_seqlens_m=cu_seqlens, tuned=False)
+        ctx.save_for_backward(x, w1t, w2t, probs, cu_seqlens, preact)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from quack.gemm_interface import gemm, gemm_dact
+
+        x, w1t, w2t, probs, cu_seqlens, preact = ctx.saved_tensors
+        dout = dout.contiguous()
+        # d preact = dSwiGLU(preact, (dout @ W2) * probs); postact = SwiGLU(preact) * probs; d probs = row sums
+        res = gemm_dact(dout, w2t.transpose(-2, -1), preact, activation="swiglu", colvec_scale=probs,
+                        colvec_reduce=probs is not None, cu_seqlens_m=cu_seqlens, tuned=False)
+        dpre, y = res[0], res[1]
+        dprobs = res[2].to(probs.dtype) if probs is not None else None
+        dw2t = gemm(y.T, dout, cu_seqlens_k=cu_seqlens, tuned=False)       # (E, f, d)
+        dw1t = gemm(x.T, dpre, cu_seqlens_k=cu_seqlens, tuned=False)       # (E, d, 2f)
+        dx = gemm(dpre, w1t.transpose(-2, -1), cu_seqlens_m=cu_seqlens, tuned=False)
+        return dx, dw1t, dw2t, dprobs, None
+
+
+class QuackPath(Path_):
+    def __init__(self, seq, offsets, probs):
+        # quack's B operand is (E, K, N): the transposed views of our (E, N, K) weights (no copies).
+        self.w1, self.w2 = seq[0].weight, seq[-1].weight
+        self.params = [self.w1, self.w2]
+        self.cu_seqlens = torch.cat([offsets.new_zeros(1), offsets]).to(torch.int32)
+        self.probs = probs
+
+    def forward(self, x):
+        return _QuackBlock.apply(x, self.w1.transpose(-2, -1), self.w2.transpose(-2, -1), self.probs,
+                                 self.cu_seqlens)
+
+
+# -- timing -------------------------------------------------------------------------------------------------------
+def measure(fn, b2b_calls=20, sync_calls=10, host_calls=6) -> dict:
+    fn()
+    torch.cuda.synchronize()
+    fn()
+    torch.cuda.synchronize()
+    # back to back: one sync per 10 calls
+    t0 = time.perf_counter()
+    for i in range(b2b_calls):
+        fn()
+        if i % 10 == 9:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    b2b_ms = (time.perf_counter() - t0) / b2b_calls * 1e3
+    # synchronous per call
+    times = []
+    for _ in range(sync_calls):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    sync_ms = statistics.median(times) * 1e3
+    # host: time to issue calls while the GPU is still busy with a long queue of work ahead of them
+    host = []
+    for _ in range(3):
+        torch.cuda._sleep(int(2e8))  # ~100+ ms of GPU time: the host never waits for the GPU below
+        t0 = time.perf_counter()
+        for _ in range(host_calls):
+            fn()
+        host.append((time.perf_counter() - t0) / host_calls)
+        torch.cuda.synchronize()
+    # peak memory of one call beyond what is allocated before it
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak_mb = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+    return {"b2b_ms": round(b2b_ms, 4), "sync_ms": round(sync_ms, 4), "host_us": round(min(host) * 1e6, 1),
+            "peak_MB": round(peak_mb, 1)}
+
+
+def phase_fn(path: Path_, phase: str, x, dy):
+    if phase == "forward":
+        def fwd():
+            with torch.no_grad():
+                path.forward(x)
+        return fwd
+    xg = x.detach().requires_grad_()
+
+    def step():
+        for p in path.params:
+            p.grad = None
+        xg.grad = None
+        path.forward(xg).backward(dy)
+    return step
+
+
+def make_path(name: str, seq, sizes, offsets, probs):
+    if name == "fusion":
+        return FusionPath(seq, sizes, probs)
+    if name == "fusion_compiled":
+        return FusionPath(seq, sizes, probs, compiled=True)
+    if name == "unfused_compiled":
+        return UnfusedCompiledPath(seq, offsets, probs)
+    if name == "quack":
+        import quack_compat  # noqa: F401  (.gpu/quack_compat.py: quack 0.6.5 on DSL 4.8.1)
+        return QuackPath(seq, offsets, probs)
+    if name == "reference":
+        import copy
+        ref = copy.copy(seq)
+        ref.backend = "reference"
+        return FusionPath(ref, sizes, probs)
+    raise SystemExit(f"unknown path {name!r}; choose from {PATHS}")
+
+
+def check_fused_ran(seq, x, sizes, probs) -> dict:
+    """The fused kernels of the plan launched (a silent fallback would make the fusion row a reference row)."""
+    from fusion.runtime.kernel import LAUNCHES
+
+    LAUNCHES.reset()
+    xg = x.detach().requires_grad_()
+    extra = {"scale": probs} if probs is not None else {}
+    seq(xg, group_sizes=sizes, **extra).sum().backward()
+    torch.cuda.synchronize()
+    return dict(LAUNCHES.by_step)
+
+
+def run_block(block: Block, paths, phases, out_rows, log):
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    seq = fusion_block(block, dev, dt)
+    for p in seq.parameters():
+        torch.nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[-1]))
+    sizes = group_sizes(block).to(dev)
+    offsets = torch.cumsum(sizes, 0).to(torch.int32)
+    x = torch.randn(block.rows, block.d, device=dev, dtype=dt)
+    probs = torch.rand(block.rows, device=dev, dtype=dt) if block.moe else None
+    dy = torch.randn(block.rows, block.d, device=dev, dtype=dt)
+    launched = check_fused_ran(seq, x, sizes, probs)
+    log(f"{block.model}: E={block.E} rows={block.rows} d={block.d} 2f={2 * block.f}; fused launches {launched}")
+    for name in paths:
+        try:
+            path = make_path(name, seq, sizes, offsets, probs)
+        except Exception as err:  # noqa: BLE001 - a path that cannot run here is reported, not fatal
+            log(f"  {name}: unavailable ({type(err).__name__}: {str(err)[:200]})")
+            continue
+        for phase in phases:
+            t0 = time.time()
+            try:
+                res = measure(phase_fn(path, phase, x, dy))
+            except Exception as err:  # noqa: BLE001
+                log(f"  {name} {phase}: failed ({type(err).__name__}: {str(err)[:300]})")
+                torch.cuda.synchronize()
+                continue
+            row = {"model": block.model, "E": block.E, "rows": block.rows, "d": block.d, "f2": 2 * block.f,
+                   "phase": phase, "path": name, **res}
+            out_rows.append(row)
+            log(f"  {name:17s} {phase:13s} b2b {res['b2b_ms']:9.3f} ms  sync {res['sync_ms']:9.3f} ms  "
+                f"host {res['host_us']:8.1f} us  peak {res['peak_MB']:9.1f} MB  ({time.time() - t0:.0f}s)")
+        del path
+    del seq
+    torch.cuda.empty_cache()
+
+
+def precompile(blocks) -> None:
+    """Compile every fused kernel these blocks' plans launch into FUSION_CACHE_DIR (no GPU needed)."""
+    from fusion.runtime.compile import compile_jobs, plan_jobs
+
+    jobs = []
+    for block in blocks:
+        with torch.device("meta"):
+            seq = fusion_block(block, "meta")
+        jobs += plan_jobs(seq, torch.bfloat16)
+    print(f"{len(jobs)} kernels ({len({j.key for j in jobs})} distinct)", flush=True)
+    compile_jobs(jobs, parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "1")))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=None, help="comma-separated model names (default: all)")
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--compiled-models", default="qwen3-30b-a3b,olmoe-1b-7b,small-batch,llama-3-8b",
+                    help="blocks that also run path fusion_compiled (its torch.compile per shape costs time)")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/<gpu>-<date>.json)")
+    ap.add_argument("--precompile", action="store_true")
+    args = ap.parse_args(argv)
+    blocks = [b for b in BLOCKS if args.models is None or b.model in args.models.split(",")]
+    if args.precompile:
+        return precompile(blocks)
+    paths = args.paths.split(",")
+    compiled_models = set(args.compiled_models.split(","))
+    gpu = torch.cuda.get_device_name()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip() or os.environ.get("FUSION_COMMIT", "unknown")
+    date = datetime.date.today().isoformat()
+    rows: list[dict] = []
+
+    def log(msg):
+        print(msg, flush=True)
+
+    log(f"{gpu}, torch {torch.__version__}, commit {commit}")
+    for block in blocks:
+        use = [p for p in paths if p != "fusion_compiled" or block.model in compiled_models]
+        run_block(block, use, args.phases.split(","), rows, log)
+    out = Path(args.out) if args.out else HERE / "results" / f"{gpu.replace(' ', '-')}-{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": gpu, "date": date, "commit": commit, "rows": rows}, indent=1))
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
