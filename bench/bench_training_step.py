@@ -14,8 +14,9 @@ Paths (all in bf16, the same weights, inputs and group sizes):
 - unfused_compiled  what a user writes: torch._grouped_mm with its autograd around a torch.compile'd
                     silu(g) * u * probs[:, None] (dense: F.linear and a compiled silu(g) * u).
 - quack             quack-kernels: gemm_act (SwiGLU) + a compiled * probs + gemm forward; backward gemm_dact
-                    (dSwiGLU with the router scale, colvec_scale, and its reduction for d probs) and quack's
-                    varlen-K gemm for the weight gradients.
+                    (dSwiGLU with the router scale, colvec_scale, and its reduction for d probs), gemm for dx,
+                    and torch._grouped_mm for the weight gradients (quack's varlen-K GEMM needs 16-byte
+                    aligned group starts).
 - reference         backend="reference": the eager specification (not a baseline; for scale).
 
 Per (block, phase, path): b2b_ms (20 calls back to back, one sync per 10), sync_ms (median of calls each followed
@@ -179,8 +180,11 @@ class _QuackBlock(torch.autograd.Function):
                         colvec_reduce=probs is not None, cu_seqlens_m=cu_seqlens, tuned=False)
         dpre, y = res[0], res[1]
         dprobs = res[2].to(probs.dtype) if probs is not None else None
-        dw2t = gemm(y.T, dout, cu_seqlens_k=cu_seqlens, tuned=False)       # (E, f, d)
-        dw1t = gemm(x.T, dpre, cu_seqlens_k=cu_seqlens, tuned=False)       # (E, d, 2f)
+        # weight gradients: torch._grouped_mm (quack's varlen-K GEMM needs 16-byte aligned group starts, which
+        # random group sizes do not give)
+        offs = cu_seqlens[1:]
+        dw2t = torch._grouped_mm(y.T, dout, offs=offs)       # (E, f, d)
+        dw1t = torch._grouped_mm(x.T, dpre, offs=offs)       # (E, d, 2f)
         dx = gemm(dpre, w1t.transpose(-2, -1), cu_seqlens_m=cu_seqlens, tuned=False)
         return dx, dw1t, dw2t, dprobs, None
 
@@ -199,7 +203,8 @@ class QuackPath(Path_):
 
 
 # -- timing -------------------------------------------------------------------------------------------------------
-def measure(fn, b2b_calls=20, sync_calls=10, host_calls=6) -> dict:
+def measure(fn, clear, b2b_calls=20, sync_calls=10, host_calls=6) -> dict:
+    """`clear()` drops what a call leaves behind (gradients) before the memory baseline is taken."""
     fn()
     torch.cuda.synchronize()
     fn()
@@ -231,6 +236,7 @@ def measure(fn, b2b_calls=20, sync_calls=10, host_calls=6) -> dict:
         torch.cuda.synchronize()
     # peak memory of one call beyond what is allocated before it
     torch.cuda.synchronize()
+    clear()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     fn()
@@ -241,19 +247,46 @@ def measure(fn, b2b_calls=20, sync_calls=10, host_calls=6) -> dict:
 
 
 def phase_fn(path: Path_, phase: str, x, dy):
+    """(call, clear): one forward or training step, and what drops its gradients."""
+    xg = x.detach().requires_grad_()
+
+    def clear():
+        for p in path.params:
+            p.grad = None
+        xg.grad = None
+        if path.probs is not None:
+            path.probs.grad = None
+
     if phase == "forward":
         def fwd():
             with torch.no_grad():
                 path.forward(x)
-        return fwd
-    xg = x.detach().requires_grad_()
+        return fwd, clear
 
     def step():
-        for p in path.params:
-            p.grad = None
-        xg.grad = None
+        clear()
         path.forward(xg).backward(dy)
-    return step
+    return step, clear
+
+
+def fingerprint(path: Path_, x, dy) -> dict:
+    """One training step's output and gradients (x, weights, router probabilities), to check that the paths
+    compute the same math."""
+    step, clear = phase_fn(path, "training_step", x, dy)
+    xg = x.detach().requires_grad_()
+    clear()
+    y = path.forward(xg)
+    y.backward(dy)
+    out = {"y": y.detach(), "dx": xg.grad, "dw1": path.params[0].grad, "dw2": path.params[1].grad}
+    if path.probs is not None:
+        out["dprobs"] = path.probs.grad
+    clear()
+    return out
+
+
+def rel_errors(got: dict, want: dict) -> dict:
+    return {k: round(((got[k].double() - want[k].double()).norm() / want[k].double().norm().clamp_min(1e-30)).item(), 5)
+            for k in want if got.get(k) is not None}
 
 
 def make_path(name: str, seq, sizes, offsets, probs):
@@ -295,31 +328,35 @@ def run_block(block: Block, paths, phases, out_rows, log):
     sizes = group_sizes(block).to(dev)
     offsets = torch.cumsum(sizes, 0).to(torch.int32)
     x = torch.randn(block.rows, block.d, device=dev, dtype=dt)
-    probs = torch.rand(block.rows, device=dev, dtype=dt) if block.moe else None
+    probs = torch.rand(block.rows, device=dev, dtype=dt).requires_grad_() if block.moe else None
     dy = torch.randn(block.rows, block.d, device=dev, dtype=dt)
     launched = check_fused_ran(seq, x, sizes, probs)
     log(f"{block.model}: E={block.E} rows={block.rows} d={block.d} 2f={2 * block.f}; fused launches {launched}")
+    want = fingerprint(make_path("reference", seq, sizes, offsets, probs), x, dy)
     for name in paths:
         try:
             path = make_path(name, seq, sizes, offsets, probs)
-        except Exception as err:  # noqa: BLE001 - a path that cannot run here is reported, not fatal
-            log(f"  {name}: unavailable ({type(err).__name__}: {str(err)[:200]})")
+            err = rel_errors(fingerprint(path, x, dy), want)
+            log(f"  {name}: relative error against the reference {err}")
+        except Exception as exc:  # noqa: BLE001 - a path that cannot run here is reported, not fatal
+            log(f"  {name}: unavailable ({type(exc).__name__}: {str(exc)[:300]})")
+            torch.cuda.synchronize()
             continue
         for phase in phases:
             t0 = time.time()
             try:
-                res = measure(phase_fn(path, phase, x, dy))
+                res = measure(*phase_fn(path, phase, x, dy))
             except Exception as err:  # noqa: BLE001
                 log(f"  {name} {phase}: failed ({type(err).__name__}: {str(err)[:300]})")
                 torch.cuda.synchronize()
                 continue
             row = {"model": block.model, "E": block.E, "rows": block.rows, "d": block.d, "f2": 2 * block.f,
-                   "phase": phase, "path": name, **res}
+                   "phase": phase, "path": name, **res, "rel_err": err}
             out_rows.append(row)
             log(f"  {name:17s} {phase:13s} b2b {res['b2b_ms']:9.3f} ms  sync {res['sync_ms']:9.3f} ms  "
                 f"host {res['host_us']:8.1f} us  peak {res['peak_MB']:9.1f} MB  ({time.time() - t0:.0f}s)")
         del path
-    del seq
+    del seq, want
     torch.cuda.empty_cache()
 
 
@@ -361,12 +398,13 @@ def main(argv=None):
         print(msg, flush=True)
 
     log(f"{gpu}, torch {torch.__version__}, commit {commit}")
+    out = Path(args.out) if args.out else HERE / "results" / f"{gpu.replace(' ', '-')}-{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     for block in blocks:
         use = [p for p in paths if p != "fusion_compiled" or block.model in compiled_models]
         run_block(block, use, args.phases.split(","), rows, log)
-    out = Path(args.out) if args.out else HERE / "results" / f"{gpu.replace(' ', '-')}-{date}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpu": gpu, "date": date, "commit": commit, "rows": rows}, indent=1))
+        # written after every block: a run cut short keeps what it measured
+        out.write_text(json.dumps({"gpu": gpu, "date": date, "commit": commit, "rows": rows}, indent=1))
     log(f"wrote {out}")
 
 

@@ -8,9 +8,13 @@ host time near the GPU time means the GPU waited for Python. Also prints torch._
 """
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from fusion import GroupLinear, Scale, Sequential, SwiGLU
 
@@ -67,11 +71,18 @@ def main():
     for name, fn in rows:
         h, w_ = host_us(fn)
         print(f"{name:<44} {h:9.1f} {w_:9.1f}")
-    with torch.autograd.profiler.profile(use_cuda=False) as prof:
-        for _ in range(5):
-            train()
+    import cProfile
+    import pstats
+
+    for name, fn in (("forward", fwd), ("training step", train)):
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(50):
+            fn()
+        profile.disable()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        print(f"--- cProfile, 50 x {name} (tottime) ---")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -156,8 +156,7 @@ def _check_group_sizes(num_groups: list, group_sizes, x: torch.Tensor, host: boo
             raise GroupSizesError(f"group_sizes sums to {total} but x has {rows} rows; every row must belong to "
                                   f"exactly one group")
     else:
-        ok = (group_sizes.sum() == rows) & (group_sizes.min() >= 0) if group_sizes.numel() else \
-            torch.tensor(rows == 0, device=x.device)
+        ok = (group_sizes.sum() == rows) & (group_sizes.min() >= 0)  # numel() >= 1: num_groups > 0
         torch._assert_async(ok, "fusion: group_sizes must be >= 0 and sum to x.shape[0]")
     return group_sizes
 
@@ -217,5 +216,5 @@ def _absorb_padding(group_sizes: torch.Tensor, rows: int) -> torch.Tensor:
     only cost compute."""
     padding = rows - group_sizes.sum()
     last = torch.zeros_like(group_sizes)
-    last[-1] = 1
+    last.narrow(0, last.numel() - 1, 1).fill_(1)  # fill_ with a Python number: no host-to-device copy
     return group_sizes + last * padding

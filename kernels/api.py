@@ -186,7 +186,6 @@ class CompiledGroupedGemm:
                     ("_dyn" if config.dynamic else "") + ("_pp" if getattr(config, "pingpong", False) else "") + \
                     ("_bmn" if getattr(config, "b_major", "K") == "MN" else "")
         self._sass = None
-        self._counter = {}
         #: The raw TVM-FFI function (positional ints): fn.__tvm_ffi_object__() for a kernel compiled in this
         #: process, or what load_module(..., enable_tvm_ffi=True) returned (already raw).
         self.launch = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else fn
@@ -324,14 +323,18 @@ def _num_sms(device) -> int:
 
 
 def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
-                     outputs: dict, extras: Optional[dict] = None, num_ctas: Optional[int] = None):
+                     outputs: dict, extras: Optional[dict] = None, num_ctas: Optional[int] = None,
+                     counter_ptr: Optional[int] = None):
     """Launch on torch's current stream.  ``A`` (M, K); ``B`` (G, N, K) when the kernel was built with
     ``b_major="K"``, (G, K, N) with ``"MN"`` (a GroupLinear weight W (G, out, in) is B of the dgrad
     dX = dY @ W[g] as is: K = out, N = in); ``offsets`` (G+1,) int32.  ``outputs``/``extras`` map the
     epilogue's declared names to tensors (MXFP8 outputs: the e4m3 data under its name and the uint8 scales
     under ``name + '_scale'``); paired tensors (M, 2n) / (G, 2n) hold the gate half in columns [0, n) and the
     up half in [n, 2n).  Every tensor must be contiguous on A's device (checked: shapes, 16-byte A/B
-    alignment, contiguity; cheap).  No host sync."""
+    alignment, contiguity; cheap).  No host sync.  ``counter_ptr``: the address of a zeroed int32 that a
+    dynamic schedule's tile counter may use (the runtime keeps one per launch in the spare tail of the bounds
+    tensor: no extra memset, and nothing allocated outside the call, so CUDA-graph pools stay clean); without
+    it a fresh zeroed counter is allocated for the launch."""
     extras = extras or {}
     cfg = compiled.config
     M = A.shape[0]
@@ -340,7 +343,7 @@ def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Te
                          f"(b_major={cfg.b_major!r}: dims {cfg.b_shape_order}), got A {tuple(A.shape)}, "
                          f"B {tuple(B.shape)}")
     a_ptr, b_ptr = A.data_ptr(), B.data_ptr()
-    if (a_ptr | b_ptr) & 15 or not (A.is_contiguous() and B.is_contiguous()) or offsets.numel() != compiled.G + 1:
+    if (a_ptr | b_ptr) & 15 or not (A.is_contiguous() and B.is_contiguous()) or offsets.numel() < compiled.G + 1:
         raise ShapeError(f"grouped GEMM {compiled.name}: A and B must be contiguous and 16-byte aligned, and "
                          f"offsets must hold G+1 = {compiled.G + 1} int32 bounds")
     ptrs = []
@@ -357,14 +360,12 @@ def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Te
     if num_ctas is None:
         n_tiles = ((M + cfg.tile_m - 1) // cfg.tile_m + compiled.G) * ((compiled.N + cfg.tile_n - 1) // cfg.tile_n)
         num_ctas = max(1, min(_num_sms(dev) - cfg.sm_margin, n_tiles)) if cfg.persistent else n_tiles
-    if cfg.dynamic:
-        counter = compiled._counter.get(dev)
-        if counter is None:
-            counter = compiled._counter[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
-        counter.zero_()
-    else:
-        counter = offsets  # unused by a static schedule
-    compiled.launch(a_ptr, b_ptr, offsets.data_ptr(), counter.data_ptr(), tuple(ptrs), M, num_ctas,
+    counter = None
+    if counter_ptr is None:
+        # a static schedule reads no counter; a dynamic one gets a fresh zero, freed (stream-ordered) after it
+        counter = torch.zeros(1, dtype=torch.int32, device=dev) if cfg.dynamic else offsets
+        counter_ptr = counter.data_ptr()
+    compiled.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, tuple(ptrs), M, num_ctas,
                     torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else
                                                        torch.cuda.current_device()))
 

@@ -84,10 +84,12 @@ def unpack2(v, dt):
     """(col, col + 1) as fp32 from a word loaded by :func:`load_word` (little endian: col in the low half)."""
     if dt is cutlass.BFloat16:
         return bits_f32(v << 16), bits_f32(v & -65536)
-    frag = cute.make_rmem_tensor((1,), Int32)
-    frag[0] = v
-    h = cute.recast_tensor(frag, dt)
-    return Float32(h[0]), Float32(h[1])
+    # fp16: each half's 16 bits reinterpreted as a half, then widened (a recast rmem fragment read back the
+    # wrong element for the high half: tests/test_kernels_gpu.py::test_dgrad_canonical, fp16 with prefetch)
+    lo = cutlass.Int16(v & 0xFFFF)
+    hi = cutlass.Int16((v >> 16) & 0xFFFF)
+    return (Float32(dt(llvm.bitcast(dt.mlir_type, lo.ir_value()))),
+            Float32(dt(llvm.bitcast(dt.mlir_type, hi.ir_value()))))
 
 
 def f32_bits(x) -> Int32:

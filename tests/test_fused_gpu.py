@@ -40,13 +40,14 @@ def ragged_sizes(groups, rows, zero_every=3, seed=0):
     return sizes
 
 
-def run_both(block, x, extras, backward=True):
+def run_both(block, x, extras, backward=True, against="reference"):
     """(fused outputs and grads, reference outputs and grads) on identical weights and inputs; asserts that every
-    fused kernel of the plan launched (forward, and backward when it ran)."""
+    fused kernel of the plan launched (forward, and backward when it ran). `against="emulate"` compares with the
+    same plan run in torch (same saved values, same epilogue math) instead of the op-by-op reference."""
     from fusion.runtime.kernel import LAUNCHES
 
     ref_block = copy.deepcopy(block)
-    ref_block.backend = "reference"
+    ref_block.backend = against
     results, dy = [], None
     plan = plan_for_run(block, x)
     expected = sum(s.fused for s in plan.forward) + (sum(s.fused for s in plan.backward) if backward else 0)
@@ -124,9 +125,19 @@ def test_epilogue_combinations(ops, dtype):
     assert_plan_fused(block, x, 1)
     (y, g), (y_ref, g_ref) = run_both(block, x, extras)
     assert rel(y, y_ref) < 1e-2
+    clamped = any(isinstance(op, Clamp) for op in block)
     for k in g_ref:
-        if g_ref[k] is not None:
+        if g_ref[k] is not None and not (clamped and dtype == torch.bfloat16):
             assert rel(g[k], g_ref[k]) < 2e-2, k
+    if clamped and dtype == torch.bfloat16:
+        # The saved GEMM output is rounded once from fp32 (+ bias) in the kernel, twice in the op-by-op reference
+        # (GEMM, then bias, in bf16): 1-ulp differences flip the clamp's mask for values at its limits, and each
+        # flip moves a whole gradient element (4% of the norm here). Against the same plan run in torch the
+        # saved values agree, so the gradients must too.
+        (y, g), (y_emu, g_emu) = run_both(block, x, extras, against="emulate")
+        for k in g_emu:
+            if g_emu[k] is not None:
+                assert rel(g[k], g_emu[k]) < 1e-2, k
 
 
 @pytest.mark.parametrize("groups, rows", [(1, 3000), (8, 0), (16, 1), (64, 5000), (130, 20000), (256, 65536)])

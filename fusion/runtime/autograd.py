@@ -21,8 +21,12 @@ class _BlockFunction(torch.autograd.Function):
     def forward(fctx, program, ctx, x, *tensors):
         y, saved = program.forward(x, ctx, train=True)
         fctx.program, fctx.ctx, fctx.rows = program, ctx, x.shape[0]
-        fctx.recompute = [i for i, t in enumerate(saved) if t is None]
-        fctx.save_for_backward(*(t for t in saved if t is not None))
+        # The block's input and output go through save_for_backward (autograd's version checks; no reference
+        # cycle through the output). Intermediates are held as a plain list instead, which the backward empties
+        # so each is freed after its last backward reader, not when the whole node finishes.
+        fctx.kinds = ["input" if t is x else "output" if t is y else "none" if t is None else "held" for t in saved]
+        fctx.save_for_backward(*(t for t in saved if t is x or t is y))
+        fctx.held = [t for t, k in zip(saved, fctx.kinds) if k == "held"]
         return y
 
     @staticmethod
@@ -31,9 +35,9 @@ class _BlockFunction(torch.autograd.Function):
 
         if isinstance(dy, QuantizedTensor):
             dy = dy.dequantize()
-        saved = list(fctx.saved_tensors)
-        for i in fctx.recompute:
-            saved.insert(i, None)
+        io, held = iter(fctx.saved_tensors), iter(fctx.held)
+        saved = [None if k == "none" else next(held) if k == "held" else next(io) for k in fctx.kinds]
+        fctx.held = None
         dx, grads, extra = fctx.program.backward(dy.contiguous(), saved, fctx.ctx, fctx.rows, fctx.needs_input_grad[2:])
         targets = fctx.program.params + list(fctx.ctx.extra.values())
         out = [g.to(t.dtype) if g is not None and g.dtype != t.dtype else g

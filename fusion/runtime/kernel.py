@@ -56,10 +56,11 @@ class CuteKernel:
         self.compiled = None if autotune.enabled() else load_compiled(job)
         self._run = _kernels().run_grouped_gemm
 
-    def run(self, A, B, bounds, tensors: dict) -> None:
+    def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None) -> None:
+        """`counter_ptr`: a zeroed int32 for a dynamic schedule's tile counter (RunState.counter_ptr)."""
         if self.compiled is None:
             self.compiled = self._tuned(A, B, bounds, tensors)
-        self._run(self.compiled, A, B, bounds, tensors, tensors)
+        self._run(self.compiled, A, B, bounds, tensors, tensors, counter_ptr=counter_ptr)
         LAUNCHES.count(self.job)
 
     def _tuned(self, A, B, bounds, tensors):
@@ -113,7 +114,7 @@ class EmulatedLaunch:
         self.job = job
         self.kernel = EmulatedKernel(job.source, gated, b_major)
 
-    def run(self, A, B, bounds, tensors: dict) -> None:
+    def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None) -> None:
         self.kernel.run(A, B, bounds, tensors)
         LAUNCHES.count(self.job)
 

@@ -20,11 +20,37 @@ from fusion.runtime import steps as S
 from fusion.runtime.kernel import LAUNCHERS
 
 
-def group_bounds(ctx, rows: int, device) -> torch.Tensor:
-    """The kernels' (G+1,) int32 row bounds [0, o_1, ..., o_G], on the device, no host sync."""
+def group_bounds(ctx, rows: int, device, counters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bounds, buffer): the kernels' (G+1,) int32 row bounds [0, o_1, ..., o_G] on the device, no host sync,
+    as the head of a buffer whose `counters` spare int32 zeros are the dynamic tile schedulers' counters (one
+    launch of work per call for all of it)."""
     if ctx.offsets is None:
-        return torch.arange(2, dtype=torch.int32, device=device) * rows
-    return torch.nn.functional.pad(ctx.offsets.to(torch.int32), (1, 0))
+        buffer = torch.zeros(2 + counters, dtype=torch.int32, device=device)
+        buffer.narrow(0, 1, 1).fill_(rows)
+        return buffer[:2], buffer
+    buffer = torch.nn.functional.pad(ctx.offsets.to(torch.int32), (1, counters))
+    return buffer[:ctx.offsets.numel() + 1], buffer
+
+
+def _last_reads(steps, keep: set) -> list[tuple[str, ...]]:
+    """For each backward step, the values no later step reads (dropped after it runs), except `keep`."""
+    last = {}
+    for n, step in enumerate(steps):
+        for name in step.reads:
+            last[name] = n
+    release = [[] for _ in steps]
+    for name, n in last.items():
+        if name not in keep:
+            release[n].append(name)
+    return [tuple(r) for r in release]
+
+
+def _number_slots(runners) -> int:
+    """Give each kernel step its own tile-counter slot; returns how many."""
+    kernels = [r for r in runners if isinstance(r, S._KernelStep)]
+    for slot, runner in enumerate(kernels):
+        runner.slot = slot
+    return len(kernels)
 
 
 class BlockProgram:
@@ -34,11 +60,17 @@ class BlockProgram:
         launcher = LAUNCHERS[backend]
         self.forward_steps = []
         for n, step in enumerate(plan.forward, 1):
-            runner = S.FusedForward(seq, step, launcher, f"F{n}") if step.fused else S.OpForward(seq, step)
+            if step.fused:
+                runner = S.FusedForward(seq, step, launcher, f"F{n}")
+            else:
+                runner = (S.GemmForward if S.GemmForward.applies(seq[step.ops[0]]) else S.OpForward)(seq, step)
             self.forward_steps.append(runner)
         self.backward_steps = []
         for n, step in enumerate(plan.backward, 1):
             self.backward_steps.append(self._backward_runner(seq, step, launcher, f"B{n}"))
+        self.release = _last_reads(plan.backward, keep={out_grad(plan.ops, -1)})
+        self.forward_kernels = _number_slots(self.forward_steps)
+        self.backward_kernels = _number_slots(self.backward_steps)
         self.output_grad = f"g{len(plan.ops)}"
         self.input_grad = out_grad(plan.ops, -1)
 
@@ -55,8 +87,9 @@ class BlockProgram:
     # -- forward ---------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx, train: bool):
         """(block output, saved values in plan.saves order; None for values to recompute)."""
-        state = S.RunState(ctx=ctx, bounds=group_bounds(ctx, x.shape[0] if ctx.index is None else ctx.index.numel(),
-                                                        x.device), rows=x.shape[0])
+        bounds, buffer = group_bounds(ctx, x.shape[0] if ctx.index is None else ctx.index.numel(), x.device,
+                                      self.forward_kernels)
+        state = S.RunState(ctx=ctx, bounds=bounds, rows=x.shape[0], counters=buffer)
         state.env[v(0)] = x
         for runner in self.forward_steps:
             runner.run(state, train)
@@ -67,17 +100,21 @@ class BlockProgram:
     # -- backward --------------------------------------------------------------------------------------------------
     def backward(self, dy: torch.Tensor, saved, ctx, rows: int, needs: tuple):
         """Gradients of (x, *self.params, *ctx.extra values); `needs` says which are wanted (autograd's
-        needs_input_grad in that order)."""
+        needs_input_grad in that order). A `saved` list is emptied: the program owns the values from here."""
         routed = rows if ctx.index is None else ctx.index.numel()
-        state = S.RunState(ctx=ctx, bounds=group_bounds(ctx, routed, dy.device), rows=rows)
+        bounds, buffer = group_bounds(ctx, routed, dy.device, self.backward_kernels)
+        state = S.RunState(ctx=ctx, bounds=bounds, rows=rows, counters=buffer)
         state.env.update((name, value) for name, value in zip(self.plan.saves, saved) if value is not None)
+        if isinstance(saved, list):
+            saved.clear()  # the env holds them now, and drops each after its last reader
         self._recompute(state)
         state.env[self.output_grad] = dy
         need_x = bool(needs[0])
-        for step, runner in zip(self.plan.backward, self.backward_steps):
-            if not self._wanted(step, runner, need_x):
-                continue
-            runner.run(state)
+        for step, runner, done in zip(self.plan.backward, self.backward_steps, self.release):
+            if self._wanted(step, runner, need_x):
+                runner.run(state)
+            for name in done:  # free each value after its last reader, as autograd would between nodes
+                state.env.pop(name, None)
         dx = state.env.get(self.input_grad) if need_x else None
         grads = [state.param_grads.get(id(p)) for p in self.params]
         extra = [state.extra_grads.get(name) for name in ctx.extra]

@@ -29,9 +29,16 @@ class RunState:
     ctx: RunContext
     bounds: torch.Tensor  # (G+1,) int32 group row bounds on the device (one group [0, M) for a dense block)
     rows: int = 0         # rows of the block's input x
+    counters: torch.Tensor | None = None  # bounds followed by zeroed int32 tile counters, one per kernel step
     env: dict = field(default_factory=dict)
     param_grads: dict = field(default_factory=dict)  # id(parameter) -> gradient
     extra_grads: dict = field(default_factory=dict)  # extra input name -> gradient
+
+    def counter_ptr(self, slot: int) -> int | None:
+        """The address of kernel step `slot`'s zeroed tile counter (the spare tail of the bounds buffer)."""
+        if self.counters is None:
+            return None
+        return self.counters.data_ptr() + 4 * (self.bounds.numel() + slot)
 
     def add(self, store: dict, key, grad) -> None:
         if grad is not None:
@@ -79,6 +86,7 @@ class _KernelStep:
     def __init__(self, launcher, label: str):
         self.launcher = launcher
         self.label = label
+        self.slot = 0  # which of the call's tile counters its launches use (set by BlockProgram)
         self._kernels: dict = {}
 
     def kernel(self, dtype: torch.dtype, variant: str):
@@ -158,7 +166,7 @@ class FusedForward(_KernelStep):
                 outs[slot.kernel_name] = torch.empty(M, out_w, dtype=x.dtype, device=x.device)
         _poison(outs)
         tensors.update(outs)
-        kernel.run(x, _weight_as_b(self.gemm.weight), state.bounds, tensors)
+        kernel.run(x, _weight_as_b(self.gemm.weight), state.bounds, tensors, state.counter_ptr(self.slot))
         if spec.quantized:
             state.env[self.output] = _quantized(self.ops[-1], outs, state.ctx)
         else:
@@ -198,6 +206,42 @@ class OpForward:
 
     def run(self, state: RunState, train: bool) -> None:
         state.env[v(self.index + 1)] = self.op.reference(state.env[v(self.index)], state.ctx)
+
+
+class GemmForward(OpForward):
+    """A lone bf16/fp16 GEMM without bias: the vendor grouped GEMM called directly (the program is the autograd
+    node, so the reference's autograd wrapper would only cost host time). Anything else (a quantized input, a
+    bias, fp8 weights) takes the op's reference."""
+
+    def __init__(self, seq, step):
+        super().__init__(seq, step)
+        self._method: dict = {}
+
+    @staticmethod
+    def applies(op) -> bool:
+        return (op.spec.kind == "gemm" and getattr(op, "bias", None) is None
+                and getattr(op, "weight_format", "bf16") == "bf16")
+
+    def run(self, state: RunState, train: bool) -> None:
+        from fusion.grouped import grouped_matmul, grouped_mm_method
+
+        x = state.env[v(self.index)]
+        w = self.op.weight.detach()
+        if type(x) is not torch.Tensor:
+            return super().run(state, train)  # a QuantizedTensor: the reference dequantizes it
+        x = x if x.is_contiguous() else x.contiguous()
+        if w.dim() == 2:
+            y = torch.nn.functional.linear(x, w)
+        else:
+            key = (x.device, x.dtype)
+            method = self._method.get(key)
+            if method is None:
+                method = self._method[key] = grouped_mm_method(x, w)
+            if method == "grouped_mm":
+                y = torch._grouped_mm(x, w.transpose(-2, -1), offs=state.ctx.offsets)
+            else:
+                y = grouped_matmul(x, w, state.ctx.group_sizes, state.ctx.offsets, method)
+        state.env[v(self.index + 1)] = y
 
 
 # -- backward --------------------------------------------------------------------------------------------------------
@@ -261,7 +305,7 @@ class FusedDgrad(_KernelStep):
             outs[slot.kernel_name] = torch.empty(M, width, dtype=dy.dtype, device=dy.device)
         _poison(outs)
         tensors.update(outs)
-        kernel.run(dy, _weight_as_b(self.gemm.weight), state.bounds, tensors)
+        kernel.run(dy, _weight_as_b(self.gemm.weight), state.bounds, tensors, state.counter_ptr(self.slot))
         dinput = outs["dinput"]
         state.env[f"g{self.first}"] = dinput
         for slot in out_slots:
