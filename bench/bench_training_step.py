@@ -176,7 +176,9 @@ class _QuackBlock(torch.autograd.Function):
         x, w1t, w2t, probs, cu_seqlens, preact = ctx.saved_tensors
         dout = dout.contiguous()
         # d preact = dSwiGLU(preact, (dout @ W2) * probs); postact = SwiGLU(preact) * probs; d probs = row sums
-        res = gemm_dact(dout, w2t.transpose(-2, -1), preact, activation="swiglu", colvec_scale=probs,
+        # colvec_scale in fp32: quack's cp.async load of it needs 4-byte elements
+        res = gemm_dact(dout, w2t.transpose(-2, -1), preact, activation="swiglu",
+                        colvec_scale=None if probs is None else probs.float(),
                         colvec_reduce=probs is not None, cu_seqlens_m=cu_seqlens, tuned=False)
         dpre, y = res[0], res[1]
         dprobs = res[2].to(probs.dtype) if probs is not None else None

@@ -38,6 +38,7 @@ class _BlockFunction(torch.autograd.Function):
         io, held = iter(fctx.saved_tensors), iter(fctx.held)
         saved = [None if k == "none" else next(held) if k == "held" else next(io) for k in fctx.kinds]
         fctx.held = None
+        del io, held  # the iterators hold the lists: drop them, or the intermediates live to the end
         dx, grads, extra = fctx.program.backward(dy.contiguous(), saved, fctx.ctx, fctx.rows, fctx.needs_input_grad[2:])
         targets = fctx.program.params + list(fctx.ctx.extra.values())
         out = [g.to(t.dtype) if g is not None and g.dtype != t.dtype else g
