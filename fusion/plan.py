@@ -117,7 +117,8 @@ class Plan:
     attempts: per op index, every pattern tried (both directions) and its outcome there.
     fallbacks: what runs unfused although a pattern could have covered it (forward ops, and the backward of
     non-GEMM ops); a GEMM's dgrad / wgrad outside a backward pattern is an ordinary unfused step, not a
-    fallback (the pattern language fuses a dgrad only together with the elementwise backward before it).
+    fallback (the pattern language fuses a dgrad only together with the elementwise backward before it); a
+    GEMM run by its reference (OpInfo.gemm_by_reference: fp8_block weights) is one, forward and backward.
     fully_fused: no fallbacks. patterns: (name, file:line, direction) of the library the plan was made with.
     reason: set when no pattern was tried at all ("no fused kernels on cpu", "backend='reference'").
     """

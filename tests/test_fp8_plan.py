@@ -147,3 +147,19 @@ def test_fp8_gemm_after_a_quantize_reads_the_quantized_input_in_backward(dtype):
     want = run(block(**make), x, sizes)
     got = run(block(**make, backend="emulate"), x, sizes)
     assert_bitwise(got, want)
+
+
+def test_fp8_block_under_torch_compile_emulate():
+    """Under torch.compile the program runs inside a custom op, below autograd: the recipe's backward must still
+    record its graph there (it used to fail: "element 0 of tensors does not require grad")."""
+    torch.manual_seed(1)
+    sizes = torch.tensor([100, 200])
+    x = torch.randn(300, 64) * torch.logspace(-2, 2, 64)
+    make = dict(fmt1="bf16", quant=True, E=2, d=64, f=160)
+    want = run(block(**make), x, sizes)
+    seq = block(**make, backend="emulate")
+    compiled = torch.compile(seq, fullgraph=True)
+    x = x.clone().requires_grad_()
+    y = compiled(x, group_sizes=sizes)
+    (y.float() * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
+    assert_bitwise([y.detach(), x.grad] + [p.grad for p in seq.parameters()], want)

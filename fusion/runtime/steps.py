@@ -314,6 +314,18 @@ class GemmWgrad:
             state.add(state.param_grads, id(op.bias), segment_sum(dy, state.bounds, op.weight.dim() == 3))
 
 
+def _autograd_dispatch():
+    """Autograd's dispatch keys back on. Under torch.compile the program runs inside a torch.library custom op,
+    whose implementation runs with them excluded (below autograd), so autograd through a reference there would
+    record nothing: "element 0 of tensors does not require grad"."""
+    from torch._C import DispatchKey, DispatchKeySet
+
+    autograd = DispatchKeySet(DispatchKey.AutogradFunctionality) | DispatchKeySet(DispatchKey.AutogradOther) | \
+        DispatchKeySet(DispatchKey.AutogradNestedTensor)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set() - autograd)
+
+
 class OpBackward:
     """Autograd through one op's reference at its saved input: the gradients of its input, its parameters and
     the extra inputs it reads."""
@@ -331,7 +343,7 @@ class OpBackward:
         params = [p for p in op.parameters(recurse=False) if p.requires_grad]
         extras = [(name, ctx.extra[name]) for name in op.spec.extra_inputs
                   if name in ctx.extra and ctx.extra[name].requires_grad]
-        with torch.enable_grad():
+        with torch.enable_grad(), _autograd_dispatch():
             value = state.env.get(v(self.index))
             if value is None:  # its gradient reads no input value: a zero of the input's shape stands in
                 value = state.env[self.grad_in].new_zeros(()).expand(self._rows(state), self.features)
