@@ -12,11 +12,16 @@ gradient of its first op's input:
     GEMM j dgrad:            reads g<j+1>                  writes g<j>
     GEMM j wgrad:            reads g<j+1>, v<j>            writes the weight (and bias) gradient
     op k backward:           reads g<k+1> (+ v<k> when its gradient reads its input)   writes g<k>
+                             (a GEMM run by its reference, e.g. fp8_block weights: also its weight gradient)
     quantize op k:           no step: g<k> is g<k+1> (straight through)
 
 The values the backward reads that no earlier backward step wrote are the forward's saves. A saved value the
 forward does not produce (interior to a fused step whose pattern does not save it) is recomputed from the
 nearest value before it; the plan lists those, and explain() says so.
+
+Rows: every value of a dense block has the rows of x (M). An MoE block's Gather turns token rows (T) into
+routed rows (M, one per (token, expert) pair: k per token without token rounding) and its Combine turns them
+back; `row_symbols` names the rows of each value so sizes can be given per token.
 """
 from __future__ import annotations
 
@@ -83,6 +88,8 @@ def backward_io(infos, step) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if part == "wgrad":
         return (grad, v(i)), (f"dW{i}",)
     reads = (grad, v(i)) if infos[i].grad_reads_input else (grad,)
+    if infos[i].kind == "gemm":
+        return reads, (g(i), f"dW{i}")
     return reads, (g(i),)
 
 
@@ -113,3 +120,40 @@ def bytes_per_row(infos, name: str) -> float | None:
     if info.out_features is None or info.out_bytes is None:
         return None
     return info.out_features * info.out_bytes
+
+
+#: What an op of each kind does to the rows: a gather makes routed rows, a combine token rows; others keep them.
+_ROWS_AFTER = {"gather": "M", "combine": "T"}
+#: The rows before the first row-changing op, by that op's kind.
+_ROWS_BEFORE = {"gather": "T", "combine": "M"}
+
+
+def row_symbols(kinds) -> tuple[str, ...]:
+    """The rows of each value v0..vn of a block whose ops have `kinds`: "M" everywhere in a dense block; in an
+    MoE block "T" (tokens) before a gather and after a combine, "M" (routed rows) between."""
+    kinds = list(kinds)
+    first = next((k for k in kinds if k in _ROWS_AFTER), None)
+    rows = [_ROWS_BEFORE.get(first, "M")]
+    for k in kinds:
+        rows.append(_ROWS_AFTER.get(k, rows[-1]))
+    return tuple(rows)
+
+
+def rows_of(infos, name: str) -> str:
+    """"M" or "T": what one row of value `name` (v<i>) is."""
+    i = index_of(name)
+    return infos[i].in_rows if i < len(infos) else infos[-1].out_rows
+
+
+def saved_bytes(infos, names) -> tuple[dict[str, float], list[str]]:
+    """({rows symbol: bytes per such row}, names of unknown size) summed over the values `names`."""
+    out: dict[str, float] = {}
+    unknown = []
+    for name in names:
+        size = bytes_per_row(infos, name)
+        if size is None:
+            unknown.append(name)
+            continue
+        key = rows_of(infos, name)
+        out[key] = out.get(key, 0.0) + size
+    return out, unknown

@@ -64,8 +64,22 @@ def explain(seq, format: str = "text", dtype: torch.dtype | None = None, target:
 
 
 # -- text ------------------------------------------------------------------------------------------------------
-def _shape(f) -> str:
-    return f"(M, {f if f is not None else '?'})"
+def _shape(f, rows: str = "M") -> str:
+    return f"({rows}, {f if f is not None else '?'})"
+
+
+def _is_moe(plan: Plan) -> bool:
+    """Whether the block's rows change (a Gather / Combine): sizes are then given per token and per routed row."""
+    return any(o.in_rows != "M" or o.out_rows != "M" for o in plan.ops)
+
+
+#: The ops table's header: what the row symbols mean.
+_ROWS_HEADER = {False: "ops (M = rows of x):",
+                True: "ops (T = tokens, the rows of x and of the block output; M = routed rows, one per (token, "
+                      "expert) pair: index.numel(), k per token without token rounding):"}
+
+#: What an op does inside a fused forward kernel, by kind (epilogue ops are named by the pattern).
+_ROLE = {"gemm": "mainloop", "gather": "A loads"}
 
 
 def _span(ops) -> str:
@@ -98,7 +112,7 @@ def _step_lines(n: int, tag: str, step: Step, plan: Plan) -> list[str]:
         width = max(len(plan.ops[i].description) for i in step.ops)
         if step.direction == "forward":
             for i in step.ops:
-                role = "epilogue" if i in epi else "mainloop" if plan.ops[i].kind == "gemm" else "in kernel"
+                role = "epilogue" if i in epi else _ROLE.get(plan.ops[i].kind, "in kernel")
                 lines.append(f"         op {i}  {plan.ops[i].description:<{width}}  {labels.get(i, '')} ({role})")
             if step.epilogue:
                 lines.append("         epilogue: " + " -> ".join(f"{lab} (op {i})" for lab, i in step.epilogue))
@@ -143,15 +157,15 @@ def to_text(seq, plan: Plan, dtype_src: str = "given", target_src: str = "given"
     if plan.reason:
         out.append(f"nothing fused: {plan.reason}")
     out.append("")
-    out.append("ops (M = rows of x):")
+    out.append(_ROWS_HEADER[_is_moe(plan)])
     width = max(len(o.description) for o in plan.ops)
     g = build_graph(seq)
     for o in plan.ops:
         node = g.nodes[("op", o.index)]
         reads = [n for n in node["spec"].extra_inputs]
         extra = f"  reads {', '.join(reads)}" if reads else ""
-        out.append(f"  op {o.index}  {o.description:<{width}}  {_shape(o.in_features)} -> "
-                   f"{_shape(o.out_features)}{extra}")
+        out.append(f"  op {o.index}  {o.description:<{width}}  {_shape(o.in_features, o.in_rows)} -> "
+                   f"{_shape(o.out_features, o.out_rows)}{extra}")
     out.append("")
     nf = sum(s.fused for s in plan.forward)
     out.append(f"forward: {_n(len(plan.forward), 'step')} ({_n(nf, 'fused kernel')}, "
@@ -185,30 +199,46 @@ def _summary(plan: Plan) -> str:
     fw = sum(s.fused for s in plan.forward)
     bw = sum(s.fused for s in plan.backward)
     lone = [f"op {s.parts[0][0]} {s.parts[0][1]}" for s in plan.steps
-            if not s.fused and plan.ops[s.parts[0][0]].kind == "gemm"]
+            if not s.fused and plan.ops[s.parts[0][0]].kind == "gemm" and not plan.ops[s.parts[0][0]].gemm_by_reference]
+    by_reference = [fb for fb in plan.fallbacks if plan.ops[fb.op].gemm_by_reference]
     text = (f"fused: {fw} of {len(plan.forward)} forward steps and {bw} of {len(plan.backward)} backward steps run "
-            f"in fused kernels; {_n(len(plan.fallbacks), 'elementwise computation')} fall back")
+            f"in fused kernels; {_n(len(plan.fallbacks) - len(by_reference), 'elementwise computation')} fall back")
+    if by_reference:
+        text += (f", and {_n(len(by_reference), 'GEMM computation')} run their recipe's reference (no kernel here "
+                 f"runs their weight format): {', '.join(f'op {fb.op} {fb.part}' for fb in by_reference)}")
     if lone:
         text += f"; GEMMs without an epilogue run the vendor grouped GEMM: {', '.join(lone)}"
     return text
 
 
 def _saves_lines(plan: Plan) -> list[str]:
-    """The forward's saves for the backward, with bytes per row (fusion/dataflow.py)."""
-    from fusion.dataflow import bytes_per_row, index_of
+    """The forward's saves for the backward, with bytes per row (fusion/dataflow.py); in an MoE block per routed
+    row and per token, and in total per token (k routed rows per token)."""
+    from fusion.dataflow import bytes_per_row, index_of, rows_of, saved_bytes
 
     if not plan.saves:
         return []
-    rows, total = [], 0.0
+    moe = _is_moe(plan)
+    rows = []
     for name in plan.saves:
         i = index_of(name)
         what = "x (the block input)" if i == 0 else f"output of op {i - 1} {_short(plan.ops[i - 1])}"
         size = bytes_per_row(plan.ops, name)
-        total += size or 0
+        unit = f" B per {_ROW_WORDS[rows_of(plan.ops, name)]}" if moe else " B/row"
         extra = " (recomputed in backward: the forward does not keep it)" if name in plan.recomputed else ""
-        rows.append(f"  {name}: {what}, {'?' if size is None else f'{size:g}'} B/row{extra}")
-    kept = sum((bytes_per_row(plan.ops, n) or 0) for n in plan.saves if n not in plan.recomputed and n != "v0")
-    return ["", f"saved for backward (besides x): {kept:g} B per row", *rows]
+        rows.append(f"  {name}: {what}, {'?' if size is None else f'{size:g}'}{unit}{extra}")
+    kept, _ = saved_bytes(plan.ops, [n for n in plan.saves if n not in plan.recomputed and n != "v0"])
+    if not moe:
+        return ["", f"saved for backward (besides x): {kept.get('M', 0):g} B per row", *rows]
+    routed, token = kept.get("M", 0), kept.get("T", 0)
+    per_token = f"{routed:g}·k" if not token else f"{token:g} + {routed:g}·k"
+    return ["", f"saved for backward (besides x): {routed:g} B per routed row + {token:g} B per token = "
+                f"{per_token} B per token (k routed rows per token; the routing tensors index and probs come on "
+                f"top)", *rows]
+
+
+#: How the text names one row of each row symbol (MoE blocks).
+_ROW_WORDS = {"M": "routed row", "T": "token"}
 
 
 # -- json ---------------------------------------------------------------------------------------------------------
@@ -244,10 +274,10 @@ def to_dot(seq, plan: Plan) -> str:
     for node, d in g.nodes(data=True):
         if d["type"] == "input":
             feats = g.graph["features"][0] if d["name"] == "x" else None
-            label = f"x {_shape(feats)}" if d["name"] == "x" else d["name"]
+            label = f"x {_shape(feats, plan.ops[0].in_rows)}" if d["name"] == "x" else d["name"]
             lines.append(f"  {_nid(node)} [shape=ellipse, style=solid, label={_q(label)}];")
         elif d["type"] == "output":
-            label = "y " + _shape(g.graph["features"][-1])
+            label = "y " + _shape(g.graph["features"][-1], plan.ops[-1].out_rows)
             lines.append(f"  {_nid(node)} [shape=ellipse, style=solid, label={_q(label)}];")
     for n, step in enumerate((s for s in plan.forward if s.fused), 1):
         lines.append(f"  subgraph cluster_fwd{n} {{")
@@ -266,7 +296,8 @@ def to_dot(seq, plan: Plan) -> str:
     for u, v, d in sorted(g.edges(data=True), key=lambda e: (str(e[0]), str(e[1]))):
         if d.get("operand") == 0:
             feats = g.nodes[u].get("out_features") if u[0] == "op" else g.graph["features"][0]
-            lines.append(f"  {_nid(u)} -> {_nid(v)} [label={_q(_shape(feats))}];")
+            rows = plan.ops[u[1]].out_rows if u[0] == "op" else plan.ops[0].in_rows
+            lines.append(f"  {_nid(u)} -> {_nid(v)} [label={_q(_shape(feats, rows))}];")
         else:
             lines.append(f"  {_nid(u)} -> {_nid(v)} [style=dashed, label={_q(d.get('operand'))}];")
     if plan.backward:

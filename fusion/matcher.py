@@ -8,10 +8,13 @@ checked, largest first, against:
   0. kernel template  the pattern's kernel template runs in this build (fusion/runtime/templates.py)
   1. dtype            the pattern's `dtypes` contains the plan's dtype
   2. arch             the target's arch number lies in [arch_min, arch_max]
-  3. predicates       every `where` of every bound element holds on the op's attrs (+ dtype, op, kind and
-                      in_features / out_features where the op's attrs lack them)
+  3. predicates       every `where` of every bound element holds on the op's attrs (+ dtype, op, kind,
+                      in_features / out_features where the op's attrs lack them, and weight_format "bf16" for
+                      a GEMM whose attrs lack it)
   4. interior results the output of every bound op but the last has no consumer outside the match, unless
                       the pattern exports it (`label.out`)
+  5. weight formats   the template's mainloop runs every bound GEMM's weight_format (a pattern that forgot
+                      `weight_format == "bf16"` still never puts an fp8_block GEMM into a bf16 kernel)
 
 The first binding passing all checks is the match of that (pattern, anchor); otherwise the attempt records
 the first failing check of the largest binding, in words (Attempt.reason). Everything is deterministic:
@@ -228,9 +231,14 @@ def _env(g: nx.DiGraph, node: tuple, dtype: str) -> dict:
     for key in ("in_features", "out_features"):
         if env.get(key) is None and d.get(key) is not None:
             env[key] = d[key]
+    if spec.kind == "gemm":
+        env.setdefault("weight_format", DEFAULT_WEIGHT_FORMAT)
     env.update(dtype=dtype, op=spec.name, kind=spec.kind)
     return env
 
+
+#: The weight_format of a GEMM whose attrs do not say (specs built by hand): the parameter as is.
+DEFAULT_WEIGHT_FORMAT = "bf16"
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -255,7 +263,7 @@ def _predicate_failure(pred, env: dict, g: nx.DiGraph, node: tuple) -> str | Non
 
 def _check(g: nx.DiGraph, pattern, binding, dtype: str, target: str | None, arch: int | None) -> str | None:
     """The first failing check of one structural binding, or None."""
-    from fusion.runtime.templates import unavailable
+    from fusion.runtime.templates import unavailable, weight_format_refused
 
     missing = unavailable(pattern.kernel)
     if missing:
@@ -288,6 +296,12 @@ def _check(g: nx.DiGraph, pattern, binding, dtype: str, target: str | None, arch
             spec = g.nodes[node]["spec"]
             return (f"op {g.nodes[node]['index']} {spec.name}'s output ({label}.out) is also used by {users} "
                     f"(not exported)")
+    for _, node in binding:
+        spec = g.nodes[node]["spec"]
+        if spec.kind == "gemm":
+            why = weight_format_refused(pattern.kernel, spec.attrs.get("weight_format", DEFAULT_WEIGHT_FORMAT))
+            if why:
+                return f"{node_text(g, node)}: {why}"
     return None
 
 

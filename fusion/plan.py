@@ -23,6 +23,18 @@ class OpInfo:
     #: bytes per element of its input / output at the plan's dtype (quantized outputs: data and scales)
     in_bytes: float = 2.0
     out_bytes: float | None = 2.0
+    #: GEMMs: the weight format ("bf16" | "fp8_block"); None for other ops
+    weight_format: str | None = None
+    #: what one row of its input / output is: "M" (the rows of x; in an MoE block the routed rows) or "T"
+    #: (tokens: an MoE block's rows before its Gather and after its Combine) (fusion/dataflow.py)
+    in_rows: str = "M"
+    out_rows: str = "M"
+
+    @property
+    def gemm_by_reference(self) -> bool:
+        """A GEMM that no vendor GEMM runs unfused: its weight format's recipe is its own reference (fp8_block:
+        fusion/quant/fp8_linear.py), so forward and backward run the op's reference, not GEMM steps."""
+        return self.kind == "gemm" and self.weight_format not in (None, "bf16")
 
 
 @dataclass(frozen=True)
@@ -105,7 +117,8 @@ class Plan:
     attempts: per op index, every pattern tried (both directions) and its outcome there.
     fallbacks: what runs unfused although a pattern could have covered it (forward ops, and the backward of
     non-GEMM ops); a GEMM's dgrad / wgrad outside a backward pattern is an ordinary unfused step, not a
-    fallback (the pattern language fuses a dgrad only together with the elementwise backward before it).
+    fallback (the pattern language fuses a dgrad only together with the elementwise backward before it); a
+    GEMM run by its reference (OpInfo.gemm_by_reference: fp8_block weights) is one, forward and backward.
     fully_fused: no fallbacks. patterns: (name, file:line, direction) of the library the plan was made with.
     reason: set when no pattern was tried at all ("no fused kernels on cpu", "backend='reference'").
     """

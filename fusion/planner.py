@@ -15,10 +15,11 @@ from typing import Sequence
 
 import torch
 
-from fusion.dataflow import annotate
+from fusion.dataflow import annotate, row_symbols
 from fusion.errors import FallbackError
 from fusion.graph import build_graph
-from fusion.matcher import Attempt, Match, arch_of, dtype_name, format_loc, match_all, resolve
+from fusion.matcher import (DEFAULT_WEIGHT_FORMAT, Attempt, Match, arch_of, dtype_name, format_loc, match_all,
+                            resolve)
 from fusion.plan import Fallback, OpAttempt, OpInfo, Plan, Step
 
 _CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
@@ -144,13 +145,17 @@ def _ops_info(g, dtype: str = "bfloat16") -> tuple[OpInfo, ...]:
     from fusion.graph import op_nodes
 
     elem = _ELEM_BYTES.get(dtype, 2)
+    nodes = op_nodes(g)
+    rows = row_symbols(g.nodes[n]["spec"].kind for n in nodes)
     out = []
-    for n in op_nodes(g):
+    for k, n in enumerate(nodes):
         d = g.nodes[n]
         spec = d["spec"]
+        fmt = spec.attrs.get("weight_format", DEFAULT_WEIGHT_FORMAT) if spec.kind == "gemm" else None
         out.append(OpInfo(d["index"], spec.name, spec.kind, d["label"], d["in_features"], d["out_features"],
                           grad_reads_input=_grad_reads_input(spec), in_bytes=elem,
-                          out_bytes=_out_bytes(spec, elem)))
+                          out_bytes=_out_bytes(spec, elem), weight_format=fmt, in_rows=rows[k],
+                          out_rows=rows[k + 1]))
     return tuple(out)
 
 
@@ -174,7 +179,7 @@ def build_plan(seq, dtype: str, target: str | None, patterns: tuple, note: str |
     backward = _backward_steps(infos, chosen_b, dtype, target)
     forward, backward, saves, recomputed = annotate(infos, forward, backward)
     per_op = _per_op_attempts(infos, patterns, attempts, chosen_f + chosen_b, losses)
-    fallbacks = _fallbacks(infos, forward, backward, per_op, patterns, reason)
+    fallbacks = _fallbacks(infos, forward, backward, per_op, patterns, reason, target)
     return Plan(target=target, dtype=dtype, ops=infos, forward=tuple(forward), backward=tuple(backward),
                 attempts=per_op, fallbacks=tuple(fallbacks), fully_fused=not fallbacks, patterns=lib_info,
                 reason=reason, notes=notes, saves=saves, recomputed=recomputed)
@@ -207,8 +212,9 @@ def _forward_steps(infos, chosen: list[Match], dtype: str, target: str | None) -
 
 def backward_parts(info: OpInfo) -> tuple[str, ...]:
     """What autograd computes for one op, in the order it runs: a GEMM's dgrad then wgrad, any other op's
-    backward; a quantize op passes gradients straight through (no computation, no step)."""
-    if info.kind == "gemm":
+    backward; a quantize op passes gradients straight through (no computation, no step). A GEMM run by its
+    reference (fp8_block weights) has one backward, its recipe's, like any other op: not the bf16 GEMM steps."""
+    if info.kind == "gemm" and not info.gemm_by_reference:
         return _GEMM_PARTS
     if info.kind == "quantize":
         return ()
@@ -239,6 +245,11 @@ def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) ->
     from fusion.grouped import HOST_SYNC_NOTE
 
     grad = {"forward": "", "dgrad": " (input gradient)", "wgrad": " (weight gradient)", "backward": ""}[part]
+    if info.gemm_by_reference:
+        recipe = f"{info.name}.reference: the {info.weight_format} recipe (fusion/quant/fp8_linear.py, torch)"
+        note = (f"weight_format={info.weight_format!r}: no kernel on this target runs this GEMM yet; it runs its "
+                f"recipe's reference (dequantized FP8 operands, float32 matmul)")
+        return (recipe if part == "forward" else f"autograd of {recipe}: dgrad and wgrad"), (note,)
     if info.name == "GroupLinear":
         why = None
         arch = arch_of(target)
@@ -344,11 +355,14 @@ def _stopped_before(i: int, pattern, matches: list[Match], infos):
     return None
 
 
-def _fallbacks(infos, forward, backward, per_op: dict, patterns, reason: str | None) -> list[Fallback]:
+def _fallbacks(infos, forward, backward, per_op: dict, patterns, reason: str | None,
+               target: str | None = None) -> list[Fallback]:
     out = []
-    # A GEMM is never a fallback: unfused it runs the vendor grouped GEMM; what falls back is elementwise
-    # work that a pattern could have put in its epilogue (and that op is listed, with the reasons).
-    units = [(s.parts[0], "forward") for s in forward if not s.fused and infos[s.parts[0][0]].kind != "gemm"]
+    # A GEMM is not a fallback: unfused it runs the vendor grouped GEMM; what falls back is elementwise work
+    # that a pattern could have put in its epilogue (and that op is listed, with the reasons). A GEMM run by its
+    # reference (fp8_block weights: no vendor GEMM here) is one, forward and backward.
+    units = [(s.parts[0], "forward") for s in forward
+             if not s.fused and (infos[s.parts[0][0]].kind != "gemm" or infos[s.parts[0][0]].gemm_by_reference)]
     units += [(s.parts[0], "backward") for s in backward if not s.fused and s.parts[0][1] == "backward"]
     for (i, part), direction in units:
         info = infos[i]
@@ -359,6 +373,8 @@ def _fallbacks(infos, forward, backward, per_op: dict, patterns, reason: str | N
             reasons = tuple(f"{a.pattern} [{a.loc}]: {a.reason or a.outcome}" for a in rows)
             if not reasons:
                 reasons = (f"no {direction} fusion patterns are loaded",)
+        if info.gemm_by_reference:  # first what it runs instead, then every pattern tried
+            reasons = reference_method(info, part, "", target)[1] + reasons
         out.append(Fallback(op=i, description=info.description, direction=direction, part=part, reasons=reasons))
     return out
 

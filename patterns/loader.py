@@ -18,17 +18,26 @@ from fusion.symbolic import (
     substitute,
 )
 
-#: Op names a chain element may list (API.md), and op kinds (fusion.ops.base.OP_KINDS).
-OP_NAMES = ("GroupLinear", "Linear", "SwiGLU", "GeGLU", "SReLU", "Activation", "Clamp", "Scale", "Bias",
-            "QuantizeMXFP8", "QuantizeNVFP4")
-OP_KINDS = ("gemm", "activation", "elementwise", "quantize")
-GEMM_OPS = ("GroupLinear", "Linear", "gemm")
+import fusion.ops  # noqa: F401 - defines every op class, which fills the op table below
+from fusion.ops.base import OP_KINDS, OP_TABLE
 DTYPES = ("bfloat16", "float16", "float32")
 DIRECTIONS = ("forward", "backward")
 PORTS = ("in", "out")
 FIELDS = ("kernel", "direction", "arch", "dtype", "priority", "epilogue", "save", "export")
 PARAM_TYPES = ("float",)
 _ARCH_RE = re.compile(r"^sm_(\d+)a?$")
+
+
+
+
+def op_names() -> tuple[str, ...]:
+    """The op names a chain element may list: the op table of fusion.ops (every op class defined so far)."""
+    return tuple(OP_TABLE)
+
+
+def ops_of_kind(kind: str) -> tuple[str, ...]:
+    """The op names of one kind, and the kind itself (a chain element may list either)."""
+    return tuple(name for name, k in OP_TABLE.items() if k == kind) + (kind,)
 
 
 class _Ctx:
@@ -291,7 +300,8 @@ def _fusion(decl: A.FusionDecl, ctx: _Ctx, builtin: bool) -> A.FusionPattern:
 
     # chain
     labels: dict[str, A.ChainElement] = {}
-    known_ops = OP_NAMES + OP_KINDS
+    names = op_names()
+    known_ops = names + OP_KINDS
     for k, el in enumerate(chain_decl.elements):
         if el.label in labels:
             raise ctx.error(el.loc, f"label '{el.label}' is used twice in the chain")
@@ -300,7 +310,7 @@ def _fusion(decl: A.FusionDecl, ctx: _Ctx, builtin: bool) -> A.FusionPattern:
         for op, loc in zip(el.ops, op_locs):
             if op not in known_ops:
                 raise ctx.error(loc, f"unknown op '{op}'{did_you_mean(op, known_ops)}",
-                                expected="an op name (" + ", ".join(OP_NAMES) + ") or kind (" +
+                                expected="an op name (" + ", ".join(names) + ") or kind (" +
                                          ", ".join(OP_KINDS) + ")")
         for p in el.where:
             _check_predicate(p.expr, ctx)
@@ -311,15 +321,22 @@ def _fusion(decl: A.FusionDecl, ctx: _Ctx, builtin: bool) -> A.FusionPattern:
         if direction not in DIRECTIONS or len(fields["direction"].values) != 1:
             raise ctx.error(fields["direction"].values[0].loc, f"direction must be forward or backward, "
                                                                f"got {direction!r}", expected="forward, backward")
-    gemm_positions = [k for k, el in enumerate(chain_decl.elements) if set(el.ops) <= set(GEMM_OPS)]
-    any_gemm = [k for k, el in enumerate(chain_decl.elements) if set(el.ops) & set(GEMM_OPS)]
-    want = 0 if direction == "forward" else len(chain_decl.elements) - 1
+    gemm_ops, gather_ops = set(ops_of_kind("gemm")), set(ops_of_kind("gather"))
+    gemm_positions = [k for k, el in enumerate(chain_decl.elements) if set(el.ops) <= gemm_ops]
+    any_gemm = [k for k, el in enumerate(chain_decl.elements) if set(el.ops) & gemm_ops]
+    # A forward kernel may load its A rows through an index: gather elements (not optional) may lead the GEMM.
+    lead = 0
+    while (direction == "forward" and lead < len(chain_decl.elements) - 1
+           and set(chain_decl.elements[lead].ops) <= gather_ops and not chain_decl.elements[lead].optional):
+        lead += 1
+    want = lead if direction == "forward" else len(chain_decl.elements) - 1
     if gemm_positions != [want] or any_gemm != [want] or chain_decl.elements[want].optional:
-        where_ = "first" if direction == "forward" else "last"
+        where_ = ("first (only Gather elements may precede it: the GEMM loads its A rows through their index)"
+                  if direction == "forward" else "last")
         el = chain_decl.elements[want]
-        raise ctx.error(el.loc, f"a {direction} fusion's chain has exactly one GEMM element (GroupLinear, Linear "
-                                f"or gemm), not optional, and it comes {where_}: the kernel is a GEMM with "
-                                f"an epilogue")
+        raise ctx.error(el.loc, f"a {direction} fusion's chain has exactly one GEMM element ("
+                                f"{', '.join(sorted(gemm_ops - {'gemm'}))} or gemm), not optional, and it comes "
+                                f"{where_}: the kernel is a GEMM with an epilogue")
 
     kernel = _names(fields["kernel"], ctx, "a kernel template name")
     if len(kernel) != 1:
@@ -358,7 +375,7 @@ def _fusion(decl: A.FusionDecl, ctx: _Ctx, builtin: bool) -> A.FusionPattern:
             if lab not in labels:
                 raise ctx.error(v.loc, f"epilogue: '{lab}' is not a label of the chain{did_you_mean(lab, labels)}",
                                 expected="one of: " + ", ".join(labels))
-            if set(labels[lab].ops) & set(GEMM_OPS):
+            if set(labels[lab].ops) & gemm_ops:
                 raise ctx.error(v.loc, f"epilogue: '{lab}' is the GEMM itself; the epilogue lists the ops "
                                        f"applied after it")
         if len(set(epilogue)) != len(epilogue):

@@ -279,7 +279,8 @@ SEMANTIC = [
      "comparisons, and/or/not and `in (...)`"),
     ("fusion f {\n  kernel = k\n  chain {\n    act: activation\n    gemm: GroupLinear\n  }\n}\n", 4, 5,
      "a forward fusion's chain has exactly one GEMM element (GroupLinear, Linear or gemm), not optional, and it "
-     "comes first: the kernel is a GEMM with an epilogue"),
+     "comes first (only Gather elements may precede it: the GEMM loads its A rows through their index): the kernel "
+     "is a GEMM with an epilogue"),
     ("fusion f {\n  kernel = k\n  dtype = bf16\n  chain {\n    gemm: GroupLinear\n  }\n}\n", 3, 11,
      "unknown dtype 'bf16' (did you mean 'bfloat16'?)"),
     ("fusion f {\n  kernel = k\n  direction = sideways\n  chain {\n    gemm: GroupLinear\n  }\n}\n", 3, 15,

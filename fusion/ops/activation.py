@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fusion.ops.base import Op, OpSpec, shape_error
 
 
-class _ActivationOp(Op):
+class _ActivationOp(Op, kind="activation"):
     activation_name: str = ""
     gated: bool = False
 

@@ -16,6 +16,12 @@ from fusion.errors import ShapeError
 #: What an op is, for the pattern matcher. A chain element in a .fpat file names ops or one of these.
 OP_KINDS = ("gemm", "activation", "elementwise", "quantize", "gather", "combine")
 
+#: The op table: every op class by its name (the name its OpSpec carries) -> its kind. Filled as op classes
+#: are defined, from the `kind=` of their class statement (`class Gather(Op, kind="gather")`; subclasses
+#: inherit it; classes named `_...` are shared bases, not ops). Pattern files check the ops a chain element
+#: names against it (fusion/patterns/loader.py): one table, so a new op is known to patterns when it exists.
+OP_TABLE: dict[str, str] = {}
+
 
 @dataclass(frozen=True)
 class OpSpec:
@@ -63,7 +69,20 @@ class RunContext:
 
 
 class Op(torch.nn.Module):
-    """Base of every op. Subclasses set `spec` (property) and implement `reference` and `out_features`."""
+    """Base of every op. Subclasses set `spec` (property) and implement `reference` and `out_features`, and
+    declare their kind in the class statement (`class MyOp(Op, kind="elementwise")`, see OP_TABLE)."""
+
+    #: the kind this class declared (or inherited), OpSpec.kind of its instances
+    op_kind: str | None = None
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            if kind not in OP_KINDS:
+                raise ValueError(f"op class {cls.__name__}: kind {kind!r} is not one of {OP_KINDS}")
+            cls.op_kind = kind
+        if cls.op_kind is not None and not cls.__name__.startswith("_"):
+            OP_TABLE[cls.__name__] = cls.op_kind
 
     @property
     def spec(self) -> OpSpec:  # pragma: no cover - abstract

@@ -9,7 +9,7 @@ from fusion.grouped import row_group_index
 from fusion.ops.base import Op, OpSpec, RunContext, shape_error
 
 
-class Clamp(Op):
+class Clamp(Op, kind="elementwise"):
     """Elementwise clamp to [min, max]; either bound may be None."""
 
     def __init__(self, min: float | None = None, max: float | None = None):
@@ -28,7 +28,7 @@ class Clamp(Op):
         return torch.clamp(x, self.min, self.max)
 
 
-class Scale(Op):
+class Scale(Op, kind="elementwise"):
     """Multiply by a constant (`value`), or each row by the extra input `name` of shape (M,) (router probs)."""
 
     def __init__(self, value: float | None = None, name: str = "scale"):
@@ -59,7 +59,7 @@ class Scale(Op):
         return x * ctx.extra[self.name].unsqueeze(-1)
 
 
-class Bias(Op):
+class Bias(Op, kind="elementwise"):
     """Add a bias of `features`, one per group when `num_groups` is given (rows grouped by group_sizes)."""
 
     def __init__(self, features: int, num_groups: int | None = None, device=None, dtype=None):

@@ -36,7 +36,7 @@ def as_high_precision(x: torch.Tensor) -> torch.Tensor:
     return dequantize(x)
 
 
-class GroupLinear(Op):
+class GroupLinear(Op, kind="gemm"):
     """Rows of x are split into consecutive groups by `group_sizes`; group g computes x_g @ W[g].T (+ b[g]).
 
     weight: (num_groups, out_features, in_features), bias: (num_groups, out_features): the canonical layout

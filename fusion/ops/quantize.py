@@ -4,7 +4,7 @@ from __future__ import annotations
 from fusion.ops.base import Op, OpSpec, shape_error
 
 
-class _QuantizeOp(Op):
+class _QuantizeOp(Op, kind="quantize"):
     format: str = ""
     block: int = 0
     #: rows must split into whole blocks of `block` features (MXFP8, NVFP4); FP8-block rows may end partial

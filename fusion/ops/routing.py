@@ -93,7 +93,7 @@ def combine_rows(y: torch.Tensor, index: torch.Tensor, tokens: int) -> torch.Ten
     return CombineRows.apply(y, index, int(tokens))
 
 
-class Gather(Op):
+class Gather(Op, kind="gather"):
     """First op of an MoE experts block: row i of its output is x[index[i]] (the token of routed row i).
 
     Reads the extra input `index` (int32/int64, shape (M,), values in [-1, T)); a padding row (index -1) is
@@ -111,7 +111,7 @@ class Gather(Op):
         return "Gather()"
 
 
-class Combine(Op):
+class Combine(Op, kind="combine"):
     """Last op of an MoE experts block: row t of its output is the sum of the rows i with index[i] == t.
 
     Reads the same `index` as the block's Gather; the output has as many rows as the block's input. The sum

@@ -126,7 +126,7 @@ class BlockProgram:
         if isinstance(runner, S.GemmWgrad):
             op = runner.op
             return op.weight.requires_grad or (op.bias is not None and op.bias.requires_grad)
-        if step.writes == (self.input_grad,) and not need_x:
+        if step.writes[:1] == (self.input_grad,) and not need_x:
             if isinstance(runner, S.OpBackward):
                 op = runner.op
                 return any(p.requires_grad for p in op.parameters(recurse=False)) or bool(op.spec.extra_inputs)

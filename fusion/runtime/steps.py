@@ -2,7 +2,8 @@
 
 Forward:  FusedForward (a generated GEMM kernel)           OpForward (an op's reference, no autograd)
 Backward: FusedDgrad (a dgrad kernel with a generated       GemmDgrad, GemmWgrad (grouped matmuls)
-          d-epilogue)                                       OpBackward (autograd through one op's reference)
+          d-epilogue)                                       OpBackward (autograd through one op's reference;
+                                                            also a GEMM run by its reference: fp8_block weights)
 
 A runner is built once per block and plan; `run(state)` does one call's work. `state.env` maps value names to
 tensors; backward runners add parameter gradients (by parameter) and extra-input gradients (by name).
@@ -106,6 +107,9 @@ class FusedForward(_KernelStep):
         self.step = step
         self.ops = [seq[i] for i in step.ops]
         self.gemm = self.ops[0]
+        if self.gemm.spec.kind != "gemm":
+            raise Unsupported(f"pattern {step.pattern}: op {step.ops[0]} {self.gemm.describe()} comes before the GEMM "
+                              f"(loads through an index); this runtime's forward kernels start with the GEMM")
         self.spec: EpilogueSpec = forward_spec(self.ops)
         self.gated, self.b_major = self.spec.gated, "K"
         self.input, self.output = v(step.ops[0]), v(step.ops[-1] + 1)
@@ -354,6 +358,18 @@ class GemmWgrad:
             state.add(state.param_grads, id(op.bias), segment_sum(dy, state.bounds, op.weight.dim() == 3))
 
 
+def _autograd_dispatch():
+    """Autograd's dispatch keys back on. Under torch.compile the program runs inside a torch.library custom op,
+    whose implementation runs with them excluded (below autograd), so autograd through a reference there would
+    record nothing: "element 0 of tensors does not require grad"."""
+    from torch._C import DispatchKey, DispatchKeySet
+
+    autograd = DispatchKeySet(DispatchKey.AutogradFunctionality) | DispatchKeySet(DispatchKey.AutogradOther) | \
+        DispatchKeySet(DispatchKey.AutogradNestedTensor)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set() - autograd)
+
+
 class OpBackward:
     """Autograd through one op's reference at its saved input: the gradients of its input, its parameters and
     the extra inputs it reads."""
@@ -365,17 +381,19 @@ class OpBackward:
         self.features = plan.ops[self.index].in_features
 
     def run(self, state: RunState) -> None:
-        from fusion.quant import dequantize
+        from fusion.quant import QuantizedTensor, dequantize
 
         op, ctx = self.op, state.ctx
         params = [p for p in op.parameters(recurse=False) if p.requires_grad]
         extras = [(name, ctx.extra[name]) for name in op.spec.extra_inputs
                   if name in ctx.extra and ctx.extra[name].requires_grad]
-        with torch.enable_grad():
+        with torch.enable_grad(), _autograd_dispatch():
             value = state.env.get(v(self.index))
             if value is None:  # its gradient reads no input value: a zero of the input's shape stands in
                 value = state.env[self.grad_in].new_zeros(()).expand(self._rows(state), self.features)
-            x = dequantize(value).detach().requires_grad_()
+            # A quantized input stays quantized: an op that consumes its buffers (an fp8_block GEMM reads the
+            # columnwise copy for its wgrad) must see what it saw in the forward. The gradient is plain.
+            x = (value if isinstance(value, QuantizedTensor) else dequantize(value)).detach().requires_grad_()
             out = op.reference(x, ctx)
             out = dequantize(out)
             grads = torch.autograd.grad(out, [x, *params, *(t for _, t in extras)], state.env[self.grad_in],

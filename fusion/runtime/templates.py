@@ -15,6 +15,8 @@ class KernelTemplate:
     available: bool
     summary: str
     unavailable_reason: str = ""
+    #: the GEMM weight formats (GroupLinear/Linear `weight_format`) its mainloop runs
+    weight_formats: tuple[str, ...] = ("bf16",)
 
 
 TEMPLATES: dict[str, KernelTemplate] = {
@@ -25,8 +27,26 @@ TEMPLATES: dict[str, KernelTemplate] = {
         KernelTemplate("grouped_gemm_dgrad", "backward", True,
                        "the grouped GEMM template computing a dgrad (dy @ W[g]) whose generated epilogue applies "
                        "the backward of the elementwise ops before the GEMM (fusion/runtime/steps.py)"),
+        KernelTemplate("grouped_gemm_gather", "forward", False,
+                       "the grouped GEMM loading its A rows through an index (an MoE block's Gather)",
+                       "no kernel on this target fuses a gather into the GEMM's A loads yet (Hopper has no TMA "
+                       "gather: it needs per-row cp.async or per-row TMA loads); Gather runs its reference"),
+        KernelTemplate("grouped_gemm_combine", "forward", False,
+                       "the grouped GEMM summing each token's routed rows in its epilogue (an MoE block's Combine)",
+                       "no kernel on this target fuses a combine into the GEMM's epilogue yet (a token's rows lie "
+                       "in different tiles: a deterministic sum needs an aggregation pass); Combine runs its "
+                       "reference"),
     )
 }
+
+
+def weight_format_refused(kernel: str, weight_format: str) -> str | None:
+    """Why `kernel` cannot run a GEMM whose weight has `weight_format`, or None when it can."""
+    template = TEMPLATES.get(kernel)
+    if template is None or weight_format in template.weight_formats:
+        return None
+    return (f"kernel template {kernel!r} runs weight_format {', '.join(map(repr, template.weight_formats))} "
+            f"only, not {weight_format!r}")
 
 
 def unavailable(kernel: str) -> str | None:
