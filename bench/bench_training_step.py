@@ -19,7 +19,7 @@ Paths (all in bf16, the same weights, inputs and group sizes):
                     aligned group starts).
 - reference         backend="reference": the eager specification (not a baseline; for scale).
 
-Per (block, phase, path): b2b_ms (20 calls back to back, one sync per 10), sync_ms (median of calls each followed
+Per (block, phase, path): b2b_ms (10 calls back to back, one sync), sync_ms (median of calls each followed
 by a sync), host_us (CPU time to issue one call, measured while the GPU is busy), peak_MB
 (torch.cuda.max_memory_allocated during one call, minus what was allocated before it: the call's own memory,
 weights and inputs excluded). A training step is forward + backward of a random output gradient with the weight
@@ -205,7 +205,7 @@ class QuackPath(Path_):
 
 
 # -- timing -------------------------------------------------------------------------------------------------------
-def measure(fn, clear, b2b_calls=20, sync_calls=10, host_calls=6) -> dict:
+def measure(fn, clear, b2b_calls=10, sync_calls=5, host_calls=5) -> dict:
     """`clear()` drops what a call leaves behind (gradients) before the memory baseline is taken."""
     fn()
     torch.cuda.synchronize()
@@ -213,10 +213,8 @@ def measure(fn, clear, b2b_calls=20, sync_calls=10, host_calls=6) -> dict:
     torch.cuda.synchronize()
     # back to back: one sync per 10 calls
     t0 = time.perf_counter()
-    for i in range(b2b_calls):
+    for _ in range(b2b_calls):
         fn()
-        if i % 10 == 9:
-            torch.cuda.synchronize()
     torch.cuda.synchronize()
     b2b_ms = (time.perf_counter() - t0) / b2b_calls * 1e3
     # synchronous per call
@@ -229,7 +227,7 @@ def measure(fn, clear, b2b_calls=20, sync_calls=10, host_calls=6) -> dict:
     sync_ms = statistics.median(times) * 1e3
     # host: time to issue calls while the GPU is still busy with a long queue of work ahead of them
     host = []
-    for _ in range(3):
+    for _ in range(2):
         torch.cuda._sleep(int(2e8))  # ~100+ ms of GPU time: the host never waits for the GPU below
         t0 = time.perf_counter()
         for _ in range(host_calls):
