@@ -389,8 +389,8 @@ def main(argv=None):
     paths = args.paths.split(",")
     compiled_models = set(args.compiled_models.split(","))
     gpu = torch.cuda.get_device_name()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip() or os.environ.get("FUSION_COMMIT", "unknown")
+    commit = os.environ.get("FUSION_COMMIT") or subprocess.run(  # FUSION_COMMIT: a copied tree has no history
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip() or "unknown"
     date = datetime.date.today().isoformat()
     rows: list[dict] = []
 
