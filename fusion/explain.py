@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from fusion.errors import OpArgumentError
 from fusion.graph import build_graph, op_nodes
 from fusion.matcher import dtype_name
 from fusion.plan import Plan, Step
@@ -45,7 +46,7 @@ def explain(seq, format: str = "text", dtype: torch.dtype | None = None, target:
     from fusion.planner import plan_for
 
     if format not in FORMATS:
-        raise ValueError(f"explain: format must be one of {FORMATS}, got {format!r}")
+        raise OpArgumentError(f"explain: format must be one of {FORMATS}, got {format!r}")
     if dtype is None:
         dtype, dtype_src = default_dtype(seq)
     else:

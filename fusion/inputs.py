@@ -16,11 +16,8 @@ import torch
 
 from fusion.errors import DeviceError, DTypeError, ExtraInputError, GroupSizesError, ShapeError
 from fusion.grouped import group_offsets
+from fusion.ops.args import INT_INPUTS, RESERVED_INPUTS
 from fusion.ops.base import RunContext
-
-#: Keyword inputs with a fixed meaning; an op may not read a float input of these names (nor call one "x").
-INT_INPUTS = ("group_sizes", "index")
-RESERVED = INT_INPUTS + ("x",)
 
 
 def _moe_structure(ops) -> bool:
@@ -50,9 +47,10 @@ class BlockInputs:
             for name in op.spec.extra_inputs:
                 self.readers.setdefault(name, f"op {i} {op.describe()}")
         for name, reader in self.readers.items():
-            if name == "x" or (name in INT_INPUTS and reader_kind(self.ops, name) == "float"):
+            if name in RESERVED_INPUTS and (name not in INT_INPUTS or reader_kind(self.ops, name) == "float"):
+                use = {"x": "the data input", "self": "the module itself"}.get(name, "its " + name)
                 raise ExtraInputError(f"{reader} reads a keyword input named {name!r}, which the block call "
-                                      f"already uses for {'the data input' if name == 'x' else 'its ' + name}; "
+                                      f"already uses for {use}; "
                                       f"give it another name, e.g. Scale(name='probs')")
         self.names = frozenset(self.readers)
         self.floats = tuple(n for n in self.readers if n not in INT_INPUTS)
