@@ -154,8 +154,10 @@ def _check_group_sizes(num_groups: list, group_sizes, x: torch.Tensor, host: boo
             raise GroupSizesError(f"group_sizes sums to {total} but x has {rows} rows; every row must belong to "
                                   f"exactly one group")
     else:
-        ok = (group_sizes.sum() == rows) & (group_sizes.min() >= 0)  # numel() >= 1: num_groups > 0
-        torch._assert_async(ok, "fusion: group_sizes must be >= 0 and sum to x.shape[0]")
+        # numel() >= 1 (num_groups > 0). Each size in [0, rows] as well as the sum: int64 sums wrap, so sizes
+        # of 2**62 could sum to `rows`.
+        ok = (group_sizes.sum() == rows) & (group_sizes.min() >= 0) & (group_sizes.max() <= rows)
+        torch._assert_async(ok, "fusion: group_sizes must be in [0, x.shape[0]] and sum to x.shape[0]")
     return group_sizes
 
 
@@ -170,9 +172,9 @@ def _check_padding_rows(group_sizes: torch.Tensor, index: torch.Tensor, rows: in
     past_sum = torch.arange(rows, device=index.device) >= total
     stray = (past_sum & (index >= 0)).any()
     if not host:
-        ok = (total <= rows) & ~stray & (group_sizes >= 0).all()
-        torch._assert_async(ok, "fusion: group_sizes must be >= 0 and sum to at most index.numel(), and rows "
-                                "past the sum must have index -1")
+        ok = (total <= rows) & ~stray & ((group_sizes >= 0) & (group_sizes <= rows)).all()  # no int64 wrap
+        torch._assert_async(ok, "fusion: group_sizes must be in [0, index.numel()] and sum to at most "
+                                "index.numel(), and rows past the sum must have index -1")
         return
     if int(total) > rows:
         raise GroupSizesError(f"group_sizes sums to {int(total)} but index has {rows} routed rows; the sizes "

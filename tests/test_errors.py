@@ -119,3 +119,46 @@ def test_other_user_facing_errors_are_fusion_errors():
     definition = Activation("gptoss_swiglu").definition
     with pytest.raises(FusionError, match="has no parameter"):
         definition.forward(torch.randn(2), torch.randn(2), limt=1.0)
+
+
+# -- extra inputs ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["auto", "reference", "emulate"])
+@pytest.mark.parametrize("scale_last", [False, True])
+@pytest.mark.parametrize("scale_dtype", [torch.float64, torch.float32, torch.float16])
+def test_float_extra_of_another_dtype_is_a_clear_error(backend, scale_last, scale_dtype):
+    """A bf16 block's `scale` in float64/float32/float16: a DTypeError naming the input and the fix, never a
+    torch message from inside grouped.py nor an output silently promoted to float32 (Scale last)."""
+    ops = [GroupLinear(2, 8, 16), SwiGLU(), Scale()] + ([] if scale_last else [GroupLinear(2, 8, 8)])
+    mlp = Sequential(*ops, backend=backend).to(torch.bfloat16)
+    x = torch.randn(6, 8, dtype=torch.bfloat16)
+    with pytest.raises(fusion.DTypeError, match=r"'scale' has dtype .* but x has torch.bfloat16.*scale.to"):
+        mlp(x, group_sizes=torch.tensor([2, 4]), scale=torch.rand(6, dtype=scale_dtype))
+    assert mlp(x, group_sizes=torch.tensor([2, 4]), scale=torch.rand(6, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_group_sizes_whose_int64_sum_wraps_are_rejected(host):
+    """Sizes of 2**62 wrap an int64 sum around to x.shape[0]; each size must lie in [0, rows] as well. `host`:
+    checked on the host (CPU, backend='reference'), or by device asserts (torch.compile, CUDA graphs)."""
+    x = torch.randn(6, 8)
+    sizes = torch.tensor([2 ** 62, 2 ** 62, 2 ** 62, 2 ** 62 + 6])
+    assert int(sizes.sum()) == 6  # the wrap the check must not be fooled by
+    mlp = Sequential(GroupLinear(4, 8, 8))
+    with pytest.raises((fusion.GroupSizesError, RuntimeError)) as ei:
+        mlp.inputs.context(x, {"group_sizes": sizes}, check_sum=host, host=host)
+    if host:
+        assert isinstance(ei.value, fusion.GroupSizesError) and "larger than x's 6 rows" in str(ei.value)
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_routed_group_sizes_whose_int64_sum_wraps_are_rejected(host):
+    """The same after a Gather, where the sizes may sum to less than the routed rows."""
+    from fusion import Combine, Gather
+
+    x = torch.randn(3, 8)
+    mlp = Sequential(Gather(), GroupLinear(5, 8, 8), Combine())
+    index = torch.tensor([0, 1, 2, 0])
+    sizes = torch.tensor([2 ** 62] * 4 + [4])
+    assert int(sizes.sum()) == 4  # wraps to exactly the 4 routed rows: no row past the sum
+    with pytest.raises((fusion.GroupSizesError, RuntimeError)):
+        mlp.inputs.context(x, {"group_sizes": sizes, "index": index}, check_sum=host, host=host)
