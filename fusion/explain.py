@@ -143,6 +143,9 @@ def to_text(seq, plan: Plan, dtype_src: str = "given", target_src: str = "given"
         out.append(f"note: {note}")
     if plan.reason:
         out.append(f"nothing fused: {plan.reason}")
+    if backend == "reference":
+        out.append("every op runs its reference (unfused) path, forward and backward, on every device: the block "
+                   "was built with backend='reference' (backend='auto' runs matched patterns as fused kernels)")
     out.append("")
     out.append("ops (M = rows of x):")
     width = max(len(o.description) for o in plan.ops)

@@ -95,7 +95,8 @@ class Sequential(torch.nn.Module):
         return explain(self, format=format, dtype=dtype, target=target)
 
     def compile(self, dtype: torch.dtype = torch.bfloat16, target: str = "sm_90a"):
-        """Compile every fused kernel of the plan ahead of time (no GPU needed); returns the kernels."""
+        """Compile every fused kernel of the plan ahead of time (no GPU needed); returns the kernels (none, with
+        a warning, for backend="reference": such a block never launches one)."""
         from fusion.runtime.compile import compile_plan
 
         return compile_plan(self, dtype=dtype, target=target)
