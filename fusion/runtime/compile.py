@@ -206,13 +206,6 @@ def _progress(total: int, enabled: bool):
 def compile_plan(seq, dtype: torch.dtype = torch.bfloat16, target: str = "sm_90a", parallel: int | None = None,
                  progress: bool = True) -> list[CompiledKernel]:
     """Sequential.compile: every fused kernel of the plan for (dtype, target), compiled ahead of time."""
-    if getattr(seq, "backend", "auto") == "reference":  # it never launches a kernel: compile nothing, say so
-        import warnings
-
-        warnings.warn("fusion: compile() of a block built with backend='reference' compiles nothing: every op "
-                      "runs its reference (unfused) path; build it with backend='auto' to run fused kernels",
-                      stacklevel=3)
-        return []
     if target not in ("sm_90a",):
         from fusion.errors import CompileError
 
