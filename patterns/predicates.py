@@ -101,7 +101,8 @@ def check_predicate(expr, error) -> None:
             raise error(e.loc, f"predicates cannot call functions ('{e.fn}'); use attributes, numbers, strings, "
                                f"booleans, arithmetic, comparisons, and/or/not and `in (...)`")
         if isinstance(e, A.EBinary) and e.op == "**" and isinstance(e.rhs, A.ENum):
-            problem = power_problem(None, e.rhs.value)
+            exponent = e.rhs.value
+            problem = power_problem(None, int(exponent) if float(exponent).is_integer() else exponent)
             if problem:
                 raise error(e.rhs.loc, problem)
         stack.extend(getattr(e, f) for f in ("operand", "lhs", "rhs") if hasattr(e, f))

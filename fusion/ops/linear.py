@@ -49,7 +49,7 @@ class GroupLinear(Op):
                  device=None, dtype=None, weight_format=None):
         super().__init__()
         op = type(self).__name__
-        num_groups = positive_int(op, "num_groups", num_groups, "the number of groups (experts)")
+        num_groups = positive_int(op, "num_groups", num_groups, "the number of groups, e.g. experts")
         in_features = positive_int(op, "in_features", in_features)
         out_features = positive_int(op, "out_features", out_features)
         bias = flag(op, "bias", bias)
