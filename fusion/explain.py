@@ -55,8 +55,9 @@ def explain(seq, format: str = "text", dtype: torch.dtype | None = None, target:
         target, target_src = DEFAULT_TARGET, "default; pass target= to change"
     else:
         target_src = "given"
-    plan = plan_for(seq, dtype=dtype, target=target, patterns=patterns)
-    ctx = dict(dtype_src=dtype_src, target_src=target_src, backend=getattr(seq, "backend", "auto"))
+    backend = getattr(seq, "backend", "auto")
+    plan = plan_for(seq, dtype=dtype, target=target, patterns=patterns, backend=backend)
+    ctx = dict(dtype_src=dtype_src, target_src=target_src, backend=backend)
     if format == "json":
         return json.dumps(to_json(seq, plan, **ctx), indent=2)
     if format == "dot":

@@ -64,14 +64,16 @@ def normalize_target(target) -> str | None:
 
 
 # -- public entry points ------------------------------------------------------------------------------------------
-def plan_for(seq, dtype=torch.bfloat16, target: str | None = "sm_90", patterns: Sequence | None = None) -> Plan:
+def plan_for(seq, dtype=torch.bfloat16, target: str | None = "sm_90", patterns: Sequence | None = None,
+             backend: str | None = None) -> Plan:
     """The plan of `seq` at `dtype` on `target` ("sm_90", "sm_90a"...; None/"cpu": nothing fused), computed on
-    any machine. `patterns`: a list of FusionPattern to use instead of the registry's library. A block built
-    with backend="reference" runs every op unfused wherever it runs, and its plan says so (explain() and
-    compile() must not promise kernels that never launch)."""
+    any machine. `patterns`: a list of FusionPattern to use instead of the registry's library. `backend`: the
+    block's backend when the plan is to describe what the block will run (explain(), Sequential.plan()): with
+    "reference" every op runs unfused wherever the block runs, and the plan says so rather than promise
+    kernels that never launch. None (the default) plans for the target whatever the block's backend."""
     target = normalize_target(target)
     lib, note = _library(patterns)
-    if getattr(seq, "backend", "auto") == "reference":
+    if backend == "reference":
         reason = REFERENCE_REASON
     else:
         reason = "no fused kernels on cpu" if target is None else None

@@ -83,10 +83,11 @@ class Sequential(torch.nn.Module):
 
     # -- planning -------------------------------------------------------------------------------------
     def plan(self, dtype: torch.dtype = torch.bfloat16, target: str = "sm_90"):
-        """The fusion plan for this block at `dtype` on `target` (computable on any machine)."""
+        """The fusion plan for this block at `dtype` on `target` (computable on any machine); with
+        backend="reference" nothing is fused, and the plan says why."""
         from fusion.planner import plan_for
 
-        return plan_for(self, dtype=dtype, target=target)
+        return plan_for(self, dtype=dtype, target=target, backend=self.backend)
 
     def explain(self, format: str = "text", dtype: torch.dtype | None = None, target: str | None = None) -> str:
         """What the plan launches, forward and backward, and why anything was left unfused."""
