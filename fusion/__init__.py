@@ -37,7 +37,7 @@ def _map_source_checkout() -> None:
 _map_source_checkout()
 
 from fusion.errors import (CompileError, DeviceError, DTypeError, ExtraInputError, FallbackError, FusionError,
-                           GroupSizesError, PatternError, ShapeError)
+                           GroupSizesError, OpArgumentError, PatternError, ShapeError)
 from fusion.ops import (Activation, Bias, Clamp, Combine, Gather, GeGLU, GroupLinear, Linear, QuantizeFP8Block,
                         QuantizeMXFP8, QuantizeNVFP4, Scale, SReLU, SwiGLU)
 from fusion.sequential import Sequential
@@ -57,4 +57,4 @@ def load_patterns(path):
 __all__ = ["Sequential", "GroupLinear", "Linear", "SwiGLU", "GeGLU", "SReLU", "Activation", "Clamp", "Scale",
            "Bias", "QuantizeMXFP8", "QuantizeNVFP4", "QuantizeFP8Block", "Gather", "Combine", "MoE", "moe",
            "load_patterns", "FusionError", "ShapeError", "DTypeError", "DeviceError", "ExtraInputError",
-           "GroupSizesError", "FallbackError", "PatternError", "CompileError"]
+           "GroupSizesError", "FallbackError", "PatternError", "CompileError", "OpArgumentError"]

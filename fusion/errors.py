@@ -8,6 +8,15 @@ class FusionError(Exception):
     """Base of every error fusion raises on purpose."""
 
 
+class OpArgumentError(FusionError, ValueError, TypeError):
+    """An op, a Sequential or one of their methods was given an argument it cannot take (wrong type, not a
+    finite number, not a positive size, an unknown name); the message names the op, the argument and the fix.
+
+    Both a ValueError and a TypeError: Python raises either for a bad argument, and code that caught the one
+    these checks used to raise still catches them.
+    """
+
+
 class ShapeError(FusionError, ValueError):
     """A tensor or op has a shape the next op cannot take."""
 

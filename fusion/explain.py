@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from fusion.errors import OpArgumentError
 from fusion.graph import build_graph, op_nodes
 from fusion.matcher import dtype_name
 from fusion.plan import Plan, Step
@@ -45,7 +46,7 @@ def explain(seq, format: str = "text", dtype: torch.dtype | None = None, target:
     from fusion.planner import plan_for
 
     if format not in FORMATS:
-        raise ValueError(f"explain: format must be one of {FORMATS}, got {format!r}")
+        raise OpArgumentError(f"explain: format must be one of {FORMATS}, got {format!r}")
     if dtype is None:
         dtype, dtype_src = default_dtype(seq)
     else:
@@ -54,8 +55,9 @@ def explain(seq, format: str = "text", dtype: torch.dtype | None = None, target:
         target, target_src = DEFAULT_TARGET, "default; pass target= to change"
     else:
         target_src = "given"
-    plan = plan_for(seq, dtype=dtype, target=target, patterns=patterns)
-    ctx = dict(dtype_src=dtype_src, target_src=target_src, backend=getattr(seq, "backend", "auto"))
+    backend = getattr(seq, "backend", "auto")
+    plan = plan_for(seq, dtype=dtype, target=target, patterns=patterns, backend=backend)
+    ctx = dict(dtype_src=dtype_src, target_src=target_src, backend=backend)
     if format == "json":
         return json.dumps(to_json(seq, plan, **ctx), indent=2)
     if format == "dot":
@@ -156,6 +158,9 @@ def to_text(seq, plan: Plan, dtype_src: str = "given", target_src: str = "given"
         out.append(f"note: {note}")
     if plan.reason:
         out.append(f"nothing fused: {plan.reason}")
+    if backend == "reference":
+        out.append("every op runs its reference (unfused) path, forward and backward, on every device: the block "
+                   "was built with backend='reference' (backend='auto' runs matched patterns as fused kernels)")
     out.append("")
     out.append(_ROWS_HEADER[_is_moe(plan)])
     width = max(len(o.description) for o in plan.ops)

@@ -16,11 +16,8 @@ import torch
 
 from fusion.errors import DeviceError, DTypeError, ExtraInputError, GroupSizesError, ShapeError
 from fusion.grouped import group_offsets
+from fusion.ops.args import INT_INPUTS, RESERVED_INPUTS
 from fusion.ops.base import RunContext
-
-#: Keyword inputs with a fixed meaning; an op may not read a float input of these names (nor call one "x").
-INT_INPUTS = ("group_sizes", "index")
-RESERVED = INT_INPUTS + ("x",)
 
 
 def _moe_structure(ops) -> bool:
@@ -50,9 +47,10 @@ class BlockInputs:
             for name in op.spec.extra_inputs:
                 self.readers.setdefault(name, f"op {i} {op.describe()}")
         for name, reader in self.readers.items():
-            if name == "x" or (name in INT_INPUTS and reader_kind(self.ops, name) == "float"):
+            if name in RESERVED_INPUTS and (name not in INT_INPUTS or reader_kind(self.ops, name) == "float"):
+                use = {"x": "the data input", "self": "the module itself"}.get(name, "its " + name)
                 raise ExtraInputError(f"{reader} reads a keyword input named {name!r}, which the block call "
-                                      f"already uses for {'the data input' if name == 'x' else 'its ' + name}; "
+                                      f"already uses for {use}; "
                                       f"give it another name, e.g. Scale(name='probs')")
         self.names = frozenset(self.readers)
         self.floats = tuple(n for n in self.readers if n not in INT_INPUTS)
@@ -156,8 +154,10 @@ def _check_group_sizes(num_groups: list, group_sizes, x: torch.Tensor, host: boo
             raise GroupSizesError(f"group_sizes sums to {total} but x has {rows} rows; every row must belong to "
                                   f"exactly one group")
     else:
-        ok = (group_sizes.sum() == rows) & (group_sizes.min() >= 0)  # numel() >= 1: num_groups > 0
-        torch._assert_async(ok, "fusion: group_sizes must be >= 0 and sum to x.shape[0]")
+        # numel() >= 1 (num_groups > 0). Each size in [0, rows] as well as the sum: int64 sums wrap, so sizes
+        # of 2**62 could sum to `rows`.
+        ok = (group_sizes.sum() == rows) & (group_sizes.min() >= 0) & (group_sizes.max() <= rows)
+        torch._assert_async(ok, "fusion: group_sizes must be in [0, x.shape[0]] and sum to x.shape[0]")
     return group_sizes
 
 
@@ -172,9 +172,9 @@ def _check_padding_rows(group_sizes: torch.Tensor, index: torch.Tensor, rows: in
     past_sum = torch.arange(rows, device=index.device) >= total
     stray = (past_sum & (index >= 0)).any()
     if not host:
-        ok = (total <= rows) & ~stray & (group_sizes >= 0).all()
-        torch._assert_async(ok, "fusion: group_sizes must be >= 0 and sum to at most index.numel(), and rows "
-                                "past the sum must have index -1")
+        ok = (total <= rows) & ~stray & ((group_sizes >= 0) & (group_sizes <= rows)).all()  # no int64 wrap
+        torch._assert_async(ok, "fusion: group_sizes must be in [0, index.numel()] and sum to at most "
+                                "index.numel(), and rows past the sum must have index -1")
         return
     if int(total) > rows:
         raise GroupSizesError(f"group_sizes sums to {int(total)} but index has {rows} routed rows; the sizes "

@@ -28,6 +28,8 @@ _LOCK = threading.Lock()
 _GEMM_PARTS = ("dgrad", "wgrad")
 #: The target whose plan backend="emulate" runs.
 EMULATED_TARGET = "sm_90"
+#: The plan's reason (no pattern tried) for a block built with backend="reference".
+REFERENCE_REASON = "backend='reference'"
 
 
 def clear_cache() -> None:
@@ -63,12 +65,19 @@ def normalize_target(target) -> str | None:
 
 
 # -- public entry points ------------------------------------------------------------------------------------------
-def plan_for(seq, dtype=torch.bfloat16, target: str | None = "sm_90", patterns: Sequence | None = None) -> Plan:
+def plan_for(seq, dtype=torch.bfloat16, target: str | None = "sm_90", patterns: Sequence | None = None,
+             backend: str | None = None) -> Plan:
     """The plan of `seq` at `dtype` on `target` ("sm_90", "sm_90a"...; None/"cpu": nothing fused), computed on
-    any machine. `patterns`: a list of FusionPattern to use instead of the registry's library."""
+    any machine. `patterns`: a list of FusionPattern to use instead of the registry's library. `backend`: the
+    block's backend when the plan is to describe what the block will run (explain(), Sequential.plan()): with
+    "reference" every op runs unfused wherever the block runs, and the plan says so rather than promise
+    kernels that never launch. None (the default) plans for the target whatever the block's backend."""
     target = normalize_target(target)
     lib, note = _library(patterns)
-    reason = "no fused kernels on cpu" if target is None else None
+    if backend == "reference":
+        reason = REFERENCE_REASON
+    else:
+        reason = "no fused kernels on cpu" if target is None else None
     return _cached(seq, dtype_name(dtype), target, lib, note, reason)
 
 
@@ -87,7 +96,7 @@ def plan_for_run(seq, x: torch.Tensor, patterns: Sequence | None = None) -> Plan
         dtype = dtype if dtype in ("bfloat16", "float16") else "bfloat16"
     lib, note = _library(patterns)
     if backend == "reference":
-        plan = _cached(seq, dtype, target, lib, note, "backend='reference'")
+        plan = _cached(seq, dtype, target, lib, note, REFERENCE_REASON)
     elif target is None:
         plan = _cached(seq, dtype, None, lib, note, f"no fused kernels on {x.device.type}")
     else:

@@ -5,7 +5,7 @@ from typing import Iterable
 
 import torch
 
-from fusion.errors import ShapeError
+from fusion.errors import OpArgumentError, ShapeError
 from fusion.inputs import BlockInputs, make_context  # noqa: F401 - make_context: for callers of one op list
 from fusion.ops.base import Op
 from fusion.shapes import feature_chain
@@ -27,14 +27,16 @@ class Sequential(torch.nn.Module):
         if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
             ops = tuple(ops[0])
         if not ops:
-            raise ValueError("Sequential needs at least one op")
+            raise OpArgumentError("Sequential needs at least one op, e.g. Sequential(GroupLinear(E, d, 2 * f), "
+                                  "SwiGLU(), GroupLinear(E, f, d))")
         for i, op in enumerate(ops):
             if not isinstance(op, Op):
-                raise TypeError(f"Sequential: argument {i} is {type(op).__name__}, not a fusion op; use the ops "
-                                f"of fusion (GroupLinear, SwiGLU, Scale, ...)")
+                raise OpArgumentError(f"Sequential: argument {i} is {type(op).__name__}, not a fusion op; use "
+                                      f"the ops of fusion (GroupLinear, SwiGLU, Scale, ...)")
             self.add_module(str(i), op)
         if backend not in BACKENDS:
-            raise ValueError(f"Sequential: backend must be one of {BACKENDS}, got {backend!r}")
+            raise OpArgumentError(f"Sequential: backend must be one of {BACKENDS}, got {backend!r}; 'auto' (the "
+                                  f"default) fuses where it can")
         self.backend = backend
         groups = {op.spec.attrs["num_groups"] for op in ops if "group_sizes" in op.spec.extra_inputs}
         if len(groups) > 1:
@@ -81,10 +83,11 @@ class Sequential(torch.nn.Module):
 
     # -- planning -------------------------------------------------------------------------------------
     def plan(self, dtype: torch.dtype = torch.bfloat16, target: str = "sm_90"):
-        """The fusion plan for this block at `dtype` on `target` (computable on any machine)."""
+        """The fusion plan for this block at `dtype` on `target` (computable on any machine); with
+        backend="reference" nothing is fused, and the plan says why."""
         from fusion.planner import plan_for
 
-        return plan_for(self, dtype=dtype, target=target)
+        return plan_for(self, dtype=dtype, target=target, backend=self.backend)
 
     def explain(self, format: str = "text", dtype: torch.dtype | None = None, target: str | None = None) -> str:
         """What the plan launches, forward and backward, and why anything was left unfused."""
@@ -93,7 +96,15 @@ class Sequential(torch.nn.Module):
         return explain(self, format=format, dtype=dtype, target=target)
 
     def compile(self, dtype: torch.dtype = torch.bfloat16, target: str = "sm_90a"):
-        """Compile every fused kernel of the plan ahead of time (no GPU needed); returns the kernels."""
+        """Compile every fused kernel of the plan ahead of time (no GPU needed); returns the kernels (none, with
+        a warning, for backend="reference": such a block never launches one)."""
+        if self.backend == "reference":
+            import warnings
+
+            warnings.warn("fusion: compile() of a block built with backend='reference' compiles nothing: every "
+                          "op runs its reference (unfused) path; build it with backend='auto' to run fused "
+                          "kernels", stacklevel=2)
+            return []
         from fusion.runtime.compile import compile_plan
 
         return compile_plan(self, dtype=dtype, target=target)

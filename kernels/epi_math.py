@@ -94,12 +94,27 @@ def where(cond, a, b):
     return cutlass.select_(cond, _f(a), _f(b))
 
 
+#: Integer exponents up to this magnitude are multiplied out (as fusion/runtime/torch_math.py does).
+POW_UNROLL = 64
+
+
 def pow_const(x, p: float):
-    """x ** p for a Python constant p (integer powers unrolled)."""
+    """x ** p for a Python constant p.
+
+    An integer p of either sign is exact for negative x too (the reference is finite there): |p| <= POW_UNROLL
+    is unrolled into multiplications (a reciprocal for p < 0), a larger one is |x| ** p through exp2/log with
+    the sign of x restored for odd p. Only a fractional p goes through exp2(p * log2(x)): NaN for x < 0, as
+    in the reference.
+    """
     x = _f(x)
-    if float(p).is_integer() and 0 <= p <= 8:
-        r = Float32(1.0)
-        for _ in range(int(p)):
-            r = r * x
-        return r
-    return exp2(log(x) * (float(p) / _m.log(2.0)) * _m.log(2.0) / _m.log(2.0))
+    p = float(p)
+    if p.is_integer():
+        n = int(-p if p < 0 else p)
+        if n <= POW_UNROLL:
+            r = Float32(1.0)
+            for _ in range(n):
+                r = r * x
+            return rcp(r) if p < 0 else r
+        magnitude = exp2(log(abs(x)) * (p / _m.log(2.0)))
+        return where(x < 0.0, -magnitude, magnitude) if n % 2 else magnitude
+    return exp2(log(x) * (p / _m.log(2.0)))

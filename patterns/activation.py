@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fusion.errors import ShapeError
+from fusion.errors import OpArgumentError, ShapeError
 from fusion.patterns.ast import SourceLoc
 from fusion.symbolic import Expr, cse, evaluate, to_source
 from fusion.symbolic.source import format_number
@@ -55,7 +55,7 @@ class ActivationDef:
         unknown = sorted(set(overrides) - set(defaults))
         if unknown:
             known = ", ".join(defaults) or "none"
-            raise TypeError(f"activation {self.name!r} has no parameter(s) {unknown}; its parameters: {known}")
+            raise OpArgumentError(f"activation {self.name!r} has no parameter(s) {unknown}; its parameters: {known}")
         return {**defaults, **overrides}
 
     def expressions(self) -> tuple[list[tuple[str, Expr]], list[Expr]]:
@@ -79,8 +79,8 @@ class ActivationDef:
     # ------------------------------------------------------------------ torch
     def _env(self, tensors, params) -> dict:
         if len(tensors) != len(self.args):
-            raise TypeError(f"activation {self.name!r} takes {len(self.args)} argument(s) "
-                            f"({', '.join(self.args)}), got {len(tensors)}")
+            raise OpArgumentError(f"activation {self.name!r} takes {len(self.args)} argument(s) "
+                                  f"({', '.join(self.args)}), got {len(tensors)}")
         env = dict(self.param_values(**params))
         env.update(zip(self.args, tensors))
         return env

@@ -7,14 +7,17 @@ declared earlier (in this file or a file loaded before); a name declared twice i
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 from fusion.patterns import ast as A
 from fusion.patterns.activation import DY, ActivationDef
 from fusion.patterns.diagnostics import did_you_mean, make_error
+from fusion.patterns.limits import MAX_EXPRESSION_DEPTH, expr_depth
+from fusion.patterns.predicates import check_predicate
 from fusion.symbolic import (
-    BinOp, Call, FUNCTIONS, Expr, Neg, Num, Param, Var, gradient, is_constant, simplify,
+    BinOp, Call, FUNCTIONS, Expr, Neg, Num, Param, Var, evaluate, gradient, is_constant, simplify,
     substitute,
 )
 
@@ -137,13 +140,27 @@ def _to_expr(e, scope: _Scope, acts: dict[str, ActivationDef], allow_dy: bool) -
 
 
 def _constant_value(e, ctx: _Ctx, what: str) -> float:
-    """A parameter default: numbers, arithmetic and functions of numbers."""
+    """A parameter default: numbers, arithmetic and functions of numbers, with a finite value."""
     dummy = A.ActivationDecl("", (), (), (), e.loc)
     scope = _Scope(dummy, ctx)
-    expr = simplify(_to_expr(e, scope, {}, allow_dy=False))
-    if not isinstance(expr, Num):
-        raise ctx.error(e.loc, f"{what} must be a constant number")  # pragma: no cover - unknown names raise first
-    return expr.value
+    expr = simplify(_to_expr(e, scope, {}, allow_dy=False))  # unknown names (not constants) raise here
+    if isinstance(expr, Num) and math.isfinite(expr.value):
+        return expr.value
+    value = float(evaluate(expr, {}))  # the folding left it (or made inf): what is it?
+    if math.isinf(value):
+        raise ctx.error(e.loc, f"{what} overflows: it evaluates to {value}, beyond float64's range (about "
+                               f"1.8e308), or divides by zero")
+    raise ctx.error(e.loc, f"{what} is not a real number: it evaluates to {value}")
+
+
+def _check_depth(expr: Expr, cache: dict, ctx: _Ctx, loc: A.SourceLoc, what: str) -> Expr:
+    """`expr` (lets and called activations expanded) nests at most MAX_EXPRESSION_DEPTH levels."""
+    depth = expr_depth(expr, cache)
+    if depth > MAX_EXPRESSION_DEPTH:
+        raise ctx.error(loc, f"{what}, with the lets and activations it uses expanded, is nested {depth} levels "
+                             f"deep; the limit is {MAX_EXPRESSION_DEPTH}",
+                        expected="a shallower expression (docs/pattern-language.md, Limits)")
+    return expr
 
 
 def _activation(decl: A.ActivationDecl, ctx: _Ctx, acts: dict[str, ActivationDef], builtin: bool) -> ActivationDef:
@@ -183,6 +200,7 @@ def _activation(decl: A.ActivationDecl, ctx: _Ctx, acts: dict[str, ActivationDef
             scope.later_lets.setdefault(s.name, s.loc)
 
     lets, forward, grads = [], None, {}
+    depths: dict = {}  # expression node -> depth, shared by this declaration's checks
     grad_stmts: list[A.GradStmt] = []
     for s in decl.body:
         if isinstance(s, A.LetStmt):
@@ -190,7 +208,8 @@ def _activation(decl: A.ActivationDecl, ctx: _Ctx, acts: dict[str, ActivationDef
             if s.name in defined:  # report the duplicate before evaluating a self-reference
                 first = defined[s.name]
                 raise ctx.error(s.loc, f"'{s.name}' is already defined (line {first.line}, column {first.column})")
-            value = _to_expr(s.expr, scope, acts, allow_dy=False)
+            value = _check_depth(_to_expr(s.expr, scope, acts, allow_dy=False), depths, ctx, s.loc,
+                                 f"let '{s.name}'")
             scope.current_let = None
             scope.later_lets.pop(s.name, None)
             define(s.name, s.loc, "let", value)
@@ -199,7 +218,8 @@ def _activation(decl: A.ActivationDecl, ctx: _Ctx, acts: dict[str, ActivationDef
             if forward is not None:
                 raise ctx.error(s.loc, f"activation '{decl.name}' has a second `forward = ...` "
                                        f"(the first is at line {forward[1].line})")
-            forward = (_to_expr(s.expr, scope, acts, allow_dy=False), s.loc)
+            forward = (_check_depth(_to_expr(s.expr, scope, acts, allow_dy=False), depths, ctx, s.loc,
+                                    "the forward"), s.loc)
         else:
             grad_stmts.append(s)
             if s.arg not in [a.name for a in decl.args]:
@@ -208,7 +228,8 @@ def _activation(decl: A.ActivationDecl, ctx: _Ctx, acts: dict[str, ActivationDef
                                                     f"'{decl.name}'", expected=f"one of its arguments: {args}")
             if s.arg in grads:
                 raise ctx.error(s.loc, f"a second grad({s.arg}) in activation '{decl.name}'")
-            grads[s.arg] = _to_expr(s.expr, scope, acts, allow_dy=True)
+            grads[s.arg] = _check_depth(_to_expr(s.expr, scope, acts, allow_dy=True), depths, ctx, s.loc,
+                                        f"grad({s.arg})")
     if forward is None:
         raise ctx.error(name_loc, f"activation '{decl.name}' has no `forward = ...`")
     fwd = forward[0]
@@ -218,26 +239,13 @@ def _activation(decl: A.ActivationDecl, ctx: _Ctx, acts: dict[str, ActivationDef
         if a in grads:
             grad_exprs[a], given[a] = grads[a], True
         else:
-            grad_exprs[a], given[a] = gradient(fwd, a), False
+            grad_exprs[a], given[a] = _check_depth(gradient(fwd, a), depths, ctx, forward[1],
+                                                   f"the derived gradient of '{a}'"), False
     return ActivationDef(decl.name, arg_names, tuple(params), fwd, grad_exprs, decl.loc, tuple(lets), given,
                          builtin)
 
 
 # ===================================================================================================== fusions
-_PRED_FORBIDDEN = (A.ECall,)
-
-
-def _check_predicate(e, ctx: _Ctx) -> None:
-    if isinstance(e, A.ECall):
-        raise ctx.error(e.loc, f"predicates cannot call functions ('{e.fn}'); use attributes, numbers, "
-                               f"strings, booleans, arithmetic, comparisons, and/or/not and `in (...)`")
-    for f in ("operand", "lhs", "rhs"):
-        if hasattr(e, f):
-            _check_predicate(getattr(e, f), ctx)
-    for c in getattr(e, "choices", ()):
-        _check_predicate(c, ctx)
-
-
 def _arch(item: A.FieldItem, ctx: _Ctx) -> tuple[int | None, int | None]:
     v = item.values[0]
     m = _ARCH_RE.match(str(v.value)) if v.kind == "name" else None
@@ -313,7 +321,7 @@ def _fusion(decl: A.FusionDecl, ctx: _Ctx, builtin: bool) -> A.FusionPattern:
                                 expected="an op name (" + ", ".join(names) + ") or kind (" +
                                          ", ".join(OP_KINDS) + ")")
         for p in el.where:
-            _check_predicate(p.expr, ctx)
+            check_predicate(p.expr, ctx.error)
 
     direction = "forward"
     if "direction" in fields:
@@ -446,23 +454,17 @@ def _redefined(what: str, name: str, loc: A.SourceLoc, builtin: bool) -> str:
             f"names are global across loaded files: pick another name")
 
 
-def _expression_from_source(text, args, params, allow_dy, activations, filename):
+def expression_from_source(text: str, args=("x",), params: dict | None = None, allow_dy: bool = True,
+                           activations: dict | None = None, filename: str = "<expr>") -> Expr:
+    """Parse one activation expression to a fusion.symbolic expression, with `args` as Vars and `params`
+    (name -> default) as Params in scope (and `dy` when allow_dy). The inverse of fusion.symbolic.to_source."""
     from fusion.patterns.parser import parse_expression
 
     e = parse_expression(text, filename)
     pf = A.PatternFile(filename, "activation __expr__(__x__) { forward =\n" + text + "\n}", ())
-    ctx = _Ctx(pf)
-    decl = A.ActivationDecl("__expr__", (), (), (), A.SourceLoc(filename, 1, 1))
-    scope = _Scope(decl, ctx)
+    scope = _Scope(A.ActivationDecl("__expr__", (), (), (), A.SourceLoc(filename, 1, 1)), _Ctx(pf))
     for a in args:
         scope.names[a] = Var(a)
     for n, d in (params or {}).items():
         scope.names[n] = Param(n, d)
     return _to_expr(e, scope, dict(activations or {}), allow_dy)
-
-
-def expression_from_source(text: str, args=("x",), params: dict | None = None, allow_dy: bool = True,
-                           activations: dict | None = None, filename: str = "<expr>") -> Expr:
-    """Parse one activation expression to a fusion.symbolic expression, with `args` as Vars and `params`
-    (name -> default) as Params in scope (and `dy` when allow_dy). The inverse of fusion.symbolic.to_source."""
-    return _expression_from_source(text, args, params, allow_dy, activations, filename)

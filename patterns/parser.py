@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -13,9 +14,11 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from fusion.errors import PatternError
 from fusion.patterns import ast as A
-from fusion.patterns.diagnostics import format_message
+from fusion.patterns.diagnostics import format_message, make_error
+from fusion.patterns.limits import MAX_EXPRESSION_DEPTH, too_deep
 
 GRAMMAR_PATH = Path(__file__).with_name("fpat.lark")
+BOM = "\ufeff"
 
 # Terminal names lark shows in `expected` sets -> what a user reads.
 _TERMINALS = {
@@ -291,7 +294,14 @@ class _ToAst(Transformer):
 
     def number(self, meta, ch):
         tok = ch[0]
-        return A.ENum(_number(tok), self._tok_loc(tok), _is_int_literal(str(tok)))
+        try:
+            value = _number(tok)
+        except OverflowError:  # an integer literal too long for a float
+            value = math.inf
+        if not math.isfinite(value):
+            raise make_error(self._tok_loc(tok), self.text, f"number {_shorten(str(tok))} overflows: it is beyond "
+                             f"float64's range (about 1.8e308)")
+        return A.ENum(value, self._tok_loc(tok), _is_int_literal(str(tok)))
 
     def string(self, meta, ch):
         return A.EStr(str(ch[0])[1:-1], self._tok_loc(ch[0]))
@@ -307,6 +317,10 @@ class _ToAst(Transformer):
 
     def call(self, meta, ch):
         return A.ECall(str(ch[0]), tuple(ch[1:]), self._tok_loc(ch[0]))
+
+
+def _shorten(s: str) -> str:
+    return s if len(s) <= 24 else f"{s[:10]}...{s[-10:]} ({len(s)} characters)"
 
 
 def _is_int_literal(s: str) -> bool:
@@ -379,10 +393,18 @@ def render_expression(e) -> str:
 
 
 def parse_text(text: str, filename: str = "<string>") -> A.PatternFile:
+    text = text[1:] if text.startswith(BOM) else text  # a UTF-8 byte-order mark, as some editors write
     try:
         tree = _lark().parse(text)
     except UnexpectedInput as e:
         raise _syntax_error(e, text, filename) from None
+    deep = too_deep(tree)  # before the (recursive) transformer walks the tree
+    if deep is not None:
+        root, depth = deep
+        raise make_error(A.SourceLoc(filename, root.meta.line, root.meta.column), text,
+                         f"expression nested {depth} levels deep; the limit is {MAX_EXPRESSION_DEPTH} (each "
+                         f"operator, call, name or number is a level: a sum of n terms is n deep)",
+                         expected="a shallower expression (docs/pattern-language.md, Limits)")
     try:
         decls = _ToAst(filename, text).transform(tree)
     except VisitError as e:  # pragma: no cover - transformer bugs surface as themselves
@@ -391,12 +413,23 @@ def parse_text(text: str, filename: str = "<string>") -> A.PatternFile:
 
 
 def parse_file(path) -> A.PatternFile:
+    """Read a .fpat file as UTF-8 (a byte-order mark is skipped); a file that is not UTF-8 is a PatternError
+    naming it and where the first bad byte is."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise PatternError(f"{path}: cannot read pattern file: {e.strerror or e}") from None
-    return parse_text(text, str(path))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        err = PatternError(f"{path}:{line}:{column}: the file is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                           f"offset {e.start}: {e.reason}); pattern files are UTF-8: save it as UTF-8")
+        err.file, err.line, err.column = str(path), line, column
+        raise err from None
+    return parse_text(text.replace("\r\n", "\n").replace("\r", "\n"), str(path))  # universal newlines
 
 
 def parse_expression(text: str, filename: str = "<expr>"):

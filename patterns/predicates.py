@@ -12,6 +12,7 @@ import operator
 from typing import Any, Mapping
 
 from fusion.patterns import ast as A
+from fusion.patterns.limits import power_problem
 
 
 class UnknownAttributeError(KeyError):
@@ -25,7 +26,8 @@ class UnknownAttributeError(KeyError):
 
 
 class PredicateTypeError(TypeError):
-    pass
+    """A predicate that cannot be evaluated on an op's attrs (wrong types, a division by zero, a power beyond
+    the limits); the matcher reports it as the reason the pattern does not apply."""
 
 
 _ARITH = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv, "%": operator.mod,
@@ -71,10 +73,15 @@ def _value(e, attrs: Mapping[str, Any]):
             return _CMP[e.op](a, b)
         if not (_is_number(a) and _is_number(b)):
             raise PredicateTypeError(f"{e.op} needs numbers, got {a!r} and {b!r}")
+        problem = power_problem(a, b) if e.op == "**" else None
+        if problem:
+            raise PredicateTypeError(problem)
         try:
             return _ARITH[e.op](a, b)
         except ZeroDivisionError:
             raise PredicateTypeError(f"division by zero in {a!r} {e.op} {b!r}") from None
+        except OverflowError:
+            raise PredicateTypeError(f"{a!r} {e.op} {b!r} overflows a float") from None
     if isinstance(e, A.ECall):
         raise PredicateTypeError(f"predicates cannot call functions ({e.fn})")
     raise PredicateTypeError(f"not a predicate expression: {e!r}")
@@ -82,6 +89,24 @@ def _value(e, attrs: Mapping[str, Any]):
 
 def _truth(v) -> bool:
     return bool(v)
+
+
+def check_predicate(expr, error) -> None:
+    """What a chain predicate may hold, checked when its file loads: no calls, and no literal exponent of `**`
+    beyond the limit. `error(loc, message)` makes the exception to raise (a PatternError at loc)."""
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, A.ECall):
+            raise error(e.loc, f"predicates cannot call functions ('{e.fn}'); use attributes, numbers, strings, "
+                               f"booleans, arithmetic, comparisons, and/or/not and `in (...)`")
+        if isinstance(e, A.EBinary) and e.op == "**" and isinstance(e.rhs, A.ENum):
+            exponent = e.rhs.value
+            problem = power_problem(None, int(exponent) if float(exponent).is_integer() else exponent)
+            if problem:
+                raise error(e.rhs.loc, problem)
+        stack.extend(getattr(e, f) for f in ("operand", "lhs", "rhs") if hasattr(e, f))
+        stack.extend(getattr(e, "choices", ()))
 
 
 def evaluate_predicate(expr, attrs: Mapping[str, Any]):

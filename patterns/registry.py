@@ -19,7 +19,7 @@ import os
 import threading
 from pathlib import Path
 
-from fusion.errors import PatternError
+from fusion.errors import FusionError, PatternError
 from fusion.patterns.activation import ActivationDef
 from fusion.patterns.ast import FusionPattern
 from fusion.patterns.loader import load_ast
@@ -29,7 +29,10 @@ BUILTIN_DIR = Path(__file__).resolve().parent
 ENV_VAR = "FUSION_PATTERNS"
 
 
-class UnknownActivationError(KeyError):
+class UnknownActivationError(FusionError, KeyError):
+    """Activation(name) or get_activation(name) for a name no loaded .fpat file declares. A FusionError, and a
+    KeyError as a failed registry lookup always was."""
+
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 

@@ -131,3 +131,34 @@ def test_dot_clusters_and_fallback_colour():
     except ImportError:
         return
     assert pydot.graph_from_dot_data(dot)
+
+
+# -- backend="reference": the plan promises no kernel ---------------------------------------------------------------
+def test_reference_backend_plan_runs_every_op_unfused():
+    """A block built with backend="reference" never launches a fused kernel; explain() used to show the fused
+    plan ("fully fused") all the same."""
+    seq = demo_block(backend="reference")
+    assert explain(demo_block(), patterns=PATS).count("fused    ") > 0  # the same block fuses with backend='auto'
+    text = explain(seq, patterns=PATS)
+    assert "fused    " not in text and "0 fused kernels" in text
+    assert "nothing fused: backend='reference'" in text
+    assert "every op runs its reference (unfused) path" in text and "backend='auto'" in text
+    data = json.loads(explain(seq, format="json", patterns=PATS))
+    assert data["backend"] == "reference" and data["plan"]["reason"] == "backend='reference'"
+    assert not any(s["fused"] for s in data["plan"]["forward"] + data["plan"]["backward"])
+    assert "cluster_fwd" not in explain(seq, format="dot", patterns=PATS)
+    assert not any(s.fused for s in seq.plan().steps)
+
+
+def test_reference_backend_compiles_nothing(monkeypatch):
+    """compile() of a backend="reference" block compiles no kernel (none would ever run) and says so."""
+    import fusion.runtime.compile as compile_module
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compile() compiled a kernel for a backend='reference' block")
+
+    monkeypatch.setattr(compile_module, "compile_to_disk", no_compile)
+    monkeypatch.setattr(compile_module, "compile_jobs", no_compile)
+    seq = demo_block(backend="reference")
+    with pytest.warns(UserWarning, match="backend='reference' compiles nothing"):
+        assert seq.compile(dtype=torch.bfloat16, target="sm_90a") == []

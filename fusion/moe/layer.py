@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from fusion.errors import ShapeError
+from fusion.errors import OpArgumentError, ShapeError
 from fusion.moe.routing import SCORES, route
+from fusion.ops.args import positive_int
 from fusion.ops import Combine, Gather, GroupLinear, Scale, SwiGLU
 from fusion.sequential import Sequential
 
@@ -51,10 +52,14 @@ class MoE(torch.nn.Module):
                  normalize: bool = True, bias: bool = False, round_to: int | None = None, device=None,
                  dtype=None):
         super().__init__()
-        if not 1 <= k <= E:
+        d, E = positive_int("MoE", "d", d, "the hidden size"), positive_int("MoE", "E", E, "the number of experts")
+        k = positive_int("MoE", "k", k, "experts per token")
+        if not k <= E:
             raise ShapeError(f"MoE: k must be in [1, E={E}], got {k}")
         if score not in SCORES:
-            raise ValueError(f"MoE: score must be one of {sorted(SCORES)}, got {score!r}")
+            raise OpArgumentError(f"MoE: score must be one of {sorted(SCORES)}, got {score!r}")
+        if round_to is not None:
+            round_to = positive_int("MoE", "round_to", round_to, "a tile size such as 128, or None")
         self.d, self.num_experts, self.k = d, E, k
         self.score, self.normalize, self.round_to = score, normalize, round_to
         self.probs_input = _probs_input(experts, E, d)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusion.errors import DTypeError, ShapeError
+from fusion.errors import DTypeError, OpArgumentError, ShapeError
 from fusion.ops.routing import token_layout
 
 SCORES = {"softmax": lambda z: torch.softmax(z, dim=-1), "sigmoid": torch.sigmoid}
@@ -63,7 +63,7 @@ def _validate(logits, k, score, bias, round_to) -> None:
     if not isinstance(k, int) or not 1 <= k <= experts:
         raise ShapeError(f"route: k must be an int in [1, {experts}] (the number of experts), got {k!r}")
     if score not in SCORES:
-        raise ValueError(f"route: score must be one of {sorted(SCORES)}, got {score!r}")
+        raise OpArgumentError(f"route: score must be one of {sorted(SCORES)}, got {score!r}")
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.shape != (experts,):
             shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
@@ -71,8 +71,8 @@ def _validate(logits, k, score, bias, round_to) -> None:
         if bias.device != logits.device:
             raise ShapeError(f"route: bias is on {bias.device} but logits are on {logits.device}")
     if round_to is not None and (not isinstance(round_to, int) or isinstance(round_to, bool) or round_to < 1):
-        raise ValueError(f"route: round_to must be a positive int (a tile size such as 128) or None, "
-                         f"got {round_to!r}")
+        raise OpArgumentError(f"route: round_to must be a positive int (a tile size such as 128) or None, "
+                              f"got {round_to!r}")
 
 
 def route(logits: torch.Tensor, k: int, score: str = "softmax", bias: torch.Tensor | None = None,

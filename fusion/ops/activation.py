@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusion.errors import OpArgumentError
+from fusion.ops.args import finite_number
 from fusion.ops.base import Op, OpSpec, shape_error
 
 
@@ -76,15 +78,20 @@ class Activation(_ActivationOp):
         super().__init__()
         from fusion.patterns.registry import get_activation
 
-        self.definition = get_activation(name)  # raises, listing known names, if unknown
+        if not isinstance(name, str):
+            raise OpArgumentError(f"Activation: name must be the name (a str) of an activation declared in a "
+                                  f".fpat file, got {type(name).__name__} {name!r}; e.g. Activation('silu'), or "
+                                  f"SwiGLU() for the built-in gated one")
+        self.definition = get_activation(name)  # raises UnknownActivationError, listing known names, if unknown
         unknown = set(params) - set(self.definition.param_defaults())
         if unknown:
             known = ", ".join(sorted(self.definition.param_defaults())) or "none"
-            raise TypeError(f"Activation({name!r}): unknown parameter(s) {sorted(unknown)}; "
-                            f"its parameters are: {known}")
+            raise OpArgumentError(f"Activation({name!r}): unknown parameter(s) {sorted(unknown)}; "
+                                  f"its parameters are: {known}")
+        values = {k: finite_number(f"Activation({name!r})", k, v) for k, v in params.items()}
         self.activation_name = name
         self.gated = self.definition.gated
-        self._params = {**self.definition.param_defaults(), **{k: float(v) for k, v in params.items()}}
+        self._params = {**self.definition.param_defaults(), **values}
 
     @property
     def params(self) -> dict:

@@ -5,7 +5,9 @@ import math
 
 import torch
 
+from fusion.errors import OpArgumentError
 from fusion.grouped import row_group_index
+from fusion.ops.args import factory, finite_number, input_name, positive_int
 from fusion.ops.base import Op, OpSpec, RunContext, shape_error
 
 
@@ -14,10 +16,12 @@ class Clamp(Op, kind="elementwise"):
 
     def __init__(self, min: float | None = None, max: float | None = None):
         super().__init__()
+        min = finite_number("Clamp", "min", min, allow_none=True)
+        max = finite_number("Clamp", "max", max, allow_none=True)
         if min is None and max is None:
-            raise ValueError("Clamp: give min, max or both (Clamp() with neither does nothing)")
+            raise OpArgumentError("Clamp: give min, max or both (Clamp() with neither does nothing)")
         if min is not None and max is not None and min > max:
-            raise ValueError(f"Clamp: min {min} is greater than max {max}")
+            raise OpArgumentError(f"Clamp: min {min} is greater than max {max}; swap them")
         self.min, self.max = min, max
 
     @property
@@ -33,11 +37,8 @@ class Scale(Op, kind="elementwise"):
 
     def __init__(self, value: float | None = None, name: str = "scale"):
         super().__init__()
-        if value is not None and not isinstance(value, (int, float)):
-            raise TypeError(f"Scale: value must be a number or None, got {type(value).__name__}")
-        if not name.isidentifier():
-            raise ValueError(f"Scale: name {name!r} must be a Python identifier (it is a keyword argument)")
-        self.value, self.name = (None if value is None else float(value)), name
+        self.value = finite_number("Scale", "value", value, allow_none=True)
+        self.name = input_name("Scale", "name", name)
 
     @property
     def per_row(self) -> bool:
@@ -64,9 +65,12 @@ class Bias(Op, kind="elementwise"):
 
     def __init__(self, features: int, num_groups: int | None = None, device=None, dtype=None):
         super().__init__()
+        features = positive_int("Bias", "features", features)
+        if num_groups is not None:
+            num_groups = positive_int("Bias", "num_groups", num_groups, "one bias per group; None for one bias")
         self.features, self.num_groups = features, num_groups
         shape = (features,) if num_groups is None else (num_groups, features)
-        self.bias = torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.empty(shape, **factory("Bias", device, dtype)))
         bound = 1 / math.sqrt(features)
         torch.nn.init.uniform_(self.bias, -bound, bound)
 

@@ -5,8 +5,10 @@ import math
 
 import torch
 
-from fusion.errors import FusionError
+from fusion.errors import OpArgumentError
 from fusion.grouped import grouped_matmul, row_group_index
+from fusion.ops import args
+from fusion.ops.args import flag, positive_int
 from fusion.ops.base import Op, OpSpec, RunContext, shape_error
 
 #: weight_format values: "bf16" (None is the same) uses the parameter as is, whatever its dtype; "fp8_block"
@@ -15,7 +17,7 @@ from fusion.ops.base import Op, OpSpec, RunContext, shape_error
 WEIGHT_FORMATS = ("bf16", "fp8_block")
 
 
-class WeightFormatError(FusionError, ValueError):
+class WeightFormatError(OpArgumentError):
     """A (Group)Linear was given a weight_format it does not know."""
 
 
@@ -46,19 +48,20 @@ class GroupLinear(Op, kind="gemm"):
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = False,
                  device=None, dtype=None, weight_format=None):
         super().__init__()
-        self.weight_format = check_weight_format(type(self).__name__, weight_format)
+        op = type(self).__name__
+        num_groups = positive_int(op, "num_groups", num_groups, "the number of groups, e.g. experts")
+        in_features = positive_int(op, "in_features", in_features)
+        out_features = positive_int(op, "out_features", out_features)
+        bias = flag(op, "bias", bias)
+        factory = args.factory(op, device, dtype)
+        self.weight_format = check_weight_format(op, weight_format)
         self._fp8_weight = None
         if self.weight_format == "fp8_block":
             from fusion.quant.fp8_weight import FP8BlockWeightCache
 
             # a plain attribute, not a buffer: never in state_dict(), re-quantized when the weight changes
             self._fp8_weight = FP8BlockWeightCache()
-        for name, value in (("num_groups", num_groups), ("in_features", in_features),
-                            ("out_features", out_features)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GroupLinear: {name} must be a positive int, got {value!r}")
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
-        factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         self.bias = (torch.nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None)
         self.reset_parameters()

@@ -1,6 +1,7 @@
 """Quantize ops: the output is a QuantizedTensor (data, scales, amax) that the next GroupLinear consumes."""
 from __future__ import annotations
 
+from fusion.ops.args import flag
 from fusion.ops.base import Op, OpSpec, shape_error
 
 
@@ -12,7 +13,7 @@ class _QuantizeOp(Op, kind="quantize"):
 
     def __init__(self, columnwise: bool = True):
         super().__init__()
-        self.columnwise = bool(columnwise)
+        self.columnwise = flag(type(self).__name__, "columnwise", columnwise)
 
     @property
     def spec(self) -> OpSpec:

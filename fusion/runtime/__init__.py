@@ -118,5 +118,6 @@ def runner_for(seq, x: torch.Tensor) -> BlockRunner:
 def execute(seq, x: torch.Tensor, extra: dict):
     """Run `seq` on x by the plan for x's device and dtype (see fusion.planner.plan_for_run)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"Sequential: x must be a torch.Tensor, got {type(x).__name__}")
+        raise DTypeError(f"Sequential: x must be a torch.Tensor, got {type(x).__name__}; convert it with "
+                         f"torch.as_tensor(x)")
     return runner_for(seq, x)(x, extra)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from fusion.symbolic.expr import BinOp, Call, COMPARE_OPS, Expr, Neg, Num, Param, Var
+from fusion.symbolic.expr import BinOp, Call, COMPARE_OPS, Expr, Neg, Num, Param, Var, postorder
 
 _PREC = {"cmp": 1, "+": 2, "-": 2, "*": 3, "/": 3, "neg": 4, "**": 5, "atom": 6}
 
@@ -31,17 +31,15 @@ def _prec(e: Expr) -> int:
 
 
 def to_source(expr: Expr, names: dict[str, str] | None = None) -> str:
-    """Expression text; `names` optionally renames Vars/Params when printing."""
+    """Expression text; `names` optionally renames Vars/Params when printing. Built bottom-up (children
+    first, iteratively), so an expression of any depth prints without recursion."""
     names = names or {}
-    memo: dict[Expr, str] = {}
+    text: dict[Expr, str] = {}
 
     def wrap(child: Expr, need: int) -> str:
-        text = go(child)
-        return f"({text})" if _prec(child) < need else text
+        return f"({text[child]})" if _prec(child) < need else text[child]
 
-    def go(e: Expr) -> str:
-        if e in memo:
-            return memo[e]
+    for e in postorder(expr):
         if isinstance(e, Num):
             s = format_number(e.value)
         elif isinstance(e, (Var, Param)):
@@ -49,7 +47,7 @@ def to_source(expr: Expr, names: dict[str, str] | None = None) -> str:
         elif isinstance(e, Neg):
             s = "-" + wrap(e.operand, _PREC["neg"])
         elif isinstance(e, Call):
-            s = f"{e.fn}({', '.join(go(a) for a in e.args)})"
+            s = f"{e.fn}({', '.join(text[a] for a in e.args)})"
         elif isinstance(e, BinOp):
             p = _prec(e)
             if e.op == "**":  # right-assoc; the exponent may be a unary minus as in Python
@@ -60,10 +58,8 @@ def to_source(expr: Expr, names: dict[str, str] | None = None) -> str:
                 s = f"{wrap(e.lhs, p)} {e.op} {wrap(e.rhs, p + 1)}"
         else:  # pragma: no cover
             raise TypeError(f"cannot print {e!r}")
-        memo[e] = s
-        return s
-
-    return go(expr)
+        text[e] = s
+    return text[expr]
 
 
 def bindings_to_source(bindings, exprs, out_names=("forward",)) -> str:
