@@ -55,7 +55,7 @@ def test_builtin_patterns_leave_an_fp8_gemm_unfused_and_say_why():
     act = next(fb for fb in plan.fallbacks if fb.op == 1 and fb.part == "forward")
     assert any('gemm_act [patterns/moe.fpat:' in r and 'predicate `weight_format == "bf16"` is false' in r
                and "weight_format='fp8_block'" in r for r in act.reasons), act.reasons
-    text = block(fmt2="bf16").explain()
+    text = block(fmt2="bf16", backend="auto").explain()
     assert 'predicate `weight_format == "bf16"` is false (weight_format=\'fp8_block\') on op 0 GroupLinear' in text
     assert "the fp8_block recipe" in text
 
