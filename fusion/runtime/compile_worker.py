@@ -63,9 +63,18 @@ def _import_root() -> str:
 
 
 def _worker_env(cache_dir: Path) -> dict:
-    path = os.environ.get("PYTHONPATH")
-    return os.environ | {"PYTHONPATH": _import_root() + (os.pathsep + path if path else ""),
-                         "FUSION_CACHE_DIR": str(cache_dir)}
+    """The parent's environment, with the import root of this `fusion` on PYTHONPATH when the workers would not
+    find it by themselves (a source checkout: `-P` leaves the working directory off sys.path). An installed
+    package is found as usual: its site-packages is never put in front of the standard library."""
+    import site
+
+    env = os.environ | {"FUSION_CACHE_DIR": str(cache_dir)}
+    root = _import_root()
+    installed = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if os.path.realpath(root) not in installed:
+        path = os.environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = root + (os.pathsep + path if path else "")
+    return env
 
 
 def compile_in_workers(jobs: list, workers: int, cache_dir: Path, done: Callable[[str], None]) -> None:
@@ -103,6 +112,9 @@ def compile_in_workers(jobs: list, workers: int, cache_dir: Path, done: Callable
             for reader in readers:
                 reader.start()
             runs.append((proc, stderr, readers))
+        # Every worker is starting (importing torch and the DSL) before the first request is written: a request
+        # larger than the pipe's buffer waits for its worker to read it.
+        for (proc, _, _), chunk in zip(runs, chunks):
             try:
                 proc.stdin.write(json.dumps({"cache_dir": str(cache_dir),
                                              "jobs": [job_to_json(j) for j in chunk]}))
