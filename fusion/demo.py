@@ -35,10 +35,15 @@ DEEPSEEK_LIKE = BlockShape("DeepSeek-like", experts=32, hidden=7168, intermediat
 
 
 def build_block(shape: BlockShape, dtype: torch.dtype, device) -> Sequential:
-    """FC1 -> SwiGLU -> Scale (router probs) -> QuantizeMXFP8 -> FC2, the block of API.md."""
+    """FC1 -> SwiGLU -> Scale (router probs) -> QuantizeMXFP8 -> FC2, the block of API.md.
+
+    The weights are created on `device` in `dtype`: on "meta" (enough to explain and compile: plans and kernels
+    depend on shapes, not values) nothing is allocated or initialised, where a CPU build of the full-size
+    blocks would first fill gigabytes of float32 weights."""
     E, d, f = shape.experts, shape.hidden, shape.intermediate
-    return Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), QuantizeMXFP8(), GroupLinear(E, f, d)).to(
-        device=device, dtype=dtype)
+    factory = {"device": device, "dtype": dtype}
+    return Sequential(GroupLinear(E, d, 2 * f, **factory), SwiGLU(), Scale(), QuantizeMXFP8(),
+                      GroupLinear(E, f, d, **factory)).to(device=device, dtype=dtype)
 
 
 def routed_inputs(shape: BlockShape, dtype, device, generator):
@@ -66,18 +71,21 @@ def _timed(fn, device):
 
 def run_block(shape: BlockShape, device, dtype, compile_kernels: bool) -> dict:
     gen = torch.Generator().manual_seed(0)
-    mlp = build_block(shape, dtype, device)
+    # Explaining and compiling read shapes only: a weightless (meta) copy of the block serves both.
+    plan_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    shell = build_block(shape, plan_dtype, "meta")
     print(f"\n=== {shape.name}: E={shape.experts} d={shape.hidden} f={shape.intermediate} "
           f"rows={shape.tokens * shape.top_k} ({dtype}, {device}) ===\n")
-    print(mlp.explain(dtype=dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16))
+    print(shell.explain(dtype=plan_dtype))
     kernels = []
     if compile_kernels:
         t0 = time.perf_counter()
-        kernels = mlp.compile(dtype=torch.bfloat16, target="sm_90a")
+        kernels = shell.compile(dtype=torch.bfloat16, target="sm_90a")
         print(f"\ncompiled {len(kernels)} fused kernel(s) for sm_90a in {time.perf_counter() - t0:.1f} s:")
         for k in kernels:
             print(f"  {k.name}: {k.registers} registers, {k.shared_memory_bytes} B shared memory, "
                   f"{len(k.cubin)} B cubin")
+    mlp = build_block(shape, dtype, device)  # the weights, needed to run
     x, sizes, probs = routed_inputs(shape, dtype, device, gen)
     x.requires_grad_()
     # Warm up once (first-call work stays out of the timing), then time forward and backward.

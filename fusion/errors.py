@@ -52,3 +52,13 @@ class CompileError(FusionError, RuntimeError):
 class KernelConfigError(FusionError, ValueError):
     """A kernel configuration (tile shape, operand layout, epilogue, shapes) the kernel template cannot build;
     the message names the constraint and what to change."""
+
+
+class TargetError(FusionError, ValueError):
+    """A GPU target string fusion cannot read (fusion.targets.parse_target); the message shows the accepted
+    forms ("sm_90a", "sm_90", "sm_100a"...)."""
+
+
+class CacheDirError(CompileError):
+    """The kernel cache folder cannot be created or written; the message names the folder and says to point
+    FUSION_CACHE_DIR at a writable one."""

@@ -33,8 +33,7 @@ from typing import Any, Iterable, Sequence
 import networkx as nx
 
 from fusion.graph import consumers, data_successors, node_text, op_nodes
-
-_ARCH_RE = re.compile(r"^sm_?(\d+)[a-z]?$")
+from fusion.targets import arch as target_arch
 
 
 # -- normalisation ----------------------------------------------------------------------------------------
@@ -48,13 +47,9 @@ def dtype_name(dtype) -> str:
 
 
 def arch_of(target: str | None) -> int | None:
-    """"sm_90" / "sm_90a" / "sm90" -> 90; None or "cpu" -> None. Raises ValueError on anything else."""
-    if target is None or target == "cpu":
-        return None
-    m = _ARCH_RE.match(str(target).strip().lower())
-    if not m:
-        raise ValueError(f"target must look like 'sm_90' or 'sm_90a' (or be None / 'cpu'), got {target!r}")
-    return int(m.group(1))
+    """"sm_90" / "sm_90a" / "sm90" -> 90; None or "cpu" -> None. Raises TargetError (a ValueError) on anything
+    else (fusion/targets.py is the one parser)."""
+    return target_arch(target)
 
 
 def format_loc(loc: Any) -> str:

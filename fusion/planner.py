@@ -21,6 +21,7 @@ from fusion.graph import build_graph
 from fusion.matcher import (DEFAULT_WEIGHT_FORMAT, Attempt, Match, arch_of, dtype_name, format_loc, match_all,
                             resolve)
 from fusion.plan import Fallback, OpAttempt, OpInfo, Plan, Step
+from fusion.targets import plan_target
 
 _CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _CACHE_SIZE = 256
@@ -55,13 +56,8 @@ def _library(patterns) -> tuple[tuple, str | None]:
 
 
 def normalize_target(target) -> str | None:
-    if target is None:
-        return None
-    target = str(target).strip().lower()
-    if target == "cpu":
-        return None
-    arch_of(target)  # validates
-    return target
+    """The planning target in canonical form (fusion/targets.py): None for None or "cpu"."""
+    return plan_target(target)
 
 
 # -- public entry points ------------------------------------------------------------------------------------------

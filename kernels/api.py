@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import shutil
 import struct
 import subprocess
@@ -300,16 +301,20 @@ def _compile(config, epilogue, dtype, N, K, G):
         make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
         ptrs, cutlass.Int32(1), N, K, G, cutlass.Int32(1), make_fake_stream(),
     )
-    fn = cute.compile(kern, *args, options=COMPILE_OPTIONS)
-    ptx = getattr(fn, "__ptx__", None)
-    cubin = getattr(fn, "__cubin__", None)
+    # --keep-ptx/--keep-cubin write files, into the working directory unless told otherwise: a temporary folder
+    # here (the DSL reads both back into memory before returning; the disk cache stores its own copies).
+    with tempfile.TemporaryDirectory(prefix="fusion-cute-") as dump:
+        fn = cute.compile(kern, *args, options=f"{COMPILE_OPTIONS} --dump-dir={shlex.quote(dump)}")
+        ptx = getattr(fn, "__ptx__", None)
+        cubin = getattr(fn, "__cubin__", None)
     if isinstance(ptx, bytes):
         ptx = ptx.decode()
     smem = kern.shared_storage.size_in_bytes() if hasattr(kern, "shared_storage") else None
     return CompiledGroupedGemm(fn, kern, config, epilogue, dtype, N, K, G, ptx, cubin, smem)
 
 
-#: Kernels keep their PTX and cubin (Sequential.compile returns them); TVM-FFI is the launch path.
+#: Kernels keep their PTX and cubin (Sequential.compile returns them); TVM-FFI is the launch path. _compile adds
+#: a temporary --dump-dir, so that the files never land in the working directory.
 COMPILE_OPTIONS = "--enable-tvm-ffi --keep-ptx --keep-cubin"
 
 _SM_COUNT = {}

@@ -1,0 +1,55 @@
+"""One target parser (fusion/targets.py) for the planner, explain, compile and the CLI."""
+import pytest
+import torch
+
+import fusion
+from fusion import GroupLinear, Sequential, SwiGLU
+from fusion.errors import FusionError, TargetError
+from fusion.targets import kernel_target, parse_target, plan_target
+
+
+@pytest.mark.parametrize("text, canonical", [("sm_90a", "sm_90a"), ("sm_90", "sm_90"), ("SM_90A", "sm_90a"),
+                                             (" sm90a ", "sm_90a"), ("sm_100a", "sm_100a"), ("sm_80", "sm_80"),
+                                             ("sm_100f", "sm_100f")])
+def test_spellings_normalise(text, canonical):
+    assert parse_target(text) == canonical
+
+
+@pytest.mark.parametrize("bad", ["sm_9x", "sm_9", "sm_90b", "sm_90aa", "hopper", "", "90", "sm_1000", None, 90])
+def test_bad_targets_are_target_errors(bad):
+    with pytest.raises(TargetError, match="sm_90a"):
+        parse_target(bad)
+    assert issubclass(TargetError, FusionError) and issubclass(TargetError, ValueError)
+
+
+def block():
+    return Sequential(GroupLinear(2, 128, 256, device="meta"), SwiGLU())
+
+
+@pytest.mark.parametrize("bad", ["sm_9x", "sm_90b", "hopper"])
+def test_explain_plan_and_compile_reject_the_same_bad_targets(bad):
+    seq = block()
+    with pytest.raises(TargetError):
+        seq.plan(target=bad)
+    with pytest.raises(TargetError):
+        seq.explain(target=bad)
+    with pytest.raises(TargetError):
+        seq.compile(dtype=torch.bfloat16, target=bad)
+
+
+def test_explain_and_compile_accept_the_same_spellings(monkeypatch):
+    from fusion.runtime import compile as aot
+
+    assert block().plan(target="SM90A").target == "sm_90a"
+    assert "target sm_90a (given)" in block().explain(target=" sm_90A ")
+    monkeypatch.setattr(aot, "compile_jobs", lambda jobs, **kw: jobs)  # the jobs compile() would build
+    for spelling in ("SM_90A", " sm90a", "sm_90"):  # Hopper: one code target
+        jobs = block().compile(dtype=torch.bfloat16, target=spelling)
+        assert jobs and {job.target for job in jobs} == {"sm_90a"}
+    assert plan_target("cpu") is None and plan_target(None) is None
+
+
+def test_other_architectures_cannot_be_compiled():
+    for target in ("sm_100a", "sm_80"):
+        with pytest.raises(fusion.CompileError, match="sm_90a"):
+            kernel_target(target)
