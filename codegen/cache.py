@@ -11,6 +11,7 @@ full disk, an interrupted copy, a hand edit) is reported as `BadEntry` and rebui
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -70,6 +71,18 @@ def dsl_version() -> str:
         except PackageNotFoundError:  # pragma: no cover - both are dependencies
             parts.append("unknown")
     return "+".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def template_version() -> str:
+    """A hash of the kernel template's source (fusion.kernels): a compiled kernel depends on it as much as on
+    its generated epilogue, so editing the template must not serve kernels compiled from the old one."""
+    spec = importlib.util.find_spec("fusion.kernels")  # its folder, without importing it (and cutlass)
+    h = hashlib.sha256()
+    for path in sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def source_key(source: str, target: str = "sm_90a", options: tuple = ()) -> str:

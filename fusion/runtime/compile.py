@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fusion.codegen.cache import (BadEntry, cache_dir, discard_entry, dsl_version, load_generated, read_entry,
-                                  source_key, writable_cache_dir, write_entry)
+                                  source_key, template_version, writable_cache_dir, write_entry)
 from fusion.errors import CompileError
 
 _LOADED: dict[str, object] = {}
@@ -54,7 +54,7 @@ class KernelJob:
     def key(self) -> str:
         h = hashlib.sha256()
         h.update(json.dumps([self.source, list(self.config), self.dtype, self.N, self.K, self.G, self.target,
-                             dsl_version()]).encode())
+                             dsl_version(), template_version()]).encode())
         return h.hexdigest()[:24]
 
     @property
