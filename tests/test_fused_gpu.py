@@ -46,6 +46,7 @@ def run_both(block, x, extras, backward=True, against="reference"):
     same plan run in torch (same saved values, same epilogue math) instead of the op-by-op reference."""
     from fusion.runtime.kernel import LAUNCHES
 
+    block.zero_grad(set_to_none=True)  # deepcopy does not copy .grad: both runs start from no gradient
     ref_block = copy.deepcopy(block)
     ref_block.backend = against
     results, dy = [], None
