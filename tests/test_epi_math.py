@@ -9,7 +9,9 @@ import types
 import pytest
 import torch
 
-pytest.importorskip("cutlass")
+# fusion.kernels first: it sets CUTE_DSL_ARCH=sm_90a, which the DSL reads once, when cutlass is first imported
+# (importing cutlass first would pin the process to the DSL's default architecture).
+K = pytest.importorskip("fusion.kernels")
 
 from fusion.runtime import torch_math  # noqa: E402
 
@@ -34,8 +36,6 @@ _CUTE = types.SimpleNamespace(
 
 @pytest.fixture
 def em(monkeypatch):
-    import fusion.kernels as K
-
     module = importlib.import_module(K.__name__ + ".epi_math")
     monkeypatch.setattr(module, "cute", _CUTE)
     monkeypatch.setattr(module, "Float32", _Float32)
