@@ -12,15 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass(frozen=True)
-class SourceLoc:
-    file: str
-    line: int
-    column: int
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.column}"
+# re-exported: the expression nodes are part of this AST
+from fusion.patterns.expr_ast import (EBinary, EBool, ECall, EIn, EName, ENum, EStr, EUnary,  # noqa: F401
+                                      SourceLoc)
 
 
 @dataclass(frozen=True)
@@ -85,72 +79,6 @@ class FusionPattern:
     save: tuple[str, ...] = ()
     export: tuple[str, ...] = ()
     options: dict = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Expression AST: one expression language for activation bodies and chain predicates. The loader turns
-# activation expressions into fusion.symbolic nodes; predicates keep these nodes (Predicate.expr) and are
-# evaluated by fusion.patterns.predicates.evaluate_predicate, never by Python eval.
-
-
-@dataclass(frozen=True)
-class ENum:
-    value: float
-    loc: SourceLoc
-    is_int: bool = False
-
-
-@dataclass(frozen=True)
-class EStr:
-    value: str
-    loc: SourceLoc
-
-
-@dataclass(frozen=True)
-class EBool:
-    value: bool
-    loc: SourceLoc
-
-
-@dataclass(frozen=True)
-class EName:
-    name: str
-    loc: SourceLoc
-
-
-@dataclass(frozen=True)
-class ECall:
-    fn: str
-    args: tuple
-    loc: SourceLoc
-
-
-@dataclass(frozen=True)
-class EUnary:
-    """op: "-", "+" or "not"."""
-
-    op: str
-    operand: Any
-    loc: SourceLoc
-
-
-@dataclass(frozen=True)
-class EBinary:
-    """op: + - * / % **, comparisons < <= > >= == !=, or the logical "and" / "or"."""
-
-    op: str
-    lhs: Any
-    rhs: Any
-    loc: SourceLoc
-
-
-@dataclass(frozen=True)
-class EIn:
-    """`operand in (a, b, ...)`."""
-
-    operand: Any
-    choices: tuple
-    loc: SourceLoc
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Mapping
 
-from fusion.patterns import ast as A
+from fusion.patterns import expr_ast as A
 from fusion.patterns.limits import power_problem
 
 

@@ -9,13 +9,12 @@ from .errors import QuantizationError
 from .formats import (E2M1_MAX, E4M3_MAX, decode_e2m1, decode_e4m3, decode_e8m0, encode_e2m1,
                       encode_e4m3, encode_e8m0, pack_fp4, pow2_f32, unpack_fp4)
 from .fp8_block import (FP8_BLOCK, fp8_block_dequantize_2d, fp8_block_dequantize_columnwise,
-                        fp8_block_quantize_2d, fp8_block_quantize_columnwise, fp8_block_scale_exponent,
-                        quantize_fp8_block)
+                        fp8_block_quantize_2d, fp8_block_quantize_columnwise, fp8_block_scale_exponent)
 from .mxfp8 import (MXFP8_BLOCK, mxfp8_dequantize_2d, mxfp8_dequantize_columnwise, mxfp8_quantize_2d,
-                    mxfp8_quantize_columnwise, mxfp8_scale_exponent, quantize_mxfp8)
+                    mxfp8_quantize_columnwise, mxfp8_scale_exponent)
 from .nvfp4 import (NVFP4_BLOCK, nvfp4_dequantize_2d, nvfp4_dequantize_columnwise, nvfp4_global_scale,
-                    nvfp4_quantize_2d, nvfp4_quantize_columnwise, quantize_nvfp4)
-from .tensor import QuantizedTensor, dequantize, quantize
+                    nvfp4_quantize_2d, nvfp4_quantize_columnwise)
+from .tensor import QuantizedTensor, dequantize, quantize, quantize_fp8_block, quantize_mxfp8, quantize_nvfp4
 from .fp8_weight import FP8BlockWeight, FP8BlockWeightCache, invalidate_weight_caches, quantize_weight_fp8_block
 from .fp8_linear import fp8_block_linear
 

@@ -108,12 +108,3 @@ def dequantize_fp8_block_buffers(data, scale, amax, M, K, columnwise, group_size
     if columnwise:
         return fp8_block_dequantize_columnwise(data, scale, group_sizes)
     return fp8_block_dequantize_2d(data, scale)
-
-
-def quantize_fp8_block(x: torch.Tensor, columnwise: bool = True, group_sizes=None):
-    """Quantize ``x`` to FP8-block (1x128 blocks, FP32 power-of-two scales); returns a
-    :class:`~fusion.quant.QuantizedTensor` (straight-through gradient). ``group_sizes`` splits the rows into
-    groups for the columnwise blocks."""
-    from .tensor import quantize
-
-    return quantize(x, "fp8_block", columnwise=columnwise, group_sizes=group_sizes)

@@ -118,12 +118,3 @@ def dequantize_mxfp8_buffers(data, scale, amax, M, K, columnwise, group_sizes):
     if columnwise:
         return mxfp8_dequantize_columnwise(data, scale, group_sizes)
     return mxfp8_dequantize_2d(data, scale)
-
-
-def quantize_mxfp8(x: torch.Tensor, columnwise: bool = True, group_sizes=None):
-    """Quantize ``x`` to MXFP8; returns a :class:`~fusion.quant.QuantizedTensor` (straight-through
-    gradient). ``group_sizes`` splits the rows into groups for the columnwise blocks. Raises
-    :class:`~fusion.quant.QuantizationError` on a bad shape or dtype."""
-    from .tensor import quantize
-
-    return quantize(x, "mxfp8", columnwise=columnwise, group_sizes=group_sizes)

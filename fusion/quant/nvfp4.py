@@ -147,12 +147,3 @@ def dequantize_nvfp4_buffers(data, scale, amax, M, K, columnwise, group_sizes):
     if columnwise:
         return nvfp4_dequantize_columnwise(data, scale, g, M, group_sizes)
     return nvfp4_dequantize_2d(data, scale, g)
-
-
-def quantize_nvfp4(x: torch.Tensor, columnwise: bool = True, group_sizes=None):
-    """Quantize ``x`` to NVFP4; returns a :class:`~fusion.quant.QuantizedTensor` (straight-through
-    gradient). ``group_sizes`` splits the rows into groups for the columnwise blocks. Raises
-    :class:`~fusion.quant.QuantizationError` on a bad shape or dtype."""
-    from .tensor import quantize
-
-    return quantize(x, "nvfp4", columnwise=columnwise, group_sizes=group_sizes)

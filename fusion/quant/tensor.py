@@ -300,3 +300,25 @@ def dequantize(x: torch.Tensor, dtype=None) -> torch.Tensor:
         out = _Dequantize.apply(x)
         return out if dtype is None else out.to(dtype)
     return x if dtype is None else x.to(dtype)
+
+
+# The per-format entry points: thin wrappers of quantize(), here so the format modules need not import this one.
+def quantize_mxfp8(x: torch.Tensor, columnwise: bool = True, group_sizes=None):
+    """Quantize ``x`` to MXFP8; returns a :class:`~fusion.quant.QuantizedTensor` (straight-through
+    gradient). ``group_sizes`` splits the rows into groups for the columnwise blocks. Raises
+    :class:`~fusion.quant.QuantizationError` on a bad shape or dtype."""
+    return quantize(x, "mxfp8", columnwise=columnwise, group_sizes=group_sizes)
+
+
+def quantize_nvfp4(x: torch.Tensor, columnwise: bool = True, group_sizes=None):
+    """Quantize ``x`` to NVFP4; returns a :class:`~fusion.quant.QuantizedTensor` (straight-through
+    gradient). ``group_sizes`` splits the rows into groups for the columnwise blocks. Raises
+    :class:`~fusion.quant.QuantizationError` on a bad shape or dtype."""
+    return quantize(x, "nvfp4", columnwise=columnwise, group_sizes=group_sizes)
+
+
+def quantize_fp8_block(x: torch.Tensor, columnwise: bool = True, group_sizes=None):
+    """Quantize ``x`` to FP8-block (1x128 blocks, FP32 power-of-two scales); returns a
+    :class:`~fusion.quant.QuantizedTensor` (straight-through gradient). ``group_sizes`` splits the rows into
+    groups for the columnwise blocks."""
+    return quantize(x, "fp8_block", columnwise=columnwise, group_sizes=group_sizes)

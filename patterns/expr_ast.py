@@ -1,0 +1,83 @@
+"""The expression nodes of `.fpat` files and their source locations: one expression language for activation
+bodies and chain predicates. A module of its own so that the predicate evaluator (fusion.patterns.predicates)
+needs only these, not the pattern declarations that call it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SourceLoc:
+    file: str
+    line: int
+    column: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Expression AST: one expression language for activation bodies and chain predicates. The loader turns
+# activation expressions into fusion.symbolic nodes; predicates keep these nodes (Predicate.expr) and are
+# evaluated by fusion.patterns.predicates.evaluate_predicate, never by Python eval.
+
+
+@dataclass(frozen=True)
+class ENum:
+    value: float
+    loc: SourceLoc
+    is_int: bool = False
+
+
+@dataclass(frozen=True)
+class EStr:
+    value: str
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class EBool:
+    value: bool
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class EName:
+    name: str
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class ECall:
+    fn: str
+    args: tuple
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class EUnary:
+    """op: "-", "+" or "not"."""
+
+    op: str
+    operand: Any
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class EBinary:
+    """op: + - * / % **, comparisons < <= > >= == !=, or the logical "and" / "or"."""
+
+    op: str
+    lhs: Any
+    rhs: Any
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
+class EIn:
+    """`operand in (a, b, ...)`."""
+
+    operand: Any
+    choices: tuple
+    loc: SourceLoc
