@@ -74,6 +74,24 @@ def main():
     import cProfile
     import pstats
 
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpLog(TorchDispatchMode):
+        """The aten ops one call dispatches: each costs host time (a CUDA launch or an allocation)."""
+
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func).removeprefix("aten."))
+            return func(*args, **(kwargs or {}))
+
+    for name, fn in (("forward", fwd), ("training step", train)):
+        with OpLog() as log:
+            fn()
+        print(f"--- {len(log.ops)} ops per {name}: {' '.join(log.ops)}")
+
     for name, fn in (("forward", fwd), ("training step", train)):
         profile = cProfile.Profile()
         profile.enable()
