@@ -37,6 +37,50 @@ def host_us(fn, calls: int = 30, repeats: int = 5) -> tuple[float, float]:
     return best_host, best_wall
 
 
+def breakdown(block, x, sizes, probs):
+    """Host us of each piece of one fused call, and of the primitives it is made of."""
+    from fusion.runtime import runner_for
+
+    extra = {"group_sizes": sizes, "scale": probs}
+    runner = runner_for(block, x)
+    program = runner.program
+    step = program.forward_steps[0]
+    kernel = step.kernel(x.dtype, "inference")
+    out = torch.empty(x.shape[0], block.features[-1], dtype=x.dtype, device=x.device)
+    compiled = kernel.compiled
+    ctx = runner.seq.inputs.context(x, extra, check_sum=False, device_checked=runner.device_checked)
+    program.forward(x, ctx, train=False)
+    w = block[0].weight
+    buf = ctx.counters
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    ptrs = (probs.data_ptr(), out.data_ptr())
+
+    def raw_launch():
+        compiled.launch(x.data_ptr(), w.data_ptr(), buf.data_ptr(), buf.data_ptr() + 4 * (sizes.numel() + 1), ptrs,
+                        x.shape[0], 132, stream)
+
+    prologue = program.prologue._kernel(sizes)
+    pieces = [
+        ("torch.empty (M, n) bf16", lambda: torch.empty(x.shape[0], 1024, dtype=x.dtype, device=x.device)),
+        ("tensor slice", lambda: buf[1:5]),
+        ("current raw stream", lambda: torch._C._cuda_getCurrentRawStream(0)),
+        ("prologue launch (raw ints)", lambda: prologue.launch(sizes.data_ptr(), buf.data_ptr(), x.shape[0], 4,
+                                                               stream)),
+        ("GEMM launch (raw ints)", raw_launch),
+        ("runner_for", lambda: runner_for(block, x)),
+        ("runner.check", lambda: runner.check(x)),
+        ("inputs.context", lambda: runner.seq.inputs.context(x, extra, check_sum=False,
+                                                              device_checked=runner.device_checked)),
+        ("inputs.context + program.forward", lambda: program.forward(x, runner.seq.inputs.context(
+            x, extra, check_sum=False, device_checked=runner.device_checked), train=False)),
+        ("whole call (no_grad)", lambda: block(x, **extra)),
+    ]
+    print("--- host us per piece of a fused FC1 call ---")
+    with torch.no_grad():
+        for name, fn in pieces:
+            print(f"{name:<44} {host_us(fn, calls=200)[0]:9.1f}")
+
+
 def main():
     torch.manual_seed(0)
     E, d, f, M = 8, 2048, 2048, 4096
@@ -71,6 +115,15 @@ def main():
     for name, fn in rows:
         h, w_ = host_us(fn)
         print(f"{name:<44} {h:9.1f} {w_:9.1f}")
+    breakdown(fc1, x, sizes, probs)
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            train()
+        torch.cuda.synchronize()
+    print("--- torch.profiler, 20 training steps (CPU time) ---")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
     import cProfile
     import pstats
 

@@ -57,9 +57,13 @@ class BlockInputs:
         self.num_groups = sorted({op.spec.attrs["num_groups"] for op in self.ops
                                   if "group_sizes" in op.spec.extra_inputs})
 
-    def context(self, x: torch.Tensor, extra: dict, check_sum: bool = True, host: bool | None = None) -> RunContext:
+    def context(self, x: torch.Tensor, extra: dict, check_sum: bool = True, host: bool | None = None,
+                device_checked: bool = False) -> RunContext:
         """`host`: read values on the host for the checks (default: on the CPU or when `check_sum`); False under
-        torch.compile, where checks are asynchronous device asserts (nothing data-dependent is traced)."""
+        torch.compile, where checks are asynchronous device asserts (nothing data-dependent is traced).
+        `device_checked`: the caller's program validates the group sizes' values and computes their offsets on
+        the device in one launch (fusion/runtime/bounds.py); only their dtype, shape and device are checked here,
+        and ctx.offsets is left to the program."""
         if extra.keys() != self.names or any(v is None for v in extra.values()):
             self._name_error(extra)
         if host is None:
@@ -70,11 +74,13 @@ class BlockInputs:
             ctx.index = _check_index(extra["index"], x, host)
             ctx.tokens, rows = x.shape[0], ctx.index.numel()
         if "group_sizes" in self.names:
-            sizes = _check_group_sizes(self.num_groups, extra["group_sizes"], x, host, rows, ctx.index)
+            sizes = _check_group_sizes(self.num_groups, extra["group_sizes"], x, host, rows, ctx.index,
+                                       device_checked)
             ctx.group_sizes = ctx.routed_group_sizes = sizes
             if self.gathers:
                 ctx.group_sizes = _absorb_padding(sizes, rows)
-            ctx.offsets = group_offsets(ctx.group_sizes)
+            if not device_checked:
+                ctx.offsets = group_offsets(ctx.group_sizes)
         for name in self.floats:
             ctx.extra[name] = _check_float(name, extra[name], x, rows, self.gathers)
         return ctx
@@ -123,9 +129,10 @@ def _check_float(name: str, value, x: torch.Tensor, rows: int, gathers: bool) ->
 
 
 def _check_group_sizes(num_groups: list, group_sizes, x: torch.Tensor, host: bool, rows: int,
-                       index: torch.Tensor | None) -> torch.Tensor:
+                       index: torch.Tensor | None, device_checked: bool = False) -> torch.Tensor:
     """`rows`: the rows the grouped ops see (x's, or M = index.numel() after a Gather). With `index` (a Gather
-    first) the sizes may sum to less than M, and every row past the sum must be padding (index -1)."""
+    first) the sizes may sum to less than M, and every row past the sum must be padding (index -1).
+    `device_checked`: the values are checked by the caller's device prologue; only the metadata here."""
     want = num_groups[0]
     if not isinstance(group_sizes, torch.Tensor):
         raise GroupSizesError(f"group_sizes must be an int tensor of shape ({want},) on x's device, got "
@@ -141,6 +148,8 @@ def _check_group_sizes(num_groups: list, group_sizes, x: torch.Tensor, host: boo
                               f"x's device (no host copy is needed): group_sizes.to(x.device)")
     if index is not None:
         _check_padding_rows(group_sizes, index, rows, host)
+        return group_sizes
+    if device_checked:
         return group_sizes
     if host:
         # Each size in [0, rows] first: then the int64 sum cannot overflow, and a sum equal to rows is real.

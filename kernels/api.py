@@ -192,6 +192,7 @@ class CompiledGroupedGemm:
         self.launch = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else fn
         self.slots = [(s.name, isinstance(s, MXFP8Output)) for s in epilogue.inputs + epilogue.outputs]
         self.b_shape = (G, N, K) if config.b_major == "K" else (G, K, N)
+        self.n_tiles = (N + config.tile_n - 1) // config.tile_n  # per m-tile row (a gated tile holds both halves)
 
     @property
     def sass(self) -> str:
@@ -320,11 +321,12 @@ COMPILE_OPTIONS = "--enable-tvm-ffi --keep-ptx --keep-cubin"
 _SM_COUNT = {}
 
 
-def _num_sms(device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+def _num_sms(idx: int) -> int:
+    """SMs of CUDA device `idx` (asked once per device)."""
+    count = _SM_COUNT.get(idx)
+    if count is None:
+        count = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return count
 
 
 def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
@@ -340,10 +342,9 @@ def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Te
     dynamic schedule's tile counter may use (the runtime keeps one per launch in the spare tail of the bounds
     tensor: no extra memset, and nothing allocated outside the call, so CUDA-graph pools stay clean); without
     it a fresh zeroed counter is allocated for the launch."""
-    extras = extras or {}
     cfg = compiled.config
-    M = A.shape[0]
-    if B.shape != compiled.b_shape or A.dim() != 2 or A.shape[1] != compiled.K:
+    M, K = A.shape  # (raises for A that is not 2-D)
+    if B.shape != compiled.b_shape or K != compiled.K:
         raise ShapeError(f"grouped GEMM {compiled.name}: A must be (M, {compiled.K}) and B {compiled.b_shape} "
                          f"(b_major={cfg.b_major!r}: dims {cfg.b_shape_order}), got A {tuple(A.shape)}, "
                          f"B {tuple(B.shape)}")
@@ -353,7 +354,7 @@ def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Te
                          f"offsets must hold G+1 = {compiled.G + 1} int32 bounds")
     ptrs = []
     for name, mx in compiled.slots:
-        t = extras[name] if name in extras else outputs[name]
+        t = extras[name] if extras is not None and name in extras else outputs[name]
         if not t.is_contiguous():
             raise ShapeError(f"grouped GEMM {compiled.name}: epilogue tensor {name!r} must be contiguous")
         ptrs.append(t.data_ptr())
@@ -361,18 +362,17 @@ def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Te
             ptrs.append(outputs[name + "_scale"].data_ptr())
     if M == 0:
         return
-    dev = A.device
+    device = A.get_device()
     if num_ctas is None:
-        n_tiles = ((M + cfg.tile_m - 1) // cfg.tile_m + compiled.G) * ((compiled.N + cfg.tile_n - 1) // cfg.tile_n)
-        num_ctas = max(1, min(_num_sms(dev) - cfg.sm_margin, n_tiles)) if cfg.persistent else n_tiles
+        n_tiles = ((M + cfg.tile_m - 1) // cfg.tile_m + compiled.G) * compiled.n_tiles
+        num_ctas = max(1, min(_num_sms(device) - cfg.sm_margin, n_tiles)) if cfg.persistent else n_tiles
     counter = None
     if counter_ptr is None:
         # a static schedule reads no counter; a dynamic one gets a fresh zero, freed (stream-ordered) after it
-        counter = torch.zeros(1, dtype=torch.int32, device=dev) if cfg.dynamic else offsets
+        counter = torch.zeros(1, dtype=torch.int32, device=A.device) if cfg.dynamic else offsets
         counter_ptr = counter.data_ptr()
     compiled.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, tuple(ptrs), M, num_ctas,
-                    torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else
-                                                       torch.cuda.current_device()))
+                    torch._C._cuda_getCurrentRawStream(device))
 
 
 def grouped_gemm(A, B, group_sizes=None, offsets=None, epilogue: Optional[Epilogue] = None,

@@ -10,6 +10,7 @@ _DTYPES = {
     "float8_e4m3fn": cutlass.Float8E4M3FN,
     "uint8": cutlass.Uint8,
     "int32": cutlass.Int32,
+    "int64": cutlass.Int64,
 }
 
 

@@ -66,6 +66,11 @@ class RunContext:
     index: torch.Tensor | None = None
     tokens: int | None = None
     routed_group_sizes: torch.Tensor | None = None
+    #: Set by a fused program's forward (fusion/runtime/bounds.py): the int32 buffer of the call's `groups` + 1
+    #: row bounds, then the forward's and the backward's zeroed tile counters.
+    counters: torch.Tensor | None = None
+    groups: int = 0
+    backward_counters_used: bool = False
 
 
 class Op(torch.nn.Module):

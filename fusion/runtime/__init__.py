@@ -51,10 +51,20 @@ class BlockRunner:
         self.plan = plan_for_run(seq, x)
         fused = any(step.fused for step in self.plan.forward + self.plan.backward)
         self.program = None
+        # The group sizes' values are checked, and the call's bounds made, by one prologue launch on the device
+        # (fusion/runtime/bounds.py) when fused kernels run on a GPU; otherwise by torch ops.
+        self.device_checked = False
         if fused:
+            from fusion.runtime.bounds import DevicePrologue
             from fusion.runtime.program import BlockProgram
 
-            self.program = BlockProgram(seq, self.plan, "emulate" if seq.backend == "emulate" else "cute")
+            backend = "emulate" if seq.backend == "emulate" else "cute"
+            prologue = None
+            if backend == "cute" and x.device.type == "cuda" and not seq.inputs.gathers:
+                grouped = "group_sizes" in seq.inputs.names
+                prologue = DevicePrologue(seq.inputs.num_groups[0] if grouped else 1, grouped)
+                self.device_checked = grouped
+            self.program = BlockProgram(seq, self.plan, backend, prologue)
         # The sum check reads the sizes on the host: free on the CPU, asked for by backend="reference"; on a
         # GPU it is an asynchronous device assert, so a whole forward can be captured in a CUDA graph.
         self.check_sum = x.device.type == "cpu" or seq.backend == "reference"
@@ -92,7 +102,7 @@ class BlockRunner:
 
     def __call__(self, x: torch.Tensor, extra: dict):
         self.check(x)
-        ctx = self.seq.inputs.context(x, extra, check_sum=self.check_sum)
+        ctx = self.seq.inputs.context(x, extra, check_sum=self.check_sum, device_checked=self.device_checked)
         if self.program is None:
             for op in self.seq.ops:
                 x = op.reference(x, ctx)

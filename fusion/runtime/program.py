@@ -17,19 +17,14 @@ import torch
 
 from fusion.dataflow import index_of, out_grad, v
 from fusion.runtime import steps as S
+from fusion.runtime.bounds import torch_bounds
 from fusion.runtime.kernel import LAUNCHERS
 
 
-def group_bounds(ctx, rows: int, device, counters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bounds, buffer): the kernels' (G+1,) int32 row bounds [0, o_1, ..., o_G] on the device, no host sync,
-    as the head of a buffer whose `counters` spare int32 zeros are the dynamic tile schedulers' counters (one
-    launch of work per call for all of it)."""
-    if ctx.offsets is None:
-        buffer = torch.zeros(2 + counters, dtype=torch.int32, device=device)
-        buffer.narrow(0, 1, 1).fill_(rows)
-        return buffer[:2], buffer
-    buffer = torch.nn.functional.pad(ctx.offsets.to(torch.int32), (1, counters))
-    return buffer[:ctx.offsets.numel() + 1], buffer
+def _offsets(ctx) -> None:
+    """ctx.offsets (o_1..o_G, what torch._grouped_mm reads) as a view of the bounds buffer, if not set yet."""
+    if ctx.offsets is None and ctx.group_sizes is not None:
+        ctx.offsets = ctx.counters[1:ctx.groups + 1]
 
 
 def _last_reads(steps, keep: set) -> list[tuple[str, ...]]:
@@ -54,8 +49,12 @@ def _number_slots(runners) -> int:
 
 
 class BlockProgram:
-    def __init__(self, seq, plan, backend: str):
+    """`prologue`: a fusion.runtime.bounds.DevicePrologue that makes each call's bounds buffer in one launch
+    (fused plans on a GPU), or None (torch ops make it)."""
+
+    def __init__(self, seq, plan, backend: str, prologue=None):
         self.seq, self.plan, self.backend = seq, plan, backend
+        self.prologue = prologue
         self.params = list(seq.parameters())
         launcher = LAUNCHERS[backend]
         self.forward_steps = []
@@ -71,6 +70,10 @@ class BlockProgram:
         self.release = _last_reads(plan.backward, keep={out_grad(plan.ops, -1)})
         self.forward_kernels = _number_slots(self.forward_steps)
         self.backward_kernels = _number_slots(self.backward_steps)
+        self.counters = self.forward_kernels + self.backward_kernels
+        # torch GEMMs and reference ops read ctx.offsets (a view of the buffer: made only where a step reads it)
+        self.forward_reads_offsets = any(not isinstance(r, S._KernelStep) for r in self.forward_steps)
+        self.backward_reads_offsets = any(not isinstance(r, S._KernelStep) for r in self.backward_steps)
         self.output_grad = f"g{len(plan.ops)}"
         self.input_grad = out_grad(plan.ops, -1)
 
@@ -87,9 +90,8 @@ class BlockProgram:
     # -- forward ---------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx, train: bool):
         """(block output, saved values in plan.saves order; None for values to recompute)."""
-        bounds, buffer = group_bounds(ctx, x.shape[0] if ctx.index is None else ctx.index.numel(), x.device,
-                                      self.forward_kernels)
-        state = S.RunState(ctx=ctx, bounds=bounds, rows=x.shape[0], counters=buffer)
+        self._bounds(ctx, x.shape[0], x.device, self.forward_reads_offsets)
+        state = S.RunState(ctx=ctx, rows=x.shape[0])
         state.env[v(0)] = x
         for runner in self.forward_steps:
             runner.run(state, train)
@@ -97,13 +99,31 @@ class BlockProgram:
         saved = [state.env.get(name) for name in self.plan.saves] if train else []
         return y, saved
 
+    def _bounds(self, ctx, rows: int, device, offsets: bool) -> None:
+        """The call's bounds buffer (fusion/runtime/bounds.py) into ctx: made once per call, by the forward (or by
+        a backward whose context was made for it alone: the torch.compile custom op). `offsets`: set
+        ctx.offsets too, for the torch GEMMs and reference ops of the pass."""
+        routed = rows if ctx.index is None else ctx.index.numel()
+        if self.prologue is not None and ctx.offsets is None:
+            buffer = self.prologue(ctx.group_sizes, routed, device, self.counters)
+        else:
+            buffer = torch_bounds(ctx, routed, device, self.counters)
+        ctx.counters, ctx.groups, ctx.backward_counters_used = buffer, buffer.numel() - 1 - self.counters, False
+        if offsets:
+            _offsets(ctx)
+
     # -- backward --------------------------------------------------------------------------------------------------
     def backward(self, dy: torch.Tensor, saved, ctx, rows: int, needs: tuple):
         """Gradients of (x, *self.params, *ctx.extra values); `needs` says which are wanted (autograd's
         needs_input_grad in that order). A `saved` list is emptied: the program owns the values from here."""
-        routed = rows if ctx.index is None else ctx.index.numel()
-        bounds, buffer = group_bounds(ctx, routed, dy.device, self.backward_kernels)
-        state = S.RunState(ctx=ctx, bounds=bounds, rows=rows, counters=buffer)
+        if ctx.counters is None:
+            self._bounds(ctx, rows, dy.device, self.backward_reads_offsets)
+        elif self.backward_reads_offsets:
+            _offsets(ctx)
+        state = S.RunState(ctx=ctx, rows=rows, counter_base=self.forward_kernels)
+        if ctx.backward_counters_used:  # a second backward through the same graph (retain_graph): zero them again
+            ctx.counters.narrow(0, ctx.groups + 1 + self.forward_kernels, self.backward_kernels).zero_()
+        ctx.backward_counters_used = True
         state.env.update((name, value) for name, value in zip(self.plan.saves, saved) if value is not None)
         if isinstance(saved, list):
             saved.clear()  # the env holds them now, and drops each after its last reader
@@ -129,7 +149,7 @@ class BlockProgram:
         if step.writes[:1] == (self.input_grad,) and not need_x:
             if isinstance(runner, S.OpBackward):
                 op = runner.op
-                return any(p.requires_grad for p in op.parameters(recurse=False)) or bool(op.spec.extra_inputs)
+                return any(p.requires_grad for p in op.parameters(recurse=False)) or bool(runner.extra_inputs)
             return isinstance(runner, S.FusedDgrad)
         return True
 

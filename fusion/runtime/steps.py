@@ -27,19 +27,22 @@ from fusion.runtime.kernel import make_job
 class RunState:
     """One call's values, gradients and inputs."""
 
-    ctx: RunContext
-    bounds: torch.Tensor  # (G+1,) int32 group row bounds on the device (one group [0, M) for a dense block)
-    rows: int = 0         # rows of the block's input x
-    counters: torch.Tensor | None = None  # bounds followed by zeroed int32 tile counters, one per kernel step
+    ctx: RunContext        # ctx.counters: the call's buffer of G+1 int32 row bounds, then the tile counters
+    rows: int = 0          # rows of the block's input x
+    counter_base: int = 0  # the first counter of this pass (the backward's follow the forward's)
     env: dict = field(default_factory=dict)
     param_grads: dict = field(default_factory=dict)  # id(parameter) -> gradient
     extra_grads: dict = field(default_factory=dict)  # extra input name -> gradient
 
-    def counter_ptr(self, slot: int) -> int | None:
+    @property
+    def bounds(self) -> torch.Tensor:
+        """The (G+1,) int32 group row bounds on the device (one group [0, M) for a dense block): the head of the
+        buffer, which the kernels read as is (a view costs host time, so only reductions ask for this)."""
+        return self.ctx.counters[:self.ctx.groups + 1]
+
+    def counter_ptr(self, slot: int) -> int:
         """The address of kernel step `slot`'s zeroed tile counter (the spare tail of the bounds buffer)."""
-        if self.counters is None:
-            return None
-        return self.counters.data_ptr() + 4 * (self.bounds.numel() + slot)
+        return self.ctx.counters.data_ptr() + 4 * (self.ctx.groups + 1 + self.counter_base + slot)
 
     def add(self, store: dict, key, grad) -> None:
         if grad is not None:
@@ -47,9 +50,9 @@ class RunState:
 
 
 def _weight_as_b(weight: torch.Tensor) -> torch.Tensor:
-    """A GroupLinear weight (G, out, in) as is; a Linear weight (out, in) as one group. No copy."""
-    w = weight.detach()
-    w = w if w.dim() == 3 else w.unsqueeze(0)
+    """A GroupLinear weight (G, out, in) as is; a Linear weight (out, in) as one group. No copy, and no detach:
+    the kernel reads the pointer only (an aten op per weight per call is host time)."""
+    w = weight if weight.dim() == 3 else weight.detach().unsqueeze(0)
     return w if w.is_contiguous() else w.contiguous()
 
 
@@ -123,6 +126,9 @@ class FusedForward(_KernelStep):
         self.writes_saved = bool(wanted)
         self.origin = f"pattern {step.pattern} [{step.pattern_loc}], ops {list(step.ops)}"
         self._shared_bias = {}
+        self._in_slots = self.spec.forward_slots(False)[0]
+        self._out_slots = {variant: self.spec.forward_slots(variant == "train")[1] for variant in ("train", "inference")}
+        self._saved_width = None if self.spec.saved is None else self.spec.width_at(self.spec.saved)
 
     def weight_shape(self) -> tuple[int, int, int]:
         w = self.gemm.weight
@@ -139,7 +145,7 @@ class FusedForward(_KernelStep):
 
     def _inputs(self, ctx: RunContext, groups: int) -> dict:
         tensors = {}
-        for slot in self.spec.forward_slots(False)[0]:
+        for slot in self._in_slots:
             if isinstance(slot, slots.GroupBias):
                 shared = self._shared_bias.setdefault(slot.position, _SharedBias())
                 tensors[slot.kernel_name] = shared(self.ops[slot.position].bias, groups)
@@ -154,23 +160,23 @@ class FusedForward(_KernelStep):
         x = x if x.is_contiguous() else x.contiguous()
         variant = "train" if train and self.writes_saved else "inference"
         kernel = self.kernel(x.dtype, variant)
-        G = self.weight_shape()[0]
+        weight = self.gemm.weight
         M = x.shape[0]
         spec = self.spec
-        tensors = self._inputs(state.ctx, G)
+        tensors = self._inputs(state.ctx, weight.shape[0] if weight.dim() == 3 else 1)
         out_w = spec.out_features
         outs = {}
-        for slot in spec.forward_slots(variant == "train")[1]:
+        for slot in self._out_slots[variant]:
             if isinstance(slot, slots.Quantized):
                 outs["out"] = torch.empty(M, out_w, dtype=torch.float8_e4m3fn, device=x.device)
                 outs["out_scale"] = torch.empty(M, out_w // 32, dtype=torch.uint8, device=x.device)
             elif isinstance(slot, slots.SavedOut):
-                outs["saved"] = torch.empty(M, spec.width_at(spec.saved), dtype=x.dtype, device=x.device)
+                outs["saved"] = torch.empty(M, self._saved_width, dtype=x.dtype, device=x.device)
             else:
                 outs[slot.kernel_name] = torch.empty(M, out_w, dtype=x.dtype, device=x.device)
         _poison(outs)
         tensors.update(outs)
-        kernel.run(x, _weight_as_b(self.gemm.weight), state.bounds, tensors, state.counter_ptr(self.slot))
+        kernel.run(x, _weight_as_b(weight), state.ctx.counters, tensors, state.counter_ptr(self.slot))
         if spec.quantized:
             state.env[self.output] = _quantized(self.ops[-1], outs, state.ctx)
         else:
@@ -230,7 +236,7 @@ class GemmForward(OpForward):
         from fusion.grouped import grouped_matmul, grouped_mm_method
 
         x = state.env[v(self.index)]
-        w = self.op.weight.detach()
+        w = self.op.weight  # read, never differentiated here: the program is the autograd node (no detach op)
         if type(x) is not torch.Tensor:
             return super().run(state, train)  # a QuantizedTensor: the reference dequantizes it
         x = x if x.is_contiguous() else x.contiguous()
@@ -270,6 +276,8 @@ class FusedDgrad(_KernelStep):
         self.postact = v(self.j) in step.writes
         self.origin = f"pattern {step.pattern} [{step.pattern_loc}] (backward), ops {list(step.ops)}"
         self._shared_bias = {}
+        self._slots = self.spec.backward_slots(self.postact)
+        self._biases = [op for op in self.elementwise if op.spec.name == "Bias"]  # (op.spec costs us per call)
 
     def weight_shape(self) -> tuple[int, int, int]:
         """(G, N, K) of the dgrad GEMM: N = the GEMM's in_features, K = its out_features."""
@@ -291,9 +299,9 @@ class FusedDgrad(_KernelStep):
         dy = dy if dy.is_contiguous() else dy.contiguous()
         kernel = self.kernel(dy.dtype, "backward")
         spec, ctx = self.spec, state.ctx
-        G, N, _ = self.weight_shape()
+        G = self.gemm.weight.shape[0] if self.gemm.weight.dim() == 3 else 1
         M = dy.shape[0]
-        in_slots, out_slots = spec.backward_slots(self.postact)
+        in_slots, out_slots = self._slots
         tensors = {}
         for slot in in_slots:
             if isinstance(slot, slots.SavedIn):
@@ -309,17 +317,16 @@ class FusedDgrad(_KernelStep):
             outs[slot.kernel_name] = torch.empty(M, width, dtype=dy.dtype, device=dy.device)
         _poison(outs)
         tensors.update(outs)
-        kernel.run(dy, _weight_as_b(self.gemm.weight), state.bounds, tensors, state.counter_ptr(self.slot))
+        kernel.run(dy, _weight_as_b(self.gemm.weight), state.ctx.counters, tensors, state.counter_ptr(self.slot))
         dinput = outs["dinput"]
         state.env[f"g{self.first}"] = dinput
         for slot in out_slots:
             if isinstance(slot, slots.DScale):
+                # summed in the scale's dtype (the reduction accumulates in float32; one op, no cast after it)
                 term = outs[slot.kernel_name]
-                acc = torch.float64 if term.dtype == torch.float64 else torch.float32
-                state.add(state.extra_grads, slot.name, term.sum(-1, dtype=acc))
-        for op in self.elementwise:
-            if op.spec.name == "Bias":  # first in the chain: d bias = d(chain input) summed per group
-                state.add(state.param_grads, id(op.bias), segment_sum(dinput, state.bounds, op.num_groups is not None))
+                state.add(state.extra_grads, slot.name, term.sum(-1))
+        for op in self._biases:  # first in the chain: d bias = d(chain input) summed per group
+            state.add(state.param_grads, id(op.bias), segment_sum(dinput, state.bounds, op.num_groups is not None))
         if self.postact:
             state.env[v(self.j)] = outs["postact"]
 
@@ -335,8 +342,7 @@ class GemmDgrad:
 
         ctx = state.ctx
         dy = dequantize(state.env[self.grad_in])
-        state.env[f"g{self.index}"] = linear_dgrad(dy.contiguous(), self.op.weight.detach(), ctx.group_sizes,
-                                                   ctx.offsets)
+        state.env[f"g{self.index}"] = linear_dgrad(dy.contiguous(), self.op.weight, ctx.group_sizes, ctx.offsets)
 
 
 class GemmWgrad:
@@ -353,7 +359,7 @@ class GemmWgrad:
         x = dequantize(state.env[v(self.index)]).contiguous()
         if op.weight.requires_grad:
             state.add(state.param_grads, id(op.weight),
-                      linear_wgrad(dy, x, op.weight.detach(), ctx.group_sizes, ctx.offsets))
+                      linear_wgrad(dy, x, op.weight, ctx.group_sizes, ctx.offsets))
         if op.bias is not None and op.bias.requires_grad:
             state.add(state.param_grads, id(op.bias), segment_sum(dy, state.bounds, op.weight.dim() == 3))
 
@@ -379,13 +385,14 @@ class OpBackward:
         self.op = seq[self.index]
         self.grad_in = out_grad(plan.ops, self.index)
         self.features = plan.ops[self.index].in_features
+        self.extra_inputs = self.op.spec.extra_inputs
 
     def run(self, state: RunState) -> None:
         from fusion.quant import QuantizedTensor, dequantize
 
         op, ctx = self.op, state.ctx
         params = [p for p in op.parameters(recurse=False) if p.requires_grad]
-        extras = [(name, ctx.extra[name]) for name in op.spec.extra_inputs
+        extras = [(name, ctx.extra[name]) for name in self.extra_inputs
                   if name in ctx.extra and ctx.extra[name].requires_grad]
         with torch.enable_grad(), _autograd_dispatch():
             value = state.env.get(v(self.index))
