@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from fusion.quant import QuantizedTensor
+
 
 def _needs_grad(runner, x, ctx) -> bool:
     if not torch.is_grad_enabled():
@@ -31,8 +33,6 @@ class _BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dy):
-        from fusion.quant import QuantizedTensor
-
         if isinstance(dy, QuantizedTensor):
             dy = dy.dequantize()
         io, held = iter(fctx.saved_tensors), iter(fctx.held)
