@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fusion.patterns.expr_ast import render_expression
 from fusion.patterns.loader import expression_from_source
+from fusion.patterns.parser import parse_expression
 from fusion.patterns.registry import activations, reset_to_builtins
 from fusion.runtime import torch_math
 from fusion.symbolic import (
@@ -156,6 +158,14 @@ def test_random_expressions_round_trip_through_the_parser():
         assert back == e or simplify(back) == simplify(e), text
         d = differentiate(e, "x")
         assert expression_from_source(to_source(d), args=("x", "y"), params={"p": 0.75}) == d
+
+
+def test_pattern_ast_and_expressions_print_alike():
+    """One printer: an expression's text, parsed into the .fpat AST and printed from there (as explain() prints
+    predicates), is the same text."""
+    for e in RANDOM + [differentiate(e, "x") for e in RANDOM[:10]]:
+        text = to_source(e)
+        assert render_expression(parse_expression(text)) == text
 
 
 def test_to_source_precedence():
