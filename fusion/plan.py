@@ -67,14 +67,6 @@ class Step:
     reads: tuple[str, ...] = ()   # values (v<i>: input of op i) and gradients (g<i>) it reads (fusion/dataflow.py)
     writes: tuple[str, ...] = ()  # what it writes
 
-    @property
-    def title(self) -> str:
-        if self.fused:
-            return f"{self.kernel} ({self.pattern})"
-        i, part = self.parts[0]
-        what = "" if part in ("forward",) else f" {part}"
-        return f"op {i} {self.descriptions[0]}{what}"
-
 
 @dataclass(frozen=True)
 class OpAttempt:

@@ -130,10 +130,6 @@ def _cubin_nv_info(cubin: bytes) -> dict:
     return out
 
 
-def _cubin_register_count(cubin: bytes) -> Optional[int]:
-    return _cubin_nv_info(cubin).get("registers")
-
-
 def _nvdisasm() -> Optional[str]:
     p = shutil.which("nvdisasm")
     if p:
@@ -298,7 +294,7 @@ def _compile(config, epilogue, dtype, N, K, G):
     ptrs = tuple(_fake_ptr(d, 4 if d not in ("uint8",) else 1) for d in _slot_dtypes(epilogue, dtype))
     from cutlass.runtime import make_fake_stream
     args = (
-        _fake_ptr(dtype), _fake_ptr(dtype), _fake_ptr("int32", 4) if False else make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
+        _fake_ptr(dtype), _fake_ptr(dtype), make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
         make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
         ptrs, cutlass.Int32(1), N, K, G, cutlass.Int32(1), make_fake_stream(),
     )

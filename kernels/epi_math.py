@@ -1,6 +1,7 @@
 """Elementwise fp32 math for epilogues, callable at kernel trace time on ``cutlass.Float32`` values.
 
-Generated epilogue code should only use these names plus ``+ - * /`` and Python float constants.
+Generated epilogue code should only use these names plus ``+ - * /`` and Python float constants. Which of them
+an expression function calls is that function's entry in the registry (fusion/symbolic/functions.py, `kernel`).
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-_LOG2E = 1.4426950408889634
+#: log2(e): exp(x) = exp2(x * LOG2E), x ** p = exp2(log(x) * p * LOG2E).
+LOG2E = 1.0 / _m.log(2.0)
 
 
 def _f(x):
@@ -18,7 +20,7 @@ def _f(x):
 
 
 def exp(x):
-    return cute.math.exp2(_f(x) * _LOG2E, fastmath=True)
+    return cute.math.exp2(_f(x) * LOG2E, fastmath=True)
 
 
 def exp2(x):
@@ -115,6 +117,6 @@ def pow_const(x, p: float):
             for _ in range(n):
                 r = r * x
             return rcp(r) if p < 0 else r
-        magnitude = exp2(log(abs(x)) * (p / _m.log(2.0)))
+        magnitude = exp2(log(abs(x)) * (p * LOG2E))
         return where(x < 0.0, -magnitude, magnitude) if n % 2 else magnitude
-    return exp2(log(x) * (p / _m.log(2.0)))
+    return exp2(log(x) * (p * LOG2E))

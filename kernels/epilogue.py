@@ -97,12 +97,6 @@ class Epilogue:
         params = tuple(sorted((k, repr(v)) for k, v in vars(self).items())) if hasattr(self, "__dict__") else ()
         return (type(self).__module__, type(self).__qualname__, self.gated, self.inputs, self.outputs, params)
 
-    def num_apply_args(self) -> int:
-        n = 2 if self.gated else 1
-        for i in self.inputs:
-            n += 2 if getattr(i, "paired", False) else 1
-        return n
-
     def num_apply_results(self) -> int:
         return sum(2 if getattr(o, "paired", False) else 1 for o in self.outputs)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fusion.symbolic.printer import Apply, Atom, Infix, Member, Prefix, format_number, render
+
 
 @dataclass(frozen=True)
 class SourceLoc:
@@ -20,7 +22,13 @@ class SourceLoc:
 # ---------------------------------------------------------------------------------------------------------
 # Expression AST: one expression language for activation bodies and chain predicates. The loader turns
 # activation expressions into fusion.symbolic nodes; predicates keep these nodes (Predicate.expr) and are
-# evaluated by fusion.patterns.predicates.evaluate_predicate, never by Python eval.
+# evaluated by fusion.patterns.predicates.evaluate_predicate, never by Python eval. Each node says how it prints
+# (`form()`): render_expression prints through the language's one printer (fusion/symbolic/printer.py).
+
+
+def render_expression(e) -> str:
+    """Canonical text of an expression AST (what explain() shows for a predicate)."""
+    return render(e, lambda node: node.form())
 
 
 @dataclass(frozen=True)
@@ -29,11 +37,17 @@ class ENum:
     loc: SourceLoc
     is_int: bool = False
 
+    def form(self):
+        return Atom(format_number(self.value))
+
 
 @dataclass(frozen=True)
 class EStr:
     value: str
     loc: SourceLoc
+
+    def form(self):
+        return Atom(f'"{self.value}"')
 
 
 @dataclass(frozen=True)
@@ -41,11 +55,17 @@ class EBool:
     value: bool
     loc: SourceLoc
 
+    def form(self):
+        return Atom("true" if self.value else "false")
+
 
 @dataclass(frozen=True)
 class EName:
     name: str
     loc: SourceLoc
+
+    def form(self):
+        return Atom(self.name)
 
 
 @dataclass(frozen=True)
@@ -53,6 +73,9 @@ class ECall:
     fn: str
     args: tuple
     loc: SourceLoc
+
+    def form(self):
+        return Apply(self.fn, self.args)
 
 
 @dataclass(frozen=True)
@@ -62,6 +85,9 @@ class EUnary:
     op: str
     operand: Any
     loc: SourceLoc
+
+    def form(self):
+        return Prefix(self.op, self.operand)
 
 
 @dataclass(frozen=True)
@@ -73,6 +99,9 @@ class EBinary:
     rhs: Any
     loc: SourceLoc
 
+    def form(self):
+        return Infix(self.op, self.lhs, self.rhs)
+
 
 @dataclass(frozen=True)
 class EIn:
@@ -81,3 +110,6 @@ class EIn:
     operand: Any
     choices: tuple
     loc: SourceLoc
+
+    def form(self):
+        return Member(self.operand, self.choices)

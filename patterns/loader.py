@@ -114,7 +114,7 @@ def _to_expr(e, scope: _Scope, acts: dict[str, ActivationDef], allow_dy: bool) -
                 unknown_function(e)
             args = [go(a) for a in e.args]
             if e.fn in FUNCTIONS:
-                n = FUNCTIONS[e.fn]
+                n = FUNCTIONS[e.fn].arity
                 if len(args) != n:
                     raise ctx.error(e.loc, f"{e.fn}() takes {n} argument{'s' if n != 1 else ''}, got {len(args)}")
                 return Call(e.fn, tuple(args))

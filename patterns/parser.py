@@ -15,6 +15,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from fusion.errors import PatternError
 from fusion.patterns import ast as A
 from fusion.patterns.diagnostics import format_message, make_error
+from fusion.patterns.expr_ast import render_expression
 from fusion.patterns.limits import MAX_EXPRESSION_DEPTH, too_deep
 
 GRAMMAR_PATH = Path(__file__).with_name("fpat.lark")
@@ -233,12 +234,8 @@ class _ToAst(Transformer):
             yield from self._predicates(expr.lhs)
             yield from self._predicates(expr.rhs)
             return
-        text = self._text_of(expr)
-        yield A.Predicate(text, expr, expr.loc)
+        yield A.Predicate(render_expression(expr), expr, expr.loc)
 
-    def _text_of(self, expr) -> str:
-        span = getattr(expr, "_span", None)
-        return span if span is not None else _render(expr)
 
     def name_value(self, meta, ch):
         return A.Value("name", str(ch[0]), self._tok_loc(ch[0]))
@@ -336,60 +333,6 @@ def _field_number(tok) -> int | float:
 def _number(tok) -> float:
     s = str(tok)
     return float(int(s)) if s.isdigit() else float(s)
-
-
-_PREC = {"or": 1, "and": 2, "not": 3, "cmp": 4, "in": 4, "+": 5, "-": 5, "*": 6, "/": 6, "%": 6, "neg": 7,
-         "**": 8, "atom": 9}
-_CMP = {"<", "<=", ">", ">=", "==", "!="}
-
-
-def _prec(e) -> int:
-    if isinstance(e, A.EBinary):
-        return _PREC["cmp"] if e.op in _CMP else _PREC[e.op]
-    if isinstance(e, A.EUnary):
-        return _PREC["not"] if e.op == "not" else _PREC["neg"]
-    if isinstance(e, A.EIn):
-        return _PREC["in"]
-    if isinstance(e, A.ENum) and e.value < 0:
-        return _PREC["neg"]
-    return _PREC["atom"]
-
-
-def _render(e) -> str:
-    """Canonical text of an expression AST (what explain() shows for a predicate)."""
-    def wrap(c, need):
-        s = _render(c)
-        return f"({s})" if _prec(c) < need else s
-
-    if isinstance(e, A.ENum):
-        v = e.value
-        return str(int(v)) if v.is_integer() and abs(v) < 1e16 else repr(v)
-    if isinstance(e, A.EStr):
-        return f'"{e.value}"'
-    if isinstance(e, A.EBool):
-        return "true" if e.value else "false"
-    if isinstance(e, A.EName):
-        return e.name
-    if isinstance(e, A.ECall):
-        return f"{e.fn}({', '.join(_render(a) for a in e.args)})"
-    if isinstance(e, A.EUnary):
-        if e.op == "not":
-            return "not " + wrap(e.operand, _PREC["not"])
-        return e.op + wrap(e.operand, _PREC["neg"])
-    if isinstance(e, A.EIn):
-        return f"{wrap(e.operand, _PREC['in'] + 1)} in ({', '.join(_render(c) for c in e.choices)})"
-    if isinstance(e, A.EBinary):
-        p = _prec(e)
-        if e.op == "**":
-            return f"{wrap(e.lhs, p + 1)} ** {wrap(e.rhs, _PREC['neg'])}"
-        if e.op in _CMP:
-            return f"{wrap(e.lhs, p + 1)} {e.op} {wrap(e.rhs, p + 1)}"
-        return f"{wrap(e.lhs, p)} {e.op} {wrap(e.rhs, p + 1)}"
-    raise TypeError(e)  # pragma: no cover
-
-
-def render_expression(e) -> str:
-    return _render(e)
 
 
 def parse_text(text: str, filename: str = "<string>") -> A.PatternFile:

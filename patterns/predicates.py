@@ -112,21 +112,3 @@ def check_predicate(expr, error) -> None:
 def evaluate_predicate(expr, attrs: Mapping[str, Any]):
     """Evaluate a predicate expression AST against an op's attrs; returns the value (truthy = holds)."""
     return _value(expr, attrs)
-
-
-def names_in(expr) -> list[str]:
-    """Attribute names a predicate reads, in order of first appearance."""
-    out: list[str] = []
-
-    def go(e):
-        if isinstance(e, A.EName):
-            if e.name not in out:
-                out.append(e.name)
-        for f in ("operand", "lhs", "rhs"):
-            if hasattr(e, f):
-                go(getattr(e, f))
-        for c in getattr(e, "choices", ()) + getattr(e, "args", ()):
-            go(c)
-
-    go(expr)
-    return out

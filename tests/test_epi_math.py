@@ -11,9 +11,10 @@ import torch
 
 # fusion.kernels first: it sets CUTE_DSL_ARCH=sm_90a, which the DSL reads once, when cutlass is first imported
 # (importing cutlass first would pin the process to the DSL's default architecture).
-K = pytest.importorskip("fusion.kernels")
+import fusion.kernels as K
 
 from fusion.runtime import torch_math  # noqa: E402
+from fusion.symbolic import FUNCTIONS  # noqa: E402
 
 
 class _Float32:
@@ -80,3 +81,20 @@ def test_unary_functions_match_the_emulation(em, name):
     if name in ("log", "sqrt"):
         x = x.abs() + 0.5
     torch.testing.assert_close(getattr(em, name)(x), getattr(torch_math, name)(x), rtol=1e-12, atol=1e-15)
+
+
+#: Arguments in each function's domain; the others take (X, Y, Z)[:arity].
+_DOMAIN = {"log": lambda: (X.abs() + 0.5,), "sqrt": lambda: (X.abs() + 0.5,),
+           "clamp": lambda: (X, -X.flip(0).abs() - 0.1, X.abs() + 0.1),
+           "where": lambda: (X > 0.3, X, X.flip(0))}
+
+
+@pytest.mark.parametrize("fn", sorted(FUNCTIONS))
+def test_every_function_runs_in_the_kernel_as_its_registry_entry_says(em, fn):
+    """A function of the language becomes a call of its registry entry's `kernel` function: the kernel's math
+    module and the emulation both have it, and both compute the reference (the entry's `torch`)."""
+    f = FUNCTIONS[fn]
+    args = _DOMAIN[fn]() if fn in _DOMAIN else (X, X.flip(0), X * 0.5)[:f.arity]
+    want = f.torch(*args)
+    torch.testing.assert_close(getattr(em, f.kernel)(*args), want, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(getattr(torch_math, f.kernel)(*args), want, rtol=1e-9, atol=1e-12)

@@ -12,6 +12,7 @@ import torch
 import fusion
 from fusion import Clamp, QuantizeMXFP8, SwiGLU
 from fusion.explain import explain
+from fusion.patterns import registry
 from fusion.planner import clear_cache
 from test_matcher_support import demo_block, demo_patterns
 
@@ -71,7 +72,6 @@ def test_partly_fused_golden(fmt, ext):
 
 
 def test_builtin_golden():
-    registry = pytest.importorskip("fusion.patterns.registry")
     registry.reset_to_builtins()
     check_golden("explain_demo_builtin.txt", explain(demo_block()))
 

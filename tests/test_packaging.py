@@ -18,6 +18,23 @@ def test_every_package_folder_is_listed():
     assert not any(name.split(".")[0] != "fusion" for name in listed), "one import root: fusion"
 
 
+def test_every_package_data_glob_matches_a_file():
+    """A glob matching nothing ships nothing: it names a file that moved or never existed."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = config["package-dir"]
+
+    def folder(package: str) -> pathlib.Path:
+        parts = package.split(".")
+        for n in range(len(parts), 0, -1):  # the longest listed prefix, then the rest as folders
+            if ".".join(parts[:n]) in roots:
+                return ROOT.joinpath(roots[".".join(parts[:n])], *parts[n:])
+        return ROOT.joinpath(*parts)
+
+    for package, globs in config["package-data"].items():
+        for glob in globs:
+            assert any(folder(package).glob(glob)), f"package-data {package}: {glob!r} matches no file"
+
+
 def test_subpackages_import_under_fusion():
     import fusion.codegen
     import fusion.kernels

@@ -9,11 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fusion.patterns.expr_ast import render_expression
 from fusion.patterns.loader import expression_from_source
+from fusion.patterns.parser import parse_expression
 from fusion.patterns.registry import activations, reset_to_builtins
+from fusion.runtime import torch_math
 from fusion.symbolic import (
-    CUTE_FAST, CUTE_PRECISE, BinOp, Call, FUNCTIONS, Neg, Num, Param, Var, call, cmp, cse, differentiate,
-    evaluate, gradient, postorder, simplify, to_cute, to_source, where,
+    BinOp, Call, FUNCTIONS, Neg, Num, Param, Var, call, cmp, cse, differentiate, evaluate, gradient, postorder,
+    simplify, to_cute, to_source, where,
 )
 
 x, y = Var("x"), Var("y")
@@ -157,6 +160,14 @@ def test_random_expressions_round_trip_through_the_parser():
         assert expression_from_source(to_source(d), args=("x", "y"), params={"p": 0.75}) == d
 
 
+def test_pattern_ast_and_expressions_print_alike():
+    """One printer: an expression's text, parsed into the .fpat AST and printed from there (as explain() prints
+    predicates), is the same text."""
+    for e in RANDOM + [differentiate(e, "x") for e in RANDOM[:10]]:
+        text = to_source(e)
+        assert render_expression(parse_expression(text)) == text
+
+
 def test_to_source_precedence():
     P = Param("p", 0.75)
     cases = {
@@ -275,44 +286,42 @@ def test_cse_leaves_single_uses_and_leaves_alone():
 
 
 # ------------------------------------------------------------------------------------------ cute printer
-def fake_cute():
-    """A stand-in for `cutlass.cute` whose math runs in torch, to execute to_cute() output on the CPU."""
-    def kw(fn):
-        return lambda *a, fastmath=False, **k: fn(*[torch.as_tensor(v, dtype=torch.float64) for v in a])
-    math_ns = types.SimpleNamespace(
-        exp=kw(torch.exp), exp2=kw(torch.exp2), log=kw(torch.log), log2=kw(torch.log2), log1p=kw(torch.log1p),
-        sqrt=kw(torch.sqrt), tanh=kw(torch.tanh), erf=kw(torch.erf), abs=kw(torch.abs), min=kw(torch.minimum),
-        max=kw(torch.maximum), pow=kw(torch.pow))
-    return types.SimpleNamespace(math=math_ns, where=lambda c, a, b: torch.where(c, torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)))
+def em_namespace():
+    """The epilogue math module as backend="emulate" gives it to generated code (torch on whole tensors)."""
+    return types.SimpleNamespace(**torch_math.functions())
 
 
-@pytest.mark.parametrize("table", [CUTE_PRECISE, CUTE_FAST], ids=["precise", "fast"])
-def test_to_cute_runs_and_matches_evaluate(builtin_acts, table):
+def test_to_cute_runs_and_matches_evaluate(builtin_acts):
     gen = torch.Generator().manual_seed(3)
     for name, act in builtin_acts.items():
         bindings, outs = act.expressions()
-        lines = to_cute(bindings, outs, out_names=["y"] + [f"d_{a}" for a in act.args], table=table,
+        lines = to_cute(bindings, outs, out_names=["y"] + [f"d_{a}" for a in act.args],
                         params={"alpha": 1.702} if "alpha" in dict(act.params) else None)
         env = {a: torch.randn(50, generator=gen, dtype=torch.float64) * 3 for a in act.args}
         env["dy"] = torch.randn(50, generator=gen, dtype=torch.float64)
-        scope = {"cute": fake_cute(), **env}
+        scope = {"em": em_namespace(), **env}
         exec("\n".join(lines), scope)  # the generated code is plain Python
         want = [act.forward(*[env[a] for a in act.args])] + list(act.backward(env["dy"], *[env[a] for a in act.args]))
         for got, w in zip([scope["y"]] + [scope[f"d_{a}"] for a in act.args], want):
             torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64).expand_as(w), w, rtol=1e-9, atol=1e-9)
 
 
-def test_to_cute_table_is_data_and_fast_sigmoid_uses_exp2():
-    assert isinstance(CUTE_FAST, dict) and "sigmoid" in CUTE_FAST
-    assert "exp2" in CUTE_FAST["sigmoid"] and "1.4426950408889634" in CUTE_FAST["sigmoid"]
-    lines = to_cute([], [call("sigmoid", x * 2)], table=CUTE_FAST)
-    assert lines == ["out0 = 1.0 / (1.0 + cute.math.exp2((x * 2.0) * -1.4426950408889634, fastmath=True))"]
-    # an argument used twice by a template is computed once
-    lines = to_cute([], [call("silu", x * y)], table=CUTE_PRECISE)
-    assert lines[0] == "_v0 = (x * y)" and lines[1] == "out0 = _v0 / (1.0 + cute.math.exp(-_v0))"
-    # a custom table overrides one entry
-    lines = to_cute([], [call("tanh", x)], table={**CUTE_PRECISE, "tanh": "my_tanh({0})"})
-    assert lines == ["out0 = my_tanh(x)"]
+@pytest.mark.parametrize("fn", sorted(FUNCTIONS))
+def test_to_cute_calls_each_function_through_its_registry_entry(fn):
+    f = FUNCTIONS[fn]
+    args = [Var(f"a{i}") for i in range(f.arity)]
+    assert to_cute([], [call(fn, *args)]) == [f"out0 = em.{f.kernel}({', '.join(a.name for a in args)})"]
+    assert f.kernel in torch_math.functions()  # the emulation runs it (tests/test_epi_math.py: the kernel too)
+
+
+def test_to_cute_powers_parameters_and_hoisting():
+    # short forms of constant powers; a base they read twice is computed once, into a temporary
+    assert to_cute([], [x ** 2]) == ["out0 = x * x"]
+    assert to_cute([], [(x * y) ** 3]) == ["_v0 = x * y", "out0 = _v0 * _v0 * _v0"]
+    assert to_cute([], [(x + y) ** -1]) == ["out0 = 1.0 / (x + y)"]
+    assert to_cute([], [(x + y) ** 0.5 * 2]) == ["out0 = em.sqrt(x + y) * 2.0"]
+    assert to_cute([], [x ** 1.5]) == ["out0 = em.pow_const(x, 1.5)"]
+    assert to_cute([], [Neg(x ** 2), y / x ** 2]) == ["out0 = -(x * x)", "out1 = y / (x * x)"]
     # parameters: inlined from `params`, else renamed through `names`, else their default
     e = Param("limit", 7.0) * x
     assert to_cute([], [e]) == ["out0 = 7.0 * x"]

@@ -1,30 +1,17 @@
 """`evaluate(expr, env)`: THE reference implementation of every activation, in torch.
 
-Differentiable by torch autograd, and exact in float64. Function semantics (the derivative rules in
-diff.py follow the same conventions, so autograd of evaluate() and the symbolic derivative agree
-everywhere, including at ties and kinks):
-
-  min(a, b)        torch.where(a <= b, a, b)   ties select (and pass the gradient to) a
-  max(a, b)        torch.where(a >= b, a, b)   ties select a
-  clamp(x, lo, hi) min(max(x, lo), hi)          x keeps the gradient on the closed interval [lo, hi], like
-                                                torch.clamp
-  relu(x)          torch.relu                   relu'(0) = 0
-  abs(x)           torch.abs                    abs'(0) = 0
-  softplus(x)      torch.logaddexp(x, 0)        log(1 + e^x) without overflow (no threshold cut-off)
-  gelu_tanh(x)     F.gelu(x, approximate="tanh")
-  silu, sigmoid, tanh, erf, exp, log, sqrt      the torch functions
-  where(c, a, b)   torch.where(c, a, b)         c is a comparison (or a number: nonzero is true)
-  comparisons      boolean tensors; used as a number, true is 1 and false is 0
+Differentiable by torch autograd, and exact in float64. Each function's implementation is its registry
+entry's `torch` (fusion/symbolic/functions.py, which also gives the conventions at ties and kinks, shared with
+the derivative rules); comparisons are boolean tensors, used as a number true is 1 and false is 0.
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from fusion.symbolic.expr import BinOp, Call, Expr, Neg, Num, Param, Var, postorder
+from fusion.symbolic.functions import FUNCTIONS
 
 
 class UnboundNameError(KeyError):
@@ -33,37 +20,6 @@ class UnboundNameError(KeyError):
     def __str__(self) -> str:  # KeyError quotes its message; we want plain text
         return str(self.args[0]) if self.args else ""
 
-
-def _softplus(x):
-    return torch.logaddexp(x, torch.zeros_like(x))
-
-
-def _min(a, b):
-    return torch.where(a <= b, a, b)
-
-
-def _max(a, b):
-    return torch.where(a >= b, a, b)
-
-
-#: name -> torch implementation on tensors.
-TORCH_FUNCTIONS = {
-    "min": _min,
-    "max": _max,
-    "clamp": lambda x, lo, hi: _min(_max(x, lo), hi),
-    "abs": torch.abs,
-    "exp": torch.exp,
-    "log": torch.log,
-    "sqrt": torch.sqrt,
-    "sigmoid": torch.sigmoid,
-    "tanh": torch.tanh,
-    "softplus": _softplus,
-    "erf": torch.erf,
-    "relu": torch.relu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-    "where": lambda c, a, b: torch.where(c if c.dtype == torch.bool else c != 0, a, b),
-}
 
 _COMPARE = {
     "<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge, "==": torch.eq, "!=": torch.ne,
@@ -132,7 +88,7 @@ def evaluate(expr: Expr, env: Mapping[str, object] | None = None) -> torch.Tenso
                 args = [args[0]] + [tensor(a) for a in args[1:]]
             else:
                 args = [tensor(a) for a in args]
-            out = TORCH_FUNCTIONS[node.fn](*args)
+            out = FUNCTIONS[node.fn].torch(*args)
         else:  # pragma: no cover
             raise TypeError(f"cannot evaluate {node!r}")
         values[node] = out
@@ -149,5 +105,3 @@ def _pow(a: torch.Tensor, exponent_node: Expr, b: torch.Tensor) -> torch.Tensor:
         return torch.pow(a, v)
     return torch.pow(a, b)
 
-
-LOG2E = 1.0 / math.log(2.0)

@@ -7,39 +7,22 @@ Nodes
     Num(value)                 a float constant
     Var(name)                  an activation argument (gate, up, x...) or the incoming gradient `dy`
     Param(name, default)       a named parameter; `default` is None when the declaration gave none
-    Call(fn, args)             one of FUNCTIONS (min max clamp abs exp log sqrt sigmoid tanh softplus erf
-                               relu gelu_tanh silu where)
+    Call(fn, args)             a function of the registry (fusion/symbolic/functions.py), with its arity
     BinOp(op, lhs, rhs)        + - * / ** and comparisons < <= > >= == !=
     Neg(operand)               unary minus
 
 Python operators build raw nodes (no simplification): `Var("x") * 2 + 1`. Comparisons are built with
-`cmp("<", a, b)` because `==` on nodes is structural equality.
+`cmp("<", a, b)` because `==` on nodes is structural equality. Each node says how it prints (`form()`, for
+fusion/symbolic/printer.py); repr() shows the expression text.
 """
 from __future__ import annotations
 
 from typing import Callable, Iterator
 
-#: Functions of the expression language and their arity.
-FUNCTIONS: dict[str, int] = {
-    "min": 2,
-    "max": 2,
-    "clamp": 3,
-    "abs": 1,
-    "exp": 1,
-    "log": 1,
-    "sqrt": 1,
-    "sigmoid": 1,
-    "tanh": 1,
-    "softplus": 1,
-    "erf": 1,
-    "relu": 1,
-    "gelu_tanh": 1,
-    "silu": 1,
-    "where": 3,
-}
+from fusion.symbolic.functions import FUNCTIONS
+from fusion.symbolic.printer import COMPARE_OPS, Apply, Atom, Infix, Prefix, format_number, render
 
 ARITH_OPS = ("+", "-", "*", "/", "**")
-COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
 BINARY_OPS = ARITH_OPS + COMPARE_OPS
 
 
@@ -81,10 +64,12 @@ class Expr:
         """A node of the same kind with new children (raw, no simplification)."""
         return self
 
-    def __repr__(self) -> str:
-        from fusion.symbolic.source import to_source
+    def form(self):
+        """How the node prints: a fusion.symbolic.printer Form whose children are nodes."""
+        raise NotImplementedError
 
-        return f"<{type(self).__name__} {to_source(self)}>"
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {render(self, lambda node: node.form())}>"
 
     # Raw arithmetic builders, handy in tests and in hand-written rules.
     def __add__(self, o): return BinOp("+", self, as_expr(o))
@@ -111,6 +96,9 @@ class Num(Expr):
         object.__setattr__(self, "value", value)
         self._init(value)
 
+    def form(self):
+        return Atom(format_number(self.value))
+
 
 class Var(Expr):
     __slots__ = ("name",)
@@ -119,6 +107,9 @@ class Var(Expr):
     def __init__(self, name: str):
         object.__setattr__(self, "name", str(name))
         self._init(self.name)
+
+    def form(self):
+        return Atom(self.name)
 
 
 class Param(Expr):
@@ -130,6 +121,9 @@ class Param(Expr):
         object.__setattr__(self, "default", None if default is None else float(default))
         self._init(self.name, self.default)
 
+    def form(self):
+        return Atom(self.name)
+
 
 class Call(Expr):
     __slots__ = ("fn", "args")
@@ -139,8 +133,8 @@ class Call(Expr):
         args = tuple(as_expr(a) for a in args)
         if fn not in FUNCTIONS:
             raise ValueError(f"unknown function {fn!r}; known: {', '.join(FUNCTIONS)}")
-        if len(args) != FUNCTIONS[fn]:
-            raise ValueError(f"{fn} takes {FUNCTIONS[fn]} arguments, got {len(args)}")
+        if len(args) != FUNCTIONS[fn].arity:
+            raise ValueError(f"{fn} takes {FUNCTIONS[fn].arity} arguments, got {len(args)}")
         object.__setattr__(self, "fn", fn)
         object.__setattr__(self, "args", args)
         self._init(fn, args)
@@ -151,6 +145,9 @@ class Call(Expr):
 
     def rebuild(self, children):
         return Call(self.fn, children)
+
+    def form(self):
+        return Apply(self.fn, self.args)
 
 
 class BinOp(Expr):
@@ -172,6 +169,9 @@ class BinOp(Expr):
     def rebuild(self, children):
         return BinOp(self.op, *children)
 
+    def form(self):
+        return Infix(self.op, self.lhs, self.rhs)
+
 
 class Neg(Expr):
     __slots__ = ("operand",)
@@ -187,6 +187,9 @@ class Neg(Expr):
 
     def rebuild(self, children):
         return Neg(children[0])
+
+    def form(self):
+        return Prefix("-", self.operand)
 
 
 def as_expr(value) -> Expr:
@@ -211,10 +214,6 @@ def cmp(op: str, lhs, rhs) -> BinOp:
 
 def where(cond, a, b) -> Call:
     return Call("where", (cond, a, b))
-
-
-def is_comparison(e: Expr) -> bool:
-    return isinstance(e, BinOp) and e.op in COMPARE_OPS
 
 
 def postorder(roots) -> Iterator[Expr]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from fusion.symbolic.evaluate import evaluate
 from fusion.symbolic.expr import (
     BinOp, Call, COMPARE_OPS, Expr, Neg, Num, as_expr, transform,
 )
@@ -29,8 +30,6 @@ def _num(e: Expr) -> float | None:
 
 def _fold_call(fn: str, values: list[float]) -> Num | None:
     """Fold a call on numbers through the reference evaluator (float64), so folding == evaluation."""
-    from fusion.symbolic.evaluate import evaluate
-
     try:
         v = float(evaluate(Call(fn, tuple(Num(x) for x in values)), {}))
     except (ValueError, ArithmeticError):  # pragma: no cover - defensive
