@@ -27,7 +27,7 @@ from cutlass import Int32, Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .dtypes import cutlass_dtype
-from .epilogue import Epilogue, RowVector, GroupVector, AuxInput, MXFP8Output
+from .epilogue import Epilogue, AuxInput, MXFP8Output
 from .mainloop import WarpRoles
 from .scheduler import TileScheduler
 from .tile_epilogue import TileEpilogue
@@ -111,29 +111,7 @@ class GroupedGemmKernel(WarpRoles):
         mB = cute.make_tensor(pB, cute.make_layout((N, K, G), stride=b_stride))
         mOffs = cute.make_tensor(pOffs, cute.make_layout((G + 1,)))
         mCounter = cute.make_tensor(pCounter, cute.make_layout((1,)))
-        # epilogue tensors, in the order: inputs..., outputs... (MXFP8 outputs take two slots)
-        tensors = []
-        i = 0
-        for spec in self.epi.inputs:
-            p = ptrs[i]
-            i += 1
-            if const_expr(isinstance(spec, RowVector)):
-                tensors.append(cute.make_tensor(p, cute.make_layout((M,))))
-            elif const_expr(isinstance(spec, GroupVector)):
-                w = 2 * n_log if spec.paired else n_log
-                tensors.append(cute.make_tensor(p, cute.make_layout((G, w), stride=(w, 1))))
-            else:
-                w = 2 * n_log if spec.paired else n_log
-                tensors.append(cute.make_tensor(p, cute.make_layout((M, w), stride=(w, 1))))
-        for spec in self.epi.outputs:
-            p = ptrs[i]
-            i += 1
-            w = 2 * n_log if spec.paired else n_log
-            tensors.append(cute.make_tensor(p, cute.make_layout((M, w), stride=(w, 1))))
-            if const_expr(isinstance(spec, MXFP8Output)):
-                p2 = ptrs[i]
-                i += 1
-                tensors.append(cute.make_tensor(p2, cute.make_layout((M, w // 32), stride=(w // 32, 1))))
+        tensors = self.tile_epi.make_tensors(ptrs, M, G, n_log)
 
         b_layout = utils.LayoutEnum.ROW_MAJOR if const_expr(self.b_major == "K") else utils.LayoutEnum.COL_MAJOR
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(

@@ -30,10 +30,18 @@ class WarpRoles:
     """Producer and consumer bodies (``@cute.jit``, inlined into the kernel)."""
 
     # ------------------------------------------------------------------ producer
+    def tile_extra_loads(self, extras, g, row0, n_idx):
+        """Hook (trace time): per-tile setup of loads that ride along with A and B in every stage (the FP8
+        kernel's block scales, kernels/fp8_mainloop.py). None here."""
+        return None
+
+    def stage_extra_loads(self, extras, tile_extra, kt, stage, bar):
+        """Hook (trace time): issue k-tile ``kt``'s extra loads into ``stage`` on the stage's barrier."""
+
     @cute.jit
     def produce(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                 mOffs: cute.Tensor, mCounter: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe,
-                sched_pipe, sTile: cute.Tensor, bidx: Int32, grid: Int32):
+                sched_pipe, sTile: cute.Tensor, bidx: Int32, grid: Int32, extras=None):
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         if const_expr(self.dynamic):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
@@ -67,6 +75,7 @@ class WarpRoles:
             tBsB0, tBgB0 = cpasync.tma_partition(
                 tma_b, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB0, 0, 2)
             )
+            tile_extra = self.tile_extra_loads(extras, g, row0, n_idx)
             for kt in cutlass.range(self.k_tiles, unroll=1):
                 ab_pipe.producer_acquire(prod_state)
                 bar = ab_pipe.producer_get_barrier(prod_state)
@@ -74,6 +83,7 @@ class WarpRoles:
                 cute.copy(tma_b, tBgB0[(None, kt)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
                 if const_expr(self.gated):
                     cute.copy(tma_b, tBgB1[(None, kt)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar)
+                self.stage_extra_loads(extras, tile_extra, kt, prod_state.index, bar)
                 ab_pipe.producer_commit(prod_state)
                 prod_state.advance()
             tile_id = self.sched.producer_next(mCounter, tile_id, grid)
