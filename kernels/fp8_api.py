@@ -22,7 +22,7 @@ from fusion.errors import DeviceError, KernelConfigError, ShapeError
 from .api import (COMPILE_OPTIONS, CompiledGroupedGemm, GemmConfig, _TORCH_DT, _dtype_name, _fake_ptr, _num_sms,
                   _slot_dtypes, offsets_from_group_sizes)
 from .epilogue import Epilogue, IdentityEpilogue, MXFP8Output
-from .fp8_gemm import SB_SLOT_FLOATS, Fp8GroupedGemmKernel
+from .fp8_gemm import OVERLAP_MAX_TILE_N, SB_SLOT_FLOATS, Fp8GroupedGemmKernel
 from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
 
 __all__ = ["choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm", "run_fp8_grouped_gemm",
@@ -105,7 +105,8 @@ class CompiledFp8GroupedGemm(CompiledGroupedGemm):
         super().__init__(fn, kernel, config, epilogue, out_dtype, N, K, G, ptx, cubin, smem)
         self.name = (f"fp8_grouped_gemm_{type(epilogue).__name__}_{out_dtype}_N{N}_K{K}_G{G}_"
                      f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}"
-                     + ("_dyn" if config.dynamic else ""))
+                     + ("_dyn" if config.dynamic else "") + ("_ovl" if kernel.overlap else ""))
+        self.overlap = kernel.overlap
         self.k_blocks = -(-K // SCALE_BLOCK)
         self.b_scale_shape = (G, -(-N // SCALE_BLOCK), self.k_blocks)
 
@@ -118,16 +119,36 @@ _LOCK = threading.Lock()
 
 
 def compile_fp8_grouped_gemm(config: GemmConfig, epilogue: Epilogue, N: int, K: int, G: int,
-                             out_dtype="bfloat16", target: str = "sm_90a") -> CompiledFp8GroupedGemm:
-    """Compile (cached in memory by config, epilogue code, out dtype, N, K, G); M stays dynamic."""
+                             out_dtype="bfloat16", target: str = "sm_90a",
+                             overlap: Optional[bool] = None) -> CompiledFp8GroupedGemm:
+    """Compile (cached in memory by config, epilogue code, out dtype, N, K, G, overlap); M stays dynamic.
+
+    ``overlap``: fold each k-tile into the accumulator while the next k-tile's wgmma runs (a second scratch
+    fragment); None = where it fits in registers (tile_n <= 128, and the kernel does not spill: a heavy
+    epilogue is built without it)."""
     out_dtype = _dtype_name(out_dtype)
     check_fp8_config(config, epilogue, N, K, out_dtype, target)
-    key = (config, epilogue.cache_key(), out_dtype, N, K, G, target)
+    if overlap and config.tile_n > OVERLAP_MAX_TILE_N:
+        raise KernelConfigError(f"overlap=True needs tile_n <= {OVERLAP_MAX_TILE_N} (three fp32 fragments of "
+                                f"tile_n / 2 registers per thread), got {config.tile_n}")
+    key = (config, epilogue.cache_key(), out_dtype, N, K, G, target, overlap)
     with _LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    kern = Fp8GroupedGemmKernel(config, epilogue, out_dtype)
+    res = _build(config, epilogue, out_dtype, N, K, G, overlap)
+    if overlap is None and res.overlap and res.frame_size:
+        # the second scratch fragment leaves a heavy epilogue too few registers: fold without overlap
+        serial = _build(config, epilogue, out_dtype, N, K, G, False)
+        if not serial.frame_size:
+            res = serial
+    with _LOCK:
+        _CACHE[key] = res
+    return res
+
+
+def _build(config, epilogue, out_dtype, N, K, G, overlap) -> CompiledFp8GroupedGemm:
+    kern = Fp8GroupedGemmKernel(config, epilogue, out_dtype, overlap)
     ptrs = tuple(_fake_ptr(d, 1 if d == "uint8" else 4) for d in _slot_dtypes(epilogue, out_dtype))
     i32 = make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
     from cutlass.runtime import make_fake_stream
@@ -138,11 +159,8 @@ def compile_fp8_grouped_gemm(config: GemmConfig, epilogue: Epilogue, N: int, K: 
         ptx, cubin = getattr(fn, "__ptx__", None), getattr(fn, "__cubin__", None)
     if isinstance(ptx, bytes):
         ptx = ptx.decode()
-    res = CompiledFp8GroupedGemm(fn, kern, config, epilogue, out_dtype, N, K, G, ptx, cubin,
-                                 kern.shared_storage.size_in_bytes())
-    with _LOCK:
-        _CACHE[key] = res
-    return res
+    return CompiledFp8GroupedGemm(fn, kern, config, epilogue, out_dtype, N, K, G, ptx, cubin,
+                                  kern.shared_storage.size_in_bytes())
 
 
 def _check_operand(name, t, shape, dtypes, what):

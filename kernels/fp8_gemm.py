@@ -48,10 +48,11 @@ __all__ = ["Fp8GroupedGemmKernel"]
 FP8 = cutlass.Float8E4M3FN
 SB_BOX = 4          # floats per TMA box of weight scales (the 16-byte minimum; the first one is used)
 SB_SLOT_FLOATS = 32  # each slot's smem box starts on a 128-byte boundary
+OVERLAP_MAX_TILE_N = 128
 
 
 class Fp8GroupedGemmKernel(Fp8WarpRoles):
-    def __init__(self, config, epilogue: Epilogue, out_dtype: str = "bfloat16"):
+    def __init__(self, config, epilogue: Epilogue, out_dtype: str = "bfloat16", overlap=None):
         self.cfg = config
         self.epi = epilogue
         self.ab_dtype = FP8
@@ -68,6 +69,9 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.dynamic = config.dynamic
         self.gated = epilogue.gated
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
+        # promotion overlapped with the next k-tile's wgmma needs a second scratch fragment: 3 x tile_n / 2
+        # fp32 registers per consumer thread, which fits the 232 a consumer gets up to tile_n = 128
+        self.overlap = self.tile_n <= OVERLAP_MAX_TILE_N if overlap is None else bool(overlap)
         # the epilogue works in the output dtype (what MXFP8 outputs round to, what Outputs default to)
         self.tile_epi = TileEpilogue(epilogue, out_dtype, self.tile_n_log, 0)
 

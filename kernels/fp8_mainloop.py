@@ -25,6 +25,14 @@ from .fp8_scales import SCALE_BLOCK, segment_of
 from .mainloop import WarpRoles
 
 
+class _StageRef:
+    """What ``PipelineTmaAsync.consumer_release`` reads of a pipeline state: the stage index (a fold
+    releases a stage behind the read state)."""
+
+    def __init__(self, index):
+        self.index = index
+
+
 class Fp8WarpRoles(WarpRoles):
     """Producer hooks and the consumer body (``@cute.jit``, inlined into the kernel)."""
 
@@ -78,6 +86,56 @@ class Fp8WarpRoles(WarpRoles):
                     i = ((v, h, c), 0, 0)
                     acc[i] = part[i] * s + acc[i]   # ptxas fuses this into one FFMA
 
+    def issue_k_tile(self, tiled_mma, frag, tCrA, tCrB, ab_pipe, read_state):
+        """Wait for the next stage and issue its k-tile's wgmma into ``frag`` (the first one overwrites it:
+        ACCUMULATE off), one commit group. Returns the MMA (its ACCUMULATE field is a traced value: callers
+        rebind it, so that loops carry it) and the advanced read state."""
+        ab_pipe.consumer_wait(read_state)
+        stage = read_state.index
+        warpgroup.fence()
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in range(cute.size(tCrA, mode=[2])):
+            cute.gemm(tiled_mma, frag, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], frag)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        read_state.advance()
+        return tiled_mma, read_state
+
+    def fold_k_tile(self, acc, frag, sSA, sSB, rows, bounds, ab_pipe, read_state, back):
+        """Fold a finished k-tile's ``frag`` into ``acc``: read its stage's scales (the stage ``back`` + 1
+        behind ``read_state``), release the stage, promote."""
+        stage = (read_state.index + (self.stages + back)) % self.stages
+        row_scales = [sSA[(r, stage)] for r in rows]
+        slot_scales = [sSB[(0, s, stage)] for s in range(self.slots)]
+        ab_pipe.consumer_release(_StageRef(stage))
+        self.promote(acc, frag, row_scales, slot_scales, bounds)
+
+    @cute.jit
+    def mainloop_overlapped(self, tiled_mma, acc, p0, p1, tCrA, tCrB, sSA, sSB, rows, bounds, ab_pipe,
+                            read_state):
+        """Two scratch fragments: k-tile t + 1's wgmma runs while k-tile t is folded (3 x tile_n / 2
+        registers of fp32 fragments per thread, so tile_n <= 128). Pairs of k-tiles per iteration keep
+        the fragments' roles static; the k-tile count is a compile-time constant, so the tail is too."""
+        T = self.k_tiles
+        tiled_mma, read_state = self.issue_k_tile(tiled_mma, p0, tCrA, tCrB, ab_pipe, read_state)
+        for _ in cutlass.range((T - 1) // 2, unroll=1):
+            tiled_mma, read_state = self.issue_k_tile(tiled_mma, p1, tCrA, tCrB, ab_pipe, read_state)
+            warpgroup.wait_group(1)
+            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, ab_pipe, read_state, -2)
+            tiled_mma, read_state = self.issue_k_tile(tiled_mma, p0, tCrA, tCrB, ab_pipe, read_state)
+            warpgroup.wait_group(1)
+            self.fold_k_tile(acc, p1, sSA, sSB, rows, bounds, ab_pipe, read_state, -2)
+        if T % 2 == 0:
+            tiled_mma, read_state = self.issue_k_tile(tiled_mma, p1, tCrA, tCrB, ab_pipe, read_state)
+            warpgroup.wait_group(1)
+            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, ab_pipe, read_state, -2)
+            warpgroup.wait_group(0)
+            self.fold_k_tile(acc, p1, sSA, sSB, rows, bounds, ab_pipe, read_state, -1)
+        else:
+            warpgroup.wait_group(0)
+            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, ab_pipe, read_state, -1)
+        return tiled_mma, read_state
+
     @cute.jit
     def consume_fp8(self, tiled_mma: cute.TiledMma, tiled_mma_log: cute.TiledMma, sA: cute.Tensor,
                     sB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple,
@@ -93,11 +151,11 @@ class Fp8WarpRoles(WarpRoles):
         tCcP = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         acc = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
         part = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
+        part2 = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype) if const_expr(self.overlap) else None
         n_h = cute.size(tCcP.shape[0][1])
         assert cute.size(tCcP.shape[1]) == 1 and cute.size(tCcP.shape[2]) == 1, \
             "one wgmma atom per warpgroup: 64 rows x tile_n"
         rows = [tCcP[((0, h, 0), 0, 0)][0] for h in range(n_h)]   # the thread's tile rows
-        num_k_blocks = cute.size(tCrA, mode=[2])
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         if const_expr(self.dynamic):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
@@ -112,22 +170,14 @@ class Fp8WarpRoles(WarpRoles):
             bounds = self.split_bounds(n_idx)
 
             acc.fill(0.0)
-            for kt in cutlass.range(self.k_tiles, unroll=1):
-                ab_pipe.consumer_wait(read_state)
-                stage = read_state.index
-                warpgroup.fence()
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    cute.gemm(tiled_mma, part, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], part)
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                # the stage's scales, read while the wgmma runs
-                row_scales = [sSA[(r, stage)] for r in rows]
-                slot_scales = [sSB[(0, s, stage)] for s in range(self.slots)]
-                warpgroup.wait_group(0)
-                ab_pipe.consumer_release(read_state)
-                read_state.advance()
-                self.promote(acc, part, row_scales, slot_scales, bounds)
+            if const_expr(self.overlap):
+                tiled_mma, read_state = self.mainloop_overlapped(tiled_mma, acc, part, part2, tCrA, tCrB, sSA, sSB, rows,
+                                                      bounds, ab_pipe, read_state)
+            else:
+                for kt in cutlass.range(self.k_tiles, unroll=1):
+                    tiled_mma, read_state = self.issue_k_tile(tiled_mma, part, tCrA, tCrB, ab_pipe, read_state)
+                    warpgroup.wait_group(0)
+                    self.fold_k_tile(acc, part, sSA, sSB, rows, bounds, ab_pipe, read_state, -1)
 
             self.tile_epi.run(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, self.N, None)
 

@@ -127,14 +127,19 @@ CASES = [
     (8, 4099, 4096, 1024, dict(tile_n=192, stages=5)),     # n-tiles straddling two weight blocks
     (32, 8192, 4096, 7168, {}),                            # wide N (dynamic by default), long K
     (16, 2500, 768, 1024, dict(tile_n=64)),
+    (8, 1000, 512, 64, {}),                                # one k-tile
+    (8, 3001, 1024, 640, dict(overlap=False)),             # promotion without the overlapped wgmma
+    (130, 5000, 512, 384, dict(dynamic=True, overlap=False)),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"G{c[0]}-M{c[1]}-N{c[2]}-K{c[3]}-{c[4]}")
 def test_identity(case):
     G, M, N, Kd, over = case
+    over = dict(over)
+    overlap = over.pop("overlap", None)
     sizes, args, a_dq, b_dq = _problem(G, M, N, Kd)
-    comp = K.compile_fp8_grouped_gemm(_config(N, Kd, G, **over), K.IdentityEpilogue(), N, Kd, G)
+    comp = K.compile_fp8_grouped_gemm(_config(N, Kd, G, **over), K.IdentityEpilogue(), N, Kd, G, overlap=overlap)
     out = _nan(M, N)
     K.run_fp8_grouped_gemm(comp, *args, {"out": out})
     torch.cuda.synchronize()
