@@ -19,8 +19,8 @@ from cutlass.cute.runtime import make_ptr
 
 from fusion.errors import DeviceError, KernelConfigError, ShapeError
 
-from .api import (COMPILE_OPTIONS, CompiledGroupedGemm, GemmConfig, _TORCH_DT, _dtype_name, _fake_ptr, _num_sms,
-                  _slot_dtypes, offsets_from_group_sizes)
+from .api import (COMPILE_OPTIONS, CompiledGroupedGemm, GemmConfig, _dtype_name, _fake_ptr, _slot_dtypes,
+                  allocate_outputs, current_stream, epilogue_pointers, launch_grid, offsets_from_group_sizes)
 from .epilogue import Epilogue, IdentityEpilogue, MXFP8Output
 from .fp8_gemm import OVERLAP_MAX_TILE_N, SB_SLOT_FLOATS, Fp8GroupedGemmKernel
 from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
@@ -192,31 +192,15 @@ def run_fp8_grouped_gemm(compiled: CompiledFp8GroupedGemm, A: torch.Tensor, A_sc
     _check_operand("B_scale", B_scale, compiled.b_scale_shape, (torch.float32,), "float32 128x128 block scales")
     if offsets.numel() < G + 1 or offsets.dtype != torch.int32:
         raise ShapeError(f"FP8 grouped GEMM {compiled.name}: offsets must hold G+1 = {G + 1} int32 bounds")
-    ptrs = []
-    for name, mx in compiled.slots:
-        t = extras[name] if name in extras else outputs[name]
-        if not t.is_contiguous():
-            raise ShapeError(f"FP8 grouped GEMM {compiled.name}: epilogue tensor {name!r} must be contiguous")
-        ptrs.append(t.data_ptr())
-        if mx:
-            ptrs.append(outputs[name + "_scale"].data_ptr())
+    ptrs = epilogue_pointers(compiled, outputs, extras)
     if M == 0:
         return
     if not A.is_cuda or any(t.device != A.device for t in (A_scale, B, B_scale, offsets)):
         raise DeviceError(f"FP8 grouped GEMM {compiled.name}: A, the scales, B and offsets must be on one CUDA "
                           f"device; got A on {A.device}")
-    cfg, dev = compiled.config, A.device
-    if num_ctas is None:
-        n_tiles = (-(-M // cfg.tile_m) + G) * -(-compiled.N // cfg.tile_n)
-        num_ctas = max(1, min(_num_sms(dev) - cfg.sm_margin, n_tiles)) if cfg.persistent else n_tiles
-    counter = None
-    if counter_ptr is None:
-        counter = torch.zeros(1, dtype=torch.int32, device=dev) if cfg.dynamic else offsets
-        counter_ptr = counter.data_ptr()
+    num_ctas, counter_ptr, _counter = launch_grid(compiled, M, A.device, offsets, num_ctas, counter_ptr)
     compiled.launch(A.data_ptr(), B.data_ptr(), A_scale.data_ptr(), B_scale.data_ptr(), offsets.data_ptr(),
-                    counter_ptr, tuple(ptrs), M, num_ctas,
-                    torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else
-                                                       torch.cuda.current_device()))
+                    counter_ptr, ptrs, M, num_ctas, current_stream(A.device))
 
 
 def fp8_grouped_gemm(A, A_scale, B, B_scale, group_sizes=None, offsets=None, epilogue: Optional[Epilogue] = None,
@@ -230,14 +214,6 @@ def fp8_grouped_gemm(A, A_scale, B, B_scale, group_sizes=None, offsets=None, epi
     G, N = B.shape[0], B.shape[1]
     config = config or choose_fp8_config(N, K, G, epilogue.gated)
     comp = compile_fp8_grouped_gemm(config, epilogue, N, K, G, out_dtype)
-    n_log = N // 2 if epilogue.gated else N
-    outs = {}
-    for s in epilogue.outputs:
-        w = 2 * n_log if s.paired else n_log
-        if isinstance(s, MXFP8Output):
-            outs[s.name] = torch.empty(M, w, dtype=torch.float8_e4m3fn, device=A.device)
-            outs[s.scale_name] = torch.empty(M, w // 32, dtype=torch.uint8, device=A.device)
-        else:
-            outs[s.name] = torch.empty(M, w, dtype=_TORCH_DT[s.dtype or out_dtype], device=A.device)
+    outs = allocate_outputs(epilogue, M, N, out_dtype, A.device)
     run_fp8_grouped_gemm(comp, A, A_scale, B, B_scale, offsets, outs, extras)
     return outs

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
@@ -199,28 +198,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
             for atom in (tma_a, tma_b, tma_sa, tma_sb):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # one arrive per consumer warp (both warpgroups read every stage)
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4),
-            tx_count=self.tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
-        sched_pipe = None
-        if const_expr(self.dynamic):
-            sched_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.sched.data_ptr(),
-                num_stages=self.sched_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 128),
-            )
-        sTile = storage.tile_slot.get_tensor(cute.make_layout((self.sched_stages,)))
-        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        storage, ab_pipe, sched_pipe, sTile, sA, sB = self.make_smem(sA_layout, sB_layout)
         sSA = storage.sSA.get_tensor(sSA_layout)
         sSB = storage.sSB.get_tensor(sSB_layout)
         cute.arch.sync_threads()

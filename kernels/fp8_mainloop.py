@@ -18,7 +18,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .fp8_scales import SCALE_BLOCK, segment_of
@@ -141,13 +141,7 @@ class Fp8WarpRoles(WarpRoles):
                     sB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple,
                     ab_pipe, sched_pipe, sTile: cute.Tensor, tidx: Int32, bidx: Int32, grid: Int32):
         ctid = tidx - 128
-        thr_mma = tiled_mma.get_slice(ctid)
-        thr_mma_log = tiled_mma_log.get_slice(ctid)
-        tCsA = thr_mma.partition_A(sA)
-        tCsB = thr_mma.partition_B(sB)
-        tCrA = tiled_mma.make_fragment_A(tCsA)
-        tCrB = tiled_mma.make_fragment_B(tCsB)
-        tCcC = thr_mma_log.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n_log)))
+        thr_mma, tCrA, tCrB, tCcC = self.mma_operands(tiled_mma, tiled_mma_log, sA, sB, ctid)
         tCcP = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         acc = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
         part = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
