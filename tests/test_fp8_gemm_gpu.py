@@ -182,6 +182,24 @@ def test_convenience_matches_run():
     assert torch.equal(out, out2)
 
 
+def test_dgrad_reads_the_transposed_weight_copy():
+    """dX = dY @ W[g] of the recipe: dY quantized 1x128 rowwise, B = the weight's data_t (G, in, out) with
+    scale_t; the kernel's N is in_features, its K out_features."""
+    G, M, f_in, f_out = 8, 2000, 768, 1536
+    gen = torch.Generator().manual_seed(5)
+    sizes = _sizes(G, M, gen)
+    dy = _blocky((M, f_out), gen).to(DEV)
+    wq = quantize_weight_fp8_block((_blocky((G, f_out, f_in), gen, spread=4) / f_out ** 0.5).to(DEV))
+    d_data, d_scale = fp8_block_quantize_2d(dy)
+    offs = K.offsets_from_group_sizes(sizes.to(DEV))
+    comp = K.compile_fp8_grouped_gemm(_config(f_in, f_out, G), K.IdentityEpilogue(), f_in, f_out, G)
+    out = _nan(M, f_in)
+    K.run_fp8_grouped_gemm(comp, d_data, d_scale, wq.data_t, wq.scale_t, offs, {"out": out})
+    torch.cuda.synchronize()
+    ref, mag = _reference(fp8_block_dequantize_2d(d_data, d_scale).double(), wq.dequantize_t().double(), sizes)
+    _check(out, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name + " (dgrad)")
+
+
 # ------------------------------------------------------------------ gated epilogues on the canonical weight
 def _swiglu_ref(ref, mag, scale):
     """silu(gate) * up * scale and its tolerance from the GEMM's (gate, up) error bounds."""
