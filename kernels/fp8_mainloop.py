@@ -10,8 +10,10 @@ wgmma consumers that promote every k-tile's partial sums into an fp32 accumulato
   fragment ``part`` (zeroed by the first wgmma: ACCUMULATE off), read the row and block scales of the
   stage while it runs, wait, release the stage, then ``acc = part * (sa[row] * sb[slot]) + acc`` (one FFMA
   per element; the slot of an accumulator column is known at trace time, or, for a segment that straddles a
-  128-row boundary, chosen per 8-column chunk against a boundary computed once per tile). The two
-  warpgroups drift apart, so one's promotion overlaps the other's wgmma. Then the bf16 kernel's epilogue.
+  128-row boundary, chosen per 8-column chunk against a boundary computed once per tile). With
+  ``overlap`` (tile_n <= 128) a second scratch fragment lets k-tile t be folded while k-tile t + 1's wgmma
+  runs; without it the two warpgroups still drift apart, so one's promotion overlaps the other's wgmma.
+  Then the bf16 kernel's epilogue.
 """
 from __future__ import annotations
 

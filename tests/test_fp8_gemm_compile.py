@@ -26,6 +26,7 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
     "fp16-out": (K.IdentityEpilogue(out_dtype="float16"), 1536, 2048, 128, {}),
     "gated-swiglu": (K.SwiGLUScaleEpilogue(), 5760, 2880, 32, {}),
     "gated-mxfp8": (K.SwiGLUScaleMXFP8Epilogue(), 2048, 1024, 8, {}),
+    "gated-split": (K.SwiGLUScaleEpilogue(), 2 * 2888, 1024, 8, {}),     # up-half blocks: a run-time boundary
     "serial": (K.IdentityEpilogue(), 1024, 640, 8, dict(overlap=False)),  # fold after each wgmma, no overlap
     "one-k-tile": (K.IdentityEpilogue(), 1024, 64, 8, {}),
 }
