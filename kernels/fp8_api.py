@@ -87,6 +87,9 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
     tile_log = config.tile_n // 2 if epilogue.gated else config.tile_n
     if any(isinstance(s, MXFP8Output) for s in epilogue.outputs) and tile_log % 32:
         problems.append(f"MXFP8 output: the logical tile ({tile_log} columns) must hold whole 32-column blocks")
+    if config.stages < 2:
+        problems.append(f"stages = {config.stages}: at least 2 (a consumer holds a stage while it waits for the "
+                        "next)")
     smem = config.stages * (_stage_bytes(config.tile_m, config.tile_n, slots) + 16)
     if smem > _SMEM - _SMEM_RESERVE:
         problems.append(f"{config.stages} stages need {smem} bytes of shared memory (at most "

@@ -153,6 +153,7 @@ def test_a_segment_over_three_blocks_is_refused():
     (K.IdentityEpilogue(), {}, 1020, 512, "multiple of 8"),
     (K.IdentityEpilogue(), dict(tile_n=176), 4096, 512, "three"),
     (K.IdentityEpilogue(), dict(stages=9), 1024, 512, "shared memory"),
+    (K.IdentityEpilogue(), dict(stages=1), 1024, 512, "at least 2"),
     (K.SwiGLUScaleEpilogue(), {}, 1000, 512, "multiple of 16"),
     (K.SwiGLUScaleMXFP8Epilogue(), dict(tile_n=32), 1024, 512, "32-column"),
 ])
