@@ -15,3 +15,7 @@ from .api import (  # noqa: E402,F401
     GemmConfig, CompiledGroupedGemm, compile_grouped_gemm, run_grouped_gemm, grouped_gemm,
     choose_config, check_config, offsets_from_group_sizes, sass_text,
 )
+from .fp8_api import (  # noqa: E402,F401
+    CompiledFp8GroupedGemm, choose_fp8_config, check_fp8_config, compile_fp8_grouped_gemm, run_fp8_grouped_gemm,
+    fp8_grouped_gemm,
+)

@@ -348,6 +348,15 @@ def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Te
     if (a_ptr | b_ptr) & 15 or not (A.is_contiguous() and B.is_contiguous()) or offsets.numel() < compiled.G + 1:
         raise ShapeError(f"grouped GEMM {compiled.name}: A and B must be contiguous and 16-byte aligned, and "
                          f"offsets must hold G+1 = {compiled.G + 1} int32 bounds")
+    ptrs = epilogue_pointers(compiled, outputs, extras)
+    if M == 0:
+        return
+    num_ctas, counter_ptr, _counter = launch_grid(compiled, M, A.device, offsets, num_ctas, counter_ptr)
+    compiled.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, ptrs, M, num_ctas, current_stream(A.device))
+
+
+def epilogue_pointers(compiled, outputs: dict, extras: dict) -> tuple:
+    """The addresses of the epilogue's tensors in its slot order (an MXFP8 output: data, then scales)."""
     ptrs = []
     for name, mx in compiled.slots:
         t = extras[name] if extras is not None and name in extras else outputs[name]
@@ -356,19 +365,28 @@ def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Te
         ptrs.append(t.data_ptr())
         if mx:
             ptrs.append(outputs[name + "_scale"].data_ptr())
-    if M == 0:
-        return
-    device = A.get_device()
+    return tuple(ptrs)
+
+
+def launch_grid(compiled, M: int, dev, offsets, num_ctas=None, counter_ptr=None):
+    """(CTAs, tile-counter address, the tensor behind it) of a launch over M rows: persistent kernels get at
+    most one CTA per SM (less ``sm_margin``) and per tile. A static schedule reads no counter; a dynamic
+    one without ``counter_ptr`` gets a fresh zero, freed (stream-ordered) after the launch: the caller keeps
+    the returned tensor alive until then."""
+    cfg = compiled.config
     if num_ctas is None:
         n_tiles = ((M + cfg.tile_m - 1) // cfg.tile_m + compiled.G) * compiled.n_tiles
-        num_ctas = max(1, min(_num_sms(device) - cfg.sm_margin, n_tiles)) if cfg.persistent else n_tiles
+        num_ctas = max(1, min(_num_sms(dev.index) - cfg.sm_margin, n_tiles)) if cfg.persistent else n_tiles
     counter = None
     if counter_ptr is None:
-        # a static schedule reads no counter; a dynamic one gets a fresh zero, freed (stream-ordered) after it
-        counter = torch.zeros(1, dtype=torch.int32, device=A.device) if cfg.dynamic else offsets
+        counter = torch.zeros(1, dtype=torch.int32, device=dev) if cfg.dynamic else offsets
         counter_ptr = counter.data_ptr()
-    compiled.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, tuple(ptrs), M, num_ctas,
-                    torch._C._cuda_getCurrentRawStream(device))
+    return num_ctas, counter_ptr, counter
+
+
+def current_stream(dev) -> int:
+    """torch's current raw stream on ``dev``, as the integer the TVM-FFI launch takes."""
+    return torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def grouped_gemm(A, B, group_sizes=None, offsets=None, epilogue: Optional[Epilogue] = None,
@@ -385,16 +403,24 @@ def grouped_gemm(A, B, group_sizes=None, offsets=None, epilogue: Optional[Epilog
     dtype = _dtype_name(A.dtype)
     config = config or choose_config(M, N, K, G, epilogue.gated)
     comp = compile_grouped_gemm(config, epilogue, dtype, N, K, G)
+    outs = allocate_outputs(epilogue, M, N, dtype, A.device)
+    run_grouped_gemm(comp, A, B, offsets, outs, extras)
+    return outs
+
+
+def allocate_outputs(epilogue: Epilogue, M: int, N: int, dtype: str, device) -> dict:
+    """Empty tensors for the epilogue's outputs of a GEMM N wide (logical width N/2 when gated): name ->
+    tensor, an MXFP8 output as e4m3 data plus uint8 scales under ``name + '_scale'``; ``dtype`` is what an
+    Output without its own dtype stores."""
     n_log = N // 2 if epilogue.gated else N
     outs = {}
     for s in epilogue.outputs:
         w = 2 * n_log if s.paired else n_log
         if isinstance(s, MXFP8Output):
-            outs[s.name] = torch.empty(M, w, dtype=torch.float8_e4m3fn, device=A.device)
-            outs[s.scale_name] = torch.empty(M, w // 32, dtype=torch.uint8, device=A.device)
+            outs[s.name] = torch.empty(M, w, dtype=torch.float8_e4m3fn, device=device)
+            outs[s.scale_name] = torch.empty(M, w // 32, dtype=torch.uint8, device=device)
         else:
-            outs[s.name] = torch.empty(M, w, dtype=_TORCH_DT[s.dtype or dtype], device=A.device)
-    run_grouped_gemm(comp, A, B, offsets, outs, extras)
+            outs[s.name] = torch.empty(M, w, dtype=_TORCH_DT[s.dtype or dtype], device=device)
     return outs
 
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .dtypes import cutlass_dtype
-from .epilogue import Epilogue, RowVector, GroupVector, AuxInput, MXFP8Output
+from .epilogue import Epilogue, AuxInput, MXFP8Output
 from .mainloop import WarpRoles
 from .scheduler import TileScheduler
 from .tile_epilogue import TileEpilogue
@@ -111,29 +110,7 @@ class GroupedGemmKernel(WarpRoles):
         mB = cute.make_tensor(pB, cute.make_layout((N, K, G), stride=b_stride))
         mOffs = cute.make_tensor(pOffs, cute.make_layout((G + 1,)))
         mCounter = cute.make_tensor(pCounter, cute.make_layout((1,)))
-        # epilogue tensors, in the order: inputs..., outputs... (MXFP8 outputs take two slots)
-        tensors = []
-        i = 0
-        for spec in self.epi.inputs:
-            p = ptrs[i]
-            i += 1
-            if const_expr(isinstance(spec, RowVector)):
-                tensors.append(cute.make_tensor(p, cute.make_layout((M,))))
-            elif const_expr(isinstance(spec, GroupVector)):
-                w = 2 * n_log if spec.paired else n_log
-                tensors.append(cute.make_tensor(p, cute.make_layout((G, w), stride=(w, 1))))
-            else:
-                w = 2 * n_log if spec.paired else n_log
-                tensors.append(cute.make_tensor(p, cute.make_layout((M, w), stride=(w, 1))))
-        for spec in self.epi.outputs:
-            p = ptrs[i]
-            i += 1
-            w = 2 * n_log if spec.paired else n_log
-            tensors.append(cute.make_tensor(p, cute.make_layout((M, w), stride=(w, 1))))
-            if const_expr(isinstance(spec, MXFP8Output)):
-                p2 = ptrs[i]
-                i += 1
-                tensors.append(cute.make_tensor(p2, cute.make_layout((M, w // 32), stride=(w // 32, 1))))
+        tensors = self.tile_epi.make_tensors(ptrs, M, G, n_log)
 
         b_layout = utils.LayoutEnum.ROW_MAJOR if const_expr(self.b_major == "K") else utils.LayoutEnum.COL_MAJOR
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -211,31 +188,7 @@ class GroupedGemmKernel(WarpRoles):
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
-        smem = utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        prod_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        # one arrive per consumer warp that reads a stage (pingpong: one warpgroup reads each stage)
-        cons_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_atoms_m * 4)
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
-            num_stages=self.stages,
-            producer_group=prod_group,
-            consumer_group=cons_group,
-            tx_count=self.tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
-        sched_pipe = None
-        if const_expr(self.dynamic):
-            # sched pipeline: producer warp fetches the next tile id and publishes it to consumers.
-            sched_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.sched.data_ptr(),
-                num_stages=self.sched_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 128),
-            )
-        sTile = storage.tile_slot.get_tensor(cute.make_layout((self.sched_stages,)))
-        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        storage, ab_pipe, sched_pipe, sTile, sA, sB = self.make_smem(sA_layout, sB_layout)
         cute.arch.sync_threads()
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.utils as utils
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
@@ -29,11 +30,57 @@ PINGPONG_BARRIER = 8  # named barriers 8, 9: pingpong mainloop order (consumer w
 class WarpRoles:
     """Producer and consumer bodies (``@cute.jit``, inlined into the kernel)."""
 
+    # ------------------------------------------------------------------ shared setup
+    def make_smem(self, sA_layout, sB_layout):
+        """Trace time, in the kernel's prologue (before its barrier): the kernel's ``shared_storage``, the
+        smem ring's pipeline (TMA producer; one arrive per consumer warp that reads a stage: pingpong, one
+        warpgroup reads each stage), the tile-id pipeline of the dynamic scheduler (else None), its smem
+        slots, and the ring's A and B tensors."""
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_atoms_m * 4),
+            tx_count=self.tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        sched_pipe = None
+        if self.dynamic:
+            # the producer warp fetches the next tile id and publishes it to the consumers
+            sched_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.sched.data_ptr(),
+                num_stages=self.sched_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 128),
+            )
+        sTile = storage.tile_slot.get_tensor(cute.make_layout((self.sched_stages,)))
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        return storage, ab_pipe, sched_pipe, sTile, sA, sB
+
+    def mma_operands(self, tiled_mma, tiled_mma_log, sA, sB, ctid):
+        """A consumer thread's wgmma operand fragments over the smem ring and the (row, logical column)
+        coordinates of its accumulator fragment (the epilogue's)."""
+        thr_mma = tiled_mma.get_slice(ctid)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        tCcC = tiled_mma_log.get_slice(ctid).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n_log)))
+        return thr_mma, tCrA, tCrB, tCcC
+
     # ------------------------------------------------------------------ producer
+    def tile_extra_loads(self, extras, g, row0, n_idx):
+        """Hook (trace time): per-tile setup of loads that ride along with A and B in every stage (the FP8
+        kernel's block scales, kernels/fp8_mainloop.py). None here."""
+        return None
+
+    def stage_extra_loads(self, extras, tile_extra, kt, stage, bar):
+        """Hook (trace time): issue k-tile ``kt``'s extra loads into ``stage`` on the stage's barrier."""
+
     @cute.jit
     def produce(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                 mOffs: cute.Tensor, mCounter: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe,
-                sched_pipe, sTile: cute.Tensor, bidx: Int32, grid: Int32):
+                sched_pipe, sTile: cute.Tensor, bidx: Int32, grid: Int32, extras=None):
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         if const_expr(self.dynamic):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
@@ -67,6 +114,7 @@ class WarpRoles:
             tBsB0, tBgB0 = cpasync.tma_partition(
                 tma_b, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB0, 0, 2)
             )
+            tile_extra = self.tile_extra_loads(extras, g, row0, n_idx)
             for kt in cutlass.range(self.k_tiles, unroll=1):
                 ab_pipe.producer_acquire(prod_state)
                 bar = ab_pipe.producer_get_barrier(prod_state)
@@ -74,6 +122,7 @@ class WarpRoles:
                 cute.copy(tma_b, tBgB0[(None, kt)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
                 if const_expr(self.gated):
                     cute.copy(tma_b, tBgB1[(None, kt)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar)
+                self.stage_extra_loads(extras, tile_extra, kt, prod_state.index, bar)
                 ab_pipe.producer_commit(prod_state)
                 prod_state.advance()
             tile_id = self.sched.producer_next(mCounter, tile_id, grid)
@@ -98,14 +147,7 @@ class WarpRoles:
             ctid = tidx % 128
         else:
             ctid = tidx - 128
-        thr_mma = tiled_mma.get_slice(ctid)
-        thr_mma_log = tiled_mma_log.get_slice(ctid)
-        tCsA = thr_mma.partition_A(sA)
-        tCsB = thr_mma.partition_B(sB)
-        tCrA = tiled_mma.make_fragment_A(tCsA)
-        tCrB = tiled_mma.make_fragment_B(tCsB)
-        cC = cute.make_identity_tensor((self.tile_m, self.tile_n_log))
-        tCcC = thr_mma_log.partition_C(cC)
+        thr_mma, tCrA, tCrB, tCcC = self.mma_operands(tiled_mma, tiled_mma_log, sA, sB, ctid)
         acc_shape = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))).shape
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         num_k_blocks = cute.size(tCrA, mode=[2])

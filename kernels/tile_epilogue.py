@@ -19,7 +19,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 
 from .dtypes import cutlass_dtype
-from .epilogue import AuxInput, Epilogue, MXFP8Output, RowVector
+from .epilogue import AuxInput, Epilogue, GroupVector, MXFP8Output, RowVector
 from .fragment_io import load1, load2, load_word, row_addr, store2, unpack2
 from .mxfp8_store import store_mxfp8
 
@@ -43,6 +43,27 @@ class TileEpilogue:
 
     def logical_width(self, N):
         return N // 2 if self.gated else N
+
+    def make_tensors(self, ptrs, M, G, n_log):
+        """The epilogue's global tensors from their pointers, in the order inputs..., outputs... (an MXFP8
+        output takes two slots: data, scales). Trace time, inside the kernel's host-side ``@cute.jit``."""
+        tensors = []
+        it = iter(ptrs)
+        for spec in self.epi.inputs:
+            p = next(it)
+            w = 2 * n_log if spec.paired else n_log
+            if isinstance(spec, RowVector):
+                tensors.append(cute.make_tensor(p, cute.make_layout((M,))))
+            elif isinstance(spec, GroupVector):
+                tensors.append(cute.make_tensor(p, cute.make_layout((G, w), stride=(w, 1))))
+            else:
+                tensors.append(cute.make_tensor(p, cute.make_layout((M, w), stride=(w, 1))))
+        for spec in self.epi.outputs:
+            w = 2 * n_log if spec.paired else n_log
+            tensors.append(cute.make_tensor(next(it), cute.make_layout((M, w), stride=(w, 1))))
+            if isinstance(spec, MXFP8Output):
+                tensors.append(cute.make_tensor(next(it), cute.make_layout((M, w // 32), stride=(w // 32, 1))))
+        return tensors
 
     def _first_col(self, tCcC, col0, mm, h, nn):
         """The thread's first logical column of fragment (mm, h, nn); chunk c is 8*c columns further."""

@@ -1,0 +1,163 @@
+"""FP8 block-scaled grouped GEMM (fusion.kernels.fp8_gemm) against torch's grouped GEMMs, on MoE shapes.
+
+Columns, all on the same routed rows (balanced random group sizes, multiples of 16):
+  ours       fusion.kernels.run_fp8_grouped_gemm: E4M3 A (1x128 scales) x E4M3 B (128x128 scales) -> bf16
+  scaled     torch._scaled_grouped_mm, rowwise scales (one per row of A, one per column of B), -> bf16
+  bf16       torch._grouped_mm on bf16 operands
+TFLOP/s counts 2*M*N*K. Timing: CUDA events around each call, median over the repetitions. Operands are
+quantized once, outside the timed region. Progress goes to stderr, one JSON document to stdout.
+
+Usage (from the repository root): python3 bench/bench_fp8_gemm.py [--shapes 0,2] [--rows M] [--reps 50]
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import fusion.kernels as K  # noqa: E402
+from fusion.quant.fp8_block import fp8_block_quantize_2d  # noqa: E402
+from fusion.quant.fp8_weight import quantize_weight_fp8_block  # noqa: E402
+
+SHAPES = [  # (experts E, K = hidden, N = output width, routed rows M)
+    (64, 2048, 2048, 65536),
+    (128, 2048, 1536, 65536),
+    (32, 7168, 4096, 32768),
+    (8, 4096, 28672, 16384),
+]
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def time_ms(fn, warmup=10, reps=50):
+    """Median milliseconds of ``fn()`` over ``reps`` calls, each between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return times[len(times) // 2]
+
+
+def balanced_sizes(E, M, gen, align=16):
+    """Random sizes within +-20 % of M / E, multiples of ``align``, summing to M (M a multiple of align)."""
+    w = 1.0 + 0.4 * (torch.rand(E, generator=gen) - 0.5)
+    s = (torch.floor(w / w.sum() * (M // align)) * align).to(torch.int64)
+    s[0] += M - int(s.sum())
+    return s
+
+
+def _try(fn, reps):
+    try:
+        return time_ms(fn, reps=reps), None
+    except Exception as e:  # an op missing or refusing this build / device: reported, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def bench_shape(E, Kd, N, M, reps, gen):
+    dev = "cuda"
+    flop = 2.0 * M * N * Kd
+    tf = (lambda ms: None if ms is None else round(flop / ms / 1e9, 1))
+    sizes = balanced_sizes(E, M, gen).to(dev)
+    offsets = K.offsets_from_group_sizes(sizes)
+    x = torch.randn(M, Kd, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(E, N, Kd, device=dev, dtype=torch.bfloat16) / Kd ** 0.5
+    a_data, a_scale = fp8_block_quantize_2d(x)
+    wq = quantize_weight_fp8_block(w)
+    row = dict(E=E, K=Kd, N=N, M=M)
+
+    cfg = K.choose_fp8_config(N, Kd, E)
+    comp = K.compile_fp8_grouped_gemm(cfg, K.IdentityEpilogue(), N, Kd, E)
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def ours():
+        if cfg.dynamic:
+            counter.zero_()
+        K.run_fp8_grouped_gemm(comp, a_data, a_scale, wq.data, wq.scale, offsets, {"out": out},
+                               counter_ptr=counter.data_ptr())
+
+    ms, err = _try(ours, reps)
+    row.update(ours_ms=ms, ours_tflops=tf(ms), ours_error=err, config=comp.name, registers=comp.registers,
+               smem=comp.shared_memory_bytes)
+    log(f"E={E} K={Kd} N={N} M={M}: ours {ms} ms ({tf(ms)} TFLOP/s) {comp.name}" + (f" {err}" if err else ""))
+
+    # torch._grouped_mm in bf16: B is (E, K, N), a transposed view of the (E, N, K) weight
+    bf_out = None
+    if hasattr(torch, "_grouped_mm"):
+        def bf16():
+            return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])
+        ms, err = _try(bf16, reps)
+        if err is None:
+            bf_out = bf16()
+    else:
+        ms, err = None, "torch._grouped_mm not available"
+    row.update(bf16_ms=ms, bf16_tflops=tf(ms), bf16_error=err)
+    log(f"  torch._grouped_mm bf16: {ms} ms ({tf(ms)} TFLOP/s)" + (f" {err}" if err else ""))
+
+    # torch._scaled_grouped_mm, rowwise scales (per row of A, per column of B)
+    if hasattr(torch, "_scaled_grouped_mm"):
+        a8 = a_data.view(torch.float8_e4m3fn)
+        b8 = wq.data.view(torch.float8_e4m3fn)                 # (E, N, K): its transpose is column-major
+        sa = torch.ones(M, dtype=torch.float32, device=dev)
+        sb = torch.ones(E, N, dtype=torch.float32, device=dev)
+
+        def scaled():
+            return torch._scaled_grouped_mm(a8, b8.transpose(-2, -1), sa, sb, offs=offsets[1:],
+                                            out_dtype=torch.bfloat16, use_fast_accum=True)
+        ms, err = _try(scaled, reps)
+    else:
+        ms, err = None, "torch._scaled_grouped_mm not available"
+    row.update(scaled_ms=ms, scaled_tflops=tf(ms), scaled_error=err)
+    log(f"  torch._scaled_grouped_mm rowwise: {ms} ms ({tf(ms)} TFLOP/s)" + (f" {err}" if err else ""))
+
+    if row["ours_ms"] is not None:
+        for other in ("bf16", "scaled"):
+            if row[f"{other}_ms"] is not None:
+                row[f"speedup_vs_{other}"] = round(row[f"{other}_ms"] / row["ours_ms"], 3)
+        if bf_out is not None:
+            ours()
+            # sanity only: the bf16 GEMM of the unquantized operands differs by the quantization error
+            rel = ((out.float() - bf_out.float()).norm() / bf_out.float().norm()).item()
+            row["rel_diff_vs_bf16"] = round(rel, 5)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=None, help="indices into SHAPES, e.g. 0,2")
+    ap.add_argument("--rows", type=int, default=None, help="routed rows M for every shape")
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA device"}))
+        return 1
+    idx = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(SHAPES))
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for i in idx:
+        E, Kd, N, M = SHAPES[i]
+        M = args.rows or M
+        try:
+            results.append(bench_shape(E, Kd, N, M, args.reps, gen))
+        except Exception as e:
+            results.append(dict(E=E, K=Kd, N=N, M=M, error=f"{type(e).__name__}: {e}"))
+            log(f"E={E} K={Kd} N={N} M={M}: {type(e).__name__}: {e}")
+        torch.cuda.empty_cache()
+    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Host API of the FP8 block-scaled grouped GEMM (kernels/fp8_gemm.py): config, compile (no GPU needed), run.
+
+The same shape as the bf16 kernel's (kernels/api.py): a frozen :class:`~kernels.api.GemmConfig`, an
+in-memory compile cache keyed by everything that changes the generated code, and a launch through TVM-FFI
+with plain integer arguments (pointers, M, the CTA count, torch's stream).
+"""
+from __future__ import annotations
+
+import shlex
+import tempfile
+import threading
+from typing import Optional
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_ptr
+
+from fusion.errors import DeviceError, KernelConfigError, ShapeError
+
+from .api import (COMPILE_OPTIONS, CompiledGroupedGemm, GemmConfig, _dtype_name, _fake_ptr, _slot_dtypes,
+                  allocate_outputs, current_stream, epilogue_pointers, launch_grid, offsets_from_group_sizes)
+from .epilogue import Epilogue, IdentityEpilogue, MXFP8Output
+from .fp8_gemm import OVERLAP_MAX_TILE_N, SB_SLOT_FLOATS, Fp8GroupedGemmKernel
+from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
+
+__all__ = ["choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm", "run_fp8_grouped_gemm",
+           "fp8_grouped_gemm", "CompiledFp8GroupedGemm"]
+
+_SMEM = 227 * 1024
+_SMEM_RESERVE = 1024       # barriers, scheduler slots, alignment
+_OUT_DTYPES = ("bfloat16", "float16")
+_MAX_TILE_N = 192
+_FP8_TORCH = (torch.uint8, torch.float8_e4m3fn)
+
+
+def _stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
+    """Shared memory of one pipeline stage: A and B tiles (one byte per element, tile_k = 128), the tile's
+    activation scales and one 128-byte box per weight-scale slot."""
+    return (tile_m + tile_n) * SCALE_BLOCK + 4 * tile_m + 4 * SB_SLOT_FLOATS * slots
+
+
+def choose_fp8_config(N: int, K: int, G: int, gated: bool = False) -> GemmConfig:
+    """128x128x128 tiles (one weight-scale block per n-tile), cooperative, as many stages as fit; the dynamic
+    scheduler for wide N. The accumulator and the scratch fragment of the promotion take 2 x 64 registers
+    per consumer thread at this tile."""
+    slots = 2 if gated else 1
+    stages = min(8, (_SMEM - _SMEM_RESERVE) // (_stage_bytes(128, 128, slots) + 16))
+    return GemmConfig(tile_m=128, tile_n=128, tile_k=SCALE_BLOCK, stages=stages, dynamic=N >= 4096)
+
+
+def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out_dtype="bfloat16",
+                     target: str = "sm_90a"):
+    """Raise :class:`fusion.errors.KernelConfigError` listing every constraint the FP8 kernel cannot meet."""
+    out_dtype = _dtype_name(out_dtype)
+    problems = []
+    if target != "sm_90a":
+        problems.append(f"target {target!r}: only sm_90a is supported")
+    if out_dtype not in _OUT_DTYPES:
+        problems.append(f"out_dtype {out_dtype}: the epilogue works in bfloat16 or float16")
+    if config.tile_m != 128 or config.tile_k != SCALE_BLOCK:
+        problems.append(f"tile {config.tile_m}x{config.tile_n}x{config.tile_k}: the FP8 kernel uses tile_m = 128 "
+                        f"and tile_k = {SCALE_BLOCK} (one scale block per k-tile)")
+    if config.tile_n % 16 or not 16 <= config.tile_n <= _MAX_TILE_N:
+        problems.append(f"tile_n = {config.tile_n}: a multiple of 16 up to {_MAX_TILE_N} (a consumer thread holds "
+                        "the accumulator and the promotion's scratch fragment, tile_n registers in all: 256 "
+                        "spills)")
+    if config.pingpong:
+        problems.append("pingpong: the FP8 kernel is cooperative (each warpgroup holds an accumulator and the "
+                        "promotion's scratch fragment); use pingpong=False")
+    if config.b_major != "K":
+        problems.append("b_major must be 'K': FP8 wgmma reads B K-major (the dgrad uses the weight's data_t)")
+    if config.cluster_m != 1 or config.cluster_n != 1:
+        problems.append("clusters > 1 are not implemented: use cluster_m = cluster_n = 1")
+    if K % 16:
+        problems.append(f"K = {K}: must be a multiple of 16 (16-byte TMA rows of the E4M3 A and B)")
+    if N % (16 if epilogue.gated else 8):
+        problems.append(f"N = {N}: must be a multiple of {16 if epilogue.gated else 8} (aligned output pairs"
+                        + ("; gate and up halves of 8-column chunks)" if epilogue.gated else ")"))
+    slots = 2
+    if not problems:
+        try:
+            slots = num_slots(plan_segments(config.tile_n, N, epilogue.gated))
+        except ValueError as e:
+            problems.append(str(e))
+    tile_log = config.tile_n // 2 if epilogue.gated else config.tile_n
+    if any(isinstance(s, MXFP8Output) for s in epilogue.outputs) and tile_log % 32:
+        problems.append(f"MXFP8 output: the logical tile ({tile_log} columns) must hold whole 32-column blocks")
+    if config.stages < 2:
+        problems.append(f"stages = {config.stages}: at least 2 (a consumer holds a stage while it waits for the "
+                        "next)")
+    smem = config.stages * (_stage_bytes(config.tile_m, config.tile_n, slots) + 16)
+    if smem > _SMEM - _SMEM_RESERVE:
+        problems.append(f"{config.stages} stages need {smem} bytes of shared memory (at most "
+                        f"{_SMEM - _SMEM_RESERVE}): use fewer stages")
+    if problems:
+        raise KernelConfigError(f"cannot build the FP8 grouped GEMM ({type(epilogue).__name__}, N={N}, K={K}, "
+                                f"{config}): " + "; ".join(problems))
+
+
+class CompiledFp8GroupedGemm(CompiledGroupedGemm):
+    """A compiled FP8 kernel: call through :func:`run_fp8_grouped_gemm`. ``.dtype`` is the output dtype;
+    ``.ptx .cubin .registers .shared_memory_bytes .frame_size .sass .name .config .N .K .G`` as the bf16
+    kernel's."""
+
+    def __init__(self, fn, kernel, config, epilogue, out_dtype, N, K, G, ptx, cubin, smem):
+        super().__init__(fn, kernel, config, epilogue, out_dtype, N, K, G, ptx, cubin, smem)
+        self.name = (f"fp8_grouped_gemm_{type(epilogue).__name__}_{out_dtype}_N{N}_K{K}_G{G}_"
+                     f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}"
+                     + ("_dyn" if config.dynamic else "") + ("_ovl" if kernel.overlap else ""))
+        self.overlap = kernel.overlap
+        self.k_blocks = -(-K // SCALE_BLOCK)
+        self.b_scale_shape = (G, -(-N // SCALE_BLOCK), self.k_blocks)
+
+    def __repr__(self):
+        return f"<CompiledFp8GroupedGemm {self.name} regs={self.registers} smem={self.shared_memory_bytes}>"
+
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+
+
+def compile_fp8_grouped_gemm(config: GemmConfig, epilogue: Epilogue, N: int, K: int, G: int,
+                             out_dtype="bfloat16", target: str = "sm_90a",
+                             overlap: Optional[bool] = None) -> CompiledFp8GroupedGemm:
+    """Compile (cached in memory by config, epilogue code, out dtype, N, K, G, overlap); M stays dynamic.
+
+    ``overlap``: fold each k-tile into the accumulator while the next k-tile's wgmma runs (a second scratch
+    fragment); None = where it fits in registers (tile_n <= 128, and the kernel does not spill: a heavy
+    epilogue is built without it)."""
+    out_dtype = _dtype_name(out_dtype)
+    check_fp8_config(config, epilogue, N, K, out_dtype, target)
+    if overlap and config.tile_n > OVERLAP_MAX_TILE_N:
+        raise KernelConfigError(f"overlap=True needs tile_n <= {OVERLAP_MAX_TILE_N} (three fp32 fragments of "
+                                f"tile_n / 2 registers per thread), got {config.tile_n}")
+    key = (config, epilogue.cache_key(), out_dtype, N, K, G, target, overlap)
+    with _LOCK:
+        hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    res = _build(config, epilogue, out_dtype, N, K, G, overlap)
+    if overlap is None and res.overlap and res.frame_size:
+        # the second scratch fragment leaves a heavy epilogue too few registers: fold without overlap
+        serial = _build(config, epilogue, out_dtype, N, K, G, False)
+        if not serial.frame_size:
+            res = serial
+    with _LOCK:
+        _CACHE[key] = res
+    return res
+
+
+def _build(config, epilogue, out_dtype, N, K, G, overlap) -> CompiledFp8GroupedGemm:
+    kern = Fp8GroupedGemmKernel(config, epilogue, out_dtype, overlap)
+    ptrs = tuple(_fake_ptr(d, 1 if d == "uint8" else 4) for d in _slot_dtypes(epilogue, out_dtype))
+    i32 = make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
+    from cutlass.runtime import make_fake_stream
+    args = (_fake_ptr("float8_e4m3fn"), _fake_ptr("float8_e4m3fn"), _fake_ptr("float32"), _fake_ptr("float32"),
+            i32, i32, ptrs, cutlass.Int32(1), N, K, G, cutlass.Int32(1), make_fake_stream())
+    with tempfile.TemporaryDirectory(prefix="fusion-cute-") as dump:
+        fn = cute.compile(kern, *args, options=f"{COMPILE_OPTIONS} --dump-dir={shlex.quote(dump)}")
+        ptx, cubin = getattr(fn, "__ptx__", None), getattr(fn, "__cubin__", None)
+    if isinstance(ptx, bytes):
+        ptx = ptx.decode()
+    return CompiledFp8GroupedGemm(fn, kern, config, epilogue, out_dtype, N, K, G, ptx, cubin,
+                                  kern.shared_storage.size_in_bytes())
+
+
+def _check_operand(name, t, shape, dtypes, what):
+    if tuple(t.shape) != tuple(shape) or t.dtype not in dtypes or not t.is_contiguous() or t.data_ptr() & 15:
+        raise ShapeError(f"FP8 grouped GEMM: {name} must be {what} of shape {tuple(shape)}, contiguous and "
+                         f"16-byte aligned; got {tuple(t.shape)} {t.dtype}"
+                         + ("" if t.is_contiguous() else " (not contiguous)"))
+
+
+def run_fp8_grouped_gemm(compiled: CompiledFp8GroupedGemm, A: torch.Tensor, A_scale: torch.Tensor,
+                         B: torch.Tensor, B_scale: torch.Tensor, offsets: torch.Tensor, outputs: dict,
+                         extras: Optional[dict] = None, num_ctas: Optional[int] = None,
+                         counter_ptr: Optional[int] = None):
+    """Launch on torch's current stream, no host sync.
+
+    ``A`` (M, K) E4M3 codes (``torch.uint8`` as ``fusion.quant`` stores them, or ``torch.float8_e4m3fn``),
+    ``A_scale`` (ceil(K/128), M) float32 (``fp8_block_quantize_2d``'s layout); ``B`` (G, N, K) E4M3 codes and
+    ``B_scale`` (G, ceil(N/128), ceil(K/128)) float32 (``FP8BlockWeight.data`` / ``.scale``); ``offsets``
+    (G+1,) int32 group row bounds. ``outputs`` / ``extras``: the epilogue's tensors by name, as
+    :func:`kernels.api.run_grouped_gemm`. ``counter_ptr``: a zeroed int32 for the dynamic scheduler (else one
+    is allocated)."""
+    extras = extras or {}
+    M, K, G = A.shape[0], compiled.K, compiled.G
+    if A.dim() != 2:
+        raise ShapeError(f"FP8 grouped GEMM {compiled.name}: A must be 2-D (M, {K}), got {tuple(A.shape)}")
+    _check_operand("A", A, (M, K), _FP8_TORCH, "E4M3 codes (uint8 or float8_e4m3fn)")
+    _check_operand("A_scale", A_scale, (compiled.k_blocks, M), (torch.float32,), "float32 k-block-major scales")
+    _check_operand("B", B, (G, compiled.N, K), _FP8_TORCH, "E4M3 codes (uint8 or float8_e4m3fn)")
+    _check_operand("B_scale", B_scale, compiled.b_scale_shape, (torch.float32,), "float32 128x128 block scales")
+    if offsets.numel() < G + 1 or offsets.dtype != torch.int32:
+        raise ShapeError(f"FP8 grouped GEMM {compiled.name}: offsets must hold G+1 = {G + 1} int32 bounds")
+    ptrs = epilogue_pointers(compiled, outputs, extras)
+    if M == 0:
+        return
+    if not A.is_cuda or any(t.device != A.device for t in (A_scale, B, B_scale, offsets)):
+        raise DeviceError(f"FP8 grouped GEMM {compiled.name}: A, the scales, B and offsets must be on one CUDA "
+                          f"device; got A on {A.device}")
+    num_ctas, counter_ptr, _counter = launch_grid(compiled, M, A.device, offsets, num_ctas, counter_ptr)
+    compiled.launch(A.data_ptr(), B.data_ptr(), A_scale.data_ptr(), B_scale.data_ptr(), offsets.data_ptr(),
+                    counter_ptr, ptrs, M, num_ctas, current_stream(A.device))
+
+
+def fp8_grouped_gemm(A, A_scale, B, B_scale, group_sizes=None, offsets=None, epilogue: Optional[Epilogue] = None,
+                     extras: Optional[dict] = None, config: Optional[GemmConfig] = None, out_dtype="bfloat16"):
+    """Convenience: allocate the outputs, compile (cached), run. Returns a dict name -> tensor."""
+    epilogue = epilogue or IdentityEpilogue()
+    if offsets is None:
+        offsets = offsets_from_group_sizes(group_sizes)
+    out_dtype = _dtype_name(out_dtype)
+    M, K = A.shape
+    G, N = B.shape[0], B.shape[1]
+    config = config or choose_fp8_config(N, K, G, epilogue.gated)
+    comp = compile_fp8_grouped_gemm(config, epilogue, N, K, G, out_dtype)
+    outs = allocate_outputs(epilogue, M, N, out_dtype, A.device)
+    run_fp8_grouped_gemm(comp, A, A_scale, B, B_scale, offsets, outs, extras)
+    return outs

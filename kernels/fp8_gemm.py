@@ -1,0 +1,215 @@
+"""Persistent grouped GEMM with FP8 (E4M3) operands and block scaling, for sm_90a (CuTe DSL).
+
+D[rows of g] = epilogue(sum_kt (A[rows of g, kt] @ B[g, :, kt].T) * sa[kt, row] * sb[g, col // 128, kt])
+
+The FP8-block recipe (DeepGEMM's "1d2d", Transformer Engine's Float8BlockScaling; docs/quantization.md):
+
+- A: (M, K) E4M3 codes, row-major, rows of all groups concatenated; ``sa`` (ceil(K/128), M) float32,
+  k-block-major: ``sa[kt, r]`` scales ``A[r, 128 kt : 128 kt + 128]``.
+- B: (G, N, K) E4M3 codes, K-major (a GroupLinear weight as its forward reads it); ``sb`` (G, ceil(N/128),
+  ceil(K/128)) float32: one scale per 128x128 block. A gated epilogue reads the canonical ``[gate; up]``
+  weight, as the bf16 kernel does.
+- offsets: (G+1,) int32 device tensor of group row bounds. M is a run-time argument.
+
+``tile_k`` is 128: one activation scale per row and one weight scale per 128 columns cover a whole k-tile.
+Each k-tile's wgmma partial sum goes to a scratch fp32 fragment, which the consumer then folds into the fp32
+accumulator with the scales applied (``acc += part * sa * sb``): the promotion that keeps the tensor cores'
+limited-precision FP8 accumulation to 128 products (kernels/fp8_mainloop.py).
+
+Scales travel with the data: besides the A and B tiles, the producer's TMA loads ``tile_m`` consecutive
+floats of ``sa`` (a 1-D view of the whole tensor, so M needs no alignment) and one 16-byte box of ``sb``
+per scale slot (kernels/fp8_scales.py) into each stage, under the same mbarrier.
+
+Cooperative warp roles: warpgroup 0 is the producer, warpgroups 1..2 each own 64 rows of a 128-row tile.
+The scheduler (kernels/scheduler.py) and the epilogue protocol (kernels/tile_epilogue.py) are the bf16
+kernel's, so every epilogue of kernels/epilogue.py (and the generated ones) applies; outputs default to bf16.
+
+This module holds the host-side (traced) setup: tensors, smem layouts, TMA atoms, shared storage, the
+launch, and the kernel's prologue.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .epilogue import Epilogue
+from .fp8_mainloop import Fp8WarpRoles
+from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
+from .scheduler import TileScheduler
+from .tile_epilogue import TileEpilogue
+
+__all__ = ["Fp8GroupedGemmKernel"]
+
+FP8 = cutlass.Float8E4M3FN
+SB_BOX = 4          # floats per TMA box of weight scales (the 16-byte minimum; the first one is used)
+SB_SLOT_FLOATS = 32  # each slot's smem box starts on a 128-byte boundary
+OVERLAP_MAX_TILE_N = 128
+
+
+class Fp8GroupedGemmKernel(Fp8WarpRoles):
+    def __init__(self, config, epilogue: Epilogue, out_dtype: str = "bfloat16", overlap=None):
+        self.cfg = config
+        self.epi = epilogue
+        self.ab_dtype = FP8
+        self.acc_dtype = Float32
+        self.tile_m, self.tile_n, self.tile_k = config.tile_m, config.tile_n, config.tile_k
+        assert self.tile_m == 128 and self.tile_k == SCALE_BLOCK, "FP8 tiles are 128 x tile_n x 128"
+        assert self.tile_n % 16 == 0 and self.tile_n <= 256
+        self.pingpong = False            # cooperative: the accumulator and the scratch fragment both fit
+        self.num_mma_wg = 2
+        self.mma_atoms_m = 2
+        self.threads = 128 * (1 + self.num_mma_wg)
+        self.sched_stages = 2
+        self.stages = config.stages
+        self.dynamic = config.dynamic
+        self.gated = epilogue.gated
+        self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
+        # promotion overlapped with the next k-tile's wgmma needs a second scratch fragment: 3 x tile_n / 2
+        # fp32 registers per consumer thread, which fits the 232 a consumer gets up to tile_n = 128
+        self.overlap = self.tile_n <= OVERLAP_MAX_TILE_N if overlap is None else bool(overlap)
+        # the epilogue works in the output dtype (what MXFP8 outputs round to, what Outputs default to)
+        self.tile_epi = TileEpilogue(epilogue, out_dtype, self.tile_n_log, 0)
+
+    # ------------------------------------------------------------------ host-side (traced) entry
+    @cute.jit
+    def __call__(
+        self,
+        pA: cute.Pointer,
+        pB: cute.Pointer,
+        pSA: cute.Pointer,
+        pSB: cute.Pointer,
+        pOffs: cute.Pointer,
+        pCounter: cute.Pointer,
+        ptrs: tuple,
+        M: Int32,
+        N: cutlass.Constexpr,
+        K: cutlass.Constexpr,
+        G: cutlass.Constexpr,
+        num_ctas: Int32,
+        stream,
+    ):
+        self.N, self.K, self.G = N, K, G
+        n_log = N // 2 if const_expr(self.gated) else N
+        self.k_tiles = (K + self.tile_k - 1) // self.tile_k
+        self.n_blocks = (N + SCALE_BLOCK - 1) // SCALE_BLOCK
+        self.segments = plan_segments(self.tile_n, N, self.gated)
+        self.slots = num_slots(self.segments)
+        self.sched = TileScheduler(self.tile_m, (n_log + self.tile_n_log - 1) // self.tile_n_log, G,
+                                   self.dynamic, False)
+        mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
+        mB = cute.make_tensor(pB, cute.make_layout((N, K, G), stride=(K, 1, N * K)))
+        # scales as flat 1-D tensors: a TMA box may start at any element, so neither M nor the number of
+        # k-blocks needs the 16-byte stride alignment a 2-D descriptor would
+        mSA = cute.make_tensor(pSA, cute.make_layout((self.k_tiles * M,)))
+        mSB = cute.make_tensor(pSB, cute.make_layout((G * self.n_blocks * self.k_tiles,)))
+        mOffs = cute.make_tensor(pOffs, cute.make_layout((G + 1,)))
+        mCounter = cute.make_tensor(pCounter, cute.make_layout((1,)))
+        tensors = self.tile_epi.make_tensors(ptrs, M, G, n_log)
+
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.acc_dtype, (self.mma_atoms_m, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        # the logical tile's accumulator layout: coordinates for the epilogue only (never issues wgmma)
+        self.tiled_mma_log = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.acc_dtype, (self.mma_atoms_m, 1, 1), tiler_mn=(64, self.tile_n_log),
+        )
+        # K-major operands, 128 one-byte elements per k-tile row: the 128-byte swizzle atom
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, FP8, self.tile_k), FP8
+        )
+        self.sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
+        self.sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
+        self.sSA_layout = cute.make_layout((self.tile_m, self.stages))
+        self.sSB_layout = cute.make_layout((SB_BOX, self.slots, self.stages),
+                                           stride=(1, SB_SLOT_FLOATS, SB_SLOT_FLOATS * self.slots))
+        sA_one = cute.slice_(self.sA_layout, (None, None, 0))
+        sB_one = cute.slice_(self.sB_layout, (None, None, 0))
+        tma_a, tma_tA = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, sA_one, (self.tile_m, self.tile_k)
+        )
+        # gated: one TMA box is half a B tile (gate or up rows); tile_k is one swizzle atom, so a half
+        # tile's smem layout is the first tile_n/2 rows of the stage's
+        b_box = (self.tile_n // 2 if self.gated else self.tile_n, self.tile_k)
+        sB_box = cute.tile_to_shape(atom, b_box, order=(0, 1)) if const_expr(self.gated) else sB_one
+        tma_b, tma_tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_box, b_box)
+        tma_sa, tma_tSA = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mSA, cute.make_layout((self.tile_m,)), (self.tile_m,)
+        )
+        tma_sb, tma_tSB = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mSB, cute.make_layout((SB_BOX,)), (SB_BOX,)
+        )
+        # out-of-bounds box elements are zero-filled and still counted by the transaction
+        self.tx_bytes = (cute.size_in_bytes(FP8, sA_one) + cute.size_in_bytes(FP8, sB_one)
+                         + 4 * (self.tile_m + SB_BOX * self.slots))
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sched: cute.struct.MemRange[cutlass.Int64, 2 * self.sched_stages]
+            tile_slot: cute.struct.MemRange[Int32, self.sched_stages]
+            sA: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(self.sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(self.sB_layout)], 1024]
+            sSA: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(self.sSA_layout)], 128]
+            sSB: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(self.sSB_layout)], 128]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_a, tma_tA, tma_b, tma_tB, tma_sa, tma_tSA, tma_sb, tma_tSB, mOffs, mCounter, tuple(tensors),
+            M, self.tiled_mma, self.tiled_mma_log, self.sA_layout, self.sB_layout, self.sSA_layout,
+            self.sSB_layout,
+        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), smem=SharedStorage.size_in_bytes(),
+                 min_blocks_per_mp=1, stream=stream)
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_sa: cute.CopyAtom,
+        mSA: cute.Tensor,
+        tma_sb: cute.CopyAtom,
+        mSB: cute.Tensor,
+        mOffs: cute.Tensor,
+        mCounter: cute.Tensor,
+        epi_tensors: tuple,
+        M: Int32,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_log: cute.TiledMma,
+        sA_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+        sSA_layout: cute.Layout,
+        sSB_layout: cute.Layout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        if warp_idx == 0:
+            for atom in (tma_a, tma_b, tma_sa, tma_sb):
+                cpasync.prefetch_descriptor(atom)
+
+        storage, ab_pipe, sched_pipe, sTile, sA, sB = self.make_smem(sA_layout, sB_layout)
+        sSA = storage.sSA.get_tensor(sSA_layout)
+        sSB = storage.sSB.get_tensor(sSB_layout)
+        cute.arch.sync_threads()
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if wg_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(40)
+            if warp_idx == 0:
+                self.produce(tma_a, mA, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
+                             bidx, grid, extras=(tma_sa, mSA, tma_sb, mSB, sSA, sSB, M))
+        else:
+            cute.arch.warpgroup_reg_alloc(232)
+            self.consume_fp8(tiled_mma, tiled_mma_log, sA, sB, sSA, sSB, mOffs, epi_tensors, ab_pipe,
+                             sched_pipe, sTile, tidx, bidx, grid)

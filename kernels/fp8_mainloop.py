@@ -1,0 +1,184 @@
+"""Warp roles of the FP8 block-scaled grouped GEMM: the bf16 kernel's producer plus scale loads, and
+wgmma consumers that promote every k-tile's partial sums into an fp32 accumulator with the scales applied.
+
+- producer: :meth:`kernels.mainloop.WarpRoles.produce` (A and B tiles, gated half boxes, both schedulers);
+  its per-stage hooks add the scales of the k-tile: ``tile_m`` floats of the activation scales
+  (``sa[kt, row0 : row0 + tile_m]``, one TMA box of the flat 1-D view) and one 16-byte box per weight-scale
+  slot (``sb[g, block, kt]``, kernels/fp8_scales.py). They land in the stage's scale buffers under the
+  stage's mbarrier, so a consumer that waited for the stage reads them from shared memory.
+- consumers (warpgroups 1..2, 64 rows of the 128-row tile each), per k-tile: wgmma into a scratch fp32
+  fragment ``part`` (zeroed by the first wgmma: ACCUMULATE off), read the row and block scales of the
+  stage while it runs, wait, release the stage, then ``acc = part * (sa[row] * sb[slot]) + acc`` (one FFMA
+  per element; the slot of an accumulator column is known at trace time, or, for a segment that straddles a
+  128-row boundary, chosen per 8-column chunk against a boundary computed once per tile). With
+  ``overlap`` (tile_n <= 128) a second scratch fragment lets k-tile t be folded while k-tile t + 1's wgmma
+  runs; without it the two warpgroups still drift apart, so one's promotion overlaps the other's wgmma.
+  Then the bf16 kernel's epilogue.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .fp8_scales import SCALE_BLOCK, segment_of
+from .mainloop import WarpRoles
+
+
+class _StageRef:
+    """What ``PipelineTmaAsync.consumer_release`` reads of a pipeline state: the stage index (a fold
+    releases a stage behind the read state)."""
+
+    def __init__(self, index):
+        self.index = index
+
+
+class Fp8WarpRoles(WarpRoles):
+    """Producer hooks and the consumer body (``@cute.jit``, inlined into the kernel)."""
+
+    # ------------------------------------------------------------------ producer hooks
+    def tile_extra_loads(self, extras, g, row0, n_idx):
+        """Per tile: the tile's first row, and the flat offset of ``sb[g, block, 0]`` of every slot."""
+        sb_rows = []
+        for seg in self.segments:
+            blk = seg.first_row(n_idx) // SCALE_BLOCK
+            sb_rows.append((g * self.n_blocks + blk) * self.k_tiles)
+            if seg.split:
+                sb_rows.append((g * self.n_blocks + blk + 1) * self.k_tiles)
+        return row0, sb_rows
+
+    def stage_extra_loads(self, extras, tile_extra, kt, stage, bar):
+        """k-tile ``kt``'s scales into ``stage``: ``sa[kt, row0 : row0 + tile_m]`` and ``sb[g, block, kt]``
+        per slot (rows past M and blocks past the tensor read zeros; both only reach masked outputs)."""
+        tma_sa, mSA, tma_sb, mSB, sSA, sSB, M = extras
+        row0, sb_rows = tile_extra
+        one = cute.make_layout(1)
+        gSA = cute.local_tile(cute.domain_offset((kt * M + row0,), mSA), (self.tile_m,), (0,))
+        tSAs, tSAg = cpasync.tma_partition(tma_sa, 0, one, cute.group_modes(sSA, 0, 1),
+                                           cute.group_modes(gSA, 0, 1))
+        cute.copy(tma_sa, tSAg, tSAs[(None, stage)], tma_bar_ptr=bar)
+        for slot, base in enumerate(sb_rows):
+            gSB = cute.local_tile(cute.domain_offset((base + kt,), mSB), (cute.size(sSB, mode=[0]),), (0,))
+            tSBs, tSBg = cpasync.tma_partition(tma_sb, 0, one, cute.group_modes(sSB, 0, 1),
+                                               cute.group_modes(gSB, 0, 1))
+            cute.copy(tma_sb, tSBg, tSBs[(None, slot, stage)], tma_bar_ptr=bar)
+
+    # ------------------------------------------------------------------ consumers
+    def split_bounds(self, n_idx):
+        """Per split segment (by first slot): the segment column where its second scale block begins."""
+        return {seg.slot: SCALE_BLOCK - seg.first_row(n_idx) % SCALE_BLOCK
+                for seg in self.segments if seg.split}
+
+    def promote(self, acc, part, row_scales, slot_scales, bounds):
+        """``acc += part * sa[row] * sb[slot of the column]`` over the thread's fragment (trace-time loops).
+        The fragment is ``((2 columns, 2 row halves, tile_n / 8 chunks), 1, 1)``; chunk ``c`` covers tile
+        columns ``[8c, 8c + 8)``, so its segment, hence its slot, is known here."""
+        n_v, n_h, n_c = acc.shape[0]
+        scale = [[ra * sb for sb in slot_scales] for ra in row_scales]
+        for h in range(n_h):
+            for c in range(n_c):
+                seg = segment_of(self.segments, 8 * c)
+                s = scale[h][seg.slot]
+                if seg.split:
+                    lo_side = Int32(8 * c - seg.col0) < bounds[seg.slot]
+                    s = cutlass.select_(lo_side, s, scale[h][seg.slot + 1])
+                for v in range(n_v):
+                    i = ((v, h, c), 0, 0)
+                    acc[i] = part[i] * s + acc[i]   # ptxas fuses this into one FFMA
+
+    def issue_k_tile(self, tiled_mma, frag, tCrA, tCrB, ab_pipe, read_state):
+        """Wait for the next stage and issue its k-tile's wgmma into ``frag`` (the first one overwrites it:
+        ACCUMULATE off), one commit group. Returns the MMA (its ACCUMULATE field is a traced value: callers
+        rebind it, so that loops carry it) and the advanced read state."""
+        ab_pipe.consumer_wait(read_state)
+        stage = read_state.index
+        warpgroup.fence()
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in range(cute.size(tCrA, mode=[2])):
+            cute.gemm(tiled_mma, frag, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], frag)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        read_state.advance()
+        return tiled_mma, read_state
+
+    def fold_k_tile(self, acc, frag, sSA, sSB, rows, bounds, ab_pipe, read_state, back):
+        """Fold a finished k-tile's ``frag`` into ``acc``: read its stage's scales (the stage ``back`` + 1
+        behind ``read_state``), release the stage, promote."""
+        stage = (read_state.index + (self.stages + back)) % self.stages
+        row_scales = [sSA[(r, stage)] for r in rows]
+        slot_scales = [sSB[(0, s, stage)] for s in range(self.slots)]
+        ab_pipe.consumer_release(_StageRef(stage))
+        self.promote(acc, frag, row_scales, slot_scales, bounds)
+
+    @cute.jit
+    def mainloop_overlapped(self, tiled_mma, acc, p0, p1, tCrA, tCrB, sSA, sSB, rows, bounds, ab_pipe,
+                            read_state):
+        """Two scratch fragments: k-tile t + 1's wgmma runs while k-tile t is folded (3 x tile_n / 2
+        registers of fp32 fragments per thread, so tile_n <= 128). Pairs of k-tiles per iteration keep
+        the fragments' roles static; the k-tile count is a compile-time constant, so the tail is too."""
+        T = self.k_tiles
+        tiled_mma, read_state = self.issue_k_tile(tiled_mma, p0, tCrA, tCrB, ab_pipe, read_state)
+        for _ in cutlass.range((T - 1) // 2, unroll=1):
+            tiled_mma, read_state = self.issue_k_tile(tiled_mma, p1, tCrA, tCrB, ab_pipe, read_state)
+            warpgroup.wait_group(1)
+            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, ab_pipe, read_state, -2)
+            tiled_mma, read_state = self.issue_k_tile(tiled_mma, p0, tCrA, tCrB, ab_pipe, read_state)
+            warpgroup.wait_group(1)
+            self.fold_k_tile(acc, p1, sSA, sSB, rows, bounds, ab_pipe, read_state, -2)
+        if T % 2 == 0:
+            tiled_mma, read_state = self.issue_k_tile(tiled_mma, p1, tCrA, tCrB, ab_pipe, read_state)
+            warpgroup.wait_group(1)
+            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, ab_pipe, read_state, -2)
+            warpgroup.wait_group(0)
+            self.fold_k_tile(acc, p1, sSA, sSB, rows, bounds, ab_pipe, read_state, -1)
+        else:
+            warpgroup.wait_group(0)
+            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, ab_pipe, read_state, -1)
+        return tiled_mma, read_state
+
+    @cute.jit
+    def consume_fp8(self, tiled_mma: cute.TiledMma, tiled_mma_log: cute.TiledMma, sA: cute.Tensor,
+                    sB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple,
+                    ab_pipe, sched_pipe, sTile: cute.Tensor, tidx: Int32, bidx: Int32, grid: Int32):
+        ctid = tidx - 128
+        thr_mma, tCrA, tCrB, tCcC = self.mma_operands(tiled_mma, tiled_mma_log, sA, sB, ctid)
+        tCcP = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        acc = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
+        part = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
+        part2 = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype) if const_expr(self.overlap) else None
+        n_h = cute.size(tCcP.shape[0][1])
+        assert cute.size(tCcP.shape[1]) == 1 and cute.size(tCcP.shape[2]) == 1, \
+            "one wgmma atom per warpgroup: 64 rows x tile_n"
+        rows = [tCcP[((0, h, 0), 0, 0)][0] for h in range(n_h)]   # the thread's tile rows
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if const_expr(self.dynamic):
+            sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
+            tile_id, sched_state = self.sched.first_dynamic(sched_pipe, sched_state, sTile, 0)
+        else:
+            tile_id = self.sched.first_static(bidx, grid)
+        g, base, cnt = self.sched.start(mOffs, tile_id)
+        while g < self.G:
+            m_idx, n_idx = self.sched.coords(tile_id, base, cnt)
+            row0 = mOffs[g] + m_idx * self.tile_m
+            row_end = mOffs[g + 1]
+            bounds = self.split_bounds(n_idx)
+
+            acc.fill(0.0)
+            if const_expr(self.overlap):
+                tiled_mma, read_state = self.mainloop_overlapped(tiled_mma, acc, part, part2, tCrA, tCrB, sSA, sSB, rows,
+                                                      bounds, ab_pipe, read_state)
+            else:
+                for kt in cutlass.range(self.k_tiles, unroll=1):
+                    tiled_mma, read_state = self.issue_k_tile(tiled_mma, part, tCrA, tCrB, ab_pipe, read_state)
+                    warpgroup.wait_group(0)
+                    self.fold_k_tile(acc, part, sSA, sSB, rows, bounds, ab_pipe, read_state, -1)
+
+            self.tile_epi.run(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, self.N, None)
+
+            if const_expr(self.dynamic):
+                tile_id, sched_state = self.sched.next_dynamic(sched_pipe, sched_state, sTile)
+            else:
+                tile_id = self.sched.next_static(tile_id, grid)
+            g, base, cnt = self.sched.seek(mOffs, tile_id, g, base, cnt)

@@ -1,0 +1,214 @@
+"""CPU-only: compile the FP8 block-scaled grouped GEMM for sm_90a and check its PTX / SASS (no GPU needed),
+the scale-slot planning it relies on, and the configurations and arguments it refuses."""
+import os
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import fusion.kernels as K  # noqa: E402
+from fusion.errors import DeviceError, KernelConfigError, ShapeError  # noqa: E402
+from fusion.kernels.fp8_scales import SCALE_BLOCK, num_slots, plan_segments, segment_of  # noqa: E402
+
+
+def _cfg(N, K_, G, gated=False, **over):
+    return replace(K.choose_fp8_config(N, K_, G, gated), **over)
+
+
+CASES = {  # name: (epilogue, N, K, G, config overrides)
+    "plain": (K.IdentityEpilogue(), 1024, 512, 8, {}),
+    "k-tail": (K.IdentityEpilogue(), 1024, 528, 8, {}),                 # K % 128 != 0: a partial k-block
+    "wide-dynamic": (K.IdentityEpilogue(), 4096, 7168, 32, {}),
+    "split-192": (K.IdentityEpilogue(), 4096, 2048, 8, dict(tile_n=192, stages=5)),  # two weight-scale slots
+    "fp16-out": (K.IdentityEpilogue(out_dtype="float16"), 1536, 2048, 128, {}),
+    "gated-swiglu": (K.SwiGLUScaleEpilogue(), 5760, 2880, 32, {}),
+    "gated-mxfp8": (K.SwiGLUScaleMXFP8Epilogue(), 2048, 1024, 8, {}),
+    "gated-split": (K.SwiGLUScaleEpilogue(), 2 * 2888, 1024, 8, {}),     # up-half blocks: a run-time boundary
+    "serial": (K.IdentityEpilogue(), 1024, 640, 8, dict(overlap=False)),  # fold after each wgmma, no overlap
+    "one-k-tile": (K.IdentityEpilogue(), 1024, 64, 8, {}),
+}
+
+
+def _compile(name):
+    epi, N, K_, G, over = CASES[name]
+    over = dict(over)
+    overlap = over.pop("overlap", None)
+    out = "float16" if name == "fp16-out" else "bfloat16"
+    return K.compile_fp8_grouped_gemm(_cfg(N, K_, G, epi.gated, **over), epi, N, K_, G, out_dtype=out,
+                                      overlap=overlap)
+
+
+def _ops(sass):
+    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compile_sass(name):
+    epi, N, K_, G, over = CASES[name]
+    comp = _compile(name)
+    assert comp.ptx and ".target sm_90a" in comp.ptx
+    assert "wgmma.mma_async.sync.aligned" in comp.ptx and ".f32.e4m3.e4m3" in comp.ptx
+    assert comp.shared_memory_bytes <= 227 * 1024
+    assert comp.frame_size == 0, f"{comp.name}: {comp.frame_size}-byte stack frame (spills)"
+    try:
+        sass = comp.sass
+    except RuntimeError as e:  # nvdisasm missing
+        pytest.skip(str(e))
+    ops = _ops(sass)
+    # FP8 wgmma is QGMMA in SASS (HGMMA is the 16-bit one): E4M3 x E4M3 into F32
+    gmma = re.findall(r"\b([HQ]GMMA\.[\w.]+)", sass)
+    assert gmma and all(re.fullmatch(r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3", g) for g in gmma), \
+        f"{comp.name}: expected only FP8 E4M3 wgmma, got {sorted(set(gmma))}"
+    assert f"x{comp.config.tile_n}x32" in gmma[0]
+    assert not any(o.startswith(("LDL", "STL")) for o in ops), "local-memory spills"
+    tma = {o for o in ops if o.startswith("UTMALDG")}
+    assert {"UTMALDG.1D", "UTMALDG.2D", "UTMALDG.3D"} <= tma, tma   # scales (1-D), A (2-D), B (3-D)
+    assert K.compile_fp8_grouped_gemm(comp.config, epi, N, K_, G, out_dtype=comp.dtype,
+                                      overlap=over.get("overlap")) is comp  # cached
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_promotion_overlaps_the_next_wgmma_where_it_fits(name):
+    """tile_n <= 128 (unless told otherwise): k-tile t is folded into the accumulator after
+    ``wgmma.wait_group 1``, while k-tile t + 1's wgmma runs; wider tiles wait for every wgmma."""
+    epi, N, K_, G, over = CASES[name]
+    comp = _compile(name)
+    expect = over.get("overlap", comp.config.tile_n <= 128)
+    assert comp.overlap == expect and comp.name.endswith("_ovl") == expect
+    waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", comp.ptx))
+    k_tiles = -(-K_ // 128)
+    assert waits == ({"0", "1"} if expect and k_tiles > 1 else {"0"}), waits
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_stage_expects_data_and_scales(name):
+    """One mbarrier transaction per stage covers the A and B tiles, tile_m activation scales and one 16-byte
+    box per weight-scale slot; the producer issues one 1-D TMA per scale box."""
+    epi, N, K_, G, over = CASES[name]
+    comp = _compile(name)
+    cfg = comp.config
+    slots = num_slots(plan_segments(cfg.tile_n, N, epi.gated))
+    tx = (cfg.tile_m + cfg.tile_n) * cfg.tile_k + 4 * cfg.tile_m + 16 * slots
+    assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s+mbarrier\.arrive\.expect_tx", comp.ptx), tx
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d", comp.ptx)) == 1 + slots
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d", comp.ptx)) == (2 if epi.gated else 1)
+
+
+# ---- the weight-scale slots of an n-tile
+def _blocks_by_slot(segs, n_idx):
+    """What the producer loads: the 128-row block of B behind every slot of n-tile n_idx."""
+    out = []
+    for s in segs:
+        b = s.first_row(n_idx) // SCALE_BLOCK
+        out += [b, b + 1] if s.split else [b]
+    return out
+
+
+@pytest.mark.parametrize("tile_n,N,gated", [
+    (128, 1024, False), (128, 1000 + 24, False), (192, 4096, False), (160, 4096, False), (64, 2048, False),
+    (128, 5760, True), (128, 2 * 2888, True), (192, 2 * 2880, True), (64, 2 * 1064, True),
+])
+def test_slots_cover_every_column_with_its_block(tile_n, N, gated):
+    """For every n-tile and 8-column chunk, the slot the consumer picks (trace-time segment, run-time
+    boundary for a split one) holds the scale block of the B row behind that column."""
+    segs = plan_segments(tile_n, N, gated)
+    n_log = N // 2 if gated else N
+    width = tile_n // 2 if gated else tile_n
+    for n_idx in range(-(-n_log // width)):
+        blocks = _blocks_by_slot(segs, n_idx)
+        for c in range(tile_n // 8):
+            seg = segment_of(segs, 8 * c)
+            local = 8 * c - seg.col0
+            row = seg.first_row(n_idx) + local                      # the B row behind the column
+            slot = seg.slot
+            if seg.split and local >= SCALE_BLOCK - seg.first_row(n_idx) % SCALE_BLOCK:
+                slot += 1
+            assert blocks[slot] == row // SCALE_BLOCK, (n_idx, c)
+    assert num_slots(segs) <= 4
+
+
+def test_aligned_tiles_need_one_slot_per_segment():
+    assert num_slots(plan_segments(128, 4096, False)) == 1
+    assert num_slots(plan_segments(128, 5760, True)) == 2        # gate and up: N/2 = 2880 = 45 * 64
+    assert num_slots(plan_segments(192, 4096, False)) == 2       # 192-row tiles straddle 128-row blocks
+    assert num_slots(plan_segments(128, 2 * 2888, True)) == 3    # the up half starts 8 rows into a 64-row step
+
+
+def test_a_segment_over_three_blocks_is_refused():
+    with pytest.raises(ValueError, match="three"):
+        plan_segments(176, 4096, False)
+
+
+# ---- configurations and arguments the kernel refuses, by name (no compile)
+@pytest.mark.parametrize("epi,over,N,K_,match", [
+    (K.IdentityEpilogue(), {}, 1024, 520, r"K % 16|multiple of 16"),
+    (K.IdentityEpilogue(), dict(pingpong=True), 1024, 512, "cooperative"),
+    (K.IdentityEpilogue(), dict(tile_n=256, stages=4), 1024, 512, "256 spills"),
+    (K.IdentityEpilogue(), dict(tile_k=64), 1024, 512, "tile_k = 128"),
+    (K.IdentityEpilogue(), dict(tile_m=64), 1024, 512, "tile_m = 128"),
+    (K.IdentityEpilogue(), dict(b_major="MN"), 1024, 512, "K-major"),
+    (K.IdentityEpilogue(), {}, 1020, 512, "multiple of 8"),
+    (K.IdentityEpilogue(), dict(tile_n=176), 4096, 512, "three"),
+    (K.IdentityEpilogue(), dict(stages=9), 1024, 512, "shared memory"),
+    (K.IdentityEpilogue(), dict(stages=1), 1024, 512, "at least 2"),
+    (K.SwiGLUScaleEpilogue(), {}, 1000, 512, "multiple of 16"),
+    (K.SwiGLUScaleMXFP8Epilogue(), dict(tile_n=32), 1024, 512, "32-column"),
+])
+def test_unsupported_configs_are_rejected(epi, over, N, K_, match):
+    with pytest.raises(KernelConfigError, match=match):
+        K.compile_fp8_grouped_gemm(_cfg(N, K_, 8, epi.gated, **over), epi, N, K_, 8)
+
+
+def test_a_heavy_epilogue_is_built_without_the_overlap_rather_than_spill():
+    """dSwiGLU (paired AuxInput and Output, a RowVector) next to three fp32 fragments spilled (8-byte frame,
+    ptxas of CUTLASS DSL 4.8.1); the default build then folds without the overlapped wgmma: it overlaps
+    exactly when that does not spill."""
+    epi, N, K_ = K.DSwiGLUEpilogue(), 2048, 1536
+    forced = K.compile_fp8_grouped_gemm(_cfg(N, K_, 8), epi, N, K_, 8, overlap=True)
+    auto = K.compile_fp8_grouped_gemm(_cfg(N, K_, 8), epi, N, K_, 8)
+    assert forced.overlap and auto.frame_size == 0
+    assert auto.overlap == (forced.frame_size == 0)
+
+
+def test_overlap_is_refused_where_it_cannot_fit():
+    with pytest.raises(KernelConfigError, match="overlap=True"):
+        K.compile_fp8_grouped_gemm(_cfg(4096, 512, 8, tile_n=192, stages=5), K.IdentityEpilogue(), 4096, 512, 8,
+                                   overlap=True)
+
+
+def test_unsupported_out_dtype_is_rejected():
+    with pytest.raises(KernelConfigError, match="out_dtype"):
+        K.compile_fp8_grouped_gemm(_cfg(1024, 512, 8), K.IdentityEpilogue(), 1024, 512, 8, out_dtype="float32")
+
+
+def _operands(M, N=1024, K_=512, G=8):
+    kb, nb = -(-K_ // 128), -(-N // 128)
+    return (torch.zeros(M, K_, dtype=torch.uint8), torch.ones(kb, M), torch.zeros(G, N, K_, dtype=torch.uint8),
+            torch.ones(G, nb, kb), torch.zeros(G + 1, dtype=torch.int32))
+
+
+def test_run_checks_operand_shapes_before_launching():
+    comp = _compile("plain")
+    A, sa, B, sb, offs = _operands(5)
+    out = {"out": torch.empty(5, 1024, dtype=torch.bfloat16)}
+    with pytest.raises(ShapeError, match=r"A_scale must be .*\(4, 5\)"):
+        K.run_fp8_grouped_gemm(comp, A, sa.t().contiguous(), B, sb, offs, out)       # (M, kb): wrong order
+    with pytest.raises(ShapeError, match=r"B_scale must be .*\(8, 8, 4\)"):
+        K.run_fp8_grouped_gemm(comp, A, sa, B, sb[:, :, :3].contiguous(), offs, out)
+    with pytest.raises(ShapeError, match="B must be"):
+        K.run_fp8_grouped_gemm(comp, A, sa, B.to(torch.bfloat16), sb, offs, out)
+    with pytest.raises(ShapeError, match="offsets"):
+        K.run_fp8_grouped_gemm(comp, A, sa, B, sb, offs.long(), out)
+    with pytest.raises(DeviceError, match="CUDA"):
+        K.run_fp8_grouped_gemm(comp, A, sa, B, sb, offs, out)                       # CPU tensors
+
+
+def test_run_with_no_rows_launches_nothing():
+    """M = 0 returns after the checks (CPU tensors here: a launch would fail)."""
+    comp = _compile("plain")
+    A, sa, B, sb, offs = _operands(0)
+    assert K.run_fp8_grouped_gemm(comp, A, sa, B, sb, offs, {"out": torch.empty(0, 1024, dtype=torch.bfloat16)}) \
+        is None

@@ -1,0 +1,254 @@
+"""GPU correctness of the FP8 block-scaled grouped GEMM (fusion.kernels.fp8_gemm; needs sm_90, else skipped).
+
+A is quantized with fusion.quant's FP8-block quantizer (1x128, power-of-two scales) and B with the weight
+quantizer (128x128 blocks); the kernel's output is compared with dequantize(A) @ dequantize(B[g]).T in
+float64. Data have rows, k-blocks and weight blocks of very different magnitudes (so a scale applied to the
+wrong row, block or k-tile shows), ragged groups with empty ones, unaligned M, K and N, outputs poisoned
+with NaN (every element must be written).
+
+Tolerance per element: the bf16 (fp16) rounding of the output, 2^-8 |ref|, plus 2^-9 of
+sum_k |A_dq[r, k] B_dq[g, c, k]| for the tensor cores' limited-precision FP8 accumulation inside each
+128-wide k-block (the kernel promotes every k-block into fp32); the whole output must also agree to 1 %
+in the Frobenius norm.
+"""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+if not _hopper():
+    pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
+
+from dataclasses import replace  # noqa: E402
+
+import fusion.kernels as K  # noqa: E402
+from fusion.quant.fp8_block import fp8_block_dequantize_2d, fp8_block_quantize_2d  # noqa: E402
+from fusion.quant.fp8_weight import quantize_weight_fp8_block  # noqa: E402
+from fusion.quant.mxfp8 import mxfp8_quantize_2d  # noqa: E402
+
+DEV = "cuda"
+ACC_TOL = 2.0 ** -9      # of sum |products|: FP8 tensor-core accumulation within a 128-wide k-block
+OUT_TOL = 2.0 ** -8      # of |ref|: bf16 / fp16 rounding of the output
+
+
+def _sizes(G, M, gen):
+    """Random ragged sizes summing to M; about a quarter of the groups empty, the first and last among them
+    when G > 4."""
+    if G == 1:
+        return torch.tensor([M])
+    w = torch.rand(G, generator=gen) + 0.05
+    w[torch.randperm(G, generator=gen)[: max(1, G // 4)]] = 0
+    if G > 4:
+        w[0] = w[-1] = 0
+    if w.sum() == 0:
+        w[1] = 1
+    s = torch.floor(w / w.sum() * M).to(torch.int64)
+    s[int(torch.argmax(w))] += M - int(s.sum())
+    return s
+
+
+def _blocky(shape, gen, spread=6):
+    """Gaussian values times 2^e, e drawn per row and per 128-column block in [-spread, spread]: every
+    scale block of the quantized tensor gets a different power-of-two scale."""
+    *lead, R, C = shape
+    x = torch.randn(*shape, generator=gen)
+    row_e = torch.randint(-spread, spread + 1, (*lead, R, 1), generator=gen)
+    blk_e = torch.randint(-spread // 2, spread // 2 + 1, (*lead, 1, -(-C // 128)), generator=gen)
+    blk_e = blk_e.repeat_interleave(128, -1)[..., :C]
+    return x * torch.exp2((row_e + blk_e).float())
+
+
+def _problem(G, M, N, Kd, seed=0, amp=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = _sizes(G, M, gen)
+    x = (_blocky((M, Kd), gen) * amp).to(DEV)
+    w = (_blocky((G, N, Kd), gen, spread=4) / Kd ** 0.5).to(DEV)
+    a_data, a_scale = fp8_block_quantize_2d(x)
+    wq = quantize_weight_fp8_block(w)
+    a_dq = fp8_block_dequantize_2d(a_data, a_scale).double()
+    b_dq = wq.dequantize().double()
+    offs = K.offsets_from_group_sizes(sizes.to(DEV))
+    return sizes, (a_data, a_scale, wq.data, wq.scale, offs), a_dq, b_dq
+
+
+def _reference(a_dq, b_dq, sizes):
+    """(A_dq @ B_dq[g].T, |A_dq| @ |B_dq[g]|.T) per group, float64."""
+    ref, mag, r = [], [], 0
+    for g, n in enumerate(sizes.tolist()):
+        ref.append(a_dq[r:r + n] @ b_dq[g].T)
+        mag.append(a_dq[r:r + n].abs() @ b_dq[g].abs().T)
+        r += n
+    empty = a_dq.new_zeros(0, b_dq.shape[1])
+    return (torch.cat(ref) if ref else empty), (torch.cat(mag) if mag else empty)
+
+
+def _check(out, ref, tol, what=""):
+    """Every element written (finite) and within ``tol``; reports max abs / rel error on failure."""
+    x = out.double()
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    n_bad = (~torch.isfinite(x)).sum().item()
+    assert n_bad == 0, f"{what}: {n_bad} non-finite (unwritten?) elements of {x.numel()}"
+    if ref.numel() == 0:
+        return
+    err = (x - ref).abs()
+    rel = err / ref.abs().clamp_min(1e-30)
+    summary = (f"{what}: max abs err {err.max().item():.3e}, max rel err {rel.max().item():.3e}, "
+               f"max |ref| {ref.abs().max().item():.3e}")
+    bad = err > tol
+    if bad.any():
+        i = bad.nonzero()[0].tolist()
+        pytest.fail(f"{summary}; {bad.sum().item()} elements out of tolerance, first at {i}: "
+                    f"{x[tuple(i)].item()} vs {ref[tuple(i)].item()} (tol {tol[tuple(i)].item():.3e})")
+    fro = ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert fro < 1e-2, f"{summary}; relative Frobenius error {fro:.3e}"
+    print(summary, f"frobenius {fro:.2e}")
+
+
+def _config(N, Kd, G, gated=False, **over):
+    return replace(K.choose_fp8_config(N, Kd, G, gated), **over)
+
+
+def _nan(M, N, dtype=torch.bfloat16):
+    return torch.full((M, N), float("nan"), dtype=dtype, device=DEV)
+
+
+# (G, M, N, K, config overrides): unaligned M, empty groups, K % 128 != 0, N not a multiple of the tile
+CASES = [
+    (8, 3001, 1024, 512, {}),
+    (8, 2000, 1024, 528, {}),                              # a partial last k-block (K % 128 = 16)
+    (1, 777, 256, 256, {}),
+    (4, 1000, 1032, 640, {}),                              # a partial last n-tile and weight block
+    (130, 5000, 512, 384, dict(dynamic=True)),             # many groups, dynamic scheduler
+    (8, 4099, 4096, 1024, dict(tile_n=192, stages=5)),     # n-tiles straddling two weight blocks
+    (32, 8192, 4096, 7168, {}),                            # wide N (dynamic by default), long K
+    (16, 2500, 768, 1024, dict(tile_n=64)),
+    (8, 1000, 512, 64, {}),                                # one k-tile
+    (8, 3001, 1024, 640, dict(overlap=False)),             # promotion without the overlapped wgmma
+    (130, 5000, 512, 384, dict(dynamic=True, overlap=False)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"G{c[0]}-M{c[1]}-N{c[2]}-K{c[3]}-{c[4]}")
+def test_identity(case):
+    G, M, N, Kd, over = case
+    over = dict(over)
+    overlap = over.pop("overlap", None)
+    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd)
+    comp = K.compile_fp8_grouped_gemm(_config(N, Kd, G, **over), K.IdentityEpilogue(), N, Kd, G, overlap=overlap)
+    out = _nan(M, N)
+    K.run_fp8_grouped_gemm(comp, *args, {"out": out})
+    torch.cuda.synchronize()
+    ref, mag = _reference(a_dq, b_dq, sizes)
+    _check(out, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name)
+
+
+def test_float8_dtype_operands_and_fp16_output():
+    """A and B as torch.float8_e4m3fn views of the codes; an fp16 output."""
+    G, M, N, Kd = 8, 1500, 512, 768
+    sizes, (a, sa, b, sb, offs), a_dq, b_dq = _problem(G, M, N, Kd, seed=1, amp=2.0 ** -8)  # fp16 range
+    epi = K.IdentityEpilogue(out_dtype="float16")
+    comp = K.compile_fp8_grouped_gemm(_config(N, Kd, G), epi, N, Kd, G, out_dtype="float16")
+    out = _nan(M, N, torch.float16)
+    K.run_fp8_grouped_gemm(comp, a.view(torch.float8_e4m3fn), sa, b.view(torch.float8_e4m3fn), sb, offs,
+                           {"out": out})
+    torch.cuda.synchronize()
+    ref, mag = _reference(a_dq, b_dq, sizes)
+    _check(out, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name)
+
+
+def test_no_rows():
+    G, N, Kd = 4, 256, 256
+    sizes, args, _, _ = _problem(G, 0, N, Kd)
+    comp = K.compile_fp8_grouped_gemm(_config(N, Kd, G), K.IdentityEpilogue(), N, Kd, G)
+    out = K.fp8_grouped_gemm(*args[:4], offsets=args[4])["out"]
+    torch.cuda.synchronize()
+    assert out.shape == (0, N)
+    K.run_fp8_grouped_gemm(comp, *args, {"out": torch.empty(0, N, dtype=torch.bfloat16, device=DEV)})
+
+
+def test_convenience_matches_run():
+    G, M, N, Kd = 8, 2000, 1024, 512
+    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=2)
+    out = K.fp8_grouped_gemm(*args[:4], group_sizes=sizes.to(DEV))["out"]
+    comp = K.compile_fp8_grouped_gemm(K.choose_fp8_config(N, Kd, G), K.IdentityEpilogue(), N, Kd, G)
+    out2 = _nan(M, N)
+    K.run_fp8_grouped_gemm(comp, *args, {"out": out2})
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2)
+
+
+def test_dgrad_reads_the_transposed_weight_copy():
+    """dX = dY @ W[g] of the recipe: dY quantized 1x128 rowwise, B = the weight's data_t (G, in, out) with
+    scale_t; the kernel's N is in_features, its K out_features."""
+    G, M, f_in, f_out = 8, 2000, 768, 1536
+    gen = torch.Generator().manual_seed(5)
+    sizes = _sizes(G, M, gen)
+    dy = _blocky((M, f_out), gen).to(DEV)
+    wq = quantize_weight_fp8_block((_blocky((G, f_out, f_in), gen, spread=4) / f_out ** 0.5).to(DEV))
+    d_data, d_scale = fp8_block_quantize_2d(dy)
+    offs = K.offsets_from_group_sizes(sizes.to(DEV))
+    comp = K.compile_fp8_grouped_gemm(_config(f_in, f_out, G), K.IdentityEpilogue(), f_in, f_out, G)
+    out = _nan(M, f_in)
+    K.run_fp8_grouped_gemm(comp, d_data, d_scale, wq.data_t, wq.scale_t, offs, {"out": out})
+    torch.cuda.synchronize()
+    ref, mag = _reference(fp8_block_dequantize_2d(d_data, d_scale).double(), wq.dequantize_t().double(), sizes)
+    _check(out, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name + " (dgrad)")
+
+
+# ------------------------------------------------------------------ gated epilogues on the canonical weight
+def _swiglu_ref(ref, mag, scale):
+    """silu(gate) * up * scale and its tolerance from the GEMM's (gate, up) error bounds."""
+    n = ref.shape[1] // 2
+    g, u = ref[:, :n], ref[:, n:]
+    eg = ACC_TOL * mag[:, :n]
+    eu = ACC_TOL * mag[:, n:]
+    s = scale.double()[:, None]
+    silu = torch.nn.functional.silu(g)
+    val = silu * u * s
+    # |d silu / dg| <= 1.1
+    tol = s.abs() * (1.1 * u.abs() * eg + (silu.abs() + 1.1 * eg) * eu) + 2.0 ** -7 * val.abs() + 1e-30
+    return val, tol
+
+
+@pytest.mark.parametrize("N,tile_n", [(2 * 1536, 128), (2 * 2888, 128), (2 * 2880, 192)])
+def test_gated_swiglu_scale(N, tile_n):
+    """FC1 + SwiGLU * router prob. N/2 = 2888: the up half starts 8 rows into a 64-row step, so its 64-row
+    segments straddle weight blocks (a run-time boundary per tile)."""
+    G, M, Kd = 8, 3000, 1024
+    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=3)
+    scale = torch.rand(M, device=DEV)
+    epi = K.SwiGLUScaleEpilogue()
+    cfg = _config(N, Kd, G, gated=True, tile_n=tile_n, **(dict(stages=5) if tile_n > 128 else {}))
+    comp = K.compile_fp8_grouped_gemm(cfg, epi, N, Kd, G)
+    out = _nan(M, N // 2)
+    K.run_fp8_grouped_gemm(comp, *args, {"out": out}, extras={"scale": scale})
+    torch.cuda.synchronize()
+    val, tol = _swiglu_ref(*_reference(a_dq, b_dq, sizes), scale)
+    _check(out, val, tol, comp.name)
+
+
+def test_mxfp8_output_is_the_quantized_bf16_output():
+    """The MXFP8 epilogue rounds to bf16 first and quantizes exactly: byte-equal to quantizing the bf16
+    epilogue's output of the same kernel configuration (same accumulators)."""
+    G, M, N, Kd = 8, 2100, 2048, 1024
+    sizes, args, _, _ = _problem(G, M, N, Kd, seed=4)
+    scale = torch.rand(M, device=DEV)
+    cfg = _config(N, Kd, G, gated=True)
+    hp = _nan(M, N // 2)
+    K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.SwiGLUScaleEpilogue(), N, Kd, G), *args,
+                           {"out": hp}, extras={"scale": scale})
+    data = torch.full((M, N // 2), 0x7E, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+    sc = torch.full((M, N // 64), 0xFE, dtype=torch.uint8, device=DEV)
+    K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.SwiGLUScaleMXFP8Epilogue(), N, Kd, G), *args,
+                           {"out": data, "out_scale": sc}, extras={"scale": scale})
+    torch.cuda.synchronize()
+    assert torch.isfinite(hp).all()
+    ref_data, ref_scale = mxfp8_quantize_2d(hp.float())
+    assert torch.equal(sc, ref_scale.view(torch.uint8)), "E8M0 scales differ"
+    n_diff = (data.view(torch.uint8) != ref_data.view(torch.uint8)).sum().item()
+    assert n_diff == 0, f"{n_diff} E4M3 bytes differ"
