@@ -18,7 +18,7 @@ SHAPES = [(8, 32768, 4096, 28672), (32, 65536, 2880, 5760), (128, 196608, 1536, 
 
 def jobs(shape):
     from fusion import GroupLinear, Scale, Sequential, SwiGLU
-    from fusion.runtime.compile import plan_jobs
+    from fusion.runtime.aot import plan_jobs
 
     E, M, d, f2 = shape
     block = Sequential(GroupLinear(E, d, f2), SwiGLU(), Scale(), GroupLinear(E, f2 // 2, d)).to("meta")

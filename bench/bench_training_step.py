@@ -373,7 +373,7 @@ def run_block(block: Block, paths, phases, out_rows, log):
 
 def precompile(blocks) -> None:
     """Compile every fused kernel these blocks' plans launch into FUSION_CACHE_DIR (no GPU needed)."""
-    from fusion.runtime.compile import compile_jobs, plan_jobs
+    from fusion.runtime.aot import compile_jobs, plan_jobs
 
     jobs = []
     for block in blocks:

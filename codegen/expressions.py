@@ -17,14 +17,13 @@ from fusion.symbolic import Expr, Num, Param, Var, call, cmp, postorder, simplif
 
 from fusion.codegen import slots
 from fusion.codegen.spec import EpilogueSpec, Stage
+from fusion.patterns.registry import get_activation
 
 #: Stages with no elementwise math: quantization happens in the kernel's store and passes gradients through.
 PASS_THROUGH = ("quant_mxfp8", "quant_pass")
 
 
 def _activation(stage: Stage):
-    from fusion.patterns.registry import get_activation
-
     name, params = stage.args
     return get_activation(name), dict(params)
 

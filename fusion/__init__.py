@@ -43,15 +43,13 @@ from fusion.ops import (Activation, Bias, Clamp, Combine, Gather, GeGLU, GroupLi
 from fusion.sequential import Sequential
 from fusion import moe
 from fusion.moe import MoE
-
-__version__ = "0.1.0"
+from fusion.patterns.registry import load_patterns as _load_patterns
+from fusion.version import __version__
 
 
 def load_patterns(path):
     """Load a .fpat file, or every .fpat file of a folder, into the activation registry and pattern library."""
-    from fusion.patterns.registry import load_patterns as _load
-
-    return _load(path)
+    return _load_patterns(path)
 
 
 __all__ = ["Sequential", "GroupLinear", "Linear", "SwiGLU", "GeGLU", "SReLU", "Activation", "Clamp", "Scale",

@@ -1,13 +1,22 @@
-"""Command line: `python -m fusion demo` and `python -m fusion compile`.
+"""Command line: `python -m fusion demo` and `python -m fusion compile` (also installed as the `fusion` script).
 
 A mistake on the command line is one line on stderr and exit code 2, found before any work starts; a
-FusionError while working is one line and exit code 1. Never a traceback.
+FusionError while working is one line and exit code 1. Never a traceback. The top of the layers: it imports
+what it runs, nothing imports it.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+import torch
+
+from fusion.demo import DEEPSEEK_LIKE, GPT_OSS_LIKE, build_block
+from fusion.demo import main as demo_main
+from fusion.errors import CompileError, FusionError
+from fusion.runtime.aot import compile_plan
+from fusion.targets import kernel_target
 
 PROG = "python -m fusion"
 
@@ -20,9 +29,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _target(text: str) -> str:
-    from fusion.errors import FusionError
-    from fusion.targets import kernel_target
-
     try:
         return kernel_target(text)
     except FusionError as err:
@@ -40,8 +46,6 @@ def _out_folder(text: str) -> Path:
 
 
 def _device(text: str) -> str:
-    import torch
-
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
@@ -69,17 +73,33 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+def cli_compile(target: str = "sm_90a", dtype: str = "bfloat16", out: str | Path | None = None) -> int:
+    """`python -m fusion compile`: compile the demo blocks' kernels and print what was built (and with `out`,
+    write each kernel's .ptx and .cubin there)."""
+    folder = Path(out) if out is not None else None
+    if folder is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CompileError(f"cannot create the --out folder {str(folder)!r} ({err.strerror or err}): pass a "
+                               f"writable folder") from None
+    dt = getattr(torch, dtype)
+    print(f"{'kernel':<64} {'regs':>5} {'smem B':>8} {'cubin B':>8}")
+    for shape in (GPT_OSS_LIKE, DEEPSEEK_LIKE):
+        block = build_block(shape, dt, "meta")
+        for k in compile_plan(block, dtype=dt, target=target):
+            print(f"{k.name:<64} {k.registers or '?':>5} {k.shared_memory_bytes or '?':>8} {len(k.cubin):>8}")
+            if folder is not None:
+                (folder / f"{k.name}.ptx").write_text(k.ptx)
+                (folder / f"{k.name}.cubin").write_bytes(k.cubin)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    from fusion.errors import FusionError
-
     try:
         if args.command == "demo":
-            from fusion.demo import main as demo_main
-
             return demo_main(full=args.full, compile_kernels=not args.no_compile, device=args.device)
-        from fusion.runtime.compile import cli_compile
-
         return cli_compile(target=args.target, dtype=args.dtype, out=args.out)
     except FusionError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

@@ -11,19 +11,20 @@ from typing import Sequence
 
 import torch
 
+from fusion.dataflow import bytes_per_row, index_of, rows_of, saved_bytes
 from fusion.errors import OpArgumentError
 from fusion.graph import build_graph, op_nodes
 from fusion.matcher import dtype_name
 from fusion.plan import Plan, Step
+from fusion.planner import plan_for
+from fusion.version import __version__
 
 FORMATS = ("text", "json", "dot")
 DEFAULT_TARGET = "sm_90"
 
 
 def _version() -> str:
-    import fusion
-
-    return getattr(fusion, "__version__", "?")
+    return __version__
 
 
 def default_dtype(seq) -> tuple[torch.dtype, str]:
@@ -43,8 +44,6 @@ def default_dtype(seq) -> tuple[torch.dtype, str]:
 def explain(seq, format: str = "text", dtype: torch.dtype | None = None, target: str | None = None,
             patterns: Sequence | None = None) -> str:
     """The plan of `seq` for (dtype, target) as text, json or dot. `patterns` overrides the library."""
-    from fusion.planner import plan_for
-
     if format not in FORMATS:
         raise OpArgumentError(f"explain: format must be one of {FORMATS}, got {format!r}")
     if dtype is None:
@@ -219,8 +218,6 @@ def _summary(plan: Plan) -> str:
 def _saves_lines(plan: Plan) -> list[str]:
     """The forward's saves for the backward, with bytes per row (fusion/dataflow.py); in an MoE block per routed
     row and per token, and in total per token (k routed rows per token)."""
-    from fusion.dataflow import bytes_per_row, index_of, rows_of, saved_bytes
-
     if not plan.saves:
         return []
     moe = _is_moe(plan)

@@ -18,6 +18,8 @@ from typing import Any, Iterable
 
 import networkx as nx
 
+from fusion.shapes import feature_chain
+
 
 def op_node(i: int) -> tuple:
     return ("op", i)
@@ -68,8 +70,6 @@ def build_graph(seq_or_ops: Iterable, features: list | None = None) -> nx.DiGrap
     if features is None:
         features = getattr(seq_or_ops, "features", None)
     if features is None:
-        from fusion.sequential import feature_chain
-
         features = feature_chain(ops)
     g = nx.DiGraph()
     g.graph["features"] = list(features)

@@ -5,7 +5,7 @@ element binds the next op if the op's name or kind is listed (`optional` element
 op has several data consumers (a DAG), the walk branches. Every structurally possible binding is then
 checked, largest first, against:
 
-  0. kernel template  the pattern's kernel template runs in this build (fusion/runtime/templates.py)
+  0. kernel template  the pattern's kernel template runs in this build (fusion/kernel_templates.py)
   1. dtype            the pattern's `dtypes` contains the plan's dtype
   2. arch             the target's arch number lies in [arch_min, arch_max]
   3. predicates       every `where` of every bound element holds on the op's attrs (+ dtype, op, kind,
@@ -26,13 +26,16 @@ backward patterns are resolved separately (see `Match.covers`).
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import networkx as nx
 
+import fusion.kernel_templates as templates
 from fusion.graph import consumers, data_successors, node_text, op_nodes
+from fusion.patterns.files import BUILTIN_DIR
 from fusion.targets import arch as target_arch
 
 
@@ -64,14 +67,10 @@ def format_loc(loc: Any) -> str:
 
 
 def _short_path(file: str) -> str:
-    import os
-
     if not os.path.isabs(file):
         return file
-    import fusion.patterns
-
     # Built-in pattern files are shown as patterns/NAME.fpat wherever the package lives (repo or install).
-    pat_dir = os.path.dirname(os.path.abspath(fusion.patterns.__file__))
+    pat_dir = str(BUILTIN_DIR)
     if file.startswith(pat_dir + os.sep):
         return "patterns/" + os.path.relpath(file, pat_dir).replace(os.sep, "/")
     try:
@@ -258,9 +257,7 @@ def _predicate_failure(pred, env: dict, g: nx.DiGraph, node: tuple) -> str | Non
 
 def _check(g: nx.DiGraph, pattern, binding, dtype: str, target: str | None, arch: int | None) -> str | None:
     """The first failing check of one structural binding, or None."""
-    from fusion.runtime.templates import unavailable, weight_format_refused
-
-    missing = unavailable(pattern.kernel)
+    missing = templates.unavailable(pattern.kernel)
     if missing:
         return missing
     dtypes = tuple(getattr(pattern, "dtypes", ()) or ())
@@ -294,7 +291,8 @@ def _check(g: nx.DiGraph, pattern, binding, dtype: str, target: str | None, arch
     for _, node in binding:
         spec = g.nodes[node]["spec"]
         if spec.kind == "gemm":
-            why = weight_format_refused(pattern.kernel, spec.attrs.get("weight_format", DEFAULT_WEIGHT_FORMAT))
+            fmt = spec.attrs.get("weight_format", DEFAULT_WEIGHT_FORMAT)
+            why = templates.weight_format_refused(pattern.kernel, fmt)
             if why:
                 return f"{node_text(g, node)}: {why}"
     return None

@@ -17,11 +17,12 @@ import torch
 
 from fusion.dataflow import annotate, row_symbols
 from fusion.errors import FallbackError
-from fusion.graph import build_graph
+from fusion.graph import build_graph, op_nodes
+from fusion.grouped import HOST_SYNC_NOTE
 from fusion.matcher import (DEFAULT_WEIGHT_FORMAT, Attempt, Match, arch_of, dtype_name, format_loc, match_all,
                             resolve)
 from fusion.plan import Fallback, OpAttempt, OpInfo, Plan, Step
-from fusion.targets import plan_target
+from fusion.targets import device_target, plan_target
 
 _CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _CACHE_SIZE = 256
@@ -81,8 +82,6 @@ def plan_for_run(seq, x: torch.Tensor, patterns: Sequence | None = None) -> Plan
     """The plan for running `seq` on x (its device's target and x's dtype), honouring `seq.backend`:
     "reference" -> every op unfused; "fused" -> FallbackError listing every op that would fall back, with
     every pattern tried and why; "auto" -> fused where a pattern matches."""
-    from fusion.runtime import device_target
-
     target = device_target(x.device)
     dtype = dtype_name(x.dtype)
     backend = getattr(seq, "backend", "auto")
@@ -147,8 +146,6 @@ def _out_bytes(spec, elem: float) -> float | None:
 
 
 def _ops_info(g, dtype: str = "bfloat16") -> tuple[OpInfo, ...]:
-    from fusion.graph import op_nodes
-
     elem = _ELEM_BYTES.get(dtype, 2)
     nodes = op_nodes(g)
     rows = row_symbols(g.nodes[n]["spec"].kind for n in nodes)
@@ -247,8 +244,6 @@ def _backward_steps(infos, chosen: list[Match], dtype: str, target: str | None) 
 def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) -> tuple[str, tuple[str, ...]]:
     """Which reference implementation an unfused (op, part) runs, and notes worth telling the user
     (mirrors fusion.grouped.grouped_mm_method, decided from the plan's dtype and target)."""
-    from fusion.grouped import HOST_SYNC_NOTE
-
     grad = {"forward": "", "dgrad": " (input gradient)", "wgrad": " (weight gradient)", "backward": ""}[part]
     if info.gemm_by_reference:
         recipe = f"{info.name}.reference: the {info.weight_format} recipe (fusion/quant/fp8_linear.py, torch)"

@@ -1,4 +1,7 @@
-"""Sequential: a chain of ops run as one planned block, with one autograd graph through all of it."""
+"""Sequential: a chain of ops run as one planned block, with one autograd graph through all of it.
+
+The top of the layers with MoE: it imports the planner, explain() and the runtime, and none of them imports it.
+"""
 from __future__ import annotations
 
 from typing import Iterable
@@ -6,8 +9,12 @@ from typing import Iterable
 import torch
 
 from fusion.errors import OpArgumentError, ShapeError
+from fusion.explain import explain
 from fusion.inputs import BlockInputs, make_context  # noqa: F401 - make_context: for callers of one op list
 from fusion.ops.base import Op
+from fusion.planner import plan_for
+from fusion.runtime import execute
+from fusion.runtime.aot import compile_plan
 from fusion.shapes import feature_chain
 
 BACKENDS = ("auto", "reference", "fused", "emulate")
@@ -48,7 +55,9 @@ class Sequential(torch.nn.Module):
 
     def _register(self) -> None:
         """A key of this block for the torch.compile custom ops (fusion/runtime/custom_ops.py): fresh for
-        every copy, so a deep copy never runs as the original."""
+        every copy, so a deep copy never runs as the original. The module is imported here, at the first
+        block, not with fusion: it imports torch._dynamo (about a second), and it must be loaded before
+        torch.compile traces forward()."""
         from fusion.runtime.custom_ops import register
 
         self._fusion_key = register(self)
@@ -77,22 +86,16 @@ class Sequential(torch.nn.Module):
             from fusion.runtime.custom_ops import compiled_forward
 
             return compiled_forward(self, x, extra)
-        from fusion.runtime import execute
-
         return execute(self, x, extra)
 
     # -- planning -------------------------------------------------------------------------------------
     def plan(self, dtype: torch.dtype = torch.bfloat16, target: str = "sm_90"):
         """The fusion plan for this block at `dtype` on `target` (computable on any machine); with
         backend="reference" nothing is fused, and the plan says why."""
-        from fusion.planner import plan_for
-
         return plan_for(self, dtype=dtype, target=target, backend=self.backend)
 
     def explain(self, format: str = "text", dtype: torch.dtype | None = None, target: str | None = None) -> str:
         """What the plan launches, forward and backward, and why anything was left unfused."""
-        from fusion.explain import explain
-
         return explain(self, format=format, dtype=dtype, target=target)
 
     def compile(self, dtype: torch.dtype = torch.bfloat16, target: str = "sm_90a"):
@@ -105,6 +108,4 @@ class Sequential(torch.nn.Module):
                           "op runs its reference (unfused) path; build it with backend='auto' to run fused "
                           "kernels", stacklevel=2)
             return []
-        from fusion.runtime.compile import compile_plan
-
         return compile_plan(self, dtype=dtype, target=target)

@@ -1,4 +1,5 @@
-"""GPU targets: the one parser every entry point uses (planner, explain, compile, the CLI).
+"""GPU targets: the one parser every entry point uses (planner, explain, compile, the CLI), and the target of
+a device.
 
 A target names an NVIDIA architecture the way nvcc does: "sm_" + the compute capability (major and minor
 digits) + an optional feature suffix ("a": arch-specific features such as Hopper's wgmma and TMA; "f": the
@@ -8,6 +9,8 @@ architecture family). Spelling is forgiving ("SM_90A", " sm90a " -> "sm_90a"), c
 from __future__ import annotations
 
 import re
+
+import torch
 
 from fusion.errors import CompileError, TargetError
 
@@ -51,3 +54,11 @@ def kernel_target(target) -> str:
         raise CompileError(f"cannot compile for target {canonical!r}: the kernel templates are written for "
                            f"Hopper's {KERNEL_TARGET} (wgmma, TMA); use target='{KERNEL_TARGET}'")
     return KERNEL_TARGET
+
+
+def device_target(device: torch.device) -> str | None:
+    """The fused-kernel target of a device ("sm_90" on Hopper), or None where no fused kernel can run."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"

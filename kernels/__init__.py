@@ -1,21 +1,38 @@
 """fusion.kernels: CuTe DSL kernel templates (persistent warp-specialized grouped GEMM for sm_90a).
 
-See kernels/README.md for the epilogue protocol.
+See kernels/README.md for the epilogue protocol. Imports nothing from fusion but fusion.errors.
+
+The names below load on first use (PEP 562): the tile policy (tile_policy.py, plain Python) is read while
+planning and compiling, which must not import cutlass (about a second) before a kernel is built or launched.
 """
+import importlib as _importlib
 import os as _os
 
 # Compile for Hopper even on a machine without a GPU (must be set before cutlass is imported).
 _os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from .epilogue import (  # noqa: E402,F401
-    Epilogue, RowVector, GroupVector, AuxInput, Output, MXFP8Output,
-    IdentityEpilogue, SwiGLUScaleEpilogue, DSwiGLUEpilogue, SwiGLUScaleMXFP8Epilogue,
-)
-from .api import (  # noqa: E402,F401
-    GemmConfig, CompiledGroupedGemm, compile_grouped_gemm, run_grouped_gemm, grouped_gemm,
-    choose_config, check_config, offsets_from_group_sizes, sass_text,
-)
-from .fp8_api import (  # noqa: E402,F401
-    CompiledFp8GroupedGemm, choose_fp8_config, check_fp8_config, compile_fp8_grouped_gemm, run_fp8_grouped_gemm,
-    fp8_grouped_gemm,
-)
+#: Each public name -> the module of this package that defines it.
+_EXPORTS = {
+    **dict.fromkeys(("Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output", "IdentityEpilogue",
+                     "SwiGLUScaleEpilogue", "DSwiGLUEpilogue", "SwiGLUScaleMXFP8Epilogue"), "epilogue"),
+    **dict.fromkeys(("CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
+                     "check_config", "offsets_from_group_sizes", "sass_text"), "api"),
+    **dict.fromkeys(("GemmConfig", "choose_config"), "tile_policy"),
+    **dict.fromkeys(("CompiledFp8GroupedGemm", "choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm",
+                     "run_fp8_grouped_gemm", "fp8_grouped_gemm"), "fp8_api"),
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import shlex
 import shutil
@@ -9,7 +10,6 @@ import struct
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -27,54 +27,14 @@ from fusion.errors import KernelConfigError, ShapeError
 
 from .epilogue import Epilogue, MXFP8Output
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
+from .tile_policy import GemmConfig, choose_config, spill_fallback
 
 __all__ = [
     "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
     "choose_config", "check_config", "offsets_from_group_sizes", "sass_text",
 ]
 
-
-@dataclass(frozen=True)
-class GemmConfig:
-    tile_m: int = 128
-    tile_n: int = 256
-    tile_k: int = 64
-    stages: int = 4
-    cluster_m: int = 1      # reserved: clusters are not used yet (must be 1)
-    cluster_n: int = 1
-    persistent: bool = True  # False: one CTA per tile (grid = number of tiles upper bound)
-    dynamic: bool = False    # dynamic (atomic counter) tile scheduler
-    sm_margin: int = 0       # leave this many SMs free
-    pingpong: bool = False   # 2 consumer warpgroups alternate whole tiles (epilogue overlaps the other's
-                             # mainloop); each holds a tile_m x tile_n fp32 accumulator (tile_n <= 192)
-    b_major: str = "K"       # "K": B is (G, N, K), K contiguous (a forward reads W[g] (out, in) so);
-                             # "MN": B is (G, K, N), N contiguous (a dgrad dX = dY @ W[g] reads W[g] so)
-
-    @property
-    def b_shape_order(self) -> str:
-        """The order of B's dimensions in memory: "GNK" or "GKN"."""
-        return "GNK" if self.b_major == "K" else "GKN"
-
-
-def _max_stages(tile_m, tile_n, tile_k, elem_bytes=2, smem=227 * 1024, reserve=1024):
-    per = (tile_m + tile_n) * tile_k * elem_bytes
-    return max(2, (smem - reserve) // per)
-
-
-def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, b_major: str = "K") -> GemmConfig:
-    """Tile heuristic, a function of the weight shape (N, K, G) only (M is dynamic; ``M_estimate`` and
-    ``gated`` are accepted for compatibility and ignored); ``b_major`` is passed through.
-
-    Pingpong consumers (epilogue overlapped with the other warpgroup's mainloop) everywhere; 128x192 tiles
-    with the dynamic scheduler for wide N (>= 4096; a ragged last n-tile is cheap there), else 128x128.
-    Measured on an H200 (bench/results_h200_v3.txt) against 128x256 cooperative and the other variant.
-    A 128x192 pingpong kernel whose epilogue would spill is compiled at 128x128 instead
-    (see :func:`compile_grouped_gemm`)."""
-    tk = 64
-    if N >= 4096:
-        return GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
-                          dynamic=True, pingpong=True, b_major=b_major)
-    return GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major)
+log = logging.getLogger("fusion.kernels")
 
 
 def offsets_from_group_sizes(group_sizes: torch.Tensor) -> torch.Tensor:
@@ -162,12 +122,15 @@ def sass_text(cubin: bytes) -> str:
 
 class CompiledGroupedGemm:
     """A compiled kernel: call through :func:`run_grouped_gemm`.  Exposes .ptx, .cubin, .registers,
-    .shared_memory_bytes, .sass (lazy), .name, .config, .epilogue, .dtype, .N, .K, .G."""
+    .shared_memory_bytes, .sass (lazy), .name, .config, .requested_config, .epilogue, .dtype, .N, .K, .G.
+    ``.config`` is the tile configuration the kernel was built with, ``.requested_config`` the one asked for: they
+    differ where the tile policy's spill fallback rebuilt it (:func:`fusion.kernels.tile_policy.spill_fallback`)."""
 
     def __init__(self, fn, kernel: GroupedGemmKernel, config, epilogue, dtype, N, K, G, ptx, cubin, smem):
         self.fn = fn
         self.kernel = kernel
         self.config = config
+        self.requested_config = config
         self.epilogue = epilogue
         self.dtype = dtype
         self.N, self.K, self.G = N, K, G
@@ -266,9 +229,10 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
 def compile_grouped_gemm(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, G: int,
                          target: str = "sm_90a") -> CompiledGroupedGemm:
     """Compile (cached in memory); M (rows) stays dynamic.  B is (G, N, K) for ``config.b_major == "K"``,
-    (G, K, N) for ``"MN"``.  The returned kernel's ``.config`` is the one it was built with: a pingpong
-    config with tile_n > 128 whose epilogue spills is built at tile_n = 128 (stages >= 6) when that does
-    not spill."""
+    (G, K, N) for ``"MN"``.  A kernel that spills registers at ``config`` is rebuilt at the tile policy's
+    fallback when that one does not spill (:func:`fusion.kernels.tile_policy.spill_fallback`): the returned
+    kernel's ``.config`` is the one it was built with, ``.requested_config`` is ``config`` (logged at INFO on
+    the "fusion.kernels" logger when they differ)."""
     dtype = _dtype_name(dtype)
     check_config(config, epilogue, dtype, N, K, target)
     key = (config, epilogue.cache_key(), dtype, N, K, G, target)
@@ -277,13 +241,14 @@ def compile_grouped_gemm(config: GemmConfig, epilogue: Epilogue, dtype, N: int, 
     if hit is not None:
         return hit
     res = _compile(config, epilogue, dtype, N, K, G)
-    if res.frame_size and config.pingpong and config.tile_n > 128:
-        # a pingpong warpgroup holds the whole tile_m x tile_n accumulator: heavy epilogues (several
-        # outputs, paired inputs) spill at 192 columns; 128 columns leave them room
-        alt = replace(config, tile_n=128, stages=max(config.stages, 6))
-        alt_res = _compile(alt, epilogue, dtype, N, K, G)
+    fallback = spill_fallback(config) if res.frame_size else None
+    if fallback is not None:
+        alt_res = _compile(fallback, epilogue, dtype, N, K, G)
         if not alt_res.frame_size:
+            log.info("fusion.kernels: %s spills at tile_n=%d; built at tile_n=%d, stages=%d instead", res.name,
+                     config.tile_n, fallback.tile_n, fallback.stages)
             res = alt_res
+    res.requested_config = config
     with _LOCK:
         _CACHE[key] = res
     return res

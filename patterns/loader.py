@@ -14,6 +14,7 @@ from pathlib import Path
 from fusion.patterns import ast as A
 from fusion.patterns.activation import DY, ActivationDef
 from fusion.patterns.diagnostics import did_you_mean, make_error
+from fusion.patterns.files import BUILTIN_DIR
 from fusion.patterns.limits import MAX_EXPRESSION_DEPTH, expr_depth
 from fusion.patterns.predicates import check_predicate
 from fusion.symbolic import (
@@ -21,8 +22,7 @@ from fusion.symbolic import (
     substitute,
 )
 
-import fusion.ops  # noqa: F401 - defines every op class, which fills the op table below
-from fusion.ops.base import OP_KINDS, OP_TABLE
+from fusion.op_table import OP_KINDS, OP_TABLE
 DTYPES = ("bfloat16", "float16", "float32")
 DIRECTIONS = ("forward", "backward")
 PORTS = ("in", "out")
@@ -436,9 +436,6 @@ def load_ast(pf: A.PatternFile, known_activations: dict | None = None, known_pat
             pats[p.name] = p
             new_pats.append(p)
     return new_acts, new_pats
-
-
-BUILTIN_DIR = Path(__file__).resolve().parent
 
 
 def is_builtin_file(path: str) -> bool:

@@ -22,10 +22,10 @@ from pathlib import Path
 from fusion.errors import FusionError, PatternError
 from fusion.patterns.activation import ActivationDef
 from fusion.patterns.ast import FusionPattern
+from fusion.patterns.files import BUILTIN_DIR
 from fusion.patterns.loader import load_ast
 from fusion.patterns.parser import parse_file
 
-BUILTIN_DIR = Path(__file__).resolve().parent
 ENV_VAR = "FUSION_PATTERNS"
 
 

@@ -25,6 +25,6 @@ def hopper_available() -> bool:
 def all_templates_available(monkeypatch):
     """Matcher/planner tests exercise pattern libraries as written: every kernel template they name counts as
     runnable, whatever this build's runtime implements (tests/test_templates.py checks the real table)."""
-    from fusion.runtime import templates
+    from fusion import kernel_templates as templates
 
     monkeypatch.setattr(templates, "unavailable", lambda kernel: None)

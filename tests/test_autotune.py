@@ -6,7 +6,7 @@ import torch
 
 from fusion import GroupLinear, Sequential, SwiGLU
 from fusion.runtime import autotune
-from fusion.runtime.compile import plan_jobs
+from fusion.runtime.aot import plan_jobs
 
 
 @pytest.fixture

@@ -85,7 +85,7 @@ def test_epilogue_matrix_compiles(case):
 
 
 def test_regenerating_a_plan_gives_the_same_cache_key():
-    from fusion.runtime.compile import plan_jobs
+    from fusion.runtime.aot import plan_jobs
 
     a = plan_jobs(demo_blocks(torch.bfloat16)[0], torch.bfloat16)
     b = plan_jobs(demo_blocks(torch.bfloat16)[0], torch.bfloat16)  # a new block: everything regenerated
@@ -94,7 +94,7 @@ def test_regenerating_a_plan_gives_the_same_cache_key():
 
 
 def test_second_compile_loads_from_the_disk_cache(monkeypatch):
-    from fusion.runtime import compile as aot
+    from fusion.runtime import aot
 
     block = Sequential(GroupLinear(2, 128, 256), SwiGLU()).to("meta")
     first = block.compile(dtype=torch.bfloat16)
@@ -105,7 +105,8 @@ def test_second_compile_loads_from_the_disk_cache(monkeypatch):
 
 def test_cached_object_file_loads_as_a_runnable_function():
     """The exported object reloads (in this process: no GPU is needed to load it, only to launch it)."""
-    from fusion.runtime.compile import _LOADED, load_compiled, plan_jobs
+    from fusion.runtime.aot import plan_jobs
+    from fusion.runtime.compile import _LOADED, load_compiled
 
     block = Sequential(GroupLinear(2, 128, 256), SwiGLU(), Scale()).to("meta")
     block.compile(dtype=torch.bfloat16)

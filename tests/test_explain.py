@@ -152,13 +152,13 @@ def test_reference_backend_plan_runs_every_op_unfused():
 
 def test_reference_backend_compiles_nothing(monkeypatch):
     """compile() of a backend="reference" block compiles no kernel (none would ever run) and says so."""
-    import fusion.runtime.compile as compile_module
+    import fusion.runtime.aot as aot
 
     def no_compile(*args, **kwargs):
         raise AssertionError("compile() compiled a kernel for a backend='reference' block")
 
-    monkeypatch.setattr(compile_module, "compile_to_disk", no_compile)
-    monkeypatch.setattr(compile_module, "compile_jobs", no_compile)
+    monkeypatch.setattr(aot, "compile_to_disk", no_compile)
+    monkeypatch.setattr(aot, "compile_jobs", no_compile)
     seq = demo_block(backend="reference")
     with pytest.warns(UserWarning, match="backend='reference' compiles nothing"):
         assert seq.compile(dtype=torch.bfloat16, target="sm_90a") == []

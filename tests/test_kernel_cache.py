@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """A private cache holding one compiled kernel, and a pristine copy of its entry."""
-    from fusion.runtime import compile as aot
+    from fusion.runtime import aot
 
     old = os.environ.get("FUSION_CACHE_DIR")
     root = tmp_path_factory.mktemp("kernel-cache")
@@ -38,12 +38,12 @@ def cache(tmp_path_factory):
 @pytest.fixture
 def entry(cache, monkeypatch):
     """The kernel's entry restored from the pristine copy, and no kernel held in memory."""
-    from fusion.runtime import compile as aot
+    from fusion.runtime import compile as kernel_compile
 
     job, original, pristine = cache
     shutil.rmtree(original.path, ignore_errors=True)
     shutil.copytree(pristine, original.path)
-    monkeypatch.setattr(aot, "_LOADED", {})
+    monkeypatch.setattr(kernel_compile, "_LOADED", {})
     return job, original
 
 
@@ -77,7 +77,8 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_damaged_entry_is_rebuilt_by_compile(entry, damage):
-    from fusion.runtime.compile import FILES, compile_jobs
+    from fusion.runtime.aot import compile_jobs
+    from fusion.runtime.compile import FILES
 
     from fusion.codegen.cache import read_entry
 
@@ -104,7 +105,7 @@ def test_the_config_a_spill_fallback_chose_survives_a_reload(entry, monkeypatch)
     """compile_grouped_gemm may build another tile than the job asked for (a pingpong tile whose epilogue
     spills is built 128 wide); the launch grid depends on it, so a reload must not forget it."""
     import fusion.kernels
-    from fusion.runtime import compile as aot
+    from fusion.runtime import compile as kernel_compile
 
     job, original = entry
     real = fusion.kernels.compile_grouped_gemm
@@ -118,9 +119,13 @@ def test_the_config_a_spill_fallback_chose_survives_a_reload(entry, monkeypatch)
 
     monkeypatch.setattr(fusion.kernels, "compile_grouped_gemm", with_fallback)
     shutil.rmtree(original.path)
-    aot.compile_to_disk(job)
-    monkeypatch.setattr(aot, "_LOADED", {})  # a new process: the kernel comes from disk
-    assert aot.load_compiled(job).config == chosen != fusion.kernels.GemmConfig(*job.config)
+    kernel_compile.compile_to_disk(job)
+    monkeypatch.setattr(kernel_compile, "_LOADED", {})  # a new process: the kernel comes from disk
+    reloaded = kernel_compile.load_compiled(job)
+    assert reloaded.config == chosen != fusion.kernels.GemmConfig(*job.config)
+    assert reloaded.requested_config == fusion.kernels.GemmConfig(*job.config)
+    kernel = kernel_compile.artifact(job)  # what compile() returns says both
+    assert (kernel.config, kernel.requested_config) == (chosen, fusion.kernels.GemmConfig(*job.config))
 
 
 def test_an_unusable_cache_folder_is_a_compile_error(tmp_path, monkeypatch):

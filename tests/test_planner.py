@@ -184,9 +184,9 @@ def test_plan_for_run_fused_on_cpu_raises():
 
 
 def test_plan_for_run_fused_backend_raises_with_every_reason(monkeypatch):
-    import fusion.runtime as rt
+    import fusion.planner
 
-    monkeypatch.setattr(rt, "device_target", lambda device: "sm_90")
+    monkeypatch.setattr(fusion.planner, "device_target", lambda device: "sm_90")
     seq = demo_block(SwiGLU(), Clamp(min=-1.0, max=1.0), QuantizeMXFP8(), backend="fused")
     with pytest.raises(FallbackError) as info:
         plan_for_run(seq, _x(seq), patterns=demo_patterns())
@@ -203,9 +203,9 @@ def test_plan_for_run_fused_backend_raises_with_every_reason(monkeypatch):
 
 
 def test_plan_for_run_uses_dtype_of_x(monkeypatch):
-    import fusion.runtime as rt
+    import fusion.planner
 
-    monkeypatch.setattr(rt, "device_target", lambda device: "sm_90")
+    monkeypatch.setattr(fusion.planner, "device_target", lambda device: "sm_90")
     seq = demo_block(dtype=torch.float32)
     x = torch.zeros(2, 1024)
     plan = plan_for_run(seq, x, patterns=demo_patterns())

@@ -38,7 +38,7 @@ def test_explain_plan_and_compile_reject_the_same_bad_targets(bad):
 
 
 def test_explain_and_compile_accept_the_same_spellings(monkeypatch):
-    from fusion.runtime import compile as aot
+    from fusion.runtime import aot
 
     assert block().plan(target="SM90A").target == "sm_90a"
     assert "target sm_90a (given)" in block().explain(target=" sm_90A ")

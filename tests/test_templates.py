@@ -8,7 +8,7 @@ import fusion
 from fusion import GroupLinear, QuantizeMXFP8, Scale, SwiGLU
 from fusion.patterns import registry
 from fusion.planner import clear_cache, plan_for
-from fusion.runtime import templates
+from fusion import kernel_templates as templates
 
 
 def demo():

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from fusion.errors import OpArgumentError
 from fusion.ops.args import finite_number
 from fusion.ops.base import Op, OpSpec, shape_error
+from fusion.patterns.registry import get_activation
 
 
 class _ActivationOp(Op, kind="activation"):
@@ -76,8 +77,6 @@ class Activation(_ActivationOp):
 
     def __init__(self, name: str, **params: float):
         super().__init__()
-        from fusion.patterns.registry import get_activation
-
         if not isinstance(name, str):
             raise OpArgumentError(f"Activation: name must be the name (a str) of an activation declared in a "
                                   f".fpat file, got {type(name).__name__} {name!r}; e.g. Activation('silu'), or "

@@ -12,15 +12,9 @@ from typing import Any, Mapping
 import torch
 
 from fusion.errors import ShapeError
-
-#: What an op is, for the pattern matcher. A chain element in a .fpat file names ops or one of these.
-OP_KINDS = ("gemm", "activation", "elementwise", "quantize", "gather", "combine")
-
-#: The op table: every op class by its name (the name its OpSpec carries) -> its kind. Filled as op classes
-#: are defined, from the `kind=` of their class statement (`class Gather(Op, kind="gather")`; subclasses
-#: inherit it; classes named `_...` are shared bases, not ops). Pattern files check the ops a chain element
-#: names against it (fusion/patterns/loader.py): one table, so a new op is known to patterns when it exists.
-OP_TABLE: dict[str, str] = {}
+from fusion.inputs import make_context
+from fusion.op_table import OP_KINDS, OP_TABLE
+from fusion.run_context import RunContext
 
 
 @dataclass(frozen=True)
@@ -51,31 +45,9 @@ class OpSpec:
         return (self.name, self.kind, tuple(sorted(self.attrs.items())), self.extra_inputs)
 
 
-@dataclass
-class RunContext:
-    """The extra inputs of one Sequential call, validated, shared by every op of that call."""
-
-    group_sizes: torch.Tensor | None = None
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: Cumulative group offsets, computed once per call on the device (see fusion.grouped).
-    offsets: torch.Tensor | None = None
-    #: MoE blocks (a Gather first): the token of each routed row (M,), -1 for padding rows; the block input's
-    #: row count T (Combine's output rows); and group_sizes as the caller gave them (they may sum to less
-    #: than M). `group_sizes` above then has the padding rows added to its last group, so it sums to exactly
-    #: M and every grouped op sees all rows; a fused runtime may use `routed_group_sizes` to skip them.
-    index: torch.Tensor | None = None
-    tokens: int | None = None
-    routed_group_sizes: torch.Tensor | None = None
-    #: Set by a fused program's forward (fusion/runtime/bounds.py): the int32 buffer of the call's `groups` + 1
-    #: row bounds, then the forward's and the backward's zeroed tile counters.
-    counters: torch.Tensor | None = None
-    groups: int = 0
-    backward_counters_used: bool = False
-
-
 class Op(torch.nn.Module):
     """Base of every op. Subclasses set `spec` (property) and implement `reference` and `out_features`, and
-    declare their kind in the class statement (`class MyOp(Op, kind="elementwise")`, see OP_TABLE)."""
+    declare their kind in the class statement (`class MyOp(Op, kind="elementwise")`, see fusion/op_table.py)."""
 
     #: the kind this class declared (or inherited), OpSpec.kind of its instances
     op_kind: str | None = None
@@ -109,8 +81,6 @@ class Op(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
         """Run this op alone on the reference path (handy in tests)."""
-        from fusion.sequential import make_context
-
         ctx = make_context([self], x, extra)
         return self.reference(x, ctx)
 

@@ -24,14 +24,6 @@ SUPPORTED_DTYPES = {
 EMULATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def device_target(device: torch.device) -> str | None:
-    """The fused-kernel target of a device ("sm_90" on Hopper), or None where no fused kernel can run."""
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
-
-
 def _library():
     from fusion.patterns.registry import library
 

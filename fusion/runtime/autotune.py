@@ -1,9 +1,9 @@
 """Autotune mode: time a few tile configurations of a fused kernel on the real inputs, keep the fastest.
 
-Off by default (the heuristic `fusion.kernels.choose_config` decides). With `FUSION_AUTOTUNE=1` the first launch
-of each fused kernel (per epilogue, dtype, weight shape and GPU model) compiles and times the candidates below
-and records the winner in `$FUSION_CACHE_DIR/autotune.json`; later launches, in this process or another, read
-the choice from there. Kernels never depend on the row count, so the choice is made once, on the first batch.
+Off by default (the tile policy, fusion/kernels/tile_policy.py, decides). With `FUSION_AUTOTUNE=1` the first
+launch of each fused kernel (per epilogue, dtype, weight shape and GPU model) compiles and times the tile
+policy's `candidates` and records the winner in `$FUSION_CACHE_DIR/autotune.json`; later launches, in this
+process or another, read the choice from there. Kernels never depend on the row count, so the choice is made once, on the first batch.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import threading
 from typing import Callable
 
 from fusion.codegen.cache import cache_dir
+from fusion.kernels.tile_policy import GemmConfig, candidates
 
 log = logging.getLogger("fusion.autotune")
 _LOCK = threading.Lock()
@@ -23,23 +24,6 @@ _LOCK = threading.Lock()
 
 def enabled() -> bool:
     return os.environ.get("FUSION_AUTOTUNE") == "1"
-
-
-def candidates(base, N: int) -> list:
-    """The heuristic's choice first, then the schedules and the tile widths that divide N."""
-    from fusion.kernels import GemmConfig
-
-    out = [base]
-    for tile_n, stages in ((128, 6), (192, 5), (256, 4)):
-        if N % tile_n:
-            continue
-        for pingpong in (False, True):
-            for dynamic in (False, True):
-                cfg = dataclasses.replace(GemmConfig(), tile_n=tile_n, stages=stages, pingpong=pingpong,
-                                          dynamic=dynamic, b_major=base.b_major)
-                if cfg not in out:
-                    out.append(cfg)
-    return out
 
 
 def _table_path():
@@ -61,8 +45,6 @@ def tuning_key(job, device_name: str) -> str:
 
 def recorded(job, device_name: str):
     """The configuration recorded for `job` on this GPU model, or None."""
-    from fusion.kernels import GemmConfig
-
     entry = _load().get(tuning_key(job, device_name))
     return GemmConfig(**entry["config"]) if entry else None
 
@@ -70,8 +52,6 @@ def recorded(job, device_name: str):
 def tune(job, device_name: str, time_config: Callable[[object], float]):
     """Time every candidate with `time_config(config) -> seconds` (a failing one is skipped, and logged), record
     the fastest and return it."""
-    from fusion.kernels import GemmConfig
-
     base = GemmConfig(*job.config)
     results = []
     for cfg in candidates(base, job.N):

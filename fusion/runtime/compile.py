@@ -1,32 +1,31 @@
-"""Ahead-of-time compilation of a plan's fused kernels, with a disk cache that survives processes.
+"""One fused kernel compiled ahead of time, with a disk cache that survives processes.
 
 A kernel is identified by a hash of everything that determines its code: the generated epilogue source, the
 tile configuration, dtype, weight shape (N, K, groups), target and DSL version. Compiling exports the
 kernel's host launcher + cubin as an object file (`dump_to_object`) next to its PTX, cubin and a metadata
 file; a later process loads the object (`cute.runtime.load_module`) instead of compiling again. Compiling
-needs no GPU (`CUTE_DSL_ARCH=sm_90a`), so plans can be compiled on any machine, in parallel worker programs
-(fusion/runtime/compile_worker.py: they never re-run the user's script).
+needs no GPU (`CUTE_DSL_ARCH=sm_90a`), so kernels can be compiled on any machine, here or in worker programs
+(fusion/runtime/compile_worker.py); a plan's kernels are compiled together by fusion/runtime/aot.py.
 
 Each kernel is one cache entry (fusion/codegen/cache.py): meta.json records every file's size and sha256 and
-the tile configuration the kernel was really built with (a spill fallback may have changed the requested
-one); an entry that fails the check is rebuilt with a warning, never served.
+the tile configuration the kernel was really built with (the tile policy's spill fallback may have changed the
+requested one: fusion/kernels/tile_policy.py); an entry that fails the check is rebuilt with a warning, never
+served.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-import os
 import threading
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from fusion.codegen.cache import (BadEntry, cache_dir, discard_entry, dsl_version, load_generated, read_entry,
-                                  source_key, template_version, writable_cache_dir, write_entry)
+                                  source_key, template_version, write_entry)
 from fusion.errors import CompileError
+from fusion.kernels.tile_policy import GemmConfig
 
 _LOADED: dict[str, object] = {}
 _LOCK = threading.Lock()
@@ -64,7 +63,9 @@ class KernelJob:
 
 @dataclass(frozen=True)
 class CompiledKernel:
-    """What Sequential.compile returns per kernel (API.md: name, registers, shared_memory_bytes, ptx, cubin)."""
+    """What Sequential.compile returns per kernel (API.md: name, registers, shared_memory_bytes, ptx, cubin), and
+    the tile configuration it was built with next to the one the tile policy asked for (they differ where the
+    policy's spill fallback rebuilt it: fusion/kernels/tile_policy.py)."""
 
     name: str
     key: str
@@ -73,6 +74,8 @@ class CompiledKernel:
     ptx: str
     cubin: bytes
     path: str
+    config: GemmConfig | None = None
+    requested_config: GemmConfig | None = None
 
     def __repr__(self) -> str:
         return (f"CompiledKernel({self.name}, registers={self.registers}, "
@@ -87,9 +90,7 @@ def _epilogue(job: KernelJob):
     return load_generated(job.source, CLASS_NAME, source_key(job.source, job.target))()
 
 
-def _config(job: KernelJob):
-    from fusion.kernels import GemmConfig
-
+def _config(job: KernelJob) -> GemmConfig:
     return GemmConfig(*job.config)
 
 
@@ -132,6 +133,11 @@ def _build(job: KernelJob):
     return compiled
 
 
+def is_cached(job: KernelJob) -> bool:
+    """Whether the disk cache holds a valid entry for `job` (a damaged one is removed, with a warning)."""
+    return _entry(job) is not None
+
+
 def compile_to_disk(job: KernelJob) -> str:
     """Make sure the disk cache holds a valid entry for `job` (compiling it if not). Runs in workers."""
     if _entry(job) is None:
@@ -153,7 +159,7 @@ def load_compiled(job: KernelJob):
 
 def _load_from_disk(job: KernelJob, entry: tuple[dict, dict]):
     import cutlass.cute as cute
-    from fusion.kernels import CompiledGroupedGemm, GemmConfig
+    from fusion.kernels import CompiledGroupedGemm
 
     meta, files = entry
     folder = _kernel_dir(job.key)
@@ -166,9 +172,11 @@ def _load_from_disk(job: KernelJob, entry: tuple[dict, dict]):
         return _build(job)
     # The configuration the kernel was built with, which the launch grid depends on: not the requested one
     # when compile_grouped_gemm fell back to a tile that does not spill.
-    return CompiledGroupedGemm(fn, None, GemmConfig(*meta["config"]), _epilogue(job), job.dtype, job.N, job.K,
-                               job.G, files["kernel.ptx"].decode(), files["kernel.cubin"],
-                               meta["shared_memory_bytes"])
+    compiled = CompiledGroupedGemm(fn, None, GemmConfig(*meta["config"]), _epilogue(job), job.dtype, job.N, job.K,
+                                   job.G, files["kernel.ptx"].decode(), files["kernel.cubin"],
+                                   meta["shared_memory_bytes"])
+    compiled.requested_config = _config(job)
+    return compiled
 
 
 def artifact(job: KernelJob) -> CompiledKernel:
@@ -183,92 +191,5 @@ def artifact(job: KernelJob) -> CompiledKernel:
     meta, files = entry
     return CompiledKernel(name=job.name, key=job.key, registers=meta["registers"],
                           shared_memory_bytes=meta["shared_memory_bytes"], ptx=files["kernel.ptx"].decode(),
-                          cubin=files["kernel.cubin"], path=str(_kernel_dir(job.key)))
-
-
-# -- plans ------------------------------------------------------------------------------------------------------
-def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob]:
-    """One job per fused kernel the block's plan can launch: a forward step's training variant (which also
-    writes the value the backward reads) and inference variant, and each fused backward step's kernel."""
-    from fusion.planner import plan_for
-    from fusion.runtime.program import BlockProgram
-    from fusion.runtime.steps import FusedForward
-
-    plan = plan_for(seq, dtype=dtype, target=target)
-    program = BlockProgram(seq, plan, "cute")
-    jobs = []
-    for runner in program.fused_runners():
-        if isinstance(runner, FusedForward):
-            variants = ("train", "inference") if runner.writes_saved else ("inference",)
-        else:
-            variants = ("backward",)
-        jobs.extend(runner.job(dtype, variant) for variant in variants)
-    return jobs
-
-
-def compile_jobs(jobs: list[KernelJob], parallel: int | None = None, progress: bool = True) -> list[CompiledKernel]:
-    """Compile what the disk cache lacks (in `parallel` worker programs), then describe every job's kernel."""
-    todo = [j for j in {j.key: j for j in jobs}.values() if _entry(j) is None]
-    workers = min(len(todo), parallel or os.cpu_count() or 1)
-    if todo:
-        root = writable_cache_dir()  # an unusable folder is one CompileError here, not one per worker
-        bar = _progress(len(todo), progress)
-        if workers > 1:
-            from fusion.runtime.compile_worker import compile_in_workers
-
-            bar_lock = threading.Lock()
-
-            def done(key: str) -> None:
-                with bar_lock:
-                    bar.update(1)
-
-            try:
-                compile_in_workers(todo, workers, root, done)
-            finally:
-                bar.close()
-        else:
-            for job in todo:
-                compile_to_disk(job)
-                bar.update(1)
-            bar.close()
-    return [artifact(j) for j in jobs]
-
-
-def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="fusion: compiling fused kernels", unit="kernel", disable=not enabled)
-
-
-def compile_plan(seq, dtype: torch.dtype = torch.bfloat16, target: str = "sm_90a", parallel: int | None = None,
-                 progress: bool = True) -> list[CompiledKernel]:
-    """Sequential.compile: every fused kernel of the plan for (dtype, target), compiled ahead of time.
-    `target` is read by fusion.targets (one parser for every entry point): "sm_90a" or "sm_90"."""
-    from fusion.targets import kernel_target
-
-    target = kernel_target(target)
-    return compile_jobs(plan_jobs(seq, dtype, target), parallel=parallel, progress=progress)
-
-
-def cli_compile(target: str = "sm_90a", dtype: str = "bfloat16", out: str | Path | None = None) -> int:
-    """`python -m fusion compile`: compile the demo blocks' kernels and print what was built (and with `out`,
-    write each kernel's .ptx and .cubin there)."""
-    from fusion.demo import DEEPSEEK_LIKE, GPT_OSS_LIKE, build_block
-
-    folder = Path(out) if out is not None else None
-    if folder is not None:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise CompileError(f"cannot create the --out folder {str(folder)!r} ({err.strerror or err}): pass a "
-                               f"writable folder") from None
-    dt = getattr(torch, dtype)
-    print(f"{'kernel':<64} {'regs':>5} {'smem B':>8} {'cubin B':>8}")
-    for shape in (GPT_OSS_LIKE, DEEPSEEK_LIKE):
-        block = build_block(shape, dt, "meta")
-        for k in compile_plan(block, dtype=dt, target=target):
-            print(f"{k.name:<64} {k.registers or '?':>5} {k.shared_memory_bytes or '?':>8} {len(k.cubin):>8}")
-            if folder is not None:
-                (folder / f"{k.name}.ptx").write_text(k.ptx)
-                (folder / f"{k.name}.cubin").write_bytes(k.cubin)
-    return 0
+                          cubin=files["kernel.cubin"], path=str(_kernel_dir(job.key)),
+                          config=GemmConfig(*meta["config"]), requested_config=_config(job))

@@ -24,6 +24,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from fusion.errors import CompileError
+from fusion.runtime.compile import KernelJob, compile_to_disk
+
 PREFIX = "fusion-compile-worker:"
 
 
@@ -31,9 +34,7 @@ def job_to_json(job) -> dict:
     return dataclasses.asdict(job)
 
 
-def job_from_json(fields: dict):
-    from fusion.runtime.compile import KernelJob
-
+def job_from_json(fields: dict) -> KernelJob:
     return KernelJob(**(fields | {"config": tuple(fields["config"])}))
 
 
@@ -41,8 +42,6 @@ def job_from_json(fields: dict):
 def main() -> int:
     request = json.load(sys.stdin)
     os.environ["FUSION_CACHE_DIR"] = request["cache_dir"]
-    from fusion.runtime.compile import compile_to_disk
-
     for fields in request["jobs"]:
         job = job_from_json(fields)
         try:
@@ -56,10 +55,9 @@ def main() -> int:
 
 # -- the parent side ----------------------------------------------------------------------------------------------
 def _import_root() -> str:
-    """The folder that holds this copy of the `fusion` package: the workers import the same copy."""
-    import fusion
-
-    return str(Path(fusion.__file__).resolve().parent.parent)
+    """The folder that holds this copy of the `fusion` package (fusion/runtime/compile_worker.py is this file):
+    the workers import the same copy."""
+    return str(Path(__file__).resolve().parents[2])
 
 
 def _worker_env(cache_dir: Path) -> dict:
@@ -80,8 +78,6 @@ def _worker_env(cache_dir: Path) -> dict:
 def compile_in_workers(jobs: list, workers: int, cache_dir: Path, done: Callable[[str], None]) -> None:
     """Compile `jobs` into `cache_dir` in `workers` worker programs; `done(key)` is called as each finishes.
     Raises CompileError naming each kernel that failed (with the worker's stderr when it died)."""
-    from fusion.errors import CompileError
-
     chunks = [c for c in (jobs[i::workers] for i in range(workers)) if c]
     names = {job.key: job.name for job in jobs}
     lock = threading.Lock()

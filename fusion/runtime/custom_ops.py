@@ -21,6 +21,12 @@ from typing import Optional
 import torch
 
 from fusion.errors import FusionError
+from fusion.grouped import group_offsets
+from fusion.inputs import _absorb_padding
+from fusion.quant import QuantizedTensor
+from fusion.run_context import RunContext
+from fusion.runtime import runner_for
+from fusion.runtime.program import BlockProgram
 
 _BLOCKS: dict[int, weakref.ref] = {}
 _KEYS = itertools.count(1)
@@ -67,8 +73,6 @@ def _buffer_names(value) -> list[str]:
 
 
 def _flatten(value) -> list[torch.Tensor]:
-    from fusion.quant import QuantizedTensor
-
     if isinstance(value, QuantizedTensor):
         return [getattr(value, n) for n in _buffer_names(value)]
     return [value]
@@ -79,8 +83,6 @@ def _unflatten(seq, name: str, tensors: list, rows: int, features: int, dtype, g
     op = _quantize_op_of(seq, name)
     if op is None:
         return tensors[0], tensors[1:]
-    from fusion.quant import QuantizedTensor
-
     meta_value = _meta_quantized(op, rows, features, dtype, group_sizes)
     names = _buffer_names(meta_value)
     _, meta = meta_value.__tensor_flatten__()
@@ -93,8 +95,6 @@ def _unflatten(seq, name: str, tensors: list, rows: int, features: int, dtype, g
 def _meta_quantized(op, rows: int, features: int, dtype, group_sizes=None):
     """The quantize op's output for an input of this shape, on the meta device: its buffers' shapes (the
     columnwise blocks' capacity depends on the number of groups only)."""
-    from fusion.ops.base import RunContext
-
     sizes = None if group_sizes is None else torch.empty(group_sizes.shape, dtype=group_sizes.dtype, device="meta")
     with torch.device("meta"):
         return op.reference(torch.empty(rows, features, dtype=dtype, device="meta"), RunContext(group_sizes=sizes))
@@ -122,10 +122,6 @@ def _kept(program) -> list[str]:
 
 def _context(seq, x, group_sizes, index, floats):
     """The RunContext of one call from the op's inputs (already checked outside, on the traced side)."""
-    from fusion.grouped import group_offsets
-    from fusion.inputs import _absorb_padding
-    from fusion.ops.base import RunContext
-
     ctx = RunContext(extra=dict(zip(seq.inputs.floats, floats)))
     if index is not None:
         ctx.index, ctx.tokens = index, x.shape[0]
@@ -138,9 +134,6 @@ def _context(seq, x, group_sizes, index, floats):
 
 
 def _program(seq, x):
-    from fusion.runtime import runner_for
-    from fusion.runtime.program import BlockProgram
-
     runner = runner_for(seq, x)
     if runner.program is None:  # a plan with nothing fused: the same executor runs its unfused steps
         runner.program = BlockProgram(seq, runner.plan, "emulate")

@@ -12,28 +12,14 @@ import dataclasses
 
 import torch
 
+from fusion.kernels.tile_policy import tile_config
 from fusion.runtime.compile import KernelJob
-
-#: A fixed row estimate per group for the tile heuristic: kernels must not depend on the row count, so one
-#: compile serves every batch (API.md).
-ROWS_PER_GROUP = 512
 
 
 def _kernels():
     import fusion.kernels as kernels  # imports cutlass: only where a kernel is configured or compiled
 
     return kernels
-
-
-def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool) -> tuple:
-    """The tile configuration of a kernel (as GemmConfig fields): the heuristic of fusion.kernels, with one
-    override: an epilogue reading a saved (M, n) tensor holds twice the values per thread, so it takes the
-    128x128 pingpong tile that does not spill (tests/test_compile_plans.py checks the SASS)."""
-    k = _kernels()
-    config = k.choose_config(ROWS_PER_GROUP * G, N, K, G, gated, b_major=b_major)
-    if reads_aux:
-        config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True)
-    return dataclasses.astuple(config)
 
 
 def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: bool, b_major: str,

@@ -1,0 +1,32 @@
+"""The run context: the extra inputs of one block call, validated, as every op and runtime step reads them.
+
+A plain dataclass at the bottom of the layers: the ops (fusion/ops/), the input checks that build it
+(fusion/inputs.py) and the runtime (fusion/runtime/) all share it, so it depends on none of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RunContext:
+    """The extra inputs of one Sequential call, validated, shared by every op of that call."""
+
+    group_sizes: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Cumulative group offsets, computed once per call on the device (see fusion.grouped).
+    offsets: torch.Tensor | None = None
+    #: MoE blocks (a Gather first): the token of each routed row (M,), -1 for padding rows; the block input's
+    #: row count T (Combine's output rows); and group_sizes as the caller gave them (they may sum to less
+    #: than M). `group_sizes` above then has the padding rows added to its last group, so it sums to exactly
+    #: M and every grouped op sees all rows; a fused runtime may use `routed_group_sizes` to skip them.
+    index: torch.Tensor | None = None
+    tokens: int | None = None
+    routed_group_sizes: torch.Tensor | None = None
+    #: Set by a fused program's forward (fusion/runtime/bounds.py): the int32 buffer of the call's `groups` + 1
+    #: row bounds, then the forward's and the backward's zeroed tile counters.
+    counters: torch.Tensor | None = None
+    groups: int = 0
+    backward_counters_used: bool = False

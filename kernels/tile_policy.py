@@ -1,0 +1,107 @@
+"""The tile policy of the grouped GEMM: which tile configuration every kernel is built with, in one place.
+
+Plain Python, importing nothing from fusion and not cutlass: planning, compiling and autotuning read it without
+loading the DSL.
+
+    GemmConfig                         the template's tile configuration (KernelJob.config keeps its fields)
+    choose_config(M, N, K, G, ...)     the heuristic: a function of the weight shape only (M is dynamic)
+    tile_config(N, K, G, gated, b_major, reads_aux)
+                                       a fused kernel's configuration: the heuristic, except for an epilogue
+                                       that reads a saved (M, n) tensor
+    spill_fallback(config)             the configuration compile_grouped_gemm rebuilds a spilling kernel at
+    candidates(base, N)                what autotune mode times (fusion/runtime/autotune.py)
+
+Measured on an H200 (bench/results_h200_v3.txt); tests/test_compile_plans.py checks the SASS of the fused
+kernels (no spills, wgmma).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    stages: int = 4
+    cluster_m: int = 1      # reserved: clusters are not used yet (must be 1)
+    cluster_n: int = 1
+    persistent: bool = True  # False: one CTA per tile (grid = number of tiles upper bound)
+    dynamic: bool = False    # dynamic (atomic counter) tile scheduler
+    sm_margin: int = 0       # leave this many SMs free
+    pingpong: bool = False   # 2 consumer warpgroups alternate whole tiles (epilogue overlaps the other's
+                             # mainloop); each holds a tile_m x tile_n fp32 accumulator (tile_n <= 192)
+    b_major: str = "K"       # "K": B is (G, N, K), K contiguous (a forward reads W[g] (out, in) so);
+                             # "MN": B is (G, K, N), N contiguous (a dgrad dX = dY @ W[g] reads W[g] so)
+
+    @property
+    def b_shape_order(self) -> str:
+        """The order of B's dimensions in memory: "GNK" or "GKN"."""
+        return "GNK" if self.b_major == "K" else "GKN"
+
+
+#: A fixed row estimate per group for the heuristic: kernels must not depend on the row count, so one compile
+#: serves every batch (API.md).
+ROWS_PER_GROUP = 512
+
+
+def _max_stages(tile_m, tile_n, tile_k, elem_bytes=2, smem=227 * 1024, reserve=1024):
+    per = (tile_m + tile_n) * tile_k * elem_bytes
+    return max(2, (smem - reserve) // per)
+
+
+def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, b_major: str = "K") -> GemmConfig:
+    """Tile heuristic, a function of the weight shape (N, K, G) only (M is dynamic; ``M_estimate`` and
+    ``gated`` are accepted for compatibility and ignored); ``b_major`` is passed through.
+
+    Pingpong consumers (epilogue overlapped with the other warpgroup's mainloop) everywhere; 128x192 tiles
+    with the dynamic scheduler for wide N (>= 4096; a ragged last n-tile is cheap there), else 128x128.
+    Measured on an H200 (bench/results_h200_v3.txt) against 128x256 cooperative and the other variant.
+    A 128x192 pingpong kernel whose epilogue would spill is built at 128x128 instead (:func:`spill_fallback`)."""
+    tk = 64
+    if N >= 4096:
+        return GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
+                          dynamic=True, pingpong=True, b_major=b_major)
+    return GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major)
+
+
+def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool) -> tuple:
+    """The tile configuration of a fused kernel (as GemmConfig fields, KernelJob.config): the heuristic, with one
+    override: an epilogue reading a saved (M, n) tensor holds twice the values per thread, so it takes the
+    128x128 pingpong tile that does not spill (tests/test_compile_plans.py checks the SASS)."""
+    config = choose_config(ROWS_PER_GROUP * G, N, K, G, gated, b_major=b_major)
+    if reads_aux:
+        config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True)
+    return dataclasses.astuple(config)
+
+
+def spill_fallback(config: GemmConfig) -> GemmConfig | None:
+    """The configuration to rebuild a kernel at when, built at `config`, it spills registers (its cubin has a
+    stack frame), or None when there is none to try.
+
+    A pingpong warpgroup holds the whole tile_m x tile_n accumulator: heavy epilogues (several outputs, paired
+    inputs) spill at 192 columns, and 128 columns (stages >= 6) leave them room. compile_grouped_gemm keeps the
+    rebuilt kernel only if it does not spill; the kernel it returns says which it is: `.config` is the
+    configuration it was built with, `.requested_config` the one asked for. The disk cache records the built one
+    (a launch grid depends on it) next to the job's."""
+    if config.pingpong and config.tile_n > 128:
+        return dataclasses.replace(config, tile_n=128, stages=max(config.stages, 6))
+    return None
+
+
+def candidates(base: GemmConfig, N: int) -> list[GemmConfig]:
+    """Autotune mode's candidates: the heuristic's choice first, then the schedules and the tile widths that
+    divide N."""
+    out = [base]
+    for tile_n, stages in ((128, 6), (192, 5), (256, 4)):
+        if N % tile_n:
+            continue
+        for pingpong in (False, True):
+            for dynamic in (False, True):
+                cfg = dataclasses.replace(GemmConfig(), tile_n=tile_n, stages=stages, pingpong=pingpong,
+                                          dynamic=dynamic, b_major=base.b_major)
+                if cfg not in out:
+                    out.append(cfg)
+    return out
