@@ -128,15 +128,6 @@ _QUANT_BYTES = {"mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16, "fp8_block": 1 + 4 /
 _ELEM_BYTES = {"float64": 8, "float32": 4}
 
 
-def _grad_reads_input(spec) -> bool:
-    """Whether an op's gradient needs the value entering it (so the forward must keep or recompute it)."""
-    if spec.kind in ("gemm", "activation"):
-        return True
-    if spec.name == "Clamp":
-        return True
-    return spec.name == "Scale" and bool(spec.attrs.get("per_row"))
-
-
 def _out_bytes(spec, elem: float) -> float | None:
     if spec.kind != "quantize":
         return elem
@@ -158,7 +149,7 @@ def _ops_info(g, dtype: str = "bfloat16") -> tuple[OpInfo, ...]:
         spec = d["spec"]
         fmt = spec.attrs.get("weight_format", DEFAULT_WEIGHT_FORMAT) if spec.kind == "gemm" else None
         out.append(OpInfo(d["index"], spec.name, spec.kind, d["label"], d["in_features"], d["out_features"],
-                          grad_reads_input=_grad_reads_input(spec), in_bytes=elem,
+                          grad_reads_input=spec.grad_reads_input, in_bytes=elem,
                           out_bytes=_out_bytes(spec, elem), weight_format=fmt, in_rows=rows[k],
                           out_rows=rows[k + 1]))
     return tuple(out)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusion.patterns.loader import expression_from_source
+from fusion.patterns.activation_semantics import expression_from_source
 from fusion.patterns.registry import activations, reset_to_builtins
 from fusion.symbolic import (
     CUTE_FAST, CUTE_PRECISE, BinOp, Call, FUNCTIONS, Neg, Num, Param, Var, call, cmp, cse, differentiate,
