@@ -185,10 +185,11 @@ def _fused_step(m: Match, infos, direction: str) -> Step:
     p = m.pattern
     label_to_op = dict(m.bindings)
     parts = tuple(sorted(m.covers, key=lambda u: (-u[0], u[1]) if direction == "backward" else u))
+    saves = tuple(ref for ref in (p.save or ()) if ref.partition(".")[0] in label_to_op)  # bound elements only
     return Step(direction=direction, fused=True, ops=m.ops, descriptions=tuple(infos[i].description for i in m.ops),
                 parts=parts, pattern=p.name, pattern_loc=format_loc(p.loc), kernel=p.kernel,
                 epilogue=tuple((lab, label_to_op[lab]) for lab in (p.epilogue or ()) if lab in label_to_op),
-                saves=tuple(p.save or ()), labels=m.bindings)
+                saves=saves, labels=m.bindings)
 
 
 def _forward_steps(infos, chosen: list[Match], dtype: str, target: str | None) -> list[Step]:

@@ -83,7 +83,24 @@ def test_text_content():
     assert "(M, 1024) -> (M, 4096)" in text
     assert "[F1] fused    grouped_gemm  <- pattern gemm_act_scale_quant [patterns/test.fpat:2]" in text
     assert "[B1] fused    grouped_gemm_dact  <- pattern dact_dgrad [patterns/test.fpat:15]" in text
-    assert "0 elementwise computations fall back" in text
+    assert "elementwise ops unfused (0): none" in text
+
+
+def test_summary_names_every_kernel_and_every_torch_gemm():
+    """The summary says precisely what is fused: not "fully fused" for a plan whose FC2 and three of four backward
+    steps run torch GEMMs, but each fused kernel with what it computes and each GEMM torch runs."""
+    registry = pytest.importorskip("fusion.patterns.registry")
+    registry.reset_to_builtins()
+    summary = explain(demo_block()).split("summary:\n", 1)[1].splitlines()
+    assert summary == [
+        "  fused kernels (2): F1 GEMM+SwiGLU+Scale+QuantizeMXFP8 (ops 0-3), B1 dgrad+dScale+dSwiGLU (ops 1-4)",
+        "  torch GEMMs (4): F2 op 4 GroupLinear forward, B2 op 4 GroupLinear wgrad, B3 op 0 GroupLinear dgrad, "
+        "B4 op 0 GroupLinear wgrad",
+        "  elementwise ops unfused (0): none"]
+    text = explain(demo_block(SwiGLU(), Clamp(min=-1.0, max=1.0)), patterns=PATS)
+    assert ("elementwise ops unfused (3): F2 op 2 Clamp forward, B3 op 2 Clamp backward, B4 op 1 SwiGLU backward"
+            in text.split("summary:")[1])
+    assert "summary: nothing fused (backend='reference')" in explain(demo_block(backend="reference"), patterns=PATS)
 
 
 def test_defaults_and_header():
