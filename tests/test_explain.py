@@ -179,3 +179,22 @@ def test_reference_backend_compiles_nothing(monkeypatch):
     seq = demo_block(backend="reference")
     with pytest.warns(UserWarning, match="backend='reference' compiles nothing"):
         assert seq.compile(dtype=torch.bfloat16, target="sm_90a") == []
+
+
+def test_compile_plan_of_a_reference_block_compiles_nothing(monkeypatch):
+    """fusion.runtime.compile.compile_plan called directly honours backend="reference" as Sequential.compile
+    does: no job, no kernel compiled, a warning; plan_jobs has no job for it either."""
+    import fusion.runtime.compile as compile_module
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compile_plan compiled a kernel for a backend='reference' block")
+
+    monkeypatch.setattr(compile_module, "compile_to_disk", no_compile)
+    monkeypatch.setattr(compile_module, "compile_jobs", no_compile)
+    registry = pytest.importorskip("fusion.patterns.registry")
+    registry.reset_to_builtins()
+    seq = demo_block(backend="reference")
+    assert compile_module.plan_jobs(seq, torch.bfloat16) == []
+    assert compile_module.plan_jobs(demo_block(), torch.bfloat16)  # the same block with backend='auto' has jobs
+    with pytest.warns(UserWarning, match="backend='reference' compiles nothing"):
+        assert compile_module.compile_plan(seq, dtype=torch.bfloat16, target="sm_90a") == []

@@ -187,14 +187,21 @@ def artifact(job: KernelJob) -> CompiledKernel:
 
 
 # -- plans ------------------------------------------------------------------------------------------------------
+#: What compiling a backend="reference" block does: nothing (Sequential.compile and compile_plan say so).
+REFERENCE_COMPILES_NOTHING = ("fusion: compile() of a block built with backend='reference' compiles nothing: every "
+                              "op runs its reference (unfused) path; build it with backend='auto' to run fused "
+                              "kernels")
+
+
 def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob]:
     """One job per fused kernel the block's plan can launch: a forward step's training variant (which also
-    writes the value the backward reads) and inference variant, and each fused backward step's kernel."""
+    writes the value the backward reads) and inference variant, and each fused backward step's kernel. The plan
+    honours the block's backend: a backend="reference" block launches no kernel, so it has no job."""
     from fusion.planner import plan_for
     from fusion.runtime.program import BlockProgram
     from fusion.runtime.steps import FusedForward
 
-    plan = plan_for(seq, dtype=dtype, target=target)
+    plan = plan_for(seq, dtype=dtype, target=target, backend=getattr(seq, "backend", None))
     program = BlockProgram(seq, plan, "cute")
     jobs = []
     for runner in program.fused_runners():
@@ -247,6 +254,9 @@ def compile_plan(seq, dtype: torch.dtype = torch.bfloat16, target: str = "sm_90a
     from fusion.targets import kernel_target
 
     target = kernel_target(target)
+    if getattr(seq, "backend", None) == "reference":
+        warnings.warn(REFERENCE_COMPILES_NOTHING, stacklevel=2)
+        return []
     return compile_jobs(plan_jobs(seq, dtype, target), parallel=parallel, progress=progress)
 
 
