@@ -31,7 +31,8 @@ class Stage:
     """One epilogue stage.
 
     kind: gemm_bias (the GEMM's own bias) | bias (a Bias op) | act | clamp | scale_row | scale_const |
-    quant_mxfp8 (forward: the kernel's store quantizes) | quant_pass (backward: straight through). position: the op's position in the step's op list (0 = the GEMM of a forward step).
+    quant_mxfp8 (forward: the kernel's store quantizes) | quant_pass (backward: straight through).
+    position: the op's position in the step's op list (0 = the GEMM of a forward step).
     args: kind-specific data (the activation name and parameters, clamp bounds, the scale's input name...).
     """
 
