@@ -119,14 +119,23 @@ def _as_promised(tensors: list, plain: list, inputs: list) -> list[torch.Tensor]
     seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
     out = []
     for t, is_plain in zip(tensors, plain):
-        if is_plain and not t.is_contiguous():
-            t = t.contiguous()
+        if is_plain and t.stride() != _row_major(t.shape):  # (not is_contiguous(): an empty view passes that)
+            t = t.clone(memory_format=torch.contiguous_format)
         elif t.numel() and t.untyped_storage().data_ptr() in seen:
             t = t.clone()
         if t.numel():
             seen.add(t.untyped_storage().data_ptr())
         out.append(t)
     return out
+
+
+def _row_major(shape) -> tuple[int, ...]:
+    """The strides of a new tensor of `shape` (what torch.empty gives, empty dimensions included)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _rows(seq, i: int, x_rows: int, index: Optional[torch.Tensor]) -> int:
