@@ -110,7 +110,8 @@ class HighPrecision:
 
 @dataclass(frozen=True)
 class SavedOut:
-    """The value the backward reads, written by the forward kernel (canonical halves when paired)."""
+    """The value the pattern's `save` names, written by the training kernel for the backward (canonical halves
+    when paired: a value entering a gated activation, or a bias before it)."""
 
     paired: bool
     kernel_name = "saved"

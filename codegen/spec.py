@@ -6,7 +6,7 @@ planner can show the reason instead of failing at compile time.
 
 Two specs exist per fused chain:
   * a forward spec (`forward_spec`): the GEMM's accumulator -> the chain's output (and, for training, the
-    value the backward reads: the input of the first stage whose gradient needs its input, "saved");
+    value the pattern's `save` names, "saved": the caller says which; the spec never guesses it);
   * a backward spec (`backward_spec`): the gradient of the chain's output (a dgrad GEMM's accumulator) -> the
     gradient of the chain's input, reading that saved value, with per-row scale gradients as side outputs
     and, on request, the chain's output recomputed from the saved value (the next GEMM's wgrad input).
@@ -31,7 +31,8 @@ class Stage:
     """One epilogue stage.
 
     kind: gemm_bias (the GEMM's own bias) | bias (a Bias op) | act | clamp | scale_row | scale_const |
-    quant_mxfp8 (forward: the kernel's store quantizes) | quant_pass (backward: straight through). position: the op's position in the step's op list (0 = the GEMM of a forward step).
+    quant_mxfp8 (forward: the kernel's store quantizes) | quant_pass (backward: straight through).
+    position: the op's position in the step's op list (0 = the GEMM of a forward step).
     args: kind-specific data (the activation name and parameters, clamp bounds, the scale's input name...).
     """
 
@@ -51,7 +52,9 @@ class EpilogueSpec:
 
     gated: the value entering the activation is (gate, up) halves; the chain's GEMM output has 2x the width.
     out_features: width of the chain's output. in_features: width entering the first stage (the GEMM output).
-    saved: index into `stages` of the first stage that needs its input (None: the backward reads nothing).
+    saved: index into `stages` of the stage whose input is saved (None: nothing). Forward: the value the training
+    kernel writes for the backward (the pattern's `save`); backward: the value the kernel reads, the input of
+    the first stage that needs its input (stages after it are recomputed from it).
     """
 
     gated: bool
@@ -72,12 +75,16 @@ class EpilogueSpec:
 
     @property
     def saved_paired(self) -> bool:
-        """The saved value holds (gate, up) halves: it is the activation's input of a gated activation."""
-        return self.saved is not None and self.gated and self.stages[self.saved].kind == "act"
+        """The saved value holds (gate, up) halves: it enters a gated activation or a bias before it."""
+        act = self._act_index()
+        return self.saved is not None and self.gated and act is not None and self.saved <= act
+
+    def _act_index(self) -> int | None:
+        return next((i for i, s in enumerate(self.stages) if s.kind == "act"), None)
 
     def width_at(self, k: int) -> int:
         """Features of the value entering stage k (k == len(stages): the chain's output)."""
-        act = next((i for i, s in enumerate(self.stages) if s.kind == "act"), None)
+        act = self._act_index()
         return self.in_features if act is None or k <= act else self.out_features
 
     @property
@@ -152,7 +159,7 @@ def _elementwise_stage(op, position: int, backward: bool = False) -> Stage:
     raise Unsupported(f"{op.describe()}: no epilogue stage for a {spec.kind} op")
 
 
-def _spec(stages: list[Stage], ops, width: int, gated: bool) -> EpilogueSpec:
+def _spec(stages: list[Stage], ops, width: int, gated: bool, saved: int | None) -> EpilogueSpec:
     feats = width
     seen_act = False
     for stage, op in zip(stages, ops):
@@ -165,12 +172,15 @@ def _spec(stages: list[Stage], ops, width: int, gated: bool) -> EpilogueSpec:
             raise Unsupported(f"{op.describe()}: quantization must be the last epilogue stage")
     if gated and feats % 8:
         raise Unsupported(f"gated output width {feats} is not a multiple of 8 (16-byte aligned halves)")
-    saved = next((k for k, s in enumerate(stages) if s.needs_input), None)
     return EpilogueSpec(gated=gated, stages=tuple(stages), out_features=feats, in_features=width, saved=saved)
 
 
-def forward_spec(ops) -> EpilogueSpec:
-    """The epilogue of a forward step whose first op is the GEMM and the rest are its epilogue ops."""
+def forward_spec(ops, saved_position: int | None = None) -> EpilogueSpec:
+    """The epilogue of a forward step whose first op is the GEMM and the rest are its epilogue ops.
+
+    saved_position: the position in `ops` of the op whose input the training kernel writes for the backward
+    (what the pattern's `save` names, fusion/dataflow.py); None: it writes nothing. The GEMM's input (0) is the
+    kernel's own input and the chain's output (len(ops)) its output: neither is a value to save."""
     gemm, rest = ops[0], list(ops[1:])
     if gemm.spec.kind != "gemm":
         raise Unsupported(f"a fused step starts with a GEMM, not {gemm.describe()}")
@@ -183,7 +193,14 @@ def forward_spec(ops) -> EpilogueSpec:
         stages.append(_elementwise_stage(op, i))
         owners.append(op)
     gated = any(op.spec.kind == "activation" and op.spec.gated for op in rest)
-    return _spec(stages, owners, gemm.spec.attrs["out_features"], gated)
+    saved = None
+    if saved_position is not None:
+        if not 0 < saved_position < len(ops):
+            raise Unsupported(f"a forward kernel saves a value inside its chain (positions 1..{len(ops) - 1}), "
+                              f"not position {saved_position}: the GEMM's input and the chain's output are the "
+                              f"kernel's own input and output")
+        saved = next(k for k, s in enumerate(stages) if s.position == saved_position)
+    return _spec(stages, owners, gemm.spec.attrs["out_features"], gated, saved)
 
 
 def backward_spec(ops, width: int) -> EpilogueSpec:
@@ -191,7 +208,7 @@ def backward_spec(ops, width: int) -> EpilogueSpec:
     `width` features) and the GEMM whose dgrad the kernel computes, in forward order; positions count from 0."""
     stages = [_elementwise_stage(op, i, backward=True) for i, op in enumerate(ops)]
     gated = any(op.spec.kind == "activation" and op.spec.gated for op in ops)
-    spec = _spec(stages, list(ops), width, gated)
+    spec = _spec(stages, list(ops), width, gated, next((k for k, s in enumerate(stages) if s.needs_input), None))
     if spec.saved is not None:
         for stage in stages[:spec.saved]:
             if stage.kind not in ("bias", "scale_const"):

@@ -120,7 +120,8 @@ def _step_lines(n: int, tag: str, step: Step, plan: Plan) -> list[str]:
             kept = [w for w in step.writes if w != step.writes[0]]
             if kept:
                 lines.append("         saves for backward: " + ", ".join(
-                    f"{ref} = {w}" for ref, w in zip(step.saves, kept)))
+                    f"{ref} = {w}" + ("" if w in plan.saves else " (no backward step reads it: written, then dropped)")
+                    for ref, w in zip(step.saves, kept)))
         else:
             parts = ", ".join(f"{_PART_TEXT[p]} of op {i}" for i, p in step.parts)
             lines.append(f"         computes: {parts}")
@@ -190,29 +191,47 @@ def to_text(seq, plan: Plan, dtype_src: str = "given", target_src: str = "given"
             out.append(f"  op {fb.op} {fb.description} ({fb.part}):")
             out.extend(f"    - {r}" for r in fb.reasons)
     else:
-        out.append("left unfused: nothing (every non-GEMM op and elementwise backward runs in a fused kernel; a GEMM outside a fused kernel runs the vendor grouped GEMM)")
+        out.append("left unfused: no elementwise computation (every non-GEMM op, forward and backward, runs in a "
+                   "fused kernel or passes gradients straight through)")
     out.append("")
-    out.append(_summary(plan))
+    out.extend(_summary(plan))
     return "\n".join(out) + "\n"
 
 
-def _summary(plan: Plan) -> str:
-    """What is fused, precisely: fused kernels per direction, and which GEMM computations run unfused."""
+def _kernel_text(tag: str, step: Step, plan: Plan) -> str:
+    """One fused kernel in a few words: `F1 GEMM+SwiGLU+Scale (ops 0-2)`, `B1 dgrad+dScale+dSwiGLU (ops 1-3)`."""
+    if step.direction == "forward":
+        names = ["GEMM" if plan.ops[i].kind == "gemm" else plan.ops[i].name for i in step.ops]
+    else:
+        names = ["dgrad" if part == "dgrad" else f"d{plan.ops[i].name}" for i, part in step.parts]
+    return f"{tag} {'+'.join(names)} ({_span(step.ops)})"
+
+
+def _unfused_text(tag: str, step: Step, plan: Plan) -> str:
+    i, part = step.parts[0]
+    return f"{tag} op {i} {plan.ops[i].name} {part}"
+
+
+def _summary(plan: Plan) -> list[str]:
+    """What is fused, precisely: each fused kernel and what it computes, each GEMM computation torch runs outside
+    them, and each elementwise computation that falls back (section 6 of docs/explain.md)."""
     if plan.reason:
-        return f"fused: nothing ({plan.reason})"
-    fw = sum(s.fused for s in plan.forward)
-    bw = sum(s.fused for s in plan.backward)
-    lone = [f"op {s.parts[0][0]} {s.parts[0][1]}" for s in plan.steps
-            if not s.fused and plan.ops[s.parts[0][0]].kind == "gemm" and not plan.ops[s.parts[0][0]].gemm_by_reference]
-    by_reference = [fb for fb in plan.fallbacks if plan.ops[fb.op].gemm_by_reference]
-    text = (f"fused: {fw} of {len(plan.forward)} forward steps and {bw} of {len(plan.backward)} backward steps run "
-            f"in fused kernels; {_n(len(plan.fallbacks) - len(by_reference), 'elementwise computation')} fall back")
-    if by_reference:
-        text += (f", and {_n(len(by_reference), 'GEMM computation')} run their recipe's reference (no kernel here "
-                 f"runs their weight format): {', '.join(f'op {fb.op} {fb.part}' for fb in by_reference)}")
-    if lone:
-        text += f"; GEMMs without an epilogue run the vendor grouped GEMM: {', '.join(lone)}"
-    return text
+        return [f"summary: nothing fused ({plan.reason}): every op runs its reference, forward and backward"]
+    tagged = [(f"F{n}", s) for n, s in enumerate(plan.forward, 1)] + \
+             [(f"B{n}", s) for n, s in enumerate(plan.backward, 1)]
+    kernels = [_kernel_text(tag, s, plan) for tag, s in tagged if s.fused]
+    unfused = [(tag, s) for tag, s in tagged if not s.fused]
+    torch_gemms = [_unfused_text(tag, s, plan) for tag, s in unfused
+                   if plan.ops[s.parts[0][0]].kind == "gemm" and not plan.ops[s.parts[0][0]].gemm_by_reference]
+    recipes = [_unfused_text(tag, s, plan) for tag, s in unfused if plan.ops[s.parts[0][0]].gemm_by_reference]
+    fallbacks = [_unfused_text(tag, s, plan) for tag, s in unfused if plan.ops[s.parts[0][0]].kind != "gemm"]
+    lines = ["summary:",
+             f"  fused kernels ({len(kernels)}): {', '.join(kernels) or 'none'}",
+             f"  torch GEMMs ({len(torch_gemms)}): {', '.join(torch_gemms) or 'none'}"]
+    if recipes:
+        lines.append(f"  GEMMs run by their weight format's recipe, in torch ({len(recipes)}): {', '.join(recipes)}")
+    lines.append(f"  elementwise ops unfused ({len(fallbacks)}): {', '.join(fallbacks) or 'none'}")
+    return lines
 
 
 def _saves_lines(plan: Plan) -> list[str]:

@@ -17,6 +17,10 @@ class KernelTemplate:
     unavailable_reason: str = ""
     #: the GEMM weight formats (GroupLinear/Linear `weight_format`) its mainloop runs
     weight_formats: tuple[str, ...] = ("bf16",)
+    #: how many values inside its chain its training variant writes for the backward: the most a pattern's
+    #: `save` may name (patterns/fusion_semantics.py checks it when the file loads). The grouped GEMM's epilogue
+    #: has one such output (codegen/slots.py: SavedOut); a dgrad kernel writes none, it reads.
+    saves: int = 1
 
 
 TEMPLATES: dict[str, KernelTemplate] = {
@@ -26,7 +30,7 @@ TEMPLATES: dict[str, KernelTemplate] = {
                        "(kernels/grouped_gemm.py)"),
         KernelTemplate("grouped_gemm_dgrad", "backward", True,
                        "the grouped GEMM template computing a dgrad (dy @ W[g]) whose generated epilogue applies "
-                       "the backward of the elementwise ops before the GEMM (fusion/runtime/steps.py)"),
+                       "the backward of the elementwise ops before the GEMM (fusion/runtime/steps.py)", saves=0),
         KernelTemplate("grouped_gemm_gather", "forward", False,
                        "the grouped GEMM loading its A rows through an index (an MoE block's Gather)",
                        "no kernel on this target fuses a gather into the GEMM's A loads yet (Hopper has no TMA "

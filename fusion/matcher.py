@@ -15,6 +15,8 @@ checked, largest first, against:
                       the pattern exports it (`label.out`)
   5. weight formats   the template's mainloop runs every bound GEMM's weight_format (a pattern that forgot
                       `weight_format == "bf16"` still never puts an fp8_block GEMM into a bf16 kernel)
+  6. saves            every value a forward pattern's `save` names is read by the gradient of the bound op it
+                      enters (the kernel would otherwise write it for nothing: a Scale by a constant)
 
 The first binding passing all checks is the match of that (pattern, anchor); otherwise the attempt records
 the first failing check of the largest binding, in words (Attempt.reason). Everything is deterministic:
@@ -295,6 +297,29 @@ def _check(g: nx.DiGraph, pattern, binding, dtype: str, target: str | None, arch
             why = templates.weight_format_refused(pattern.kernel, fmt)
             if why:
                 return f"{node_text(g, node)}: {why}"
+    return _unread_save(g, pattern, binding)
+
+
+def _unread_save(g: nx.DiGraph, pattern, binding) -> str | None:
+    """Why a forward pattern's `save` does not fit this binding: a named value enters a bound op whose gradient
+    reads no value. A reference to an element left out (optional) saves nothing; one that lands on the match's
+    output names what the kernel writes anyway."""
+    if pattern.direction == "backward":
+        return None
+    bound = [(pattern.chain[k].label, node) for k, node in binding]
+    for ref in getattr(pattern, "save", ()) or ():
+        label, _, port = ref.partition(".")
+        at = next((n for n, (lab, _) in enumerate(bound) if lab == label), None)
+        if at is None:
+            continue
+        reader = at if port == "in" else at + 1
+        if reader >= len(bound):
+            continue
+        node = bound[reader][1]
+        if not g.nodes[node]["spec"].grad_reads_input:
+            return (f"save = {ref}: the value enters {node_text(g, node)}, whose gradient reads no value, so the "
+                    f"kernel would write it for nothing [{format_loc(pattern.loc)}]; a pattern without `save` "
+                    f"covers such an op")
     return None
 
 

@@ -47,7 +47,8 @@ class Step:
     parts: the (op index, part) units computed, part in "forward" | "dgrad" | "wgrad" | "backward"
            (dgrad/wgrad: the input and weight gradients of a GEMM; backward: of any other op).
     Fused steps: pattern (name), pattern_loc ("file:line"), kernel (template name), epilogue ((label, op
-           index) in epilogue order), saves (what the forward keeps for the backward, as in the pattern).
+           index) in epilogue order), saves (the pattern's `save` references whose elements are bound: what
+           the forward kernel writes for the backward).
     Unfused steps: method (the reference implementation that runs) and notes (e.g. host syncs).
     """
 

@@ -127,15 +127,6 @@ _QUANT_BYTES = {"mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16, "fp8_block": 1 + 4 /
 _ELEM_BYTES = {"float64": 8, "float32": 4}
 
 
-def _grad_reads_input(spec) -> bool:
-    """Whether an op's gradient needs the value entering it (so the forward must keep or recompute it)."""
-    if spec.kind in ("gemm", "activation"):
-        return True
-    if spec.name == "Clamp":
-        return True
-    return spec.name == "Scale" and bool(spec.attrs.get("per_row"))
-
-
 def _out_bytes(spec, elem: float) -> float | None:
     if spec.kind != "quantize":
         return elem
@@ -155,7 +146,7 @@ def _ops_info(g, dtype: str = "bfloat16") -> tuple[OpInfo, ...]:
         spec = d["spec"]
         fmt = spec.attrs.get("weight_format", DEFAULT_WEIGHT_FORMAT) if spec.kind == "gemm" else None
         out.append(OpInfo(d["index"], spec.name, spec.kind, d["label"], d["in_features"], d["out_features"],
-                          grad_reads_input=_grad_reads_input(spec), in_bytes=elem,
+                          grad_reads_input=spec.grad_reads_input, in_bytes=elem,
                           out_bytes=_out_bytes(spec, elem), weight_format=fmt, in_rows=rows[k],
                           out_rows=rows[k + 1]))
     return tuple(out)
@@ -191,10 +182,11 @@ def _fused_step(m: Match, infos, direction: str) -> Step:
     p = m.pattern
     label_to_op = dict(m.bindings)
     parts = tuple(sorted(m.covers, key=lambda u: (-u[0], u[1]) if direction == "backward" else u))
+    saves = tuple(ref for ref in (p.save or ()) if ref.partition(".")[0] in label_to_op)  # bound elements only
     return Step(direction=direction, fused=True, ops=m.ops, descriptions=tuple(infos[i].description for i in m.ops),
                 parts=parts, pattern=p.name, pattern_loc=format_loc(p.loc), kernel=p.kernel,
                 epilogue=tuple((lab, label_to_op[lab]) for lab in (p.epilogue or ()) if lab in label_to_op),
-                saves=tuple(p.save or ()), labels=m.bindings)
+                saves=saves, labels=m.bindings)
 
 
 def _forward_steps(infos, chosen: list[Match], dtype: str, target: str | None) -> list[Step]:

@@ -2,7 +2,9 @@
 
     patterns/fpat.lark    grammar (lark, LALR)
     parser.py             text -> typed AST (ast.py); syntax errors as PatternError with file:line:col
-    loader.py             AST -> ActivationDef + FusionPattern, with semantic checks
+    loader.py             a parsed file -> ActivationDef + FusionPattern (names global across files), through
+    activation_semantics.py, fusion_semantics.py    the semantic checks of each kind of declaration
+    syntax_errors.py      lark syntax errors in a user's words
     registry.py           the global activation registry and pattern library (built-ins, user files)
     predicates.py         the evaluator of chain `where` predicates
     activations.fpat, moe.fpat    the built-in declarations, read like any user file

@@ -9,7 +9,7 @@ and Predicate exactly as declared here. Extend with new optional fields only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # re-exported: the expression nodes are part of this AST
@@ -40,7 +40,7 @@ class Predicate:
 class ChainElement:
     """One position of a pattern's op chain.
 
-    label: the name used in `epilogue`, `save`, `export` (e.g. "gemm", "act").
+    label: the name used in `save`, `export` and explain() (e.g. "gemm", "act").
     ops: op names ("GroupLinear", "Linear", "Scale", ...) or op kinds ("activation", "gemm",
          "elementwise", "quantize"); an op matches if its OpSpec.name or OpSpec.kind is listed.
     optional: `X?` in the source: the position may be absent.
@@ -56,21 +56,23 @@ class ChainElement:
 
 @dataclass(frozen=True)
 class FusionPattern:
-    """`fusion NAME { ... }`: which op chain becomes which kernel, with which epilogue.
+    """`fusion NAME { ... }`: which op chain becomes which kernel, and what its forward saves.
 
     direction: "forward" — the chain's forward runs as one kernel; "backward" — the chain's backward
     (the last GEMM's dgrad plus the backward of the elementwise ops before it) runs as one kernel.
-    epilogue: labels of chain elements applied in the kernel's epilogue, in order.
-    save: what the forward keeps for the backward ("gemm.out", "act.in", ...).
+    save: forward patterns: the interior values the training kernel writes for the backward ("act.in"), at
+          most what the kernel template writes (the loader checks); a backward pattern has none (its kernel
+          reads what its chain's gradients need).
     export: interior results that may be used outside the match ("act.out"...).
     priority: higher wins overlaps; None means "number of ops covered".
+    gemm_index: the GEMM element's position in the chain (the loader sets it; None: first for a forward
+          pattern, last for a backward one).
     """
 
     name: str
     kernel: str
     direction: str
     chain: tuple[ChainElement, ...]
-    epilogue: tuple[str, ...]
     loc: SourceLoc
     arch_min: int = 90
     arch_max: int | None = None
@@ -78,7 +80,20 @@ class FusionPattern:
     priority: int | None = None
     save: tuple[str, ...] = ()
     export: tuple[str, ...] = ()
-    options: dict = field(default_factory=dict)
+    gemm_index: int | None = None
+
+    @property
+    def epilogue(self) -> tuple[str, ...]:
+        """Labels of the elements the kernel's epilogue applies, in the order it applies them: forward, every
+        element after the GEMM in chain order; backward, every element before it in reverse (the gradient
+        flows back from the GEMM). Derived from the chain, so nothing can disagree with it: elements before a
+        forward GEMM (Gather) are the kernel's A loads, not its epilogue."""
+        k = self.gemm_index
+        if k is None:
+            k = len(self.chain) - 1 if self.direction == "backward" else 0
+        if self.direction == "backward":
+            return tuple(e.label for e in reversed(self.chain[:k]))
+        return tuple(e.label for e in self.chain[k + 1:])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -155,13 +170,6 @@ class FieldItem:
 
 
 @dataclass(frozen=True)
-class OptionItem:
-    key: str
-    value: Value
-    loc: SourceLoc
-
-
-@dataclass(frozen=True)
 class ChainDecl:
     elements: tuple[ChainElement, ...]
     loc: SourceLoc
@@ -172,7 +180,7 @@ class ChainDecl:
 @dataclass(frozen=True)
 class FusionDecl:
     name: str
-    items: tuple  # FieldItem | OptionItem | ChainDecl
+    items: tuple  # FieldItem | ChainDecl
     loc: SourceLoc
     name_loc: SourceLoc | None = None
 

@@ -42,3 +42,13 @@ def make_error(loc: SourceLoc, source: str, message: str, expected: str | None =
 def did_you_mean(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+class SourceContext:
+    """The file being loaded, so a semantic check can raise a PatternError pointing into its source."""
+
+    def __init__(self, pf):
+        self.pf = pf
+
+    def error(self, loc: SourceLoc, message: str, expected: str | None = None) -> PatternError:
+        return make_error(loc, self.pf.source, message, expected)

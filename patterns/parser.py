@@ -10,90 +10,17 @@ from functools import lru_cache
 from pathlib import Path
 
 from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark.exceptions import UnexpectedInput, VisitError
 
 from fusion.errors import PatternError
 from fusion.patterns import ast as A
-from fusion.patterns.diagnostics import format_message, make_error
+from fusion.patterns.diagnostics import make_error
 from fusion.patterns.expr_ast import render_expression
 from fusion.patterns.limits import MAX_EXPRESSION_DEPTH, too_deep
+from fusion.patterns.syntax_errors import syntax_error
 
 GRAMMAR_PATH = Path(__file__).with_name("fpat.lark")
 BOM = "\ufeff"
-
-# Terminal names lark shows in `expected` sets -> what a user reads.
-_TERMINALS = {
-    "NAME": "a name", "NUMBER": "a number", "STRING": "a string", "COMPARE": "a comparison (< <= > >= == !=)",
-    "ADD_OP": "'+' or '-'", "MUL_OP": "'*', '/' or '%'", "OPTIONAL": "'?'", "LPAR": "'('", "RPAR": "')'",
-    "LBRACE": "'{'", "RBRACE": "'}'", "COMMA": "','", "SEMICOLON": "';'", "COLON": "':'", "EQUAL": "'='",
-    "VBAR": "'|'", "DOT": "'.'", "MINUS": "'-'", "PLUS": "'+'", "__ANON_0": "'**'", "$END": "end of file",
-    "ACTIVATION": "'activation'", "FUSION": "'fusion'", "LET": "'let'", "FORWARD": "'forward'",
-    "GRAD": "'grad'", "CHAIN": "'chain'", "OPTION": "'option'", "WHERE": "'where'", "AND": "'and'",
-    "OR": "'or'", "NOT": "'not'", "IN": "'in'", "TRUE": "'true'", "FALSE": "'false'",
-}
-
-#: Typical mistakes -> friendly messages, matched by parser state with lark's match_examples.
-#: Each example is a whole file that fails at the mistake.
-ERROR_EXAMPLES: dict[str, list[str]] = {
-    "activation parameters come after ';' (write `activation name(gate, up; limit: float = 7.0)`)": [
-        "activation a(x, limit: float = 1.0) { forward = x }",
-        "activation a(x, y, limit: float) { forward = x }",
-    ],
-    "missing '=' after 'forward'": [
-        "activation a(x) { forward x }",
-        "activation a(x) { forward(x) }",
-    ],
-    "missing '=' after the let name": [
-        "activation a(x) { let y x }",
-        "activation a(x) { let y }",
-    ],
-    "an activation body holds only `let NAME = ...`, `forward = ...` and `grad(ARG) = ...` statements": [
-        "activation a(x) { y = x }",
-        "activation a(x) { forward = x y = x }",
-        "activation a(x) { return x }",
-    ],
-    "an expression is missing (or is incomplete) here": [
-        "activation a(x) { forward = }",
-        "activation a(x) { forward = x * }",
-        "activation a(x) { forward = x + }",
-        "activation a(x) { forward = (x }",
-        "activation a(x) { let y = }",
-        "activation a(x) { forward = f(x, ) }",
-    ],
-    "comparisons do not chain: write `a < b and b < c`": [
-        "fusion f { chain { g: GroupLinear where 1 < in_features < 9 } }",
-        "activation a(x) { forward = where(0 < x < 1, x, 0) }",
-    ],
-    "'=' assigns; compare with '=='": [
-        "fusion f { chain { g: GroupLinear where bias = true } }",
-        "fusion f { chain { g: GroupLinear where in_features % 8 = 0 } }",
-    ],
-    "a chain element is `label: OpName | OpName [?] [where predicate]`": [
-        "fusion f { chain { GroupLinear } }",
-        "fusion f { chain { g GroupLinear } }",
-        "fusion f { chain { g: } }",
-        "fusion f { chain { g: GroupLinear | } }",
-    ],
-    "a fusion field is `name = value, ...`, `arch >= sm_90`, `option name = value` or `chain { ... }`": [
-        "fusion f { kernel grouped_gemm }",
-        "fusion f { kernel: grouped_gemm }",
-        "fusion f { = grouped_gemm }",
-    ],
-    "a declaration starts with `activation NAME(...)` or `fusion NAME {`": [
-        "forward = x",
-        "activations a(x) { forward = x }",
-        "activation a(x) { forward = x } }",
-    ],
-    "missing '{' after the declaration header": [
-        "activation a(x) forward = x }",
-        "fusion f kernel = k }",
-    ],
-    "a '}' is missing (end of file inside a declaration)": [
-        "activation a(x) { forward = x",
-        "fusion f { kernel = k",
-        "fusion f { chain { g: GroupLinear }",
-    ],
-}
 
 
 class _KeywordsAreWords:
@@ -111,42 +38,6 @@ class _KeywordsAreWords:
 def _lark() -> Lark:
     return Lark(GRAMMAR_PATH.read_text(), parser="lalr", lexer="contextual", propagate_positions=True,
                 maybe_placeholders=False, postlex=_KeywordsAreWords())
-
-
-def _friendly_expected(names) -> str:
-    shown = sorted({_TERMINALS.get(n, f"'{n}'" if not n.isupper() else n.lower()) for n in names})
-    return ", ".join(shown)
-
-
-def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> PatternError:
-    def try_parse(s):
-        return _lark().parse(s)
-
-    label = None
-    if not isinstance(e, UnexpectedCharacters):  # a bad character is its own explanation
-        try:
-            label = e.match_examples(try_parse, ERROR_EXAMPLES, use_accepts=True)
-        except Exception:  # pragma: no cover - match_examples is best effort
-            label = None
-    if isinstance(e, UnexpectedCharacters):
-        got = f"unexpected character {text[e.pos_in_stream]!r}" if e.pos_in_stream < len(text) else "unexpected input"
-        expected = _friendly_expected(e.allowed or ())
-    elif isinstance(e, UnexpectedEOF):
-        got = "unexpected end of file"
-        expected = _friendly_expected(e.expected or ())
-    else:
-        tok = e.token
-        got = "unexpected end of file" if tok.type == "$END" else f"unexpected {tok.value!r}"
-        expected = _friendly_expected(getattr(e, "accepts", None) or e.expected or ())
-    line, column = e.line, e.column
-    at_end = isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END")
-    if at_end or line is None or line < 1:  # end of file: point just after the last character
-        lines = text.rstrip().splitlines() or [""]
-        line, column = len(lines), len(lines[-1]) + 1
-    message = got if label is None else f"{got}: {label}"
-    err = PatternError(format_message(filename, text, line, column, message, expected))
-    err.file, err.line, err.column, err.reason, err.expected = filename, line, column, message, expected
-    return err
 
 
 @v_args(meta=True)
@@ -205,9 +96,6 @@ class _ToAst(Transformer):
     def constraint_field(self, meta, ch):
         key, op, val = ch
         return A.FieldItem(str(key), str(op), (A.Value("name", str(val), self._tok_loc(val)),), self._tok_loc(key))
-
-    def option_field(self, meta, ch):
-        return A.OptionItem(str(ch[0]), ch[1], self._tok_loc(ch[0]))
 
     def chain(self, meta, ch):
         elements = tuple(e for e, _ in ch)
@@ -325,7 +213,7 @@ def _is_int_literal(s: str) -> bool:
 
 
 def _field_number(tok) -> int | float:
-    """Field values keep integer literals as ints (priority = 7, option tile_n = 128)."""
+    """Field values keep integer literals as ints (priority = 7)."""
     s = str(tok)
     return int(s) if s.isdigit() else float(s)
 
@@ -340,7 +228,7 @@ def parse_text(text: str, filename: str = "<string>") -> A.PatternFile:
     try:
         tree = _lark().parse(text)
     except UnexpectedInput as e:
-        raise _syntax_error(e, text, filename) from None
+        raise syntax_error(e, text, filename, _lark().parse) from None
     deep = too_deep(tree)  # before the (recursive) transformer walks the tree
     if deep is not None:
         root, depth = deep
@@ -382,4 +270,4 @@ def parse_expression(text: str, filename: str = "<expr>"):
     return pf.decls[0].body[0].expr
 
 
-__all__ = ["parse_text", "parse_file", "parse_expression", "render_expression", "ERROR_EXAMPLES"]
+__all__ = ["parse_text", "parse_file", "parse_expression", "render_expression"]

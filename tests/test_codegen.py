@@ -54,11 +54,16 @@ def reference(ops, acc, ctx):
     return y
 
 
+def first_reader(ops):
+    """The position the built-in patterns save: the first op after the GEMM whose gradient reads its input."""
+    return next((k for k, op in enumerate(ops) if k and op.spec.grad_reads_input), None)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_generated_forward_and_backward_match_the_reference(case):
     torch.manual_seed(0)
     ops = [op.double() for op in CASES[case]()]
-    spec = forward_spec(ops)
+    spec = forward_spec(ops, first_reader(ops))
     acc = torch.randn(ROWS, ops[0].out_features, dtype=torch.float64) * 2
     ctx = RunContext(group_sizes=SIZES, extra={"scale": torch.rand(ROWS, dtype=torch.float64)})
     in_slots, out_slots = spec.forward_slots(train=True)
@@ -70,8 +75,9 @@ def test_generated_forward_and_backward_match_the_reference(case):
     expected = reference(ops, acc, ctx)
     torch.testing.assert_close(results[0], expected, rtol=1e-12, atol=1e-12)
 
-    # The saved value is the input of the first stage whose gradient needs it.
+    # The saved value is the input of the op at the position asked for.
     saved = None
+    assert (spec.saved_position is None) == (first_reader(ops) is None)
     if spec.saved is not None:
         k = spec.saved_position
         leaf = acc.clone()
@@ -142,8 +148,30 @@ def test_unsupported_epilogues_say_which_op():
         forward_spec([GroupLinear(2, 8, 16), Scale(), SwiGLU()])
 
 
-def test_saved_value_is_the_first_input_needing_stage():
-    """A bias and a constant scale need no input for their gradient: the saved value is the clamp's input."""
-    spec = forward_spec([GroupLinear(2, 8, 16, bias=True), Scale(value=3.0), Clamp(-1, 1), Scale()])
+def test_the_forward_kernel_saves_what_it_is_asked_to():
+    """The saved value is the caller's choice (the pattern's `save`), never derived: nothing unless asked, the
+    clamp's input when asked, and never the kernel's own input or output."""
+    ops = [GroupLinear(2, 8, 16, bias=True), Scale(value=3.0), Clamp(-1, 1), Scale()]
+    assert forward_spec(ops).saved is None
+    spec = forward_spec(ops, saved_position=2)
     assert spec.stages[spec.saved].kind == "clamp" and spec.saved_position == 2
-    assert forward_spec([GroupLinear(2, 8, 16), Bias(16)]).saved is None
+    assert "SavedOut" not in repr(forward_spec(ops).forward_slots(train=True))
+    assert forward_spec(ops, 1).saved_position == 1  # the constant scale's input, if a pattern names it
+    for position in (0, len(ops)):
+        with pytest.raises(Unsupported, match="not position"):
+            forward_spec(ops, position)
+
+
+def test_a_value_saved_before_a_gated_activation_is_written_as_halves():
+    """Saving the input of a bias that precedes a gated activation (a 2f-wide value) writes both halves."""
+    torch.manual_seed(0)
+    ops = [op.double() for op in CASES["prebias-swiglu"]()]
+    spec = forward_spec(ops, saved_position=1)
+    assert spec.saved_paired and spec.width_at(spec.saved) == 16
+    acc = torch.randn(ROWS, 16, dtype=torch.float64)
+    ctx = RunContext(group_sizes=SIZES)
+    in_slots, _ = spec.forward_slots(train=True)
+    args = [v for slot in in_slots for v in slot_values(slot, ops, ctx)]
+    results = load(epilogue_source(spec, "float64", train=True)).apply(*acc.chunk(2, -1), *args)
+    want = acc + ops[0].bias.detach().double()[GROUP]  # the GEMM's output: the Bias op's input
+    torch.testing.assert_close(torch.cat(results[-2:], -1), want, rtol=1e-12, atol=1e-12)

@@ -67,6 +67,7 @@ def epilogue_matrix():
         "srelu-const-scale": [GroupLinear(E, d, f), SReLU(), Scale(value=0.5)],
         "gemm-mxfp8": [GroupLinear(E, d, f), QuantizeMXFP8(columnwise=False)],
         "gemm-bias-scale": [GroupLinear(E, d, f), Bias(f, num_groups=E), Scale(), GroupLinear(E, f, d)],
+        "gemm-const-scale": [GroupLinear(E, d, f), Scale(value=0.5)],  # nothing to save: an inference variant only
         "dense-gelu": [Linear(d, f, bias=True), Activation("gelu_tanh")],
     }
     for name in ("gptoss_swiglu", "reglu", "geglu_erf", "silu", "relu", "xielu"):

@@ -151,6 +151,20 @@ def test_bias_and_scale_without_activation():
     check(block, 50, E, random.Random(0), dense=False)
 
 
+def test_gemm_then_a_constant_scale():
+    """A Scale by a constant after a GEMM (no per-row input) fuses through gemm_scale_const, which saves nothing
+    (its gradient reads no value): it plans, its kernel job is one inference variant, and it runs correctly. It
+    used to crash: gemm_scale saved scale.in, which the kernel for a constant scale could not write."""
+    from fusion.runtime.aot import plan_jobs
+
+    E, d = 4, 16
+    block = Sequential(GroupLinear(E, d, d), Scale(value=0.5), backend="emulate").double()
+    plan = plan_for_run(block, torch.zeros(1, d, dtype=torch.float64))
+    assert [(s.pattern, s.writes) for s in plan.forward] == [("gemm_scale_const", ("v2",))]
+    assert [j.variant for j in plan_jobs(block, torch.bfloat16)] == ["inference"]
+    check(block, 50, E, random.Random(0), dense=False)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(act=st.sampled_from(sorted(ACTIVATIONS)), E=st.integers(1, 64), rows=st.integers(0, 200),
        bias=st.booleans(), clamp=st.booleans(), scale=st.sampled_from(["row", "const", "none"]),

@@ -83,7 +83,24 @@ def test_text_content():
     assert "(M, 1024) -> (M, 4096)" in text
     assert "[F1] fused    grouped_gemm  <- pattern gemm_act_scale_quant [patterns/test.fpat:2]" in text
     assert "[B1] fused    grouped_gemm_dact  <- pattern dact_dgrad [patterns/test.fpat:15]" in text
-    assert "0 elementwise computations fall back" in text
+    assert "elementwise ops unfused (0): none" in text
+
+
+def test_summary_names_every_kernel_and_every_torch_gemm():
+    """The summary says precisely what is fused: not "fully fused" for a plan whose FC2 and three of four backward
+    steps run torch GEMMs, but each fused kernel with what it computes and each GEMM torch runs."""
+    import fusion.patterns.registry as registry
+    registry.reset_to_builtins()
+    summary = explain(demo_block()).split("summary:\n", 1)[1].splitlines()
+    assert summary == [
+        "  fused kernels (2): F1 GEMM+SwiGLU+Scale+QuantizeMXFP8 (ops 0-3), B1 dgrad+dScale+dSwiGLU (ops 1-4)",
+        "  torch GEMMs (4): F2 op 4 GroupLinear forward, B2 op 4 GroupLinear wgrad, B3 op 0 GroupLinear dgrad, "
+        "B4 op 0 GroupLinear wgrad",
+        "  elementwise ops unfused (0): none"]
+    text = explain(demo_block(SwiGLU(), Clamp(min=-1.0, max=1.0)), patterns=PATS)
+    assert ("elementwise ops unfused (3): F2 op 2 Clamp forward, B3 op 2 Clamp backward, B4 op 1 SwiGLU backward"
+            in text.split("summary:")[1])
+    assert "summary: nothing fused (backend='reference')" in explain(demo_block(backend="reference"), patterns=PATS)
 
 
 def test_defaults_and_header():
@@ -162,3 +179,22 @@ def test_reference_backend_compiles_nothing(monkeypatch):
     seq = demo_block(backend="reference")
     with pytest.warns(UserWarning, match="backend='reference' compiles nothing"):
         assert seq.compile(dtype=torch.bfloat16, target="sm_90a") == []
+
+
+def test_compile_plan_of_a_reference_block_compiles_nothing(monkeypatch):
+    """fusion.runtime.aot.compile_plan called directly honours backend="reference" as Sequential.compile
+    does: no job, no kernel compiled, a warning; plan_jobs has no job for it either."""
+    import fusion.patterns.registry as registry
+    import fusion.runtime.aot as compile_module
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compile_plan compiled a kernel for a backend='reference' block")
+
+    monkeypatch.setattr(compile_module, "compile_to_disk", no_compile)
+    monkeypatch.setattr(compile_module, "compile_jobs", no_compile)
+    registry.reset_to_builtins()
+    seq = demo_block(backend="reference")
+    assert compile_module.plan_jobs(seq, torch.bfloat16) == []
+    assert compile_module.plan_jobs(demo_block(), torch.bfloat16)  # the same block with backend='auto' has jobs
+    with pytest.warns(UserWarning, match="backend='reference' compiles nothing"):
+        assert compile_module.compile_plan(seq, dtype=torch.bfloat16, target="sm_90a") == []

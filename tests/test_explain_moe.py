@@ -31,7 +31,7 @@ def moe_block():
 # -- the op table ---------------------------------------------------------------------------------------------------
 def test_the_loader_reads_the_op_table_of_fusion_ops():
     from fusion.ops.base import OP_TABLE
-    from fusion.patterns.loader import op_names, ops_of_kind
+    from fusion.patterns.fusion_semantics import op_names, ops_of_kind
 
     for name in fusion.ops.__all__:
         cls = getattr(fusion.ops, name)

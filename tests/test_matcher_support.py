@@ -47,12 +47,10 @@ def el(label, *ops, optional=False, where=(), line=1):
                         loc=SourceLoc("patterns/test.fpat", line, 5))
 
 
-def pat(name, *chain, kernel="grouped_gemm", direction="forward", epilogue=None, line=1, file="patterns/test.fpat",
-        **kw):
-    if epilogue is None:
-        epilogue = tuple(e.label for e in chain[1:])
+def pat(name, *chain, kernel="grouped_gemm", direction="forward", line=1, file="patterns/test.fpat", **kw):
+    """A FusionPattern as the loader makes one; its epilogue is derived from the chain, as for a loaded one."""
     return FusionPattern(name=name, kernel=kernel, direction=direction, chain=tuple(chain),
-                         epilogue=tuple(epilogue), loc=SourceLoc(file, line, 1), **kw)
+                         loc=SourceLoc(file, line, 1), **kw)
 
 
 def align64(line=3):
@@ -69,10 +67,10 @@ def demo_patterns():
               el("scale", "Scale", optional=True, line=5),
               el("quant", "quantize", optional=True, line=6),
               line=2, save=("gemm.out",))
-    plain = pat("gemm", el("gemm", "GroupLinear", "Linear", where=(align64(11),), line=11), line=10, epilogue=())
+    plain = pat("gemm", el("gemm", "GroupLinear", "Linear", where=(align64(11),), line=11), line=10)
     bwd = pat("dact_dgrad", el("act", "activation", line=16), el("scale", "Scale", optional=True, line=17),
               el("quant", "quantize", optional=True, line=18), el("gemm", "GroupLinear", "Linear", line=19),
-              direction="backward", kernel="grouped_gemm_dact", line=15, epilogue=("quant", "scale", "act"))
+              direction="backward", kernel="grouped_gemm_dact", line=15)
     return [fc1, plain, bwd]
 
 

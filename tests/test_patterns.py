@@ -50,17 +50,14 @@ fusion my_pattern {
     arch      <= sm_100a
     dtype     = bfloat16
     priority  = 7
-    option    tile_n = 128
-    option    note = "free text"
+    export    = act.out
+    # (a backward pattern has no `save`: its kernel reads what its chain's gradients need)
     chain {
         bias:  Bias?
         act:   activation | SwiGLU   where gated and activation in ("swiglu", 'geglu') or not gated
         scale: Scale ?               where per_row == true and -value < 1
         gemm:  GroupLinear | Linear  where in_features % 8 == 0 and out_features / 2 >= 4 * 2 - 1
     }
-    epilogue = scale, act, bias
-    save     = act.in, gemm.out
-    export   = act.out
 }
 '''
 
@@ -96,11 +93,11 @@ def test_fusion_pattern_fields():
     assert isinstance(p, A.FusionPattern)
     assert (p.name, p.kernel, p.direction) == ("my_pattern", "grouped_gemm", "backward")
     assert (p.arch_min, p.arch_max, p.dtypes, p.priority) == (90, 100, ("bfloat16",), 7)
-    assert p.options == {"tile_n": 128, "note": "free text"} and isinstance(p.options["tile_n"], int)
     assert [(e.label, e.ops, e.optional) for e in p.chain] == [
         ("bias", ("Bias",), True), ("act", ("activation", "SwiGLU"), False), ("scale", ("Scale",), True),
         ("gemm", ("GroupLinear", "Linear"), False)]
-    assert p.epilogue == ("scale", "act", "bias") and p.save == ("act.in", "gemm.out") and p.export == ("act.out",)
+    # the epilogue is derived from the chain: a backward kernel applies the elements before its GEMM in reverse
+    assert p.epilogue == ("scale", "act", "bias") and p.save == () and p.export == ("act.out",)
     # a top-level `and` splits into separate predicates (explain() names the one that failed)
     assert [w.text for w in p.chain[3].where] == ["in_features % 8 == 0", "out_features / 2 >= 4 * 2 - 1"]
     assert [w.text for w in p.chain[1].where] == ['gated and activation in ("swiglu", "geglu") or not gated']
@@ -177,8 +174,10 @@ SYNTAX = [
     ("fusion f {\n  chain {\n    g: GroupLinear where bias = true\n  }\n}\n", 3, 31,
      "unexpected '=': '=' assigns; compare with '=='", None),
     ("fusion f {\n  kernel grouped\n}\n", 2, 10,
-     "unexpected 'grouped': a fusion field is `name = value, ...`, `arch >= sm_90`, `option name = value` or "
-     "`chain { ... }`", None),
+     "unexpected 'grouped': a fusion field is `name = value, ...`, `arch >= sm_90` or `chain { ... }`", None),
+    ("fusion f {\n  option tile_n = 128\n}\n", 2, 10,
+     "unexpected 'tile_n': `option NAME = value` is not part of the language (it configured nothing in any kernel "
+     "template): remove the line", None),
     ("activation a(x) {\n  forward = x\n", 2, 14,
      "unexpected end of file: a '}' is missing (end of file inside a declaration)", "      forward = x\n"
      "                 ^"),
@@ -234,10 +233,24 @@ SEMANTIC = [
     ("activation swiglu(x) {\n  forward = x\n}\n", 1, 12, "activation 'swiglu' is already defined (a built-in, at "),
     (FUS % "" + FUS % "", 8, 8,
      "fusion pattern 'f' is already defined (at u.fpat:1:1); names are global across loaded files: pick another name"),
-    (FUS % "  epilogue = act, quant\n", 7, 19, "epilogue: 'quant' is not a label of the chain"),
-    (FUS % "  epilogue = gemm, act\n", 7, 14,
-     "epilogue: 'gemm' is the GEMM itself; the epilogue lists the ops applied after it"),
+    (FUS % "  epilogue = act\n", 7, 3,
+     "`epilogue` is not a field: the epilogue is the chain itself (every element after the GEMM, in chain order; in "
+     "a backward pattern every element before it, applied in reverse): remove the line"),
     (FUS % "  save = gemm.out, actt.in\n", 7, 20, "save: 'actt' is not a label of the chain (did you mean 'act'?)"),
+    (FUS % "  save = gemm.in\n", 7, 10,
+     "save: 'gemm.in' is the kernel's input, not a value it computes (the plan keeps the step's input by itself "
+     "when the backward reads it): remove it"),
+    (FUS % "  save = act.out\n", 7, 10,
+     "save: 'act.out' is the chain's output, which the kernel writes anyway (and the plan keeps when the backward "
+     "reads it): remove it"),
+    (FUS % "  save = act.in, act.in\n", 7, 18, "save: 'act.in' is named twice"),
+    (FUS % "  save = gemm.out, act.in\n", 7, 20,
+     "save names 2 values but kernel template 'grouped_gemm' writes 1 for the backward: keep the one the backward "
+     "reads (the input of the first op whose gradient needs it, e.g. act.in)"),
+    ("fusion f {\n  kernel = grouped_gemm_dgrad\n  direction = backward\n  chain {\n    act: activation\n"
+     "    gemm: GroupLinear\n  }\n  save = act.in\n}\n", 8, 3,
+     "a backward pattern has no `save`: its kernel reads the value its chain's gradients need (the input of the "
+     "first op whose gradient reads it), which the forward pattern's `save` keeps: remove the line"),
     (FUS % "  export = gemm.output\n", 7, 12, "export: 'gemm.output': a port is 'in' or 'out'"),
     (FUS % "  save = gemm\n", 7, 10, "save takes label.in or label.out, got 'gemm'"),
     ("activation a(x) {\n  let u = v + 1\n  let v = x\n  forward = u\n}\n", 2, 11,

@@ -181,7 +181,7 @@ def test_pattern_files_cannot_execute_code(tmp_path):
 def test_to_source_prints_expressions_of_any_depth():
     """fusion.symbolic.to_source (used by ActivationDef.to_source and the round-trip tests) builds the text
     bottom-up: an expression built in Python deeper than the recursion limit prints, and reads back."""
-    from fusion.patterns.loader import expression_from_source
+    from fusion.patterns.activation_semantics import expression_from_source
     from fusion.symbolic import Var, to_source
 
     e = Var("x")

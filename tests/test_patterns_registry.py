@@ -33,7 +33,6 @@ fusion my_gemm_relu {
         gemm: GroupLinear where in_features % 8 == 0
         act:  activation where activation == "relu"
     }
-    epilogue = act
     save = act.in
 }
 """
@@ -56,8 +55,8 @@ def test_builtins_are_loaded_from_fpat_files():
     names = set(activations())
     assert {"swiglu", "geglu", "srelu", "relu", "gelu_tanh", "gelu_erf", "silu", "gptoss_swiglu", "xielu"} <= names
     pats = [p.name for p in fusion_patterns()]
-    assert pats == ["gemm_quantize", "gemm_act", "gemm_bias", "gemm_scale", "dgrad_dact", "dgrad_scale", "gather_gemm",
-                    "gemm_combine"]
+    assert pats == ["gemm_quantize", "gemm_act", "gemm_scale", "gemm_bias", "gemm_scale_const", "dgrad_dact",
+                    "dgrad_scale", "gather_gemm", "gemm_combine"]
     assert all(f.endswith(".fpat") for f in loaded_files())
     assert get_activation("swiglu").loc.file.endswith("activations.fpat")
     with pytest.raises(KeyError, match="unknown activation 'swiglo' \\(did you mean 'swiglu'\\?\\)"):

@@ -136,7 +136,6 @@ fusion gemm_clamp_user {
         gemm:  GroupLinear
         clamp: Clamp
     }
-    epilogue = clamp
 }
 """
 

@@ -90,4 +90,4 @@ def test_explain_with_builtins_names_the_files():
     text = demo_block().explain()
     assert "pattern gemm_act [patterns/moe.fpat:" in text
     assert "pattern dgrad_dact [patterns/moe.fpat:" in text
-    assert "0 elementwise computations fall back" in text
+    assert "elementwise ops unfused (0): none" in text

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fusion.patterns.activation_semantics import expression_from_source
 from fusion.patterns.expr_ast import render_expression
-from fusion.patterns.loader import expression_from_source
 from fusion.patterns.parser import parse_expression
 from fusion.patterns.registry import activations, reset_to_builtins
 from fusion.runtime import torch_math

@@ -154,3 +154,73 @@ def test_export_emulated_block():
         exported = torch.export.export(block, (x,), kwargs=extra)
         assert "fusion.block_forward" in str(exported.graph)
         torch.testing.assert_close(exported.module()(x, **extra), block(x, **extra))
+
+
+def test_training_a_bf16_gated_block_of_odd_rows():
+    """GroupLinear(E, 64, 320) -> SwiGLU -> GroupLinear(E, 160, 64), bf16, 300 rows, training: the fake of
+    fusion::block_forward and the program agree on every saved value (shapes and strides), and compiled equals
+    eager."""
+    torch.manual_seed(0)
+    block = Sequential(GroupLinear(E, 64, 320), SwiGLU(), GroupLinear(E, 160, 64), backend="emulate")
+    block = block.to(torch.bfloat16)
+    x, sizes = torch.randn(300, 64, dtype=torch.bfloat16), torch.tensor([100, 50, 0, 150])
+    dy = torch.randn(300, 64, dtype=torch.bfloat16)
+    eager = copy.deepcopy(block)
+    got = forward_backward(torch.compile(block, fullgraph=True), x, {"group_sizes": sizes}, dy)
+    want = forward_backward(eager, x, {"group_sizes": sizes}, dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+VIEW_FILE = """
+activation pass_up(gate, up) {
+    forward = up
+}
+"""
+
+
+def test_saved_values_that_are_views_come_out_as_the_fake_says(tmp_path):
+    """A program value may be a view: here the activation returns its `up` half, a (rows, f) view with stride
+    2f of its saved input. The op returns what its fake promises: contiguous, aliasing no other output."""
+    path = tmp_path / "view.fpat"
+    path.write_text(VIEW_FILE)
+    fusion.load_patterns(path)
+    torch.manual_seed(0)
+    # out_features 24 / in_features 12: no built-in pattern applies, the emulated program runs every op
+    block = Sequential(GroupLinear(E, D, 24), Activation("pass_up"), GroupLinear(E, 12, D), backend="emulate")
+    x, extra = inputs(block)
+    dy = torch.randn(x.shape[0], D)
+    eager = copy.deepcopy(block)
+    got = forward_backward(torch.compile(block, fullgraph=True), x, extra, dy)
+    want = forward_backward(eager, x, extra, dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_inference_of_a_block_ending_in_a_quantize_op(columnwise):
+    """fullgraph inference of an emulated block whose output is a QuantizedTensor: the traced side rebuilds it
+    without running anything on the meta device (dynamo cannot enter that context)."""
+    block = Sequential(GroupLinear(E, D, 2 * F), SwiGLU(), QuantizeMXFP8(columnwise=columnwise), backend="emulate")
+    x, extra = inputs(block)
+    with torch.no_grad():
+        got = torch.compile(block, fullgraph=True)(x, **extra)
+        want = block(x, **extra)
+    assert type(got) is type(want) and got.shape == want.shape
+    torch.testing.assert_close(got.dequantize(), want.dequantize())
+    if columnwise:
+        torch.testing.assert_close(got.dequantize(columnwise=True), want.dequantize(columnwise=True))
+
+
+@pytest.mark.parametrize("op", [QuantizeMXFP8(), QuantizeMXFP8(columnwise=False), QuantizeNVFP4(),
+                                QuantizeNVFP4(columnwise=False)], ids=repr)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_quantized_layout_is_what_the_quantize_op_returns(op, grouped):
+    """custom_ops._layout (from the op's attributes) names the buffers a real run returns, in order."""
+    from fusion.ops.base import RunContext
+    from fusion.runtime.custom_ops import _buffer_names, _layout
+
+    sizes = torch.tensor([40, 24]) if grouped else None
+    value = op.reference(torch.randn(64, 64), RunContext(group_sizes=sizes))
+    names, meta = _layout(op, torch.float32)
+    assert names == _buffer_names(value) and meta == value.__tensor_flatten__()[1]

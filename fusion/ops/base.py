@@ -40,6 +40,15 @@ class OpSpec:
     def gated(self) -> bool:
         return bool(self.attrs.get("gated", False))
 
+    @property
+    def grad_reads_input(self) -> bool:
+        """Whether the op's gradient needs the value entering it, so the forward must keep it (or the backward
+        recompute it): a GEMM (its wgrad), an activation, a clamp, a per-row scale. The planner's dataflow and
+        the matcher's check of a pattern's `save` both ask this."""
+        if self.kind in ("gemm", "activation") or self.name == "Clamp":
+            return True
+        return self.name == "Scale" and bool(self.attrs.get("per_row"))
+
     def signature(self) -> tuple:
         """Hashable identity used for plan caching."""
         return (self.name, self.kind, tuple(sorted(self.attrs.items())), self.extra_inputs)

@@ -11,6 +11,7 @@ programs (fusion/runtime/compile_worker.py).
 from __future__ import annotations
 
 import os
+import warnings
 import threading
 
 import torch
@@ -24,10 +25,17 @@ from fusion.runtime.steps import FusedForward
 from fusion.targets import kernel_target
 
 
+#: What compiling a backend="reference" block does: nothing (Sequential.compile and compile_plan say so).
+REFERENCE_COMPILES_NOTHING = ("fusion: compile() of a block built with backend='reference' compiles nothing: every "
+                              "op runs its reference (unfused) path; build it with backend='auto' to run fused "
+                              "kernels")
+
+
 def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob]:
     """One job per fused kernel the block's plan can launch: a forward step's training variant (which also
-    writes the value the backward reads) and inference variant, and each fused backward step's kernel."""
-    plan = plan_for(seq, dtype=dtype, target=target)
+    writes the value the backward reads) and inference variant, and each fused backward step's kernel. The plan
+    honours the block's backend: a backend="reference" block launches no kernel, so it has no job."""
+    plan = plan_for(seq, dtype=dtype, target=target, backend=getattr(seq, "backend", None))
     program = BlockProgram(seq, plan, "cute")
     jobs = []
     for runner in program.fused_runners():
@@ -76,4 +84,7 @@ def compile_plan(seq, dtype: torch.dtype = torch.bfloat16, target: str = "sm_90a
     """Sequential.compile: every fused kernel of the plan for (dtype, target), compiled ahead of time.
     `target` is read by fusion.targets (one parser for every entry point): "sm_90a" or "sm_90"."""
     target = kernel_target(target)
+    if getattr(seq, "backend", None) == "reference":
+        warnings.warn(REFERENCE_COMPILES_NOTHING, stacklevel=2)
+        return []
     return compile_jobs(plan_jobs(seq, dtype, target), parallel=parallel, progress=progress)

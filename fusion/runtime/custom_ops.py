@@ -78,16 +78,24 @@ def _flatten(value) -> list[torch.Tensor]:
     return [value]
 
 
+def _layout(op, dtype) -> tuple[list[str], tuple]:
+    """(the buffers the ops pass, the flatten metadata) of the quantize op's output: what `__tensor_flatten__` of
+    its QuantizedTensor gives, read from the op's attributes alone. The traced side (compiled_forward) needs it,
+    and may run nothing to find it: dynamo cannot enter a meta-device context (tests check it equals the meta
+    run's)."""
+    names = [n for n in QuantizedTensor._BUFFER_NAMES
+             if n != "group_sizes" and (op.columnwise or not n.startswith("columnwise"))]
+    return names, (op.format, dtype)
+
+
 def _unflatten(seq, name: str, tensors: list, rows: int, features: int, dtype, group_sizes=None):
     """(value, tensors left) rebuilt from the front of `tensors`."""
     op = _quantize_op_of(seq, name)
     if op is None:
         return tensors[0], tensors[1:]
-    meta_value = _meta_quantized(op, rows, features, dtype, group_sizes)
-    names = _buffer_names(meta_value)
-    _, meta = meta_value.__tensor_flatten__()
+    names, meta = _layout(op, dtype)
     inner = dict(zip(names, tensors[:len(names)]))
-    if meta_value.group_sizes is not None:
+    if op.columnwise and group_sizes is not None:  # the columnwise blocks are per group
         inner["group_sizes"] = group_sizes
     return QuantizedTensor.__tensor_unflatten__(inner, meta, torch.Size((rows, features)), None), tensors[len(names):]
 
@@ -98,6 +106,34 @@ def _meta_quantized(op, rows: int, features: int, dtype, group_sizes=None):
     sizes = None if group_sizes is None else torch.empty(group_sizes.shape, dtype=group_sizes.dtype, device="meta")
     with torch.device("meta"):
         return op.reference(torch.empty(rows, features, dtype=dtype, device="meta"), RunContext(group_sizes=sizes))
+
+
+def _as_promised(tensors: list, plain: list, inputs: list) -> list[torch.Tensor]:
+    """The op's outputs as its fake promises them: a plain value row-major contiguous (the fake allocates each as
+    a new (rows, features) tensor), and no output sharing memory with an input or another output (torch forbids
+    a custom op to alias). A program value may be neither, e.g. a saved value that is one half of a gated input
+    (stride 2f where the fake says f) or the same tensor saved twice: it is copied; others are returned as is.
+    A QuantizedTensor's buffer keeps its strides (its fake copies the quantize op's own meta buffers)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
+    out = []
+    for t, is_plain in zip(tensors, plain):
+        if is_plain and t.stride() != _row_major(t.shape):  # (not is_contiguous(): an empty view passes that)
+            t = t.clone(memory_format=torch.contiguous_format)
+        elif t.numel() and t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        if t.numel():
+            seen.add(t.untyped_storage().data_ptr())
+        out.append(t)
+    return out
+
+
+def _row_major(shape) -> tuple[int, ...]:
+    """The strides of a new tensor of `shape` (what torch.empty gives, empty dimensions included)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _rows(seq, i: int, x_rows: int, index: Optional[torch.Tensor]) -> int:
@@ -152,7 +188,10 @@ def block_forward(key: int, x: torch.Tensor, params: list[torch.Tensor], group_s
         y, saved = program.forward(x, ctx, train)
     values = dict(zip(program.plan.saves, saved))
     values[f"v{len(seq.ops)}"] = y
-    return [t for name in _outputs(seq, program, train) for t in _flatten(values[name])]
+    names = _outputs(seq, program, train)
+    tensors = [t for name in names for t in _flatten(values[name])]
+    plain = [_quantize_op_of(seq, name) is None for name in names for _ in _flatten(values[name])]
+    return _as_promised(tensors, plain, [x, *params, group_sizes, index, *floats])
 
 
 @block_forward.register_fake
@@ -193,9 +232,10 @@ def block_backward(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: tor
     out = [dx] + grads + extra
     shapes = [(x_rows, seq.features[0])] + [tuple(t.shape) for t in tensors]
     dtypes = [dy.dtype] + [t.dtype for t in tensors]
-    return [torch.zeros(shape, dtype=dt, device=dy.device) if g is None and need else
-            (dy.new_empty(0) if g is None else g.to(dt))
-            for g, shape, dt, need in zip(out, shapes, dtypes, needs)]
+    grads = [torch.zeros(shape, dtype=dt, device=dy.device) if g is None and need else
+             (dy.new_empty(0) if g is None else g.to(dt))
+             for g, shape, dt, need in zip(out, shapes, dtypes, needs)]
+    return _as_promised(grads, [True] * len(grads), [dy, *saved, x, *params, group_sizes, index, *floats])
 
 
 @block_backward.register_fake
@@ -209,7 +249,7 @@ def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
 def _setup(ctx, inputs, output):
     key, x, params, group_sizes, index, floats, train = inputs
     seq = _block(key)
-    n_out = len(_flatten_count(seq, x, index, group_sizes, output))
+    n_out = len(_flatten_count(seq, x, output))
     ctx.key, ctx.rows, ctx.n_params, ctx.n_out = key, x.shape[0], len(params), n_out
     ctx.needs = [x.requires_grad, *(p.requires_grad for p in params), *(f.requires_grad for f in floats)]
     ctx.has_gs, ctx.has_index = group_sizes is not None, index is not None
@@ -219,14 +259,10 @@ def _setup(ctx, inputs, output):
     ctx.n_saved, ctx.n_floats = len(output) - n_out, len(floats)
 
 
-def _flatten_count(seq, x, index, group_sizes, output) -> list:
+def _flatten_count(seq, x, output) -> list:
     """The tensors of the block output among the op's outputs (one, or a QuantizedTensor's buffers)."""
-    name = f"v{len(seq.ops)}"
-    op = _quantize_op_of(seq, name)
-    if op is None:
-        return output[:1]
-    meta = _meta_quantized(op, _rows(seq, len(seq.ops), x.shape[0], index), seq.features[-1], x.dtype, group_sizes)
-    return output[:len(_flatten(meta))]
+    op = _quantize_op_of(seq, f"v{len(seq.ops)}")
+    return output[:1] if op is None else output[:len(_layout(op, x.dtype)[0])]
 
 
 def _backward(ctx, grads):

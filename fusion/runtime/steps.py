@@ -17,7 +17,7 @@ import torch
 from fusion.codegen import slots
 from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forward_spec
-from fusion.dataflow import out_grad, v
+from fusion.dataflow import index_of, out_grad, v
 from fusion.grouped import linear_dgrad, linear_wgrad
 from fusion.ops.base import RunContext
 from fusion.runtime.kernel import make_job
@@ -119,17 +119,17 @@ class FusedForward(_KernelStep):
         if self.gemm.spec.kind != "gemm":
             raise Unsupported(f"pattern {step.pattern}: op {step.ops[0]} {self.gemm.describe()} comes before the GEMM "
                               f"(loads through an index); this runtime's forward kernels start with the GEMM")
-        self.spec: EpilogueSpec = forward_spec(self.ops)
-        self.gated, self.b_major = self.spec.gated, "K"
         self.input, self.output = v(step.ops[0]), v(step.ops[-1] + 1)
-        self.saved = None
+        # What the pattern's `save` names (fusion/dataflow.py): the training kernel writes exactly that.
         wanted = [name for name in step.writes if name != self.output]
-        if self.spec.saved is not None:
-            self.saved = v(step.ops[0] + self.spec.saved_position)
-        if wanted and wanted != [self.saved]:
-            raise Unsupported(f"pattern {step.pattern} saves {', '.join(step.saves)} ({', '.join(wanted)}) but its "
-                              f"kernel can write {self.saved or 'nothing'} for the backward")
-        self.writes_saved = bool(wanted)
+        if len(wanted) > 1:
+            raise Unsupported(f"pattern {step.pattern} saves {', '.join(wanted)}; its kernel writes one value for "
+                              f"the backward")
+        self.saved = wanted[0] if wanted else None
+        self.spec: EpilogueSpec = forward_spec(self.ops, None if self.saved is None else
+                                               index_of(self.saved) - step.ops[0])
+        self.gated, self.b_major = self.spec.gated, "K"
+        self.writes_saved = self.saved is not None
         self.origin = f"pattern {step.pattern} [{step.pattern_loc}], ops {list(step.ops)}"
         self._shared_bias = {}
         self._in_slots = self.spec.forward_slots(False)[0]
