@@ -3,7 +3,8 @@
 Each slot knows three things: the name the kernel's Epilogue class declares for it (`kernel_name`), how it is
 declared (`declaration`: one of the kernel protocol's RowVector / GroupVector / AuxInput / Output /
 MXFP8Output), and the names `apply` receives or returns for it (`values`: two for a paired (gate, up) slot).
-The runtime binds tensors to slots by type (fusion/runtime/bind.py), so no string is ever parsed back.
+The runtime binds tensors to slots by type (the step runners of fusion/runtime/steps.py), so no string is ever
+parsed back.
 
 Paired tensors use the canonical layout of the GroupLinear weight: gate half in columns [0, n), up half in
 [n, 2n).
