@@ -85,13 +85,14 @@ def test_promotion_overlaps_the_next_wgmma_where_it_fits(name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_stage_expects_data_and_scales(name):
-    """One mbarrier transaction per stage covers the A and B tiles, tile_m activation scales and one 16-byte
-    box per weight-scale slot; the producer issues one 1-D TMA per scale box."""
+    """One mbarrier transaction per stage covers the A and B tiles, tile_m + 4 activation scales (a box from
+    an aligned start) and one 16-byte box per weight-scale slot; the producer issues one 1-D TMA per scale
+    box."""
     epi, N, K_, G, over = CASES[name]
     comp = _compile(name)
     cfg = comp.config
     slots = num_slots(plan_segments(cfg.tile_n, N, epi.gated))
-    tx = (cfg.tile_m + cfg.tile_n) * cfg.tile_k + 4 * cfg.tile_m + 16 * slots
+    tx = (cfg.tile_m + cfg.tile_n) * cfg.tile_k + 4 * (cfg.tile_m + 4) + 16 * slots
     assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s+mbarrier\.arrive\.expect_tx", comp.ptx), tx
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d", comp.ptx)) == 1 + slots
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d", comp.ptx)) == (2 if epi.gated else 1)
