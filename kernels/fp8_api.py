@@ -22,8 +22,8 @@ from fusion.errors import DeviceError, KernelConfigError, ShapeError
 from .api import (COMPILE_OPTIONS, CompiledGroupedGemm, GemmConfig, _dtype_name, _fake_ptr, _slot_dtypes,
                   allocate_outputs, current_stream, epilogue_pointers, launch_grid, offsets_from_group_sizes)
 from .epilogue import Epilogue, IdentityEpilogue, MXFP8Output
-from .fp8_gemm import OVERLAP_MAX_TILE_N, SB_SLOT_FLOATS, Fp8GroupedGemmKernel
-from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
+from .fp8_gemm import OVERLAP_MAX_TILE_N, SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
+from .fp8_scales import SA_STAGE_FLOATS, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments
 
 __all__ = ["choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm", "run_fp8_grouped_gemm",
            "fp8_grouped_gemm", "CompiledFp8GroupedGemm"]
@@ -37,8 +37,8 @@ _FP8_TORCH = (torch.uint8, torch.float8_e4m3fn)
 
 def _stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
     """Shared memory of one pipeline stage: A and B tiles (one byte per element, tile_k = 128), the tile's
-    activation scales and one 128-byte box per weight-scale slot."""
-    return (tile_m + tile_n) * SCALE_BLOCK + 4 * tile_m + 4 * SB_SLOT_FLOATS * slots
+    activation scales (one aligned box, padded to 128 bytes) and one 128-byte box per weight-scale slot."""
+    return (tile_m + tile_n) * SCALE_BLOCK + 4 * SA_STAGE_FLOATS + 4 * SB_SLOT_FLOATS * slots
 
 
 def choose_fp8_config(N: int, K: int, G: int, gated: bool = False) -> GemmConfig:
@@ -108,7 +108,9 @@ class CompiledFp8GroupedGemm(CompiledGroupedGemm):
         super().__init__(fn, kernel, config, epilogue, out_dtype, N, K, G, ptx, cubin, smem)
         self.name = (f"fp8_grouped_gemm_{type(epilogue).__name__}_{out_dtype}_N{N}_K{K}_G{G}_"
                      f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}"
-                     + ("_dyn" if config.dynamic else "") + ("_ovl" if kernel.overlap else ""))
+                     + ("_dyn" if config.dynamic else "") + ("_ovl" if kernel.overlap else "")
+                     + ("" if kernel.debug.scales == "tma" else f"_scales-{kernel.debug.scales}")
+                     + ("" if kernel.debug.reg_realloc else "_noregs"))
         self.overlap = kernel.overlap
         self.k_blocks = -(-K // SCALE_BLOCK)
         self.b_scale_shape = (G, -(-N // SCALE_BLOCK), self.k_blocks)
@@ -123,26 +125,31 @@ _LOCK = threading.Lock()
 
 def compile_fp8_grouped_gemm(config: GemmConfig, epilogue: Epilogue, N: int, K: int, G: int,
                              out_dtype="bfloat16", target: str = "sm_90a",
-                             overlap: Optional[bool] = None) -> CompiledFp8GroupedGemm:
-    """Compile (cached in memory by config, epilogue code, out dtype, N, K, G, overlap); M stays dynamic.
+                             overlap: Optional[bool] = None,
+                             debug: Optional[Fp8DebugKnobs] = None) -> CompiledFp8GroupedGemm:
+    """Compile (cached in memory by config, epilogue code, out dtype, N, K, G, overlap, debug); M stays dynamic.
 
     ``overlap``: fold each k-tile into the accumulator while the next k-tile's wgmma runs (a second scratch
     fragment); None = where it fits in registers (tile_n <= 128, and the kernel does not spill: a heavy
-    epilogue is built without it)."""
+    epilogue is built without it). ``debug``: :class:`kernels.fp8_gemm.Fp8DebugKnobs`, build variants that
+    isolate a device fault (bench/fp8_bisect.py); None = the kernel."""
     out_dtype = _dtype_name(out_dtype)
     check_fp8_config(config, epilogue, N, K, out_dtype, target)
     if overlap and config.tile_n > OVERLAP_MAX_TILE_N:
         raise KernelConfigError(f"overlap=True needs tile_n <= {OVERLAP_MAX_TILE_N} (three fp32 fragments of "
                                 f"tile_n / 2 registers per thread), got {config.tile_n}")
-    key = (config, epilogue.cache_key(), out_dtype, N, K, G, target, overlap)
+    debug = debug or Fp8DebugKnobs()
+    if debug.scales not in SCALE_MODES:
+        raise KernelConfigError(f"Fp8DebugKnobs.scales = {debug.scales!r}: one of {', '.join(SCALE_MODES)}")
+    key = (config, epilogue.cache_key(), out_dtype, N, K, G, target, overlap, debug)
     with _LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    res = _build(config, epilogue, out_dtype, N, K, G, overlap)
+    res = _build(config, epilogue, out_dtype, N, K, G, overlap, debug)
     if overlap is None and res.overlap and res.frame_size:
         # the second scratch fragment leaves a heavy epilogue too few registers: fold without overlap
-        serial = _build(config, epilogue, out_dtype, N, K, G, False)
+        serial = _build(config, epilogue, out_dtype, N, K, G, False, debug)
         if not serial.frame_size:
             res = serial
     with _LOCK:
@@ -150,8 +157,8 @@ def compile_fp8_grouped_gemm(config: GemmConfig, epilogue: Epilogue, N: int, K: 
     return res
 
 
-def _build(config, epilogue, out_dtype, N, K, G, overlap) -> CompiledFp8GroupedGemm:
-    kern = Fp8GroupedGemmKernel(config, epilogue, out_dtype, overlap)
+def _build(config, epilogue, out_dtype, N, K, G, overlap, debug) -> CompiledFp8GroupedGemm:
+    kern = Fp8GroupedGemmKernel(config, epilogue, out_dtype, overlap, debug)
     ptrs = tuple(_fake_ptr(d, 1 if d == "uint8" else 4) for d in _slot_dtypes(epilogue, out_dtype))
     i32 = make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
     from cutlass.runtime import make_fake_stream

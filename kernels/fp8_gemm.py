@@ -16,9 +16,12 @@ Each k-tile's wgmma partial sum goes to a scratch fp32 fragment, which the consu
 accumulator with the scales applied (``acc += part * sa * sb``): the promotion that keeps the tensor cores'
 limited-precision FP8 accumulation to 128 products (kernels/fp8_mainloop.py).
 
-Scales travel with the data: besides the A and B tiles, the producer's TMA loads ``tile_m`` consecutive
+Scales travel with the data: besides the A and B tiles, the producer's TMA loads ``tile_m + 4`` consecutive
 floats of ``sa`` (a 1-D view of the whole tensor, so M needs no alignment) and one 16-byte box of ``sb``
-per scale slot (kernels/fp8_scales.py) into each stage, under the same mbarrier.
+per scale slot (kernels/fp8_scales.py) into each stage, under the same mbarrier. A TMA box must start on a
+16-byte boundary of its innermost dimension (an unaligned start traps: "illegal instruction"), so every
+scale box starts at the wanted float rounded down to a multiple of 4 and the consumers read ``shift =
+coordinate % 4`` floats into it (:class:`Fp8DebugKnobs` keeps the unaligned start, for the bisect only).
 
 Cooperative warp roles: warpgroup 0 is the producer, warpgroups 1..2 each own 64 rows of a 128-row tile.
 The scheduler (kernels/scheduler.py) and the epilogue protocol (kernels/tile_epilogue.py) are the bf16
@@ -29,6 +32,8 @@ launch, and the kernel's prologue.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
@@ -38,21 +43,36 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .epilogue import Epilogue
 from .fp8_mainloop import Fp8WarpRoles
-from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
+from .fp8_scales import SA_BOX, SA_STAGE_FLOATS, SB_BOX, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments
 from .scheduler import TileScheduler
 from .tile_epilogue import TileEpilogue
 
-__all__ = ["Fp8GroupedGemmKernel"]
+__all__ = ["Fp8GroupedGemmKernel", "Fp8DebugKnobs"]
 
 FP8 = cutlass.Float8E4M3FN
-SB_BOX = 4          # floats per TMA box of weight scales (the 16-byte minimum; the first one is used)
-SB_SLOT_FLOATS = 32  # each slot's smem box starts on a 128-byte boundary
 OVERLAP_MAX_TILE_N = 128
+SCALE_MODES = ("tma", "unaligned", "off")
+
+
+@dataclass(frozen=True)
+class Fp8DebugKnobs:
+    """Build variants that isolate a device fault (bench/fp8_bisect.py); the defaults are the kernel.
+
+    ``scales``: "tma" (aligned scale boxes), "unaligned" (boxes start at the wanted float itself: the
+    original layout, which traps where a start is not 16-byte aligned), "off" (no scale loads; the
+    promotion multiplies by 1, so the kernel computes the product of the raw E4M3 codes).
+    ``reg_realloc``: False leaves out ``setmaxnreg`` (every warpgroup keeps the launch's 168 registers; the
+    consumers may then spill)."""
+    scales: str = "tma"
+    reg_realloc: bool = True
 
 
 class Fp8GroupedGemmKernel(Fp8WarpRoles):
-    def __init__(self, config, epilogue: Epilogue, out_dtype: str = "bfloat16", overlap=None):
+    def __init__(self, config, epilogue: Epilogue, out_dtype: str = "bfloat16", overlap=None,
+                 debug: Fp8DebugKnobs = Fp8DebugKnobs()):
+        assert debug.scales in SCALE_MODES, debug
         self.cfg = config
+        self.debug = debug
         self.epi = epilogue
         self.ab_dtype = FP8
         self.acc_dtype = Float32
@@ -125,7 +145,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         )
         self.sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
         self.sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
-        self.sSA_layout = cute.make_layout((self.tile_m, self.stages))
+        self.sSA_layout = cute.make_layout((SA_BOX, self.stages), stride=(1, SA_STAGE_FLOATS))
         self.sSB_layout = cute.make_layout((SB_BOX, self.slots, self.stages),
                                            stride=(1, SB_SLOT_FLOATS, SB_SLOT_FLOATS * self.slots))
         sA_one = cute.slice_(self.sA_layout, (None, None, 0))
@@ -139,14 +159,15 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         sB_box = cute.tile_to_shape(atom, b_box, order=(0, 1)) if const_expr(self.gated) else sB_one
         tma_b, tma_tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_box, b_box)
         tma_sa, tma_tSA = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mSA, cute.make_layout((self.tile_m,)), (self.tile_m,)
+            cpasync.CopyBulkTensorTileG2SOp(), mSA, cute.make_layout((SA_BOX,)), (SA_BOX,)
         )
         tma_sb, tma_tSB = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mSB, cute.make_layout((SB_BOX,)), (SB_BOX,)
         )
         # out-of-bounds box elements are zero-filled and still counted by the transaction
-        self.tx_bytes = (cute.size_in_bytes(FP8, sA_one) + cute.size_in_bytes(FP8, sB_one)
-                         + 4 * (self.tile_m + SB_BOX * self.slots))
+        self.tx_bytes = cute.size_in_bytes(FP8, sA_one) + cute.size_in_bytes(FP8, sB_one)
+        if const_expr(self.debug.scales != "off"):
+            self.tx_bytes += 4 * (SA_BOX + SB_BOX * self.slots)
 
         @cute.struct
         class SharedStorage:
@@ -205,11 +226,13 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
-            cute.arch.warpgroup_reg_dealloc(40)
+            if const_expr(self.debug.reg_realloc):
+                cute.arch.warpgroup_reg_dealloc(40)
             if warp_idx == 0:
                 self.produce(tma_a, mA, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
                              bidx, grid, extras=(tma_sa, mSA, tma_sb, mSB, sSA, sSB, M))
         else:
-            cute.arch.warpgroup_reg_alloc(232)
+            if const_expr(self.debug.reg_realloc):
+                cute.arch.warpgroup_reg_alloc(232)
             self.consume_fp8(tiled_mma, tiled_mma_log, sA, sB, sSA, sSB, mOffs, epi_tensors, ab_pipe,
-                             sched_pipe, sTile, tidx, bidx, grid)
+                             sched_pipe, sTile, tidx, bidx, grid, M)

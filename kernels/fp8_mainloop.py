@@ -2,10 +2,12 @@
 wgmma consumers that promote every k-tile's partial sums into an fp32 accumulator with the scales applied.
 
 - producer: :meth:`kernels.mainloop.WarpRoles.produce` (A and B tiles, gated half boxes, both schedulers);
-  its per-stage hooks add the scales of the k-tile: ``tile_m`` floats of the activation scales
-  (``sa[kt, row0 : row0 + tile_m]``, one TMA box of the flat 1-D view) and one 16-byte box per weight-scale
-  slot (``sb[g, block, kt]``, kernels/fp8_scales.py). They land in the stage's scale buffers under the
-  stage's mbarrier, so a consumer that waited for the stage reads them from shared memory.
+  its per-stage hooks add the scales of the k-tile: the activation scales ``sa[kt, row0 : row0 + tile_m]``
+  (one TMA box of the flat 1-D view) and one 16-byte box per weight-scale slot (``sb[g, block, kt]``,
+  kernels/fp8_scales.py). Each box starts at its first wanted float rounded down to a 16-byte boundary (TMA
+  traps on an unaligned start); the consumers read ``box_shift`` floats into it. They land in the stage's
+  scale buffers under the stage's mbarrier, so a consumer that waited for the stage reads them from shared
+  memory.
 - consumers (warpgroups 1..2, 64 rows of the 128-row tile each), per k-tile: wgmma into a scratch fp32
   fragment ``part`` (zeroed by the first wgmma: ACCUMULATE off), read the row and block scales of the
   stage while it runs, wait, release the stage, then ``acc = part * (sa[row] * sb[slot]) + acc`` (one FFMA
@@ -20,10 +22,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .fp8_scales import SCALE_BLOCK, segment_of
+from .fp8_scales import SA_BOX, SB_BOX, SCALE_BLOCK, box_shift, box_start, segment_of
 from .mainloop import WarpRoles
 
 
@@ -40,7 +42,12 @@ class Fp8WarpRoles(WarpRoles):
 
     # ------------------------------------------------------------------ producer hooks
     def tile_extra_loads(self, extras, g, row0, n_idx):
-        """Per tile: the tile's first row, and the flat offset of ``sb[g, block, 0]`` of every slot."""
+        """Per tile: where k-tile 0's scales are in the flat views (:meth:`scale_coords`)."""
+        return self.scale_coords(g, row0, n_idx)
+
+    def scale_coords(self, g, row0, n_idx):
+        """The flat offsets of ``sa[0, row0]`` and of ``sb[g, block, 0]`` of every slot: k-tile ``kt``'s are
+        ``kt * M`` and ``kt`` further (producer and consumers compute the same)."""
         sb_rows = []
         for seg in self.segments:
             blk = seg.first_row(n_idx) // SCALE_BLOCK
@@ -49,18 +56,27 @@ class Fp8WarpRoles(WarpRoles):
                 sb_rows.append((g * self.n_blocks + blk + 1) * self.k_tiles)
         return row0, sb_rows
 
+    def box_start(self, coord):
+        return coord if self.debug.scales == "unaligned" else box_start(coord)
+
+    def box_shift(self, coord):
+        return 0 if self.debug.scales == "unaligned" else box_shift(coord)
+
     def stage_extra_loads(self, extras, tile_extra, kt, stage, bar):
-        """k-tile ``kt``'s scales into ``stage``: ``sa[kt, row0 : row0 + tile_m]`` and ``sb[g, block, kt]``
-        per slot (rows past M and blocks past the tensor read zeros; both only reach masked outputs)."""
+        """k-tile ``kt``'s scales into ``stage``: the box holding ``sa[kt, row0 : row0 + tile_m]`` and, per
+        slot, the one holding ``sb[g, block, kt]`` (floats past the tensor read zeros; they only reach
+        masked outputs)."""
+        if self.debug.scales == "off":
+            return
         tma_sa, mSA, tma_sb, mSB, sSA, sSB, M = extras
         row0, sb_rows = tile_extra
         one = cute.make_layout(1)
-        gSA = cute.local_tile(cute.domain_offset((kt * M + row0,), mSA), (self.tile_m,), (0,))
+        gSA = cute.local_tile(cute.domain_offset((self.box_start(kt * M + row0),), mSA), (SA_BOX,), (0,))
         tSAs, tSAg = cpasync.tma_partition(tma_sa, 0, one, cute.group_modes(sSA, 0, 1),
                                            cute.group_modes(gSA, 0, 1))
         cute.copy(tma_sa, tSAg, tSAs[(None, stage)], tma_bar_ptr=bar)
         for slot, base in enumerate(sb_rows):
-            gSB = cute.local_tile(cute.domain_offset((base + kt,), mSB), (cute.size(sSB, mode=[0]),), (0,))
+            gSB = cute.local_tile(cute.domain_offset((self.box_start(base + kt),), mSB), (SB_BOX,), (0,))
             tSBs, tSBg = cpasync.tma_partition(tma_sb, 0, one, cute.group_modes(sSB, 0, 1),
                                                cute.group_modes(gSB, 0, 1))
             cute.copy(tma_sb, tSBg, tSBs[(None, slot, stage)], tma_bar_ptr=bar)
@@ -103,45 +119,55 @@ class Fp8WarpRoles(WarpRoles):
         read_state.advance()
         return tiled_mma, read_state
 
-    def fold_k_tile(self, acc, frag, sSA, sSB, rows, bounds, ab_pipe, read_state, back):
-        """Fold a finished k-tile's ``frag`` into ``acc``: read its stage's scales (the stage ``back`` + 1
+    def read_scales(self, sSA, sSB, rows, coords, kt, stage):
+        """k-tile ``kt``'s scales from ``stage``: the thread's row scales and every slot's weight scale (1
+        when the scales are off)."""
+        if self.debug.scales == "off":
+            return [Float32(1.0) for _ in rows], [Float32(1.0) for _ in range(self.slots)]
+        row0, sb_rows, M = coords
+        sa_shift = self.box_shift(kt * M + row0)
+        row_scales = [sSA[(r + sa_shift, stage)] for r in rows]
+        slot_scales = [sSB[(self.box_shift(base + kt), s, stage)] for s, base in enumerate(sb_rows)]
+        return row_scales, slot_scales
+
+    def fold_k_tile(self, acc, frag, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state, back):
+        """Fold k-tile ``kt``'s finished ``frag`` into ``acc``: read its stage's scales (the stage ``back`` + 1
         behind ``read_state``), release the stage, promote."""
         stage = (read_state.index + (self.stages + back)) % self.stages
-        row_scales = [sSA[(r, stage)] for r in rows]
-        slot_scales = [sSB[(0, s, stage)] for s in range(self.slots)]
+        row_scales, slot_scales = self.read_scales(sSA, sSB, rows, coords, kt, stage)
         ab_pipe.consumer_release(_StageRef(stage))
         self.promote(acc, frag, row_scales, slot_scales, bounds)
 
     @cute.jit
-    def mainloop_overlapped(self, tiled_mma, acc, p0, p1, tCrA, tCrB, sSA, sSB, rows, bounds, ab_pipe,
+    def mainloop_overlapped(self, tiled_mma, acc, p0, p1, tCrA, tCrB, sSA, sSB, rows, bounds, coords, ab_pipe,
                             read_state):
         """Two scratch fragments: k-tile t + 1's wgmma runs while k-tile t is folded (3 x tile_n / 2
         registers of fp32 fragments per thread, so tile_n <= 128). Pairs of k-tiles per iteration keep
         the fragments' roles static; the k-tile count is a compile-time constant, so the tail is too."""
         T = self.k_tiles
         tiled_mma, read_state = self.issue_k_tile(tiled_mma, p0, tCrA, tCrB, ab_pipe, read_state)
-        for _ in cutlass.range((T - 1) // 2, unroll=1):
+        for i in cutlass.range((T - 1) // 2, unroll=1):
             tiled_mma, read_state = self.issue_k_tile(tiled_mma, p1, tCrA, tCrB, ab_pipe, read_state)
             warpgroup.wait_group(1)
-            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, ab_pipe, read_state, -2)
+            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, coords, 2 * i, ab_pipe, read_state, -2)
             tiled_mma, read_state = self.issue_k_tile(tiled_mma, p0, tCrA, tCrB, ab_pipe, read_state)
             warpgroup.wait_group(1)
-            self.fold_k_tile(acc, p1, sSA, sSB, rows, bounds, ab_pipe, read_state, -2)
+            self.fold_k_tile(acc, p1, sSA, sSB, rows, bounds, coords, 2 * i + 1, ab_pipe, read_state, -2)
         if T % 2 == 0:
             tiled_mma, read_state = self.issue_k_tile(tiled_mma, p1, tCrA, tCrB, ab_pipe, read_state)
             warpgroup.wait_group(1)
-            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, ab_pipe, read_state, -2)
+            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, coords, Int32(T - 2), ab_pipe, read_state, -2)
             warpgroup.wait_group(0)
-            self.fold_k_tile(acc, p1, sSA, sSB, rows, bounds, ab_pipe, read_state, -1)
+            self.fold_k_tile(acc, p1, sSA, sSB, rows, bounds, coords, Int32(T - 1), ab_pipe, read_state, -1)
         else:
             warpgroup.wait_group(0)
-            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, ab_pipe, read_state, -1)
+            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, coords, Int32(T - 1), ab_pipe, read_state, -1)
         return tiled_mma, read_state
 
     @cute.jit
     def consume_fp8(self, tiled_mma: cute.TiledMma, tiled_mma_log: cute.TiledMma, sA: cute.Tensor,
                     sB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple,
-                    ab_pipe, sched_pipe, sTile: cute.Tensor, tidx: Int32, bidx: Int32, grid: Int32):
+                    ab_pipe, sched_pipe, sTile: cute.Tensor, tidx: Int32, bidx: Int32, grid: Int32, M: Int32):
         ctid = tidx - 128
         thr_mma, tCrA, tCrB, tCcC = self.mma_operands(tiled_mma, tiled_mma_log, sA, sB, ctid)
         tCcP = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
@@ -164,16 +190,18 @@ class Fp8WarpRoles(WarpRoles):
             row0 = mOffs[g] + m_idx * self.tile_m
             row_end = mOffs[g + 1]
             bounds = self.split_bounds(n_idx)
+            tile_row0, sb_rows = self.scale_coords(g, row0, n_idx)
+            coords = (tile_row0, sb_rows, M)
 
             acc.fill(0.0)
             if const_expr(self.overlap):
-                tiled_mma, read_state = self.mainloop_overlapped(tiled_mma, acc, part, part2, tCrA, tCrB, sSA, sSB, rows,
-                                                      bounds, ab_pipe, read_state)
+                tiled_mma, read_state = self.mainloop_overlapped(tiled_mma, acc, part, part2, tCrA, tCrB, sSA, sSB,
+                                                                 rows, bounds, coords, ab_pipe, read_state)
             else:
                 for kt in cutlass.range(self.k_tiles, unroll=1):
                     tiled_mma, read_state = self.issue_k_tile(tiled_mma, part, tCrA, tCrB, ab_pipe, read_state)
                     warpgroup.wait_group(0)
-                    self.fold_k_tile(acc, part, sSA, sSB, rows, bounds, ab_pipe, read_state, -1)
+                    self.fold_k_tile(acc, part, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state, -1)
 
             self.tile_epi.run(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, self.N, None)
 

@@ -19,6 +19,25 @@ from dataclasses import dataclass
 
 SCALE_BLOCK = 128   # rows of B (and elements of K) per weight scale block; K elements per activation scale
 
+# The producer's TMA boxes of scales (1-D views of the float32 tensors). A box must start on a 16-byte boundary
+# of its innermost dimension (an unaligned start traps with "illegal instruction"), so a box starts at the
+# wanted float rounded down to a multiple of SCALE_ALIGN and the consumers read box_shift(coord) floats in.
+SCALE_ALIGN = 4                   # floats per 16 bytes
+SB_BOX = SCALE_ALIGN              # floats per box of weight scales: the aligned group holding the wanted one
+SB_SLOT_FLOATS = 32               # each slot's smem box starts on a 128-byte boundary
+SA_BOX = 128 + SCALE_ALIGN        # floats per box of activation scales: a 128-row tile's from an aligned start
+SA_STAGE_FLOATS = 160             # each stage's box starts on a 128-byte boundary
+
+
+def box_start(coord):
+    """The aligned start of the box holding float ``coord`` (a non-negative int or DSL integer)."""
+    return coord - (coord & (SCALE_ALIGN - 1))
+
+
+def box_shift(coord):
+    """Where float ``coord`` lies in the box that :func:`box_start` starts."""
+    return coord & (SCALE_ALIGN - 1)
+
 
 @dataclass(frozen=True)
 class Segment:

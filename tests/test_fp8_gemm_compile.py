@@ -11,7 +11,9 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import fusion.kernels as K  # noqa: E402
 from fusion.errors import DeviceError, KernelConfigError, ShapeError  # noqa: E402
-from fusion.kernels.fp8_scales import SCALE_BLOCK, num_slots, plan_segments, segment_of  # noqa: E402
+from fusion.kernels.fp8_gemm import Fp8DebugKnobs, Fp8GroupedGemmKernel  # noqa: E402
+from fusion.kernels.fp8_scales import (SA_BOX, SA_STAGE_FLOATS, SB_BOX, SB_SLOT_FLOATS, SCALE_ALIGN,  # noqa: E402
+                                       SCALE_BLOCK, box_shift, box_start, num_slots, plan_segments, segment_of)
 
 
 def _cfg(N, K_, G, gated=False, **over):
@@ -85,13 +87,14 @@ def test_promotion_overlaps_the_next_wgmma_where_it_fits(name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_stage_expects_data_and_scales(name):
-    """One mbarrier transaction per stage covers the A and B tiles, tile_m activation scales and one 16-byte
-    box per weight-scale slot; the producer issues one 1-D TMA per scale box."""
+    """One mbarrier transaction per stage covers the A and B tiles, tile_m + 4 activation scales (a box from
+    an aligned start) and one 16-byte box per weight-scale slot; the producer issues one 1-D TMA per scale
+    box."""
     epi, N, K_, G, over = CASES[name]
     comp = _compile(name)
     cfg = comp.config
     slots = num_slots(plan_segments(cfg.tile_n, N, epi.gated))
-    tx = (cfg.tile_m + cfg.tile_n) * cfg.tile_k + 4 * cfg.tile_m + 16 * slots
+    tx = (cfg.tile_m + cfg.tile_n) * cfg.tile_k + 4 * (cfg.tile_m + 4) + 16 * slots
     assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s+mbarrier\.arrive\.expect_tx", comp.ptx), tx
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d", comp.ptx)) == 1 + slots
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d", comp.ptx)) == (2 if epi.gated else 1)
@@ -140,6 +143,72 @@ def test_aligned_tiles_need_one_slot_per_segment():
 def test_a_segment_over_three_blocks_is_refused():
     with pytest.raises(ValueError, match="three"):
         plan_segments(176, 4096, False)
+
+
+# ---- TMA boxes of the scales: a box whose start is not 16-byte aligned along its (only) dimension traps
+def test_scale_boxes_start_aligned_and_hold_the_wanted_floats():
+    for c in range(4099):
+        start, shift = box_start(c), box_shift(c)
+        assert start % SCALE_ALIGN == 0 and start + shift == c
+        assert shift + 128 <= SA_BOX and shift < SB_BOX      # the tile's 128 rows / the block's scale are in the box
+    assert 4 * SA_BOX % 16 == 0 and 4 * SB_BOX % 16 == 0     # boxes of whole 16-byte units
+    assert 4 * SA_STAGE_FLOATS % 128 == 0 and SA_STAGE_FLOATS >= SA_BOX   # 128-byte aligned smem destinations
+    assert 4 * SB_SLOT_FLOATS % 128 == 0 and SB_SLOT_FLOATS >= SB_BOX
+
+
+def _box_starts(debug, sizes, N, K_, tile_n=128, gated=False):
+    """Every scale box start the producer computes (its trace-time methods on plain ints) for every tile and
+    k-tile of a problem, and whether the consumer's shift finds each wanted float in its box."""
+    epi = K.SwiGLUScaleEpilogue() if gated else K.IdentityEpilogue()
+    kern = Fp8GroupedGemmKernel(_cfg(N, K_, len(sizes), gated, tile_n=tile_n), epi, debug=debug)
+    kern.k_tiles, kern.n_blocks = -(-K_ // 128), -(-N // 128)
+    kern.segments = plan_segments(tile_n, N, gated)
+    M, offs = sum(sizes), [sum(sizes[:g]) for g in range(len(sizes) + 1)]
+    width = tile_n // 2 if gated else tile_n
+    starts, found = [], True
+    for g in range(len(sizes)):
+        for m in range(-(-sizes[g] // 128)):
+            for n_idx in range(-(-(N // 2 if gated else N) // width)):
+                row0, sb_rows = kern.scale_coords(g, offs[g] + m * 128, n_idx)
+                for kt in range(kern.k_tiles):
+                    for c in [kt * M + row0] + [b + kt for b in sb_rows]:
+                        starts.append(kern.box_start(c))
+                        found &= kern.box_start(c) + kern.box_shift(c) == c
+    return starts, found
+
+
+@pytest.mark.parametrize("sizes,N,K_,tile_n,gated", [
+    ([5, 0, 251, 1000, 3], 512, 640, 128, False),
+    ([1, 777], 4096, 1024, 192, False),
+    ([130, 99], 2 * 2888, 384, 128, True),
+])
+def test_every_scale_box_of_a_ragged_problem_starts_aligned(sizes, N, K_, tile_n, gated):
+    starts, found = _box_starts(Fp8DebugKnobs(), sizes, N, K_, tile_n, gated)
+    assert found and all(s % SCALE_ALIGN == 0 for s in starts)
+    old, found = _box_starts(Fp8DebugKnobs(scales="unaligned"), sizes, N, K_, tile_n, gated)
+    assert found and any(s % SCALE_ALIGN for s in old)        # the original layout: what trapped
+
+
+@pytest.mark.parametrize("knobs", [Fp8DebugKnobs(scales="off"), Fp8DebugKnobs(scales="unaligned"),
+                                   Fp8DebugKnobs(reg_realloc=False)], ids=str)
+def test_debug_knobs_build_what_they_say(knobs):
+    """bench/fp8_bisect.py's variants: no scale TMA (the transaction counts A and B only), the original box
+    starts, no setmaxnreg. Each is its own cached kernel, named for its knobs."""
+    N, K_, G = 1024, 512, 8
+    comp = K.compile_fp8_grouped_gemm(_cfg(N, K_, G), K.IdentityEpilogue(), N, K_, G, debug=knobs)
+    off = knobs.scales == "off"
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d", comp.ptx)) == (0 if off else 2)
+    tx = 256 * 128 + (0 if off else 4 * SA_BOX + 4 * SB_BOX)
+    assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s+mbarrier\.arrive\.expect_tx", comp.ptx), tx
+    assert ("setmaxnreg" in comp.ptx) == knobs.reg_realloc
+    assert comp is not _compile("plain") and comp.name != _compile("plain").name
+    assert comp.frame_size == 0 or not knobs.reg_realloc
+
+
+def test_unknown_scale_mode_is_rejected():
+    with pytest.raises(KernelConfigError, match="scales"):
+        K.compile_fp8_grouped_gemm(_cfg(1024, 512, 8), K.IdentityEpilogue(), 1024, 512, 8,
+                                   debug=Fp8DebugKnobs(scales="none"))
 
 
 # ---- configurations and arguments the kernel refuses, by name (no compile)
