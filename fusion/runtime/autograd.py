@@ -47,12 +47,9 @@ class _BlockFunction(torch.autograd.Function):
 
 
 def run_program(runner, x: torch.Tensor, ctx):
-    """The block's output, with autograd through the program when anything needs a gradient."""
+    """The block's output, with autograd through the program when anything needs a gradient. (Eager only:
+    under torch.compile, Sequential.forward takes the custom ops of fusion/runtime/custom_ops.py instead.)"""
     program = runner.program
-    if torch.compiler.is_compiling():
-        from fusion.runtime.custom_ops import run_compiled
-
-        return run_compiled(runner, x, ctx)
     if not _needs_grad(runner, x, ctx):
         return program.forward(x, ctx, train=False)[0]
     return _BlockFunction.apply(program, ctx, x, *runner.params, *ctx.extra.values())
