@@ -7,8 +7,7 @@ small ops (sum, min, max, compares, an async assert, cumsum, pad), each costing 
 Hopper host: more than the whole budget of a fused call. This kernel does all of it in one launch of one
 warp, through the same integer-argument TVM-FFI path as the GEMMs (about 1 us of host time).
 
-Validation: a size outside [0, rows], or a sum other than `rows` (``at_most``: a sum above `rows`; the
-rows past the sum are padding that joins the last group), prints the problem on the device and traps, as
+Validation: a size outside [0, rows], or a sum other than `rows`, prints the problem on the device and traps, as
 torch's device asserts do: the error surfaces at the next synchronizing call, and the CUDA context is lost.
 
 Sums saturate at rows + 1, so no int32 or int64 wrap can make bad sizes look valid.
@@ -37,16 +36,14 @@ def _trap():
 
 class GroupBoundsKernel:
     """Trace-time parameters: ``G`` groups, the sizes' dtype ("int32", "int64", or None for one group of all
-    rows, a dense block), and ``at_most`` (sizes may sum to less than rows: MoE padding rows)."""
+    rows, a dense block)."""
 
-    def __init__(self, G: int, sizes_dtype: str | None, at_most: bool):
+    def __init__(self, G: int, sizes_dtype: str | None):
         self.G = G
         self.sizes_dtype = sizes_dtype
-        self.at_most = at_most
         self.per_lane = (G + LANES - 1) // LANES
-        bound = "at most" if at_most else "exactly"
-        self.message = (f"fusion: group_sizes must each be in [0, rows] and sum to {bound} rows = %d; got a sum "
-                        f"of %d (counted up to rows + 1) or a size out of range\n")
+        self.message = ("fusion: group_sizes must each be in [0, rows] and sum to exactly rows = %d; got a sum "
+                        "of %d (counted up to rows + 1) or a size out of range\n")
 
     @cute.jit
     def __call__(self, pSizes: cute.Pointer, pOut: cute.Pointer, rows: Int32, counters: Int32, stream):
@@ -95,10 +92,7 @@ class GroupBoundsKernel:
         total = cute.arch.shuffle_sync(scan, LANES - 1)
         before = scan - local
         if const_expr(self.sizes_dtype is not None):  # one group of all rows (dense) needs no check
-            if const_expr(self.at_most):
-                bad = bad | Int32(total > rows)
-            else:
-                bad = bad | Int32(total != rows)
+            bad = bad | Int32(total != rows)
             if cute.arch.vote_any_sync(bad != 0):
                 if lane == 0:
                     cute.printf(self.message, rows, total)
@@ -110,10 +104,7 @@ class GroupBoundsKernel:
             i = lane * self.per_lane + j
             running = running + values[j]
             if i < self.G:
-                bound = running
-                if const_expr(self.at_most):
-                    bound = cutlass.select_(i == self.G - 1, rows, running)
-                mOut[i + 1] = bound
+                mOut[i + 1] = running
         c = lane
         while c < counters:
             mOut[self.G + 1 + c] = Int32(0)
@@ -127,26 +118,26 @@ _LOCK = threading.Lock()
 class CompiledBounds:
     """A compiled prologue; `launch(sizes_ptr, out_ptr, rows, counters, stream)` with plain integers."""
 
-    def __init__(self, fn, G: int, sizes_dtype: str | None, at_most: bool):
-        self.G, self.sizes_dtype, self.at_most = G, sizes_dtype, at_most
+    def __init__(self, fn, G: int, sizes_dtype: str | None):
+        self.G, self.sizes_dtype = G, sizes_dtype
         self.launch = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else fn
 
 
-def compile_group_bounds(G: int, sizes_dtype: str | None, at_most: bool = False) -> CompiledBounds:
+def compile_group_bounds(G: int, sizes_dtype: str | None) -> CompiledBounds:
     """The prologue for `G` groups and sizes of `sizes_dtype` ("int32", "int64"; None: one group of all rows),
     compiled once per process (a second or two; it holds no tile configuration, so it is not disk-cached)."""
-    key = (G, sizes_dtype, at_most)
+    key = (G, sizes_dtype)
     with _LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
         return hit
     from cutlass.runtime import make_fake_stream
 
-    kern = GroupBoundsKernel(G, sizes_dtype, at_most)
+    kern = GroupBoundsKernel(G, sizes_dtype)
     sizes = make_ptr(cutlass_dtype(sizes_dtype or "int32"), 0, cute.AddressSpace.gmem, assumed_align=4)
     out = make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
     fn = cute.compile(kern, sizes, out, Int32(1), Int32(0), make_fake_stream(), options="--enable-tvm-ffi")
-    res = CompiledBounds(fn, G, sizes_dtype, at_most)
+    res = CompiledBounds(fn, G, sizes_dtype)
     with _LOCK:
         _CACHE[key] = res
     return res

@@ -22,7 +22,7 @@ from fusion.errors import GroupSizesError  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _sass(G: int, dtype, at_most: bool) -> str:
+def _sass(G: int, dtype) -> str:
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
@@ -33,7 +33,7 @@ def _sass(G: int, dtype, at_most: bool) -> str:
     from fusion.kernels.bounds import GroupBoundsKernel
     from fusion.kernels.dtypes import cutlass_dtype
 
-    kern = GroupBoundsKernel(G, dtype, at_most)
+    kern = GroupBoundsKernel(G, dtype)
     sizes = make_ptr(cutlass_dtype(dtype or "int32"), 0, cute.AddressSpace.gmem, assumed_align=4)
     out = make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
     with tempfile.TemporaryDirectory() as dump:
@@ -46,10 +46,9 @@ def _sass(G: int, dtype, at_most: bool) -> str:
         pytest.skip(str(e))
 
 
-@pytest.mark.parametrize("G,dtype,at_most", [(1, None, False), (8, "int32", False), (128, "int64", False),
-                                             (300, "int32", True)])
-def test_prologue_compiles_with_checks_and_without_spills(G, dtype, at_most):
-    sass = _sass(G, dtype, at_most)
+@pytest.mark.parametrize("G,dtype", [(1, None), (8, "int32"), (128, "int64"), (300, "int32")])
+def test_prologue_compiles_with_checks_and_without_spills(G, dtype):
+    sass = _sass(G, dtype)
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M)
     assert not any(o.startswith("LDL") for o in ops), "local-memory spills"  # (printf's arguments are stored)
     if dtype is not None:
@@ -88,17 +87,6 @@ def test_prologue_bounds_and_counters(G, dtype):
     compiled.launch(dev_sizes.data_ptr(), out.data_ptr(), rows, counters, torch.cuda.current_stream().cuda_stream)
     want = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0), torch.zeros(counters, dtype=torch.int64)])
     assert torch.equal(out.cpu().long(), want)
-
-
-@pytest.mark.gpu
-def test_prologue_at_most_puts_padding_in_the_last_group():
-    from fusion.kernels.bounds import compile_group_bounds
-
-    sizes = torch.tensor([3, 0, 4], device="cuda", dtype=torch.int32)
-    out = torch.full((4,), -1, dtype=torch.int32, device="cuda")
-    compile_group_bounds(3, "int32", at_most=True).launch(sizes.data_ptr(), out.data_ptr(), 10, 0,
-                                                          torch.cuda.current_stream().cuda_stream)
-    assert out.tolist() == [0, 3, 3, 10]
 
 
 _BAD_CALL = """

@@ -8,15 +8,12 @@ import importlib
 
 import pytest
 import torch
+from conftest import hopper_available
 
 pytestmark = pytest.mark.gpu
 
 
-def _hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-if not _hopper():
+if not hopper_available():
     pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
 
 import fusion.kernels as K  # noqa: E402

@@ -29,11 +29,11 @@ def torch_bounds(ctx, rows: int, device, counters: int) -> torch.Tensor:
 
 
 class DevicePrologue:
-    """The prologue kernel for a block with `groups` groups (1 and no group_sizes for a dense block).
-    `at_most`: the sizes may sum to fewer than the rows (MoE padding rows join the last group)."""
+    """The prologue kernel for a block with `groups` groups (1 and no group_sizes for a dense block). Blocks that
+    start with a Gather (sizes may sum to fewer than the routed rows, the rest padding) take `torch_bounds`."""
 
-    def __init__(self, groups: int, grouped: bool, at_most: bool = False):
-        self.groups, self.grouped, self.at_most = groups, grouped, at_most
+    def __init__(self, groups: int, grouped: bool):
+        self.groups, self.grouped = groups, grouped
         self._compiled: dict = {}
 
     def _kernel(self, sizes: torch.Tensor | None):
@@ -43,7 +43,7 @@ class DevicePrologue:
             from fusion.kernels.bounds import compile_group_bounds
 
             name = None if sizes is None else _SIZE_DTYPES[dtype]
-            compiled = self._compiled[dtype] = compile_group_bounds(self.groups, name, self.at_most)
+            compiled = self._compiled[dtype] = compile_group_bounds(self.groups, name)
         return compiled
 
     def __call__(self, sizes: torch.Tensor | None, rows: int, device: torch.device, counters: int) -> torch.Tensor:
