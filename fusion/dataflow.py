@@ -17,7 +17,9 @@ gradient of its first op's input:
 
 The values the backward reads that no earlier backward step wrote are the forward's saves. A saved value the
 forward does not produce (interior to a fused step whose pattern does not save it) is recomputed from the
-nearest value before it; the plan lists those, and explain() says so.
+nearest value before it that the forward produces, which is then saved too (a Gather fused into FC1's A loads
+leaves the gathered rows unwritten: FC1's wgrad regathers them from x); the plan lists those, and explain()
+says so.
 
 Rows: every value of a dense block has the rows of x (M). An MoE block's Gather turns token rows (T) into
 routed rows (M, one per (token, expert) pair: k per token without token rounding) and its Combine turns them
@@ -108,6 +110,10 @@ def annotate(infos, forward, backward, train: bool = True):
                 saves.append(name)
         written.update(s.writes)
     recomputed = tuple(name for name in saves if name not in produced)
+    for name in recomputed:  # the value each is recomputed from must be kept
+        base = v(max(index_of(p) for p in produced if p.startswith("v") and index_of(p) < index_of(name)))
+        if base not in saves:
+            saves.append(base)
     return forward, backward, tuple(saves), recomputed
 
 

@@ -245,6 +245,9 @@ def _saves_lines(plan: Plan) -> list[str]:
         i = index_of(name)
         what = "x (the block input)" if i == 0 else f"output of op {i - 1} {_short(plan.ops[i - 1])}"
         size = bytes_per_row(plan.ops, name)
+        if i == 0 and size is None:  # an MoE block's x: its width is the caller's
+            rows.append(f"  {name}: {what}")
+            continue
         unit = f" B per {_ROW_WORDS[rows_of(plan.ops, name)]}" if moe else " B/row"
         extra = " (recomputed in backward: the forward does not keep it)" if name in plan.recomputed else ""
         rows.append(f"  {name}: {what}, {'?' if size is None else f'{size:g}'}{unit}{extra}")

@@ -31,10 +31,9 @@ TEMPLATES: dict[str, KernelTemplate] = {
         KernelTemplate("grouped_gemm_dgrad", "backward", True,
                        "the grouped GEMM template computing a dgrad (dy @ W[g]) whose generated epilogue applies "
                        "the backward of the elementwise ops before the GEMM (fusion/runtime/steps.py)", saves=0),
-        KernelTemplate("grouped_gemm_gather", "forward", False,
-                       "the grouped GEMM loading its A rows through an index (an MoE block's Gather)",
-                       "no kernel on this target fuses a gather into the GEMM's A loads yet (Hopper has no TMA "
-                       "gather: it needs per-row cp.async or per-row TMA loads); Gather runs its reference"),
+        KernelTemplate("grouped_gemm_gather", "forward", True,
+                       "the grouped GEMM loading its A rows through the routing index (an MoE block's Gather): "
+                       "per-row cp.async by the producer warpgroup, B by TMA (kernels/mainloop.py)"),
         KernelTemplate("grouped_gemm_combine", "forward", False,
                        "the grouped GEMM summing each token's routed rows in its epilogue (an MoE block's Combine)",
                        "no kernel on this target fuses a combine into the GEMM's epilogue yet (a token's rows lie "

@@ -30,3 +30,7 @@ class RunContext:
     counters: torch.Tensor | None = None
     groups: int = 0
     backward_counters_used: bool = False
+    #: Values derived from the inputs once per call, by name, for the ops and steps that share them: the int32
+    #: index a gathering kernel loads through (fusion/runtime/steps.py), the token layout a Combine and a
+    #: Gather's backward sum by (fusion/ops/routing.py).
+    derived: dict[str, object] = field(default_factory=dict)

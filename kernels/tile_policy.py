@@ -67,7 +67,7 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     return GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major)
 
 
-def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool) -> tuple:
+def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool, gather: bool = False) -> tuple:
     """The tile configuration of a fused kernel (as GemmConfig fields, KernelJob.config): the heuristic, with one
     override: an epilogue reading a saved (M, n) tensor holds twice the values per thread, so it takes the
     128x128 pingpong tile that does not spill (tests/test_compile_plans.py checks the SASS)."""

@@ -72,19 +72,20 @@ def test_only_a_gather_may_precede_the_gemm():
 
 
 # -- explain --------------------------------------------------------------------------------------------------------
-def test_gather_and_combine_are_unfused_with_the_reason():
+def test_gather_fuses_into_fc1_and_combine_is_unfused_with_the_reason():
     plan = plan_for(moe_block(), dtype=torch.bfloat16, target="sm_90")
     forward = {fb.op: fb for fb in plan.fallbacks if fb.part == "forward"}
-    assert set(forward) == {0, 5}
-    assert any(r.startswith("gather_gemm [patterns/moe.fpat:") and "fuses a gather into the GEMM's A loads" in r
-               for r in forward[0].reasons), forward[0].reasons
+    assert set(forward) == {5}
     assert any(r.startswith("gemm_combine [patterns/moe.fpat:") and "fuses a combine into the GEMM's epilogue" in r
                for r in forward[5].reasons), forward[5].reasons
     text = moe_block().explain()
-    assert "no kernel on this target fuses a gather into the GEMM's A loads yet" in text
     assert "no kernel on this target fuses a combine into the GEMM's epilogue yet" in text
-    # FC1 + SwiGLU + Scale still run as one kernel
-    assert [(s.pattern, s.ops) for s in plan.forward if s.fused] == [("gemm_act", (1, 2, 3))]
+    # Gather (FC1's A loads) + FC1 + SwiGLU + Scale run as one kernel
+    assert [(s.pattern, s.kernel, s.ops) for s in plan.forward if s.fused] == \
+        [("gather_gemm_act", "grouped_gemm_gather", (0, 1, 2, 3))]
+    assert "gather (A loads)" in text and "gemm (mainloop)" in text
+    # the gathered rows are recomputed for FC1's wgrad, from x, which the forward keeps
+    assert plan.recomputed == ("v1",) and "v0" in plan.saves
 
 
 def test_rows_are_tokens_before_gather_and_after_combine():
@@ -111,11 +112,15 @@ def test_dense_blocks_keep_one_row_symbol():
 
 def test_saved_bytes_per_token():
     text = moe_block().explain(dtype=torch.bfloat16)
-    # FC1's input (the gathered x, D bf16) and FC1's output (2F bf16) per routed row; k routed rows per token
-    per_routed = 2 * D + 2 * 2 * F
+    # FC1's output (2F bf16) per routed row; k routed rows per token. The gathered x (FC1's input) is never
+    # kept: the Gather runs in FC1's A loads, and FC1's wgrad regathers the rows from x
+    per_routed = 2 * 2 * F
     assert (f"saved for backward (besides x): {per_routed} B per routed row + 0 B per token = {per_routed}·k B per "
             f"token") in text
     assert f"v2: output of op 1 GroupLinear, {2 * 2 * F} B per routed row" in text
+    assert (f"v1: output of op 0 Gather(), {2 * D} B per routed row (recomputed in backward: the forward does not "
+            f"keep it)") in text
+    assert "  v0: x (the block input)\n" in text
 
 
 def test_moe_layer_experts_explain():

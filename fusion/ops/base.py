@@ -88,6 +88,11 @@ class Op(torch.nn.Module):
     def reference(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    #: Ops whose input gradient is a function of the output gradient alone (no parameters, no value, no
+    #: gradient for their extra inputs) define `input_grad(dy, ctx)`; the fused runtime's backward calls it
+    #: instead of rerunning the op's reference under autograd (a Gather's backward would gather again first).
+    input_grad = None
+
     def forward(self, x: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
         """Run this op alone on the reference path (handy in tests)."""
         ctx = make_context([self], x, extra)

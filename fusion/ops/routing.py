@@ -43,8 +43,8 @@ def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out.masked_fill_((index < 0).unsqueeze(-1), 0)
 
 
-def _combine(y: torch.Tensor, index: torch.Tensor, tokens: int) -> torch.Tensor:
-    rows_by_token, offsets = token_layout(index, tokens)
+def _combine(y: torch.Tensor, index: torch.Tensor, tokens: int, layout=None) -> torch.Tensor:
+    rows_by_token, offsets = token_layout(index, tokens) if layout is None else layout
     rows = y.index_select(0, rows_by_token)
     if rows.dtype in _ACCUMULATE_IN_FLOAT32:
         rows = rows.float()
@@ -65,21 +65,21 @@ class GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (index,) = ctx.saved_tensors
-        return CombineRows.apply(dy, index, ctx.tokens), None
+        return CombineRows.apply(dy, index, ctx.tokens, None), None
 
 
 class CombineRows(torch.autograd.Function):
     """y (M, d), index (M,), tokens T -> (T, d); backward: gather_rows."""
 
     @staticmethod
-    def forward(ctx, y, index, tokens):
+    def forward(ctx, y, index, tokens, layout):
         ctx.save_for_backward(index)
-        return _combine(y, index, tokens)
+        return _combine(y, index, tokens, layout)
 
     @staticmethod
     def backward(ctx, dy):
         (index,) = ctx.saved_tensors
-        return GatherRows.apply(dy, index), None, None
+        return GatherRows.apply(dy, index), None, None, None
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -87,10 +87,20 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return GatherRows.apply(x, index)
 
 
-def combine_rows(y: torch.Tensor, index: torch.Tensor, tokens: int) -> torch.Tensor:
+def combine_rows(y: torch.Tensor, index: torch.Tensor, tokens: int, layout=None) -> torch.Tensor:
     """Row t of the result (tokens rows) is the sum of the rows i of y with index[i] == t, added in increasing
-    i; rows with index -1 are skipped. Deterministic, no atomics. Differentiable in y."""
-    return CombineRows.apply(y, index, int(tokens))
+    i; rows with index -1 are skipped. Deterministic, no atomics. Differentiable in y. `layout`: token_layout(
+    index, tokens) when the caller has it (an argsort of M ints saved)."""
+    return CombineRows.apply(y, index, int(tokens), layout)
+
+
+def call_layout(ctx: RunContext):
+    """token_layout of the call's index, made once per call: a block's Combine and its Gather's backward share
+    it (RunContext.derived)."""
+    layout = ctx.derived.get("token_layout")
+    if layout is None:
+        layout = ctx.derived["token_layout"] = token_layout(ctx.index, ctx.tokens)
+    return layout
 
 
 class Gather(Op, kind="gather"):
@@ -106,6 +116,10 @@ class Gather(Op, kind="gather"):
 
     def reference(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         return gather_rows(x, ctx.index)
+
+    def input_grad(self, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+        """d x: each token's routed-row gradients summed (a combine), as GatherRows.backward."""
+        return combine_rows(dy, ctx.index, ctx.tokens, call_layout(ctx))
 
     def describe(self) -> str:
         return "Gather()"
@@ -124,7 +138,11 @@ class Combine(Op, kind="combine"):
         return OpSpec(name="Combine", kind="combine", extra_inputs=("index",))
 
     def reference(self, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
-        return combine_rows(x, ctx.index, ctx.tokens)
+        return combine_rows(x, ctx.index, ctx.tokens, call_layout(ctx))
+
+    def input_grad(self, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+        """d y: each routed row gets its token's gradient (a gather), as CombineRows.backward."""
+        return gather_rows(dy, ctx.index)
 
     def describe(self) -> str:
         return "Combine()"

@@ -55,9 +55,11 @@ class EmulatedKernel:
         self.gated = gated
         self.b_major = b_major
 
-    def run(self, A: torch.Tensor, B: torch.Tensor, bounds: torch.Tensor, tensors: dict) -> None:
+    def run(self, A: torch.Tensor, B: torch.Tensor, bounds: torch.Tensor, tensors: dict,
+            index: torch.Tensor | None = None) -> None:
         """A (M, K); B (G, N, K) for b_major "K" or (G, K, N) for "MN"; bounds (G+1,) row offsets; tensors: the
-        epilogue's inputs and outputs by name (MXFP8 outputs: data under the name, scales under name_scale)."""
+        epilogue's inputs and outputs by name (MXFP8 outputs: data under the name, scales under name_scale).
+        `index` (M,): a gathering kernel's, row r of the GEMM reads A[index[r]] (A is then (T, K))."""
         epi = self.epilogue
         compute = torch.float64 if A.dtype == torch.float64 else torch.float32
         edges = bounds.tolist()
@@ -65,7 +67,7 @@ class EmulatedKernel:
             start, end = edges[g], edges[g + 1]
             if end <= start:
                 continue
-            a = A[start:end].to(compute)
+            a = (A[start:end] if index is None else A.index_select(0, index[start:end].long())).to(compute)
             b = B[g].to(compute)
             acc = a @ (b.t() if self.b_major == "K" else b)
             args = list(_halves(acc, self.gated))

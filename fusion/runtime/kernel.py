@@ -23,10 +23,12 @@ def _kernels():
 
 
 def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: bool, b_major: str,
-             reads_aux: bool, step: str, variant: str, target: str = "sm_90a", tiles: bool = True) -> KernelJob:
-    """A kernel's job; `tiles=False` leaves the tile configuration out (the emulation needs none)."""
+             reads_aux: bool, step: str, variant: str, target: str = "sm_90a", tiles: bool = True,
+             gather: bool = False) -> KernelJob:
+    """A kernel's job; `tiles=False` leaves the tile configuration out (the emulation needs none); `gather`: the
+    kernel loads its A rows through an index (an MoE block's Gather fused into the GEMM)."""
     return KernelJob(step=step, variant=variant, source=source,
-                     config=tile_config(N, K, G, gated, b_major, reads_aux) if tiles else (),
+                     config=tile_config(N, K, G, gated, b_major, reads_aux, gather) if tiles else (),
                      dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target)
 
 
@@ -100,9 +102,10 @@ class EmulatedLaunch:
         self.job = job
         self.kernel = EmulatedKernel(job.source, gated, b_major)
 
-    def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None) -> None:
-        """`bounds`: a buffer headed by the G+1 row bounds (the runtime passes the call's whole buffer)."""
-        self.kernel.run(A, B, bounds[:B.shape[0] + 1], tensors)
+    def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None, index=None) -> None:
+        """`bounds`: a buffer headed by the G+1 row bounds (the runtime passes the call's whole buffer); `index`:
+        a gathering kernel's (M,) int32 row index into A (T, K)."""
+        self.kernel.run(A, B, bounds[:B.shape[0] + 1], tensors, index)
         LAUNCHES.count(self.job)
 
 

@@ -27,12 +27,21 @@ def _offsets(ctx) -> None:
         ctx.offsets = ctx.counters[1:ctx.groups + 1]
 
 
-def _last_reads(steps, keep: set) -> list[tuple[str, ...]]:
-    """For each backward step, the values no later step reads (dropped after it runs), except `keep`."""
+def _recompute_bases(plan) -> dict[str, str]:
+    """For each value the backward recomputes, the kept value it is recomputed from (the nearest before it)."""
+    kept = [index_of(n) for n in plan.saves if n.startswith("v") and n not in plan.recomputed]
+    return {name: v(max(i for i in kept if i < index_of(name))) for name in plan.recomputed}
+
+
+def _last_reads(steps, keep: set, bases: dict[str, str]) -> list[tuple[str, ...]]:
+    """For each backward step, the values no later step reads (dropped after it runs), except `keep`. A step
+    reading a recomputed value also reads its base (the recompute runs right before that step)."""
     last = {}
     for n, step in enumerate(steps):
         for name in step.reads:
             last[name] = n
+            if name in bases:
+                last[bases[name]] = n
     release = [[] for _ in steps]
     for name, n in last.items():
         if name not in keep:
@@ -67,7 +76,8 @@ class BlockProgram:
         self.backward_steps = []
         for n, step in enumerate(plan.backward, 1):
             self.backward_steps.append(self._backward_runner(seq, step, launcher, f"B{n}"))
-        self.release = _last_reads(plan.backward, keep={out_grad(plan.ops, -1)})
+        self.recompute_bases = _recompute_bases(plan)
+        self.release = _last_reads(plan.backward, {out_grad(plan.ops, -1)}, self.recompute_bases)
         self.forward_kernels = _number_slots(self.forward_steps)
         self.backward_kernels = _number_slots(self.backward_steps)
         self.counters = self.forward_kernels + self.backward_kernels
@@ -127,11 +137,14 @@ class BlockProgram:
         state.env.update((name, value) for name, value in zip(self.plan.saves, saved) if value is not None)
         if isinstance(saved, list):
             saved.clear()  # the env holds them now, and drops each after its last reader
-        self._recompute(state)
         state.env[self.output_grad] = dy
         need_x = bool(needs[0])
+        recomputed = set(self.plan.recomputed)
         for step, runner, done in zip(self.plan.backward, self.backward_steps, self.release):
             if self._wanted(step, runner, need_x):
+                for name in step.reads:
+                    if name in recomputed and name not in state.env:
+                        self._recompute(state, name)
                 runner.run(state)
             for name in done:  # free each value after its last reader, as autograd would between nodes
                 state.env.pop(name, None)
@@ -149,17 +162,18 @@ class BlockProgram:
         if step.writes[:1] == (self.input_grad,) and not need_x:
             if isinstance(runner, S.OpBackward):
                 op = runner.op
+                if op.input_grad is not None:  # its only gradient is the input's
+                    return False
                 return any(p.requires_grad for p in op.parameters(recurse=False)) or bool(runner.extra_inputs)
             return isinstance(runner, S.FusedDgrad)
         return True
 
-    def _recompute(self, state) -> None:
-        """Values the backward reads that the forward did not keep: rerun the ops from the nearest kept value."""
-        for name in self.plan.recomputed:
-            k = index_of(name)
-            i = max(index_of(n) for n in state.env if n.startswith("v") and index_of(n) < k)
-            with torch.no_grad():
-                value = state.env[v(i)]
-                for j in range(i, k):
-                    value = self.seq[j].reference(value, state.ctx)
-            state.env[name] = value
+    def _recompute(self, state, name: str) -> None:
+        """A value the backward reads that the forward did not keep: rerun the ops from the nearest kept value,
+        right before its first reader (it lives from there to its last reader, not through the whole backward)."""
+        base = self.recompute_bases[name]
+        with torch.no_grad():
+            value = state.env[base]
+            for j in range(index_of(base), index_of(name)):
+                value = self.seq[j].reference(value, state.ctx)
+        state.env[name] = value

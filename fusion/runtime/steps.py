@@ -114,11 +114,19 @@ class FusedForward(_KernelStep):
     def __init__(self, seq, step, launcher, label: str):
         super().__init__(launcher, label)
         self.step = step
-        self.ops = [seq[i] for i in step.ops]
-        self.gemm = self.ops[0]
-        if self.gemm.spec.kind != "gemm":
-            raise Unsupported(f"pattern {step.pattern}: op {step.ops[0]} {self.gemm.describe()} comes before the GEMM "
-                              f"(loads through an index); this runtime's forward kernels start with the GEMM")
+        ops = [seq[i] for i in step.ops]
+        # A Gather before the GEMM is the kernel's A loads (row r reads x[index[r]]), not an epilogue stage.
+        lead = next((k for k, op in enumerate(ops) if op.spec.kind != "gather"), len(ops))
+        if lead > 1:
+            raise Unsupported(f"pattern {step.pattern}: {lead} Gather ops before the GEMM; a kernel's A loads take "
+                              f"one index")
+        self.gathers = lead == 1
+        self.ops = ops[lead:]
+        self.gemm = self.ops[0] if self.ops else None
+        if self.gemm is None or self.gemm.spec.kind != "gemm":
+            raise Unsupported(f"pattern {step.pattern}: ops {list(step.ops)} do not start with a GEMM (after an "
+                              f"optional Gather); a forward kernel is a GEMM with an epilogue")
+        gemm_index = step.ops[lead]
         self.input, self.output = v(step.ops[0]), v(step.ops[-1] + 1)
         # What the pattern's `save` names (fusion/dataflow.py): the training kernel writes exactly that.
         wanted = [name for name in step.writes if name != self.output]
@@ -127,7 +135,7 @@ class FusedForward(_KernelStep):
                               f"the backward")
         self.saved = wanted[0] if wanted else None
         self.spec: EpilogueSpec = forward_spec(self.ops, None if self.saved is None else
-                                               index_of(self.saved) - step.ops[0])
+                                               index_of(self.saved) - gemm_index)
         self.gated, self.b_major = self.spec.gated, "K"
         self.writes_saved = self.saved is not None
         self.origin = f"pattern {step.pattern} [{step.pattern_loc}], ops {list(step.ops)}"
@@ -147,7 +155,7 @@ class FusedForward(_KernelStep):
     def job(self, dtype: torch.dtype, variant: str, tiles: bool = True):
         G, N, K = self.weight_shape()
         return make_job(self.source(dtype, variant == "train"), dtype, N, K, G, self.spec.gated, "K", False,
-                        self.label, variant, tiles=tiles)
+                        self.label, variant, tiles=tiles, gather=self.gathers)
 
     def _inputs(self, ctx: RunContext, groups: int) -> dict:
         tensors = {}
@@ -167,7 +175,8 @@ class FusedForward(_KernelStep):
         variant = "train" if train and self.writes_saved else "inference"
         kernel = self.kernel(x.dtype, variant)
         weight = weight_of(self.gemm)
-        M = x.shape[0]
+        index = gather_index(state.ctx) if self.gathers else None
+        M = x.shape[0] if index is None else index.shape[0]
         spec = self.spec
         tensors = self._inputs(state.ctx, weight.shape[0] if weight.dim() == 3 else 1)
         out_w = spec.out_features
@@ -182,13 +191,26 @@ class FusedForward(_KernelStep):
                 outs[slot.kernel_name] = torch.empty(M, out_w, dtype=x.dtype, device=x.device)
         _poison(outs)
         tensors.update(outs)
-        kernel.run(x, _weight_as_b(weight), state.ctx.counters, tensors, state.counter_ptr(self.slot))
+        kernel.run(x, _weight_as_b(weight), state.ctx.counters, tensors, state.counter_ptr(self.slot), index=index)
         if spec.quantized:
             state.env[self.output] = _quantized(self.ops[-1], outs, state.ctx)
         else:
             state.env[self.output] = outs["out"]
         if "saved" in outs:
             state.env[self.saved] = outs["saved"]
+
+
+def gather_index(ctx: RunContext) -> torch.Tensor:
+    """The index a gathering kernel loads its A rows through: int32, a padding row (-1) reading row 0, made once
+    per call (the forward's; a backward that recomputes the forward reuses it).
+
+    Padding rows (token rounding) lie in the last group (RunContext.group_sizes absorbs them), so the kernel
+    computes them: from x[0], which is finite, where the reference gathers zeros. Nothing reads those rows'
+    values: Combine skips them and their probs are 0, so every result and gradient is the reference's."""
+    cached = ctx.derived.get("gather_index")
+    if cached is None:
+        cached = ctx.derived["gather_index"] = ctx.index.clamp_min(0).to(torch.int32)
+    return cached
 
 
 def _quantized(op, outs: dict, ctx: RunContext):
@@ -398,13 +420,19 @@ class OpBackward:
         from fusion.quant import QuantizedTensor, dequantize
 
         op, ctx = self.op, state.ctx
+        if op.input_grad is not None:
+            with torch.no_grad():
+                state.env[f"g{self.index}"] = op.input_grad(state.env[self.grad_in], ctx)
+            return
         params = [p for p in op.parameters(recurse=False) if p.requires_grad]
         extras = [(name, ctx.extra[name]) for name in self.extra_inputs
                   if name in ctx.extra and ctx.extra[name].requires_grad]
         with torch.enable_grad(), _autograd_dispatch():
             value = state.env.get(v(self.index))
             if value is None:  # its gradient reads no input value: a zero of the input's shape stands in
-                value = state.env[self.grad_in].new_zeros(()).expand(self._rows(state), self.features)
+                dy = state.env[self.grad_in]
+                # the plan may not know a first op's input width (a Gather's is x's): such ops keep the width
+                value = dy.new_zeros(()).expand(self._rows(state), self.features or dy.shape[-1])
             # A quantized input stays quantized: an op that consumes its buffers (an fp8_block GEMM reads the
             # columnwise copy for its wgrad) must see what it saw in the forward. The gradient is plain.
             x = (value if isinstance(value, QuantizedTensor) else dequantize(value)).detach().requires_grad_()

@@ -1,0 +1,132 @@
+"""Gather fused into FC1's A loads (pattern gather_gemm_act), run by backend="emulate": the fused plan's numerics
+against the reference, forward and every gradient, and what the forward keeps for the backward.
+
+The emulation runs the kernel's operand protocol in torch (fusion/runtime/emulate.py): row r of the GEMM reads
+x[index[r]] through the int32 index the runtime gives the kernel, so a bug in how the runtime binds the gather
+(the index, padding rows, which rows a group holds) shows here as on the GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion
+from fusion import Combine, Gather, GroupLinear, Scale, Sequential, SwiGLU
+from fusion.moe import route
+from fusion.runtime.kernel import LAUNCHES
+
+E, D, F = 6, 64, 32
+
+
+def block(backend: str, seed: int = 1, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return Sequential(Gather(), GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D), Combine(),
+                      backend=backend).to(dtype)
+
+
+def run(seq, x0, r, dtype):
+    x = x0.clone().to(dtype).requires_grad_()
+    probs = r.probs.detach().to(dtype).requires_grad_()
+    y = seq(x, index=r.index, group_sizes=r.group_sizes, scale=probs)
+    dy = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).reshape(y.shape).to(dtype)
+    grads = torch.autograd.grad(y, [x, probs, *seq.parameters()], dy)
+    return (y, *grads)
+
+
+def routing(T: int, k: int, round_to=None, empty: int = 0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g, dtype=torch.float64)
+    logits[:, E - empty:] = -1e9  # experts no token picks (empty groups)
+    return route(logits, k, round_to=round_to)
+
+
+@pytest.mark.parametrize("k,round_to,empty", [(1, None, 0), (2, None, 2), (2, 8, 0), (4, 4, 1)])
+def test_fused_gather_matches_reference(k, round_to, empty):
+    T = 37
+    r = routing(T, k, round_to, empty)
+    x0 = torch.randn(T, D, dtype=torch.float64)
+    ref = run(block("reference"), x0, r, torch.float64)
+    LAUNCHES.reset()
+    got = run(block("emulate"), x0, r, torch.float64)
+    assert LAUNCHES.by_step.get("F1") == 1  # the gathering FC1 kernel ran (emulated)
+    names = ["y", "dx", "dprobs", "dW1", "dW2"]
+    for name, a, b in zip(names, ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_fused_gather_bf16_close_to_reference():
+    T, k = 64, 2
+    r = routing(T, k)
+    x0 = torch.randn(T, D, dtype=torch.float64)
+    ref = run(block("reference", dtype=torch.float64), x0, r, torch.float64)
+    got = run(block("emulate", dtype=torch.bfloat16), x0, r, torch.bfloat16)
+    for a, b in zip(ref, got):
+        rel = (b.double() - a).norm() / a.norm()
+        assert rel < 2e-2, rel
+
+
+def test_forward_keeps_x_not_the_gathered_rows():
+    """The plan keeps x and FC1's pre-activation; the gathered rows are recomputed, right before FC1's wgrad."""
+    seq = block("emulate")
+    plan = fusion.planner.plan_for(seq, dtype=torch.bfloat16)
+    assert [(s.pattern, s.ops) for s in plan.forward if s.fused][0] == ("gather_gemm_act", (0, 1, 2, 3))
+    assert set(plan.saves) == {"v0", "v1", "v2"} and plan.recomputed == ("v1",)
+    from fusion.runtime.program import BlockProgram
+
+    program = BlockProgram(seq, plan, "emulate")
+    assert program.recompute_bases == {"v1": "v0"}
+    readers = [n for n, step in enumerate(plan.backward) if "v1" in step.reads]
+    assert len(readers) == 1 and plan.backward[readers[0]].parts[0][1] == "wgrad"
+    # x stays until the recompute has read it, and the gathered rows go right after their one reader
+    assert "v1" in program.release[readers[0]] and "v0" in program.release[readers[0]]
+
+
+def test_gathered_rows_exist_only_during_fc1_wgrad(monkeypatch):
+    """The recompute runs right before its reader, not at the start of the backward."""
+    from fusion.runtime import steps as S
+
+    events = []
+    gather_ref = Gather.reference
+    wgrad_run = S.GemmWgrad.run
+
+    def gather(self, x, ctx):
+        events.append("gather")
+        return gather_ref(self, x, ctx)
+
+    def wgrad(self, state):
+        events.append(f"wgrad{self.index}")
+        return wgrad_run(self, state)
+
+    monkeypatch.setattr(Gather, "reference", gather)
+    monkeypatch.setattr(S.GemmWgrad, "run", wgrad)
+    r = routing(20, 2)
+    run(block("emulate"), torch.randn(20, D, dtype=torch.float64), r, torch.float64)
+    assert events == ["wgrad4", "gather", "wgrad1"], events
+
+
+def test_padding_rows_read_row_zero_and_change_nothing():
+    """Token rounding's padding rows (index -1) sit in the last group: the kernel reads them from x[0] through
+    the int32 index (fusion.runtime.steps.gather_index), and no result or gradient depends on them."""
+    from fusion.run_context import RunContext
+    from fusion.runtime.steps import gather_index
+
+    index = torch.tensor([3, -1, 0, -1, 2])
+    ctx = RunContext(index=index)
+    got = gather_index(ctx)
+    assert got.dtype == torch.int32 and got.tolist() == [3, 0, 0, 0, 2]
+    assert gather_index(ctx) is got  # made once per call
+
+
+def test_gather_backward_skipped_when_x_needs_no_gradient(monkeypatch):
+    calls = []
+    grad = Gather.input_grad
+    monkeypatch.setattr(Gather, "input_grad", lambda self, dy, ctx: calls.append(1) or grad(self, dy, ctx))
+    r = routing(20, 2)
+    probs = r.probs.detach().requires_grad_()
+    y = block("emulate")(torch.randn(20, D, dtype=torch.float64), index=r.index, group_sizes=r.group_sizes,
+                         scale=probs)
+    y.sum().backward()
+    assert probs.grad is not None and calls == []
+    x = torch.randn(20, D, dtype=torch.float64, requires_grad=True)
+    block("emulate")(x, index=r.index, group_sizes=r.group_sizes, scale=probs).sum().backward()
+    assert x.grad is not None and calls == [1]
