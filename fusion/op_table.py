@@ -15,3 +15,13 @@ OP_KINDS = ("gemm", "activation", "elementwise", "quantize", "gather", "combine"
 #: names against it (fusion/patterns/loader.py): one table, so a new op is known to patterns when it exists.
 #: It is complete once fusion.ops is imported, which `import fusion` does before anything can load a pattern.
 OP_TABLE: dict[str, str] = {}
+
+#: Device kernels the fused runtime runs in place of an unfused op's reference, by (op kind, part): the runtime
+#: module (fusion/runtime/<name>.py: `takes(tensor)`, `run(tensor, ctx)`) with the same math in the same order
+#: (each module says how it matches the reference), used on the CUDA tensors it takes, and what explain() says
+#: runs there. A Gather's backward is a combine of its rows' gradients.
+DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
+    ("combine", "forward"): ("combine", "combine kernel (fusion/kernels/combine.py: each token's rows summed in "
+                                        "row order in float32, no atomics)"),
+    ("gather", "backward"): ("combine", "combine kernel of the rows' gradients (fusion/kernels/combine.py)"),
+}

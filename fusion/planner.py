@@ -19,6 +19,7 @@ from fusion.dataflow import annotate, row_symbols
 from fusion.errors import FallbackError
 from fusion.graph import build_graph, op_nodes
 from fusion.grouped import HOST_SYNC_NOTE
+from fusion.op_table import DEVICE_METHODS
 from fusion.matcher import (DEFAULT_WEIGHT_FORMAT, Attempt, Match, arch_of, dtype_name, format_loc, match_all,
                             resolve)
 from fusion.plan import Fallback, OpAttempt, OpInfo, Plan, Step
@@ -263,9 +264,19 @@ def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) ->
         return f"torch._grouped_mm{grad}", ()
     if info.name == "Linear":
         return f"torch.nn.functional.linear{grad}", ()
+    device = DEVICE_METHODS.get((info.kind, part))
+    if device is not None and (arch_of(target) or 0) >= 90:
+        return f"{device[1]}; backend 'emulate' runs the reference", ()
     if part == "forward":
         return f"{info.name}.reference (torch)", ()
+    if info.kind in _DIRECT_GRADS:
+        return _DIRECT_GRADS[info.kind], ()
     return f"autograd of {info.name}.reference (torch)", ()
+
+
+#: Ops whose input gradient runs directly (their `input_grad`), not by autograd through the reference, by kind.
+_DIRECT_GRADS = {"combine": "Combine.input_grad: each routed row takes its token's gradient (torch index_select)",
+                 "gather": "Gather.input_grad: the rows' gradients combined into tokens (torch)"}
 
 
 def _per_op_attempts(infos, patterns, attempts: list[Attempt], chosen: list[Match], losses) -> dict:

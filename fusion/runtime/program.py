@@ -66,12 +66,15 @@ class BlockProgram:
         self.prologue = prologue
         self.params = list(seq.parameters())
         launcher = LAUNCHERS[backend]
+        # backend "cute" also runs device kernels for unfused ops that have one (fusion.op_table.DEVICE_METHODS)
+        self.device_kernels = backend == "cute"
         self.forward_steps = []
         for n, step in enumerate(plan.forward, 1):
             if step.fused:
                 runner = S.FusedForward(seq, step, launcher, f"F{n}")
             else:
-                runner = (S.GemmForward if S.GemmForward.applies(seq[step.ops[0]]) else S.OpForward)(seq, step)
+                runner = (S.GemmForward if S.GemmForward.applies(seq[step.ops[0]]) else S.OpForward)(
+                    seq, step, self.device_kernels)
             self.forward_steps.append(runner)
         self.backward_steps = []
         for n, step in enumerate(plan.backward, 1):
@@ -91,8 +94,8 @@ class BlockProgram:
         if step.fused:
             return S.FusedDgrad(seq, step, launcher, label, self.plan)
         part = step.parts[0][1]
-        kind = {"dgrad": S.GemmDgrad, "wgrad": S.GemmWgrad}.get(part, S.OpBackward)
-        return kind(seq, step, self.plan)
+        kind = {"dgrad": S.GemmDgrad, "wgrad": S.GemmWgrad}.get(part)
+        return kind(seq, step, self.plan) if kind else S.OpBackward(seq, step, self.plan, self.device_kernels)
 
     def fused_runners(self):
         return [r for r in self.forward_steps + self.backward_steps if isinstance(r, S._KernelStep)]

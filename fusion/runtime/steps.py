@@ -10,6 +10,7 @@ tensors; backward runners add parameter gradients (by parameter) and extra-input
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forward_spec
 from fusion.dataflow import index_of, out_grad, v
 from fusion.grouped import linear_dgrad, linear_wgrad
+from fusion.op_table import DEVICE_METHODS
 from fusion.ops.base import RunContext
 from fusion.runtime.kernel import make_job
 
@@ -235,15 +237,27 @@ def _poison(outs: dict) -> None:
             t.view(torch.uint8).fill_(0xFF)
 
 
-class OpForward:
-    """An op outside any fused kernel: its reference implementation (autograd is the block's)."""
+def _device_method(op, part: str, device_kernels: bool):
+    """The device method module standing in for `op`'s `part`, or None (the reference runs)."""
+    entry = DEVICE_METHODS.get((op.spec.kind, part)) if device_kernels else None
+    return None if entry is None else importlib.import_module(f"fusion.runtime.{entry[0]}")
 
-    def __init__(self, seq, step):
+
+class OpForward:
+    """An op outside any fused kernel: its reference implementation (autograd is the block's), or the device
+    kernel fusion.op_table.DEVICE_METHODS names for it when the block runs kernels (`device_kernels`)."""
+
+    def __init__(self, seq, step, device_kernels: bool = False):
         (self.index,) = step.ops
         self.op = seq[self.index]
+        self.device = _device_method(self.op, "forward", device_kernels)
 
     def run(self, state: RunState, train: bool) -> None:
-        state.env[v(self.index + 1)] = self.op.reference(state.env[v(self.index)], state.ctx)
+        x = state.env[v(self.index)]
+        if self.device is not None and self.device.takes(x):
+            state.env[v(self.index + 1)] = self.device.run(x, state.ctx)
+            return
+        state.env[v(self.index + 1)] = self.op.reference(x, state.ctx)
 
 
 class GemmForward(OpForward):
@@ -251,7 +265,7 @@ class GemmForward(OpForward):
     node, so the reference's autograd wrapper would only cost host time). Anything else (a quantized input, a
     bias, fp8 weights) takes the op's reference."""
 
-    def __init__(self, seq, step):
+    def __init__(self, seq, step, device_kernels: bool = False):
         super().__init__(seq, step)
         self._method: dict = {}
 
@@ -409,20 +423,25 @@ class OpBackward:
     """Autograd through one op's reference at its saved input: the gradients of its input, its parameters and
     the extra inputs it reads."""
 
-    def __init__(self, seq, step, plan):
+    def __init__(self, seq, step, plan, device_kernels: bool = False):
         (self.index,) = step.ops
         self.op = seq[self.index]
         self.grad_in = out_grad(plan.ops, self.index)
         self.features = plan.ops[self.index].in_features
         self.extra_inputs = self.op.spec.extra_inputs
+        self.device = _device_method(self.op, "backward", device_kernels)
 
     def run(self, state: RunState) -> None:
         from fusion.quant import QuantizedTensor, dequantize
 
         op, ctx = self.op, state.ctx
         if op.input_grad is not None:
+            dy = state.env[self.grad_in]
             with torch.no_grad():
-                state.env[f"g{self.index}"] = op.input_grad(state.env[self.grad_in], ctx)
+                if self.device is not None and self.device.takes(dy):
+                    state.env[f"g{self.index}"] = self.device.run(dy, ctx)
+                else:
+                    state.env[f"g{self.index}"] = op.input_grad(dy, ctx)
             return
         params = [p for p in op.parameters(recurse=False) if p.requires_grad]
         extras = [(name, ctx.extra[name]) for name in self.extra_inputs
