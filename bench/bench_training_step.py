@@ -28,12 +28,9 @@ gradients freshly allocated (set to None first); no optimizer.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -43,6 +40,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout: `fusion` is this repository
+sys.path.insert(0, str(HERE))         # and its sibling bench_common, also when imported from elsewhere
+
+from bench_common import measure, rel_errors, run_header  # noqa: E402  (re-exported: bench_moe imports them too)
 
 
 @dataclass(frozen=True)
@@ -204,48 +204,7 @@ class QuackPath(Path_):
                                  self.cu_seqlens)
 
 
-# -- timing -------------------------------------------------------------------------------------------------------
-def measure(fn, clear, b2b_calls=10, sync_calls=5, host_calls=5) -> dict:
-    """`clear()` drops what a call leaves behind (gradients) before the memory baseline is taken."""
-    fn()
-    torch.cuda.synchronize()
-    fn()
-    torch.cuda.synchronize()
-    # back to back: one sync per 10 calls
-    t0 = time.perf_counter()
-    for _ in range(b2b_calls):
-        fn()
-    torch.cuda.synchronize()
-    b2b_ms = (time.perf_counter() - t0) / b2b_calls * 1e3
-    # synchronous per call
-    times = []
-    for _ in range(sync_calls):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    sync_ms = statistics.median(times) * 1e3
-    # host: time to issue calls while the GPU is still busy with a long queue of work ahead of them
-    host = []
-    for _ in range(2):
-        torch.cuda._sleep(int(2e8))  # ~100+ ms of GPU time: the host never waits for the GPU below
-        t0 = time.perf_counter()
-        for _ in range(host_calls):
-            fn()
-        host.append((time.perf_counter() - t0) / host_calls)
-        torch.cuda.synchronize()
-    # peak memory of one call beyond what is allocated before it
-    torch.cuda.synchronize()
-    clear()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    peak_mb = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
-    return {"b2b_ms": round(b2b_ms, 4), "sync_ms": round(sync_ms, 4), "host_us": round(min(host) * 1e6, 1),
-            "peak_MB": round(peak_mb, 1)}
-
-
+# -- timing: measure() and rel_errors() live in bench_common.py (shared with bench_moe.py) ----------------------
 def phase_fn(path: Path_, phase: str, x, dy):
     """(call, clear): one forward or training step, and what drops its gradients."""
     xg = x.detach().requires_grad_()
@@ -281,22 +240,6 @@ def fingerprint(path: Path_, x, dy) -> dict:
     if path.probs is not None:
         out["dprobs"] = path.probs.grad
     clear()
-    return out
-
-
-def rel_errors(got: dict, want: dict) -> dict:
-    """||got - want|| / ||want|| per tensor, in fp32 chunks of rows (a whole fp64 copy of an expert weight
-    gradient does not fit beside the model on an 80 GB GPU)."""
-    out = {}
-    for k in want:
-        if got.get(k) is None:
-            continue
-        a, b = got[k].reshape(-1, got[k].shape[-1]), want[k].reshape(-1, want[k].shape[-1])
-        num = den = 0.0
-        for i in range(0, a.shape[0], 4096):
-            num += (a[i:i + 4096].float() - b[i:i + 4096].float()).square().sum().item()
-            den += b[i:i + 4096].float().square().sum().item()
-        out[k] = round((num / max(den, 1e-60)) ** 0.5, 5)
     return out
 
 
@@ -399,10 +342,8 @@ def main(argv=None):
         return precompile(blocks)
     paths = args.paths.split(",")
     compiled_models = set(args.compiled_models.split(","))
-    gpu = torch.cuda.get_device_name()
-    commit = os.environ.get("FUSION_COMMIT") or subprocess.run(  # FUSION_COMMIT: a copied tree has no history
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip() or "unknown"
-    date = datetime.date.today().isoformat()
+    header = run_header()  # FUSION_COMMIT names the commit where a copied tree has no history
+    gpu, date, commit = header["gpu"], header["date"], header["commit"]
     rows: list[dict] = []
 
     def log(msg):

@@ -1,0 +1,91 @@
+"""Timing and comparison helpers shared by the benchmarks of record (bench_training_step.py, bench_moe.py).
+
+measure() is the one definition of b2b_ms / sync_ms / host_us / peak_MB; on a CPU (the --dry-run of bench_moe)
+the same loop runs with no device to wait for, and the metrics that only a GPU defines (host_us, peak_MB) are
+None.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn, clear, b2b_calls=10, sync_calls=5, host_calls=5, device="cuda") -> dict:
+    """`clear()` drops what a call leaves behind (gradients) before the memory baseline is taken."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(2):
+        fn()
+        synchronize(device)
+    # back to back: one sync per 10 calls
+    t0 = time.perf_counter()
+    for _ in range(b2b_calls):
+        fn()
+    synchronize(device)
+    b2b_ms = (time.perf_counter() - t0) / b2b_calls * 1e3
+    # synchronous per call
+    times = []
+    for _ in range(sync_calls):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    sync_ms = statistics.median(times) * 1e3
+    if not cuda:
+        return {"b2b_ms": round(b2b_ms, 4), "sync_ms": round(sync_ms, 4), "host_us": None, "peak_MB": None}
+    # host: time to issue calls while the GPU is still busy with a long queue of work ahead of them
+    host = []
+    for _ in range(2):
+        torch.cuda._sleep(int(2e8))  # ~100+ ms of GPU time: the host never waits for the GPU below
+        t0 = time.perf_counter()
+        for _ in range(host_calls):
+            fn()
+        host.append((time.perf_counter() - t0) / host_calls)
+        torch.cuda.synchronize()
+    # peak memory of one call beyond what is allocated before it
+    torch.cuda.synchronize()
+    clear()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak_mb = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+    return {"b2b_ms": round(b2b_ms, 4), "sync_ms": round(sync_ms, 4), "host_us": round(min(host) * 1e6, 1),
+            "peak_MB": round(peak_mb, 1)}
+
+
+def rel_errors(got: dict, want: dict) -> dict:
+    """||got - want|| / ||want|| per tensor, in fp32 chunks of rows (a whole fp64 copy of an expert weight
+    gradient does not fit beside the model on an 80 GB GPU)."""
+    out = {}
+    for k in want:
+        if got.get(k) is None or want[k] is None:
+            continue
+        a, b = got[k].reshape(-1, got[k].shape[-1]), want[k].reshape(-1, want[k].shape[-1])
+        num = den = 0.0
+        for i in range(0, a.shape[0], 4096):
+            num += (a[i:i + 4096].float() - b[i:i + 4096].float()).square().sum().item()
+            den += b[i:i + 4096].float().square().sum().item()
+        out[k] = round((num / max(den, 1e-60)) ** 0.5, 5)
+    return out
+
+
+def run_header(device="cuda") -> dict:
+    """gpu (or "cpu"), date and commit of a run. FUSION_COMMIT names the commit where a copied tree has no
+    history (the lent GPU machine)."""
+    gpu = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
+    commit = os.environ.get("FUSION_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip() or "unknown"
+    return {"gpu": gpu, "date": datetime.date.today().isoformat(), "commit": commit}

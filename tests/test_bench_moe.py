@@ -1,0 +1,83 @@
+"""bench/bench_moe.py on the CPU: its --dry-run writes the benchmark JSON (every path and phase, the fields the
+report reads), fusion and the plain-PyTorch baseline agree on a tiny layer, and the comparison it records would
+see a different layer."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import bench_moe  # noqa: E402
+import moe_paths  # noqa: E402
+from bench_common import rel_errors  # noqa: E402
+
+METRICS = {"b2b_ms", "sync_ms", "host_us", "peak_MB", "TFLOPs"}
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe") / "moe.json"
+    bench_moe.main(["--dry-run", "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_dry_run_writes_every_path_and_phase(dry_run):
+    assert {"gpu", "date", "commit", "flops", "configs", "sonicmoe_published_h100", "rows"} <= set(dry_run)
+    assert dry_run["gpu"] == "cpu"
+    rows = {(r["path"], r["phase"]): r for r in dry_run["rows"]}
+    assert set(rows) == {(p, ph) for p in bench_moe.PATHS for ph in bench_moe.PHASES}
+    for (path, phase), r in rows.items():
+        assert {"model", "tokens", "d", "f", "f2", "E", "k", "rows", "routing_agreement"} <= set(r)
+        assert r["rows"] == r["tokens"] * r["k"]
+        if path == "sonicmoe" and "error" in r:  # not installed here: recorded, not fatal
+            assert r["error"].startswith("not available")
+            continue
+        assert METRICS <= set(r), (path, phase, r)
+        assert r["b2b_ms"] > 0 and r["sync_ms"] > 0
+        if phase == "moe_training_step":
+            assert "activation_MB" in r
+    assert rows[("torch_compiled", "moe_forward")]["variant"] == "parts"
+    assert rows[("fusion", "moe_training_step")]["explain_saved_MB"] is not None
+
+
+def test_fusion_agrees_with_the_torch_baseline(dry_run):
+    for r in dry_run["rows"]:
+        if r["path"] in ("fusion", "fusion_compiled"):
+            assert r["routing_agreement"] == 1.0
+            assert set(r["rel_err"]) == {"y", "dx", "dw1", "dw2", "drouter"}
+            assert max(r["rel_err"].values()) < 1e-4, r["rel_err"]
+
+
+def test_the_fingerprint_sees_a_different_router():
+    import fusion
+
+    cfg, opts = bench_moe.DRY_RUN, bench_moe.Options(device="cpu", dtype=torch.float32, backend="reference",
+                                                     compile_backend="eager")
+    moe = fusion.MoE.swiglu(cfg.d, cfg.E, cfg.f, cfg.k, dtype=torch.float32, backend="reference")
+    x, dy = torch.randn(64, cfg.d), torch.randn(64, cfg.d)
+    want = bench_moe.fingerprint(moe_paths.TorchLayer(moe, cfg.k, "parts", "gather_sum", opts.compile_backend), x, dy)
+    assert max(rel_errors(bench_moe.fingerprint(moe_paths.FusionLayer(moe), x, dy), want).values()) < 1e-4
+    with torch.no_grad():
+        moe.router.weight.mul_(3.0)
+    err = rel_errors(bench_moe.fingerprint(moe_paths.FusionLayer(moe), x, dy), want)
+    assert err["y"] > 1e-3 and err["drouter"] > 1e-3
+
+
+def test_flops_are_counted_as_sonicmoe_counts_them():
+    cfg = bench_moe.MoEConfig("x", d=2048, E=64, k=8, f=1024)
+    T = 32768
+    fwd = 2 * T * cfg.k * cfg.d * (2 * cfg.f) + 2 * T * cfg.k * cfg.f * cfg.d
+    assert cfg.flops(T, "moe_forward") == fwd == 6 * T * cfg.k * cfg.d * cfg.f
+    assert cfg.flops(T, "moe_training_step") == 3 * fwd
+
+
+def test_selection_by_model_and_tokens():
+    args = bench_moe.argparse.Namespace(dry_run=False, models="qwen3-30b-a3b,sonic-olmoe-7b", tokens="8192,1024")
+    got = [(c.model, t) for c, t in bench_moe.select(args)]
+    assert got == [("qwen3-30b-a3b", 8192), ("qwen3-30b-a3b", 1024), ("sonic-olmoe-7b", 32768)]
+    with pytest.raises(SystemExit, match="unknown models"):
+        bench_moe.select(bench_moe.argparse.Namespace(dry_run=False, models="nope", tokens="8192"))
