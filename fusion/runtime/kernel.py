@@ -23,10 +23,12 @@ def _kernels():
 
 
 def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: bool, b_major: str,
-             reads_aux: bool, step: str, variant: str, target: str = "sm_90a", tiles: bool = True) -> KernelJob:
-    """A kernel's job; `tiles=False` leaves the tile configuration out (the emulation needs none)."""
+             reads_aux: bool, step: str, variant: str, target: str = "sm_90a", tiles: bool = True,
+             gather: bool = False) -> KernelJob:
+    """A kernel's job; `tiles=False` leaves the tile configuration out (the emulation needs none). `gather`: the
+    kernel reads A's rows through an index (GemmConfig.gather_a; its run takes `index=`)."""
     return KernelJob(step=step, variant=variant, source=source,
-                     config=tile_config(N, K, G, gated, b_major, reads_aux) if tiles else (),
+                     config=tile_config(N, K, G, gated, b_major, reads_aux, gather) if tiles else (),
                      dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target)
 
 
@@ -42,14 +44,15 @@ class CuteKernel:
         self.compiled = None if autotune.enabled() else load_compiled(job)
         self._run = _kernels().run_grouped_gemm
 
-    def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None) -> None:
-        """`counter_ptr`: a zeroed int32 for a dynamic schedule's tile counter (RunState.counter_ptr)."""
+    def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None, index=None) -> None:
+        """`counter_ptr`: a zeroed int32 for a dynamic schedule's tile counter (RunState.counter_ptr). `index`: a
+        gathering kernel's int32 (M,) token row of every routed row (A is then the (T, K) tokens)."""
         if self.compiled is None:
-            self.compiled = self._tuned(A, B, bounds, tensors)
-        self._run(self.compiled, A, B, bounds, tensors, tensors, counter_ptr=counter_ptr)
+            self.compiled = self._tuned(A, B, bounds, tensors, index)
+        self._run(self.compiled, A, B, bounds, tensors, tensors, counter_ptr=counter_ptr, index=index)
         LAUNCHES.count(self.job)
 
-    def _tuned(self, A, B, bounds, tensors):
+    def _tuned(self, A, B, bounds, tensors, index=None):
         from fusion.runtime import autotune
         from fusion.runtime.compile import load_compiled
 
@@ -58,11 +61,11 @@ class CuteKernel:
         if config is None:
             def time_config(cfg) -> float:
                 compiled = load_compiled(dataclasses.replace(self.job, config=dataclasses.astuple(cfg)))
-                self._run(compiled, A, B, bounds, tensors, tensors)  # warm up (module load)
+                self._run(compiled, A, B, bounds, tensors, tensors, index=index)  # warm up (module load)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(5):
-                    self._run(compiled, A, B, bounds, tensors, tensors)
+                    self._run(compiled, A, B, bounds, tensors, tensors, index=index)
                 end.record()
                 end.synchronize()
                 return start.elapsed_time(end) / 5e3
@@ -100,8 +103,12 @@ class EmulatedLaunch:
         self.job = job
         self.kernel = EmulatedKernel(job.source, gated, b_major)
 
-    def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None) -> None:
-        """`bounds`: a buffer headed by the G+1 row bounds (the runtime passes the call's whole buffer)."""
+    def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None, index=None) -> None:
+        """`bounds`: a buffer headed by the G+1 row bounds (the runtime passes the call's whole buffer). `index`:
+        the routed rows' token rows (the kernel would gather them; rows past the groups, e.g. -1 padding, are
+        clamped here: their results are never stored)."""
+        if index is not None:
+            A = A[index.long().clamp(0, A.shape[0] - 1)]
         self.kernel.run(A, B, bounds[:B.shape[0] + 1], tensors)
         LAUNCHES.count(self.job)
 
