@@ -56,8 +56,8 @@ def breakdown(block, x, sizes, probs):
     ptrs = (probs.data_ptr(), out.data_ptr())
 
     def raw_launch():
-        compiled.launch(x.data_ptr(), w.data_ptr(), buf.data_ptr(), buf.data_ptr() + 4 * (sizes.numel() + 1), ptrs,
-                        x.shape[0], 132, stream)
+        compiled.launch(x.data_ptr(), w.data_ptr(), buf.data_ptr(), buf.data_ptr() + 4 * (sizes.numel() + 1),
+                        buf.data_ptr(), ptrs, x.shape[0], x.shape[0], 132, stream)
 
     prologue = program.prologue._kernel(sizes)
     pieces = [

@@ -23,11 +23,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_ptr
 
-from fusion.errors import KernelConfigError, ShapeError
+from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
 
 from .epilogue import Epilogue, MXFP8Output
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
-from .tile_policy import GemmConfig, choose_config, spill_fallback
+from .tile_policy import GemmConfig, choose_config, for_gather, spill_fallback
 
 __all__ = [
     "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
@@ -144,7 +144,8 @@ class CompiledGroupedGemm:
         self.name = f"grouped_gemm_{type(epilogue).__name__}_{dtype}_N{N}_K{K}_G{G}_" \
                     f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}" + \
                     ("_dyn" if config.dynamic else "") + ("_pp" if getattr(config, "pingpong", False) else "") + \
-                    ("_bmn" if getattr(config, "b_major", "K") == "MN" else "")
+                    ("_bmn" if getattr(config, "b_major", "K") == "MN" else "") + \
+                    ("_gA" if getattr(config, "gather_a", False) else "")
         self._sass = None
         #: The raw TVM-FFI function (positional ints): fn.__tvm_ffi_object__() for a kernel compiled in this
         #: process, or what load_module(..., enable_tvm_ffi=True) returned (already raw).
@@ -201,7 +202,14 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
     if config.b_major not in ("K", "MN"):
         problems.append(f"b_major {config.b_major!r}: use 'K' (B is (G, N, K)) or 'MN' (B is (G, K, N))")
     if K % 8 != 0:
-        problems.append(f"K = {K}: must be a multiple of 8 (16-byte TMA rows of A)")
+        problems.append(f"K = {K}: must be a multiple of 8 (16-byte TMA rows of A; gather_a: 16-byte cp.async "
+                        "chunks)")
+    if config.gather_a:
+        if config.b_major != "K":
+            problems.append("gather_a (A read through an index) is forward-only: use b_major='K'")
+        if config.dynamic:
+            problems.append("gather_a walks the static tile schedule: use dynamic=False "
+                            "(tile_policy.for_gather(config))")
     if config.b_major == "MN" and N % 8 != 0:
         problems.append(f"N = {N}: b_major='MN' needs N % 8 == 0 (16-byte TMA rows of B (G, K, N))")
     paired = any(getattr(s, "paired", False) for s in (*epilogue.inputs, *epilogue.outputs))
@@ -258,10 +266,11 @@ def _compile(config, epilogue, dtype, N, K, G):
     kern = GroupedGemmKernel(config, epilogue, dtype)
     ptrs = tuple(_fake_ptr(d, 4 if d not in ("uint8",) else 1) for d in _slot_dtypes(epilogue, dtype))
     from cutlass.runtime import make_fake_stream
+    int_ptr = make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
+    # (A, B, offsets, tile counter, index, epilogue tensors, M, A's rows, N, K, G, CTAs, stream)
     args = (
-        _fake_ptr(dtype), _fake_ptr(dtype), make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
-        make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4),
-        ptrs, cutlass.Int32(1), N, K, G, cutlass.Int32(1), make_fake_stream(),
+        _fake_ptr(dtype), _fake_ptr(dtype), int_ptr, int_ptr, int_ptr,
+        ptrs, cutlass.Int32(1), cutlass.Int32(1), N, K, G, cutlass.Int32(1), make_fake_stream(),
     )
     # --keep-ptx/--keep-cubin write files, into the working directory unless told otherwise: a temporary folder
     # here (the DSL reads both back into memory before returning; the disk cache stores its own copies).
@@ -292,7 +301,7 @@ def _num_sms(idx: int) -> int:
 
 def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
                      outputs: dict, extras: Optional[dict] = None, num_ctas: Optional[int] = None,
-                     counter_ptr: Optional[int] = None):
+                     counter_ptr: Optional[int] = None, index: Optional[torch.Tensor] = None):
     """Launch on torch's current stream.  ``A`` (M, K); ``B`` (G, N, K) when the kernel was built with
     ``b_major="K"``, (G, K, N) with ``"MN"`` (a GroupLinear weight W (G, out, in) is B of the dgrad
     dX = dY @ W[g] as is: K = out, N = in); ``offsets`` (G+1,) int32.  ``outputs``/``extras`` map the
@@ -302,22 +311,50 @@ def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Te
     alignment, contiguity; cheap).  No host sync.  ``counter_ptr``: the address of a zeroed int32 that a
     dynamic schedule's tile counter may use (the runtime keeps one per launch in the spare tail of the bounds
     tensor: no extra memset, and nothing allocated outside the call, so CUDA-graph pools stay clean); without
-    it a fresh zeroed counter is allocated for the launch."""
+    it a fresh zeroed counter is allocated for the launch.
+
+    A kernel built with ``gather_a`` reads A's rows through ``index`` (required: int32, contiguous, on A's
+    device): ``A`` is the (T, K) token matrix, routed row r (the rows ``offsets`` cover) multiplies
+    ``A[index[r]]``, M = ``index.numel()`` is every epilogue tensor's row count, and T is independent of M.
+    Entries of ``index`` past ``offsets[G]`` are never read (padding such as -1 is fine)."""
     cfg = compiled.config
-    M, K = A.shape  # (raises for A that is not 2-D)
+    T, K = A.shape  # (raises for A that is not 2-D)
     if B.shape != compiled.b_shape or K != compiled.K:
-        raise ShapeError(f"grouped GEMM {compiled.name}: A must be (M, {compiled.K}) and B {compiled.b_shape} "
-                         f"(b_major={cfg.b_major!r}: dims {cfg.b_shape_order}), got A {tuple(A.shape)}, "
-                         f"B {tuple(B.shape)}")
+        raise ShapeError(f"grouped GEMM {compiled.name}: A must be ({'T' if cfg.gather_a else 'M'}, {compiled.K}) "
+                         f"and B {compiled.b_shape} (b_major={cfg.b_major!r}: dims {cfg.b_shape_order}), got "
+                         f"A {tuple(A.shape)}, B {tuple(B.shape)}")
     a_ptr, b_ptr = A.data_ptr(), B.data_ptr()
     if (a_ptr | b_ptr) & 15 or not (A.is_contiguous() and B.is_contiguous()) or offsets.numel() < compiled.G + 1:
         raise ShapeError(f"grouped GEMM {compiled.name}: A and B must be contiguous and 16-byte aligned, and "
                          f"offsets must hold G+1 = {compiled.G + 1} int32 bounds")
+    if cfg.gather_a:
+        M, idx_ptr = _gather_index(compiled, A, index), index.data_ptr()
+    elif index is not None:
+        raise ShapeError(f"grouped GEMM {compiled.name}: got an index, but the kernel reads A's rows in order; "
+                         f"build it with GemmConfig(gather_a=True) to gather them")
+    else:
+        M, idx_ptr = T, offsets.data_ptr()  # (the index slot is never read)
     ptrs = epilogue_pointers(compiled, outputs, extras)
     if M == 0:
         return
     num_ctas, counter_ptr, _counter = launch_grid(compiled, M, A.device, offsets, num_ctas, counter_ptr)
-    compiled.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, ptrs, M, num_ctas, current_stream(A.device))
+    compiled.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, idx_ptr, ptrs, M, T, num_ctas,
+                    current_stream(A.device))
+
+
+def _gather_index(compiled, A: torch.Tensor, index: Optional[torch.Tensor]) -> int:
+    """The routed row count M of a gather_a launch, after checking its index."""
+    if index is None:
+        raise ShapeError(f"grouped GEMM {compiled.name} gathers A's rows: pass index= (int32 (M,), the token row "
+                         f"of every routed row)")
+    if index.dtype != torch.int32:
+        raise DTypeError(f"grouped GEMM {compiled.name}: index must be int32, got {index.dtype}: pass "
+                         f"index.to(torch.int32)")
+    if index.device != A.device:
+        raise DeviceError(f"grouped GEMM {compiled.name}: index is on {index.device}, A on {A.device}: move it")
+    if not index.is_contiguous():
+        raise ShapeError(f"grouped GEMM {compiled.name}: index must be contiguous: pass index.contiguous()")
+    return index.numel()
 
 
 def epilogue_pointers(compiled, outputs: dict, extras: dict) -> tuple:
@@ -355,21 +392,25 @@ def current_stream(dev) -> int:
 
 
 def grouped_gemm(A, B, group_sizes=None, offsets=None, epilogue: Optional[Epilogue] = None,
-                 extras: Optional[dict] = None, config: Optional[GemmConfig] = None):
+                 extras: Optional[dict] = None, config: Optional[GemmConfig] = None,
+                 index: Optional[torch.Tensor] = None):
     """Convenience: allocate outputs, compile (cached) and run.  Returns a dict name -> tensor.  B's layout
-    follows ``config.b_major`` (default "K": (G, N, K))."""
+    follows ``config.b_major`` (default "K": (G, N, K)).  With ``index`` (int32 (M,)) A is the (T, K) token
+    matrix and routed row r multiplies ``A[index[r]]`` (the default config then gathers: :func:`for_gather`)."""
     epilogue = epilogue or IdentityEpilogueDefault
     if offsets is None:
         offsets = offsets_from_group_sizes(group_sizes)
-    M = A.shape[0]
+    M = A.shape[0] if index is None else index.numel()
     K = A.shape[1]
     b_major = config.b_major if config is not None else "K"
     G, N = B.shape[0], (B.shape[1] if b_major == "K" else B.shape[2])
     dtype = _dtype_name(A.dtype)
-    config = config or choose_config(M, N, K, G, epilogue.gated)
+    if config is None:
+        config = choose_config(M, N, K, G, epilogue.gated)
+        config = for_gather(config) if index is not None else config
     comp = compile_grouped_gemm(config, epilogue, dtype, N, K, G)
     outs = allocate_outputs(epilogue, M, N, dtype, A.device)
-    run_grouped_gemm(comp, A, B, offsets, outs, extras)
+    run_grouped_gemm(comp, A, B, offsets, outs, extras, index=index)
     return outs
 
 

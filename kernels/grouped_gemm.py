@@ -27,6 +27,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .dtypes import cutlass_dtype
 from .epilogue import Epilogue, AuxInput, MXFP8Output
+from .gather_producer import GATHER_THREADS, GatherProducer
 from .mainloop import WarpRoles
 from .scheduler import TileScheduler
 from .tile_epilogue import TileEpilogue
@@ -37,10 +38,15 @@ from .tile_epilogue import TileEpilogue
 _PREFETCH_REGS = 136
 _PREFETCH_MIN = 16
 
+# setmaxnreg split (producer warpgroup, each consumer warpgroup), multiples of 8 within 64K registers
+# (128 * (producer + 2 consumers) <= 65536): the TMA producer is one warp issuing loads; the gather producer's
+# threads also hold a tile's row addresses (kernels/gather_producer.py), the consumers keep what they had.
+REGISTER_SPLIT = {False: (40, 232), True: (48, 232)}
+
 __all__ = ["GroupedGemmKernel", "cutlass_dtype"]
 
 
-class GroupedGemmKernel(WarpRoles):
+class GroupedGemmKernel(WarpRoles, GatherProducer):
     def __init__(self, config, epilogue: Epilogue, dtype: str):
         self.cfg = config
         self.epi = epilogue
@@ -64,6 +70,10 @@ class GroupedGemmKernel(WarpRoles):
         self.dynamic = config.dynamic
         self.gated = epilogue.gated
         self.b_major = getattr(config, "b_major", "K")
+        self.gather_a = bool(getattr(config, "gather_a", False))
+        assert not (self.gather_a and self.dynamic), "gather_a: the producer threads walk a static schedule"
+        assert not (self.gather_a and self.b_major != "K"), "gather_a is forward-only: B is K-major"
+        self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.gather_a]
         assert self.b_major in ("K", "MN"), "b_major is 'K' or 'MN'"
         assert not (self.gated and self.b_major == "MN"), "a gated GEMM reads a K-major B"
         assert not self.gated or self.tile_k * self.ab_dtype.width == 1024, \
@@ -91,8 +101,10 @@ class GroupedGemmKernel(WarpRoles):
         pB: cute.Pointer,
         pOffs: cute.Pointer,
         pCounter: cute.Pointer,
+        pIdx: cute.Pointer,
         ptrs: tuple,
         M: Int32,
+        a_rows: Int32,
         N: cutlass.Constexpr,
         K: cutlass.Constexpr,
         G: cutlass.Constexpr,
@@ -104,7 +116,9 @@ class GroupedGemmKernel(WarpRoles):
         self.k_tiles = (K + self.tile_k - 1) // self.tile_k
         self.sched = TileScheduler(self.tile_m, (n_log + self.tile_n_log - 1) // self.tile_n_log, G,
                                    self.dynamic, self.pingpong)
-        mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
+        # A: the (M, K) rows of the groups, or with gather_a the (a_rows, K) tokens that index (M,) picks
+        mA = cute.make_tensor(pA, cute.make_layout((a_rows if const_expr(self.gather_a) else M, K), stride=(K, 1)))
+        mIdx = cute.make_tensor(pIdx, cute.make_layout((M,)))
         # B as the MMA sees it, (N, K, G), whatever its memory order
         b_stride = (K, 1, N * K) if const_expr(self.b_major == "K") else (1, N, N * K)
         mB = cute.make_tensor(pB, cute.make_layout((N, K, G), stride=b_stride))
@@ -137,15 +151,23 @@ class GroupedGemmKernel(WarpRoles):
                                             order=(0, 1, 2) if b_k_major else (1, 0, 2))
         sA_one = cute.slice_(self.sA_layout, (None, None, 0))
         sB_one = cute.slice_(self.sB_layout, (None, None, 0))
-        tma_a, tma_tA = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, sA_one, (self.tile_m, self.tile_k)
-        )
         # gated: one TMA box is half a B tile (gate or up rows); tile_k is one swizzle atom, so a half
         # tile's smem layout is the first tile_n/2 rows of the stage's (kernels/mainloop.py loads both)
         b_box = (self.tile_n // 2 if self.gated else self.tile_n, self.tile_k)
         sB_box = cute.tile_to_shape(b_layout_atom, b_box, order=(0, 1)) if const_expr(self.gated) else sB_one
         tma_b, tma_tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_box, b_box)
-        self.tx_bytes = cute.size_in_bytes(self.ab_dtype, sA_one) + cute.size_in_bytes(self.ab_dtype, sB_one)
+        if const_expr(self.gather_a):
+            # A is read through the index by cp.async (kernels/gather_producer.py): no TMA descriptor of A;
+            # the kernel's A slots take B's atom (never used as A) and the plain (a_rows, K) tensor
+            tma_a, tma_tA = tma_b, mA
+        else:
+            tma_a, tma_tA = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mA, sA_one, (self.tile_m, self.tile_k)
+            )
+        # bytes a stage's TMA loads bring (gather_a: B only; A comes by cp.async, counted as arrivals)
+        self.tx_bytes = cute.size_in_bytes(self.ab_dtype, sB_one)
+        if const_expr(not self.gather_a):
+            self.tx_bytes += cute.size_in_bytes(self.ab_dtype, sA_one)
 
         @cute.struct
         class SharedStorage:
@@ -157,7 +179,8 @@ class GroupedGemmKernel(WarpRoles):
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_a, tma_tA, tma_b, tma_tB, mOffs, mCounter, tuple(tensors), M,
+            tma_a, tma_tA, tma_b, tma_tB, mOffs, mCounter, mIdx,
+            tuple(tensors), M,
             self.tiled_mma, self.tiled_mma_log, self.sA_layout, self.sB_layout,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), smem=SharedStorage.size_in_bytes(),
                  min_blocks_per_mp=1, stream=stream)
@@ -172,6 +195,7 @@ class GroupedGemmKernel(WarpRoles):
         mB: cute.Tensor,
         mOffs: cute.Tensor,
         mCounter: cute.Tensor,
+        mIdx: cute.Tensor,
         epi_tensors: tuple,
         M: Int32,
         tiled_mma: cute.TiledMma,
@@ -185,7 +209,8 @@ class GroupedGemmKernel(WarpRoles):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
 
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_a)
+            if const_expr(not self.gather_a):
+                cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
         storage, ab_pipe, sched_pipe, sTile, sA, sB = self.make_smem(sA_layout, sB_layout)
@@ -193,11 +218,13 @@ class GroupedGemmKernel(WarpRoles):
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
-            cute.arch.warpgroup_reg_dealloc(40)
-            if warp_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            if const_expr(self.gather_a):
+                self.produce_gather(mA, mIdx, tma_b, mB, mOffs, sA, sB, ab_pipe, tidx, warp_idx, bidx, grid)
+            elif warp_idx == 0:
                 self.produce(tma_a, mA, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
                              bidx, grid)
         else:
-            cute.arch.warpgroup_reg_alloc(232)
+            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self.consume(tiled_mma, tiled_mma_log, sA, sB, mOffs, epi_tensors, ab_pipe, sched_pipe, sTile,
                          tidx, wg_idx, bidx, grid)

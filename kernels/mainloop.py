@@ -24,23 +24,31 @@ import cutlass.utils as utils
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .gather_producer import GATHER_THREADS
+
 PINGPONG_BARRIER = 8  # named barriers 8, 9: pingpong mainloop order (consumer warpgroup 0, 1)
 
 
 class WarpRoles:
     """Producer and consumer bodies (``@cute.jit``, inlined into the kernel)."""
 
+    #: A loaded through an index by the producer warpgroup (kernels/gather_producer.py); the FP8 kernel never is
+    gather_a = False
+
     # ------------------------------------------------------------------ shared setup
     def make_smem(self, sA_layout, sB_layout):
         """Trace time, in the kernel's prologue (before its barrier): the kernel's ``shared_storage``, the
-        smem ring's pipeline (TMA producer; one arrive per consumer warp that reads a stage: pingpong, one
-        warpgroup reads each stage), the tile-id pipeline of the dynamic scheduler (else None), its smem
-        slots, and the ring's A and B tensors."""
+        smem ring's pipeline (TMA producer, plus the 128 cp.async producer threads with gather_a; one arrive
+        per consumer warp that reads a stage: pingpong, one warpgroup reads each stage), the tile-id pipeline
+        of the dynamic scheduler (else None), its smem slots, and the ring's A and B tensors."""
         storage = utils.SmemAllocator().allocate(self.shared_storage)
+        # a full barrier's arrivals: the TMA warp's expect-tx arrive, and with gather_a one cp.async arrive per
+        # producer thread (kernels/gather_producer.py)
+        producers = 1 + (GATHER_THREADS if self.gather_a else 0)
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_atoms_m * 4),
             tx_count=self.tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -77,6 +85,36 @@ class WarpRoles:
     def stage_extra_loads(self, extras, tile_extra, kt, stage, bar):
         """Hook (trace time): issue k-tile ``kt``'s extra loads into ``stage`` on the stage's barrier."""
 
+    def b_tile(self, tma_b: cute.CopyAtom, mB: cute.Tensor, sB: cute.Tensor, g, n_idx):
+        """Trace time, once per tile: the TMA partitions of B's n-tile ``n_idx`` of group ``g`` over the smem
+        ring, as (gmem, smem) pairs of TMA boxes, one box (two when gated) per stage."""
+        if const_expr(self.gated):
+            # gate rows [n_idx * tile_n/2, +tile_n/2) -> first half of the B tile, the same rows of the up
+            # half (N/2 further) -> second half.  A partial last n-tile: the gate box reads up rows (their
+            # results are masked: logical column >= N/2), the up box reads past N (zeros).
+            half = self.tile_n // 2
+            mBg = mB[None, None, g]
+            boxes = (
+                (cute.local_tile(mBg, (half, self.tile_k), (n_idx, None)),
+                 cute.local_tile(sB, (half, self.tile_k, self.stages), (0, 0, 0))),
+                (cute.local_tile(cute.domain_offset((self.N // 2, 0), mBg), (half, self.tile_k), (n_idx, None)),
+                 cute.local_tile(sB, (half, self.tile_k, self.stages), (1, 0, 0))),
+            )
+        else:
+            boxes = ((cute.local_tile(mB[None, None, g], (self.tile_n, self.tile_k), (n_idx, None)), sB),)
+        parts = []
+        for gB, sBb in boxes:
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sBb, 0, 2), cute.group_modes(gB, 0, 2)
+            )
+            parts.append((tBgB, tBsB))
+        return parts
+
+    def load_b(self, tma_b: cute.CopyAtom, b_parts, kt, stage, bar):
+        """Trace time: issue k-tile ``kt`` of B (the boxes of :meth:`b_tile`) into ``stage`` on ``bar``."""
+        for tBgB, tBsB in b_parts:
+            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, stage)], tma_bar_ptr=bar)
+
     @cute.jit
     def produce(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                 mOffs: cute.Tensor, mCounter: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe,
@@ -95,33 +133,13 @@ class WarpRoles:
             tAsA, tAgA = cpasync.tma_partition(
                 tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
             )
-            if const_expr(self.gated):
-                # gate rows [n_idx * tile_n/2, +tile_n/2) -> first half of the B tile, the same rows of
-                # the up half (N/2 further) -> second half.  A partial last n-tile: the gate box reads up
-                # rows (their results are masked: logical column >= N/2), the up box reads past N (zeros).
-                half = self.tile_n // 2
-                mBg = mB[None, None, g]
-                gB0 = cute.local_tile(mBg, (half, self.tile_k), (n_idx, None))
-                gB1 = cute.local_tile(cute.domain_offset((self.N // 2, 0), mBg), (half, self.tile_k), (n_idx, None))
-                sB0 = cute.local_tile(sB, (half, self.tile_k, self.stages), (0, 0, 0))
-                sB1 = cute.local_tile(sB, (half, self.tile_k, self.stages), (1, 0, 0))
-                tBsB1, tBgB1 = cpasync.tma_partition(
-                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB1, 0, 2), cute.group_modes(gB1, 0, 2)
-                )
-            else:
-                gB0 = cute.local_tile(mB[None, None, g], (self.tile_n, self.tile_k), (n_idx, None))
-                sB0 = sB
-            tBsB0, tBgB0 = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sB0, 0, 2), cute.group_modes(gB0, 0, 2)
-            )
+            b_parts = self.b_tile(tma_b, mB, sB, g, n_idx)
             tile_extra = self.tile_extra_loads(extras, g, row0, n_idx)
             for kt in cutlass.range(self.k_tiles, unroll=1):
                 ab_pipe.producer_acquire(prod_state)
                 bar = ab_pipe.producer_get_barrier(prod_state)
                 cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
-                cute.copy(tma_b, tBgB0[(None, kt)], tBsB0[(None, prod_state.index)], tma_bar_ptr=bar)
-                if const_expr(self.gated):
-                    cute.copy(tma_b, tBgB1[(None, kt)], tBsB1[(None, prod_state.index)], tma_bar_ptr=bar)
+                self.load_b(tma_b, b_parts, kt, prod_state.index, bar)
                 self.stage_extra_loads(extras, tile_extra, kt, prod_state.index, bar)
                 ab_pipe.producer_commit(prod_state)
                 prod_state.advance()

@@ -5,9 +5,10 @@ loading the DSL.
 
     GemmConfig                         the template's tile configuration (KernelJob.config keeps its fields)
     choose_config(M, N, K, G, ...)     the heuristic: a function of the weight shape only (M is dynamic)
-    tile_config(N, K, G, gated, b_major, reads_aux)
+    tile_config(N, K, G, gated, b_major, reads_aux, gather)
                                        a fused kernel's configuration: the heuristic, except for an epilogue
-                                       that reads a saved (M, n) tensor
+                                       that reads a saved (M, n) tensor, and a gathered A (static schedule)
+    for_gather(config)                 a configuration with A gathered through an index
     spill_fallback(config)             the configuration compile_grouped_gemm rebuilds a spilling kernel at
     candidates(base, N)                what autotune mode times (fusion/runtime/autotune.py)
 
@@ -35,6 +36,8 @@ class GemmConfig:
                              # mainloop); each holds a tile_m x tile_n fp32 accumulator (tile_n <= 192)
     b_major: str = "K"       # "K": B is (G, N, K), K contiguous (a forward reads W[g] (out, in) so);
                              # "MN": B is (G, K, N), N contiguous (a dgrad dX = dY @ W[g] reads W[g] so)
+    gather_a: bool = False   # A is the (T, K) token matrix read through an int32 index (M,): routed row r
+                             # multiplies A[index[r]] (kernels/gather_producer.py; static schedule, b_major "K")
 
     @property
     def b_shape_order(self) -> str:
@@ -68,13 +71,23 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
 
 
 def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool, gather: bool = False) -> tuple:
-    """The tile configuration of a fused kernel (as GemmConfig fields, KernelJob.config): the heuristic, with one
-    override: an epilogue reading a saved (M, n) tensor holds twice the values per thread, so it takes the
-    128x128 pingpong tile that does not spill (tests/test_compile_plans.py checks the SASS)."""
+    """The tile configuration of a fused kernel (as GemmConfig fields, KernelJob.config): the heuristic, with two
+    overrides: an epilogue reading a saved (M, n) tensor holds twice the values per thread, so it takes the
+    128x128 pingpong tile that does not spill (tests/test_compile_plans.py checks the SASS); a kernel that
+    gathers A's rows through an index (`gather`) keeps the tile and the pingpong schedule but walks the static
+    schedule (:func:`for_gather`)."""
     config = choose_config(ROWS_PER_GROUP * G, N, K, G, gated, b_major=b_major)
     if reads_aux:
         config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True)
+    if gather:
+        config = for_gather(config)
     return dataclasses.astuple(config)
+
+
+def for_gather(config: GemmConfig) -> GemmConfig:
+    """`config` with A gathered through an index: the same tile, stages and consumer schedule, static tile order
+    (all 128 producer threads walk the schedule themselves; the dynamic one hands tile ids out from one warp)."""
+    return dataclasses.replace(config, gather_a=True, dynamic=False)
 
 
 def spill_fallback(config: GemmConfig) -> GemmConfig | None:
@@ -93,15 +106,15 @@ def spill_fallback(config: GemmConfig) -> GemmConfig | None:
 
 def candidates(base: GemmConfig, N: int) -> list[GemmConfig]:
     """Autotune mode's candidates: the heuristic's choice first, then the schedules and the tile widths that
-    divide N."""
+    divide N (a gathered A: static schedules only)."""
     out = [base]
     for tile_n, stages in ((128, 6), (192, 5), (256, 4)):
         if N % tile_n:
             continue
         for pingpong in (False, True):
-            for dynamic in (False, True):
+            for dynamic in ((False,) if base.gather_a else (False, True)):
                 cfg = dataclasses.replace(GemmConfig(), tile_n=tile_n, stages=stages, pingpong=pingpong,
-                                          dynamic=dynamic, b_major=base.b_major)
+                                          dynamic=dynamic, b_major=base.b_major, gather_a=base.gather_a)
                 if cfg not in out:
                     out.append(cfg)
     return out

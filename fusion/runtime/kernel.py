@@ -25,8 +25,8 @@ def _kernels():
 def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: bool, b_major: str,
              reads_aux: bool, step: str, variant: str, target: str = "sm_90a", tiles: bool = True,
              gather: bool = False) -> KernelJob:
-    """A kernel's job; `tiles=False` leaves the tile configuration out (the emulation needs none); `gather`: the
-    kernel loads its A rows through an index (an MoE block's Gather fused into the GEMM)."""
+    """A kernel's job; `tiles=False` leaves the tile configuration out (the emulation needs none). `gather`: the
+    kernel reads A's rows through an index (GemmConfig.gather_a; its run takes `index=`)."""
     return KernelJob(step=step, variant=variant, source=source,
                      config=tile_config(N, K, G, gated, b_major, reads_aux, gather) if tiles else (),
                      dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target)
@@ -44,14 +44,15 @@ class CuteKernel:
         self.compiled = None if autotune.enabled() else load_compiled(job)
         self._run = _kernels().run_grouped_gemm
 
-    def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None) -> None:
-        """`counter_ptr`: a zeroed int32 for a dynamic schedule's tile counter (RunState.counter_ptr)."""
+    def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None, index=None) -> None:
+        """`counter_ptr`: a zeroed int32 for a dynamic schedule's tile counter (RunState.counter_ptr). `index`: a
+        gathering kernel's int32 (M,) token row of every routed row (A is then the (T, K) tokens)."""
         if self.compiled is None:
-            self.compiled = self._tuned(A, B, bounds, tensors)
-        self._run(self.compiled, A, B, bounds, tensors, tensors, counter_ptr=counter_ptr)
+            self.compiled = self._tuned(A, B, bounds, tensors, index)
+        self._run(self.compiled, A, B, bounds, tensors, tensors, counter_ptr=counter_ptr, index=index)
         LAUNCHES.count(self.job)
 
-    def _tuned(self, A, B, bounds, tensors):
+    def _tuned(self, A, B, bounds, tensors, index=None):
         from fusion.runtime import autotune
         from fusion.runtime.compile import load_compiled
 
@@ -60,11 +61,11 @@ class CuteKernel:
         if config is None:
             def time_config(cfg) -> float:
                 compiled = load_compiled(dataclasses.replace(self.job, config=dataclasses.astuple(cfg)))
-                self._run(compiled, A, B, bounds, tensors, tensors)  # warm up (module load)
+                self._run(compiled, A, B, bounds, tensors, tensors, index=index)  # warm up (module load)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(5):
-                    self._run(compiled, A, B, bounds, tensors, tensors)
+                    self._run(compiled, A, B, bounds, tensors, tensors, index=index)
                 end.record()
                 end.synchronize()
                 return start.elapsed_time(end) / 5e3

@@ -1,0 +1,116 @@
+"""The gather-A producer of the grouped GEMM: A's rows are read through an index, so an MoE block's
+``Gather -> GroupLinear`` never writes the gathered copy of its tokens.
+
+    D[r] = epilogue(A[index[r]] @ B[g].T)      for r in offsets[g] .. offsets[g+1]
+
+A is the token matrix ``(T, K)``, ``index`` an int32 ``(M,)``: routed row ``r`` multiplies token ``index[r]``.
+A TMA box can only read consecutive rows, so A is loaded with 16-byte ``cp.async`` instead, by the whole
+producer warpgroup (128 threads): each thread owns ``tile_m / 16`` rows of the tile and one 16-byte chunk of
+each (the 8 chunks of a 128-byte swizzle row go to 8 neighbouring threads, so a warp reads 4 whole rows),
+written through the same swizzled smem layout the wgmma reads. A thread reads its rows' token ids once per
+tile and keeps one base address per row in registers, so a k-step costs it ``tile_m / 16`` copies.
+
+Synchronisation (one ``PipelineTmaAsync`` ring, full barriers expecting ``1 + 128`` arrivals):
+
+- warp 0 waits for the stage to be empty, arrives on its full barrier expecting B's bytes only
+  (``producer_acquire``) and issues B's TMA boxes (two half boxes when gated, :meth:`WarpRoles.b_tile`);
+- warps 1..3 wait for the stage to be empty themselves (``producer_acquire`` would arrive a second time);
+- every thread then issues its stage's copies and ``cp.async.mbarrier.arrive.noinc``: its arrival counts
+  once all of its copies so far have landed, so the stage is full when B's bytes and all 128 threads' A rows
+  are in smem.
+
+Rows of a tile past the group's end are neither read from ``index`` (it may be padding) nor loaded (their
+smem rows keep stale values, which only reach accumulator rows the epilogue never stores). A ragged last
+k-tile (``K % tile_k != 0``) zero-fills its chunks past K (``cp.async`` with source size 0), as TMA would:
+stale smem there would reach every row of the product.
+
+The schedule is static: every producer thread walks the CTA's tiles itself (the dynamic scheduler's tile
+ids come from the producer warp 0 alone).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Boolean, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+#: Threads of the producer warpgroup, all of which load A.
+GATHER_THREADS = 128
+#: Bytes one cp.async moves: 8 bf16/fp16 elements, the unit of the 128-byte swizzle.
+CHUNK_BYTES = 16
+
+
+class GatherProducer:
+    """Mixin of :class:`kernels.grouped_gemm.GroupedGemmKernel` (reads its trace-time attributes: tile shape,
+    ``stages``, ``k_tiles``, ``K``, ``sched``, ``ab_dtype``; uses :meth:`WarpRoles.b_tile` / ``load_b``)."""
+
+    def gather_copy(self) -> cute.TiledCopy:
+        """The 128 producer threads over a ``tile_m x tile_k`` A stage: 16-byte cp.async chunks, the chunks
+        of a row on neighbouring threads (``tile_k`` up to one 128-byte swizzle row per pass)."""
+        chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
+        per_row = min(self.tile_k // chunk, 8)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.ab_dtype,
+                                   num_bits_per_copy=CHUNK_BYTES * 8)
+        threads = cute.make_layout((GATHER_THREADS // per_row, per_row), stride=(per_row, 1))
+        return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, chunk)))
+
+    @cute.jit
+    def produce_gather(self, mA: cute.Tensor, mIdx: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+                       mOffs: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe, ptid: Int32,
+                       warp_idx: Int32, bidx: Int32, grid: Int32):
+        """The producer warpgroup's loop (``ptid`` = thread in the warpgroup, ``warp_idx`` its warp)."""
+        chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
+        tiled_copy = self.gather_copy()
+        thr_copy = tiled_copy.get_slice(ptid)
+        tAsA = thr_copy.partition_D(sA)                                      # (chunk, rows, chunks, stage)
+        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
+        rows = cute.size(tAcA, mode=[1])
+        chunks = cute.size(tAcA, mode=[2])
+        k_tail = const_expr(self.K % self.tile_k != 0)
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        tile_id = bidx
+        g, base, cnt = self.sched.start(mOffs, tile_id)
+        while g < self.G:
+            m_idx, n_idx = self.sched.coords(tile_id, base, cnt)
+            row_end = mOffs[g + 1]
+            row0 = mOffs[g] + m_idx * self.tile_m
+            # this thread's rows of the tile: their tokens (read once per tile), as rows of A cut into chunks
+            live = cute.make_rmem_tensor((rows,), Boolean)
+            token = cute.make_rmem_tensor((rows,), Int32)
+            for m in cutlass.range_constexpr(rows):
+                r = row0 + tAcA[0, m, 0][0]
+                live[m] = r < row_end
+                token[m] = Int32(0)
+                if live[m]:
+                    token[m] = mIdx[r]
+            gRows = [cute.tiled_divide(cute.append_ones(mA[token[m], None], up_to_rank=2), (chunk, 1))
+                     for m in range(rows)]
+            b_parts = self.b_tile(tma_b, mB, sB, g, n_idx)
+            for kt in cutlass.range(self.k_tiles, unroll=1):
+                stage = prod_state.index
+                bar = ab_pipe.producer_get_barrier(prod_state)
+                if warp_idx == 0:
+                    ab_pipe.producer_acquire(prod_state)       # empty wait + arrive expecting B's bytes
+                    self.load_b(tma_b, b_parts, kt, stage, bar)
+                else:
+                    ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
+                for c in cutlass.range_constexpr(chunks):
+                    col = kt * self.tile_k + tAcA[0, 0, c][1]
+                    in_k = None
+                    if const_expr(k_tail):
+                        in_k = cute.make_rmem_tensor((1,), Boolean)
+                        in_k[0] = col < self.K
+                    for m in cutlass.range_constexpr(rows):
+                        if live[m]:
+                            cute.copy(tiled_copy, gRows[m][None, col // chunk, 0], tAsA[None, m, c, stage],
+                                      pred=in_k)
+                cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+                prod_state.advance()
+            tile_id = tile_id + grid
+            g, base, cnt = self.sched.seek(mOffs, tile_id, g, base, cnt)
+        # leave no copy in flight behind an exiting thread (warp 0's tail also waits for the consumers)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        if warp_idx == 0:
+            ab_pipe.producer_tail(prod_state)
