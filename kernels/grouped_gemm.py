@@ -9,6 +9,8 @@ D[rows of g] = epilogue(A[rows of g] @ B[g].T)
 - offsets: (G+1,) int32 device tensor of cumulative row offsets.
 - warp roles (kernels/mainloop.py): warpgroup 0 = producer (warp 0 issues TMA loads of A/B into a
   multi-stage smem ring), warpgroups 1..2 = wgmma consumers + epilogue (kernels/tile_epilogue.py).
+- ``gather_a``: A is the (a_rows, K) token matrix and routed row r multiplies A[index[r]]; the whole producer
+  warpgroup loads A by cp.async through the index, warp 0 still loads B by TMA (kernels/gather_producer.py).
 - tile scheduler (kernels/scheduler.py): walks (group, m-tile, n-tile) on the device from the offsets.
 - rows of a tile past the group's end are computed (TMA of A reads the next group's rows) but never
   stored: the epilogue masks every store by the group's row range.

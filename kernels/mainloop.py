@@ -12,6 +12,9 @@
   orders their mainloops (warpgroup w starts once the other has issued all of its own), so one's epilogue
   overlaps the other's mainloop, and each skips the other's ``k_tiles`` stages of the ring.
 
+With ``gather_a`` the producer is :class:`kernels.gather_producer.GatherProducer` (A through an index, by the
+whole warpgroup); it reuses :meth:`WarpRoles.b_tile` / :meth:`WarpRoles.load_b` for B.
+
 A mixin of :class:`kernels.grouped_gemm.GroupedGemmKernel`: it reads the kernel's trace-time attributes
 (tile shape, ``stages``, ``k_tiles``, ``sched``, ``gated``, ``tile_epi``, ...).
 """

@@ -1,0 +1,123 @@
+"""The MoE FC1 with its token gather fused: gather-A kernel against the gather written out first.
+
+Per shape (experts E, hidden d, expert width f, tokens T, top-k): routed rows M = T*k, sorted by expert; the FC1 is
+a gated GEMM (N = 2f, K = d) with the SwiGLU*scale epilogue.
+
+  gather-A kernel          run_grouped_gemm(..., index=): A = x (T, d), rows read through the index (one kernel)
+  pre-gathered, same tile  the same tile configuration reading x[index] by TMA (kernel time only)
+  pre-gathered, runtime    the configuration the runtime uses without gathering (may be dynamic), kernel only
+  index_select + kernel    what a block does without the fusion: x.index_select, then the runtime's kernel
+  torch                    x.index_select + torch._grouped_mm (the GEMM alone, no epilogue)
+
+TFLOP/s counts 2*M*d*2f for every row. Usage: python bench/bench_gather_gemm.py [--shapes i,j] [--out file.json]
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fusion
+
+import fusion.kernels as K  # noqa: E402
+from fusion.kernels.tile_policy import GemmConfig, tile_config  # noqa: E402
+
+SHAPES = {  # name: (E, d, f, T, k)
+    "qwen3-30b-a3b": (128, 2048, 768, 16384, 8),
+    "olmoe": (64, 2048, 1024, 16384, 8),
+    "mixtral-8x7b": (8, 4096, 14336, 8192, 2),
+}
+
+
+def bench(fn) -> float:
+    """Median milliseconds (triton's do_bench, which flushes L2 between runs; CUDA events without triton)."""
+    try:
+        import triton
+        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+    except ImportError:
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(30):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def routing(T, E, k, gen, dev):
+    """Top-k of random logits per token (about balanced): (group sizes, index int32 (T*k,) sorted by expert)."""
+    experts = torch.rand(T, E, generator=gen).topk(k, dim=1).indices.flatten()
+    order = torch.argsort(experts, stable=True)
+    return torch.bincount(experts, minlength=E).to(dev), (order // k).to(torch.int32).to(dev)
+
+
+def run_shape(name, E, d, f, T, k, gen, dev="cuda"):
+    N, M = 2 * f, T * k
+    x = torch.randn(T, d, generator=gen).to(dev, torch.bfloat16)
+    W = (torch.randn(E, N, d, generator=gen) / d ** 0.5).to(dev, torch.bfloat16)
+    sizes, index = routing(T, E, k, gen, dev)
+    offs = K.offsets_from_group_sizes(sizes)
+    scale = torch.rand(M, generator=gen).to(dev)
+    epi = K.SwiGLUScaleEpilogue()
+    gather_cfg = GemmConfig(*tile_config(N, d, E, True, "K", False, gather=True))
+    runtime_cfg = GemmConfig(*tile_config(N, d, E, True, "K", False))
+    kern = {
+        "gather": K.compile_grouped_gemm(gather_cfg, epi, "bfloat16", N, d, E),
+        "same": K.compile_grouped_gemm(dataclasses.replace(gather_cfg, gather_a=False), epi, "bfloat16", N, d, E),
+        "runtime": K.compile_grouped_gemm(runtime_cfg, epi, "bfloat16", N, d, E),
+    }
+    out = torch.empty(M, f, dtype=torch.bfloat16, device=dev)
+    xg = x.index_select(0, index)
+
+    def run(key, a, idx=None):
+        K.run_grouped_gemm(kern[key], a, W, offs, {"out": out}, {"scale": scale}, index=idx)
+
+    run("gather", x, index)
+    fused = out.clone()
+    run("same", xg)
+    diff = (fused.float() - out.float()).abs().max().item()
+    rows = {
+        f"gather-A kernel ({kern['gather'].config.tile_n} wide, static)": lambda: run("gather", x, index),
+        "pre-gathered, same tile": lambda: run("same", xg),
+        f"pre-gathered, runtime ({'dynamic' if runtime_cfg.dynamic else 'static'})": lambda: run("runtime", xg),
+        "index_select + runtime kernel": lambda: run("runtime", x.index_select(0, index)),
+    }
+    if hasattr(torch, "_grouped_mm"):
+        rows["torch index_select + _grouped_mm"] = lambda: torch._grouped_mm(
+            x.index_select(0, index), W.transpose(-2, -1), offs=offs[1:])
+    flops = 2.0 * M * d * N
+    result = {"shape": dict(E=E, d=d, f=f, T=T, k=k, M=M), "max_abs_diff_vs_pregathered": diff, "rows": {}}
+    print(f"{name}: E={E} d={d} f={f} T={T} k={k} (M={M}); gather vs pre-gathered max |diff| = {diff:.3g}",
+          flush=True)
+    for label, fn in rows.items():
+        ms = bench(fn)
+        tf = flops / ms / 1e9
+        result["rows"][label] = {"ms": ms, "tflops": tf}
+        print(f"  {label:<42} {ms:8.3f} ms {tf:7.1f} TFLOP/s", flush=True)
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=None, help="comma-separated names of " + ",".join(SHAPES))
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    names = args.shapes.split(",") if args.shapes else list(SHAPES)
+    gen = torch.Generator().manual_seed(0)
+    results = {"device": torch.cuda.get_device_name(), "shapes": {}}
+    print(results["device"], flush=True)
+    for name in names:
+        results["shapes"][name] = run_shape(name, *SHAPES[name], gen)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

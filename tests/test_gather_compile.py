@@ -1,0 +1,142 @@
+"""CPU-only: the gather-A grouped GEMM (A's rows read through an int32 index by cp.async) compiles for sm_90a
+without spills, at the tile configurations the runtime asks for; its configuration and host checks."""
+import dataclasses
+import importlib
+import os
+import re
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import fusion.kernels as K  # noqa: E402
+from fusion.errors import DTypeError, KernelConfigError, ShapeError  # noqa: E402
+from fusion.kernels.tile_policy import candidates, for_gather, tile_config  # noqa: E402
+
+# the FC1 of an MoE block: (experts, d, f) -> a gated GEMM with N = 2f, K = d
+MOE_FC1 = {"qwen3-30b-a3b": (128, 2048, 768), "deepseek-v2-lite": (64, 2048, 1408),
+           "mixtral-8x7b": (8, 4096, 14336), "wide-k": (32, 7168, 2048)}
+
+
+def _ops(sass):
+    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M)
+
+
+class _SwiGLUTrainMXFP8(K.Epilogue):
+    """The FC1 training forward's epilogue (MXFP8 for FC2, the high-precision value, the pre-activation)."""
+    gated = True
+    inputs = (K.RowVector("scale_x"),)
+    outputs = (K.MXFP8Output("out"), K.Output("hp"), K.Output("pre", paired=True))
+
+    def apply(self, gate, up, scale):
+        v = importlib.import_module(K.__name__ + ".epi_math").silu(gate) * up * scale
+        return v, v, gate, up
+
+
+def _gather_compile(epi, N, Kd, G, dtype="bfloat16"):
+    config = K.GemmConfig(*tile_config(N, Kd, G, epi.gated, "K", False, gather=True))
+    return K.compile_grouped_gemm(config, epi, dtype, N, Kd, G)
+
+
+def _check_gather_sass(comp):
+    """wgmma, the A copies as LDGSTS, B by TMA only, no local memory, no stack frame."""
+    try:
+        sass = comp.sass
+    except RuntimeError as e:  # nvdisasm missing
+        pytest.skip(str(e))
+    ops = _ops(sass)
+    assert any(o.startswith("HGMMA") for o in ops), "no HGMMA in SASS"
+    assert any(o.startswith("LDGSTS") for o in ops), "no cp.async (LDGSTS) loads of A"
+    assert any(o.startswith("UTMALDG") for o in ops), "no TMA loads of B"
+    assert not any(o.startswith(("LDL", "STL")) for o in ops), "local-memory spills"
+    assert comp.frame_size == 0
+    assert comp.shared_memory_bytes <= 227 * 1024
+    ptx = comp.ptx
+    assert "cp.async.bulk.tensor.2d" not in ptx, "A is gathered: no 2-D TMA load of A"
+    assert "cp.async.mbarrier.arrive.noinc.shared.b64" in ptx
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+48;", ptx), "the producer keeps 48 registers"
+    return ops
+
+
+@pytest.mark.parametrize("model", sorted(MOE_FC1))
+def test_gated_fc1_gather_compiles_without_spills(model):
+    E, d, f = MOE_FC1[model]
+    comp = _gather_compile(K.SwiGLUScaleEpilogue(), 2 * f, d, E)
+    _check_gather_sass(comp)
+    assert comp.config.gather_a and not comp.config.dynamic and comp.config.pingpong
+    assert comp.name.endswith("_gA") and "_dyn" not in comp.name
+    # the tile is the heuristic's (only the schedule changes)
+    plain = K.GemmConfig(*tile_config(2 * f, d, E, True, "K", False))
+    assert (comp.config.tile_n, comp.config.stages) == (plain.tile_n, plain.stages)
+
+
+@pytest.mark.parametrize("epi,N", [(K.IdentityEpilogue(), 2048), (_SwiGLUTrainMXFP8(), 1536)])
+def test_plain_and_training_epilogues_gather_without_spills(epi, N):
+    comp = _gather_compile(epi, N, 2048, 128)
+    _check_gather_sass(comp)
+    assert comp.config.gather_a
+
+
+def test_ragged_k_zero_fills_the_tail_chunks():
+    """K = 520 (not a multiple of tile_k = 64): the last k-tile's chunks past K are cp.async with a source size
+    chosen at run time (0 = zero fill), the others copy 16 bytes unconditionally."""
+    comp = _gather_compile(K.IdentityEpilogue(), 256, 520, 4)
+    _check_gather_sass(comp)
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^\]]+\], \[[^\]]+\], 16, %r\d+;", comp.ptx)
+    aligned = _gather_compile(K.IdentityEpilogue(), 256, 512, 4)
+    assert not re.search(r"cp\.async\.cg\.shared\.global [^;]*, 16, %r\d+;", aligned.ptx)
+    assert re.search(r"cp\.async\.cg\.shared\.global [^;]*, 16, 16;", aligned.ptx)
+
+
+def test_tile_policy_gives_gather_a_static_schedule():
+    for gated, N in ((True, 28672), (True, 1536), (False, 4096)):
+        base = K.GemmConfig(*tile_config(N, 4096, 8, gated, "K", False))
+        gath = K.GemmConfig(*tile_config(N, 4096, 8, gated, "K", False, gather=True))
+        assert gath == dataclasses.replace(base, gather_a=True, dynamic=False) == for_gather(base)
+    assert all(c.gather_a and not c.dynamic for c in candidates(for_gather(K.GemmConfig()), 4096))
+    assert not any(c.gather_a for c in candidates(K.GemmConfig(), 4096))
+
+
+def test_runtime_job_carries_gather():
+    from fusion.runtime.kernel import make_job
+
+    job = make_job("src", torch.bfloat16, 1536, 2048, 128, True, "K", False, "f1", "inference", gather=True)
+    assert K.GemmConfig(*job.config).gather_a
+    plain = make_job("src", torch.bfloat16, 1536, 2048, 128, True, "K", False, "f1", "inference")
+    assert not K.GemmConfig(*plain.config).gather_a and plain.key != job.key
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (dict(gather_a=True, b_major="MN"), "forward-only"),
+    (dict(gather_a=True, dynamic=True), "static tile schedule"),
+])
+def test_gather_configs_the_kernel_cannot_build_are_rejected(cfg, match):
+    with pytest.raises(KernelConfigError, match=match):
+        K.compile_grouped_gemm(K.GemmConfig(**cfg), K.IdentityEpilogue(), "bfloat16", N=1024, K=512, G=8)
+
+
+def test_gather_needs_k_multiple_of_8():
+    with pytest.raises(KernelConfigError, match="multiple of 8"):
+        K.check_config(K.GemmConfig(gather_a=True), K.IdentityEpilogue(), "bfloat16", 1024, 516)
+
+
+def test_run_checks_the_index():
+    """Host checks before any launch (no GPU needed): a gathering kernel needs an int32 index; a kernel that
+    reads A in order refuses one."""
+    comp = _gather_compile(K.IdentityEpilogue(), 256, 512, 4)
+    A = torch.zeros(10, 512, dtype=torch.bfloat16)
+    B = torch.zeros(4, 256, 512, dtype=torch.bfloat16)
+    offs = torch.zeros(5, dtype=torch.int32)
+    out = {"out": torch.zeros(16, 256, dtype=torch.bfloat16)}
+    with pytest.raises(ShapeError, match="pass index="):
+        K.run_grouped_gemm(comp, A, B, offs, out)
+    with pytest.raises(DTypeError, match="int32"):
+        K.run_grouped_gemm(comp, A, B, offs, out, index=torch.zeros(16, dtype=torch.int64))
+    with pytest.raises(ShapeError, match="contiguous"):
+        K.run_grouped_gemm(comp, A, B, offs, out, index=torch.zeros(32, dtype=torch.int32)[::2])
+    in_order = K.compile_grouped_gemm(dataclasses.replace(comp.config, gather_a=False), K.IdentityEpilogue(),
+                                      "bfloat16", 256, 512, 4)
+    assert not in_order.name.endswith("_gA")
+    with pytest.raises(ShapeError, match="gather_a=True"):
+        K.run_grouped_gemm(in_order, A, B, offs, out, index=torch.zeros(16, dtype=torch.int32))
