@@ -40,10 +40,14 @@ from .tile_epilogue import TileEpilogue
 _PREFETCH_REGS = 136
 _PREFETCH_MIN = 16
 
-# setmaxnreg split (producer warpgroup, each consumer warpgroup), multiples of 8 within 64K registers
-# (128 * (producer + 2 consumers) <= 65536): the TMA producer is one warp issuing loads; the gather producer's
-# threads also hold a tile's row addresses (kernels/gather_producer.py), the consumers keep what they had.
-REGISTER_SPLIT = {False: (40, 232), True: (48, 232)}
+# setmaxnreg split (producer warpgroup, each consumer warpgroup), multiples of 8. The CTA starts with the launch
+# allocation (384 threads x 168 registers); setmaxnreg.inc only takes what the producer's .dec gave back, so
+# 128 * (168 - producer) >= 256 * (consumer - 168), or the consumers wait forever (a 48/232 split hangs). The TMA
+# producer is one warp issuing loads (40); the gather producer's threads hold a tile's row addresses (48, its
+# SASS uses 42), so its consumers take 224.
+REGISTER_SPLIT = {False: (40, 232), True: (48, 224)}
+LAUNCH_REGISTERS = 168
+assert all(128 * (LAUNCH_REGISTERS - p) >= 256 * (c - LAUNCH_REGISTERS) for p, c in REGISTER_SPLIT.values())
 
 __all__ = ["GroupedGemmKernel", "cutlass_dtype"]
 
