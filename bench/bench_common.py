@@ -66,6 +66,27 @@ def measure(fn, clear, b2b_calls=10, sync_calls=5, host_calls=5, device="cuda") 
             "peak_MB": round(peak_mb, 1)}
 
 
+def phase_calls(forward, clear_grads, x, dy, train: bool):
+    """(call, clear) for measure(): one no-grad forward, or one training step (forward of x with a gradient, then
+    backward of dy, the gradients dropped first); `clear` also drops x's gradient."""
+    xg = x.detach().requires_grad_()
+
+    def clear():
+        clear_grads()
+        xg.grad = None
+
+    if not train:
+        def fwd():
+            with torch.no_grad():
+                forward(x)
+        return fwd, clear
+
+    def step():
+        clear()
+        forward(xg).backward(dy)
+    return step, clear
+
+
 def rel_errors(got: dict, want: dict) -> dict:
     """||got - want|| / ||want|| per tensor, in fp32 chunks of rows (a whole fp64 copy of an expert weight
     gradient does not fit beside the model on an 80 GB GPU)."""

@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout: `fusion` is this repository
 sys.path.insert(0, str(HERE))
 
-from bench_common import measure, rel_errors, run_header, synchronize  # noqa: E402
+from bench_common import measure, phase_calls, rel_errors, run_header, synchronize  # noqa: E402
 from moe_paths import FusionLayer, SonicLayer, TorchLayer, routing_agreement, sonicmoe_status  # noqa: E402
 
 
@@ -119,22 +119,7 @@ class Options:
 
 def phase_fn(path, phase: str, x, dy):
     """(call, clear): one forward (no grad) or one training step, and what drops its gradients."""
-    xg = x.detach().requires_grad_()
-
-    def clear():
-        path.clear()
-        xg.grad = None
-
-    if phase == "moe_forward":
-        def fwd():
-            with torch.no_grad():
-                path.forward(x)
-        return fwd, clear
-
-    def step():
-        clear()
-        path.forward(xg).backward(dy)
-    return step, clear
+    return phase_calls(path.forward, path.clear, x, dy, train=phase != "moe_forward")
 
 
 def fingerprint(path, x, dy) -> dict:

@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout: `fusion` is this repository
 sys.path.insert(0, str(HERE))         # and its sibling bench_common, also when imported from elsewhere
 
-from bench_common import measure, rel_errors, run_header  # noqa: E402  (re-exported: bench_moe imports them too)
+from bench_common import measure, phase_calls, rel_errors, run_header  # noqa: E402  (re-exported: bench_moe imports them too)
 
 
 @dataclass(frozen=True)
@@ -207,25 +207,13 @@ class QuackPath(Path_):
 # -- timing: measure() and rel_errors() live in bench_common.py (shared with bench_moe.py) ----------------------
 def phase_fn(path: Path_, phase: str, x, dy):
     """(call, clear): one forward or training step, and what drops its gradients."""
-    xg = x.detach().requires_grad_()
-
-    def clear():
+    def clear_grads():
         for p in path.params:
             p.grad = None
-        xg.grad = None
         if path.probs is not None:
             path.probs.grad = None
 
-    if phase == "forward":
-        def fwd():
-            with torch.no_grad():
-                path.forward(x)
-        return fwd, clear
-
-    def step():
-        clear()
-        path.forward(xg).backward(dy)
-    return step, clear
+    return phase_calls(path.forward, clear_grads, x, dy, train=phase != "forward")
 
 
 def fingerprint(path: Path_, x, dy) -> dict:
