@@ -43,6 +43,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .epilogue import Epilogue
 from .fp8_mainloop import Fp8WarpRoles
+from .mainloop import REGISTER_SPLIT
 from .fp8_scales import SA_BOX, SA_STAGE_FLOATS, SB_BOX, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments
 from .scheduler import TileScheduler
 from .tile_epilogue import TileEpilogue
@@ -227,12 +228,12 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
             if const_expr(self.debug.reg_realloc):
-                cute.arch.warpgroup_reg_dealloc(40)
+                cute.arch.warpgroup_reg_dealloc(REGISTER_SPLIT[False][0])
             if warp_idx == 0:
                 self.produce(tma_a, mA, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
                              bidx, grid, extras=(tma_sa, mSA, tma_sb, mSB, sSA, sSB, M))
         else:
             if const_expr(self.debug.reg_realloc):
-                cute.arch.warpgroup_reg_alloc(232)
+                cute.arch.warpgroup_reg_alloc(REGISTER_SPLIT[False][1])
             self.consume_fp8(tiled_mma, tiled_mma_log, sA, sB, sSA, sSB, mOffs, epi_tensors, ab_pipe,
                              sched_pipe, sTile, tidx, bidx, grid, M)

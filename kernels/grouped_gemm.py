@@ -30,7 +30,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .dtypes import cutlass_dtype
 from .epilogue import Epilogue, AuxInput, MXFP8Output
 from .gather_producer import GATHER_THREADS, GatherProducer
-from .mainloop import WarpRoles
+from .mainloop import REGISTER_SPLIT, WarpRoles
 from .scheduler import TileScheduler
 from .tile_epilogue import TileEpilogue
 
@@ -40,14 +40,6 @@ from .tile_epilogue import TileEpilogue
 _PREFETCH_REGS = 136
 _PREFETCH_MIN = 16
 
-# setmaxnreg split (producer warpgroup, each consumer warpgroup), multiples of 8. The CTA starts with the launch
-# allocation (384 threads x 168 registers); setmaxnreg.inc only takes what the producer's .dec gave back, so
-# 128 * (168 - producer) >= 256 * (consumer - 168), or the consumers wait forever (a 48/232 split hangs). The TMA
-# producer is one warp issuing loads (40); the gather producer's threads hold a tile's row addresses (48, its
-# SASS uses 42), so its consumers take 224.
-REGISTER_SPLIT = {False: (40, 232), True: (48, 224)}
-LAUNCH_REGISTERS = 168
-assert all(128 * (LAUNCH_REGISTERS - p) >= 256 * (c - LAUNCH_REGISTERS) for p, c in REGISTER_SPLIT.values())
 
 __all__ = ["GroupedGemmKernel", "cutlass_dtype"]
 

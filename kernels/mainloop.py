@@ -31,6 +31,16 @@ from .gather_producer import GATHER_THREADS
 
 PINGPONG_BARRIER = 8  # named barriers 8, 9: pingpong mainloop order (consumer warpgroup 0, 1)
 
+# setmaxnreg split (producer warpgroup, each consumer warpgroup), multiples of 8, by gather_a (the FP8 kernel
+# takes the TMA producer's). The CTA starts with the launch allocation (384 threads x 168 registers);
+# setmaxnreg.inc only takes what the producer's .dec gave back, so
+# 128 * (168 - producer) >= 256 * (consumer - 168), or the consumers wait forever (a 48/232 split hangs). The TMA
+# producer is one warp issuing loads (40); the gather producer's threads hold a tile's row addresses (48, its
+# SASS uses 42), so its consumers take 224.
+REGISTER_SPLIT = {False: (40, 232), True: (48, 224)}
+LAUNCH_REGISTERS = 168
+assert all(128 * (LAUNCH_REGISTERS - p) >= 256 * (c - LAUNCH_REGISTERS) for p, c in REGISTER_SPLIT.values())
+
 
 class WarpRoles:
     """Producer and consumer bodies (``@cute.jit``, inlined into the kernel)."""
