@@ -14,8 +14,6 @@ Sums saturate at rows + 1, so no int32 or int64 wrap can make bad sizes look val
 """
 from __future__ import annotations
 
-import threading
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
@@ -23,6 +21,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_ptr
 
 from .dtypes import cutlass_dtype
+from .utility_kernel import UtilityKernel, compile_once
 
 #: Threads of the one warp that runs the prologue; each owns ceil(G / 32) consecutive groups.
 LANES = 32
@@ -111,33 +110,15 @@ class GroupBoundsKernel:
             c = c + LANES
 
 
-_CACHE: dict = {}
-_LOCK = threading.Lock()
-
-
-class CompiledBounds:
-    """A compiled prologue; `launch(sizes_ptr, out_ptr, rows, counters, stream)` with plain integers."""
-
-    def __init__(self, fn, G: int, sizes_dtype: str | None):
-        self.G, self.sizes_dtype = G, sizes_dtype
-        self.launch = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else fn
-
-
-def compile_group_bounds(G: int, sizes_dtype: str | None) -> CompiledBounds:
+def compile_group_bounds(G: int, sizes_dtype: str | None) -> UtilityKernel:
     """The prologue for `G` groups and sizes of `sizes_dtype` ("int32", "int64"; None: one group of all rows),
-    compiled once per process (a second or two; it holds no tile configuration, so it is not disk-cached)."""
-    key = (G, sizes_dtype)
-    with _LOCK:
-        hit = _CACHE.get(key)
-    if hit is not None:
-        return hit
-    from cutlass.runtime import make_fake_stream
+    compiled once per process; `launch(sizes_ptr, out_ptr, rows, counters, stream)` with plain integers."""
+    def build():
+        from cutlass.runtime import make_fake_stream
 
-    kern = GroupBoundsKernel(G, sizes_dtype)
-    sizes = make_ptr(cutlass_dtype(sizes_dtype or "int32"), 0, cute.AddressSpace.gmem, assumed_align=4)
-    out = make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
-    fn = cute.compile(kern, sizes, out, Int32(1), Int32(0), make_fake_stream(), options="--enable-tvm-ffi")
-    res = CompiledBounds(fn, G, sizes_dtype)
-    with _LOCK:
-        _CACHE[key] = res
-    return res
+        sizes = make_ptr(cutlass_dtype(sizes_dtype or "int32"), 0, cute.AddressSpace.gmem, assumed_align=4)
+        out = make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
+        return cute.compile(GroupBoundsKernel(G, sizes_dtype), sizes, out, Int32(1), Int32(0), make_fake_stream(),
+                            options="--enable-tvm-ffi")
+
+    return compile_once(("bounds", G, sizes_dtype), build)

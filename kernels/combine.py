@@ -16,14 +16,13 @@ arguments, like the grouped GEMMs.
 """
 from __future__ import annotations
 
-import threading
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.runtime import make_ptr
 
 from .dtypes import cutlass_dtype
+from .utility_kernel import UtilityKernel, compile_once
 
 #: Threads per CTA; each loads 16 bytes of a row per step.
 THREADS = 128
@@ -75,35 +74,16 @@ class CombineKernel:
             cute.copy(atom, frag, mOut[t, c, None])
 
 
-_CACHE: dict = {}
-_LOCK = threading.Lock()
-
-
-class CompiledCombine:
-    """A compiled combine; `launch(y_ptr, rows_ptr, offsets_ptr, out_ptr, M, T, stream)` with plain integers."""
-
-    def __init__(self, fn, dtype: str, d: int):
-        self.dtype, self.d = dtype, d
-        self.launch = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else fn
-
-
-def compile_combine(dtype: str, d: int) -> CompiledCombine:
+def compile_combine(dtype: str, d: int) -> UtilityKernel:
     """The combine for rows of `dtype` ("bfloat16", "float16", "float32") and width `d`, with int64 rows and
-    offsets (a token layout), compiled once per process (a second or two; no tile configuration to cache)."""
-    key = (dtype, d)
-    with _LOCK:
-        hit = _CACHE.get(key)
-    if hit is not None:
-        return hit
-    from cutlass.runtime import make_fake_stream
+    offsets (a token layout), compiled once per process; `launch(y_ptr, rows_ptr, offsets_ptr, out_ptr, M, T,
+    stream)` with plain integers."""
+    def build():
+        from cutlass.runtime import make_fake_stream
 
-    kern = CombineKernel(dtype, d)
-    rows = make_ptr(cutlass_dtype(dtype), 0, cute.AddressSpace.gmem, assumed_align=16)
-    index = make_ptr(Int64, 0, cute.AddressSpace.gmem, assumed_align=8)
-    fn = cute.compile(kern, rows, index, index, make_ptr(cutlass_dtype(dtype), 0, cute.AddressSpace.gmem,
-                                                          assumed_align=16),
-                      Int32(1), Int32(1), make_fake_stream(), options="--enable-tvm-ffi")
-    res = CompiledCombine(fn, dtype, d)
-    with _LOCK:
-        _CACHE[key] = res
-    return res
+        rows = make_ptr(cutlass_dtype(dtype), 0, cute.AddressSpace.gmem, assumed_align=16)
+        index = make_ptr(Int64, 0, cute.AddressSpace.gmem, assumed_align=8)
+        return cute.compile(CombineKernel(dtype, d), rows, index, index, rows, Int32(1), Int32(1), make_fake_stream(),
+                            options="--enable-tvm-ffi")
+
+    return compile_once(("combine", dtype, d), build)
