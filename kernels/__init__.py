@@ -16,7 +16,7 @@ _EXPORTS = {
     **dict.fromkeys(("Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output", "IdentityEpilogue",
                      "SwiGLUScaleEpilogue", "DSwiGLUEpilogue", "SwiGLUScaleMXFP8Epilogue"), "epilogue"),
     **dict.fromkeys(("CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
-                     "check_config", "offsets_from_group_sizes", "sass_text"), "api"),
+                     "check_config", "offsets_from_group_sizes", "sass_text", "sass_opcodes"), "api"),
     **dict.fromkeys(("GemmConfig", "choose_config"), "tile_policy"),
     **dict.fromkeys(("CompiledFp8GroupedGemm", "choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm",
                      "run_fp8_grouped_gemm", "fp8_grouped_gemm"), "fp8_api"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 import shlex
 import shutil
 import struct
@@ -31,7 +32,7 @@ from .tile_policy import GemmConfig, choose_config, for_gather, spill_fallback
 
 __all__ = [
     "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
-    "choose_config", "check_config", "offsets_from_group_sizes", "sass_text",
+    "choose_config", "check_config", "offsets_from_group_sizes", "sass_text", "sass_opcodes",
 ]
 
 log = logging.getLogger("fusion.kernels")
@@ -118,6 +119,15 @@ def sass_text(cubin: bytes) -> str:
         return subprocess.run([tool, "-c", path], check=True, capture_output=True, text=True).stdout
     finally:
         os.unlink(path)
+
+
+_SASS_OPCODE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", re.M)
+
+
+def sass_opcodes(sass: str) -> list[str]:
+    """The opcodes (with their modifiers, e.g. ``LDG.E.128``) of nvdisasm's listing, in order, predicates
+    dropped: what SASS checks look for (HGMMA, LDGSTS, UTMALDG, no LDL/STL spills)."""
+    return _SASS_OPCODE.findall(sass)
 
 
 class CompiledGroupedGemm:

@@ -44,7 +44,7 @@ def _compile(name):
 
 
 def _ops(sass):
-    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M)
+    return K.sass_opcodes(sass)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

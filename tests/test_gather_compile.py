@@ -12,6 +12,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import fusion.kernels as K  # noqa: E402
 from fusion.errors import DTypeError, KernelConfigError, ShapeError  # noqa: E402
+from fusion.kernels.mainloop import REGISTER_SPLIT  # noqa: E402
 from fusion.kernels.tile_policy import candidates, for_gather, tile_config  # noqa: E402
 
 # the FC1 of an MoE block: (experts, d, f) -> a gated GEMM with N = 2f, K = d
@@ -20,7 +21,7 @@ MOE_FC1 = {"qwen3-30b-a3b": (128, 2048, 768), "deepseek-v2-lite": (64, 2048, 140
 
 
 def _ops(sass):
-    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M)
+    return K.sass_opcodes(sass)
 
 
 class _SwiGLUTrainMXFP8(K.Epilogue):
@@ -55,7 +56,8 @@ def _check_gather_sass(comp):
     ptx = comp.ptx
     assert "cp.async.bulk.tensor.2d" not in ptx, "A is gathered: no 2-D TMA load of A"
     assert "cp.async.mbarrier.arrive.noinc.shared.b64" in ptx
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+48;", ptx), "the producer keeps 48 registers"
+    producer = REGISTER_SPLIT[True][0]
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer};", ptx), "the gather producer's split"
     return ops
 
 

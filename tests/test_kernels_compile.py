@@ -19,7 +19,7 @@ def _em():
 
 
 def _ops(sass):
-    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M)
+    return K.sass_opcodes(sass)
 
 
 def _check(comp):
