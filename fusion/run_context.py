@@ -34,3 +34,10 @@ class RunContext:
     #: index a gathering kernel loads through (fusion/runtime/steps.py), the token layout a Combine and a
     #: Gather's backward sum by (fusion/ops/routing.py).
     derived: dict[str, object] = field(default_factory=dict)
+
+    def derive(self, name: str, make):
+        """The value `name` derived from this call's inputs: `make()` the first time it is asked for, then kept."""
+        value = self.derived.get(name)
+        if value is None:
+            value = self.derived[name] = make()
+        return value

@@ -97,10 +97,7 @@ def combine_rows(y: torch.Tensor, index: torch.Tensor, tokens: int, layout=None)
 def call_layout(ctx: RunContext):
     """token_layout of the call's index, made once per call: a block's Combine and its Gather's backward share
     it (RunContext.derived)."""
-    layout = ctx.derived.get("token_layout")
-    if layout is None:
-        layout = ctx.derived["token_layout"] = token_layout(ctx.index, ctx.tokens)
-    return layout
+    return ctx.derive("token_layout", lambda: token_layout(ctx.index, ctx.tokens))
 
 
 class Gather(Op, kind="gather"):

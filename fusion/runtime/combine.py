@@ -15,7 +15,7 @@ import torch
 from fusion.ops.routing import call_layout, combine_rows
 from fusion.run_context import RunContext
 
-_KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def takes(y: torch.Tensor) -> bool:
@@ -34,7 +34,7 @@ def run(y: torch.Tensor, ctx: RunContext) -> torch.Tensor:
     M, d = y.shape
     out = torch.empty(ctx.tokens, d, dtype=y.dtype, device=y.device)
     if ctx.tokens:
-        kernel = compile_combine(_KERNEL_DTYPES[y.dtype], d)
+        kernel = compile_combine(str(y.dtype).removeprefix("torch."), d)
         kernel.launch(y.data_ptr(), rows.data_ptr(), offsets.data_ptr(), out.data_ptr(), M, ctx.tokens,
                       torch._C._cuda_getCurrentRawStream(y.device.index))
     return out

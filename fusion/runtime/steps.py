@@ -204,15 +204,12 @@ class FusedForward(_KernelStep):
 
 def gather_index(ctx: RunContext) -> torch.Tensor:
     """The index a gathering kernel loads its A rows through: int32, a padding row (-1) reading row 0, made once
-    per call (the forward's; a backward that recomputes the forward reuses it).
+    per call (RunContext.derived).
 
     Padding rows (token rounding) lie in the last group (RunContext.group_sizes absorbs them), so the kernel
     computes them: from x[0], which is finite, where the reference gathers zeros. Nothing reads those rows'
     values: Combine skips them and their probs are 0, so every result and gradient is the reference's."""
-    cached = ctx.derived.get("gather_index")
-    if cached is None:
-        cached = ctx.derived["gather_index"] = ctx.index.clamp_min(0).to(torch.int32)
-    return cached
+    return ctx.derive("gather_index", lambda: ctx.index.clamp_min(0).to(torch.int32))
 
 
 def _quantized(op, outs: dict, ctx: RunContext):
@@ -266,7 +263,7 @@ class GemmForward(OpForward):
     bias, fp8 weights) takes the op's reference."""
 
     def __init__(self, seq, step, device_kernels: bool = False):
-        super().__init__(seq, step)
+        super().__init__(seq, step, device_kernels)
         self._method: dict = {}
 
     @staticmethod
