@@ -18,6 +18,9 @@ Paths (all in bf16, the same weights, inputs and group sizes):
                     and torch._grouped_mm for the weight gradients (quack's varlen-K GEMM needs 16-byte
                     aligned group starts).
 - reference         backend="reference": the eager specification (not a baseline; for scale).
+- fusion_fp8, unfused_fp8: the FP8 paths (bench/fp8_paths.py): the fp8_block block against
+                    torch._scaled_grouped_mm with compiled act and quantization. Their relative error is
+                    against the bf16 reference, so it includes FP8's rounding.
 
 Per (block, phase, path): b2b_ms (10 calls back to back, one sync), sync_ms (median of calls each followed
 by a sync), host_us (CPU time to issue one call, measured while the GPU is busy), peak_MB
@@ -79,7 +82,7 @@ BLOCKS = [
     Block("small-batch", 8, 2048, 2, 2048, 1024),
     Block("qwen3-30b-a3b-small", 128, 512, 8, 2048, 768),
 ]
-PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "quack", "reference"]
+PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "quack", "reference", "fusion_fp8", "unfused_fp8"]
 PHASES = ["forward", "training_step"]
 
 
@@ -241,6 +244,12 @@ def make_path(name: str, seq, sizes, offsets, probs):
     if name == "quack":
         import quack_compat  # noqa: F401  (.gpu/quack_compat.py: quack 0.6.5 on DSL 4.8.1)
         return QuackPath(seq, offsets, probs)
+    if name == "fusion_fp8":
+        from fp8_paths import fusion_fp8_block
+        return FusionPath(fusion_fp8_block(seq, probs), sizes, probs)
+    if name == "unfused_fp8":
+        from fp8_paths import UnfusedFP8Path
+        return UnfusedFP8Path(seq, offsets, probs)
     if name == "reference":
         import copy
         ref = copy.copy(seq)

@@ -16,12 +16,49 @@ OP_KINDS = ("gemm", "activation", "elementwise", "quantize", "gather", "combine"
 #: It is complete once fusion.ops is imported, which `import fusion` does before anything can load a pattern.
 OP_TABLE: dict[str, str] = {}
 
-#: Device kernels the fused runtime runs in place of an unfused op's reference, by (op kind, part): the runtime
-#: module (fusion/runtime/<name>.py: `takes(tensor)`, `run(tensor, ctx)`) with the same math in the same order
-#: (each module says how it matches the reference), used on the CUDA tensors it takes, and what explain() says
-#: runs there. A Gather's backward is a combine of its rows' gradients.
+#: Device kernels the fused runtime runs in place of an unfused op's reference, by (op variant, part): the runtime
+#: module (fusion/runtime/<name>.py: `takes(op, value)`, `run(op, value, ctx)`, and for an op with parameters
+#: `gradients(op, x, dy, ctx)`) with the same math in the same order (each module says how it matches the
+#: reference), used on the CUDA tensors it takes, and what explain() says runs there. The variant is the op's
+#: kind, or kind:weight_format for a GEMM whose weights are not the parameter as is. A Gather's backward is a
+#: combine of its rows' gradients.
 DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
     ("combine", "forward"): ("combine", "combine kernel (fusion/kernels/combine.py: each token's rows summed in "
                                         "row order in float32, no atomics)"),
     ("gather", "backward"): ("combine", "combine kernel of the rows' gradients (fusion/kernels/combine.py)"),
+    ("gemm:fp8_block", "forward"): ("fp8_gemm", "FP8 block-scaled grouped GEMM (fusion/kernels/fp8_gemm.py), the "
+                                                "input quantized 1x128 unless it already is"),
+    ("gemm:fp8_block", "backward"): ("fp8_gemm", "dgrad: FP8 block-scaled grouped GEMM of dY (quantized 1x128) and "
+                                                 "the weight's transposed blocks; wgrad: torch._grouped_mm "
+                                                 "(fusion/runtime/fp8_gemm.py says which operands)"),
 }
+
+#: What a device method's kernel takes, by variant (the runtime module's `takes` checks the same at run time):
+#: the dtypes, and the multiple both feature widths must be (16-byte rows of one-byte FP8 codes).
+DEVICE_METHOD_LIMITS: dict[str, dict] = {
+    "combine": {"dtypes": ("bfloat16", "float16", "float32")},
+    "gather": {"dtypes": ("bfloat16", "float16", "float32")},
+    "gemm:fp8_block": {"dtypes": ("bfloat16", "float16"), "feature_multiple": 16},
+}
+
+
+def _variant(kind: str, weight_format: str | None) -> str:
+    return kind if weight_format in (None, "bf16") else f"{kind}:{weight_format}"
+
+
+def device_method(kind: str, part: str, weight_format: str | None = None) -> tuple[str, str] | None:
+    """The DEVICE_METHODS entry of an op of `kind` (a GEMM's `weight_format`) for `part`, or None."""
+    return DEVICE_METHODS.get((_variant(kind, weight_format), part))
+
+
+def device_method_refusal(kind: str, weight_format: str | None, dtype: str, widths) -> str | None:
+    """Why the device method's kernel cannot take this op at `dtype` with these feature `widths` (None ones are
+    unknown, not checked), or None when it can."""
+    limits = DEVICE_METHOD_LIMITS.get(_variant(kind, weight_format), {})
+    if dtype and dtype not in limits.get("dtypes", (dtype,)):
+        return f"its kernel runs {'/'.join(limits['dtypes'])}, the dtype is {dtype}"
+    multiple = limits.get("feature_multiple")
+    bad = [w for w in widths if multiple and w is not None and w % multiple]
+    if bad:
+        return f"its kernel needs feature widths that are multiples of {multiple}, got {bad[0]}"
+    return None

@@ -19,7 +19,7 @@ from fusion.dataflow import annotate, row_symbols
 from fusion.errors import FallbackError
 from fusion.graph import build_graph, op_nodes
 from fusion.grouped import HOST_SYNC_NOTE
-from fusion.op_table import DEVICE_METHODS
+from fusion.op_table import device_method, device_method_refusal
 from fusion.matcher import (DEFAULT_WEIGHT_FORMAT, Attempt, Match, arch_of, dtype_name, format_loc, match_all,
                             resolve)
 from fusion.plan import Fallback, OpAttempt, OpInfo, Plan, Step
@@ -173,7 +173,7 @@ def build_plan(seq, dtype: str, target: str | None, patterns: tuple, note: str |
     backward = _backward_steps(infos, chosen_b, dtype, target)
     forward, backward, saves, recomputed = annotate(infos, forward, backward)
     per_op = _per_op_attempts(infos, patterns, attempts, chosen_f + chosen_b, losses)
-    fallbacks = _fallbacks(infos, forward, backward, per_op, patterns, reason, target)
+    fallbacks = _fallbacks(infos, forward, backward, per_op, patterns, reason, target, dtype)
     return Plan(target=target, dtype=dtype, ops=infos, forward=tuple(forward), backward=tuple(backward),
                 attempts=per_op, fallbacks=tuple(fallbacks), fully_fused=not fallbacks, patterns=lib_info,
                 reason=reason, notes=notes, saves=saves, recomputed=recomputed)
@@ -234,14 +234,27 @@ def _backward_steps(infos, chosen: list[Match], dtype: str, target: str | None) 
     return steps
 
 
+#: How a device method's line in the plan ends (the emulated plan runs the reference instead).
+_EMULATE_NOTE = "; backend 'emulate' runs the reference"
+
+
 def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) -> tuple[str, tuple[str, ...]]:
     """Which reference implementation an unfused (op, part) runs, and notes worth telling the user
     (mirrors fusion.grouped.grouped_mm_method, decided from the plan's dtype and target)."""
     grad = {"forward": "", "dgrad": " (input gradient)", "wgrad": " (weight gradient)", "backward": ""}[part]
+    device = device_method(info.kind, part, info.weight_format)
+    refusal = None
+    if device is not None and (arch_of(target) or 0) >= 90:
+        refusal = device_method_refusal(info.kind, info.weight_format, dtype,
+                                        (info.in_features, info.out_features) if info.kind == "gemm" else ())
+        if refusal is None:
+            return f"{device[1]}{_EMULATE_NOTE}", ()
     if info.gemm_by_reference:
         recipe = f"{info.name}.reference: the {info.weight_format} recipe (fusion/quant/fp8_linear.py, torch)"
-        note = (f"weight_format={info.weight_format!r}: no kernel on this target runs this GEMM yet; it runs its "
-                f"recipe's reference (dequantized FP8 operands, float32 matmul)")
+        why = (f"the FP8 kernel does not take it: {refusal}" if refusal else "no kernel on this target runs this "
+               "GEMM")
+        note = (f"weight_format={info.weight_format!r}: {why}; it runs its recipe's reference (dequantized FP8 "
+                f"operands, float32 matmul)")
         return (recipe if part == "forward" else f"autograd of {recipe}: dgrad and wgrad"), (note,)
     if info.name == "GroupLinear":
         why = None
@@ -264,9 +277,6 @@ def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) ->
         return f"torch._grouped_mm{grad}", ()
     if info.name == "Linear":
         return f"torch.nn.functional.linear{grad}", ()
-    device = DEVICE_METHODS.get((info.kind, part))
-    if device is not None and (arch_of(target) or 0) >= 90:
-        return f"{device[1]}; backend 'emulate' runs the reference", ()
     if part == "forward":
         return f"{info.name}.reference (torch)", ()
     if info.kind in _DIRECT_GRADS:
@@ -359,14 +369,19 @@ def _stopped_before(i: int, pattern, matches: list[Match], infos):
 
 
 def _fallbacks(infos, forward, backward, per_op: dict, patterns, reason: str | None,
-               target: str | None = None) -> list[Fallback]:
+               target: str | None = None, dtype: str = "") -> list[Fallback]:
     out = []
     # A GEMM is not a fallback: unfused it runs the vendor grouped GEMM; what falls back is elementwise work
     # that a pattern could have put in its epilogue (and that op is listed, with the reasons). A GEMM run by its
-    # reference (fp8_block weights: no vendor GEMM here) is one, forward and backward.
+    # reference (fp8_block weights where no device kernel runs them: not Hopper) is one, forward and backward.
+    def by_reference(i, part):
+        info = infos[i]
+        return info.gemm_by_reference and not reference_method(info, part, dtype, target)[0].endswith(_EMULATE_NOTE)
+
     units = [(s.parts[0], "forward") for s in forward
-             if not s.fused and (infos[s.parts[0][0]].kind != "gemm" or infos[s.parts[0][0]].gemm_by_reference)]
-    units += [(s.parts[0], "backward") for s in backward if not s.fused and s.parts[0][1] == "backward"]
+             if not s.fused and (infos[s.parts[0][0]].kind != "gemm" or by_reference(s.parts[0][0], "forward"))]
+    units += [(s.parts[0], "backward") for s in backward if not s.fused and s.parts[0][1] == "backward"
+              and (infos[s.parts[0][0]].kind != "gemm" or by_reference(s.parts[0][0], "backward"))]
     for (i, part), direction in units:
         info = infos[i]
         if reason is not None:
@@ -377,7 +392,7 @@ def _fallbacks(infos, forward, backward, per_op: dict, patterns, reason: str | N
             if not reasons:
                 reasons = (f"no {direction} fusion patterns are loaded",)
         if info.gemm_by_reference:  # first what it runs instead, then every pattern tried
-            reasons = reference_method(info, part, "", target)[1] + reasons
+            reasons = reference_method(info, part, dtype, target)[1] + reasons
         out.append(Fallback(op=i, description=info.description, direction=direction, part=part, reasons=reasons))
     return out
 

@@ -66,8 +66,8 @@ def test_cpu_tensors_take_the_reference():
 
     y, index = torch.randn(6, 16), torch.tensor([0, 2, 1, 0, -1, 2])
     ctx = RunContext(index=index, tokens=3)
-    assert not combine.takes(y)
-    torch.testing.assert_close(combine.run(y, ctx), combine_rows(y, index, 3), rtol=0, atol=0)
+    assert not combine.takes(None, y)
+    torch.testing.assert_close(combine.run(None, y, ctx), combine_rows(y, index, 3), rtol=0, atol=0)
 
 
 # -- GPU ---------------------------------------------------------------------------------------------------------------
@@ -88,10 +88,10 @@ def test_kernel_matches_reference_bitwise(dtype, T, E, k, round_to, d):
     M = r.index.numel()
     y = torch.randn(M, d, device="cuda").to(dtype)
     ctx = RunContext(index=r.index, tokens=T)
-    got = combine.run(y, ctx)
+    got = combine.run(None, y, ctx)
     want = combine_rows(y, r.index, T, token_layout(r.index, T))
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
-    assert torch.equal(combine.run(y, RunContext(index=r.index, tokens=T)), got)  # deterministic
+    assert torch.equal(combine.run(None, y, RunContext(index=r.index, tokens=T)), got)  # deterministic
 
 
 @pytest.mark.gpu
@@ -100,7 +100,7 @@ def test_tokens_without_rows_are_zero():
 
     index = torch.tensor([0, 0, 3, -1], device="cuda")
     y = torch.ones(4, 16, device="cuda", dtype=torch.bfloat16)
-    out = combine.run(y, RunContext(index=index, tokens=5))
+    out = combine.run(None, y, RunContext(index=index, tokens=5))
     assert out[:, 0].tolist() == [2, 0, 0, 1, 0]
 
 

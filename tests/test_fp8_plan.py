@@ -57,7 +57,9 @@ def test_builtin_patterns_leave_an_fp8_gemm_unfused_and_say_why():
                and "weight_format='fp8_block'" in r for r in act.reasons), act.reasons
     text = block(fmt2="bf16", backend="auto").explain()
     assert 'predicate `weight_format == "bf16"` is false (weight_format=\'fp8_block\') on op 0 GroupLinear' in text
-    assert "the fp8_block recipe" in text
+    # on Hopper it runs the FP8 kernel (fusion/runtime/fp8_gemm.py); the emulated plan and the CPU its recipe
+    assert "op 0 GroupLinear: FP8 block-scaled grouped GEMM (fusion/kernels/fp8_gemm.py)" in text
+    assert "the fp8_block recipe" in block(fmt2="bf16", backend="auto").explain(target="cpu")
 
 
 def test_an_fp8_gemm_backward_is_its_recipe_not_bf16_gemm_steps():
@@ -65,11 +67,17 @@ def test_an_fp8_gemm_backward_is_its_recipe_not_bf16_gemm_steps():
     parts = [p for s in plan.backward for p in s.parts]
     assert (0, "backward") in parts and (0, "dgrad") not in parts and (0, "wgrad") not in parts
     step = next(s for s in plan.backward if s.parts == ((0, "backward"),))
-    assert "fp8_block recipe" in step.method and step.reads == ("g1", "v0") and step.writes == ("g0", "dW0")
+    assert "dgrad: FP8 block-scaled grouped GEMM" in step.method  # fusion/runtime/fp8_gemm.py on Hopper
+    assert step.reads == ("g1", "v0") and step.writes == ("g0", "dW0")
+    cpu = plan_for(block(fmt2="bf16"), dtype=torch.float32, target=None)
+    assert any("fp8_block recipe" in s.method for s in cpu.backward if s.parts == ((0, "backward"),))
     assert plan.ops[0].weight_format == "fp8_block" and plan.ops[0].gemm_by_reference
     assert plan.ops[2].weight_format == "bf16" and not plan.ops[2].gemm_by_reference
-    # it runs its reference: listed as falling back (no vendor GEMM runs it), forward and backward, saying why
-    fb = [f for f in plan.fallbacks if f.op == 0]
+    # on Hopper the FP8 kernel runs it: not a fallback; where none does it runs its reference, and is listed as
+    # falling back, forward and backward, saying why
+    assert not [f for f in plan.fallbacks if f.op == 0]
+    cpu_plan = plan_for(block(fmt2="bf16"), dtype=torch.bfloat16, target=None)
+    fb = [f for f in cpu_plan.fallbacks if f.op == 0]
     assert [f.part for f in fb] == ["forward", "backward"]
     assert all("weight_format='fp8_block'" in f.reasons[0] for f in fb)
     # FC2 (bf16) keeps its fused dgrad with the SwiGLU backward
@@ -163,3 +171,16 @@ def test_fp8_block_under_torch_compile_emulate():
     y = compiled(x, group_sizes=sizes)
     (y.float() * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
     assert_bitwise([y.detach(), x.grad] + [p.grad for p in seq.parameters()], want)
+
+
+def test_explain_says_why_the_fp8_kernel_does_not_take_a_gemm():
+    """The plan names the FP8 kernel only where it runs: 16-multiple widths in bf16/fp16 (as its runtime checks)."""
+    seq = Sequential(GroupLinear(2, 72, 128, weight_format="fp8_block"), SwiGLU(),
+                     GroupLinear(2, 64, 64, weight_format="fp8_block"))
+    text = seq.explain(dtype=torch.bfloat16, target="sm_90a")
+    assert "op 0 GroupLinear: GroupLinear.reference: the fp8_block recipe" in text
+    assert "the FP8 kernel does not take it: its kernel needs feature widths that are multiples of 16, got 72" in text
+    assert "op 2 GroupLinear: FP8 block-scaled grouped GEMM" in text
+    text = seq.explain(dtype=torch.float32, target="sm_90a")
+    assert "op 2 GroupLinear: GroupLinear.reference: the fp8_block recipe" in text
+    assert "its kernel runs bfloat16/float16, the dtype is float32" in text

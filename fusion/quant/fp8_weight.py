@@ -73,6 +73,21 @@ def quantize_weight_fp8_block(weight: torch.Tensor) -> FP8BlockWeight:
     if weight.dtype not in SUPPORTED_DTYPES:
         raise QuantizationError(f"quantize_weight_fp8_block: weight dtype {weight.dtype} is not supported; "
                                 f"use float32, bfloat16, float16 or float64")
+    if weight.dim() == 3 and weight.shape[0] > 1 and not torch.compiler.is_compiling():
+        # group by group: the encode's integer temporaries are several times the weight's size, which at MoE
+        # scale (e.g. 32 x 4096 x 7168) would not fit next to the weight itself (a compiled graph fuses them)
+        G, N, K = weight.shape
+        data = torch.empty(G, N, K, dtype=torch.uint8, device=weight.device)
+        scale = torch.empty(G, -(-N // FP8_BLOCK), -(-K // FP8_BLOCK), dtype=torch.float32, device=weight.device)
+        for g in range(G):
+            data[g], scale[g] = _quantize_2d_blocks(weight[g])
+    else:
+        data, scale = _quantize_2d_blocks(weight)
+    return FP8BlockWeight(data, scale, data.mT.contiguous(), scale.mT.contiguous())
+
+
+def _quantize_2d_blocks(weight: torch.Tensor):
+    """``(data, scale)`` of a ``(..., N, K)`` weight: 128x128 blocks of its last two dims."""
     w = weight.detach().to(torch.float32)
     rows, cols = w.shape[-2:]
     nb, kb = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
@@ -81,9 +96,7 @@ def quantize_weight_fp8_block(weight: torch.Tensor) -> FP8BlockWeight:
     lead = w.shape[:-2]
     block_amax = padded.reshape(*lead, nb, FP8_BLOCK, kb, FP8_BLOCK).amax(dim=(-3, -1))
     e = fp8_block_scale_exponent(block_amax)
-    data = encode_e4m3(w * _spread(pow2_f32(-e), rows, cols))
-    scale = pow2_f32(e)
-    return FP8BlockWeight(data, scale, data.mT.contiguous(), scale.mT.contiguous())
+    return encode_e4m3(w * _spread(pow2_f32(-e), rows, cols)), pow2_f32(e)
 
 
 # ------------------------------------------------------------------------------------------------------------

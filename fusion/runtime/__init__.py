@@ -42,6 +42,8 @@ class BlockRunner:
         self.params = list(seq.parameters())
         self.plan = plan_for_run(seq, x)
         fused = any(step.fused for step in self.plan.forward + self.plan.backward)
+        # an op with a device method (fusion.op_table.DEVICE_METHODS) runs it through the program too
+        fused = fused or (seq.backend in ("auto", "fused") and x.device.type == "cuda" and _has_device_method(seq))
         self.program = None
         # The group sizes' values are checked, and the call's bounds made, by one prologue launch on the device
         # (fusion/runtime/bounds.py) when fused kernels run on a GPU; otherwise by torch ops.
@@ -102,6 +104,13 @@ class BlockRunner:
         from fusion.runtime.autograd import run_program
 
         return run_program(self, x, ctx)
+
+
+def _has_device_method(seq) -> bool:
+    from fusion.op_table import device_method
+
+    return any(device_method(op.spec.kind, part, getattr(op, "weight_format", None)) is not None
+               for op in seq.ops for part in ("forward", "backward"))
 
 
 def runner_for(seq, x: torch.Tensor) -> BlockRunner:

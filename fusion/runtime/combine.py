@@ -1,7 +1,7 @@
 """The MoE combine on the GPU: the aggregation kernel (fusion/kernels/combine.py) in place of the reference.
 
-A device method of the fused runtime (fusion.op_table.DEVICE_METHODS): `takes(tensor)` says whether
-the kernel runs it, `run(tensor, ctx)` computes.
+A device method of the fused runtime (fusion.op_table.DEVICE_METHODS): `takes(op, tensor)` says whether
+the kernel runs it, `run(op, tensor, ctx)` computes.
 
 Used by the fused runtime (backend "cute", CUDA tensors) for a block's Combine forward and its Gather's
 backward, which are the same sum: each token's routed rows added in increasing row order, in float32, rounded
@@ -18,15 +18,15 @@ from fusion.run_context import RunContext
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def takes(y: torch.Tensor) -> bool:
+def takes(op, y: torch.Tensor) -> bool:
     """Whether the kernel runs these rows: a CUDA tensor of a kernel dtype whose rows are whole 16-byte chunks."""
     return (y.is_cuda and y.dtype in _KERNEL_DTYPES and y.dim() == 2 and (y.shape[1] * y.element_size()) % 16 == 0)
 
 
-def run(y: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+def run(op, y: torch.Tensor, ctx: RunContext) -> torch.Tensor:
     """Row t = the sum of y's rows routed from token t (ctx.index), padding rows skipped: (M, d) -> (T, d)."""
     rows, offsets = call_layout(ctx)
-    if not takes(y):
+    if not takes(op, y):
         return combine_rows(y, ctx.index, ctx.tokens, (rows, offsets))
     from fusion.kernels.combine import compile_combine
 

@@ -20,7 +20,7 @@ from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forward_spec
 from fusion.dataflow import index_of, out_grad, v
 from fusion.grouped import linear_dgrad, linear_wgrad
-from fusion.op_table import DEVICE_METHODS
+from fusion.op_table import device_method
 from fusion.ops.base import RunContext
 from fusion.runtime.kernel import make_job
 
@@ -236,7 +236,7 @@ def _poison(outs: dict) -> None:
 
 def _device_method(op, part: str, device_kernels: bool):
     """The device method module standing in for `op`'s `part`, or None (the reference runs)."""
-    entry = DEVICE_METHODS.get((op.spec.kind, part)) if device_kernels else None
+    entry = device_method(op.spec.kind, part, getattr(op, "weight_format", None)) if device_kernels else None
     return None if entry is None else importlib.import_module(f"fusion.runtime.{entry[0]}")
 
 
@@ -251,8 +251,8 @@ class OpForward:
 
     def run(self, state: RunState, train: bool) -> None:
         x = state.env[v(self.index)]
-        if self.device is not None and self.device.takes(x):
-            state.env[v(self.index + 1)] = self.device.run(x, state.ctx)
+        if self.device is not None and self.device.takes(self.op, x):
+            state.env[v(self.index + 1)] = self.device.run(self.op, x, state.ctx)
             return
         state.env[v(self.index + 1)] = self.op.reference(x, state.ctx)
 
@@ -418,7 +418,7 @@ def _autograd_dispatch():
 
 class OpBackward:
     """Autograd through one op's reference at its saved input: the gradients of its input, its parameters and
-    the extra inputs it reads."""
+    the extra inputs it reads; or, when the block runs kernels, the device method's (fusion.op_table)."""
 
     def __init__(self, seq, step, plan, device_kernels: bool = False):
         (self.index,) = step.ops
@@ -435,16 +435,22 @@ class OpBackward:
         if op.input_grad is not None:
             dy = state.env[self.grad_in]
             with torch.no_grad():
-                if self.device is not None and self.device.takes(dy):
-                    state.env[f"g{self.index}"] = self.device.run(dy, ctx)
+                if self.device is not None and self.device.takes(op, dy):
+                    state.env[f"g{self.index}"] = self.device.run(op, dy, ctx)
                 else:
                     state.env[f"g{self.index}"] = op.input_grad(dy, ctx)
+            return
+        value = state.env.get(v(self.index))
+        if self.device is not None and value is not None and self.device.takes(op, value):
+            with torch.no_grad():  # the device method's own gradients (an fp8_block GEMM's dgrad and wgrad)
+                state.env[f"g{self.index}"], grads = self.device.gradients(op, value, state.env[self.grad_in], ctx)
+            for p, gp in grads.items():
+                state.add(state.param_grads, id(p), gp)
             return
         params = [p for p in op.parameters(recurse=False) if p.requires_grad]
         extras = [(name, ctx.extra[name]) for name in self.extra_inputs
                   if name in ctx.extra and ctx.extra[name].requires_grad]
         with torch.enable_grad(), _autograd_dispatch():
-            value = state.env.get(v(self.index))
             if value is None:  # its gradient reads no input value: a zero of the input's shape stands in
                 dy = state.env[self.grad_in]
                 # the plan may not know a first op's input width (a Gather's is x's): such ops keep the width

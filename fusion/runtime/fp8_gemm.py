@@ -1,0 +1,140 @@
+"""An fp8_block (Group)Linear on the GPU: the FP8 block-scaled grouped GEMM kernel in place of the recipe's reference.
+
+A device method of the fused runtime (fusion.op_table.DEVICE_METHODS, variant "gemm:fp8_block"): `takes(op, x)`
+says whether the kernels run this op on this input, `run(op, x, ctx)` is the forward, `gradients(op, x, dy, ctx)`
+the backward. The math is the recipe of fusion/quant/fp8_linear.py (docs/quantization.md, "FP8-block training
+recipe"), which stays the specification and what backend="emulate" and the CPU run:
+
+* fprop ``Y[g] = X_g @ W[g].T``: X quantized 1x128 rowwise (an fp8_block QuantizedTensor input is used as is),
+  the weight's cached 128x128 blocks; the FP8 kernel promotes each 128-wide k-block into a float32 accumulator
+  with both scales, as the reference's float32 product of the dequantized operands does (summation order aside).
+* dgrad ``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3), the weight's transposed blocks.
+* wgrad ``dW[g] = dY_g.T @ X_g`` by torch._grouped_mm (no FP8 varlen-K kernel yet): with
+  ``fp8_linear.WGRAD_IN_BF16`` the high-precision dY and X; otherwise the recipe's FP8 operands, i.e. the
+  columnwise 128-row-block quantizations of dY and X, dequantized exactly into the GEMM's dtype (E4M3 times a
+  power of two is exact in bf16/fp16 unless it underflows their subnormals) and multiplied in float32.
+
+The quantizations run on the device with no host sync (group sizes stay on the device), so a call can be
+captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from fusion.grouped import group_offsets
+from fusion.quant import QuantizedTensor
+from fusion.run_context import RunContext
+
+_OUT_DTYPES = (torch.bfloat16, torch.float16)
+_COMPILED: dict = {}
+
+
+def takes(op, x) -> bool:
+    """Whether the FP8 kernels run `op` on `x`: a CUDA input in bf16/fp16 (or an fp8_block QuantizedTensor of
+    one), no bias, and widths the kernel's 16-byte rows take (in_features % 16, out_features % 16)."""
+    if getattr(op, "bias", None) is not None or not x.is_cuda or x.dim() != 2:
+        return False
+    if isinstance(x, QuantizedTensor) and x.format != "fp8_block":
+        return False
+    return (x.dtype in _OUT_DTYPES and op.weight.dtype == x.dtype
+            and op.in_features % 16 == 0 and op.out_features % 16 == 0)
+
+
+def _kernel(N: int, K: int, G: int, dtype: torch.dtype):
+    """The compiled FP8 GEMM ``(M, K) x (G, N, K) -> (M, N)``, identity epilogue (cached per shape)."""
+    key = (N, K, G, dtype)
+    hit = _COMPILED.get(key)
+    if hit is None:
+        from fusion.kernels.epilogue import IdentityEpilogue
+        from fusion.kernels.fp8_api import choose_fp8_config, compile_fp8_grouped_gemm
+
+        out = str(dtype).removeprefix("torch.")
+        hit = _COMPILED[key] = compile_fp8_grouped_gemm(choose_fp8_config(N, K, G), IdentityEpilogue(), N, K, G, out)
+    return hit
+
+
+def _row_bounds(op, rows: int, ctx: RunContext, device) -> torch.Tensor:
+    """The (G+1,) int32 row bounds the kernel reads: once per call for a grouped block, [0, rows] for a Linear."""
+    if op.spec.name == "Linear" or ctx.group_sizes is None:
+        bounds = torch.zeros(2, dtype=torch.int32, device=device)
+        bounds[1] = rows
+        return bounds
+
+    def make():
+        from fusion.kernels.api import offsets_from_group_sizes
+
+        return offsets_from_group_sizes(ctx.group_sizes)
+
+    return ctx.derive("row_bounds", make)
+
+
+def _rowwise(x: torch.Tensor):
+    """(data (M, K) uint8 E4M3, scale (ceil(K/128), M) float32) of a high-precision 2-D tensor."""
+    from fusion.quant.fp8_block import fp8_block_quantize_2d
+
+    return fp8_block_quantize_2d(x)
+
+
+def _gemm(a_data, a_scale, b_data, b_scale, bounds, dtype):
+    """``out[r] = A[r] @ B[g(r)].T`` with block scales; B is (G, N, K) (a 2-D B is one group)."""
+    if b_data.dim() == 2:
+        b_data, b_scale = b_data.unsqueeze(0), b_scale.unsqueeze(0)
+    from fusion.kernels.fp8_api import run_fp8_grouped_gemm
+
+    G, N, K = b_data.shape
+    compiled = _kernel(N, K, G, dtype)
+    out = torch.empty(a_data.shape[0], N, dtype=dtype, device=a_data.device)
+    run_fp8_grouped_gemm(compiled, a_data, a_scale, b_data, b_scale, bounds, {"out": out})
+    return out
+
+
+def run(op, x, ctx: RunContext) -> torch.Tensor:
+    """Y = X @ W[g].T per group, in x's dtype."""
+    if isinstance(x, QuantizedTensor):
+        data, scale = x._data, x.scale
+    else:
+        data, scale = _rowwise(x if x.is_contiguous() else x.contiguous())
+    wq = op.quantized_weight()
+    return _gemm(data, scale, wq.data, wq.scale, _row_bounds(op, x.shape[0], ctx, x.device), x.dtype)
+
+
+def gradients(op, x, dy: torch.Tensor, ctx: RunContext):
+    """``(dX, {weight: dW})`` of ``Y = X @ W[g].T`` at the saved input `x` (what the forward saw)."""
+    from fusion.quant import fp8_linear
+
+    dy = dy if dy.is_contiguous() else dy.contiguous()
+    dtype = x.dtype
+    wq = op.quantized_weight()
+    dy_data, dy_scale = _rowwise(dy)
+    dx = _gemm(dy_data, dy_scale, wq.data_t, wq.scale_t, _row_bounds(op, dy.shape[0], ctx, dy.device), dtype)
+    grads = {}
+    if op.weight.requires_grad:
+        if fp8_linear.WGRAD_IN_BF16:
+            a, b = dy, (x.dequantize(dtype) if isinstance(x, QuantizedTensor) else x)
+        else:
+            groups = None if op.weight.dim() == 2 else ctx.group_sizes
+            a, b = _columnwise_operand(dy, groups, dtype), _columnwise_operand(x, groups, dtype)
+        grads[op.weight] = _weight_gradient(op, a, b, ctx).to(op.weight.dtype)
+    return dx, grads
+
+
+def _columnwise_operand(t, groups, dtype) -> torch.Tensor:
+    """The value the FP8 wgrad multiplies: t's columnwise FP8-block quantization (128-row blocks per group),
+    dequantized exactly into `dtype`; a QuantizedTensor's own columnwise copy when it has one for these groups."""
+    from fusion.quant.fp8_block import fp8_block_dequantize_columnwise, fp8_block_quantize_columnwise
+
+    # row-major (M, K): torch._grouped_mm reads a column-major operand only with 16-byte aligned group starts
+    if isinstance(t, QuantizedTensor):
+        if t.columnwise_data is not None and t.group_sizes is groups:
+            return t.dequantize(dtype, columnwise=True).contiguous()
+        t = t.dequantize(torch.float32)
+    data, scale = fp8_block_quantize_columnwise(t, groups)
+    return fp8_block_dequantize_columnwise(data, scale, groups, dtype).contiguous()
+
+
+def _weight_gradient(op, dy: torch.Tensor, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+    """``dW[g] = dy_g.T @ x_g`` ((G, N, K); (N, K) for a Linear) by torch._grouped_mm (float32 accumulation)."""
+    if op.weight.dim() == 2:
+        return dy.t() @ x
+    ends = ctx.offsets if ctx.offsets is not None else group_offsets(ctx.group_sizes)
+    return torch._grouped_mm(dy.t(), x, offs=ends)

@@ -1,0 +1,149 @@
+"""fp8_block (Group)Linears on the GPU run the FP8 block-scaled grouped GEMM kernel (fusion/runtime/fp8_gemm.py).
+
+Against backend="reference" (the recipe of fusion/quant/fp8_linear.py: the same FP8 operands, dequantized and
+multiplied in float32), forward and every gradient, with the reference recipe patched out of the fused run so a
+silent fallback fails the test. The kernel and the reference differ only in summation order, so the bf16
+results agree to rounding (a rounding difference may move one FP8 code of a requantized value by one step).
+"""
+import pytest
+import torch
+
+import fusion
+from fusion import GroupLinear, Linear, QuantizeFP8Block, Scale, Sequential, SwiGLU
+from fusion.quant import fp8_linear
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEV = "cuda"
+
+
+def _block(E, d, f, dense=False, quant=True, backend="auto"):
+    torch.manual_seed(0)
+    if dense:
+        ops = [Linear(d, 2 * f, weight_format="fp8_block"), SwiGLU()]
+    else:
+        ops = [GroupLinear(E, d, 2 * f, weight_format="fp8_block"), SwiGLU(), Scale()]
+    ops += [QuantizeFP8Block()] if quant else []
+    ops += [Linear(f, d, weight_format="fp8_block") if dense else GroupLinear(E, f, d, weight_format="fp8_block")]
+    seq = Sequential(*ops, backend=backend).to(DEV, torch.bfloat16)
+    for p in seq.parameters():
+        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+    return seq
+
+
+def _step(seq, x, sizes, probs, dy):
+    for p in seq.parameters():
+        p.grad = None
+    x = x.detach().requires_grad_()
+    extra = {} if sizes is None else {"group_sizes": sizes}
+    if probs is not None:
+        probs = probs.detach().requires_grad_()
+        extra["scale"] = probs
+    y = seq(x, **extra)
+    y.backward(dy)
+    out = {"y": y.detach(), "dx": x.grad}
+    out.update({f"d{name}": p.grad for name, p in seq.named_parameters()})
+    if probs is not None:
+        out["dprobs"] = probs.grad
+    return out
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _inputs(E, M, d, sizes):
+    torch.manual_seed(1)
+    x = torch.randn(M, d, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(M, d, device=DEV, dtype=torch.bfloat16)
+    probs = None if sizes is None else torch.rand(M, device=DEV, dtype=torch.bfloat16)
+    return x, dy, probs
+
+
+def _reference(seq):
+    import copy
+
+    ref = copy.copy(seq)
+    ref.backend = "reference"
+    return ref
+
+
+@pytest.fixture
+def no_reference_recipe(monkeypatch):
+    """The fused run must not call the recipe's reference: it raises if it does."""
+    def boom(*a, **k):
+        raise AssertionError("the fp8_block reference recipe ran instead of the FP8 kernel")
+
+    def patch():
+        monkeypatch.setattr(fp8_linear, "fp8_block_linear", boom)
+
+    return patch
+
+
+# (E, group sizes, d, f): one (E, d, f) so that the three cases share their kernels (each (N, K, G) compiles)
+CASES = [
+    (8, [300, 0, 129, 517, 1, 0, 1000, 77], 256, 256),   # unaligned groups, empty ones
+    (8, [1024] * 8, 256, 256),                          # many full tiles
+    (8, [0] * 7 + [700], 256, 256),                     # one group holds every row
+]
+
+
+@pytest.mark.parametrize("wgrad_bf16", [False, True], ids=["wgrad-fp8", "wgrad-bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-M{sum(c[1])}-d{c[2]}-f{c[3]}")
+def test_grouped_block_matches_the_recipe(case, wgrad_bf16, monkeypatch, no_reference_recipe):
+    E, sizes, d, f = case
+    monkeypatch.setattr(fp8_linear, "WGRAD_IN_BF16", wgrad_bf16)
+    sizes = torch.tensor(sizes, device=DEV)
+    M = int(sizes.sum())
+    seq = _block(E, d, f)
+    x, dy, probs = _inputs(E, M, d, sizes)
+    want = _step(_reference(seq), x, sizes, probs, dy)
+    no_reference_recipe()
+    got = _step(seq, x, sizes, probs, dy)
+    for name, ref in want.items():
+        assert got[name] is not None and got[name].dtype == ref.dtype, name
+        assert torch.isfinite(got[name]).all(), name
+        err = _rel(got[name], ref)
+        assert err < 1e-2, f"{name}: relative error {err:.2e} against the recipe"
+
+
+def test_dense_linear_block(no_reference_recipe):
+    seq = _block(1, 256, 256, dense=True)
+    x, dy, _ = _inputs(1, 1000, 256, None)
+    want = _step(_reference(seq), x, None, None, dy)
+    no_reference_recipe()
+    got = _step(seq, x, None, None, dy)
+    for name, ref in want.items():
+        assert _rel(got[name], ref) < 1e-2, name
+
+
+def test_unquantized_input_is_quantized_by_the_runtime(no_reference_recipe):
+    """No QuantizeFP8Block before FC2: the device method quantizes FC2's bf16 input itself."""
+    sizes = torch.tensor([100, 200, 0, 212, 0, 0, 51, 1], device=DEV)
+    seq = _block(8, 256, 256, quant=False)
+    x, dy, probs = _inputs(8, 564, 256, sizes)
+    want = _step(_reference(seq), x, sizes, probs, dy)
+    no_reference_recipe()
+    got = _step(seq, x, sizes, probs, dy)
+    for name, ref in want.items():
+        assert _rel(got[name], ref) < 1e-2, name
+
+
+def test_widths_the_kernel_cannot_take_run_the_recipe():
+    """in_features 72 is not a multiple of 16: the recipe's reference runs, bit for bit backend='reference'."""
+    sizes = torch.tensor([10, 30, 24], device=DEV)
+    seq = _block(3, 72, 64)
+    x, dy, probs = _inputs(3, 64, 72, sizes)
+    text = seq.explain(dtype=torch.bfloat16, target="sm_90a")
+    assert "op 0 GroupLinear: GroupLinear.reference: the fp8_block recipe" in text
+    assert "feature widths that are multiples of 16, got 72" in text
+    want = _step(_reference(seq), x, sizes, probs, dy)
+    got = _step(seq, x, sizes, probs, dy)
+    for name, ref in want.items():
+        assert torch.equal(got[name], ref), name
+
+
+def test_explain_names_the_kernel():
+    text = _block(8, 256, 256).explain(dtype=torch.bfloat16, target="sm_90a")
+    assert "op 0 GroupLinear: FP8 block-scaled grouped GEMM" in text
+    assert fusion is not None
