@@ -3,6 +3,8 @@
 - fusion_fp8   the block with weight_format="fp8_block" on both GroupLinears and QuantizeFP8Block before FC2
                (FC1 -> SwiGLU -> Scale -> QuantizeFP8Block -> FC2), backend="auto": the FP8 block-scaled
                grouped GEMM kernel for fprop and dgrad (fusion/runtime/fp8_gemm.py), torch for the rest.
+- fusion_fp8_bf16wgrad  the same with fusion.quant.fp8_linear.WGRAD_IN_BF16 = True (the weight gradients from
+               the high-precision dY and X), set when the path is made and kept until the next path is made.
 - unfused_fp8  what a user writes with torch's FP8 grouped GEMM: torch._scaled_grouped_mm with row-wise scales
                (one per row of A, one per output column of B) for FC1, FC2 and both dgrads; a torch.compile'd
                act·scale and a torch.compile'd row-wise quantization; bf16 torch._grouped_mm weight gradients;
@@ -16,9 +18,12 @@ import torch
 _E4M3_MAX = 448.0
 
 
-def fusion_fp8_block(seq, probs):
-    """The bf16 block's FP8 twin, with its weights."""
+def fusion_fp8_block(seq, probs, wgrad_bf16=False):
+    """The bf16 block's FP8 twin, with its weights; the process-wide wgrad choice set as asked."""
     from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
+    from fusion.quant import fp8_linear
+
+    fp8_linear.WGRAD_IN_BF16 = wgrad_bf16
 
     fc1, fc2 = seq[0], seq[len(seq) - 1]
     E = fc1.num_groups
