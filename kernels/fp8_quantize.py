@@ -34,6 +34,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8, const_expr
 from cutlass.cute.runtime import make_ptr
+from cutlass.memory import SmemAllocator
 
 from .dtypes import cutlass_dtype
 from .fragment_io import bits_f32, unpack2
@@ -48,8 +49,8 @@ TILE = 128
 _CHUNK_BYTES = 16
 _LANES = 32
 #: CTAs an SM must hold (registers capped at 128 a thread): while one computes, the other's loads are in flight.
-#: The fp32 columnwise kernel holds 64 fp32 values a thread through its rowwise pass and would spill under the
-#: cap, so it runs one CTA an SM.
+#: The fp32 columnwise kernel (64 fp32 values a thread through its rowwise pass) spills under that cap and is
+#: built for one (build_kernel).
 MIN_CTAS_PER_SM = 2
 #: CUDA's default shared-memory carveout, named so that the launch bound above needs no device query at compile
 #: time (the DSL asks the driver for the SM's shared memory otherwise, and compiling must work without a GPU).
@@ -66,9 +67,10 @@ def _word(x):
 class FP8QuantizeKernel:
     """Trace-time parameters: the input dtype, the row length ``K`` (a multiple of 16 bytes of elements),
     whether the columnwise copy is written, and for it the groups ``G`` and their sizes' dtype ("int32",
-    "int64", or None for one group of all rows)."""
+    "int64", or None for one group of all rows); the launch bound ``min_ctas`` (0: MIN_CTAS_PER_SM)."""
 
-    def __init__(self, dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None):
+    def __init__(self, dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
+                 min_ctas: int = 0):
         self.dtype = cutlass_dtype(dtype)
         self.vec = _CHUNK_BYTES * 8 // self.dtype.width
         if K <= 0 or K % self.vec:
@@ -86,7 +88,8 @@ class FP8QuantizeKernel:
         self.rpt = TILE // self.rg              # consecutive rows per thread: 8 or 16
         self.slot_words = self.rpt // 4         # a thread's column codes, in 32-bit words
         self.per_lane = (self.G + _LANES - 1) // _LANES
-        self.min_ctas = 1 if columnwise and self.dtype is Float32 else MIN_CTAS_PER_SM
+        #: the launch bound: CTAs an SM must hold (0: the default, MIN_CTAS_PER_SM)
+        self.min_ctas = min_ctas or MIN_CTAS_PER_SM
 
     @cute.jit
     def __call__(self, pX: cute.Pointer, pData: cute.Pointer, pScale: cute.Pointer, pCwData: cute.Pointer,
@@ -182,7 +185,7 @@ class FP8QuantizeKernel:
         q = tidx // self.cpb
         row0, nrows = self.block_rows(mSizes, M, b, lane)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         sRowScale = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), 16)
         sColInv = sPart = sCodes = sRaw = None
         if const_expr(self.columnwise):
@@ -349,15 +352,30 @@ def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
     the columnwise blocks (ignored rowwise; None: one group of all rows)."""
     if not columnwise:
         G, sizes_dtype = 1, None
+    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype),
+                        lambda: build_kernel(dtype, K, columnwise, G, sizes_dtype)[0])
 
-    def build():
-        return compile_kernel(FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype))
 
-    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype), build)
+def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None):
+    """``(compiled function, cubin, kernel)``: built for two CTAs an SM (128 registers a thread), or for one
+    where that spills (the fp32 columnwise kernel, and a few shapes where the compiler's schedule needs more),
+    as the grouped GEMMs fall back to a tile that does not spill. What tests read the SASS of."""
+    import shlex
+    import tempfile
+
+    from .api import _cubin_nv_info
+
+    for min_ctas in (MIN_CTAS_PER_SM, 1):
+        kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas)
+        with tempfile.TemporaryDirectory() as dump:
+            fn = compile_kernel(kernel, f"--enable-tvm-ffi --keep-cubin --dump-dir={shlex.quote(dump)}")
+            cubin = getattr(fn, "__cubin__", None)
+        if min_ctas == 1 or cubin is None or not _cubin_nv_info(cubin).get("frame_size", 0):
+            return fn, cubin, kernel
 
 
 def compile_kernel(kernel: FP8QuantizeKernel, options: str = "--enable-tvm-ffi"):
-    """``cute.compile`` of a kernel instance with placeholder pointers (what tests call to read its SASS)."""
+    """``cute.compile`` of a kernel instance with placeholder pointers."""
     from cutlass.runtime import make_fake_stream
 
     x = make_ptr(kernel.dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
