@@ -12,7 +12,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .fragment_io import bits_f32, f32_bits, store2_rc, store_byte
+from .fragment_io import store2_rc, store_byte
+from .pow2_quant import e8m0_scale_bits, finite_abs_bits, scaled_or_nan
+
+__all__ = ["store_mxfp8", "e8m0_scale_bits"]
 
 
 def store_mxfp8(res, lcols, oks, t, ts, grow, ab_dtype):
@@ -28,33 +31,18 @@ def store_mxfp8(res, lcols, oks, t, ts, grow, ab_dtype):
         for c in range(4 * b, 4 * b + 4):
             for v in range(2):
                 y = Float32(Float32(res[c][v]).to(ab_dtype))       # round to the GEMM dtype and back
-                bits = f32_bits(y) & 0x7FFFFFFF
-                fin = bits < 0x7F800000
+                bits, fin = finite_abs_bits(y)
                 ys[(c, v)] = (y, fin)
-                amax_bits = cutlass.max(amax_bits, cutlass.select_(fin, bits, Int32(0)))
+                amax_bits = cutlass.max(amax_bits, bits)
         amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 1))
         amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 2))
         e8, inv_scale = e8m0_scale_bits(amax_bits)
-        qnan = bits_f32(Int32(0x7FFFFFFF))
         for c in range(4 * b, 4 * b + 4):
             q = []
             for v in range(2):
                 y, fin = ys[(c, v)]
-                q.append(Float32(cutlass.select_(fin, y * inv_scale, qnan)))
+                q.append(scaled_or_nan(y, fin, inv_scale))
             store2_rc(t, grow, lcols[c], q[0], q[1], cutlass.Float8E4M3FN, oks[c])
         # lane 0 of the quad writes the scale byte
         first = lcols[4 * b]
         store_byte(ts, grow, first // 32, e8, oks[4 * b] & ((first % 32) == 0))
-
-
-def e8m0_scale_bits(bits):
-    """Exact MXFP8 scale from the amax's fp32 bits: e = ceil(log2(amax / 448)); amax = 1.f * 2^E gives
-    e = E - 8 + (f > 0.75); amax == 0 / subnormal -> e = -127; clamped to [-127, 127].
-    Returns (E8M0 byte as Int32, 2^-e as fp32)."""
-    biased = bits >> 23
-    frac = bits & 0x7FFFFF
-    e = biased - 135 + cutlass.select_(frac > 0x600000, Int32(1), Int32(0))
-    e = cutlass.select_(biased == 0, Int32(-127), e)
-    e = cutlass.max(cutlass.min(e, Int32(127)), Int32(-127))
-    inv = bits_f32((cutlass.min(127 - e, Int32(254))) << 23)
-    return e + 127, inv

@@ -1,0 +1,385 @@
+"""The FP8-block quantize kernel: a 2-D tensor read once, its rowwise and (optionally) columnwise copies written.
+
+    data[i, k]      = E4M3(x[i, k] * 2^-e)          e from 1x128 blocks of a row (the last one partial)
+    scale[kb, i]    = 2^e                            (ceil(K/128), M) float32, k-block-major
+    cw_data[k, i]   = E4M3(x[i, k] * 2^-e')         e' from 128-row blocks of each group, per column
+    cw_scale[b, k]  = 2^e'                           (ceil(M/128) + G, K) float32, unused capacity 0.0
+
+bit for bit what fusion.quant.fp8_block_quantize_2d / fp8_block_quantize_columnwise compute (the rule is in
+kernels/pow2_quant.py). The unfused FP8 path's quantization, where no epilogue pattern covers it.
+
+Tiles. CTA ``(b, kb)`` (256 threads) owns the tile of rows ``[row0, row0 + nrows)`` and columns
+``[128 kb, 128 kb + 128)``, where ``(row0, nrows)`` is columnwise block ``b``: the ``j``-th 128-row block of
+the group it falls in (per-group blocks, fusion/quant/blocks.py), found by each warp from ``group_sizes`` with
+a warp scan (no host sync, no prologue launch); a block past the used ones writes its capacity's zero scales.
+Rowwise blocks lie along a row, so the same tiles cover them: every row of x lies in exactly one used block.
+Rowwise only, the tiles are plain 128-row blocks.
+
+Thread ``t`` holds chunk ``c = t % CPB`` (16 bytes of a row: 8 bf16/fp16 or 4 fp32 elements; ``CPB`` chunks
+per 128 columns) of ``RPT`` consecutive rows ``q * RPT + u`` (``q = t // CPB``): 16-byte loads, and one
+instruction reads whole 256- or 512-byte row segments. A row's amax is a butterfly over its ``CPB`` lanes; its
+codes go out as one 8- (4-) byte store per thread; its scales through shared memory, one coalesced store.
+A column's amax is a max over the thread's rows, then across lanes and warps in shared memory. Its codes (the
+thread's ``RPT`` consecutive rows of one column: 8 or 16 bytes) go to a shared ``(128 columns, 128 rows)``
+byte tile, slots XOR-swizzled so that stores and reads are free of bank conflicts; each warp then writes 128
+rows of one column of ``cw_data`` with 4-byte stores aligned in global memory (``cw_data[k]`` starts wherever
+``k * M + row0`` falls): two shared words funnel-shifted, bytes at the edges of the block.
+
+Launched through TVM-FFI with integer arguments (fusion.kernels.fp8_quantize_api), compiled once per
+``(dtype, K, columnwise, G, sizes dtype)``; ``M`` and ``group_sizes`` are run-time.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint8, const_expr
+from cutlass.cute.runtime import make_ptr
+from cutlass.memory import SmemAllocator
+
+from .dtypes import cutlass_dtype
+from .fragment_io import bits_f32, unpack2
+from .pow2_quant import finite_abs_bits, fp8_block_scale_bits, scaled_or_nan
+from .utility_kernel import UtilityKernel, compile_once
+
+FP8 = cutlass.Float8E4M3FN
+#: Threads per CTA (8 warps).
+THREADS = 256
+#: Rows and columns of a CTA's tile: the FP8 block.
+TILE = 128
+_CHUNK_BYTES = 16
+_LANES = 32
+#: CTAs an SM must hold (registers capped at 128 a thread): while one computes, the other's loads are in flight.
+#: The fp32 columnwise kernel (64 fp32 values a thread through its rowwise pass) spills under that cap and is
+#: built for one (build_kernel).
+MIN_CTAS_PER_SM = 2
+#: CUDA's default shared-memory carveout, named so that the launch bound above needs no device query at compile
+#: time (the DSL asks the driver for the SM's shared memory otherwise, and compiling must work without a GPU).
+_CARVEOUT_DEFAULT = -1
+#: Most groups a columnwise kernel takes: each warp scans them in registers, 32 per lane.
+MAX_GROUPS = 1024
+
+
+def _word(x):
+    """An Int32 treated as 32 raw bits (shifts below are logical)."""
+    return cutlass.Uint32(x)
+
+
+class FP8QuantizeKernel:
+    """Trace-time parameters: the input dtype, the row length ``K`` (a multiple of 16 bytes of elements),
+    whether the columnwise copy is written, and for it the groups ``G`` and their sizes' dtype ("int32",
+    "int64", or None for one group of all rows); the launch bound ``min_ctas`` (0: MIN_CTAS_PER_SM)."""
+
+    def __init__(self, dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
+                 min_ctas: int = 0):
+        self.dtype = cutlass_dtype(dtype)
+        self.vec = _CHUNK_BYTES * 8 // self.dtype.width
+        if K <= 0 or K % self.vec:
+            raise ValueError(f"FP8 quantize kernel: K={K} must be a positive multiple of {self.vec} ({dtype}: "
+                             f"16-byte rows)")
+        if columnwise and not 1 <= G <= MAX_GROUPS:
+            raise ValueError(f"FP8 quantize kernel: {G} groups; the columnwise kernel takes 1..{MAX_GROUPS}")
+        self.K = K
+        self.columnwise = columnwise
+        self.G = G if columnwise else 1
+        self.sizes_dtype = sizes_dtype if columnwise else None
+        self.nkb = (K + TILE - 1) // TILE
+        self.cpb = TILE // self.vec             # chunks per 128 columns: 16 or 32
+        self.rg = THREADS // self.cpb           # row groups: 16 or 8
+        self.rpt = TILE // self.rg              # consecutive rows per thread: 8 or 16
+        self.slot_words = self.rpt // 4         # a thread's column codes, in 32-bit words
+        self.per_lane = (self.G + _LANES - 1) // _LANES
+        #: the launch bound: CTAs an SM must hold (0: the default, MIN_CTAS_PER_SM)
+        self.min_ctas = min_ctas or MIN_CTAS_PER_SM
+
+    @cute.jit
+    def __call__(self, pX: cute.Pointer, pData: cute.Pointer, pScale: cute.Pointer, pCwData: cute.Pointer,
+                 pCwScale: cute.Pointer, pSizes: cute.Pointer, M: Int32, stream):
+        chunks = self.K // self.vec
+        mX = cute.make_tensor(pX, cute.make_layout((M, chunks, self.vec), stride=(self.K, self.vec, 1)))
+        mData = cute.make_tensor(pData, cute.make_layout((M, chunks, self.vec), stride=(self.K, self.vec, 1)))
+        mScale = cute.make_tensor(pScale, cute.make_layout((self.nkb, M), stride=(M, 1)))
+        blocks = (M + TILE - 1) // TILE
+        if const_expr(self.columnwise):
+            blocks = blocks + self.G
+        mCwScale = cute.make_tensor(pCwScale, cute.make_layout((blocks, self.K), stride=(self.K, 1)))
+        mSizes = cute.make_tensor(pSizes, cute.make_layout((self.G,)))
+        self.kernel(mX, mData, mScale, pCwData, mCwScale, mSizes, M).launch(
+            grid=(blocks, self.nkb, 1), block=(THREADS, 1, 1), min_blocks_per_mp=self.min_ctas,
+            preferred_smem_carveout=_CARVEOUT_DEFAULT, stream=stream)
+
+    # ------------------------------------------------------------------ the block's rows
+    @cute.jit
+    def block_rows(self, mSizes: cute.Tensor, M: Int32, b: Int32, lane: Int32):
+        """``(row0, nrows)`` of columnwise block ``b`` (``nrows == 0``: unused capacity). Every warp computes
+        it: the sizes (clamped to [0, M], running sums saturating at M, so bad sizes never reach out of
+        bounds) are scanned across the warp, and the lane whose group holds block ``b`` reports it."""
+        row0 = b * TILE
+        nrows = Int32(0)
+        if const_expr(self.sizes_dtype is None):
+            nrows = cutlass.max(cutlass.min(M - row0, Int32(TILE)), Int32(0))
+        else:
+            sizes = []
+            rows_sum = Int32(0)
+            blocks_sum = Int32(0)
+            for j in cutlass.range_constexpr(self.per_lane):
+                i = lane * self.per_lane + j
+                size = Int32(0)
+                if i < self.G:
+                    raw = mSizes[cutlass.min(i, self.G - 1)]
+                    if const_expr(self.sizes_dtype == "int64"):
+                        size = Int32(cutlass.max(cutlass.min(Int64(raw), Int64(M)), Int64(0)))
+                    else:
+                        size = cutlass.max(cutlass.min(Int32(raw), M), Int32(0))
+                sizes.append(size)
+                rows_sum = cutlass.min(rows_sum + size, M)
+                blocks_sum = blocks_sum + (size + TILE - 1) // TILE
+            rows_scan = rows_sum
+            blocks_scan = blocks_sum
+            for k in cutlass.range_constexpr(5):
+                offset = 1 << k
+                r_other = cute.arch.shuffle_sync_up(rows_scan, offset)
+                b_other = cute.arch.shuffle_sync_up(blocks_scan, offset)
+                if lane >= offset:
+                    rows_scan = cutlass.min(rows_scan + r_other, M)
+                    blocks_scan = blocks_scan + b_other
+            row_start = rows_scan - rows_sum
+            block_start = blocks_scan - blocks_sum
+            found_row0 = Int32(0)
+            found_rows = Int32(0)
+            for j in cutlass.range_constexpr(self.per_lane):
+                n_blocks = (sizes[j] + TILE - 1) // TILE
+                if (b >= block_start) & (b < block_start + n_blocks):
+                    first = (b - block_start) * TILE
+                    found_row0 = cutlass.min(row_start + first, M)
+                    found_rows = cutlass.min(sizes[j] - first, Int32(TILE))
+                row_start = cutlass.min(row_start + sizes[j], M)
+                block_start = block_start + n_blocks
+            for k in cutlass.range_constexpr(5):  # one lane found it (blocks of groups are disjoint)
+                found_row0 = cutlass.max(found_row0, cute.arch.shuffle_sync_bfly(found_row0, 1 << k))
+                found_rows = cutlass.max(found_rows, cute.arch.shuffle_sync_bfly(found_rows, 1 << k))
+            row0 = found_row0
+            nrows = cutlass.max(cutlass.min(found_rows, M - row0), Int32(0))
+        return row0, nrows
+
+    # ------------------------------------------------------------------ the loaded values
+    def row_values(self, frag, u: int):
+        """Trace time: the ``vec`` values of the thread's row ``u`` as fp32 (exact; 16-bit values widened from
+        their packed words)."""
+        if const_expr(self.dtype is Float32):
+            return [Float32(frag[i, u]) for i in range(self.vec)]
+        words = cute.recast_tensor(frag, Int32)
+        ys = []
+        for j in range(self.vec // 2):
+            ys.extend(unpack2(words[j + self.vec // 2 * u], self.dtype))
+        return ys
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScale: cute.Tensor, pCwData: cute.Pointer,
+               mCwScale: cute.Tensor, mSizes: cute.Tensor, M: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        b, kb, _ = cute.arch.block_idx()
+        lane = tidx % _LANES
+        warp = tidx // _LANES
+        c = tidx % self.cpb
+        q = tidx // self.cpb
+        row0, nrows = self.block_rows(mSizes, M, b, lane)
+
+        smem = SmemAllocator()
+        sRowScale = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), 16)
+        sColInv = sPart = sCodes = sRaw = None
+        if const_expr(self.columnwise):
+            sColInv = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), 16)
+            sPart = smem.allocate_tensor(Int32, cute.make_layout((TILE, THREADS // _LANES)), 16)
+            sCodes = smem.allocate_tensor(Int32, cute.make_layout((TILE * TILE // 4,)), 16)
+            # the loaded tile, parked for the columnwise pass (registers would hold it across the barriers);
+            # a thread's row u is the 16 bytes after the other threads' row u: one STS.128 per row, no conflicts
+            sRaw = smem.allocate_tensor(self.dtype, cute.make_layout(
+                (self.vec, self.rpt, THREADS), stride=(1, THREADS * self.vec, self.vec)), 16)
+
+        # A block past the used ones (columnwise capacity, nrows == 0) runs the same code with every load and
+        # store masked, and writes its zero scales: no branch around the shuffles, which stay convergent.
+        chunk = kb * self.cpb + c
+        col_ok = chunk * self.vec < self.K
+        # ---- load RPT rows x one 16-byte chunk
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=_CHUNK_BYTES * 8)
+        frag = cute.make_rmem_tensor((self.vec, self.rpt), self.dtype)
+        frag.fill(0.0)
+        first_row = Int64(row0 + q * self.rpt)       # rows first_row + u: one address plus constant offsets
+        for u in cutlass.range_constexpr(self.rpt):
+            if col_ok & (q * self.rpt + u < nrows):
+                cute.copy(load, mX[first_row + u, chunk, None], frag[None, u])
+        if const_expr(self.columnwise):
+            # parked in shared memory and read back row by row after a barrier (which the compiler cannot
+            # move loads across): the loaded registers free up, and the columnwise pass reads the tile again
+            cute.autovec_copy(frag, sRaw[None, None, tidx])
+            cute.arch.sync_threads()
+            frag = cute.make_rmem_tensor((self.vec, self.rpt), self.dtype)
+            cute.autovec_copy(sRaw[None, None, tidx], frag)
+        # ---- rowwise: amax over the row's CPB lanes, codes, scale to shared memory
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), FP8, num_bits_per_copy=self.vec * 8)
+        col_bits = [Int32(0)] * self.vec
+        for u in cutlass.range_constexpr(self.rpt):
+            ys = self.row_values(frag, u)
+            mags = []
+            for i in cutlass.range_constexpr(self.vec):
+                mags.append(finite_abs_bits(ys[i]))
+            amax = Int32(0)
+            for i in cutlass.range_constexpr(self.vec):
+                amax = cutlass.max(amax, mags[i][0])
+                col_bits[i] = cutlass.max(col_bits[i], mags[i][0])
+            for k in cutlass.range_constexpr(self.cpb.bit_length() - 1):
+                amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << k))
+            scale_bits, inv = fp8_block_scale_bits(amax)
+            vals = cute.make_rmem_tensor((self.vec,), Float32)
+            for i in cutlass.range_constexpr(self.vec):
+                vals[i] = scaled_or_nan(ys[i], mags[i][1], inv)
+            codes = cute.make_rmem_tensor((self.vec,), FP8)
+            codes.store(vals.load().to(FP8))
+            r = q * self.rpt + u
+            if col_ok & (r < nrows):
+                cute.copy(store, codes, mData[first_row + u, chunk, None])
+            if c == 0:
+                sRowScale[r] = bits_f32(scale_bits)
+        if const_expr(self.columnwise):
+            # ---- columnwise amax: this thread's rows, the lanes of the same chunk, the warps
+            for i in cutlass.range_constexpr(self.vec):
+                for k in cutlass.range_constexpr((_LANES // self.cpb).bit_length() - 1):
+                    col_bits[i] = cutlass.max(col_bits[i],
+                                              cute.arch.shuffle_sync_bfly(col_bits[i], self.cpb << k))
+                if lane < self.cpb:
+                    sPart[c * self.vec + i, warp] = col_bits[i]
+        cute.arch.sync_threads()
+        if tidx < TILE:
+            if tidx < nrows:
+                mScale[kb, row0 + tidx] = sRowScale[tidx]
+        elif const_expr(self.columnwise):
+            t = tidx - TILE
+            col_amax = Int32(0)
+            for w in cutlass.range_constexpr(THREADS // _LANES):
+                col_amax = cutlass.max(col_amax, sPart[t, w])
+            scale_bits, inv = fp8_block_scale_bits(col_amax)
+            sColInv[t] = inv
+            if kb * TILE + t < self.K:
+                mCwScale[b, kb * TILE + t] = bits_f32(cutlass.select_(nrows == 0, Int32(0), scale_bits))
+        if const_expr(self.columnwise):
+            cute.arch.sync_threads()
+            parked = cute.make_rmem_tensor((self.vec, self.rpt), self.dtype)
+            cute.autovec_copy(sRaw[None, None, tidx], parked)
+            self.columns_to_smem(parked, sColInv, sCodes, c, q)
+            cute.arch.sync_threads()
+            self.store_columns(sCodes, pCwData, M, row0, nrows, kb, warp, lane)
+
+    # ------------------------------------------------------------------ columnwise codes
+    @cute.jit
+    def code_word(self, sCodes: cute.Tensor, kl: Int32, w: Int32) -> Int32:
+        """Codes of rows ``4w .. 4w + 3`` of tile column ``kl`` (little endian) from the swizzled tile."""
+        slot = (w // self.slot_words) ^ ((kl // self.vec) % self.rg)
+        return sCodes[kl * (TILE // 4) + slot * self.slot_words + w % self.slot_words]
+
+    @cute.jit
+    def columns_to_smem(self, frag: cute.Tensor, sColInv: cute.Tensor, sCodes: cute.Tensor, c: Int32, q: Int32):
+        """The thread's RPT consecutive rows of each of its columns, encoded with the column's scale, as one
+        8- or 16-byte store into the column's slot ``q`` (XOR-swizzled by the chunk: the lanes of one store
+        instruction hit distinct banks)."""
+        slot = q ^ (c % self.rg)
+        ys = [self.row_values(frag, u) for u in range(self.rpt)]
+        for i in cutlass.range_constexpr(self.vec):
+            self.column_to_smem([y[i] for y in ys], sColInv, sCodes, c * self.vec + i, slot)
+
+    def column_to_smem(self, ys, sColInv: cute.Tensor, sCodes: cute.Tensor, k: Int32, slot: Int32):
+        """Trace time: one column's RPT values encoded with its scale into the column's slot of the shared tile."""
+        inv = sColInv[k]
+        vals = cute.make_rmem_tensor((self.rpt,), Float32)
+        for u in range(self.rpt):
+            y = ys[u]
+            _, fin = finite_abs_bits(y)
+            vals[u] = scaled_or_nan(y, fin, inv)
+        codes = cute.make_rmem_tensor((self.rpt,), FP8)
+        codes.store(vals.load().to(FP8))
+        words = cute.recast_tensor(codes, Int32)
+        addr = sCodes.iterator.toint() + (k * (TILE // 4) + slot * self.slot_words) * 4
+        dst = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=self.rpt),
+                               cute.make_layout((self.slot_words,)))
+        cute.autovec_copy(words, dst)
+
+    @cute.jit
+    def store_columns(self, sCodes: cute.Tensor, pCwData: cute.Pointer, M: Int32, row0: Int32, nrows: Int32,
+                      kb: Int32, warp: Int32, lane: Int32):
+        """``cw_data[k, row0 : row0 + nrows]`` for the tile's columns, one column per warp and step. Lane ``w``
+        writes the ``w``-th 4-byte-aligned word from the one holding ``k * M + row0``: rows ``4w - sh ..``
+        (``sh`` = that start's misalignment), two shared words funnel-shifted; a word the block only partly
+        covers is written byte by byte (the neighbouring block writes the rest), and lane 31 writes the
+        ``sh`` bytes past word 31."""
+        for it in cutlass.range_constexpr(TILE // (THREADS // _LANES)):
+            kl = it * (THREADS // _LANES) + warp
+            k = kb * TILE + kl
+            if k < self.K:
+                start = Int64(k) * Int64(M) + Int64(row0)
+                sh = Int32(start & 3)
+                word0 = pCwData.toint() + (start - Int64(sh))
+                hi = _word(self.code_word(sCodes, kl, lane))
+                lo = _word(self.code_word(sCodes, kl, cutlass.max(lane - 1, Int32(0))))
+                lo = cutlass.select_(lane > 0, lo, _word(0))
+                left = cutlass.Uint32(8 * sh)
+                right = cutlass.Uint32(32 - 8 * sh)
+                val = cutlass.select_(sh == 0, hi, (lo >> cutlass.select_(sh == 0, cutlass.Uint32(0), right))
+                                      | (hi << left))
+                p = lane * 4 - sh
+                addr = word0 + Int64(lane * 4)
+                if (p >= 0) & (p + 4 <= nrows):
+                    cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
+                                     cute.make_layout((1,)))[0] = Int32(val)
+                else:
+                    self.store_bytes(addr, val, p, 4, nrows)
+                if (lane == _LANES - 1) & (sh > 0):
+                    self.store_bytes(word0 + Int64(TILE), hi >> right, TILE - sh, sh, nrows)
+
+    @cute.jit
+    def store_bytes(self, addr: Int64, val, p: Int32, count, nrows: Int32):
+        """Bytes ``j < count`` of ``val`` (rows ``p + j``) at ``addr + j``, those of rows in ``[0, nrows)``."""
+        for j in cutlass.range_constexpr(4):
+            if (j < count) & (p + j >= 0) & (p + j < nrows):
+                cute.make_tensor(cute.make_ptr(Uint8, addr + Int64(j), cute.AddressSpace.gmem, assumed_align=1),
+                                 cute.make_layout((1,)))[0] = Uint8((val >> cutlass.Uint32(8 * j)) & cutlass.Uint32(0xFF))
+
+
+def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
+                         sizes_dtype: str | None = None) -> UtilityKernel:
+    """The quantize kernel for rows of ``dtype`` ("bfloat16", "float16", "float32") and length ``K``, compiled
+    once per process. ``launch(x, data, scale, cw_data, cw_scale, sizes, M, stream)`` with plain integers
+    (pointers; rowwise only, the columnwise ones and ``sizes`` may be 0). ``G``, ``sizes_dtype``: the groups of
+    the columnwise blocks (ignored rowwise; None: one group of all rows)."""
+    if not columnwise:
+        G, sizes_dtype = 1, None
+    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype),
+                        lambda: build_kernel(dtype, K, columnwise, G, sizes_dtype)[0])
+
+
+def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None):
+    """``(compiled function, cubin, kernel)``: built for two CTAs an SM (128 registers a thread), or for one
+    where that spills (the fp32 columnwise kernel, and a few shapes where the compiler's schedule needs more),
+    as the grouped GEMMs fall back to a tile that does not spill. What tests read the SASS of."""
+    import shlex
+    import tempfile
+
+    from .api import _cubin_nv_info
+
+    for min_ctas in (MIN_CTAS_PER_SM, 1):
+        kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas)
+        with tempfile.TemporaryDirectory() as dump:
+            fn = compile_kernel(kernel, f"--enable-tvm-ffi --keep-cubin --dump-dir={shlex.quote(dump)}")
+            cubin = getattr(fn, "__cubin__", None)
+        if min_ctas == 1 or cubin is None or not _cubin_nv_info(cubin).get("frame_size", 0):
+            return fn, cubin, kernel
+
+
+def compile_kernel(kernel: FP8QuantizeKernel, options: str = "--enable-tvm-ffi"):
+    """``cute.compile`` of a kernel instance with placeholder pointers."""
+    from cutlass.runtime import make_fake_stream
+
+    x = make_ptr(kernel.dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+    codes = make_ptr(FP8, 0, cute.AddressSpace.gmem, assumed_align=16)
+    floats = make_ptr(Float32, 0, cute.AddressSpace.gmem, assumed_align=16)
+    sizes = make_ptr(cutlass_dtype(kernel.sizes_dtype or "int32"), 0, cute.AddressSpace.gmem, assumed_align=4)
+    return cute.compile(kernel, x, codes, floats, codes, floats, sizes, Int32(1), make_fake_stream(), options=options)

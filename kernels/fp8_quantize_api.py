@@ -1,0 +1,109 @@
+"""Host side of the FP8-block quantize kernel (kernels/fp8_quantize.py): checks, output buffers, the launch.
+
+:func:`quantize_fp8_block_device` returns the buffers of ``fusion.quant.fp8_block_quantize_2d`` (and with
+``columnwise``, of ``fp8_block_quantize_columnwise``), bit for bit, from one launch on torch's current stream,
+with no host synchronisation (``group_sizes`` stays on the device: CUDA graphs capture the call).
+
+Supported: a contiguous 2-D CUDA tensor of bfloat16, float16 or float32, 16-byte aligned, whose rows are whole
+16-byte chunks (``K % 8 == 0`` for 16-bit types, ``K % 4 == 0`` for float32), any ``M`` (0 included, below
+2^31 - 2^16); ``group_sizes`` a 1-D int32/int64 CUDA tensor of at most 1024 groups (their values are the
+caller's contract, as for the reference: non-negative, summing to ``M``; bad values are clamped, never read
+out of bounds). Anything else raises a FusionError that says what to change; :func:`unsupported_reason` asks
+first, so that a caller can take the reference quantizer instead.
+"""
+from __future__ import annotations
+
+import torch
+
+from fusion.errors import DeviceError, DTypeError, GroupSizesError, ShapeError
+
+__all__ = ["quantize_fp8_block_device", "unsupported_reason", "FP8_BLOCK"]
+
+#: Elements per block (rowwise: 1x128 of a row; columnwise: 128 rows of a group).
+FP8_BLOCK = 128
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_SIZES_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+_MAX_ROWS = 2 ** 31 - 2 ** 16
+_ALIGN = 16
+
+
+def _problem(x2d, columnwise: bool, group_sizes):
+    """``(error class, message)`` of the first thing the kernel cannot take, or None."""
+    from .fp8_quantize import MAX_GROUPS
+
+    if not isinstance(x2d, torch.Tensor):
+        return ShapeError, f"expected a torch.Tensor, got {type(x2d).__name__}"
+    if x2d.dtype not in _DTYPES:
+        return DTypeError, (f"input dtype {x2d.dtype} is not supported; the kernel reads bfloat16, float16 or "
+                            f"float32 (cast the input, or quantize with fusion.quant.fp8_block_quantize_2d)")
+    if x2d.dim() != 2:
+        return ShapeError, f"expected a 2-D (M, K) tensor, got shape {tuple(x2d.shape)} (reshape it to (-1, K))"
+    if not x2d.is_cuda:
+        return DeviceError, f"the input is on {x2d.device}; the kernel runs on CUDA tensors (move it with .cuda())"
+    M, K = x2d.shape
+    vec = _ALIGN // x2d.element_size()
+    if K % vec:
+        return ShapeError, (f"K={K} is not a multiple of {vec} ({x2d.dtype}: rows of whole 16-byte chunks); pad "
+                            f"the features or quantize with fusion.quant.fp8_block_quantize_2d")
+    if not x2d.is_contiguous():
+        return ShapeError, "the input is not contiguous (pass x.contiguous())"
+    if x2d.data_ptr() % _ALIGN:
+        return ShapeError, "the input does not start on a 16-byte boundary (a sliced view: pass x.clone())"
+    if M >= _MAX_ROWS:
+        return ShapeError, f"M={M} rows; the kernel indexes rows with 32-bit integers (split the tensor)"
+    if columnwise and group_sizes is not None:
+        if not isinstance(group_sizes, torch.Tensor) or group_sizes.dim() != 1 or \
+                group_sizes.dtype not in _SIZES_DTYPES:
+            return GroupSizesError, "group_sizes must be a 1-D int32/int64 tensor (one row count per group)"
+        if group_sizes.device != x2d.device:
+            return DeviceError, (f"group_sizes is on {group_sizes.device} but the input is on {x2d.device}; keep "
+                                 f"the counts on the input's device")
+        if not 1 <= group_sizes.numel() <= MAX_GROUPS:
+            return GroupSizesError, (f"{group_sizes.numel()} groups; the kernel takes 1..{MAX_GROUPS} (quantize "
+                                     f"with fusion.quant.fp8_block_quantize_columnwise)")
+    return None
+
+
+def unsupported_reason(x2d, columnwise: bool = False, group_sizes=None):
+    """Why :func:`quantize_fp8_block_device` would refuse these arguments (a message), or None if it takes
+    them. Reads shapes, dtypes and devices only (no host sync)."""
+    problem = _problem(x2d, columnwise, group_sizes)
+    return None if problem is None else problem[1]
+
+
+def quantize_fp8_block_device(x2d: torch.Tensor, columnwise: bool = False, group_sizes=None):
+    """FP8-block quantization of ``x2d`` ``(M, K)`` on its GPU: ``(data, scale, cw_data, cw_scale)``.
+
+    ``data`` uint8 E4M3 ``(M, K)`` and ``scale`` float32 ``(ceil(K/128), M)`` are
+    ``fusion.quant.fp8_block_quantize_2d(x2d)``; with ``columnwise``, ``cw_data`` uint8 ``(K, M)`` and
+    ``cw_scale`` float32 ``(ceil(M/128) + G, K)`` are ``fp8_block_quantize_columnwise(x2d, group_sizes)``
+    (``G = len(group_sizes)``, 1 without), else both are None. One launch on torch's current stream; the
+    group offsets are computed on the device. Raises a FusionError for what it does not support (module
+    docstring).
+    """
+    problem = _problem(x2d, columnwise, group_sizes)
+    if problem is not None:
+        cls, message = problem
+        raise cls(f"quantize_fp8_block_device: {message}")
+    M, K = x2d.shape
+    dev = x2d.device
+    G = 1 if group_sizes is None else group_sizes.numel()
+    data = torch.empty(M, K, dtype=torch.uint8, device=dev)
+    scale = torch.empty(-(-K // FP8_BLOCK), M, dtype=torch.float32, device=dev)
+    cw_data = cw_scale = None
+    if columnwise:
+        cw_data = torch.empty(K, M, dtype=torch.uint8, device=dev)
+        capacity = -(-M // FP8_BLOCK) + G
+        # every block is written by the kernel (unused capacity with 0.0); with no rows there is no launch
+        cw_scale = (torch.zeros if M == 0 or K == 0 else torch.empty)(capacity, K, dtype=torch.float32, device=dev)
+    if M == 0 or K == 0:
+        return data, scale, cw_data, cw_scale
+    from .fp8_quantize import compile_fp8_quantize
+
+    sizes_dtype = None if group_sizes is None else _SIZES_DTYPES[group_sizes.dtype]
+    kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, columnwise, G, sizes_dtype)
+    stream = torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
+    kernel.launch(x2d.data_ptr(), data.data_ptr(), scale.data_ptr(),
+                  cw_data.data_ptr() if columnwise else 0, cw_scale.data_ptr() if columnwise else 0,
+                  group_sizes.data_ptr() if columnwise and group_sizes is not None else 0, M, stream)
+    return data, scale, cw_data, cw_scale

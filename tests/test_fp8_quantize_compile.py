@@ -1,0 +1,99 @@
+"""The FP8-block quantize kernel (fusion/kernels/fp8_quantize.py) on the CPU: every variant the host API builds
+compiles for sm_90a without local-memory spills, with 16-byte loads, E4M3 conversions and the stores its layout
+promises; and the host API refuses what it cannot take with a FusionError naming the fix.
+
+GPU correctness (bit for bit against fusion.quant) is tests/test_fp8_quantize_gpu.py.
+"""
+import os
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from fusion.errors import DeviceError, DTypeError, FusionError, GroupSizesError, ShapeError  # noqa: E402
+
+
+def _compile(dtype, K, columnwise, G=1, sizes_dtype=None):
+    from fusion.kernels.api import _cubin_nv_info, sass_opcodes, sass_text
+    from fusion.kernels.fp8_quantize import build_kernel
+
+    _, cubin, kernel = build_kernel(dtype, K, columnwise, G, sizes_dtype)  # what compile_fp8_quantize builds
+    info = _cubin_nv_info(cubin)
+    info["min_ctas"] = kernel.min_ctas
+    try:
+        ops = sass_opcodes(sass_text(cubin))
+    except RuntimeError as e:  # nvdisasm missing
+        pytest.skip(str(e))
+    return info, ops
+
+
+# every dtype x (rowwise, columnwise without groups, with int32 / int64 groups), over full and partial k-blocks
+VARIANTS = [
+    ("bfloat16", 2048, False, 1, None), ("float16", 200, False, 1, None), ("float32", 7168, False, 1, None),
+    ("bfloat16", 7168, True, 1, None), ("bfloat16", 136, True, 6, "int32"), ("bfloat16", 1536, True, 128, "int64"),
+    ("float16", 2048, True, 1024, "int32"), ("float16", 8, True, 1, None),
+    ("float32", 200, True, 6, "int64"), ("float32", 2048, True, 1, None),
+]
+
+
+@pytest.mark.parametrize("dtype,K,columnwise,G,sizes_dtype", VARIANTS)
+def test_kernel_compiles_without_spills(dtype, K, columnwise, G, sizes_dtype):
+    info, ops = _compile(dtype, K, columnwise, G, sizes_dtype)
+    assert info.get("frame_size", 0) == 0, f"{info.get('frame_size')}-byte stack frame (spills)"
+    assert not any(o.startswith(("LDL", "STL")) for o in ops), "local-memory spills"
+    assert any(o.startswith("LDG") and ".128" in o for o in ops), "x is read in 16-byte chunks"
+    assert any(o.startswith("F2FP.SATFINITE.E4M3") for o in ops), "E4M3 by the saturating pair conversion"
+    rowwise_store = "STG.E.64" if dtype != "float32" else "STG.E"
+    assert rowwise_store in ops, f"a thread's row chunk of codes is one {rowwise_store}"
+    assert not any(o.startswith(("ATOM", "RED")) for o in ops), "no atomics"
+    if columnwise:
+        assert any(o.startswith("STS.") and o.split(".")[-1] in ("64", "128") for o in ops), \
+            "a column's codes go to shared memory as one 8- or 16-byte store"
+        assert any(o.startswith("BAR.SYNC") for o in ops)
+    if sizes_dtype is not None:
+        assert "SHFL.UP" in ops, "the group offsets are a warp scan on the device"
+    if not columnwise:
+        assert info["min_ctas"] == 2, "the rowwise kernel fits two CTAs an SM"
+    if dtype == "bfloat16":
+        assert info["min_ctas"] == 2, "the bf16 kernels fit two CTAs an SM"
+
+
+def test_kernel_refuses_rows_of_partial_chunks_and_too_many_groups():
+    from fusion.kernels.fp8_quantize import MAX_GROUPS, FP8QuantizeKernel
+
+    with pytest.raises(ValueError, match="multiple of 8"):
+        FP8QuantizeKernel("bfloat16", 2044, False)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        FP8QuantizeKernel("float32", 2046, False)
+    with pytest.raises(ValueError, match="groups"):
+        FP8QuantizeKernel("bfloat16", 2048, True, MAX_GROUPS + 1, "int32")
+
+
+@pytest.mark.parametrize("x,columnwise,sizes,cls,match", [
+    (torch.zeros(4, 16, dtype=torch.float64), False, None, DTypeError, "bfloat16, float16 or float32"),
+    (torch.zeros(4, 16, dtype=torch.int32), False, None, DTypeError, "cast the input"),
+    (torch.zeros(2, 4, 16), False, None, ShapeError, "reshape"),
+    (torch.zeros(4, 16, dtype=torch.bfloat16), False, None, DeviceError, r"\.cuda\(\)"),
+])
+def test_host_api_refuses_with_a_fusion_error(x, columnwise, sizes, cls, match):
+    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_device, unsupported_reason
+
+    with pytest.raises(cls, match=match) as err:
+        quantize_fp8_block_device(x, columnwise, sizes)
+    assert isinstance(err.value, FusionError)
+    assert unsupported_reason(x, columnwise, sizes) is not None
+
+
+def test_group_sizes_problems_are_named():
+    from fusion.kernels import fp8_quantize_api as api
+
+    class FakeCuda(torch.Tensor):  # the checks after the device check, without a GPU
+        is_cuda = True
+
+    x = torch.zeros(4, 16, dtype=torch.bfloat16).as_subclass(FakeCuda)
+    assert api._problem(x, True, torch.zeros(2, dtype=torch.float32))[0] is GroupSizesError
+    assert api._problem(x, True, torch.zeros(2000, dtype=torch.int32))[0] is GroupSizesError
+    assert api._problem(x, False, torch.zeros(2000, dtype=torch.int32)) is None   # rowwise ignores the groups
+    assert api._problem(x[:, :12], False, None)[0] is ShapeError                 # K=12: not 16-byte rows
+    square = torch.zeros(16, 16, dtype=torch.bfloat16).as_subclass(FakeCuda)
+    assert "contiguous" in api._problem(square.t(), False, None)[1]

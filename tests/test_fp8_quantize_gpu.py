@@ -1,0 +1,194 @@
+"""The FP8-block quantize kernel on the GPU (fusion/kernels/fp8_quantize.py; needs sm_90, else skipped).
+
+Bit for bit against the reference quantizer (fusion.quant.fp8_block_quantize_2d / _columnwise): codes AND
+scales, rowwise and columnwise, on random, structured and adversarial data, partial k-blocks, partial and
+empty groups, M = 0 and 1, every input dtype; outputs are poisoned first (every byte must be written); and no
+host synchronisation (the call is captured in a CUDA graph and replayed).
+
+    python3 -m pytest -q -p no:cacheprovider tests/test_fp8_quantize_gpu.py
+"""
+import pytest
+import torch
+from conftest import hopper_available
+
+pytestmark = pytest.mark.gpu
+
+if not hopper_available():
+    pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
+
+from fusion.kernels.fp8_quantize_api import quantize_fp8_block_device  # noqa: E402
+from fusion.quant.fp8_block import fp8_block_quantize_2d, fp8_block_quantize_columnwise  # noqa: E402
+
+DEV = "cuda"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _reference(x, columnwise, group_sizes):
+    data, scale = fp8_block_quantize_2d(x.float())
+    cw_data = cw_scale = None
+    if columnwise:
+        cw_data, cw_scale = fp8_block_quantize_columnwise(x.float(), group_sizes)
+    return data, scale, cw_data, cw_scale
+
+
+def _same_bits(name, got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
+    if got.dtype == torch.float32:
+        got, want = got.view(torch.int32), want.view(torch.int32)
+    bad = (got != want).nonzero()
+    assert bad.numel() == 0, f"{name}: {bad.shape[0]} differ, first at {bad[0].tolist()}: got " \
+                             f"{got[tuple(bad[0])].item():#x}, want {want[tuple(bad[0])].item():#x}"
+
+
+def _check(x, columnwise=True, group_sizes=None):
+    got = quantize_fp8_block_device(x, columnwise, group_sizes)
+    want = _reference(x, columnwise, group_sizes)
+    for name, g, w in zip(("data", "scale", "cw_data", "cw_scale"), got, want):
+        if w is None:
+            assert g is None
+        else:
+            _same_bits(name, g, w)
+    return got
+
+
+def _random(M, K, dtype, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(M, K, device=DEV, generator=g)
+    # rows and 128-blocks of very different magnitudes (a scale applied to the wrong block shows)
+    x = x * torch.exp2(torch.randint(-20, 20, (M, 1), device=DEV, generator=g).float())
+    x = x * torch.exp2(torch.randint(-6, 6, (1, K), device=DEV, generator=g).float())
+    return x.to(dtype)
+
+
+def _adversarial(M, K, dtype):
+    """All-zero blocks, huge and tiny (subnormal) values, +-Inf, NaN, -0.0, each in some blocks."""
+    x = _random(M, K, torch.float32, seed=1)
+    r = torch.arange(M, device=DEV).unsqueeze(1)
+    c = torch.arange(K, device=DEV).unsqueeze(0)
+    big = torch.finfo(dtype).max / 2 if dtype != torch.float32 else 3e38
+    tiny = torch.finfo(dtype).smallest_normal / 4 if dtype != torch.float32 else 1e-40   # subnormal
+    x = torch.where((r % 7 == 0) & (c < 128), torch.zeros_like(x), x)                    # zero row blocks
+    x = torch.where((c % 131 == 5) & (r % 3 == 0), torch.full_like(x, big), x)
+    x = torch.where((c % 97 == 3) & (r % 5 == 1), torch.full_like(x, tiny), x)
+    x = torch.where((r % 11 == 2) & (c >= 128), torch.full_like(x, tiny) * (c % 2 * 2 - 1), x)  # tiny-only blocks
+    x = torch.where((c % 53 == 7) & (r % 4 == 2), torch.full_like(x, float("inf")), x)
+    x = torch.where((c % 59 == 11) & (r % 4 == 3), torch.full_like(x, -float("inf")), x)
+    x = torch.where((c % 61 == 13) & (r % 2 == 0), torch.full_like(x, float("nan")), x)
+    x = torch.where((c % 17 == 1) & (r % 6 == 4), torch.full_like(x, -0.0), x)
+    x = torch.where((r % 13 == 6), torch.full_like(x, -0.0), x)                          # -0.0-only rows
+    x[:, -1] = float("nan")                                                             # NaN in every row
+    return x.to(dtype)
+
+
+def _structured(M, K, dtype):
+    """Ramps, powers of two, and block maxima exactly at and one ulp around 448 * 2^k (the scale's steps)."""
+    r = torch.arange(M, device=DEV, dtype=torch.float32).unsqueeze(1)
+    c = torch.arange(K, device=DEV, dtype=torch.float32).unsqueeze(0)
+    x = (c - K / 2) * (r + 1) / 64                                                      # ramps
+    pow2 = torch.exp2((c % 40) - 20) * torch.where(r % 2 == 0, 1.0, -1.0)
+    x = torch.where(r % 3 == 1, pow2.expand_as(x), x)
+    k = ((r % 9) - 4) * 3
+    edge = 448.0 * torch.exp2(k)
+    ulp = torch.where(r % 4 == 0, 1.0, torch.where(r % 4 == 1, 1.0 + 2.0 ** -7, 1.0 - 2.0 ** -8))
+    x = torch.where((r % 3 == 2) & (c % 128 == 17), (edge * ulp).expand_as(x), x)
+    x = torch.where((r % 3 == 2) & (c % 128 != 17), (edge * torch.sin(c)).expand_as(x) / 3, x)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K", [(256, 2048), (300, 200), (129, 136), (1, 128), (1, 8), (1000, 1536),
+                                 (77, 7168)])
+def test_random_rowwise_and_columnwise(dtype, M, K):
+    _check(_random(M, K, dtype), columnwise=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K", [(260, 512), (131, 200)])
+def test_rowwise_only(dtype, M, K):
+    data, scale, cw_data, cw_scale = _check(_random(M, K, dtype), columnwise=False)
+    assert cw_data is None and cw_scale is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K", [(384, 256), (200, 136)])
+def test_structured(dtype, M, K):
+    _check(_structured(M, K, dtype), columnwise=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K", [(390, 384), (129, 200)])
+def test_adversarial(dtype, M, K):
+    _check(_adversarial(M, K, dtype), columnwise=True)
+
+
+@pytest.mark.parametrize("sizes_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("sizes", [[5, 0, 3, 300, 0, 129], [0, 0, 437], [437, 0], [128, 128, 1, 127, 53, 0],
+                                   [1] * 37 + [400]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_groups(sizes, sizes_dtype, dtype):
+    """Partial and empty groups (blocks per group, unused capacity 0.0), group starts at every alignment."""
+    M = sum(sizes)
+    x = _adversarial(M, 200, dtype) if sizes_dtype == torch.int32 else _random(M, 2048, dtype)
+    _check(x, columnwise=True, group_sizes=torch.tensor(sizes, dtype=sizes_dtype, device=DEV))
+
+
+def test_many_groups():
+    g = torch.Generator().manual_seed(3)
+    sizes = torch.randint(0, 40, (1024,), generator=g)
+    sizes[::7] = 0
+    x = _random(int(sizes.sum()), 136, torch.bfloat16)
+    _check(x, columnwise=True, group_sizes=sizes.to(DEV))
+
+
+@pytest.mark.parametrize("columnwise", [False, True])
+@pytest.mark.parametrize("group_sizes", [None, [0, 0, 0]])
+def test_no_rows(columnwise, group_sizes):
+    sizes = None if group_sizes is None else torch.tensor(group_sizes, device=DEV)
+    _check(torch.empty(0, 256, device=DEV, dtype=torch.bfloat16), columnwise, sizes)
+
+
+def test_every_byte_is_written():
+    """Outputs come from torch.empty: run once over memory full of a poison pattern, compare."""
+    x = _adversarial(333, 264, torch.bfloat16)
+    sizes = torch.tensor([100, 0, 33, 200], device=DEV)
+    for _ in range(3):
+        junk = torch.full((64 << 20,), 0x55, dtype=torch.uint8, device=DEV)
+        del junk
+        _check(x, columnwise=True, group_sizes=sizes)
+
+
+def test_no_host_sync_and_graph_capture():
+    """The call neither synchronises (sync debug mode "error" raises on any) nor breaks CUDA-graph capture: the
+    captured graph, replayed on new data and new group sizes, matches the reference."""
+    x = _random(500, 2048, torch.bfloat16)
+    sizes = torch.tensor([100, 0, 250, 150], device=DEV)
+    quantize_fp8_block_device(x, True, sizes)          # compile outside the checks
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        quantize_fp8_block_device(x, True, sizes)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            out = quantize_fp8_block_device(x, True, sizes)
+    x.copy_(_adversarial(500, 2048, torch.bfloat16))
+    sizes.copy_(torch.tensor([1, 300, 0, 199], device=DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _reference(x, True, sizes)
+    for name, g, w in zip(("data", "scale", "cw_data", "cw_scale"), out, want):
+        _same_bits(name, g, w)
+
+
+def test_runs_on_the_current_stream():
+    x = _random(1024, 4096, torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = quantize_fp8_block_device(x, True)
+        ref = _reference(x, True, None)
+        for name, g, w in zip(("data", "scale", "cw_data", "cw_scale"), out, ref):
+            _same_bits(name, g, w)
