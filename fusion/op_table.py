@@ -20,12 +20,15 @@ OP_TABLE: dict[str, str] = {}
 #: module (fusion/runtime/<name>.py: `takes(op, value)`, `run(op, value, ctx)`, and for an op with parameters
 #: `gradients(op, x, dy, ctx)`) with the same math in the same order (each module says how it matches the
 #: reference), used on the CUDA tensors it takes, and what explain() says runs there. The variant is the op's
-#: kind, or kind:weight_format for a GEMM whose weights are not the parameter as is. A Gather's backward is a
+#: kind, or kind:format for a GEMM whose weights are not the parameter as is (its weight_format) and for a
+#: quantize op (the format it writes). A Gather's backward is a
 #: combine of its rows' gradients.
 DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
     ("combine", "forward"): ("combine", "combine kernel (fusion/kernels/combine.py: each token's rows summed in "
                                         "row order in float32, no atomics)"),
     ("gather", "backward"): ("combine", "combine kernel of the rows' gradients (fusion/kernels/combine.py)"),
+    ("quantize:fp8_block", "forward"): ("fp8_quantize", "FP8-block quantize kernel (fusion/kernels/fp8_quantize.py: "
+                                                        "rowwise and per-group columnwise in one pass)"),
     ("gemm:fp8_block", "forward"): ("fp8_gemm", "FP8 block-scaled grouped GEMM (fusion/kernels/fp8_gemm.py), the "
                                                 "input quantized 1x128 unless it already is"),
     ("gemm:fp8_block", "backward"): ("fp8_gemm", "dgrad: FP8 block-scaled grouped GEMM of dY (quantized 1x128) and "
@@ -39,6 +42,7 @@ DEVICE_METHOD_LIMITS: dict[str, dict] = {
     "combine": {"dtypes": ("bfloat16", "float16", "float32")},
     "gather": {"dtypes": ("bfloat16", "float16", "float32")},
     "gemm:fp8_block": {"dtypes": ("bfloat16", "float16"), "feature_multiple": 16},
+    "quantize:fp8_block": {"dtypes": ("bfloat16", "float16", "float32"), "feature_multiple": 8},
 }
 
 
@@ -47,7 +51,8 @@ def _variant(kind: str, weight_format: str | None) -> str:
 
 
 def device_method(kind: str, part: str, weight_format: str | None = None) -> tuple[str, str] | None:
-    """The DEVICE_METHODS entry of an op of `kind` (a GEMM's `weight_format`) for `part`, or None."""
+    """The DEVICE_METHODS entry of an op of `kind` (a GEMM's `weight_format`, a quantize op's format) for
+    `part`, or None."""
     return DEVICE_METHODS.get((_variant(kind, weight_format), part))
 
 
@@ -62,3 +67,8 @@ def device_method_refusal(kind: str, weight_format: str | None, dtype: str, widt
     if bad:
         return f"its kernel needs feature widths that are multiples of {multiple}, got {bad[0]}"
     return None
+
+
+def op_format(op) -> str | None:
+    """The format part of an op's device-method variant: a GEMM's weight_format, a quantize op's format."""
+    return op.spec.attrs.get("weight_format") if op.spec.kind == "gemm" else op.spec.attrs.get("format")

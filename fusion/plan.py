@@ -25,6 +25,8 @@ class OpInfo:
     out_bytes: float | None = 2.0
     #: GEMMs: the weight format ("bf16" | "fp8_block"); None for other ops
     weight_format: str | None = None
+    #: quantize ops: the format they write ("mxfp8" | "nvfp4" | "fp8_block"); None for other ops
+    format: str | None = None
     #: what one row of its input / output is: "M" (the rows of x; in an MoE block the routed rows) or "T"
     #: (tokens: an MoE block's rows before its Gather and after its Combine) (fusion/dataflow.py)
     in_rows: str = "M"

@@ -149,7 +149,7 @@ def _ops_info(g, dtype: str = "bfloat16") -> tuple[OpInfo, ...]:
         out.append(OpInfo(d["index"], spec.name, spec.kind, d["label"], d["in_features"], d["out_features"],
                           grad_reads_input=spec.grad_reads_input, in_bytes=elem,
                           out_bytes=_out_bytes(spec, elem), weight_format=fmt, in_rows=rows[k],
-                          out_rows=rows[k + 1]))
+                          out_rows=rows[k + 1], format=spec.attrs.get("format") if spec.kind == "quantize" else None))
     return tuple(out)
 
 
@@ -242,11 +242,11 @@ def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) ->
     """Which reference implementation an unfused (op, part) runs, and notes worth telling the user
     (mirrors fusion.grouped.grouped_mm_method, decided from the plan's dtype and target)."""
     grad = {"forward": "", "dgrad": " (input gradient)", "wgrad": " (weight gradient)", "backward": ""}[part]
-    device = device_method(info.kind, part, info.weight_format)
+    fmt = info.weight_format or info.format
+    device = device_method(info.kind, part, fmt)
     refusal = None
     if device is not None and (arch_of(target) or 0) >= 90:
-        refusal = device_method_refusal(info.kind, info.weight_format, dtype,
-                                        (info.in_features, info.out_features) if info.kind == "gemm" else ())
+        refusal = device_method_refusal(info.kind, fmt, dtype, (info.in_features, info.out_features))
         if refusal is None:
             return f"{device[1]}{_EMULATE_NOTE}", ()
     if info.gemm_by_reference:

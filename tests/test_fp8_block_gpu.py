@@ -76,6 +76,7 @@ def no_reference_recipe(monkeypatch):
 
     def patch():
         monkeypatch.setattr(fp8_linear, "fp8_block_linear", boom)
+        monkeypatch.setattr(fusion.quant, "quantize", boom)  # QuantizeFP8Block's reference: the kernel runs it
 
     return patch
 
@@ -143,7 +144,30 @@ def test_widths_the_kernel_cannot_take_run_the_recipe():
         assert torch.equal(got[name], ref), name
 
 
+@pytest.mark.parametrize("columnwise", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_device_method_is_the_reference_bit_for_bit(columnwise, dtype):
+    from fusion.run_context import RunContext
+    from fusion.runtime import fp8_quantize
+
+    torch.manual_seed(2)
+    sizes = torch.tensor([300, 0, 129, 1, 70], device=DEV)
+    x = torch.randn(500, 264, device=DEV, dtype=dtype) * 100
+    x[3, 5], x[7, 200], x[400, 100] = float("nan"), float("inf"), -float("inf")
+    x[128:256, 128:256] = 0
+    op, ctx = QuantizeFP8Block(columnwise=columnwise), RunContext(group_sizes=sizes)
+    assert fp8_quantize.takes(op, x)
+    got, want = fp8_quantize.run(op, x, ctx), op.reference(x, ctx)
+    for name in ("_data", "scale", "amax", "columnwise_data", "columnwise_scale"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    assert got.group_sizes is want.group_sizes and got.shape == want.shape and got.dtype == want.dtype
+
+
 def test_explain_names_the_kernel():
     text = _block(8, 256, 256).explain(dtype=torch.bfloat16, target="sm_90a")
     assert "op 0 GroupLinear: FP8 block-scaled grouped GEMM" in text
+    assert "op 3 QuantizeFP8Block: FP8-block quantize kernel" in text
     assert fusion is not None

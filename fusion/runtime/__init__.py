@@ -107,9 +107,9 @@ class BlockRunner:
 
 
 def _has_device_method(seq) -> bool:
-    from fusion.op_table import device_method
+    from fusion.op_table import device_method, op_format
 
-    return any(device_method(op.spec.kind, part, getattr(op, "weight_format", None)) is not None
+    return any(device_method(op.spec.kind, part, op_format(op)) is not None
                for op in seq.ops for part in ("forward", "backward"))
 
 

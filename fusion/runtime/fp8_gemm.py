@@ -68,11 +68,22 @@ def _row_bounds(op, rows: int, ctx: RunContext, device) -> torch.Tensor:
     return ctx.derive("row_bounds", make)
 
 
+def _quantized(x: torch.Tensor, columnwise: bool = False, groups=None):
+    """(data, scale, cw_data, cw_scale) of a high-precision 2-D tensor: the quantize kernel
+    (fusion/kernels/fp8_quantize.py), bit for bit the reference, which runs where the kernel does not take x."""
+    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_device, unsupported_reason
+
+    if unsupported_reason(x, columnwise, groups) is None:
+        return quantize_fp8_block_device(x, columnwise, groups)
+    from fusion.quant.fp8_block import fp8_block_quantize_2d, fp8_block_quantize_columnwise
+
+    cw = fp8_block_quantize_columnwise(x, groups) if columnwise else (None, None)
+    return fp8_block_quantize_2d(x) + cw
+
+
 def _rowwise(x: torch.Tensor):
     """(data (M, K) uint8 E4M3, scale (ceil(K/128), M) float32) of a high-precision 2-D tensor."""
-    from fusion.quant.fp8_block import fp8_block_quantize_2d
-
-    return fp8_block_quantize_2d(x)
+    return _quantized(x)[:2]
 
 
 def _gemm(a_data, a_scale, b_data, b_scale, bounds, dtype):
@@ -121,14 +132,14 @@ def gradients(op, x, dy: torch.Tensor, ctx: RunContext):
 def _columnwise_operand(t, groups, dtype) -> torch.Tensor:
     """The value the FP8 wgrad multiplies: t's columnwise FP8-block quantization (128-row blocks per group),
     dequantized exactly into `dtype`; a QuantizedTensor's own columnwise copy when it has one for these groups."""
-    from fusion.quant.fp8_block import fp8_block_dequantize_columnwise, fp8_block_quantize_columnwise
+    from fusion.quant.fp8_block import fp8_block_dequantize_columnwise
 
     # row-major (M, K): torch._grouped_mm reads a column-major operand only with 16-byte aligned group starts
     if isinstance(t, QuantizedTensor):
         if t.columnwise_data is not None and t.group_sizes is groups:
             return t.dequantize(dtype, columnwise=True).contiguous()
-        t = t.dequantize(torch.float32)
-    data, scale = fp8_block_quantize_columnwise(t, groups)
+        t = t.dequantize(torch.float32)  # exact (the reference requantizes the float32 rowwise value)
+    _, _, data, scale = _quantized(t, True, groups)
     return fp8_block_dequantize_columnwise(data, scale, groups, dtype).contiguous()
 
 
