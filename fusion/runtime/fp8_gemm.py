@@ -121,12 +121,25 @@ def gradients(op, x, dy: torch.Tensor, ctx: RunContext):
     grads = {}
     if op.weight.requires_grad:
         if fp8_linear.WGRAD_IN_BF16:
-            a, b = dy, (x.dequantize(dtype) if isinstance(x, QuantizedTensor) else x)
+            a, b = dy, (_dequantize_rowwise(x, dtype) if isinstance(x, QuantizedTensor) else x)
         else:
             groups = None if op.weight.dim() == 2 else ctx.group_sizes
             a, b = _columnwise_operand(dy, groups, dtype), _columnwise_operand(x, groups, dtype)
         grads[op.weight] = _weight_gradient(op, a, b, ctx).to(op.weight.dtype)
     return dx, grads
+
+
+def _dequantize_rowwise(q: QuantizedTensor, dtype) -> torch.Tensor:
+    """``q.dequantize(dtype)`` in two passes: the codes cast to `dtype` (exact: E4M3 is in bf16/fp16) and one
+    broadcast multiply by the block scales. In bf16 (float32's exponent range, so every power-of-two scale is
+    exact) torch multiplies in float32 and rounds once, which is what the reference's float32 decode followed
+    by its cast does: the same bits. Other cases (fp16, a partial last block) take the reference."""
+    data, scale = q._data, q.scale
+    M, K = data.shape
+    if dtype != torch.bfloat16 or K % 128 or data.dim() != 2:
+        return q.dequantize(dtype)
+    codes = data.view(torch.float8_e4m3fn).to(dtype)
+    return (codes.view(M, K // 128, 128) * scale.t().to(dtype)[:, :, None]).view(M, K)
 
 
 def _columnwise_operand(t, groups, dtype) -> torch.Tensor:

@@ -1,0 +1,33 @@
+"""The FP8 device methods' CPU-checkable parts (fusion/runtime/fp8_gemm.py, fp8_quantize.py): the fast rowwise
+dequantize the bf16 wgrad reads is the reference's bit for bit, and what the methods take."""
+import pytest
+import torch
+
+from fusion import GroupLinear, QuantizeFP8Block
+from fusion.quant import quantize
+from fusion.runtime import fp8_gemm, fp8_quantize
+
+
+@pytest.mark.parametrize("K", [128, 512])
+def test_fast_dequantize_is_the_reference_bit_for_bit(K):
+    torch.manual_seed(0)
+    x = torch.randn(300, K, dtype=torch.bfloat16) * torch.logspace(-30, 30, K, base=2).to(torch.bfloat16)
+    x[3, 4], x[5, 6], x[6, 7] = float("nan"), float("inf"), -float("inf")
+    x[7, :128] = 0
+    x[9, 100] = 1e-38   # a block whose scale is tiny: products near bf16's subnormal range
+    q = quantize(x, "fp8_block", columnwise=False)
+    got, want = fp8_gemm._dequantize_rowwise(q, torch.bfloat16), q.dequantize(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_partial_blocks_and_fp16_take_the_reference():
+    x = torch.randn(10, 136, dtype=torch.float16)
+    q = quantize(x, "fp8_block", columnwise=False)
+    assert torch.equal(fp8_gemm._dequantize_rowwise(q, torch.float16), q.dequantize(torch.float16))
+
+
+def test_methods_take_only_cuda_tensors_the_kernels_read():
+    op = GroupLinear(2, 64, 64, weight_format="fp8_block")
+    assert not fp8_gemm.takes(op, torch.zeros(4, 64))                     # CPU
+    assert not fp8_quantize.takes(QuantizeFP8Block(), torch.zeros(4, 64))  # CPU
+    assert not fp8_gemm.takes(GroupLinear(2, 72, 64, weight_format="fp8_block"), torch.zeros(4, 72))
