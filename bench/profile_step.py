@@ -1,0 +1,62 @@
+"""Where one path's training step (or forward) spends its GPU time: torch.profiler's CUDA kernels, top first.
+
+    python bench/profile_step.py --model qwen3-30b-a3b --path fusion_fp8 [--phase training_step] [--top 20]
+
+Paths and blocks are bench/bench_training_step.py's (same weights, inputs and group sizes). The step runs a few
+times first (compiles, caches); the profiled region is `--steps` steps back to back. Replaces profile_block.py,
+which timed pieces through a runtime module that no longer exists.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_training_step as B  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--path", default="fusion")
+    ap.add_argument("--phase", default="training_step", choices=B.PHASES)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args(argv)
+    (block,) = [b for b in B.BLOCKS if b.model == args.model]
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    seq = B.fusion_block(block, dev, dt)
+    for p in seq.parameters():
+        torch.nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[-1]))
+    sizes = B.group_sizes(block).to(dev)
+    offsets = torch.cumsum(sizes, 0).to(torch.int32)
+    x = torch.randn(block.rows, block.d, device=dev, dtype=dt)
+    probs = torch.rand(block.rows, device=dev, dtype=dt).requires_grad_() if block.moe else None
+    dy = torch.randn(block.rows, block.d, device=dev, dtype=dt)
+    call, clear = B.phase_fn(B.make_path(args.path, seq, sizes, offsets, probs), args.phase, x, dy)
+    for _ in range(3):
+        clear()
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            clear()
+            call()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / args.steps
+    print(f"{block.model} {args.path} {args.phase}: {total / 1000:.3f} ms of kernels per step")
+    for e in events[:args.top]:
+        per = e.device_time_total / args.steps
+        print(f"  {per / 1000:8.3f} ms {100 * per / total:5.1f}%  x{e.count // args.steps:<3d} {e.key[:110]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
