@@ -18,7 +18,7 @@ Paths (all in bf16, the same weights, inputs and group sizes):
                     and torch._grouped_mm for the weight gradients (quack's varlen-K GEMM needs 16-byte
                     aligned group starts).
 - reference         backend="reference": the eager specification (not a baseline; for scale).
-- fusion_fp8, fusion_fp8_bf16wgrad, unfused_fp8: the FP8 paths (bench/fp8_paths.py): the fp8_block block against
+- fusion_fp8, fusion_fp8_fp8wgrad, unfused_fp8: the FP8 paths (bench/fp8_paths.py): the fp8_block block against
                     torch._scaled_grouped_mm with compiled act and quantization. Their relative error is
                     against the bf16 reference, so it includes FP8's rounding.
 
@@ -82,7 +82,7 @@ BLOCKS = [
     Block("small-batch", 8, 2048, 2, 2048, 1024),
     Block("qwen3-30b-a3b-small", 128, 512, 8, 2048, 768),
 ]
-PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "quack", "reference", "fusion_fp8", "fusion_fp8_bf16wgrad",
+PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "quack", "reference", "fusion_fp8", "fusion_fp8_fp8wgrad",
          "unfused_fp8"]
 PHASES = ["forward", "training_step"]
 
@@ -245,9 +245,9 @@ def make_path(name: str, seq, sizes, offsets, probs):
     if name == "quack":
         import quack_compat  # noqa: F401  (.gpu/quack_compat.py: quack 0.6.5 on DSL 4.8.1)
         return QuackPath(seq, offsets, probs)
-    if name in ("fusion_fp8", "fusion_fp8_bf16wgrad"):
+    if name in ("fusion_fp8", "fusion_fp8_fp8wgrad"):
         from fp8_paths import fusion_fp8_block
-        return FusionPath(fusion_fp8_block(seq, probs, wgrad_bf16=name.endswith("bf16wgrad")), sizes, probs)
+        return FusionPath(fusion_fp8_block(seq, probs, wgrad_bf16=name == "fusion_fp8"), sizes, probs)
     if name == "unfused_fp8":
         from fp8_paths import UnfusedFP8Path
         return UnfusedFP8Path(seq, offsets, probs)

@@ -3,8 +3,10 @@
 - fusion_fp8   the block with weight_format="fp8_block" on both GroupLinears and QuantizeFP8Block before FC2
                (FC1 -> SwiGLU -> Scale -> QuantizeFP8Block -> FC2), backend="auto": the FP8 block-scaled
                grouped GEMM kernel for fprop and dgrad (fusion/runtime/fp8_gemm.py), torch for the rest.
-- fusion_fp8_bf16wgrad  the same with fusion.quant.fp8_linear.WGRAD_IN_BF16 = True (the weight gradients from
-               the high-precision dY and X), set when the path is made and kept until the next path is made.
+               Weight gradients by the default recipe (fusion.quant.fp8_linear.WGRAD_IN_BF16 = True: bf16 GEMMs
+               of the high-precision dY and X).
+- fusion_fp8_fp8wgrad  the same with WGRAD_IN_BF16 = False (the weight gradients from the recipe's FP8
+               columnwise operands); the switch is set when a path is made and kept until the next is made.
 - unfused_fp8  what a user writes with torch's FP8 grouped GEMM: torch._scaled_grouped_mm with row-wise scales
                (one per row of A, one per output column of B) for FC1, FC2 and both dgrads; a torch.compile'd
                act·scale and a torch.compile'd row-wise quantization; bf16 torch._grouped_mm weight gradients;
@@ -18,7 +20,7 @@ import torch
 _E4M3_MAX = 448.0
 
 
-def fusion_fp8_block(seq, probs, wgrad_bf16=False):
+def fusion_fp8_block(seq, probs, wgrad_bf16=True):
     """The bf16 block's FP8 twin, with its weights; the process-wide wgrad choice set as asked."""
     from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
     from fusion.quant import fp8_linear
