@@ -1,7 +1,8 @@
 """FP8 convergence check (issue 9): a small MoE language model trained in bf16 and in FP8 from one seed.
 
-    python bench/fp8_convergence.py                         # defaults below; CPU or CUDA, whichever is there
-    python bench/fp8_convergence.py --batch 32 --seq 512    # on a GPU: more tokens per step
+    python bench/fp8_convergence.py --threads 1             # CPU: the cpu preset (d=256), ~11 min on 2 cores
+    python bench/fp8_convergence.py                         # GPU: the gpu preset, the issue's model (d=512)
+    python bench/fp8_convergence.py --batch 32 --seq 512    # any Config field as a flag, over the preset
     python bench/fp8_convergence.py --data markov           # synthetic data instead of the byte-level corpus
 
 Model: byte-level decoder-only LM. Token + learned position embeddings, `--layers` blocks of (RMSNorm, causal
@@ -376,7 +377,7 @@ def run(cfg: Config, log=print) -> dict:
 
 #: Per-device starting points; explicit flags override them. "gpu" is the issue's model (Config's defaults).
 #: "cpu" fits both runs in about 10 minutes on 2 cores: the FP8 recipe's reference quantizer (pure torch,
-#: bit-exact, ~0.1-0.2 us per element on this CPU) re-quantizes every weight each step and every activation
+#: bit-exact, 0.15-0.3 us per element on a 2-core CPU) re-quantizes every weight each step and every activation
 #: and gradient of the expert GEMMs, so d=512, f=1024 costs ~25 s per FP8 step there.
 PRESETS = {"gpu": {"batch": 16, "seq": 256},
            "cpu": {"d": 256, "heads": 4, "ffn": 256, "batch": 8, "seq": 64, "corpus_mb": 2.0}}
