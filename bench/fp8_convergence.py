@@ -406,10 +406,13 @@ def parse_args(argv=None) -> tuple[Config, argparse.Namespace]:
 def main(argv=None, log=print) -> dict:
     """Runs the comparison, writes the JSON (and the plot), returns the result (with "passed")."""
     cfg, args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    result = run(cfg, log)
-    result["preset"], result["threads"] = args.preset, torch.get_num_threads()
+    threads = torch.get_num_threads()
+    try:  # a fixed thread count (1 is the steadiest on a shared 2-core machine), restored for the caller
+        torch.set_num_threads(args.threads or threads)
+        result = run(cfg, log)
+        result["preset"], result["threads"] = args.preset, torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
     result["tolerance"] = args.tolerance
     result["passed"] = result["relative_difference"] <= args.tolerance
     out = args.out or ROOT / "bench" / "results" / f"fp8-convergence-{result['device']}.json"

@@ -15,13 +15,16 @@ sys.path.insert(0, str(BENCH))
 import fp8_convergence  # noqa: E402
 
 TINY = ["--preset", "cpu", "--layers", "1", "--d", "128", "--heads", "2", "--ffn", "128", "--batch", "4",
-        "--seq", "32", "--steps", "20", "--warmup", "3", "--corpus-mb", "0.25", "--eval-batches", "2", "--no-plot"]
+        "--seq", "32", "--steps", "20", "--warmup", "3", "--corpus-mb", "0.25", "--eval-batches", "2", "--no-plot",
+        "--threads", "1"]  # one thread: two OpenMP threads on a busy 2-core machine can take 50x longer
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8conv") / "conv.json"
+    threads = torch.get_num_threads()
     result = fp8_convergence.main(TINY + ["--out", str(out)], log=lambda *a: None)
+    assert torch.get_num_threads() == threads  # --threads applies to the run only
     return result, json.loads(out.read_text())
 
 
@@ -56,6 +59,7 @@ def test_runs_stay_close_and_verdict_follows_tolerance(tiny):
     assert written["config"]["layers"] == 1 and written["device"] == "cpu"
     assert written["runs"]["fp8"]["losses"] == result["runs"]["fp8"]["losses"]
     assert {"parameters", "dtypes", "data", "wall_s", "tolerance"} <= set(written)
+    assert written["threads"] == 1
 
 
 def test_same_init_and_data_order():
