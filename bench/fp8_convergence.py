@@ -78,6 +78,7 @@ class Config:
     corpus_mb: float = 4.0
     vocab: int = 256         # markov only; text is bytes (256)
     backend: str = "auto"    # the experts' Sequential backend
+    wgrad: str = "bf16"      # the FP8 run's weight gradients: "bf16" (the recipe's default) or "fp8" operands
     eval_batches: int = 8
 
 
@@ -409,7 +410,14 @@ def main(argv=None, log=print) -> dict:
     threads = torch.get_num_threads()
     try:  # a fixed thread count (1 is the steadiest on a shared 2-core machine), restored for the caller
         torch.set_num_threads(args.threads or threads)
-        result = run(cfg, log)
+        from fusion.quant import fp8_linear
+
+        default_wgrad = fp8_linear.WGRAD_IN_BF16
+        fp8_linear.WGRAD_IN_BF16 = cfg.wgrad == "bf16"
+        try:
+            result = run(cfg, log)
+        finally:
+            fp8_linear.WGRAD_IN_BF16 = default_wgrad
         result["preset"], result["threads"] = args.preset, torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)
