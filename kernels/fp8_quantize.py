@@ -60,8 +60,21 @@ MAX_GROUPS = 1024
 
 
 def _word(x):
-    """An Int32 treated as 32 raw bits (shifts below are logical)."""
+    """A value as 32 raw bits: a Uint32, whose ``>>`` is a logical shift."""
     return cutlass.Uint32(x)
+
+
+def funnel_word(prev, word, sh, first):
+    """Trace time: the aligned word a lane stores when its column starts ``sh`` (0..3) bytes into a word: the
+    top ``sh`` bytes of ``prev`` (the previous lane's shared word; 0 for the ``first`` lane), then the low
+    ``4 - sh`` of ``word``; and ``word``'s top ``sh`` bytes shifted down (what spills past the last word).
+    Every operand is re-typed Uint32: ``cutlass.select_`` returns an untyped value whose ``>>`` is an
+    arithmetic shift, which would smear a code byte >= 0x80 (negative, -0.0) over the bytes above it."""
+    prev = _word(cutlass.select_(first, _word(0), _word(prev)))
+    word = _word(word)
+    right = _word(cutlass.select_(sh == 0, _word(0), _word(32 - 8 * sh)))   # never a shift by 32
+    joined = _word((prev >> right) | (word << _word(8 * sh)))
+    return _word(cutlass.select_(sh == 0, word, joined)), _word(word >> right)
 
 
 class FP8QuantizeKernel:
@@ -318,13 +331,8 @@ class FP8QuantizeKernel:
                 start = Int64(k) * Int64(M) + Int64(row0)
                 sh = Int32(start & 3)
                 word0 = pCwData.toint() + (start - Int64(sh))
-                hi = _word(self.code_word(sCodes, kl, lane))
-                lo = _word(self.code_word(sCodes, kl, cutlass.max(lane - 1, Int32(0))))
-                lo = cutlass.select_(lane > 0, lo, _word(0))
-                left = cutlass.Uint32(8 * sh)
-                right = cutlass.Uint32(32 - 8 * sh)
-                val = cutlass.select_(sh == 0, hi, (lo >> cutlass.select_(sh == 0, cutlass.Uint32(0), right))
-                                      | (hi << left))
+                val, spill = funnel_word(self.code_word(sCodes, kl, cutlass.max(lane - 1, Int32(0))),
+                                         self.code_word(sCodes, kl, lane), sh, lane == 0)
                 p = lane * 4 - sh
                 addr = word0 + Int64(lane * 4)
                 if (p >= 0) & (p + 4 <= nrows):
@@ -333,7 +341,7 @@ class FP8QuantizeKernel:
                 else:
                     self.store_bytes(addr, val, p, 4, nrows)
                 if (lane == _LANES - 1) & (sh > 0):
-                    self.store_bytes(word0 + Int64(TILE), hi >> right, TILE - sh, sh, nrows)
+                    self.store_bytes(word0 + Int64(TILE), spill, TILE - sh, sh, nrows)
 
     @cute.jit
     def store_bytes(self, addr: Int64, val, p: Int32, count, nrows: Int32):

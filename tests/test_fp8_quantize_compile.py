@@ -97,3 +97,58 @@ def test_group_sizes_problems_are_named():
     assert api._problem(x[:, :12], False, None)[0] is ShapeError                 # K=12: not 16-byte rows
     square = torch.zeros(16, 16, dtype=torch.bfloat16).as_subclass(FakeCuda)
     assert "contiguous" in api._problem(square.t(), False, None)[1]
+
+
+def _funnel_lanes():
+    """The 32 lanes' ``funnel_word`` of store_columns, compiled by the DSL for the host (no GPU):
+    ``f(words, out, sh)`` writes each lane's stored word to ``out[lane]`` and its spill to ``out[32 + lane]``."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    from fusion.kernels.fp8_quantize import funnel_word
+
+    @cute.jit
+    def lanes(words: cute.Tensor, out: cute.Tensor, sh: Int32):
+        for lane in cutlass.range(32):
+            val, spill = funnel_word(words[cutlass.max(lane - 1, Int32(0))], words[lane], sh, lane == 0)
+            out[lane] = Int32(val)
+            out[32 + lane] = Int32(spill)
+
+    words, out = torch.zeros(32, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    compiled = cute.compile(lanes, from_dlpack(words), from_dlpack(out), Int32(0))
+    return lambda w, o, sh: compiled(from_dlpack(w), from_dlpack(o), Int32(sh))
+
+
+def test_columnwise_words_carry_the_column_bytes_at_every_alignment():
+    """A column's 128 codes (as the shared tile holds them, 32 little-endian words) land at byte ``sh`` of
+    aligned words: lane ``w`` stores bytes ``4w - sh ..``, lane 31 spills the last ``sh``. Codes >= 0x80
+    (negative values, -0.0) sit in every position: an arithmetic shift would turn the bytes above them into
+    0xFF (the bug behind every columnwise mismatch on the GPU)."""
+    run = _funnel_lanes()
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (128,), dtype=torch.uint8, generator=g)
+    codes[3::4] = torch.tensor([0x80, 0xFF, 0xFE, 0x7F], dtype=torch.uint8).repeat(8)   # every top byte signed
+    codes[:4] = torch.tensor([0x80, 0x00, 0x81, 0xC0], dtype=torch.uint8)
+    for sh in range(4):
+        out = torch.zeros(64, dtype=torch.int32)
+        run(codes.view(torch.int32).clone(), out, sh)
+        stored = torch.cat([out[:32].view(torch.uint8), out[32 + 31:].view(torch.uint8)])  # words, then the spill
+        assert torch.equal(stored[sh:sh + 128], codes), (
+            f"sh={sh}: bytes {(stored[sh:sh + 128] != codes).nonzero().flatten()[:8].tolist()} differ")
+
+
+def test_columnwise_store_shifts_are_logical(tmp_path):
+    """In the compiled kernel, no right shift by a register amount is arithmetic (``shr.s32``): the funnel
+    shifts of the columnwise store move raw code bytes (constant shifts, e.g. of signed divisions, may be)."""
+    import re
+
+    from fusion.kernels.fp8_quantize import FP8QuantizeKernel, compile_kernel
+
+    compile_kernel(FP8QuantizeKernel("bfloat16", 200, True, 6, "int32"),
+                   f"--enable-tvm-ffi --keep-ptx --dump-dir={tmp_path}")
+    ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert re.search(r"\bshr\.u32\s+%r\d+, %r\d+, %r\d+;", ptx), "the funnel shift is in the PTX"
+    signed = re.findall(r"\bshr\.s32\s+%r\d+, %r\d+, %r\d+;", ptx)
+    assert not signed, f"arithmetic right shifts by a register amount: {signed[:4]}"
