@@ -21,8 +21,7 @@ OP_TABLE: dict[str, str] = {}
 #: `gradients(op, x, dy, ctx)`) with the same math in the same order (each module says how it matches the
 #: reference), used on the CUDA tensors it takes, and what explain() says runs there. The variant is the op's
 #: kind, or kind:format for a GEMM whose weights are not the parameter as is (its weight_format) and for a
-#: quantize op (the format it writes). A Gather's backward is a
-#: combine of its rows' gradients.
+#: quantize op (the format it writes). A Gather's backward is a combine of its rows' gradients.
 DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
     ("combine", "forward"): ("combine", "combine kernel (fusion/kernels/combine.py: each token's rows summed in "
                                         "row order in float32, no atomics)"),

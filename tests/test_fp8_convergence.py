@@ -46,7 +46,8 @@ def test_fp8_run_really_quantized(tiny):
     assert len(evidence) == 2 and all(e["weight_format"] == "fp8_block" for e in evidence)
     assert all(1e-4 < e["rel_quant_err"] < 0.1 for e in evidence)  # E4M3 rounding, not a copy
     fp8_gemms = result["sm90_plan_gemm_steps"]["fp8"]
-    assert len(fp8_gemms) == 4 and all("fp8_block" in m for m in fp8_gemms), fp8_gemms
+    # on Hopper the four FP8 GEMM steps (FC1, FC2 forward and backward) run the FP8 kernel
+    assert len(fp8_gemms) == 4 and all("FP8 block-scaled grouped GEMM" in m for m in fp8_gemms), fp8_gemms
     assert not any("fp8" in m for m in result["sm90_plan_gemm_steps"]["bf16"])
 
 

@@ -27,8 +27,8 @@ __all__ = ["WGRAD_IN_BF16", "fp8_block_linear"]
 
 #: Module-level switch, read when the forward runs: True (the default) computes the weight gradient from the
 #: high-precision dY and X (a bf16 GEMM for bf16 blocks) instead of their FP8 columnwise copies. Measured on an
-#: H100 (docs/quantization.md, "The wgrad: bf16, measured"): with no FP8 varlen-K kernel, the FP8 operands cost
-#: a columnwise quantization and a dequantization each and still run a bf16 GEMM, a 3.6-4.4x slower step.
+#: H100 (docs/quantization.md, "The FP8-block GEMM recipe"): with no FP8 varlen-K kernel, the FP8 operands cost
+#: a columnwise quantization and a dequantization each and still feed a bf16 GEMM: a 4.4-6.6x slower step.
 WGRAD_IN_BF16 = True
 
 
