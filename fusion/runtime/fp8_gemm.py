@@ -10,9 +10,10 @@ recipe"), which stays the specification and what backend="emulate" and the CPU r
   with both scales, as the reference's float32 product of the dequantized operands does (summation order aside).
 * dgrad ``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3), the weight's transposed blocks.
 * wgrad ``dW[g] = dY_g.T @ X_g`` by torch._grouped_mm (no FP8 varlen-K kernel yet): with
-  ``fp8_linear.WGRAD_IN_BF16`` (the default; read here when the backward runs) the high-precision dY and X; otherwise the recipe's FP8 operands, i.e. the
-  columnwise 128-row-block quantizations of dY and X, dequantized exactly into the GEMM's dtype (E4M3 times a
-  power of two is exact in bf16/fp16 unless it underflows their subnormals) and multiplied in float32.
+  ``fp8_linear.WGRAD_IN_BF16`` (the default; read here when the backward runs) the high-precision dY and X;
+  otherwise the recipe's FP8 operands, i.e. the columnwise 128-row-block quantizations of dY and X, dequantized
+  exactly into the GEMM's dtype (E4M3 times a power of two is exact in bf16/fp16 unless it underflows their
+  subnormals) and multiplied in float32.
 
 The quantizations run on the device with no host sync (group sizes stay on the device), so a call can be
 captured in a CUDA graph.
