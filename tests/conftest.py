@@ -21,6 +21,14 @@ def hopper_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+def sass_or_skip(make_sass):
+    """make_sass(): nvdisasm's listing of a compiled kernel; the test is skipped where nvdisasm is missing."""
+    try:
+        return make_sass()
+    except RuntimeError as e:  # nvdisasm missing
+        pytest.skip(str(e))
+
+
 @pytest.fixture
 def all_templates_available(monkeypatch):
     """Matcher/planner tests exercise pattern libraries as written: every kernel template they name counts as

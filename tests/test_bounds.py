@@ -17,6 +17,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from fusion import GroupLinear, Scale, Sequential, SwiGLU  # noqa: E402
 from fusion.errors import GroupSizesError  # noqa: E402
+from conftest import sass_or_skip  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,10 +40,7 @@ def _sass(G: int, dtype) -> str:
         fn = cute.compile(kern, sizes, out, Int32(1), Int32(0), make_fake_stream(),
                           options=f"--enable-tvm-ffi --keep-cubin --dump-dir={dump}")
         cubin = fn.__cubin__
-    try:
-        return sass_text(cubin)
-    except RuntimeError as e:  # nvdisasm missing
-        pytest.skip(str(e))
+    return sass_or_skip(lambda: sass_text(cubin))
 
 
 @pytest.mark.parametrize("G,dtype", [(1, None), (8, "int32"), (128, "int64"), (300, "int32")])

@@ -16,6 +16,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from fusion.moe import route  # noqa: E402
 from fusion.ops.routing import combine_rows, token_layout  # noqa: E402
 from fusion.run_context import RunContext  # noqa: E402
+from conftest import sass_or_skip  # noqa: E402
 
 
 def _sass(dtype: str, d: int) -> str:
@@ -36,10 +37,7 @@ def _sass(dtype: str, d: int) -> str:
                           options=f"--enable-tvm-ffi --keep-cubin --dump-dir={dump}")
         cubin = fn.__cubin__
     del cutlass
-    try:
-        return sass_text(cubin)
-    except RuntimeError as e:  # nvdisasm missing
-        pytest.skip(str(e))
+    return sass_or_skip(lambda: sass_text(cubin))
 
 
 @pytest.mark.parametrize("dtype,d", [("bfloat16", 2048), ("float16", 7168), ("float32", 2880), ("bfloat16", 8)])

@@ -14,6 +14,7 @@ from fusion.errors import DeviceError, KernelConfigError, ShapeError  # noqa: E4
 from fusion.kernels.fp8_gemm import Fp8DebugKnobs, Fp8GroupedGemmKernel  # noqa: E402
 from fusion.kernels.fp8_scales import (SA_BOX, SA_STAGE_FLOATS, SB_BOX, SB_SLOT_FLOATS, SCALE_ALIGN,  # noqa: E402
                                        SCALE_BLOCK, box_shift, box_start, num_slots, plan_segments, segment_of)
+from conftest import sass_or_skip  # noqa: E402
 
 
 def _cfg(N, K_, G, gated=False, **over):
@@ -55,10 +56,7 @@ def test_compile_sass(name):
     assert "wgmma.mma_async.sync.aligned" in comp.ptx and ".f32.e4m3.e4m3" in comp.ptx
     assert comp.shared_memory_bytes <= 227 * 1024
     assert comp.frame_size == 0, f"{comp.name}: {comp.frame_size}-byte stack frame (spills)"
-    try:
-        sass = comp.sass
-    except RuntimeError as e:  # nvdisasm missing
-        pytest.skip(str(e))
+    sass = sass_or_skip(lambda: comp.sass)
     ops = _ops(sass)
     # FP8 wgmma is QGMMA in SASS (HGMMA is the 16-bit one): E4M3 x E4M3 into F32
     gmma = re.findall(r"\b([HQ]GMMA\.[\w.]+)", sass)
