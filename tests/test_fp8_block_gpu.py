@@ -81,6 +81,19 @@ def no_reference_recipe(monkeypatch):
     return patch
 
 
+def _assert_kernels_match_recipe(seq, x, sizes, probs, dy, no_reference_recipe):
+    """One training step of `seq` on the kernels (the reference recipe patched out) against backend="reference":
+    the output and every gradient present, in the same dtype, finite, within 1e-2 relative."""
+    want = _step(_reference(seq), x, sizes, probs, dy)
+    no_reference_recipe()
+    got = _step(seq, x, sizes, probs, dy)
+    for name, ref in want.items():
+        assert got[name] is not None and got[name].dtype == ref.dtype, name
+        assert torch.isfinite(got[name]).all(), name
+        err = _rel(got[name], ref)
+        assert err < 1e-2, f"{name}: relative error {err:.2e} against the recipe"
+
+
 # (E, group sizes, d, f): one (E, d, f) so that the three cases share their kernels (each (N, K, G) compiles)
 CASES = [
     (8, [300, 0, 129, 517, 1, 0, 1000, 77], 256, 256),   # unaligned groups, empty ones
@@ -98,24 +111,13 @@ def test_grouped_block_matches_the_recipe(case, wgrad_bf16, monkeypatch, no_refe
     M = int(sizes.sum())
     seq = _block(E, d, f)
     x, dy, probs = _inputs(E, M, d, sizes)
-    want = _step(_reference(seq), x, sizes, probs, dy)
-    no_reference_recipe()
-    got = _step(seq, x, sizes, probs, dy)
-    for name, ref in want.items():
-        assert got[name] is not None and got[name].dtype == ref.dtype, name
-        assert torch.isfinite(got[name]).all(), name
-        err = _rel(got[name], ref)
-        assert err < 1e-2, f"{name}: relative error {err:.2e} against the recipe"
+    _assert_kernels_match_recipe(seq, x, sizes, probs, dy, no_reference_recipe)
 
 
 def test_dense_linear_block(no_reference_recipe):
     seq = _block(1, 256, 256, dense=True)
     x, dy, _ = _inputs(1, 1000, 256, None)
-    want = _step(_reference(seq), x, None, None, dy)
-    no_reference_recipe()
-    got = _step(seq, x, None, None, dy)
-    for name, ref in want.items():
-        assert _rel(got[name], ref) < 1e-2, name
+    _assert_kernels_match_recipe(seq, x, None, None, dy, no_reference_recipe)
 
 
 def test_unquantized_input_is_quantized_by_the_runtime(no_reference_recipe):
@@ -123,11 +125,7 @@ def test_unquantized_input_is_quantized_by_the_runtime(no_reference_recipe):
     sizes = torch.tensor([100, 200, 0, 212, 0, 0, 51, 1], device=DEV)
     seq = _block(8, 256, 256, quant=False)
     x, dy, probs = _inputs(8, 564, 256, sizes)
-    want = _step(_reference(seq), x, sizes, probs, dy)
-    no_reference_recipe()
-    got = _step(seq, x, sizes, probs, dy)
-    for name, ref in want.items():
-        assert _rel(got[name], ref) < 1e-2, name
+    _assert_kernels_match_recipe(seq, x, sizes, probs, dy, no_reference_recipe)
 
 
 def test_widths_the_kernel_cannot_take_run_the_recipe():
