@@ -68,6 +68,9 @@ def device_method_refusal(kind: str, weight_format: str | None, dtype: str, widt
     return None
 
 
-def op_format(op) -> str | None:
-    """The format part of an op's device-method variant: a GEMM's weight_format, a quantize op's format."""
-    return op.spec.attrs.get("weight_format") if op.spec.kind == "gemm" else op.spec.attrs.get("format")
+def op_device_method(op, part: str) -> tuple[str, str] | None:
+    """The DEVICE_METHODS entry of an op object for `part` (its variant: kind, and a GEMM's weight_format or a
+    quantize op's format), or None."""
+    spec = op.spec
+    fmt = spec.attrs.get("weight_format") if spec.kind == "gemm" else spec.attrs.get("format")
+    return device_method(spec.kind, part, fmt)

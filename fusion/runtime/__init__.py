@@ -41,14 +41,14 @@ class BlockRunner:
         self.backend = seq.backend
         self.params = list(seq.parameters())
         self.plan = plan_for_run(seq, x)
-        fused = any(step.fused for step in self.plan.forward + self.plan.backward)
-        # an op with a device method (fusion.op_table.DEVICE_METHODS) runs it through the program too
-        fused = fused or (seq.backend in ("auto", "fused") and x.device.type == "cuda" and _has_device_method(seq))
+        # fused steps run through the program, and so does an op with a device method (fusion.op_table)
+        use_program = (any(step.fused for step in self.plan.forward + self.plan.backward)
+                       or (seq.backend in ("auto", "fused") and x.device.type == "cuda" and _has_device_method(seq)))
         self.program = None
         # The group sizes' values are checked, and the call's bounds made, by one prologue launch on the device
         # (fusion/runtime/bounds.py) when fused kernels run on a GPU; otherwise by torch ops.
         self.device_checked = False
-        if fused:
+        if use_program:
             from fusion.runtime.bounds import DevicePrologue
             from fusion.runtime.program import BlockProgram
 
@@ -107,10 +107,9 @@ class BlockRunner:
 
 
 def _has_device_method(seq) -> bool:
-    from fusion.op_table import device_method, op_format
+    from fusion.op_table import op_device_method
 
-    return any(device_method(op.spec.kind, part, op_format(op)) is not None
-               for op in seq.ops for part in ("forward", "backward"))
+    return any(op_device_method(op, part) is not None for op in seq.ops for part in ("forward", "backward"))
 
 
 def runner_for(seq, x: torch.Tensor) -> BlockRunner:

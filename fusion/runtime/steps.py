@@ -20,7 +20,7 @@ from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forward_spec
 from fusion.dataflow import index_of, out_grad, v
 from fusion.grouped import linear_dgrad, linear_wgrad
-from fusion.op_table import device_method, op_format
+from fusion.op_table import op_device_method
 from fusion.ops.base import RunContext
 from fusion.runtime.kernel import make_job
 
@@ -236,7 +236,7 @@ def _poison(outs: dict) -> None:
 
 def _device_method(op, part: str, device_kernels: bool):
     """The device method module standing in for `op`'s `part`, or None (the reference runs)."""
-    entry = device_method(op.spec.kind, part, op_format(op)) if device_kernels else None
+    entry = op_device_method(op, part) if device_kernels else None
     return None if entry is None else importlib.import_module(f"fusion.runtime.{entry[0]}")
 
 
