@@ -31,3 +31,16 @@ def test_methods_take_only_cuda_tensors_the_kernels_read():
     assert not fp8_gemm.takes(op, torch.zeros(4, 64))                     # CPU
     assert not fp8_quantize.takes(QuantizeFP8Block(), torch.zeros(4, 64))  # CPU
     assert not fp8_gemm.takes(GroupLinear(2, 72, 64, weight_format="fp8_block"), torch.zeros(4, 72))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_finite_amax_ignores_nan_and_inf_in_every_dtype(dtype):
+    from fusion.quant import finite_amax
+
+    x = torch.tensor([1.5, -3.0, float("nan"), float("inf"), -float("inf"), 2.0], dtype=dtype)
+    got = finite_amax(x)
+    assert got.dtype == torch.float32 and got.dim() == 0 and got.item() == 3.0
+    assert finite_amax(torch.full((4,), float("nan"), dtype=dtype)).item() == 0.0
+    assert finite_amax(torch.zeros(0, dtype=dtype)).item() == 0.0
+    if dtype == torch.float64:  # past float32's range: the Inf it rounds to, so not counted
+        assert finite_amax(torch.tensor([1e300, -5.0], dtype=dtype)).item() == 5.0

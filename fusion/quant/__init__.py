@@ -4,6 +4,7 @@ Self-contained: imports nothing else from ``fusion``. Layouts and rounding rules
 ``docs/quantization.md``.
 """
 
+from ._common import finite_amax
 from .blocks import columnwise_blocks, columnwise_capacity
 from .errors import QuantizationError
 from .formats import (E2M1_MAX, E4M3_MAX, decode_e2m1, decode_e4m3, decode_e8m0, encode_e2m1,
@@ -24,7 +25,7 @@ __all__ = [
     "E4M3_MAX", "E2M1_MAX",
     "encode_e4m3", "decode_e4m3", "encode_e8m0", "decode_e8m0", "encode_e2m1", "decode_e2m1",
     "pack_fp4", "unpack_fp4", "pow2_f32",
-    "columnwise_capacity", "columnwise_blocks",
+    "columnwise_capacity", "columnwise_blocks", "finite_amax",
     "mxfp8_scale_exponent", "mxfp8_quantize_2d", "mxfp8_dequantize_2d",
     "mxfp8_quantize_columnwise", "mxfp8_dequantize_columnwise",
     "nvfp4_global_scale", "nvfp4_quantize_2d", "nvfp4_dequantize_2d",

@@ -68,6 +68,7 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     """Max of ``|x|`` over the finite elements, as a float32 0-dim tensor (0 if there are none)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    x32 = x.to(torch.float32)
-    mag = torch.where(torch.isfinite(x32), x32.abs(), torch.zeros_like(x32))
-    return mag.amax()
+    # in the input's own dtype (|x| and the max are exact there, and every bf16/fp16 value is a float32); float64
+    # is rounded to float32 first, so a value past float32's range counts as the Inf it becomes
+    x = x if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else x.to(torch.float32)
+    return torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax().to(torch.float32)

@@ -4,14 +4,13 @@ A device method of the fused runtime (fusion.op_table.DEVICE_METHODS, variant "q
 x)` says whether the kernel runs it, `run(op, x, ctx)` returns the QuantizedTensor the reference
 (fusion/ops/quantize.py -> fusion.quant.quantize) would, bit for bit: the kernel writes the rowwise and the
 per-group columnwise buffers in one pass (tests/test_fp8_quantize_gpu.py checks them byte for byte), and the
-tensor's amax (max |x| over the finite elements) is one torch reduction. No host sync: the group sizes stay on
-the device.
+tensor's amax is fusion.quant.finite_amax, as the reference's. No host sync: the group sizes stay on the device.
 """
 from __future__ import annotations
 
 import torch
 
-from fusion.quant import QuantizedTensor
+from fusion.quant import QuantizedTensor, finite_amax
 from fusion.run_context import RunContext
 
 
@@ -29,13 +28,6 @@ def takes(op, x) -> bool:
             and x.shape[1] % (16 // x.element_size()) == 0)
 
 
-def _finite_amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| over the finite elements as a float32 0-dim tensor (0 if none): fusion.quant's finite_amax."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax().to(torch.float32)
-
-
 def run(op, x: torch.Tensor, ctx: RunContext) -> QuantizedTensor:
     from fusion.kernels.fp8_quantize_api import quantize_fp8_block_device, unsupported_reason
 
@@ -44,5 +36,5 @@ def run(op, x: torch.Tensor, ctx: RunContext) -> QuantizedTensor:
     if unsupported_reason(x, op.columnwise, groups) is not None:  # e.g. more groups than the kernel takes
         return op.reference(x, ctx)
     data, scale, cw_data, cw_scale = quantize_fp8_block_device(x, op.columnwise, groups)
-    return QuantizedTensor("fp8_block", data, scale, _finite_amax(x), x.shape, x.dtype, columnwise_data=cw_data,
+    return QuantizedTensor("fp8_block", data, scale, finite_amax(x), x.shape, x.dtype, columnwise_data=cw_data,
                            columnwise_scale=cw_scale, group_sizes=groups)
