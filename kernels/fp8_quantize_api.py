@@ -17,7 +17,7 @@ import torch
 
 from fusion.errors import DeviceError, DTypeError, GroupSizesError, ShapeError
 
-__all__ = ["quantize_fp8_block_device", "unsupported_reason", "FP8_BLOCK"]
+__all__ = ["quantize_fp8_block_device", "try_quantize_fp8_block_device", "unsupported_reason", "FP8_BLOCK"]
 
 #: Elements per block (rowwise: 1x128 of a row; columnwise: 128 rows of a group).
 FP8_BLOCK = 128
@@ -85,6 +85,17 @@ def quantize_fp8_block_device(x2d: torch.Tensor, columnwise: bool = False, group
     if problem is not None:
         cls, message = problem
         raise cls(f"quantize_fp8_block_device: {message}")
+    return _launch(x2d, columnwise, group_sizes)
+
+
+def try_quantize_fp8_block_device(x2d, columnwise: bool = False, group_sizes=None):
+    """:func:`quantize_fp8_block_device`'s buffers, or None where the kernel does not take the arguments (the
+    caller then quantizes with the reference): one check on a caller's hot path instead of asking first."""
+    return None if _problem(x2d, columnwise, group_sizes) is not None else _launch(x2d, columnwise, group_sizes)
+
+
+def _launch(x2d: torch.Tensor, columnwise: bool, group_sizes):
+    """Output buffers and the launch, for checked arguments."""
     M, K = x2d.shape
     dev = x2d.device
     G = 1 if group_sizes is None else group_sizes.numel()

@@ -44,3 +44,13 @@ def test_finite_amax_ignores_nan_and_inf_in_every_dtype(dtype):
     assert finite_amax(torch.zeros(0, dtype=dtype)).item() == 0.0
     if dtype == torch.float64:  # past float32's range: the Inf it rounds to, so not counted
         assert finite_amax(torch.tensor([1e300, -5.0], dtype=dtype)).item() == 5.0
+
+
+def test_try_quantize_returns_none_where_the_kernel_refuses():
+    from fusion.errors import DeviceError
+    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_device, try_quantize_fp8_block_device
+
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)   # on the CPU: the kernel refuses it
+    assert try_quantize_fp8_block_device(x) is None
+    with pytest.raises(DeviceError, match="CUDA"):
+        quantize_fp8_block_device(x)

@@ -72,10 +72,11 @@ def _row_bounds(op, rows: int, ctx: RunContext, device) -> torch.Tensor:
 def _quantized(x: torch.Tensor, columnwise: bool = False, groups=None):
     """(data, scale, cw_data, cw_scale) of a high-precision 2-D tensor: the quantize kernel
     (fusion/kernels/fp8_quantize.py), bit for bit the reference, which runs where the kernel does not take x."""
-    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_device, unsupported_reason
+    from fusion.kernels.fp8_quantize_api import try_quantize_fp8_block_device
 
-    if unsupported_reason(x, columnwise, groups) is None:
-        return quantize_fp8_block_device(x, columnwise, groups)
+    buffers = try_quantize_fp8_block_device(x, columnwise, groups)
+    if buffers is not None:
+        return buffers
     from fusion.quant.fp8_block import fp8_block_quantize_2d, fp8_block_quantize_columnwise
 
     cw = fp8_block_quantize_columnwise(x, groups) if columnwise else (None, None)

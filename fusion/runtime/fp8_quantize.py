@@ -13,11 +13,6 @@ import torch
 from fusion.quant import QuantizedTensor, finite_amax
 from fusion.run_context import RunContext
 
-
-def _groups(op, ctx: RunContext):
-    return getattr(ctx, "group_sizes", None) if op.columnwise else None
-
-
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -29,12 +24,13 @@ def takes(op, x) -> bool:
 
 
 def run(op, x: torch.Tensor, ctx: RunContext) -> QuantizedTensor:
-    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_device, unsupported_reason
+    from fusion.kernels.fp8_quantize_api import try_quantize_fp8_block_device
 
     x = x if x.is_contiguous() else x.contiguous()
-    groups = _groups(op, ctx)
-    if unsupported_reason(x, op.columnwise, groups) is not None:  # e.g. more groups than the kernel takes
+    groups = getattr(ctx, "group_sizes", None) if op.columnwise else None  # as the reference reads them
+    buffers = try_quantize_fp8_block_device(x, op.columnwise, groups)
+    if buffers is None:  # e.g. more groups than the kernel takes
         return op.reference(x, ctx)
-    data, scale, cw_data, cw_scale = quantize_fp8_block_device(x, op.columnwise, groups)
+    data, scale, cw_data, cw_scale = buffers
     return QuantizedTensor("fp8_block", data, scale, finite_amax(x), x.shape, x.dtype, columnwise_data=cw_data,
                            columnwise_scale=cw_scale, group_sizes=groups)
