@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 
 from fusion.grouped import group_offsets
+from fusion.op_table import device_method_refusal
 from fusion.quant import QuantizedTensor
 from fusion.run_context import RunContext
 
-_OUT_DTYPES = (torch.bfloat16, torch.float16)
 _COMPILED: dict = {}
 
 
@@ -37,8 +37,9 @@ def takes(op, x) -> bool:
         return False
     if isinstance(x, QuantizedTensor) and x.format != "fp8_block":
         return False
-    return (x.dtype in _OUT_DTYPES and op.weight.dtype == x.dtype
-            and op.in_features % 16 == 0 and op.out_features % 16 == 0)
+    # the limits the plan states (fusion.op_table.DEVICE_METHOD_LIMITS), so explain() says what runs
+    return op.weight.dtype == x.dtype and device_method_refusal(
+        "gemm", "fp8_block", str(x.dtype).removeprefix("torch."), (op.in_features, op.out_features)) is None
 
 
 def _kernel(N: int, K: int, G: int, dtype: torch.dtype):

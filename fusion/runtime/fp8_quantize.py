@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from fusion.op_table import device_method_refusal
 from fusion.quant import QuantizedTensor, finite_amax
 from fusion.run_context import RunContext
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def takes(op, x) -> bool:
-    """A plain CUDA 2-D tensor the kernel reads: bf16/fp16/fp32 rows of whole 16-byte chunks (layout and the
-    group count are run()'s to settle: it makes x contiguous, and takes the reference past 1024 groups)."""
-    return (type(x) is torch.Tensor and x.is_cuda and x.dim() == 2 and x.dtype in _DTYPES
-            and x.shape[1] % (16 // x.element_size()) == 0)
+    """A plain CUDA 2-D tensor within the limits the plan states (fusion.op_table.DEVICE_METHOD_LIMITS: dtype,
+    width); layout and the group count are run()'s to settle (it makes x contiguous, and takes the reference
+    past the kernel's 1024 groups)."""
+    return (type(x) is torch.Tensor and x.is_cuda and x.dim() == 2 and device_method_refusal(
+        "quantize", "fp8_block", str(x.dtype).removeprefix("torch."), (x.shape[1],)) is None)
 
 
 def run(op, x: torch.Tensor, ctx: RunContext) -> QuantizedTensor:
