@@ -2,7 +2,8 @@
 
     python bench/bench_training_step.py                      # all blocks, all paths -> bench/results/<gpu>-<date>.json
     python bench/bench_training_step.py --models qwen3-30b-a3b,small --paths fusion,unfused_compiled
-    python bench/bench_training_step.py --precompile         # no GPU: compile every fused kernel into FUSION_CACHE_DIR
+    python bench/bench_training_step.py --precompile         # no GPU: compile every fused kernel (bf16 and the
+                                                             # FP8 twin's) into FUSION_CACHE_DIR
 
 Block: GroupLinear(E, d, 2f) -> SwiGLU -> Scale (router probabilities, bf16) -> GroupLinear(E, f, d) in bf16; dense
 models drop Scale and run one group. Rows = tokens x top-k, split over the experts by random imbalanced weights
@@ -316,11 +317,14 @@ def precompile(blocks) -> None:
     """Compile every fused kernel these blocks' plans launch into FUSION_CACHE_DIR (no GPU needed)."""
     from fusion.runtime.aot import compile_jobs, plan_jobs
 
+    from fp8_paths import fusion_fp8_block
+
     jobs = []
     for block in blocks:
         with torch.device("meta"):
             seq = fusion_block(block, "meta")
-        jobs += plan_jobs(seq, torch.bfloat16)
+            fp8 = fusion_fp8_block(seq, True if block.moe else None)  # path fusion_fp8's twin
+        jobs += plan_jobs(seq, torch.bfloat16) + plan_jobs(fp8, torch.bfloat16)
     print(f"{len(jobs)} kernels ({len({j.key for j in jobs})} distinct)", flush=True)
     compile_jobs(jobs, parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "1")))
 

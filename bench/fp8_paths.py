@@ -1,8 +1,9 @@
 """The FP8 paths of the training-step benchmark (bench/bench_training_step.py), issue 9.
 
 - fusion_fp8   the block with weight_format="fp8_block" on both GroupLinears and QuantizeFP8Block before FC2
-               (FC1 -> SwiGLU -> Scale -> QuantizeFP8Block -> FC2), backend="auto": the FP8 block-scaled
-               grouped GEMM kernel for fprop and dgrad (fusion/runtime/fp8_gemm.py), torch for the rest.
+               (FC1 -> SwiGLU -> Scale -> QuantizeFP8Block -> FC2), backend="auto": the plan of patterns/fp8.fpat
+               (FC1 + SwiGLU·scale on the FP8 kernel, FC2's FP8 dgrad + d(SwiGLU·scale)), the FP8 kernel alone
+               for FC2's fprop and FC1's dgrad (fusion/runtime/fp8_gemm.py), the quantize kernel, torch's wgrads.
                Weight gradients by the default recipe (fusion.quant.fp8_linear.WGRAD_IN_BF16 = True: bf16 GEMMs
                of the high-precision dY and X).
 - fusion_fp8_fp8wgrad  the same with WGRAD_IN_BF16 = False (the weight gradients from the recipe's FP8

@@ -16,7 +16,7 @@ from fusion.errors import OpArgumentError
 from fusion.graph import build_graph, op_nodes
 from fusion.matcher import dtype_name
 from fusion.plan import Plan, Step
-from fusion.planner import plan_for
+from fusion.planner import EMULATE_NOTE, plan_for
 from fusion.version import __version__
 
 FORMATS = ("text", "json", "dot")
@@ -223,11 +223,16 @@ def _summary(plan: Plan) -> list[str]:
     unfused = [(tag, s) for tag, s in tagged if not s.fused]
     torch_gemms = [_unfused_text(tag, s, plan) for tag, s in unfused
                    if plan.ops[s.parts[0][0]].kind == "gemm" and not plan.ops[s.parts[0][0]].gemm_by_reference]
-    recipes = [_unfused_text(tag, s, plan) for tag, s in unfused if plan.ops[s.parts[0][0]].gemm_by_reference]
+    by_format = [(tag, s) for tag, s in unfused if plan.ops[s.parts[0][0]].gemm_by_reference]
+    # a device method's step names its kernel (fusion.planner.reference_method); the others run the recipe
+    on_kernels = [_unfused_text(tag, s, plan) for tag, s in by_format if s.method.endswith(EMULATE_NOTE)]
+    recipes = [_unfused_text(tag, s, plan) for tag, s in by_format if not s.method.endswith(EMULATE_NOTE)]
     fallbacks = [_unfused_text(tag, s, plan) for tag, s in unfused if plan.ops[s.parts[0][0]].kind != "gemm"]
     lines = ["summary:",
              f"  fused kernels ({len(kernels)}): {', '.join(kernels) or 'none'}",
              f"  torch GEMMs ({len(torch_gemms)}): {', '.join(torch_gemms) or 'none'}"]
+    if on_kernels:
+        lines.append(f"  GEMMs by their weight format's device methods ({len(on_kernels)}): {', '.join(on_kernels)}")
     if recipes:
         lines.append(f"  GEMMs run by their weight format's recipe, in torch ({len(recipes)}): {', '.join(recipes)}")
     lines.append(f"  elementwise ops unfused ({len(fallbacks)}): {', '.join(fallbacks) or 'none'}")

@@ -34,6 +34,15 @@ TEMPLATES: dict[str, KernelTemplate] = {
         KernelTemplate("grouped_gemm_gather", "forward", True,
                        "the grouped GEMM loading its A rows through the routing index (an MoE block's Gather): "
                        "per-row cp.async by the producer warpgroup, B by TMA (kernels/mainloop.py)"),
+        KernelTemplate("grouped_gemm_fp8", "forward", True,
+                       "the FP8 block-scaled grouped GEMM (sm_90a, E4M3 wgmma; 1x128 activation and 128x128 weight "
+                       "scales promoted into an fp32 accumulator per 128 of K; kernels/fp8_gemm.py) with a generated "
+                       "epilogue; A is quantized 1x128 rowwise first unless it already is",
+                       weight_formats=("fp8_block",)),
+        KernelTemplate("grouped_gemm_fp8_dgrad", "backward", True,
+                       "the FP8 block-scaled grouped GEMM computing a dgrad (dY quantized 1x128 rowwise, E4M3, times "
+                       "the weight's transposed 128x128 blocks) whose generated epilogue applies the backward of the "
+                       "elementwise ops before the GEMM", weight_formats=("fp8_block",), saves=0),
         KernelTemplate("grouped_gemm_combine", "forward", False,
                        "the grouped GEMM summing each token's routed rows in its epilogue (an MoE block's Combine)",
                        "no kernel on this target fuses a combine into the GEMM's epilogue yet (a token's rows lie "

@@ -17,8 +17,8 @@ OP_KINDS = ("gemm", "activation", "elementwise", "quantize", "gather", "combine"
 OP_TABLE: dict[str, str] = {}
 
 #: Device kernels the fused runtime runs in place of an unfused op's reference, by (op variant, part): the runtime
-#: module (fusion/runtime/<name>.py: `takes(op, value)`, `run(op, value, ctx)`, and for an op with parameters
-#: `gradients(op, x, dy, ctx)`) with the same math in the same order (each module says how it matches the
+#: module (fusion/runtime/<name>.py: `takes(op, value)`, and `run(op, value, ctx)` for a forward or a backward
+#: part, `dgrad(op, dy, ctx)` / `wgrad(op, x, dy, ctx)` for a GEMM's) with the same math in the same order (each module says how it matches the
 #: reference), used on the CUDA tensors it takes, and what explain() says runs there. The variant is the op's
 #: kind, or kind:format for a GEMM whose weights are not the parameter as is (its weight_format) and for a
 #: quantize op (the format it writes). A Gather's backward is a combine of its rows' gradients.
@@ -30,9 +30,10 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
                                                         "rowwise and per-group columnwise in one pass)"),
     ("gemm:fp8_block", "forward"): ("fp8_gemm", "FP8 block-scaled grouped GEMM (fusion/kernels/fp8_gemm.py), the "
                                                 "input quantized 1x128 unless it already is"),
-    ("gemm:fp8_block", "backward"): ("fp8_gemm", "dgrad: FP8 block-scaled grouped GEMM of dY (quantized 1x128) and "
-                                                 "the weight's transposed blocks; wgrad: torch._grouped_mm "
-                                                 "(fusion/runtime/fp8_gemm.py says which operands)"),
+    ("gemm:fp8_block", "dgrad"): ("fp8_gemm", "FP8 block-scaled grouped GEMM of dY (quantized 1x128) and the "
+                                              "weight's transposed blocks (fusion/kernels/fp8_gemm.py)"),
+    ("gemm:fp8_block", "wgrad"): ("fp8_gemm", "torch._grouped_mm of the high-precision dY and X (fp8_linear."
+                                              "WGRAD_IN_BF16; otherwise their FP8 columnwise copies, dequantized)"),
 }
 
 #: What a device method's kernel takes, by variant (the runtime module's `takes` checks the same at run time):

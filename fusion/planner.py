@@ -206,10 +206,10 @@ def _forward_steps(infos, chosen: list[Match], dtype: str, target: str | None) -
 
 
 def backward_parts(info: OpInfo) -> tuple[str, ...]:
-    """What autograd computes for one op, in the order it runs: a GEMM's dgrad then wgrad, any other op's
-    backward; a quantize op passes gradients straight through (no computation, no step). A GEMM run by its
-    reference (fp8_block weights) has one backward, its recipe's, like any other op: not the bf16 GEMM steps."""
-    if info.kind == "gemm" and not info.gemm_by_reference:
+    """What autograd computes for one op, in the order it runs: a GEMM's dgrad then wgrad (whatever its weight
+    format: an fp8_block GEMM's are its recipe's, each a step of its own, so a pattern can fuse its dgrad), any
+    other op's backward; a quantize op passes gradients straight through (no computation, no step)."""
+    if info.kind == "gemm":
         return _GEMM_PARTS
     if info.kind == "quantize":
         return ()
@@ -235,7 +235,7 @@ def _backward_steps(infos, chosen: list[Match], dtype: str, target: str | None) 
 
 
 #: How a device method's line in the plan ends (the emulated plan runs the reference instead).
-_EMULATE_NOTE = "; backend 'emulate' runs the reference"
+EMULATE_NOTE = "; backend 'emulate' runs the reference"
 
 
 def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) -> tuple[str, tuple[str, ...]]:
@@ -248,14 +248,16 @@ def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) ->
     if device is not None and (arch_of(target) or 0) >= 90:
         refusal = device_method_refusal(info.kind, fmt, dtype, (info.in_features, info.out_features))
         if refusal is None:
-            return f"{device[1]}{_EMULATE_NOTE}", ()
+            return f"{device[1]}{EMULATE_NOTE}", ()
     if info.gemm_by_reference:
-        recipe = f"{info.name}.reference: the {info.weight_format} recipe (fusion/quant/fp8_linear.py, torch)"
+        recipe = {"forward": f"{info.name}.reference: the {fmt} recipe",
+                  "dgrad": f"the {fmt} recipe's input gradient (dY quantized 1x128)",
+                  "wgrad": f"the {fmt} recipe's weight gradient"}[part]
         why = (f"the FP8 kernel does not take it: {refusal}" if refusal else "no kernel on this target runs this "
                "GEMM")
         note = (f"weight_format={info.weight_format!r}: {why}; it runs its recipe's reference (dequantized FP8 "
                 f"operands, float32 matmul)")
-        return (recipe if part == "forward" else f"autograd of {recipe}: dgrad and wgrad"), (note,)
+        return f"{recipe} (fusion/quant/fp8_linear.py, torch)", (note,)
     if info.name == "GroupLinear":
         why = None
         arch = arch_of(target)
@@ -376,12 +378,13 @@ def _fallbacks(infos, forward, backward, per_op: dict, patterns, reason: str | N
     # reference (fp8_block weights where no device kernel runs them: not Hopper) is one, forward and backward.
     def by_reference(i, part):
         info = infos[i]
-        return info.gemm_by_reference and not reference_method(info, part, dtype, target)[0].endswith(_EMULATE_NOTE)
+        return info.gemm_by_reference and not reference_method(info, part, dtype, target)[0].endswith(EMULATE_NOTE)
 
     units = [(s.parts[0], "forward") for s in forward
              if not s.fused and (infos[s.parts[0][0]].kind != "gemm" or by_reference(s.parts[0][0], "forward"))]
-    units += [(s.parts[0], "backward") for s in backward if not s.fused and s.parts[0][1] == "backward"
-              and (infos[s.parts[0][0]].kind != "gemm" or by_reference(s.parts[0][0], "backward"))]
+    units += [(s.parts[0], "backward") for s in backward if not s.fused
+              and (s.parts[0][1] == "backward" if infos[s.parts[0][0]].kind != "gemm"
+                   else by_reference(*s.parts[0]))]
     for (i, part), direction in units:
         info = infos[i]
         if reason is not None:

@@ -23,31 +23,15 @@ from .api import (COMPILE_OPTIONS, CompiledGroupedGemm, GemmConfig, _dtype_name,
                   allocate_outputs, current_stream, epilogue_pointers, launch_grid, offsets_from_group_sizes)
 from .epilogue import Epilogue, IdentityEpilogue, MXFP8Output
 from .fp8_gemm import OVERLAP_MAX_TILE_N, SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
-from .fp8_scales import SA_STAGE_FLOATS, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments
+from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
+from .tile_policy import FP8_SMEM, choose_fp8_config, fp8_stage_bytes
 
 __all__ = ["choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm", "run_fp8_grouped_gemm",
            "fp8_grouped_gemm", "CompiledFp8GroupedGemm"]
 
-_SMEM = 227 * 1024
-_SMEM_RESERVE = 1024       # barriers, scheduler slots, alignment
 _OUT_DTYPES = ("bfloat16", "float16")
 _MAX_TILE_N = 192
 _FP8_TORCH = (torch.uint8, torch.float8_e4m3fn)
-
-
-def _stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
-    """Shared memory of one pipeline stage: A and B tiles (one byte per element, tile_k = 128), the tile's
-    activation scales (one aligned box, padded to 128 bytes) and one 128-byte box per weight-scale slot."""
-    return (tile_m + tile_n) * SCALE_BLOCK + 4 * SA_STAGE_FLOATS + 4 * SB_SLOT_FLOATS * slots
-
-
-def choose_fp8_config(N: int, K: int, G: int, gated: bool = False) -> GemmConfig:
-    """128x128x128 tiles (one weight-scale block per n-tile), cooperative, as many stages as fit; the dynamic
-    scheduler for wide N. The accumulator and the scratch fragment of the promotion take 2 x 64 registers
-    per consumer thread at this tile."""
-    slots = 2 if gated else 1
-    stages = min(8, (_SMEM - _SMEM_RESERVE) // (_stage_bytes(128, 128, slots) + 16))
-    return GemmConfig(tile_m=128, tile_n=128, tile_k=SCALE_BLOCK, stages=stages, dynamic=N >= 4096)
 
 
 def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out_dtype="bfloat16",
@@ -90,10 +74,10 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
     if config.stages < 2:
         problems.append(f"stages = {config.stages}: at least 2 (a consumer holds a stage while it waits for the "
                         "next)")
-    smem = config.stages * (_stage_bytes(config.tile_m, config.tile_n, slots) + 16)
-    if smem > _SMEM - _SMEM_RESERVE:
+    smem = config.stages * (fp8_stage_bytes(config.tile_m, config.tile_n, slots) + 16)
+    if smem > FP8_SMEM:
         problems.append(f"{config.stages} stages need {smem} bytes of shared memory (at most "
-                        f"{_SMEM - _SMEM_RESERVE}): use fewer stages")
+                        f"{FP8_SMEM}): use fewer stages")
     if problems:
         raise KernelConfigError(f"cannot build the FP8 grouped GEMM ({type(epilogue).__name__}, N={N}, K={K}, "
                                 f"{config}): " + "; ".join(problems))
@@ -105,13 +89,15 @@ class CompiledFp8GroupedGemm(CompiledGroupedGemm):
     kernel's."""
 
     def __init__(self, fn, kernel, config, epilogue, out_dtype, N, K, G, ptx, cubin, smem):
+        """`kernel`: the traced Fp8GroupedGemmKernel, or None for a kernel loaded from fusion's disk cache (its
+        launch needs only the configuration and the shapes)."""
         super().__init__(fn, kernel, config, epilogue, out_dtype, N, K, G, ptx, cubin, smem)
+        self.overlap = None if kernel is None else kernel.overlap
+        debug = "" if kernel is None or kernel.debug.scales == "tma" else f"_scales-{kernel.debug.scales}"
         self.name = (f"fp8_grouped_gemm_{type(epilogue).__name__}_{out_dtype}_N{N}_K{K}_G{G}_"
                      f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}"
-                     + ("_dyn" if config.dynamic else "") + ("_ovl" if kernel.overlap else "")
-                     + ("" if kernel.debug.scales == "tma" else f"_scales-{kernel.debug.scales}")
-                     + ("" if kernel.debug.reg_realloc else "_noregs"))
-        self.overlap = kernel.overlap
+                     + ("_dyn" if config.dynamic else "") + ("_ovl" if self.overlap else "") + debug
+                     + ("" if kernel is None or kernel.debug.reg_realloc else "_noregs"))
         self.k_blocks = -(-K // SCALE_BLOCK)
         self.b_scale_shape = (G, -(-N // SCALE_BLOCK), self.k_blocks)
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .fp8_scales import SA_STAGE_FLOATS, SB_SLOT_FLOATS, SCALE_BLOCK
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -68,6 +70,28 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
         return GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
                           dynamic=True, pingpong=True, b_major=b_major)
     return GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major)
+
+
+#: Shared memory an FP8 kernel's pipeline stages may take: 227 KiB less barriers, scheduler slots, alignment.
+FP8_SMEM = 227 * 1024 - 1024
+
+
+def fp8_stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
+    """Shared memory of one FP8 pipeline stage: A and B tiles (one byte per element, tile_k = 128), the tile's
+    activation scales (one aligned box, padded to 128 bytes) and one 128-byte box per weight-scale slot
+    (kernels/fp8_scales.py)."""
+    return (tile_m + tile_n) * SCALE_BLOCK + 4 * SA_STAGE_FLOATS + 4 * SB_SLOT_FLOATS * slots
+
+
+def choose_fp8_config(N: int, K: int, G: int, gated: bool = False) -> GemmConfig:
+    """The FP8 block-scaled kernel's tile (kernels/fp8_gemm.py): 128x128x128 (one weight-scale block per n-tile),
+    cooperative, as many stages as fit; the dynamic scheduler for wide N. The accumulator and the scratch fragment
+    of the promotion take 2 x 64 registers per consumer thread at this tile. A gated tile reads two weight-scale
+    slots (gate and up rows)."""
+    slots = 2 if gated else 1
+    stages = min(8, FP8_SMEM // (fp8_stage_bytes(128, 128, slots) + 16))
+    return GemmConfig(tile_m=128, tile_n=128, tile_k=SCALE_BLOCK, stages=stages, pingpong=False,
+                      dynamic=N >= 4096)
 
 
 def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool, gather: bool = False) -> tuple:

@@ -8,8 +8,8 @@ import torch
 
 import fusion
 from fusion.patterns.registry import get_activation
-from fusion import (Activation, Bias, Clamp, GeGLU, GroupLinear, Linear, QuantizeMXFP8, Scale, Sequential, SReLU,
-                    SwiGLU)
+from fusion import (Activation, Bias, Clamp, GeGLU, GroupLinear, Linear, QuantizeFP8Block, QuantizeMXFP8, Scale,
+                    Sequential, SReLU, SwiGLU)
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,9 @@ def check_sass(kernel):
     from fusion.kernels import sass_text
 
     sass = sass_text(kernel.cubin)
-    assert "HGMMA" in sass, f"{kernel.name}: no wgmma (HGMMA) in the SASS"
+    # FP8 wgmma is QGMMA (E4M3 x E4M3 into F32); the 16-bit one HGMMA
+    gmma = "QGMMA" if "_fp8_" in kernel.name else "HGMMA"
+    assert re.search(rf"\b{gmma}\.", sass), f"{kernel.name}: no wgmma ({gmma}) in the SASS"
     spills = re.findall(r"\b(LDL|STL)\b", sass)
     assert not spills, f"{kernel.name}: {len(spills)} local-memory loads/stores (register spills)"
     assert kernel.registers is not None and kernel.registers <= 255
@@ -69,6 +71,11 @@ def epilogue_matrix():
         "gemm-bias-scale": [GroupLinear(E, d, f), Bias(f, num_groups=E), Scale(), GroupLinear(E, f, d)],
         "gemm-const-scale": [GroupLinear(E, d, f), Scale(value=0.5)],  # nothing to save: an inference variant only
         "dense-gelu": [Linear(d, f, bias=True), Activation("gelu_tanh")],
+        # FP8-block weights (patterns/fp8.fpat): FC1 + act on the FP8 kernel, FC2's FP8 dgrad + d(act)
+        "fp8-swiglu-scale-quant": [GroupLinear(E, d, 2 * f, weight_format="fp8_block"), SwiGLU(), Scale(),
+                                   QuantizeFP8Block(), GroupLinear(E, f, d, weight_format="fp8_block")],
+        "fp8-dense-gelu-clamp": [Linear(d, f, weight_format="fp8_block"), Activation("gelu_tanh"), Clamp(-4.0, 4.0),
+                                 Linear(f, d, weight_format="fp8_block")],
     }
     for name in ("gptoss_swiglu", "reglu", "geglu_erf", "silu", "relu", "xielu"):
         gated = get_activation(name).gated
@@ -81,6 +88,7 @@ def test_epilogue_matrix_compiles(case):
     block = Sequential(*epilogue_matrix()[case]).to("meta")
     kernels = block.compile(dtype=torch.bfloat16, target="sm_90a")
     assert kernels
+    assert all(("_fp8_" in k.name) == case.startswith("fp8") for k in kernels)  # the FP8 cases on the FP8 kernel
     for k in kernels:
         check_sass(k)
 

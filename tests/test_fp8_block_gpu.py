@@ -1,9 +1,13 @@
-"""fp8_block (Group)Linears on the GPU run the FP8 block-scaled grouped GEMM kernel (fusion/runtime/fp8_gemm.py).
+"""fp8_block (Group)Linears on the GPU run the FP8 block-scaled grouped GEMM kernel: fused with the activation
+and scale after FC1 and with their backward in FC2's dgrad (patterns/fp8.fpat), and alone elsewhere
+(fusion/runtime/fp8_gemm.py).
 
-Against backend="reference" (the recipe of fusion/quant/fp8_linear.py: the same FP8 operands, dequantized and
-multiplied in float32), forward and every gradient, with the reference recipe patched out of the fused run so a
-silent fallback fails the test. The kernel and the reference differ only in summation order, so the bf16
-results agree to rounding (a rounding difference may move one FP8 code of a requantized value by one step).
+Against backend="emulate" (the same plan in torch: the recipe of fusion/quant/fp8_linear.py, the same FP8
+operands dequantized and multiplied in float32, the same epilogue rounding), forward and every gradient, with
+the reference recipe patched out of the kernel run so a silent fallback fails the test, and the fused launches
+counted. The kernel and the emulation differ only in summation order, so the bf16 results agree to rounding (a
+rounding difference may move one FP8 code of a requantized value by one step). Against backend="reference"
+(the ops one by one, each rounding to bf16) they agree to FP8's own noise: the fused epilogue rounds once.
 """
 import pytest
 import torch
@@ -60,11 +64,11 @@ def _inputs(E, M, d, sizes):
     return x, dy, probs
 
 
-def _reference(seq):
+def _reference(seq, backend="reference"):
     import copy
 
     ref = copy.copy(seq)
-    ref.backend = "reference"
+    ref.backend = backend
     return ref
 
 
@@ -75,23 +79,32 @@ def no_reference_recipe(monkeypatch):
         raise AssertionError("the fp8_block reference recipe ran instead of the FP8 kernel")
 
     def patch():
-        monkeypatch.setattr(fp8_linear, "fp8_block_linear", boom)
+        for name in ("fp8_block_linear", "fp8_block_dgrad", "fp8_block_wgrad"):
+            monkeypatch.setattr(fp8_linear, name, boom)
         monkeypatch.setattr(fusion.quant, "quantize", boom)  # QuantizeFP8Block's reference: the kernel runs it
 
     return patch
 
 
-def _assert_kernels_match_recipe(seq, x, sizes, probs, dy, no_reference_recipe):
-    """One training step of `seq` on the kernels (the reference recipe patched out) against backend="reference":
-    the output and every gradient present, in the same dtype, finite, within 1e-2 relative."""
-    want = _step(_reference(seq), x, sizes, probs, dy)
+def _assert_kernels_match_recipe(seq, x, sizes, probs, dy, no_reference_recipe, fused=("F1", "B1")):
+    """One training step of `seq` on the kernels (the reference recipe patched out) against backend="emulate":
+    the output and every gradient present, in the same dtype, finite, within 1e-2 relative; within 4e-2 of
+    backend="reference". `fused`: the fused kernels that must have launched."""
+    from fusion.runtime.kernel import LAUNCHES
+
+    want = _step(_reference(seq, "emulate"), x, sizes, probs, dy)
+    ops = _step(_reference(seq), x, sizes, probs, dy)
     no_reference_recipe()
+    LAUNCHES.reset()
     got = _step(seq, x, sizes, probs, dy)
+    assert sorted(LAUNCHES.by_step) == sorted(fused), LAUNCHES.by_step
     for name, ref in want.items():
         assert got[name] is not None and got[name].dtype == ref.dtype, name
         assert torch.isfinite(got[name]).all(), name
         err = _rel(got[name], ref)
-        assert err < 1e-2, f"{name}: relative error {err:.2e} against the recipe"
+        assert err < 1e-2, f"{name}: relative error {err:.2e} against the emulated kernels"
+        err = _rel(got[name], ops[name])
+        assert err < 4e-2, f"{name}: relative error {err:.2e} against the reference"
 
 
 # (E, group sizes, d, f): one (E, d, f) so that the three cases share their kernels (each (N, K, G) compiles)
@@ -167,6 +180,9 @@ def test_quantize_device_method_is_the_reference_bit_for_bit(columnwise, dtype):
 
 def test_explain_names_the_kernel():
     text = _block(8, 256, 256).explain(dtype=torch.bfloat16, target="sm_90a")
-    assert "op 0 GroupLinear: FP8 block-scaled grouped GEMM" in text
+    assert "grouped_gemm_fp8  <- pattern fp8_gemm_act" in text
+    assert "grouped_gemm_fp8_dgrad  <- pattern fp8_dgrad_dact" in text
+    assert "op 4 GroupLinear: FP8 block-scaled grouped GEMM" in text
+    assert "op 0 GroupLinear dgrad: FP8 block-scaled grouped GEMM of dY" in text
     assert "op 3 QuantizeFP8Block: FP8-block quantize kernel" in text
     assert fusion is not None

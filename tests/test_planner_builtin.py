@@ -76,11 +76,14 @@ def test_dense_geglu_bias_clamp():
 def test_builtin_failures_read_well():
     # float32, old arch, misaligned shapes: every op unfused, with the reason from the .fpat file
     plan = plan_for(demo_block(), dtype=torch.float32)
-    assert not plan.fused_steps and "dtype float32 not in (bfloat16, float16)" in plan.fallbacks[0].reasons[1]
+    def said(text):  # by some pattern tried (every built-in file's patterns are)
+        return any(text in r for r in plan.fallbacks[0].reasons)
+
+    assert not plan.fused_steps and said("dtype float32 not in (bfloat16, float16)")
     plan = plan_for(demo_block(), target="sm_80")
-    assert "arch sm_80 < sm_90" in plan.fallbacks[0].reasons[1]
+    assert said("arch sm_80 < sm_90")
     plan = plan_for(demo_block(), target="sm_100a")
-    assert "arch sm_100a > sm_90" in plan.fallbacks[0].reasons[1]
+    assert said("arch sm_100a > sm_90")
     plan = plan_for(demo_block(d=1004))
     act = [f for f in plan.fallbacks if f.op == 1][0]  # FC1's failed predicate, reported on the SwiGLU it would fuse
     assert any("predicate `" in r and "patterns/moe.fpat:" in r for r in act.reasons), act.reasons

@@ -23,7 +23,7 @@ from .fp8_block import (fp8_block_dequantize_2d, fp8_block_dequantize_columnwise
 from .fp8_weight import FP8BlockWeight, _dequantize_blocks, quantize_weight_fp8_block
 from .tensor import QuantizedTensor, dequantize
 
-__all__ = ["WGRAD_IN_BF16", "fp8_block_linear"]
+__all__ = ["WGRAD_IN_BF16", "fp8_block_linear", "fp8_block_dgrad", "fp8_block_wgrad"]
 
 #: Module-level switch, read when the forward runs: True (the default) computes the weight gradient from the
 #: high-precision dY and X (a bf16 GEMM for bf16 blocks) instead of their FP8 columnwise copies. Measured on an
@@ -137,25 +137,53 @@ class _FP8BlockLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         group_sizes, w_data_t, w_scale_t, cw_data, cw_scale, hp = ctx.saved_tensors
         x_dtype, w_dtype, w_shape, lead, wgrad_bf16 = ctx.meta
-        cdt = _compute_dtype(x_dtype)
-        dy2d = dy.reshape(-1, dy.shape[-1]).to(torch.float32)
+        dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dy_data, dy_scale = fp8_block_quantize_2d(dy2d)                       # E4M3, 1x128 rowwise
-            dyq = fp8_block_dequantize_2d(dy_data, dy_scale).to(cdt)
-            dx = _rows_times(dyq, _dequantize_blocks(w_data_t, w_scale_t).to(cdt), group_sizes)
-            dx = dx.to(x_dtype).reshape(*lead, dx.shape[-1])
+            dx = _dgrad(dy2d, w_data_t, w_scale_t, group_sizes, x_dtype)
+            dx = dx.reshape(*lead, dx.shape[-1])
         if ctx.needs_input_grad[1]:
-            groups = w_shape[0] if len(w_shape) == 3 else 1
-            if wgrad_bf16:
-                dw = _group_outer(dy.reshape(dy2d.shape).to(cdt), hp.to(cdt), group_sizes, groups)
-            else:
-                dcw_data, dcw_scale = fp8_block_quantize_columnwise(dy2d, group_sizes)  # 128-row blocks
-                dyc = fp8_block_dequantize_columnwise(dcw_data, dcw_scale, group_sizes).to(cdt)
-                xc = fp8_block_dequantize_columnwise(cw_data, cw_scale, group_sizes).to(cdt)
-                dw = _group_outer(dyc, xc, group_sizes, groups)
-            dw = dw.reshape(w_shape).to(w_dtype)
+            dw = _wgrad(dy2d, hp, cw_data, cw_scale, group_sizes, w_shape, x_dtype).to(w_dtype)
         return (dx, dw) + (None,) * 10
+
+
+def _dgrad(dy2d, w_data_t, w_scale_t, group_sizes, dtype) -> torch.Tensor:
+    """``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3), the weight's transposed blocks."""
+    cdt = _compute_dtype(dtype)
+    dy_data, dy_scale = fp8_block_quantize_2d(dy2d.to(torch.float32))
+    dyq = fp8_block_dequantize_2d(dy_data, dy_scale).to(cdt)
+    return _rows_times(dyq, _dequantize_blocks(w_data_t, w_scale_t).to(cdt), group_sizes).to(dtype)
+
+
+def _wgrad(dy2d, hp, cw_data, cw_scale, group_sizes, w_shape, dtype) -> torch.Tensor:
+    """``dW[g] = dY_g.T @ X_g`` (w_shape, float32/float64): from the high-precision X `hp` when given (the bf16
+    wgrad), else from the columnwise copies of dY (quantized here) and X (`cw_data`, `cw_scale`)."""
+    cdt = _compute_dtype(dtype)
+    groups = w_shape[0] if len(w_shape) == 3 else 1
+    if hp is not None:
+        return _group_outer(dy2d.to(cdt), hp.to(cdt), group_sizes, groups).reshape(w_shape)
+    dcw_data, dcw_scale = fp8_block_quantize_columnwise(dy2d.to(torch.float32), group_sizes)  # 128-row blocks
+    dyc = fp8_block_dequantize_columnwise(dcw_data, dcw_scale, group_sizes).to(cdt)
+    xc = fp8_block_dequantize_columnwise(cw_data, cw_scale, group_sizes).to(cdt)
+    return _group_outer(dyc, xc, group_sizes, groups).reshape(w_shape)
+
+
+def fp8_block_dgrad(dy: torch.Tensor, quantized_weight: FP8BlockWeight, group_sizes=None) -> torch.Tensor:
+    """The recipe's input gradient of ``x @ W[g].T`` for a 2-D ``dy`` (M, N), in dy's dtype: what the backward
+    of :func:`fp8_block_linear` computes, for a runtime that runs the GEMM's dgrad as its own step."""
+    return _dgrad(dy, quantized_weight.data_t, quantized_weight.scale_t, group_sizes, dy.dtype)
+
+
+def fp8_block_wgrad(dy: torch.Tensor, x, weight: torch.Tensor, group_sizes=None) -> torch.Tensor:
+    """The recipe's weight gradient of ``x @ W[g].T`` (weight's shape and dtype) for 2-D ``dy`` and ``x`` (high
+    precision or an fp8_block QuantizedTensor): the high-precision operands with :data:`WGRAD_IN_BF16` (read
+    now), else their columnwise FP8-block copies (x's own when it carries them for these groups)."""
+    if WGRAD_IN_BF16:
+        hp, cw_data, cw_scale = dequantize(x), None, None
+    else:
+        hp = None
+        _, _, cw_data, cw_scale = _input_operand(x, group_sizes, True)
+    return _wgrad(dy, hp, cw_data, cw_scale, group_sizes, tuple(weight.shape), dy.dtype).to(weight.dtype)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, group_sizes=None,

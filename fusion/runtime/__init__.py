@@ -109,7 +109,8 @@ class BlockRunner:
 def _has_device_method(seq) -> bool:
     from fusion.op_table import op_device_method
 
-    return any(op_device_method(op, part) is not None for op in seq.ops for part in ("forward", "backward"))
+    return any(op_device_method(op, part) is not None for op in seq.ops
+               for part in ("forward", "backward", "dgrad", "wgrad"))
 
 
 def runner_for(seq, x: torch.Tensor) -> BlockRunner:

@@ -33,8 +33,10 @@ REFERENCE_COMPILES_NOTHING = ("fusion: compile() of a block built with backend='
 
 def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob]:
     """One job per fused kernel the block's plan can launch: a forward step's training variant (which also
-    writes the value the backward reads) and inference variant, and each fused backward step's kernel. The plan
-    honours the block's backend: a backend="reference" block launches no kernel, so it has no job."""
+    writes the value the backward reads) and inference variant, each fused backward step's kernel, and the
+    kernels of unfused steps whose device method has cached kernels (an fp8_block GEMM's fprop and dgrad:
+    fusion/runtime/fp8_gemm.py `kernel_jobs`). The plan honours the block's backend: a backend="reference"
+    block launches no kernel, so it has no job."""
     plan = plan_for(seq, dtype=dtype, target=target, backend=getattr(seq, "backend", None))
     program = BlockProgram(seq, plan, "cute")
     jobs = []
@@ -44,6 +46,10 @@ def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob
         else:
             variants = ("backward",)
         jobs.extend(runner.job(dtype, variant) for variant in variants)
+    for runner in program.forward_steps + program.backward_steps:
+        device = getattr(runner, "device", None)
+        if device is not None and hasattr(device, "kernel_jobs"):
+            jobs.extend(device.kernel_jobs(runner.op, runner.part, dtype))
     return jobs
 
 

@@ -48,17 +48,21 @@ class KernelJob:
     K: int
     G: int
     target: str
+    #: the GEMM's operands: "bf16" (the dtype's wgmma, kernels/grouped_gemm.py) or "fp8_block" (E4M3 codes with
+    #: 1x128 / 128x128 block scales, kernels/fp8_gemm.py); the weight_format of the GEMM the pattern bound
+    mainloop: str = "bf16"
 
     @property
     def key(self) -> str:
         h = hashlib.sha256()
         h.update(json.dumps([self.source, list(self.config), self.dtype, self.N, self.K, self.G, self.target,
-                             dsl_version(), template_version()]).encode())
+                             self.mainloop, dsl_version(), template_version()]).encode())
         return h.hexdigest()[:24]
 
     @property
     def name(self) -> str:
-        return f"fused_{self.step}_{self.variant}_{self.dtype}_N{self.N}_K{self.K}_G{self.G}"
+        fp8 = "_fp8" if self.mainloop == "fp8_block" else ""
+        return f"fused_{self.step}_{self.variant}{fp8}_{self.dtype}_N{self.N}_K{self.K}_G{self.G}"
 
 
 @dataclass(frozen=True)
@@ -111,11 +115,21 @@ def _entry(job: KernelJob) -> tuple[dict, dict] | None:
         return None
 
 
-def _build(job: KernelJob):
-    """Compile `job` now and write its cache entry: object file, PTX, cubin and meta.json."""
+def _compile(job: KernelJob):
+    """The job's kernel, compiled by its mainloop's template."""
+    if job.mainloop == "fp8_block":
+        from fusion.kernels import compile_fp8_grouped_gemm
+
+        return compile_fp8_grouped_gemm(_config(job), _epilogue(job), job.N, job.K, job.G, job.dtype,
+                                        target=job.target)
     from fusion.kernels import compile_grouped_gemm
 
-    compiled = compile_grouped_gemm(_config(job), _epilogue(job), job.dtype, job.N, job.K, job.G, target=job.target)
+    return compile_grouped_gemm(_config(job), _epilogue(job), job.dtype, job.N, job.K, job.G, target=job.target)
+
+
+def _build(job: KernelJob):
+    """Compile `job` now and write its cache entry: object file, PTX, cubin and meta.json."""
+    compiled = _compile(job)
     if not compiled.ptx or not compiled.cubin:
         raise CompileError(f"kernel {job.name}: the CuTe DSL returned no PTX or cubin; nothing can be cached")
 
@@ -159,7 +173,7 @@ def load_compiled(job: KernelJob):
 
 def _load_from_disk(job: KernelJob, entry: tuple[dict, dict]):
     import cutlass.cute as cute
-    from fusion.kernels import CompiledGroupedGemm
+    from fusion.kernels import CompiledFp8GroupedGemm, CompiledGroupedGemm
 
     meta, files = entry
     folder = _kernel_dir(job.key)
@@ -172,9 +186,9 @@ def _load_from_disk(job: KernelJob, entry: tuple[dict, dict]):
         return _build(job)
     # The configuration the kernel was built with, which the launch grid depends on: not the requested one
     # when compile_grouped_gemm fell back to a tile that does not spill.
-    compiled = CompiledGroupedGemm(fn, None, GemmConfig(*meta["config"]), _epilogue(job), job.dtype, job.N, job.K,
-                                   job.G, files["kernel.ptx"].decode(), files["kernel.cubin"],
-                                   meta["shared_memory_bytes"])
+    cls = CompiledFp8GroupedGemm if job.mainloop == "fp8_block" else CompiledGroupedGemm
+    compiled = cls(fn, None, GemmConfig(*meta["config"]), _epilogue(job), job.dtype, job.N, job.K, job.G,
+                   files["kernel.ptx"].decode(), files["kernel.cubin"], meta["shared_memory_bytes"])
     compiled.requested_config = _config(job)
     return compiled
 

@@ -56,12 +56,15 @@ class EmulatedKernel:
         self.b_major = b_major
 
     def run(self, A: torch.Tensor, B: torch.Tensor, bounds: torch.Tensor, tensors: dict,
-            index: torch.Tensor | None = None) -> None:
+            index: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> None:
         """A (M, K); B (G, N, K) for b_major "K" or (G, K, N) for "MN"; bounds (G+1,) row offsets; tensors: the
         epilogue's inputs and outputs by name (MXFP8 outputs: data under the name, scales under name_scale).
-        `index` (M,): a gathering kernel's, row r of the GEMM reads A[index[r]] (A is then (T, K))."""
+        `index` (M,): a gathering kernel's, row r of the GEMM reads A[index[r]] (A is then (T, K)).
+        `out_dtype`: the dtype the epilogue works in (default A's; an FP8 kernel's A arrives dequantized in
+        float32)."""
         epi = self.epilogue
-        compute = torch.float64 if A.dtype == torch.float64 else torch.float32
+        out_dtype = out_dtype or A.dtype
+        compute = torch.float64 if out_dtype == torch.float64 else torch.float32
         edges = bounds.tolist()
         for g in range(len(edges) - 1):
             start, end = edges[g], edges[g + 1]
@@ -88,7 +91,7 @@ class EmulatedKernel:
                 parts = [torch.as_tensor(p, dtype=compute, device=A.device).expand(rows, width) for p in parts]
                 value = torch.cat(parts, -1) if slot.paired else parts[0]
                 if isinstance(slot, _kernel_protocol().MXFP8Output):
-                    self._store_mxfp8(value.to(A.dtype), tensors, slot, start, end)
+                    self._store_mxfp8(value.to(out_dtype), tensors, slot, start, end)
                 else:
                     tensors[slot.name][start:end] = value.to(tensors[slot.name].dtype)
 

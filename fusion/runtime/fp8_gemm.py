@@ -1,8 +1,10 @@
 """An fp8_block (Group)Linear on the GPU: the FP8 block-scaled grouped GEMM kernel in place of the recipe's reference.
 
 A device method of the fused runtime (fusion.op_table.DEVICE_METHODS, variant "gemm:fp8_block"): `takes(op, x)`
-says whether the kernels run this op on this input, `run(op, x, ctx)` is the forward, `gradients(op, x, dy, ctx)`
-the backward. The math is the recipe of fusion/quant/fp8_linear.py (docs/quantization.md, "FP8-block training
+says whether the kernels run this op on this input, `run(op, x, ctx)` is the forward, `dgrad(op, dy, ctx)` and
+`wgrad(op, x, dy, ctx)` the two backward steps (the plan gives every GEMM those two, so a pattern can fuse the
+dgrad: patterns/fp8.fpat). The fused FP8 kernels of those patterns read their operands from `operand` and
+`weight_operand` here. The math is the recipe of fusion/quant/fp8_linear.py (docs/quantization.md, "FP8-block training
 recipe"), which stays the specification and what backend="emulate" and the CPU run:
 
 * fprop ``Y[g] = X_g @ W[g].T``: X quantized 1x128 rowwise (an fp8_block QuantizedTensor input is used as is),
@@ -42,17 +44,40 @@ def takes(op, x) -> bool:
         "gemm", "fp8_block", str(x.dtype).removeprefix("torch."), (op.in_features, op.out_features)) is None
 
 
-def _kernel(N: int, K: int, G: int, dtype: torch.dtype):
-    """The compiled FP8 GEMM ``(M, K) x (G, N, K) -> (M, N)``, identity epilogue (cached per shape)."""
-    key = (N, K, G, dtype)
+#: The identity epilogue as a KernelJob's source: the FP8 GEMM alone, compiled and cached on disk like a fused
+#: kernel (fusion/runtime/compile.py), so Sequential.compile() builds it ahead of time (kernel_jobs).
+IDENTITY_SOURCE = "from fusion.kernels.epilogue import IdentityEpilogue as GeneratedEpilogue\n"
+
+
+def _job(N: int, K: int, G: int, dtype: torch.dtype, what: str):
+    """The KernelJob of the FP8 GEMM ``(M, K) x (G, N, K) -> (M, N)`` with the identity epilogue."""
+    from fusion.runtime.kernel import make_job
+
+    return make_job(IDENTITY_SOURCE, dtype, N, K, G, False, "K", False, f"fp8_{what}", "identity",
+                    mainloop="fp8_block")
+
+
+def _kernel(N: int, K: int, G: int, dtype: torch.dtype, what: str):
+    """The compiled FP8 GEMM (memory, the disk cache, or compiled now), per shape."""
+    key = (N, K, G, dtype, what)
     hit = _COMPILED.get(key)
     if hit is None:
-        from fusion.kernels.epilogue import IdentityEpilogue
-        from fusion.kernels.fp8_api import choose_fp8_config, compile_fp8_grouped_gemm
+        from fusion.runtime.compile import load_compiled
 
-        out = str(dtype).removeprefix("torch.")
-        hit = _COMPILED[key] = compile_fp8_grouped_gemm(choose_fp8_config(N, K, G), IdentityEpilogue(), N, K, G, out)
+        hit = _COMPILED[key] = load_compiled(_job(N, K, G, dtype, what))
     return hit
+
+
+def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
+    """The KernelJobs `part` of `op` launches ("forward": fprop, "dgrad"; the wgrad is torch's): what
+    Sequential.compile() builds ahead of time (fusion/runtime/aot.py)."""
+    w = op.weight
+    G, N, K = tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
+    if part == "forward":
+        return [_job(N, K, G, dtype, "fprop")]
+    if part == "dgrad":
+        return [_job(K, N, G, dtype, "dgrad")]
+    return []
 
 
 def _row_bounds(op, rows: int, ctx: RunContext, device) -> torch.Tensor:
@@ -89,47 +114,59 @@ def _rowwise(x: torch.Tensor):
     return _quantized(x)[:2]
 
 
-def _gemm(a_data, a_scale, b_data, b_scale, bounds, dtype):
+def _gemm(a_data, a_scale, b_data, b_scale, bounds, dtype, what: str):
     """``out[r] = A[r] @ B[g(r)].T`` with block scales; B is (G, N, K) (a 2-D B is one group)."""
     if b_data.dim() == 2:
         b_data, b_scale = b_data.unsqueeze(0), b_scale.unsqueeze(0)
     from fusion.kernels.fp8_api import run_fp8_grouped_gemm
 
     G, N, K = b_data.shape
-    compiled = _kernel(N, K, G, dtype)
+    compiled = _kernel(N, K, G, dtype, what)
     out = torch.empty(a_data.shape[0], N, dtype=dtype, device=a_data.device)
     run_fp8_grouped_gemm(compiled, a_data, a_scale, b_data, b_scale, bounds, {"out": out})
     return out
 
 
+def operand(x) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 codes (M, K), scales (ceil(K/128), M)) of a 2-D input: an fp8_block QuantizedTensor's own rowwise
+    buffers, else its 1x128 rowwise quantization (the kernel on the GPU, the reference elsewhere): what the
+    recipe's forward multiplies (fusion/quant/fp8_linear.py)."""
+    if isinstance(x, QuantizedTensor):
+        if x.format == "fp8_block":
+            return x._data, x.scale
+        x = x.dequantize(torch.float32)  # another format: requantized from its value, as the recipe does
+    return _rowwise(x if x.is_contiguous() else x.contiguous())
+
+
 def run(op, x, ctx: RunContext) -> torch.Tensor:
     """Y = X @ W[g].T per group, in x's dtype."""
-    if isinstance(x, QuantizedTensor):
-        data, scale = x._data, x.scale
-    else:
-        data, scale = _rowwise(x if x.is_contiguous() else x.contiguous())
+    data, scale = operand(x)
     wq = op.quantized_weight()
-    return _gemm(data, scale, wq.data, wq.scale, _row_bounds(op, x.shape[0], ctx, x.device), x.dtype)
+    return _gemm(data, scale, wq.data, wq.scale, _row_bounds(op, x.shape[0], ctx, x.device), x.dtype, "fprop")
 
 
-def gradients(op, x, dy: torch.Tensor, ctx: RunContext):
-    """``(dX, {weight: dW})`` of ``Y = X @ W[g].T`` at the saved input `x` (what the forward saw)."""
+def dgrad(op, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+    """``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3) times the weight's transposed blocks."""
+    dy_data, dy_scale = operand(dy)
+    wq = op.quantized_weight()
+    return _gemm(dy_data, dy_scale, wq.data_t, wq.scale_t, _row_bounds(op, dy.shape[0], ctx, dy.device), dy.dtype,
+                 "dgrad")
+
+
+def wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+    """``dW[g] = dY_g.T @ X_g`` at the saved input `x` (what the forward saw), in the weight's dtype: with
+    ``fp8_linear.WGRAD_IN_BF16`` (read now) the high-precision operands, else the recipe's columnwise FP8
+    copies dequantized exactly."""
     from fusion.quant import fp8_linear
 
     dy = dy if dy.is_contiguous() else dy.contiguous()
-    dtype = x.dtype
-    wq = op.quantized_weight()
-    dy_data, dy_scale = _rowwise(dy)
-    dx = _gemm(dy_data, dy_scale, wq.data_t, wq.scale_t, _row_bounds(op, dy.shape[0], ctx, dy.device), dtype)
-    grads = {}
-    if op.weight.requires_grad:
-        if fp8_linear.WGRAD_IN_BF16:
-            a, b = dy, (_dequantize_rowwise(x, dtype) if isinstance(x, QuantizedTensor) else x)
-        else:
-            groups = None if op.weight.dim() == 2 else ctx.group_sizes
-            a, b = _columnwise_operand(dy, groups, dtype), _columnwise_operand(x, groups, dtype)
-        grads[op.weight] = _weight_gradient(op, a, b, ctx).to(op.weight.dtype)
-    return dx, grads
+    dtype = dy.dtype
+    if fp8_linear.WGRAD_IN_BF16:
+        a, b = dy, (_dequantize_rowwise(x, dtype) if isinstance(x, QuantizedTensor) else x.contiguous())
+    else:
+        groups = None if op.weight.dim() == 2 else ctx.group_sizes
+        a, b = _columnwise_operand(dy, groups, dtype), _columnwise_operand(x, groups, dtype)
+    return _weight_gradient(op, a, b, ctx).to(op.weight.dtype)
 
 
 def _dequantize_rowwise(q: QuantizedTensor, dtype) -> torch.Tensor:

@@ -9,11 +9,21 @@ is the same code either way.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
-from fusion.kernels.tile_policy import tile_config
+from fusion.kernels.tile_policy import choose_fp8_config, tile_config
 from fusion.runtime.compile import KernelJob
+
+
+class BlockScaled(NamedTuple):
+    """An FP8-block operand of a "fp8_block" job's kernel: E4M3 codes (uint8) and their float32 scales, in the
+    layouts kernels/fp8_gemm.py reads (A: (M, K) with (ceil(K/128), M) scales; B: (G, N, K) with (G, ceil(N/128),
+    ceil(K/128)) scales)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
 
 
 def _kernels():
@@ -24,12 +34,18 @@ def _kernels():
 
 def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: bool, b_major: str,
              reads_aux: bool, step: str, variant: str, target: str = "sm_90a", tiles: bool = True,
-             gather: bool = False) -> KernelJob:
+             gather: bool = False, mainloop: str = "bf16") -> KernelJob:
     """A kernel's job; `tiles=False` leaves the tile configuration out (the emulation needs none). `gather`: the
-    kernel reads A's rows through an index (GemmConfig.gather_a; its run takes `index=`)."""
-    return KernelJob(step=step, variant=variant, source=source,
-                     config=tile_config(N, K, G, gated, b_major, reads_aux, gather) if tiles else (),
-                     dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target)
+    kernel reads A's rows through an index (GemmConfig.gather_a; its run takes `index=`). `mainloop`
+    "fp8_block": the FP8 block-scaled kernel (its operands are BlockScaled; B K-major)."""
+    if not tiles:
+        config = ()
+    elif mainloop == "fp8_block":
+        config = dataclasses.astuple(choose_fp8_config(N, K, G, gated))
+    else:
+        config = tile_config(N, K, G, gated, b_major, reads_aux, gather)
+    return KernelJob(step=step, variant=variant, source=source, config=config,
+                     dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target, mainloop=mainloop)
 
 
 class CuteKernel:
@@ -41,12 +57,20 @@ class CuteKernel:
         from fusion.runtime.compile import load_compiled
 
         self.job = job
-        self.compiled = None if autotune.enabled() else load_compiled(job)
+        self.fp8 = job.mainloop == "fp8_block"
+        # autotune times the bf16 template's candidates; the FP8 kernel has one tile (tile_policy.choose_fp8_config)
+        self.compiled = None if autotune.enabled() and not self.fp8 else load_compiled(job)
         self._run = _kernels().run_grouped_gemm
 
     def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None, index=None) -> None:
         """`counter_ptr`: a zeroed int32 for a dynamic schedule's tile counter (RunState.counter_ptr). `index`: a
-        gathering kernel's int32 (M,) token row of every routed row (A is then the (T, K) tokens)."""
+        gathering kernel's int32 (M,) token row of every routed row (A is then the (T, K) tokens). A "fp8_block"
+        job's A and B are BlockScaled."""
+        if self.fp8:
+            _kernels().run_fp8_grouped_gemm(self.compiled, A.data, A.scale, B.data, B.scale, bounds, tensors,
+                                            tensors, counter_ptr=counter_ptr)
+            LAUNCHES.count(self.job)
+            return
         if self.compiled is None:
             self.compiled = self._tuned(A, B, bounds, tensors, index)
         self._run(self.compiled, A, B, bounds, tensors, tensors, counter_ptr=counter_ptr, index=index)
@@ -105,8 +129,17 @@ class EmulatedLaunch:
 
     def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None, index=None) -> None:
         """`bounds`: a buffer headed by the G+1 row bounds (the runtime passes the call's whole buffer); `index`:
-        a gathering kernel's (M,) int32 row index into A (T, K)."""
-        self.kernel.run(A, B, bounds[:B.shape[0] + 1], tensors, index)
+        a gathering kernel's (M,) int32 row index into A (T, K). BlockScaled operands (a "fp8_block" job) are
+        dequantized exactly into float32 first: the kernel's product of the dequantized operands with a float32
+        accumulator, which is the FP8-block recipe's reference (fusion/quant/fp8_linear.py)."""
+        out_dtype = None
+        if isinstance(A, BlockScaled):
+            from fusion.quant.fp8_block import fp8_block_dequantize_2d
+            from fusion.quant.fp8_weight import _dequantize_blocks
+
+            A, B = fp8_block_dequantize_2d(A.data, A.scale), _dequantize_blocks(B.data, B.scale)
+            out_dtype = getattr(torch, self.job.dtype)
+        self.kernel.run(A, B, bounds[:B.shape[0] + 1], tensors, index, out_dtype)
         LAUNCHES.count(self.job)
 
 

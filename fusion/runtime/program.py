@@ -95,7 +95,7 @@ class BlockProgram:
             return S.FusedDgrad(seq, step, launcher, label, self.plan)
         part = step.parts[0][1]
         kind = {"dgrad": S.GemmDgrad, "wgrad": S.GemmWgrad}.get(part)
-        return kind(seq, step, self.plan) if kind else S.OpBackward(seq, step, self.plan, self.device_kernels)
+        return (kind or S.OpBackward)(seq, step, self.plan, self.device_kernels)
 
     def fused_runners(self):
         return [r for r in self.forward_steps + self.backward_steps if isinstance(r, S._KernelStep)]

@@ -1,9 +1,13 @@
 """The runners of plan steps: each reads and writes the named values its plan step declares (fusion/dataflow.py).
 
 Forward:  FusedForward (a generated GEMM kernel)           OpForward (an op's reference, no autograd)
-Backward: FusedDgrad (a dgrad kernel with a generated       GemmDgrad, GemmWgrad (grouped matmuls)
-          d-epilogue)                                       OpBackward (autograd through one op's reference;
-                                                            also a GEMM run by its reference: fp8_block weights)
+Backward: FusedDgrad (a dgrad kernel with a generated       GemmDgrad, GemmWgrad (grouped matmuls; an fp8_block
+          d-epilogue)                                       GEMM's: its FP8 kernels or its recipe's reference)
+                                                            OpBackward (autograd through one op's reference)
+
+A fused kernel's mainloop is the bound GEMM's weight format's: bf16/fp16 wgmma, or for fp8_block weights the FP8
+block-scaled kernel, whose operands are BlockScaled (codes and scales: the input quantized 1x128, the weight's
+cached 128x128 blocks; fusion/runtime/fp8_gemm.py makes them).
 
 A runner is built once per block and plan; `run(state)` does one call's work. `state.env` maps value names to
 tensors; backward runners add parameter gradients (by parameter) and extra-input gradients (by name).
@@ -22,7 +26,7 @@ from fusion.dataflow import index_of, out_grad, v
 from fusion.grouped import linear_dgrad, linear_wgrad
 from fusion.op_table import op_device_method
 from fusion.ops.base import RunContext
-from fusion.runtime.kernel import make_job
+from fusion.runtime.kernel import BlockScaled, make_job
 
 
 @dataclass
@@ -128,6 +132,9 @@ class FusedForward(_KernelStep):
         if self.gemm is None or self.gemm.spec.kind != "gemm":
             raise Unsupported(f"pattern {step.pattern}: ops {list(step.ops)} do not start with a GEMM (after an "
                               f"optional Gather); a forward kernel is a GEMM with an epilogue")
+        self.fp8 = _is_fp8(self.gemm)
+        if self.fp8 and self.gathers:
+            raise Unsupported(f"pattern {step.pattern}: the FP8 kernel does not gather its A rows")
         gemm_index = step.ops[lead]
         self.input, self.output = v(step.ops[0]), v(step.ops[-1] + 1)
         # What the pattern's `save` names (fusion/dataflow.py): the training kernel writes exactly that.
@@ -157,7 +164,8 @@ class FusedForward(_KernelStep):
     def job(self, dtype: torch.dtype, variant: str, tiles: bool = True):
         G, N, K = self.weight_shape()
         return make_job(self.source(dtype, variant == "train"), dtype, N, K, G, self.spec.gated, "K", False,
-                        self.label, variant, tiles=tiles, gather=self.gathers)
+                        self.label, variant, tiles=tiles, gather=self.gathers,
+                        mainloop="fp8_block" if self.fp8 else "bf16")
 
     def _inputs(self, ctx: RunContext, groups: int) -> dict:
         tensors = {}
@@ -172,8 +180,12 @@ class FusedForward(_KernelStep):
     def run(self, state: RunState, train: bool) -> None:
         from fusion.quant import dequantize
 
-        x = dequantize(state.env[self.input])
-        x = x if x.is_contiguous() else x.contiguous()
+        x = state.env[self.input]
+        if self.fp8:
+            a = _fp8_operand(x)
+        else:
+            x = dequantize(x)
+            a = x = x if x.is_contiguous() else x.contiguous()
         variant = "train" if train and self.writes_saved else "inference"
         kernel = self.kernel(x.dtype, variant)
         weight = weight_of(self.gemm)
@@ -193,13 +205,32 @@ class FusedForward(_KernelStep):
                 outs[slot.kernel_name] = torch.empty(M, out_w, dtype=x.dtype, device=x.device)
         _poison(outs)
         tensors.update(outs)
-        kernel.run(x, _weight_as_b(weight), state.ctx.counters, tensors, state.counter_ptr(self.slot), index=index)
+        b = _fp8_weight(self.gemm, transposed=False) if self.fp8 else _weight_as_b(weight)
+        kernel.run(a, b, state.ctx.counters, tensors, state.counter_ptr(self.slot), index=index)
         if spec.quantized:
             state.env[self.output] = _quantized(self.ops[-1], outs, state.ctx)
         else:
             state.env[self.output] = outs["out"]
         if "saved" in outs:
             state.env[self.saved] = outs["saved"]
+
+
+def _fp8_operand(x) -> BlockScaled:
+    """A 2-D input as the FP8 kernel's A: an fp8_block QuantizedTensor's rowwise buffers, else x quantized 1x128
+    (the quantize kernel on the GPU; fusion/runtime/fp8_gemm.py)."""
+    from fusion.runtime import fp8_gemm
+
+    return BlockScaled(*fp8_gemm.operand(x))
+
+
+def _fp8_weight(op, transposed: bool) -> BlockScaled:
+    """An fp8_block GEMM's weight as the FP8 kernel's B, (G, N, K) K-major: its cached 128x128 blocks (re-quantized
+    only when the parameter changed), transposed for a dgrad; a Linear's as one group."""
+    wq = op.quantized_weight()
+    data, scale = (wq.data_t, wq.scale_t) if transposed else (wq.data, wq.scale)
+    if data.dim() == 2:
+        data, scale = data.unsqueeze(0), scale.unsqueeze(0)
+    return BlockScaled(data, scale)
 
 
 def gather_index(ctx: RunContext) -> torch.Tensor:
@@ -243,6 +274,8 @@ def _device_method(op, part: str, device_kernels: bool):
 class OpForward:
     """An op outside any fused kernel: its reference implementation (autograd is the block's), or the device
     kernel fusion.op_table.DEVICE_METHODS names for it when the block runs kernels (`device_kernels`)."""
+
+    part = "forward"
 
     def __init__(self, seq, step, device_kernels: bool = False):
         (self.index,) = step.ops
@@ -309,7 +342,9 @@ class FusedDgrad(_KernelStep):
                 raise Unsupported(f"pattern {step.pattern}: a Bias inside a fused backward step must be its first "
                                   f"op (its gradient is then the step's output summed per group)")
         self.spec = backward_spec(self.elementwise, seq.features[self.first])
-        self.gated, self.b_major = False, "MN"
+        # FP8 wgmma reads B K-major: the FP8 dgrad reads the weight's transposed blocks (G, in, out)
+        self.fp8 = _is_fp8(self.gemm)
+        self.gated, self.b_major = False, "K" if self.fp8 else "MN"
         self.grad_in = out_grad(plan.ops, self.j)
         self.saved = next((r for r in step.reads if r.startswith("v")), None)
         self.postact = v(self.j) in step.writes
@@ -328,8 +363,8 @@ class FusedDgrad(_KernelStep):
         G, N, K = self.weight_shape()
         source = epilogue_source(self.spec, str(dtype).removeprefix("torch."), backward=True, postact=self.postact,
                                  origin=self.origin)
-        return make_job(source, dtype, N, K, G, False, "MN", self.spec.saved is not None, self.label, variant,
-                        tiles=tiles)
+        return make_job(source, dtype, N, K, G, False, self.b_major, self.spec.saved is not None, self.label, variant,
+                        tiles=tiles, mainloop="fp8_block" if self.fp8 else "bf16")
 
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize
@@ -357,7 +392,11 @@ class FusedDgrad(_KernelStep):
             outs[slot.kernel_name] = torch.empty(M, width, dtype=dy.dtype, device=dy.device)
         _poison(outs)
         tensors.update(outs)
-        kernel.run(dy, _weight_as_b(weight), state.ctx.counters, tensors, state.counter_ptr(self.slot))
+        if self.fp8:
+            a, b = _fp8_operand(dy), _fp8_weight(self.gemm, transposed=True)
+        else:
+            a, b = dy, _weight_as_b(weight)
+        kernel.run(a, b, state.ctx.counters, tensors, state.counter_ptr(self.slot))
         dinput = outs["dinput"]
         state.env[f"g{self.first}"] = dinput
         for slot in out_slots:
@@ -372,36 +411,76 @@ class FusedDgrad(_KernelStep):
 
 
 class GemmDgrad:
-    def __init__(self, seq, step, plan):
+    """GEMM j's input gradient alone: the vendor grouped GEMM; for fp8_block weights the FP8 kernel (its device
+    method, fusion/runtime/fp8_gemm.py) where the block runs kernels and it takes dY, else the recipe's reference."""
+
+    part = "dgrad"
+
+    def __init__(self, seq, step, plan, device_kernels: bool = False):
         (self.index,) = step.ops
         self.op = seq[self.index]
         self.grad_in = out_grad(plan.ops, self.index)
+        self.fp8 = _is_fp8(self.op)
+        self.device = _device_method(self.op, "dgrad", device_kernels)
 
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize
 
-        ctx = state.ctx
+        ctx, op = state.ctx, self.op
         dy = dequantize(state.env[self.grad_in])
-        state.env[f"g{self.index}"] = linear_dgrad(dy.contiguous(), weight_of(self.op), ctx.group_sizes, ctx.offsets)
+        dy = dy if dy.is_contiguous() else dy.contiguous()
+        if not self.fp8:
+            dx = linear_dgrad(dy, weight_of(op), ctx.group_sizes, ctx.offsets)
+        elif self.device is not None and self.device.takes(op, dy):
+            dx = self.device.dgrad(op, dy, ctx)
+        else:
+            from fusion.quant.fp8_linear import fp8_block_dgrad
+
+            dx = fp8_block_dgrad(dy, op.quantized_weight(), _groups(op, ctx))
+        state.env[f"g{self.index}"] = dx
 
 
 class GemmWgrad:
-    def __init__(self, seq, step, plan):
+    """GEMM j's weight (and bias) gradient at its saved input: the vendor grouped GEMM; for fp8_block weights the
+    device method's (fusion/runtime/fp8_gemm.py) where the block runs kernels, else the recipe's reference."""
+
+    part = "wgrad"
+
+    def __init__(self, seq, step, plan, device_kernels: bool = False):
         (self.index,) = step.ops
         self.op = seq[self.index]
         self.grad_in = out_grad(plan.ops, self.index)
+        self.fp8 = _is_fp8(self.op)
+        self.device = _device_method(self.op, "wgrad", device_kernels)
 
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize
 
         ctx, op = state.ctx, self.op
         dy = dequantize(state.env[self.grad_in]).contiguous()
-        x = dequantize(state.env[v(self.index)]).contiguous()
         weight, bias = weight_of(op), op.bias
         if weight.requires_grad:
-            state.add(state.param_grads, id(weight), linear_wgrad(dy, x, weight, ctx.group_sizes, ctx.offsets))
+            x = state.env[v(self.index)]
+            if not self.fp8:
+                dw = linear_wgrad(dy, dequantize(x).contiguous(), weight, ctx.group_sizes, ctx.offsets)
+            elif self.device is not None and self.device.takes(op, x):
+                dw = self.device.wgrad(op, x, dy, ctx)
+            else:
+                from fusion.quant.fp8_linear import fp8_block_wgrad
+
+                dw = fp8_block_wgrad(dy, x, weight, _groups(op, ctx))  # x as saved: its columnwise copy counts
+            state.add(state.param_grads, id(weight), dw)
         if bias is not None and bias.requires_grad:
             state.add(state.param_grads, id(bias), segment_sum(dy, state.bounds, weight.dim() == 3))
+
+
+def _is_fp8(op) -> bool:
+    return op.spec.attrs.get("weight_format") == "fp8_block"
+
+
+def _groups(op, ctx: RunContext):
+    """The group sizes a GEMM's recipe reads: None for a dense Linear (one group)."""
+    return None if op.weight.dim() == 2 else ctx.group_sizes
 
 
 def _autograd_dispatch():
@@ -418,7 +497,10 @@ def _autograd_dispatch():
 
 class OpBackward:
     """Autograd through one op's reference at its saved input: the gradients of its input, its parameters and
-    the extra inputs it reads; or, when the block runs kernels, the device method's (fusion.op_table)."""
+    the extra inputs it reads; or, for an op whose only gradient is its input's, the device method's
+    (fusion.op_table) when the block runs kernels."""
+
+    part = "backward"
 
     def __init__(self, seq, step, plan, device_kernels: bool = False):
         (self.index,) = step.ops
@@ -441,12 +523,6 @@ class OpBackward:
                     state.env[f"g{self.index}"] = op.input_grad(dy, ctx)
             return
         value = state.env.get(v(self.index))
-        if self.device is not None and value is not None and self.device.takes(op, value):
-            with torch.no_grad():  # the device method's own gradients (an fp8_block GEMM's dgrad and wgrad)
-                state.env[f"g{self.index}"], grads = self.device.gradients(op, value, state.env[self.grad_in], ctx)
-            for p, gp in grads.items():
-                state.add(state.param_grads, id(p), gp)
-            return
         params = [p for p in op.parameters(recurse=False) if p.requires_grad]
         extras = [(name, ctx.extra[name]) for name in self.extra_inputs
                   if name in ctx.extra and ctx.extra[name].requires_grad]
