@@ -46,8 +46,13 @@ def test_fp8_run_really_quantized(tiny):
     assert len(evidence) == 2 and all(e["weight_format"] == "fp8_block" for e in evidence)
     assert all(1e-4 < e["rel_quant_err"] < 0.1 for e in evidence)  # E4M3 rounding, not a copy
     fp8_gemms = result["sm90_plan_gemm_steps"]["fp8"]
-    # on Hopper the four FP8 GEMM steps (FC1, FC2 forward and backward) run the FP8 kernel
-    assert len(fp8_gemms) == 4 and all("FP8 block-scaled grouped GEMM" in m for m in fp8_gemms), fp8_gemms
+    # on Hopper: FC1 + SwiGLU·scale and FC2's dgrad + its backward in the fused FP8 kernels, FC2's fprop and
+    # FC1's dgrad on the FP8 kernel alone, the two weight gradients by torch (the recipe's bf16 wgrad)
+    assert len(fp8_gemms) == 6, fp8_gemms
+    assert sorted(m.rsplit(" ", 1)[-1] for m in fp8_gemms if "fused kernel" in m) == [
+        "grouped_gemm_fp8", "grouped_gemm_fp8_dgrad"], fp8_gemms
+    assert sum("FP8 block-scaled grouped GEMM" in m for m in fp8_gemms) == 2, fp8_gemms
+    assert sum("WGRAD_IN_BF16" in m for m in fp8_gemms) == 2, fp8_gemms
     assert not any("fp8" in m for m in result["sm90_plan_gemm_steps"]["bf16"])
 
 

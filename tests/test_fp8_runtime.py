@@ -20,7 +20,17 @@ def test_fast_dequantize_is_the_reference_bit_for_bit(K):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-def test_partial_blocks_and_fp16_take_the_reference():
+def test_partial_last_block_in_bf16_is_the_reference_bitwise():
+    """Widths like GPT-OSS's 2880 (22.5 blocks): the partial block's scale covers its 64 columns."""
+    torch.manual_seed(3)
+    x = torch.randn(10, 2880, dtype=torch.bfloat16) * torch.logspace(-3, 3, 2880).to(torch.bfloat16)
+    x[2, 2850:] = 0
+    q = quantize(x, "fp8_block", columnwise=False)
+    got, want = fp8_gemm._dequantize_rowwise(q, torch.bfloat16), q.dequantize(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_fp16_takes_the_reference():
     x = torch.randn(10, 136, dtype=torch.float16)
     q = quantize(x, "fp8_block", columnwise=False)
     assert torch.equal(fp8_gemm._dequantize_rowwise(q, torch.float16), q.dequantize(torch.float16))

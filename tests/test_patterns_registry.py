@@ -55,7 +55,8 @@ def test_builtins_are_loaded_from_fpat_files():
     names = set(activations())
     assert {"swiglu", "geglu", "srelu", "relu", "gelu_tanh", "gelu_erf", "silu", "gptoss_swiglu", "xielu"} <= names
     pats = [p.name for p in fusion_patterns()]
-    assert pats == ["gemm_quantize", "gemm_act", "gemm_scale", "gemm_bias", "gemm_scale_const", "dgrad_dact",
+    assert pats == ["fp8_gemm_act", "fp8_dgrad_dact",  # patterns/fp8.fpat, then patterns/moe.fpat
+                    "gemm_quantize", "gemm_act", "gemm_scale", "gemm_bias", "gemm_scale_const", "dgrad_dact",
                     "dgrad_scale", "gather_gemm_act", "gemm_combine"]
     assert all(f.endswith(".fpat") for f in loaded_files())
     assert get_activation("swiglu").loc.file.endswith("activations.fpat")

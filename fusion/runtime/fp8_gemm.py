@@ -171,15 +171,19 @@ def wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
 
 def _dequantize_rowwise(q: QuantizedTensor, dtype) -> torch.Tensor:
     """``q.dequantize(dtype)`` in two passes: the codes cast to `dtype` (exact: E4M3 is in bf16/fp16) and one
-    broadcast multiply by the block scales. In bf16 (float32's exponent range, so every power-of-two scale is
-    exact) torch multiplies in float32 and rounds once, which is what the reference's float32 decode followed
-    by its cast does: the same bits. Other cases (fp16, a partial last block) take the reference."""
+    broadcast multiply by the block scales (a partial last block's scale repeated over its columns). In bf16
+    (float32's exponent range, so every power-of-two scale is exact) torch multiplies in float32 and rounds once,
+    which is what the reference's float32 decode followed by its cast does: the same bits. fp16 takes the
+    reference (a scale past fp16's range is not exact there)."""
     data, scale = q._data, q.scale
-    M, K = data.shape
-    if dtype != torch.bfloat16 or K % 128 or data.dim() != 2:
+    if dtype != torch.bfloat16 or data.dim() != 2:
         return q.dequantize(dtype)
+    M, K = data.shape
     codes = data.view(torch.float8_e4m3fn).to(dtype)
-    return (codes.view(M, K // 128, 128) * scale.t().to(dtype)[:, :, None]).view(M, K)
+    s = scale.t().to(dtype)
+    if K % 128 == 0:
+        return (codes.view(M, K // 128, 128) * s[:, :, None]).view(M, K)
+    return codes * s.repeat_interleave(128, dim=1)[:, :K]
 
 
 def _columnwise_operand(t, groups, dtype) -> torch.Tensor:
