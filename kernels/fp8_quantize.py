@@ -80,10 +80,12 @@ def funnel_word(prev, word, sh, first):
 class FP8QuantizeKernel:
     """Trace-time parameters: the input dtype, the row length ``K`` (a multiple of 16 bytes of elements),
     whether the columnwise copy is written, and for it the groups ``G`` and their sizes' dtype ("int32",
-    "int64", or None for one group of all rows); the launch bound ``min_ctas`` (0: MIN_CTAS_PER_SM)."""
+    "int64", or None for one group of all rows); the launch bound ``min_ctas`` (0: MIN_CTAS_PER_SM); ``amax``:
+    also the tensor's finite amax, as float32 bits by one atomic max per warp into a zeroed int32 (a
+    non-negative float's bits order as integers, so the result is independent of the order)."""
 
     def __init__(self, dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
-                 min_ctas: int = 0):
+                 min_ctas: int = 0, amax: bool = False):
         self.dtype = cutlass_dtype(dtype)
         self.vec = _CHUNK_BYTES * 8 // self.dtype.width
         if K <= 0 or K % self.vec:
@@ -103,10 +105,11 @@ class FP8QuantizeKernel:
         self.per_lane = (self.G + _LANES - 1) // _LANES
         #: the launch bound: CTAs an SM must hold (0: the default, MIN_CTAS_PER_SM)
         self.min_ctas = min_ctas or MIN_CTAS_PER_SM
+        self.amax = amax
 
     @cute.jit
     def __call__(self, pX: cute.Pointer, pData: cute.Pointer, pScale: cute.Pointer, pCwData: cute.Pointer,
-                 pCwScale: cute.Pointer, pSizes: cute.Pointer, M: Int32, stream):
+                 pCwScale: cute.Pointer, pSizes: cute.Pointer, pAmax: cute.Pointer, M: Int32, stream):
         chunks = self.K // self.vec
         mX = cute.make_tensor(pX, cute.make_layout((M, chunks, self.vec), stride=(self.K, self.vec, 1)))
         mData = cute.make_tensor(pData, cute.make_layout((M, chunks, self.vec), stride=(self.K, self.vec, 1)))
@@ -116,7 +119,8 @@ class FP8QuantizeKernel:
             blocks = blocks + self.G
         mCwScale = cute.make_tensor(pCwScale, cute.make_layout((blocks, self.K), stride=(self.K, 1)))
         mSizes = cute.make_tensor(pSizes, cute.make_layout((self.G,)))
-        self.kernel(mX, mData, mScale, pCwData, mCwScale, mSizes, M).launch(
+        mAmax = cute.make_tensor(pAmax, cute.make_layout((1,)))
+        self.kernel(mX, mData, mScale, pCwData, mCwScale, mSizes, mAmax, M).launch(
             grid=(blocks, self.nkb, 1), block=(THREADS, 1, 1), min_blocks_per_mp=self.min_ctas,
             preferred_smem_carveout=_CARVEOUT_DEFAULT, stream=stream)
 
@@ -189,7 +193,7 @@ class FP8QuantizeKernel:
     # ------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScale: cute.Tensor, pCwData: cute.Pointer,
-               mCwScale: cute.Tensor, mSizes: cute.Tensor, M: Int32):
+               mCwScale: cute.Tensor, mSizes: cute.Tensor, mAmax: cute.Tensor, M: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         b, kb, _ = cute.arch.block_idx()
         lane = tidx % _LANES
@@ -254,6 +258,15 @@ class FP8QuantizeKernel:
                 cute.copy(store, codes, mData[first_row + u, chunk, None])
             if c == 0:
                 sRowScale[r] = bits_f32(scale_bits)
+        if const_expr(self.amax):
+            # ---- the tensor's finite amax: the thread's columns, the warp, one atomic max per warp
+            amax_bits = col_bits[0]
+            for i in cutlass.range_constexpr(1, self.vec):
+                amax_bits = cutlass.max(amax_bits, col_bits[i])
+            for k in cutlass.range_constexpr(_LANES.bit_length() - 1):
+                amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 1 << k))
+            if lane == 0:
+                cute.arch.atomic_max(mAmax.iterator.llvm_ptr, amax_bits)
         if const_expr(self.columnwise):
             # ---- columnwise amax: this thread's rows, the lanes of the same chunk, the warps
             for i in cutlass.range_constexpr(self.vec):
@@ -353,18 +366,19 @@ class FP8QuantizeKernel:
 
 
 def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
-                         sizes_dtype: str | None = None) -> UtilityKernel:
+                         sizes_dtype: str | None = None, amax: bool = False) -> UtilityKernel:
     """The quantize kernel for rows of ``dtype`` ("bfloat16", "float16", "float32") and length ``K``, compiled
-    once per process. ``launch(x, data, scale, cw_data, cw_scale, sizes, M, stream)`` with plain integers
-    (pointers; rowwise only, the columnwise ones and ``sizes`` may be 0). ``G``, ``sizes_dtype``: the groups of
-    the columnwise blocks (ignored rowwise; None: one group of all rows)."""
+    once per process. ``launch(x, data, scale, cw_data, cw_scale, sizes, amax, M, stream)`` with plain integers
+    (pointers; rowwise only, the columnwise ones and ``sizes`` may be 0; without ``amax``, so may its). ``G``,
+    ``sizes_dtype``: the groups of the columnwise blocks (ignored rowwise; None: one group of all rows)."""
     if not columnwise:
         G, sizes_dtype = 1, None
-    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype),
-                        lambda: build_kernel(dtype, K, columnwise, G, sizes_dtype)[0])
+    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax),
+                        lambda: build_kernel(dtype, K, columnwise, G, sizes_dtype, amax)[0])
 
 
-def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None):
+def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
+                 amax: bool = False):
     """``(compiled function, cubin, kernel)``: built for two CTAs an SM (128 registers a thread), or for one
     where that spills (the fp32 columnwise kernel, and a few shapes where the compiler's schedule needs more),
     as the grouped GEMMs fall back to a tile that does not spill. What tests read the SASS of."""
@@ -374,7 +388,7 @@ def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: 
     from .api import _cubin_nv_info
 
     for min_ctas in (MIN_CTAS_PER_SM, 1):
-        kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas)
+        kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax)
         with tempfile.TemporaryDirectory() as dump:
             fn = compile_kernel(kernel, f"--enable-tvm-ffi --keep-cubin --dump-dir={shlex.quote(dump)}")
             cubin = getattr(fn, "__cubin__", None)
@@ -390,4 +404,6 @@ def compile_kernel(kernel: FP8QuantizeKernel, options: str = "--enable-tvm-ffi")
     codes = make_ptr(FP8, 0, cute.AddressSpace.gmem, assumed_align=16)
     floats = make_ptr(Float32, 0, cute.AddressSpace.gmem, assumed_align=16)
     sizes = make_ptr(cutlass_dtype(kernel.sizes_dtype or "int32"), 0, cute.AddressSpace.gmem, assumed_align=4)
-    return cute.compile(kernel, x, codes, floats, codes, floats, sizes, Int32(1), make_fake_stream(), options=options)
+    amax = make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
+    return cute.compile(kernel, x, codes, floats, codes, floats, sizes, amax, Int32(1), make_fake_stream(),
+                        options=options)

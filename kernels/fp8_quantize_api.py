@@ -88,13 +88,17 @@ def quantize_fp8_block_device(x2d: torch.Tensor, columnwise: bool = False, group
     return _launch(x2d, columnwise, group_sizes)
 
 
-def try_quantize_fp8_block_device(x2d, columnwise: bool = False, group_sizes=None):
+def try_quantize_fp8_block_device(x2d, columnwise: bool = False, group_sizes=None, amax_bits=None):
     """:func:`quantize_fp8_block_device`'s buffers, or None where the kernel does not take the arguments (the
-    caller then quantizes with the reference): one check on a caller's hot path instead of asking first."""
-    return None if _problem(x2d, columnwise, group_sizes) is not None else _launch(x2d, columnwise, group_sizes)
+    caller then quantizes with the reference): one check on a caller's hot path instead of asking first.
+    ``amax_bits``: a zeroed int32 CUDA tensor of one element that receives the float32 bits of x's finite amax
+    (``fusion.quant.finite_amax``) from the same pass; read it with ``.view(torch.float32)``."""
+    if _problem(x2d, columnwise, group_sizes) is not None:
+        return None
+    return _launch(x2d, columnwise, group_sizes, amax_bits)
 
 
-def _launch(x2d: torch.Tensor, columnwise: bool, group_sizes):
+def _launch(x2d: torch.Tensor, columnwise: bool, group_sizes, amax_bits=None):
     """Output buffers and the launch, for checked arguments."""
     M, K = x2d.shape
     dev = x2d.device
@@ -112,9 +116,10 @@ def _launch(x2d: torch.Tensor, columnwise: bool, group_sizes):
     from .fp8_quantize import compile_fp8_quantize
 
     sizes_dtype = None if group_sizes is None else _SIZES_DTYPES[group_sizes.dtype]
-    kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, columnwise, G, sizes_dtype)
+    kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, columnwise, G, sizes_dtype, amax_bits is not None)
     stream = torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
     kernel.launch(x2d.data_ptr(), data.data_ptr(), scale.data_ptr(),
                   cw_data.data_ptr() if columnwise else 0, cw_scale.data_ptr() if columnwise else 0,
-                  group_sizes.data_ptr() if columnwise and group_sizes is not None else 0, M, stream)
+                  group_sizes.data_ptr() if columnwise and group_sizes is not None else 0,
+                  0 if amax_bits is None else amax_bits.data_ptr(), M, stream)
     return data, scale, cw_data, cw_scale

@@ -14,11 +14,11 @@ from fusion.errors import DeviceError, DTypeError, FusionError, GroupSizesError,
 from conftest import sass_or_skip  # noqa: E402
 
 
-def _compile(dtype, K, columnwise, G=1, sizes_dtype=None):
+def _compile(dtype, K, columnwise, G=1, sizes_dtype=None, amax=False):
     from fusion.kernels.api import _cubin_nv_info, sass_opcodes, sass_text
     from fusion.kernels.fp8_quantize import build_kernel
 
-    _, cubin, kernel = build_kernel(dtype, K, columnwise, G, sizes_dtype)  # what compile_fp8_quantize builds
+    _, cubin, kernel = build_kernel(dtype, K, columnwise, G, sizes_dtype, amax)  # what compile_fp8_quantize builds
     info = _cubin_nv_info(cubin)
     info["min_ctas"] = kernel.min_ctas
     ops = sass_opcodes(sass_or_skip(lambda: sass_text(cubin)))
@@ -43,7 +43,7 @@ def test_kernel_compiles_without_spills(dtype, K, columnwise, G, sizes_dtype):
     assert any(o.startswith("F2FP.SATFINITE.E4M3") for o in ops), "E4M3 by the saturating pair conversion"
     rowwise_store = "STG.E.64" if dtype != "float32" else "STG.E"
     assert rowwise_store in ops, f"a thread's row chunk of codes is one {rowwise_store}"
-    assert not any(o.startswith(("ATOM", "RED")) for o in ops), "no atomics"
+    assert not any(o.startswith(("ATOM", "RED")) for o in ops), "no atomics without the amax"
     if columnwise:
         assert any(o.startswith("STS.") and o.split(".")[-1] in ("64", "128") for o in ops), \
             "a column's codes go to shared memory as one 8- or 16-byte store"
@@ -54,6 +54,15 @@ def test_kernel_compiles_without_spills(dtype, K, columnwise, G, sizes_dtype):
         assert info["min_ctas"] == 2, "the rowwise kernel fits two CTAs an SM"
     if dtype == "bfloat16":
         assert info["min_ctas"] == 2, "the bf16 kernels fit two CTAs an SM"
+
+
+@pytest.mark.parametrize("dtype,K,columnwise,G,sizes_dtype", [VARIANTS[0], VARIANTS[4], VARIANTS[8]])
+def test_amax_variant_adds_one_atomic_max_and_no_spills(dtype, K, columnwise, G, sizes_dtype):
+    """QuantizeFP8Block's amax from the same pass: an integer max of float32 bits per warp (order-free)."""
+    info, ops = _compile(dtype, K, columnwise, G, sizes_dtype, amax=True)
+    assert info.get("frame_size", 0) == 0 and not any(o.startswith(("LDL", "STL")) for o in ops)
+    atomics = [o for o in ops if o.startswith(("ATOM", "RED"))]
+    assert atomics and all(".MAX" in o and ".S32" in o for o in atomics), atomics
 
 
 def test_kernel_refuses_rows_of_partial_chunks_and_too_many_groups():

@@ -4,14 +4,15 @@ A device method of the fused runtime (fusion.op_table.DEVICE_METHODS, variant "q
 x)` says whether the kernel runs it, `run(op, x, ctx)` returns the QuantizedTensor the reference
 (fusion/ops/quantize.py -> fusion.quant.quantize) would, bit for bit: the kernel writes the rowwise and the
 per-group columnwise buffers in one pass (tests/test_fp8_quantize_gpu.py checks them byte for byte), and the
-tensor's amax is fusion.quant.finite_amax, as the reference's. No host sync: the group sizes stay on the device.
+tensor's amax (fusion.quant.finite_amax, as the reference's) in the same pass. No host sync: the group sizes
+stay on the device.
 """
 from __future__ import annotations
 
 import torch
 
 from fusion.op_table import device_method_refusal
-from fusion.quant import QuantizedTensor, finite_amax
+from fusion.quant import QuantizedTensor
 from fusion.run_context import RunContext
 
 def takes(op, x) -> bool:
@@ -27,9 +28,10 @@ def run(op, x: torch.Tensor, ctx: RunContext) -> QuantizedTensor:
 
     x = x if x.is_contiguous() else x.contiguous()
     groups = getattr(ctx, "group_sizes", None) if op.columnwise else None  # as the reference reads them
-    buffers = try_quantize_fp8_block_device(x, op.columnwise, groups)
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    buffers = try_quantize_fp8_block_device(x, op.columnwise, groups, amax_bits)
     if buffers is None:  # e.g. more groups than the kernel takes
         return op.reference(x, ctx)
     data, scale, cw_data, cw_scale = buffers
-    return QuantizedTensor("fp8_block", data, scale, finite_amax(x), x.shape, x.dtype, columnwise_data=cw_data,
-                           columnwise_scale=cw_scale, group_sizes=groups)
+    return QuantizedTensor("fp8_block", data, scale, amax_bits.view(torch.float32), x.shape, x.dtype,
+                           columnwise_data=cw_data, columnwise_scale=cw_scale, group_sizes=groups)
