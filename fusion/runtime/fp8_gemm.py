@@ -114,43 +114,52 @@ def _rowwise(x: torch.Tensor):
     return _quantized(x)[:2]
 
 
-def _gemm(a_data, a_scale, b_data, b_scale, bounds, dtype, what: str):
-    """``out[r] = A[r] @ B[g(r)].T`` with block scales; B is (G, N, K) (a 2-D B is one group)."""
-    if b_data.dim() == 2:
-        b_data, b_scale = b_data.unsqueeze(0), b_scale.unsqueeze(0)
+def _gemm(a, b, bounds, dtype, what: str):
+    """``out[r] = A[r] @ B[g(r)].T`` for BlockScaled operands, B (G, N, K)."""
     from fusion.kernels.fp8_api import run_fp8_grouped_gemm
 
-    G, N, K = b_data.shape
+    G, N, K = b.data.shape
     compiled = _kernel(N, K, G, dtype, what)
-    out = torch.empty(a_data.shape[0], N, dtype=dtype, device=a_data.device)
-    run_fp8_grouped_gemm(compiled, a_data, a_scale, b_data, b_scale, bounds, {"out": out})
+    out = torch.empty(a.data.shape[0], N, dtype=dtype, device=a.data.device)
+    run_fp8_grouped_gemm(compiled, a.data, a.scale, b.data, b.scale, bounds, {"out": out})
     return out
 
 
-def operand(x) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 codes (M, K), scales (ceil(K/128), M)) of a 2-D input: an fp8_block QuantizedTensor's own rowwise
-    buffers, else its 1x128 rowwise quantization (the kernel on the GPU, the reference elsewhere): what the
-    recipe's forward multiplies (fusion/quant/fp8_linear.py)."""
+def operand(x):
+    """x as an FP8 kernel's A, a BlockScaled (E4M3 codes (M, K), scales (ceil(K/128), M)): an fp8_block
+    QuantizedTensor's own rowwise buffers, else its 1x128 rowwise quantization (the kernel on the GPU, the
+    reference elsewhere): what the recipe's forward multiplies (fusion/quant/fp8_linear.py)."""
+    from fusion.runtime.kernel import BlockScaled
+
     if isinstance(x, QuantizedTensor):
         if x.format == "fp8_block":
-            return x._data, x.scale
+            return BlockScaled(x._data, x.scale)
         x = x.dequantize(torch.float32)  # another format: requantized from its value, as the recipe does
-    return _rowwise(x if x.is_contiguous() else x.contiguous())
+    return BlockScaled(*_rowwise(x if x.is_contiguous() else x.contiguous()))
+
+
+def weight_operand(op, transposed: bool = False):
+    """An fp8_block GEMM's weight as an FP8 kernel's B, a BlockScaled (G, N, K), K-major: its cached 128x128
+    blocks (re-quantized only when the parameter changed), transposed (G, in, out) for a dgrad; a Linear's as
+    one group."""
+    from fusion.runtime.kernel import BlockScaled
+
+    wq = op.quantized_weight()
+    data, scale = (wq.data_t, wq.scale_t) if transposed else (wq.data, wq.scale)
+    if data.dim() == 2:
+        data, scale = data.unsqueeze(0), scale.unsqueeze(0)
+    return BlockScaled(data, scale)
 
 
 def run(op, x, ctx: RunContext) -> torch.Tensor:
     """Y = X @ W[g].T per group, in x's dtype."""
-    data, scale = operand(x)
-    wq = op.quantized_weight()
-    return _gemm(data, scale, wq.data, wq.scale, _row_bounds(op, x.shape[0], ctx, x.device), x.dtype, "fprop")
+    return _gemm(operand(x), weight_operand(op), _row_bounds(op, x.shape[0], ctx, x.device), x.dtype, "fprop")
 
 
 def dgrad(op, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
     """``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3) times the weight's transposed blocks."""
-    dy_data, dy_scale = operand(dy)
-    wq = op.quantized_weight()
-    return _gemm(dy_data, dy_scale, wq.data_t, wq.scale_t, _row_bounds(op, dy.shape[0], ctx, dy.device), dy.dtype,
-                 "dgrad")
+    return _gemm(operand(dy), weight_operand(op, transposed=True), _row_bounds(op, dy.shape[0], ctx, dy.device),
+                 dy.dtype, "dgrad")
 
 
 def wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:

@@ -7,7 +7,7 @@ Backward: FusedDgrad (a dgrad kernel with a generated       GemmDgrad, GemmWgrad
 
 A fused kernel's mainloop is the bound GEMM's weight format's: bf16/fp16 wgmma, or for fp8_block weights the FP8
 block-scaled kernel, whose operands are BlockScaled (codes and scales: the input quantized 1x128, the weight's
-cached 128x128 blocks; fusion/runtime/fp8_gemm.py makes them).
+cached 128x128 blocks; fusion/runtime/fp8_gemm.py's `operand` and `weight_operand` make them).
 
 A runner is built once per block and plan; `run(state)` does one call's work. `state.env` maps value names to
 tensors; backward runners add parameter gradients (by parameter) and extra-input gradients (by name).
@@ -26,7 +26,8 @@ from fusion.dataflow import index_of, out_grad, v
 from fusion.grouped import linear_dgrad, linear_wgrad
 from fusion.op_table import op_device_method
 from fusion.ops.base import RunContext
-from fusion.runtime.kernel import BlockScaled, make_job
+from fusion.runtime import fp8_gemm
+from fusion.runtime.kernel import make_job
 
 
 @dataclass
@@ -182,7 +183,7 @@ class FusedForward(_KernelStep):
 
         x = state.env[self.input]
         if self.fp8:
-            a = _fp8_operand(x)
+            a = fp8_gemm.operand(x)
         else:
             x = dequantize(x)
             a = x = x if x.is_contiguous() else x.contiguous()
@@ -205,7 +206,7 @@ class FusedForward(_KernelStep):
                 outs[slot.kernel_name] = torch.empty(M, out_w, dtype=x.dtype, device=x.device)
         _poison(outs)
         tensors.update(outs)
-        b = _fp8_weight(self.gemm, transposed=False) if self.fp8 else _weight_as_b(weight)
+        b = fp8_gemm.weight_operand(self.gemm) if self.fp8 else _weight_as_b(weight)
         kernel.run(a, b, state.ctx.counters, tensors, state.counter_ptr(self.slot), index=index)
         if spec.quantized:
             state.env[self.output] = _quantized(self.ops[-1], outs, state.ctx)
@@ -213,24 +214,6 @@ class FusedForward(_KernelStep):
             state.env[self.output] = outs["out"]
         if "saved" in outs:
             state.env[self.saved] = outs["saved"]
-
-
-def _fp8_operand(x) -> BlockScaled:
-    """A 2-D input as the FP8 kernel's A: an fp8_block QuantizedTensor's rowwise buffers, else x quantized 1x128
-    (the quantize kernel on the GPU; fusion/runtime/fp8_gemm.py)."""
-    from fusion.runtime import fp8_gemm
-
-    return BlockScaled(*fp8_gemm.operand(x))
-
-
-def _fp8_weight(op, transposed: bool) -> BlockScaled:
-    """An fp8_block GEMM's weight as the FP8 kernel's B, (G, N, K) K-major: its cached 128x128 blocks (re-quantized
-    only when the parameter changed), transposed for a dgrad; a Linear's as one group."""
-    wq = op.quantized_weight()
-    data, scale = (wq.data_t, wq.scale_t) if transposed else (wq.data, wq.scale)
-    if data.dim() == 2:
-        data, scale = data.unsqueeze(0), scale.unsqueeze(0)
-    return BlockScaled(data, scale)
 
 
 def gather_index(ctx: RunContext) -> torch.Tensor:
@@ -393,7 +376,7 @@ class FusedDgrad(_KernelStep):
         _poison(outs)
         tensors.update(outs)
         if self.fp8:
-            a, b = _fp8_operand(dy), _fp8_weight(self.gemm, transposed=True)
+            a, b = fp8_gemm.operand(dy), fp8_gemm.weight_operand(self.gemm, transposed=True)
         else:
             a, b = dy, _weight_as_b(weight)
         kernel.run(a, b, state.ctx.counters, tensors, state.counter_ptr(self.slot))

@@ -1,0 +1,124 @@
+"""Tile configurations of the FP8 block-scaled grouped GEMM on MoE shapes: which one the tile policy should pick.
+
+For each shape (the four GEMMs of an expert MLP's forward and dgrads: FC1, FC2, FC2's dgrad, FC1's dgrad) and
+each candidate configuration (tile_n 64 / 128 / 192, static or dynamic schedule, as many stages as fit), the
+kernel with the identity epilogue, timed with CUDA events (median of --reps calls) on balanced random group
+sizes. The kernels are KernelJobs (fusion/runtime/compile.py), so they compile here without a GPU into
+FUSION_CACHE_DIR and load on the GPU machine:
+
+    FUSION_CACHE_DIR=/tmp/kc python bench/fp8_tile_sweep.py --precompile     # no GPU needed
+    FUSION_CACHE_DIR=/tmp/kc python bench/fp8_tile_sweep.py > sweep.json     # on the GPU
+
+One JSON document to stdout (per shape: TFLOP/s of each configuration), a table to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from fusion.kernels.tile_policy import FP8_SMEM, choose_fp8_config, fp8_stage_bytes  # noqa: E402
+
+#: (name, experts E, K, N, routed rows M): Qwen3-30B-A3B's and OLMoE's expert GEMMs, DeepSeek-V3's EP8 share
+SHAPES = [
+    ("qwen3 fc1", 128, 2048, 1536, 65536), ("qwen3 fc2", 128, 768, 2048, 65536),
+    ("qwen3 fc2-dgrad", 128, 2048, 768, 65536), ("qwen3 fc1-dgrad", 128, 1536, 2048, 65536),
+    ("olmoe fc1", 64, 2048, 2048, 65536), ("olmoe fc2", 64, 1024, 2048, 65536),
+    ("dsv3 fc1", 32, 7168, 4096, 32768), ("dsv3 fc2", 32, 2048, 7168, 32768),
+]
+
+
+def candidates(N: int, K: int, G: int):
+    """The tile policy's choice first, then tile_n 64/128/192 x static/dynamic (stages: as many as fit, <= 8)."""
+    out = [choose_fp8_config(N, K, G)]
+    for tile_n in (64, 128, 192):
+        stages = min(8, FP8_SMEM // (fp8_stage_bytes(128, tile_n, 2 if tile_n % 128 else 1) + 16))
+        for dynamic in (False, True):
+            cfg = dataclasses.replace(out[0], tile_n=tile_n, stages=stages, dynamic=dynamic)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def jobs():
+    from fusion.runtime.fp8_gemm import IDENTITY_SOURCE
+    from fusion.runtime.compile import KernelJob
+
+    for name, E, K, N, M in SHAPES:
+        for cfg in candidates(N, K, E):
+            yield (name, E, K, N, M, cfg), KernelJob(
+                step="fp8_sweep", variant="identity", source=IDENTITY_SOURCE, config=dataclasses.astuple(cfg),
+                dtype="bfloat16", N=N, K=K, G=E, target="sm_90a", mainloop="fp8_block")
+
+
+def _time_ms(fn, reps: int) -> float:
+    for _ in range(5):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in ev)[reps // 2]
+
+
+def measure(reps: int) -> dict:
+    from fusion.kernels import run_fp8_grouped_gemm
+    from fusion.kernels.api import offsets_from_group_sizes
+    from fusion.quant.fp8_block import fp8_block_quantize_2d
+    from fusion.quant.fp8_weight import quantize_weight_fp8_block
+    from fusion.runtime.compile import load_compiled
+
+    results: dict = {}
+    operands: dict = {}
+    gen = torch.Generator().manual_seed(0)
+    for (name, E, K, N, M, cfg), job in jobs():
+        if name not in operands:
+            w = 1.0 + 0.4 * (torch.rand(E, generator=gen) - 0.5)
+            sizes = (torch.floor(w / w.sum() * (M // 16)) * 16).to(torch.int64)
+            sizes[0] += M - int(sizes.sum())
+            a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+            a_data, a_scale = fp8_block_quantize_2d(a)
+            wq = quantize_weight_fp8_block(b)
+            operands[name] = (a_data, a_scale, wq.data, wq.scale, offsets_from_group_sizes(sizes.cuda()),
+                              torch.empty(M, N, device="cuda", dtype=torch.bfloat16))
+            del a, b
+        a_data, a_scale, b_data, b_scale, offsets, out = operands[name]
+        compiled = load_compiled(job)
+        ms = _time_ms(lambda: run_fp8_grouped_gemm(compiled, a_data, a_scale, b_data, b_scale, offsets,
+                                                   {"out": out}), reps)
+        tflops = 2 * M * N * K / ms / 1e9
+        row = results.setdefault(name, {"E": E, "K": K, "N": N, "M": M, "configs": []})
+        row["configs"].append({"tile_n": cfg.tile_n, "stages": cfg.stages, "dynamic": cfg.dynamic, "ms": ms,
+                               "tflops": tflops, "policy": len(row["configs"]) == 0})
+        print(f"{name:16s} tile_n={cfg.tile_n:3d} stages={cfg.stages} dynamic={cfg.dynamic!s:5s} "
+              f"{ms:7.3f} ms {tflops:6.0f} TFLOP/s" + ("  (policy)" if len(row["configs"]) == 1 else ""),
+              file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--precompile", action="store_true", help="compile every kernel into FUSION_CACHE_DIR")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    if args.precompile:
+        from fusion.runtime.aot import compile_jobs
+
+        todo = [job for _, job in jobs()]
+        compile_jobs(todo, parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "2")))
+        return
+    device = torch.cuda.get_device_name()
+    print(json.dumps({"device": device, "torch": torch.__version__, "shapes": measure(args.reps)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
