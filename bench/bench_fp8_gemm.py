@@ -76,8 +76,12 @@ def bench_shape(E, Kd, N, M, reps, gen):
     wq = quantize_weight_fp8_block(w)
     row = dict(E=E, K=Kd, N=N, M=M)
 
-    cfg = K.choose_fp8_config(N, Kd, E)
-    comp = K.compile_fp8_grouped_gemm(cfg, K.IdentityEpilogue(), N, Kd, E)
+    # the kernel the runtime launches for a lone FP8 GEMM (from FUSION_CACHE_DIR when precompiled)
+    from fusion.runtime.compile import load_compiled
+    from fusion.runtime.fp8_gemm import identity_job
+
+    comp = load_compiled(identity_job(N, Kd, E, torch.bfloat16))
+    cfg = comp.config
     out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
 

@@ -19,11 +19,15 @@ Paths (all in bf16, the same weights, inputs and group sizes):
                     and torch._grouped_mm for the weight gradients (quack's varlen-K GEMM needs 16-byte
                     aligned group starts).
 - reference         backend="reference": the eager specification (not a baseline; for scale).
-- fusion_fp8, fusion_fp8_fp8wgrad, unfused_fp8: the FP8 paths (bench/fp8_paths.py): the fp8_block block against
+- fusion_fp8, fusion_fp8_fp8wgrad, fusion_fp8_direct, unfused_fp8: the FP8 paths (bench/fp8_paths.py): the fp8_block block against
                     torch._scaled_grouped_mm with compiled act and quantization. Their relative error is
                     against the bf16 reference, so it includes FP8's rounding.
 
-Per (block, phase, path): b2b_ms (10 calls back to back, one sync), sync_ms (median of calls each followed
+Phase "gemm" (issue 9): the block's FC1 and FC2 forward GEMMs alone, TFLOP/s of our FP8 block-scaled grouped GEMM
+(path fp8_kernel), bf16 torch._grouped_mm (grouped_mm_bf16) and torch._scaled_grouped_mm with row-wise scales
+(scaled_grouped_mm_rowwise), balanced group sizes (bench/bench_fp8_gemm.py; median of 30 calls between events).
+
+Per (block, phase, path) of the other phases: b2b_ms (10 calls back to back, one sync), sync_ms (median of calls each followed
 by a sync), host_us (CPU time to issue one call, measured while the GPU is busy), peak_MB
 (torch.cuda.max_memory_allocated during one call, minus what was allocated before it: the call's own memory,
 weights and inputs excluded). A training step is forward + backward of a random output gradient with the weight
@@ -84,8 +88,8 @@ BLOCKS = [
     Block("qwen3-30b-a3b-small", 128, 512, 8, 2048, 768),
 ]
 PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "quack", "reference", "fusion_fp8", "fusion_fp8_fp8wgrad",
-         "unfused_fp8"]
-PHASES = ["forward", "training_step"]
+         "fusion_fp8_direct", "unfused_fp8"]
+PHASES = ["forward", "training_step", "gemm"]
 
 
 def group_sizes(block: Block, seed: int = 0) -> torch.Tensor:
@@ -246,9 +250,11 @@ def make_path(name: str, seq, sizes, offsets, probs):
     if name == "quack":
         import quack_compat  # noqa: F401  (.gpu/quack_compat.py: quack 0.6.5 on DSL 4.8.1)
         return QuackPath(seq, offsets, probs)
-    if name in ("fusion_fp8", "fusion_fp8_fp8wgrad"):
+    if name in ("fusion_fp8", "fusion_fp8_fp8wgrad", "fusion_fp8_direct"):
         from fp8_paths import fusion_fp8_block
-        return FusionPath(fusion_fp8_block(seq, probs, wgrad_bf16=name == "fusion_fp8"), sizes, probs)
+        block = fusion_fp8_block(seq, probs, wgrad_bf16=name != "fusion_fp8_fp8wgrad",
+                                 quantize=name != "fusion_fp8_direct")
+        return FusionPath(block, sizes, probs)
     if name == "unfused_fp8":
         from fp8_paths import UnfusedFP8Path
         return UnfusedFP8Path(seq, offsets, probs)
@@ -286,6 +292,9 @@ def run_block(block: Block, paths, phases, out_rows, log):
     launched = check_fused_ran(seq, x, sizes, probs)
     log(f"{block.model}: E={block.E} rows={block.rows} d={block.d} 2f={2 * block.f}; fused launches {launched}")
     want = fingerprint(make_path("reference", seq, sizes, offsets, probs), x, dy)
+    if "gemm" in phases:
+        gemm_rows(block, out_rows, log)
+    phases = [p for p in phases if p != "gemm"]
     for name in paths:
         try:
             path = make_path(name, seq, sizes, offsets, probs)
@@ -313,9 +322,33 @@ def run_block(block: Block, paths, phases, out_rows, log):
     torch.cuda.empty_cache()
 
 
+#: phase "gemm": the block's FC1 and FC2 forward GEMMs alone (K, N), each on three kernels (bench/bench_fp8_gemm.py)
+GEMM_PATHS = (("fp8_kernel", "ours"), ("grouped_mm_bf16", "bf16"), ("scaled_grouped_mm_rowwise", "scaled"))
+
+
+def _gemm_shapes(block: Block):
+    return (("fc1", block.d, 2 * block.f), ("fc2", block.f, block.d))
+
+
+def gemm_rows(block: Block, out_rows, log) -> None:
+    """Phase "gemm" (issue 9): TFLOP/s of our FP8 block-scaled grouped GEMM, bf16 torch._grouped_mm and
+    torch._scaled_grouped_mm (row-wise scales) on the block's FC1 and FC2 shapes, balanced group sizes."""
+    from bench_fp8_gemm import bench_shape
+
+    for gemm, K, N in _gemm_shapes(block):
+        res = bench_shape(block.E, K, N, block.rows, reps=30, gen=torch.Generator().manual_seed(0))
+        for path, key in GEMM_PATHS:
+            row = {"model": block.model, "E": block.E, "rows": block.rows, "d": block.d, "f2": 2 * block.f,
+                   "phase": "gemm", "gemm": gemm, "K": K, "N": N, "path": path, "ms": res[f"{key}_ms"],
+                   "tflops": res[f"{key}_tflops"], "error": res[f"{key}_error"]}
+            out_rows.append(row)
+            log(f"  gemm {gemm} (K={K}, N={N}) {path:26s} {row['ms']} ms  {row['tflops']} TFLOP/s")
+
+
 def precompile(blocks) -> None:
     """Compile every fused kernel these blocks' plans launch into FUSION_CACHE_DIR (no GPU needed)."""
     from fusion.runtime.aot import compile_jobs, plan_jobs
+    from fusion.runtime.fp8_gemm import identity_job
 
     from fp8_paths import fusion_fp8_block
 
@@ -323,8 +356,10 @@ def precompile(blocks) -> None:
     for block in blocks:
         with torch.device("meta"):
             seq = fusion_block(block, "meta")
-            fp8 = fusion_fp8_block(seq, True if block.moe else None)  # path fusion_fp8's twin
-        jobs += plan_jobs(seq, torch.bfloat16) + plan_jobs(fp8, torch.bfloat16)
+            probs = True if block.moe else None
+            fp8 = [fusion_fp8_block(seq, probs, quantize=q) for q in (True, False)]  # the FP8 paths' twins
+        jobs += plan_jobs(seq, torch.bfloat16) + [job for twin in fp8 for job in plan_jobs(twin, torch.bfloat16)]
+        jobs += [identity_job(N, K, block.E, torch.bfloat16) for _, K, N in _gemm_shapes(block)]  # phase gemm
     print(f"{len(jobs)} kernels ({len({j.key for j in jobs})} distinct)", flush=True)
     compile_jobs(jobs, parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "1")))
 

@@ -6,7 +6,10 @@
                for FC2's fprop and FC1's dgrad (fusion/runtime/fp8_gemm.py), the quantize kernel, torch's wgrads.
                Weight gradients by the default recipe (fusion.quant.fp8_linear.WGRAD_IN_BF16 = True: bf16 GEMMs
                of the high-precision dY and X).
-- fusion_fp8_fp8wgrad  the same with WGRAD_IN_BF16 = False (the weight gradients from the recipe's FP8
+- fusion_fp8_direct  the same without the QuantizeFP8Block: FC2 quantizes its bf16 input itself (rowwise only),
+               and its bf16 weight gradient reads that input as FC2's fused dgrad recomputes it (nothing
+               quantized is kept for the backward, nothing is dequantized for it).
+- fusion_fp8_fp8wgrad  the same as fusion_fp8 with WGRAD_IN_BF16 = False (the weight gradients from the recipe's FP8
                columnwise operands); the switch is set when a path is made and kept until the next is made.
 - unfused_fp8  what a user writes with torch's FP8 grouped GEMM: torch._scaled_grouped_mm with row-wise scales
                (one per row of A, one per output column of B) for FC1, FC2 and both dgrads; a torch.compile'd
@@ -21,8 +24,9 @@ import torch
 _E4M3_MAX = 448.0
 
 
-def fusion_fp8_block(seq, probs, wgrad_bf16=True):
-    """The bf16 block's FP8 twin, with its weights; the process-wide wgrad choice set as asked."""
+def fusion_fp8_block(seq, probs, wgrad_bf16=True, quantize=True):
+    """The bf16 block's FP8 twin, with its weights; the process-wide wgrad choice set as asked. `quantize`: a
+    QuantizeFP8Block before FC2 (without it FC2's device method or fused step quantizes its input itself)."""
     from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
     from fusion.quant import fp8_linear
 
@@ -32,7 +36,8 @@ def fusion_fp8_block(seq, probs, wgrad_bf16=True):
     E = fc1.num_groups
     ops = [GroupLinear(E, fc1.in_features, fc1.out_features, weight_format="fp8_block"), SwiGLU()]
     ops += [Scale()] if probs is not None else []
-    ops += [QuantizeFP8Block(), GroupLinear(E, fc2.in_features, fc2.out_features, weight_format="fp8_block")]
+    ops += [QuantizeFP8Block()] if quantize else []
+    ops += [GroupLinear(E, fc2.in_features, fc2.out_features, weight_format="fp8_block")]
     w = fc1.weight
     fp8 = Sequential(*ops).to(w.device, w.dtype)
     with torch.no_grad():

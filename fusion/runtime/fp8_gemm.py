@@ -49,8 +49,9 @@ def takes(op, x) -> bool:
 IDENTITY_SOURCE = "from fusion.kernels.epilogue import IdentityEpilogue as GeneratedEpilogue\n"
 
 
-def _job(N: int, K: int, G: int, dtype: torch.dtype, what: str):
-    """The KernelJob of the FP8 GEMM ``(M, K) x (G, N, K) -> (M, N)`` with the identity epilogue."""
+def identity_job(N: int, K: int, G: int, dtype: torch.dtype, what: str = "fprop"):
+    """The KernelJob of the FP8 GEMM ``(M, K) x (G, N, K) -> (M, N)`` with the identity epilogue (`what` names
+    the step in the kernel's name only: the cache key is the same)."""
     from fusion.runtime.kernel import make_job
 
     return make_job(IDENTITY_SOURCE, dtype, N, K, G, False, "K", False, f"fp8_{what}", "identity",
@@ -64,7 +65,7 @@ def _kernel(N: int, K: int, G: int, dtype: torch.dtype, what: str):
     if hit is None:
         from fusion.runtime.compile import load_compiled
 
-        hit = _COMPILED[key] = load_compiled(_job(N, K, G, dtype, what))
+        hit = _COMPILED[key] = load_compiled(identity_job(N, K, G, dtype, what))
     return hit
 
 
@@ -74,9 +75,9 @@ def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
     w = op.weight
     G, N, K = tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
     if part == "forward":
-        return [_job(N, K, G, dtype, "fprop")]
+        return [identity_job(N, K, G, dtype, "fprop")]
     if part == "dgrad":
-        return [_job(K, N, G, dtype, "dgrad")]
+        return [identity_job(K, N, G, dtype, "dgrad")]
     return []
 
 
