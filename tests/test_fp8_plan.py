@@ -218,3 +218,21 @@ def test_explain_says_why_the_fp8_kernel_does_not_take_a_gemm():
     text = seq.explain(dtype=torch.float32, target="sm_90a")
     assert "op 2 GroupLinear: GroupLinear.reference: the fp8_block recipe" in text
     assert "its kernel runs bfloat16/float16, the dtype is float32" in text
+
+
+def test_sequential_compile_builds_every_fp8_kernel_the_plan_launches():
+    """Sequential.compile()'s jobs (fusion/runtime/aot.py): the fused FP8 kernels (training and inference FC1,
+    FC2's dgrad) and the lone FP8 GEMMs of the device method (FC2's fprop, FC1's dgrad), all on the FP8 mainloop;
+    a bf16 block has no FP8 job."""
+    from fusion.runtime.aot import plan_jobs
+
+    jobs = plan_jobs(block(E=4, d=256, f=256, backend="auto").to("meta", torch.bfloat16), torch.bfloat16)
+    assert [(j.step, j.variant, j.N, j.K) for j in jobs] == [
+        ("F1", "train", 512, 256), ("F1", "inference", 512, 256), ("B1", "backward", 256, 256),
+        ("fp8_fprop", "identity", 256, 256), ("fp8_dgrad", "identity", 256, 512)]
+    assert {j.mainloop for j in jobs} == {"fp8_block"} and len({j.key for j in jobs}) == 5
+    assert {j.mainloop for j in plan_jobs(block("bf16", "bf16", backend="auto").to("meta", torch.bfloat16),
+                                          torch.bfloat16)} == {"bf16"}
+    # backend "emulate" launches no device method: only the fused kernels' jobs
+    emulated = plan_jobs(block(E=4, d=256, f=256, backend="emulate").to("meta", torch.bfloat16), torch.bfloat16)
+    assert [j.step for j in emulated] == ["F1", "F1", "B1"]

@@ -46,6 +46,8 @@ def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob
         else:
             variants = ("backward",)
         jobs.extend(runner.job(dtype, variant) for variant in variants)
+    if getattr(seq, "backend", "auto") not in ("auto", "fused"):
+        return jobs  # device methods run under these backends only (fusion/runtime/__init__.py, BlockRunner)
     for runner in program.forward_steps + program.backward_steps:
         device = getattr(runner, "device", None)
         if device is not None and hasattr(device, "kernel_jobs"):
