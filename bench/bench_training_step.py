@@ -19,16 +19,16 @@ Paths (all in bf16, the same weights, inputs and group sizes):
                     and torch._grouped_mm for the weight gradients (quack's varlen-K GEMM needs 16-byte
                     aligned group starts).
 - reference         backend="reference": the eager specification (not a baseline; for scale).
-- fusion_fp8, fusion_fp8_fp8wgrad, fusion_fp8_direct, unfused_fp8: the FP8 paths (bench/fp8_paths.py): the fp8_block block against
-                    torch._scaled_grouped_mm with compiled act and quantization. Their relative error is
+- fusion_fp8, fusion_fp8_fp8wgrad, fusion_fp8_direct, unfused_fp8: the FP8 paths (bench/fp8_paths.py): the
+                    fp8_block block against torch._scaled_grouped_mm with compiled act and quantization. Their relative error is
                     against the bf16 reference, so it includes FP8's rounding.
 
 Phase "gemm" (issue 9): the block's FC1 and FC2 forward GEMMs alone, TFLOP/s of our FP8 block-scaled grouped GEMM
 (path fp8_kernel), bf16 torch._grouped_mm (grouped_mm_bf16) and torch._scaled_grouped_mm with row-wise scales
 (scaled_grouped_mm_rowwise), balanced group sizes (bench/bench_fp8_gemm.py; median of 30 calls between events).
 
-Per (block, phase, path) of the other phases: b2b_ms (10 calls back to back, one sync), sync_ms (median of calls each followed
-by a sync), host_us (CPU time to issue one call, measured while the GPU is busy), peak_MB
+Per (block, phase, path) of the other phases: b2b_ms (10 calls back to back, one sync), sync_ms (median of calls
+each followed by a sync), host_us (CPU time to issue one call, measured while the GPU is busy), peak_MB
 (torch.cuda.max_memory_allocated during one call, minus what was allocated before it: the call's own memory,
 weights and inputs excluded). A training step is forward + backward of a random output gradient with the weight
 gradients freshly allocated (set to None first); no optimizer.

@@ -375,7 +375,7 @@ def _fallbacks(infos, forward, backward, per_op: dict, patterns, reason: str | N
     out = []
     # A GEMM is not a fallback: unfused it runs the vendor grouped GEMM; what falls back is elementwise work
     # that a pattern could have put in its epilogue (and that op is listed, with the reasons). A GEMM run by its
-    # reference (fp8_block weights where no device kernel runs them: not Hopper) is one, forward and backward.
+    # reference (fp8_block weights where no device kernel runs them: not Hopper) is one, forward, dgrad and wgrad.
     def by_reference(i, part):
         info = infos[i]
         return info.gemm_by_reference and not reference_method(info, part, dtype, target)[0].endswith(EMULATE_NOTE)

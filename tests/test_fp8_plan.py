@@ -233,6 +233,10 @@ def test_sequential_compile_builds_every_fp8_kernel_the_plan_launches():
     assert {j.mainloop for j in jobs} == {"fp8_block"} and len({j.key for j in jobs}) == 5
     assert {j.mainloop for j in plan_jobs(block("bf16", "bf16", backend="auto").to("meta", torch.bfloat16),
                                           torch.bfloat16)} == {"bf16"}
+    # widths the FP8 kernel refuses (72): no job for that GEMM, nothing to fail at compile time
+    odd = Sequential(GroupLinear(2, 72, 128, weight_format="fp8_block"), SwiGLU(),
+                     GroupLinear(2, 64, 64, weight_format="fp8_block")).to("meta", torch.bfloat16)
+    assert [(j.step, j.N, j.K) for j in plan_jobs(odd, torch.bfloat16)] == [("B1", 64, 64), ("fp8_fprop", 64, 64)]
     # backend "emulate" launches no device method: only the fused kernels' jobs
     emulated = plan_jobs(block(E=4, d=256, f=256, backend="emulate").to("meta", torch.bfloat16), torch.bfloat16)
     assert [j.step for j in emulated] == ["F1", "F1", "B1"]

@@ -70,9 +70,13 @@ def _kernel(N: int, K: int, G: int, dtype: torch.dtype, what: str):
 
 
 def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
-    """The KernelJobs `part` of `op` launches ("forward": fprop, "dgrad"; the wgrad is torch's): what
-    Sequential.compile() builds ahead of time (fusion/runtime/aot.py)."""
+    """The KernelJobs `part` of `op` launches ("forward": fprop, "dgrad"; the wgrad is torch's; none where the
+    kernel does not take the op at `dtype`, as `takes` decides): what Sequential.compile() builds ahead of time
+    (fusion/runtime/aot.py)."""
     w = op.weight
+    if device_method_refusal("gemm", "fp8_block", str(dtype).removeprefix("torch."),
+                             (op.in_features, op.out_features)) is not None:
+        return []
     G, N, K = tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
     if part == "forward":
         return [identity_job(N, K, G, dtype, "fprop")]
