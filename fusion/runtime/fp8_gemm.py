@@ -86,8 +86,13 @@ def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
 
 
 def _row_bounds(op, rows: int, ctx: RunContext, device) -> torch.Tensor:
-    """The (G+1,) int32 row bounds the kernel reads: once per call for a grouped block, [0, rows] for a Linear."""
-    if op.spec.name == "Linear" or ctx.group_sizes is None:
+    """The (G+1,) int32 row bounds the kernel reads: the head of the call's bounds buffer, which the block's
+    program made (fusion/runtime/bounds.py: G+1 bounds, then tile counters the kernel does not read), where it
+    describes this GEMM's rows; else once per call for a grouped block, [0, rows] for a Linear."""
+    dense = op.spec.name == "Linear" or ctx.group_sizes is None
+    if ctx.counters is not None and (ctx.groups == 1 if dense else ctx.groups == op.weight.shape[0]):
+        return ctx.counters
+    if dense:
         bounds = torch.zeros(2, dtype=torch.int32, device=device)
         bounds[1] = rows
         return bounds

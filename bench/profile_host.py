@@ -1,0 +1,65 @@
+"""Where one path's host (CPU) time goes: cProfile over back-to-back calls of bench_training_step's paths.
+
+    python bench/profile_host.py --model small-batch --path fusion_fp8_direct [--phase training_step] [--top 30]
+
+Runs --warmup calls, then profiles --calls calls (the GPU keeps up or not: only Python's time is attributed),
+and prints the functions with the most own time (tottime) and the most cumulative time. Complements
+bench/profile_step.py (GPU kernels) and bench/host_overhead.py (host microseconds per call).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # run from a checkout
+
+from bench_training_step import BLOCKS, fusion_block, group_sizes, make_path, phase_fn  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--path", default="fusion")
+    ap.add_argument("--phase", default="training_step", choices=["forward", "training_step"])
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args(argv)
+    block = next(b for b in BLOCKS if b.model == args.model)
+    torch.manual_seed(0)
+    seq = fusion_block(block)
+    sizes = group_sizes(block).cuda()
+    offsets = torch.cumsum(sizes, 0).to(torch.int32)
+    x = torch.randn(block.rows, block.d, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    probs = torch.rand(block.rows, device="cuda", dtype=torch.bfloat16).requires_grad_() if block.moe else None
+    path = make_path(args.path, seq, sizes, offsets, probs)
+    call, clear = phase_fn(path, args.phase, x, dy)
+    for _ in range(args.warmup):
+        clear()
+        call()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        clear()
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
+        print(f"== {args.model} {args.path} {args.phase}: {args.calls} calls, sorted by {key}")
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
+
+
+if __name__ == "__main__":
+    main()
