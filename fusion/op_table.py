@@ -20,9 +20,9 @@ OP_TABLE: dict[str, str] = {}
 #: module (fusion/runtime/<name>.py: `takes(op, value)`, and `run(op, value, ctx)` for a forward or a backward
 #: part, `dgrad(op, dy, ctx)` / `wgrad(op, x, dy, ctx)` for a GEMM's) with the same math in the same order
 #: (each module says how it matches the reference), used on the CUDA tensors it takes, and what explain() says
-#: runs there. The variant is the op's
-#: kind, or kind:format for a GEMM whose weights are not the parameter as is (its weight_format) and for a
-#: quantize op (the format it writes). A Gather's backward is a combine of its rows' gradients.
+#: runs there. The variant is the op's kind, or kind:format for a GEMM whose weights are not the parameter as is
+#: (its weight_format) and for a quantize op (the format it writes). A Gather's backward is a combine of its
+#: rows' gradients.
 DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
     ("combine", "forward"): ("combine", "combine kernel (fusion/kernels/combine.py: each token's rows summed in "
                                         "row order in float32, no atomics)"),
