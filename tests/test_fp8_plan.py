@@ -191,6 +191,24 @@ def test_the_emulated_fp8_forward_multiplies_the_recipes_operands():
     assert (hp(x, group_sizes=SIZES) - want).abs().max() > 1e-4 * want.abs().max()  # FP8 is visible
 
 
+@pytest.mark.parametrize("wgrad_bf16", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp8_gemm_after_a_quantize_reads_the_quantized_input_in_backward(dtype, wgrad_bf16, monkeypatch):
+    """bf16 FC1 + SwiGLU fused, QuantizeFP8Block, fp8_block FC2: FC2's wgrad step reads the saved QuantizedTensor
+    itself (dequantized for the bf16 wgrad, its own columnwise copy for the FP8 one), so its weight gradient is
+    the reference's bit for bit; the forward too. The fused FP8 dgrad + dSwiGLU rounds differently from the
+    reference's op-by-op backward: those gradients agree to rounding."""
+    monkeypatch.setattr(fp8_linear, "WGRAD_IN_BF16", wgrad_bf16)
+    torch.manual_seed(1)
+    sizes = torch.tensor([100, 200])
+    x = torch.randn(300, 64, dtype=dtype) * torch.logspace(-2, 2, 64, dtype=dtype)
+    make = dict(fmt1="bf16", quant=True, E=2, d=64, f=160, dtype=dtype)
+    want = run(block(**make), x, sizes)
+    got = run(block(**make, backend="emulate"), x, sizes)
+    assert_bitwise(got, want, which=("y", "dW1"))
+    assert_close(got, want, 1e-5 if dtype == torch.float32 else 1e-12, which=("dx", "dW0"))
+
+
 def test_fp8_block_under_torch_compile_emulate():
     """Under torch.compile the program runs inside a custom op, below autograd: the recipe's steps and the fused
     FP8 kernels still run there (it used to fail: "element 0 of tensors does not require grad")."""
