@@ -191,6 +191,21 @@ def test_the_emulated_fp8_forward_multiplies_the_recipes_operands():
     assert (hp(x, group_sizes=SIZES) - want).abs().max() > 1e-4 * want.abs().max()  # FP8 is visible
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp8_gemm_before_a_fused_dgrad_follows_the_recipe(dtype, monkeypatch):
+    """FC1 fp8_block (fused with SwiGLU on the FP8 kernel), FC2 bf16 (its dgrad fused with the SwiGLU backward):
+    FC1's dgrad and wgrad steps run the recipe at the saved input. With the FP8-operand wgrad the quantizations
+    of dH absorb the fused kernels' rounding: dx and FC1's weight gradient are the reference's bit for bit; the
+    output and FC2's weight gradient agree to rounding (the epilogue rounds once)."""
+    monkeypatch.setattr(fp8_linear, "WGRAD_IN_BF16", False)
+    torch.manual_seed(1)
+    x = torch.randn(16, D, dtype=dtype)
+    want = run(block(fmt2="bf16", dtype=dtype), x, SIZES)
+    got = run(block(fmt2="bf16", dtype=dtype, backend="emulate"), x, SIZES)
+    assert_bitwise(got, want, which=("dx", "dW0"))
+    assert_close(got, want, 1e-6 if dtype == torch.float32 else 1e-14, which=("y", "dW1"))
+
+
 @pytest.mark.parametrize("wgrad_bf16", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fp8_gemm_after_a_quantize_reads_the_quantized_input_in_backward(dtype, wgrad_bf16, monkeypatch):
