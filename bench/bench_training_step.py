@@ -278,7 +278,22 @@ def check_fused_ran(seq, x, sizes, probs) -> dict:
     return dict(LAUNCHES.by_step)
 
 
-def run_block(block: Block, paths, phases, out_rows, log):
+@dataclass
+class BlockSetup:
+    """One block's weights, inputs and group sizes on the GPU, the same for every path (seeded)."""
+
+    seq: object
+    sizes: torch.Tensor
+    offsets: torch.Tensor
+    x: torch.Tensor
+    probs: torch.Tensor | None
+    dy: torch.Tensor
+
+    def path(self, name: str):
+        return make_path(name, self.seq, self.sizes, self.offsets, self.probs)
+
+
+def setup_block(block: Block) -> BlockSetup:
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     seq = fusion_block(block, dev, dt)
@@ -289,6 +304,12 @@ def run_block(block: Block, paths, phases, out_rows, log):
     x = torch.randn(block.rows, block.d, device=dev, dtype=dt)
     probs = torch.rand(block.rows, device=dev, dtype=dt).requires_grad_() if block.moe else None
     dy = torch.randn(block.rows, block.d, device=dev, dtype=dt)
+    return BlockSetup(seq, sizes, offsets, x, probs, dy)
+
+
+def run_block(block: Block, paths, phases, out_rows, log):
+    setup = setup_block(block)
+    seq, sizes, offsets, x, probs, dy = setup.seq, setup.sizes, setup.offsets, setup.x, setup.probs, setup.dy
     launched = check_fused_ran(seq, x, sizes, probs)
     log(f"{block.model}: E={block.E} rows={block.rows} d={block.d} 2f={2 * block.f}; fused launches {launched}")
     want = fingerprint(make_path("reference", seq, sizes, offsets, probs), x, dy)

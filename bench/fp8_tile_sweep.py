@@ -22,6 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))                   # bench_fp8_gemm
 
 from fusion.kernels.tile_policy import FP8_SMEM, choose_fp8_config, fp8_stage_bytes  # noqa: E402
 
@@ -57,19 +58,8 @@ def jobs():
                 dtype="bfloat16", N=N, K=K, G=E, target="sm_90a", mainloop="fp8_block")
 
 
-def _time_ms(fn, reps: int) -> float:
-    for _ in range(5):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in ev)[reps // 2]
-
-
 def measure(reps: int) -> dict:
+    from bench_fp8_gemm import balanced_sizes, time_ms
     from fusion.kernels import run_fp8_grouped_gemm
     from fusion.kernels.api import offsets_from_group_sizes
     from fusion.quant.fp8_block import fp8_block_quantize_2d
@@ -81,9 +71,7 @@ def measure(reps: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     for (name, E, K, N, M, cfg), job in jobs():
         if name not in operands:
-            w = 1.0 + 0.4 * (torch.rand(E, generator=gen) - 0.5)
-            sizes = (torch.floor(w / w.sum() * (M // 16)) * 16).to(torch.int64)
-            sizes[0] += M - int(sizes.sum())
+            sizes = balanced_sizes(E, M, gen)
             a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             b = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
             a_data, a_scale = fp8_block_quantize_2d(a)
@@ -93,8 +81,8 @@ def measure(reps: int) -> dict:
             del a, b
         a_data, a_scale, b_data, b_scale, offsets, out = operands[name]
         compiled = load_compiled(job)
-        ms = _time_ms(lambda: run_fp8_grouped_gemm(compiled, a_data, a_scale, b_data, b_scale, offsets,
-                                                   {"out": out}), reps)
+        ms = time_ms(lambda: run_fp8_grouped_gemm(compiled, a_data, a_scale, b_data, b_scale, offsets,
+                                                  {"out": out}), warmup=5, reps=reps)
         tflops = 2 * M * N * K / ms / 1e9
         row = results.setdefault(name, {"E": E, "K": K, "N": N, "M": M, "configs": []})
         row["configs"].append({"tile_n": cfg.tile_n, "stages": cfg.stages, "dynamic": cfg.dynamic, "ms": ms,

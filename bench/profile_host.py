@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # run from a checkout
 
-from bench_training_step import BLOCKS, fusion_block, group_sizes, make_path, phase_fn  # noqa: E402
+from bench_training_step import BLOCKS, phase_fn, setup_block  # noqa: E402
 
 
 def main(argv=None):
@@ -34,15 +34,8 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args(argv)
     block = next(b for b in BLOCKS if b.model == args.model)
-    torch.manual_seed(0)
-    seq = fusion_block(block)
-    sizes = group_sizes(block).cuda()
-    offsets = torch.cumsum(sizes, 0).to(torch.int32)
-    x = torch.randn(block.rows, block.d, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn_like(x)
-    probs = torch.rand(block.rows, device="cuda", dtype=torch.bfloat16).requires_grad_() if block.moe else None
-    path = make_path(args.path, seq, sizes, offsets, probs)
-    call, clear = phase_fn(path, args.phase, x, dy)
+    setup = setup_block(block)
+    call, clear = phase_fn(setup.path(args.path), args.phase, setup.x, setup.dy)
     for _ in range(args.warmup):
         clear()
         call()

@@ -9,7 +9,6 @@ which timed pieces through a runtime module that no longer exists.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -24,22 +23,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--path", default="fusion")
-    ap.add_argument("--phase", default="training_step", choices=B.PHASES)
+    ap.add_argument("--phase", default="training_step", choices=["forward", "training_step"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
     args = ap.parse_args(argv)
     (block,) = [b for b in B.BLOCKS if b.model == args.model]
-    torch.manual_seed(0)
-    dev, dt = "cuda", torch.bfloat16
-    seq = B.fusion_block(block, dev, dt)
-    for p in seq.parameters():
-        torch.nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[-1]))
-    sizes = B.group_sizes(block).to(dev)
-    offsets = torch.cumsum(sizes, 0).to(torch.int32)
-    x = torch.randn(block.rows, block.d, device=dev, dtype=dt)
-    probs = torch.rand(block.rows, device=dev, dtype=dt).requires_grad_() if block.moe else None
-    dy = torch.randn(block.rows, block.d, device=dev, dtype=dt)
-    call, clear = B.phase_fn(B.make_path(args.path, seq, sizes, offsets, probs), args.phase, x, dy)
+    setup = B.setup_block(block)
+    call, clear = B.phase_fn(setup.path(args.path), args.phase, setup.x, setup.dy)
     for _ in range(3):
         clear()
         call()

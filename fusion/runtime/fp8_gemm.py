@@ -59,8 +59,8 @@ def identity_job(N: int, K: int, G: int, dtype: torch.dtype, what: str = "fprop"
 
 
 def _kernel(N: int, K: int, G: int, dtype: torch.dtype, what: str):
-    """The compiled FP8 GEMM (memory, the disk cache, or compiled now), per shape."""
-    key = (N, K, G, dtype, what)
+    """The compiled FP8 GEMM (memory, the disk cache, or compiled now), per shape (`what` only names it)."""
+    key = (N, K, G, dtype)
     hit = _COMPILED.get(key)
     if hit is None:
         from fusion.runtime.compile import load_compiled
