@@ -9,7 +9,8 @@ a gated GEMM (N = 2f, K = d) with the SwiGLU*scale epilogue.
   index_select + kernel    what a block does without the fusion: x.index_select, then the runtime's kernel
   torch                    x.index_select + torch._grouped_mm (the GEMM alone, no epilogue)
 
-TFLOP/s counts 2*M*d*2f for every row. Usage: python bench/bench_gather_gemm.py [--shapes i,j] [--out file.json]
+TFLOP/s counts 2*M*d*2f for every row. Usage: python bench/bench_gather_gemm.py [--shapes i,j] [--sweep] [--out file.json]
+(--sweep: every gather-A tile configuration autotune mode would try, kernels/tile_policy.py candidates).
 """
 import argparse
 import dataclasses
@@ -22,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fusion
 
 import fusion.kernels as K  # noqa: E402
-from fusion.kernels.tile_policy import GemmConfig, tile_config  # noqa: E402
+from fusion.kernels.tile_policy import GemmConfig, candidates, tile_config  # noqa: E402
 
 SHAPES = {  # name: (E, d, f, T, k)
     "qwen3-30b-a3b": (128, 2048, 768, 16384, 8),
@@ -57,7 +58,7 @@ def routing(T, E, k, gen, dev):
     return torch.bincount(experts, minlength=E).to(dev), (order // k).to(torch.int32).to(dev)
 
 
-def run_shape(name, E, d, f, T, k, gen, dev="cuda"):
+def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False):
     N, M = 2 * f, T * k
     x = torch.randn(T, d, generator=gen).to(dev, torch.bfloat16)
     W = (torch.randn(E, N, d, generator=gen) / d ** 0.5).to(dev, torch.bfloat16)
@@ -88,6 +89,16 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda"):
         f"pre-gathered, runtime ({'dynamic' if runtime_cfg.dynamic else 'static'})": lambda: run("runtime", xg),
         "index_select + runtime kernel": lambda: run("runtime", x.index_select(0, index)),
     }
+    if sweep:  # every gather-A candidate of autotune mode (kernels/tile_policy.py: candidates)
+        for cfg in candidates(gather_cfg, N)[1:]:
+            try:
+                kern[cfg] = K.compile_grouped_gemm(cfg, epi, "bfloat16", N, d, E)
+            except Exception as exc:  # noqa: BLE001 - a candidate that does not build is reported, not fatal
+                print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                continue
+            label = (f"gather-A {cfg.tile_m}x{cfg.tile_n} {'pingpong' if cfg.pingpong else 'cooperative'} "
+                     f"s{cfg.stages}")
+            rows[label] = (lambda c: lambda: run(c, x, index))(cfg)
     if hasattr(torch, "_grouped_mm"):
         rows["torch index_select + _grouped_mm"] = lambda: torch._grouped_mm(
             x.index_select(0, index), W.transpose(-2, -1), offs=offs[1:])
@@ -107,13 +118,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=None, help="comma-separated names of " + ",".join(SHAPES))
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--sweep", action="store_true", help="also time every gather-A tile candidate")
     args = ap.parse_args()
     names = args.shapes.split(",") if args.shapes else list(SHAPES)
     gen = torch.Generator().manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "shapes": {}}
     print(results["device"], flush=True)
     for name in names:
-        results["shapes"][name] = run_shape(name, *SHAPES[name], gen)
+        results["shapes"][name] = run_shape(name, *SHAPES[name], gen, sweep=args.sweep)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -13,7 +13,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import fusion.kernels as K  # noqa: E402
 from fusion.errors import DTypeError, KernelConfigError, ShapeError  # noqa: E402
 from fusion.kernels.mainloop import REGISTER_SPLIT  # noqa: E402
-from fusion.kernels.tile_policy import candidates, for_gather, tile_config  # noqa: E402
+from fusion.kernels.tile_policy import candidates, for_gather, gather_tile, spill_fallback, tile_config  # noqa: E402
 from conftest import sass_or_skip  # noqa: E402
 
 # the FC1 of an MoE block: (experts, d, f) -> a gated GEMM with N = 2f, K = d
@@ -63,18 +63,21 @@ def test_gated_fc1_gather_compiles_without_spills(model):
     E, d, f = MOE_FC1[model]
     comp = _gather_compile(K.SwiGLUScaleEpilogue(), 2 * f, d, E)
     _check_gather_sass(comp)
-    assert comp.config.gather_a and not comp.config.dynamic and comp.config.pingpong
+    assert comp.config.gather_a and not comp.config.dynamic
     assert comp.name.endswith("_gA") and "_dyn" not in comp.name
-    # the tile is the heuristic's (only the schedule changes)
-    plain = K.GemmConfig(*tile_config(2 * f, d, E, True, "K", False))
-    assert (comp.config.tile_n, comp.config.stages) == (plain.tile_n, plain.stages)
+    # built at gather_tile's tile (the widest that divides N), not a spill fallback
+    want = gather_tile(for_gather(K.GemmConfig(*tile_config(2 * f, d, E, True, "K", False))), 2 * f)
+    assert comp.config == want
+    assert comp.config.tile_n == (192 if 2 * f % 192 == 0 else 256 if 2 * f % 256 == 0 else 128)
 
 
 @pytest.mark.parametrize("epi,N", [(K.IdentityEpilogue(), 2048), (_SwiGLUTrainMXFP8(), 1536)])
 def test_plain_and_training_epilogues_gather_without_spills(epi, N):
     comp = _gather_compile(epi, N, 2048, 128)
     _check_gather_sass(comp)
-    assert comp.config.gather_a
+    want = K.GemmConfig(*tile_config(N, 2048, 128, epi.gated, "K", False, gather=True))
+    # the three-output MXFP8 training epilogue spills at 192 pingpong columns and is rebuilt at 128
+    assert comp.config == (want if N % 192 else spill_fallback(want))
 
 
 def test_ragged_k_zero_fills_the_tail_chunks():
@@ -92,7 +95,11 @@ def test_tile_policy_gives_gather_a_static_schedule():
     for gated, N in ((True, 28672), (True, 1536), (False, 4096)):
         base = K.GemmConfig(*tile_config(N, 4096, 8, gated, "K", False))
         gath = K.GemmConfig(*tile_config(N, 4096, 8, gated, "K", False, gather=True))
-        assert gath == dataclasses.replace(base, gather_a=True, dynamic=False) == for_gather(base)
+        assert gath == gather_tile(dataclasses.replace(base, gather_a=True, dynamic=False), N)
+        assert gath.gather_a and not gath.dynamic
+        # the widest tile that divides N: every n-tile gathers its A rows again
+        assert (gath.tile_n, gath.pingpong) == {28672: (256, False), 1536: (192, True), 4096: (256, False)}[N]
+    assert gather_tile(for_gather(K.GemmConfig(tile_n=128)), 1000) == for_gather(K.GemmConfig(tile_n=128))
     assert all(c.gather_a and not c.dynamic for c in candidates(for_gather(K.GemmConfig()), 4096))
     assert not any(c.gather_a for c in candidates(K.GemmConfig(), 4096))
 

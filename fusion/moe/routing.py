@@ -118,12 +118,21 @@ def _sorted_by_expert(top: torch.Tensor, weights: torch.Tensor, num_experts: int
                       dtype: torch.dtype) -> RouteResult:
     """Top-k (T, k) -> rows grouped by expert, within an expert by token (a stable sort of token-major rows)."""
     tokens, k = top.shape
-    experts_sorted, order = torch.sort(top.reshape(-1), stable=True)
+    rows = tokens * k
+    # The narrowest key dtype: a radix sort makes one pass per key byte (8 passes for int64).
+    key = top.reshape(-1).to(torch.uint8 if num_experts <= 256 else torch.int16 if num_experts < 2 ** 15
+                              else torch.int32)
+    keys_sorted, order = torch.sort(key, stable=True)
+    experts_sorted = keys_sorted.long()
     index = torch.div(order, k, rounding_mode="floor")
     probs = weights.reshape(-1).index_select(0, order).to(dtype)
     bounds = torch.arange(num_experts + 1, device=top.device, dtype=experts_sorted.dtype)
     group_sizes = torch.searchsorted(experts_sorted, bounds).diff().to(torch.int32)
-    rows_by_token, token_offsets = token_layout(index, tokens)
+    # Token t's rows are where its k token-major entries went (the inverse permutation), in increasing order:
+    # a sort of k values per token, no sort of all M rows. No padding rows: the last segment is empty.
+    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=top.device))
+    rows_by_token = torch.sort(row_of.view(tokens, k), dim=1).values.reshape(-1)
+    token_offsets = (torch.arange(tokens + 2, device=top.device) * k).clamp_max(rows)
     return RouteResult(index, group_sizes, probs, experts_sorted, rows_by_token, token_offsets)
 
 

@@ -1,0 +1,87 @@
+"""Where an MoE layer's time goes: GPU kernels (torch.profiler) and host functions (cProfile) of one path.
+
+    python bench/profile_moe.py --model qwen3-30b-a3b --tokens 16384 --path fusion [--phase moe_training_step]
+
+The layer, weights and inputs are bench_moe.py's (`run_config`'s setup); paths are its `fusion`,
+`fusion_compiled` and `torch_compiled` (variant `parts`). Prints the kernels with the most GPU time per call,
+then the Python functions with the most own time per call. The MoE counterpart of bench/profile_step.py and
+bench/profile_host.py.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import math
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_moe import CONFIGS, Options, make_paths, phase_fn  # noqa: E402
+
+
+def setup(model: str, tokens: int, path_name: str, backend: str = "auto"):
+    """bench_moe.run_config's layer, x and dy, and the named path (torch_compiled: variant `parts`)."""
+    import fusion
+
+    cfg = next(c for c in CONFIGS if c.model == model)
+    torch.manual_seed(0)
+    moe = fusion.MoE.swiglu(cfg.d, cfg.E, cfg.f, cfg.k, device="cuda", dtype=torch.bfloat16, backend=backend)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[-1]))
+    x = torch.randn(tokens, cfg.d, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens, cfg.d, device="cuda", dtype=torch.bfloat16)
+    opts = Options(torch_variant="parts")
+    (_, path), = make_paths(path_name, moe, cfg, opts)
+    return path, x, dy
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--path", default="fusion")
+    ap.add_argument("--phase", default="moe_training_step", choices=["moe_forward", "moe_training_step"])
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    path, x, dy = setup(args.model, args.tokens, args.path)
+    call, clear = phase_fn(path, args.phase, x, dy)
+    for _ in range(3):
+        clear()
+        call()
+    torch.cuda.synchronize()
+    title = f"{args.model} T={args.tokens} {args.path} {args.phase}"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.calls):
+            clear()
+            call()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / args.calls
+    print(f"== {title}: {total / 1000:.3f} ms of kernels per call")
+    for e in events[:args.top]:
+        per = e.device_time_total / args.calls
+        print(f"  {per / 1000:8.3f} ms {100 * per / total:5.1f}%  x{e.count // args.calls:<3d} {e.key[:110]}")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        clear()
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
+    print(f"== {title}: host, {args.calls} calls, by own time")
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:8000])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
