@@ -77,10 +77,11 @@ def main(argv=None):
         call()
     prof.disable()
     torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
-    print(f"== {title}: host, {args.calls} calls, by own time")
-    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:8000])
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
+        print(f"== {title}: host, {args.calls} calls, by {key}")
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:8000])
 
 
 if __name__ == "__main__":

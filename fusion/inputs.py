@@ -63,7 +63,9 @@ class BlockInputs:
         torch.compile, where checks are asynchronous device asserts (nothing data-dependent is traced).
         `device_checked`: the caller's program validates the group sizes' values and computes their offsets on
         the device in one launch (fusion/runtime/bounds.py); only their dtype, shape and device are checked here,
-        and ctx.offsets is left to the program."""
+        and ctx.offsets is left to the program. After a Gather the program's routed prologue also checks the
+        index values and the padding rows, and absorbs the padding into the last group (ctx.group_sizes stays
+        the caller's sizes until it runs)."""
         if extra.keys() != self.names or any(v is None for v in extra.values()):
             self._name_error(extra)
         if host is None:
@@ -71,13 +73,15 @@ class BlockInputs:
         ctx = RunContext()
         rows = x.shape[0]
         if self.gathers:
-            ctx.index = _check_index(extra["index"], x, host)
+            if isinstance(extra["index"], torch.Tensor) and extra["index"].numel() == 0:
+                device_checked = False  # no routed rows: nothing for the routed prologue to launch on
+            ctx.index = _check_index(extra["index"], x, host, values=not device_checked)
             ctx.tokens, rows = x.shape[0], ctx.index.numel()
         if "group_sizes" in self.names:
             sizes = _check_group_sizes(self.num_groups, extra["group_sizes"], x, host, rows, ctx.index,
                                        device_checked)
             ctx.group_sizes = ctx.routed_group_sizes = sizes
-            if self.gathers:
+            if self.gathers and not device_checked:
                 ctx.group_sizes = _absorb_padding(sizes, rows)
             if not device_checked:
                 ctx.offsets = group_offsets(ctx.group_sizes)
@@ -146,10 +150,10 @@ def _check_group_sizes(num_groups: list, group_sizes, x: torch.Tensor, host: boo
     if group_sizes.device != x.device:
         raise GroupSizesError(f"group_sizes is on {group_sizes.device} but x is on {x.device}; keep the counts on "
                               f"x's device (no host copy is needed): group_sizes.to(x.device)")
+    if device_checked:
+        return group_sizes
     if index is not None:
         _check_padding_rows(group_sizes, index, rows, host)
-        return group_sizes
-    if device_checked:
         return group_sizes
     if host:
         # Each size in [0, rows] first: then the int64 sum cannot overflow, and a sum equal to rows is real.
@@ -194,8 +198,9 @@ def _check_padding_rows(group_sizes: torch.Tensor, index: torch.Tensor, rows: in
                               f"padding (index -1)")
 
 
-def _check_index(index, x: torch.Tensor, host: bool) -> torch.Tensor:
-    """The extra input `index` of Gather/Combine: int32/int64 (M,) on x's device, values in [-1, T)."""
+def _check_index(index, x: torch.Tensor, host: bool, values: bool = True) -> torch.Tensor:
+    """The extra input `index` of Gather/Combine: int32/int64 (M,) on x's device, values in [-1, T) (`values`
+    False: left to the routed prologue, which checks them on the device)."""
     tokens = x.shape[0]
     if not isinstance(index, torch.Tensor):
         raise ExtraInputError(f"index must be an int tensor of shape (M,) on x's device (the token of each "
@@ -208,7 +213,7 @@ def _check_index(index, x: torch.Tensor, host: bool) -> torch.Tensor:
     if index.device != x.device:
         raise DeviceError(f"index is on {index.device} but x is on {x.device}; keep it on x's device: "
                           f"index.to(x.device)")
-    if index.numel() == 0:
+    if index.numel() == 0 or not values:
         return index
     if not host:
         torch._assert_async(((index >= -1) & (index < tokens)).all(), "fusion: index out of range [-1, x.shape[0])")

@@ -122,3 +122,135 @@ def compile_group_bounds(G: int, sizes_dtype: str | None) -> UtilityKernel:
                             options="--enable-tvm-ffi")
 
     return compile_once(("bounds", G, sizes_dtype), build)
+
+
+#: Threads per CTA of the routed prologue, and routed rows each index-checking CTA takes.
+ROUTED_THREADS = 128
+ROUTED_CHUNK = 4096
+
+
+class RoutedBoundsKernel:
+    """The prologue of an MoE experts block (a Gather first): what GroupBoundsKernel does, for routed rows.
+
+    - CTA 0, warp 0: the sizes, each in [0, rows] and summing to *at most* rows (the rows past the sum are
+      padding); bounds [0, o_1, ..., o_{G-1}, rows] (the padding joins the last group: the kernels compute
+      its rows, zeros from the Gather, and the Combine skips them); the counters zeroed.
+    - CTAs 1..: ``ROUTED_CHUNK`` routed rows each: ``index[r]`` in [-1, tokens), -1 on every row past the
+      sizes' sum, and the gathering kernels' int32 index ``max(index[r], 0)`` (a padding row reads token 0;
+      nothing stores its results).
+
+    In torch these are about twenty small ops per call (an index range check, the padding rows' check, the
+    padding absorbed into the last group, the offsets, the int32 index), 10-40 us of host time each. A bad
+    value prints the problem on the device and traps, like GroupBoundsKernel."""
+
+    def __init__(self, G: int, sizes_dtype: str, index_dtype: str):
+        self.G = G
+        self.sizes_dtype = sizes_dtype
+        self.index_dtype = index_dtype
+        self.per_lane = (G + LANES - 1) // LANES
+        self.sizes_message = ("fusion: group_sizes must each be in [0, routed rows] and sum to at most the "
+                              "routed rows = %d; got a sum of %d (counted up to rows + 1) or a size out of range\n")
+        self.index_message = ("fusion: index[%d] = %lld: the index must lie in [-1, tokens = %d), and be -1 on "
+                              "every routed row past sum(group_sizes) = %d (padding)\n")
+
+    @cute.jit
+    def __call__(self, pSizes: cute.Pointer, pIndex: cute.Pointer, pOut: cute.Pointer, pIdx32: cute.Pointer,
+                 rows: Int32, tokens: Int32, counters: Int32, stream):
+        mSizes = cute.make_tensor(pSizes, cute.make_layout((self.G,)))
+        mIndex = cute.make_tensor(pIndex, cute.make_layout((rows,)))
+        mOut = cute.make_tensor(pOut, cute.make_layout((self.G + 1 + counters,)))
+        mIdx32 = cute.make_tensor(pIdx32, cute.make_layout((rows,)))
+        chunks = (rows + (ROUTED_CHUNK - 1)) // ROUTED_CHUNK
+        self.kernel(mSizes, mIndex, mOut, mIdx32, rows, tokens, counters).launch(
+            grid=(1 + chunks, 1, 1), block=(ROUTED_THREADS, 1, 1), stream=stream)
+
+    @cute.jit
+    def _lane_sizes(self, mSizes: cute.Tensor, lane: Int32, rows: Int32):
+        """This lane's groups (consecutive): their sizes clamped to [0, rows], their saturating sum, and whether
+        one was out of range."""
+        cap = rows + 1
+        bad = Int32(0)
+        values = []
+        local = Int32(0)
+        for j in cutlass.range_constexpr(self.per_lane):
+            i = lane * self.per_lane + j
+            size = Int32(0)
+            if i < self.G:
+                raw = mSizes[cutlass.min(i, self.G - 1)]
+                wide = Int64(raw)
+                bad = bad | Int32((wide < Int64(0)) | (wide > Int64(rows)))
+                size = Int32(cutlass.max(cutlass.min(wide, Int64(rows)), Int64(0)))
+            values.append(size)
+            local = cutlass.min(local + size, cap)
+        return values, local, bad
+
+    @cute.jit
+    def _warp_scan(self, local: Int32, lane: Int32, cap: Int32) -> Int32:
+        scan = local
+        for k in cutlass.range_constexpr(5):
+            offset = 1 << k
+            other = cute.arch.shuffle_sync_up(scan, offset)
+            if lane >= offset:
+                scan = cutlass.min(scan + other, cap)
+        return scan
+
+    @cute.kernel
+    def kernel(self, mSizes: cute.Tensor, mIndex: cute.Tensor, mOut: cute.Tensor, mIdx32: cute.Tensor,
+               rows: Int32, tokens: Int32, counters: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % LANES
+        warp = tidx // LANES
+        cap = rows + 1
+        # every warp sums the sizes (a few loads per lane): the index checks need the total
+        values, local, bad = self._lane_sizes(mSizes, lane, rows)
+        scan = self._warp_scan(local, lane, cap)
+        total = cute.arch.shuffle_sync(scan, LANES - 1)
+        if bidx == 0:
+            if warp == 0:
+                bad = bad | Int32(total > rows)
+                if cute.arch.vote_any_sync(bad != 0):
+                    if lane == 0:
+                        cute.printf(self.sizes_message, rows, total)
+                    _trap()
+                if lane == 0:
+                    mOut[0] = Int32(0)
+                running = scan - local
+                for j in cutlass.range_constexpr(self.per_lane):
+                    i = lane * self.per_lane + j
+                    running = running + values[j]
+                    if i < self.G:
+                        mOut[i + 1] = cutlass.select_(i == self.G - 1, rows, running)
+                c = lane
+                while c < counters:
+                    mOut[self.G + 1 + c] = Int32(0)
+                    c = c + LANES
+        else:
+            start = (bidx - 1) * ROUTED_CHUNK
+            end = cutlass.min(start + ROUTED_CHUNK, rows)
+            r = start + tidx
+            while r < end:
+                value = Int64(mIndex[r])
+                wrong = (value < Int64(-1)) | (value >= Int64(tokens)) | ((r >= total) & (value != Int64(-1)))
+                if wrong:
+                    cute.printf(self.index_message, r, value, tokens, total)
+                    _trap()
+                mIdx32[r] = Int32(cutlass.max(value, Int64(0)))
+                r = r + ROUTED_THREADS
+
+
+def compile_routed_bounds(G: int, sizes_dtype: str, index_dtype: str) -> UtilityKernel:
+    """The routed prologue (RoutedBoundsKernel) for `G` groups, sizes and index of the given dtypes ("int32",
+    "int64"), compiled once per process; `launch(sizes_ptr, index_ptr, out_ptr, idx32_ptr, rows, tokens,
+    counters, stream)` with plain integers (rows: the routed rows M = index.numel() >= 1)."""
+    def build():
+        from cutlass.runtime import make_fake_stream
+
+        sizes = make_ptr(cutlass_dtype(sizes_dtype), 0, cute.AddressSpace.gmem, assumed_align=4)
+        index = make_ptr(cutlass_dtype(index_dtype), 0, cute.AddressSpace.gmem, assumed_align=4)
+        out = make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
+        idx32 = make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
+        return cute.compile(RoutedBoundsKernel(G, sizes_dtype, index_dtype), sizes, index, out, idx32, Int32(1),
+                            Int32(1), Int32(0), make_fake_stream(), options="--enable-tvm-ffi")
+
+    return compile_once(("routed_bounds", G, sizes_dtype, index_dtype), build)

@@ -49,15 +49,18 @@ class BlockRunner:
         # (fusion/runtime/bounds.py) when fused kernels run on a GPU; otherwise by torch ops.
         self.device_checked = False
         if use_program:
-            from fusion.runtime.bounds import DevicePrologue
+            from fusion.runtime.bounds import DevicePrologue, RoutedPrologue
             from fusion.runtime.program import BlockProgram
 
             backend = "emulate" if seq.backend == "emulate" else "cute"
             prologue = None
+            grouped = "group_sizes" in seq.inputs.names
             if backend == "cute" and x.device.type == "cuda" and not seq.inputs.gathers:
-                grouped = "group_sizes" in seq.inputs.names
                 prologue = DevicePrologue(seq.inputs.num_groups[0] if grouped else 1, grouped)
                 self.device_checked = grouped
+            elif backend == "cute" and x.device.type == "cuda" and grouped:
+                prologue = RoutedPrologue(seq.inputs.num_groups[0])
+                self.device_checked = True
             self.program = BlockProgram(seq, self.plan, backend, prologue)
         # The sum check reads the sizes on the host: free on the CPU, asked for by backend="reference"; on a
         # GPU it is an asynchronous device assert, so a whole forward can be captured in a CUDA graph.

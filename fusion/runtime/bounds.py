@@ -6,10 +6,13 @@ The kernels read the bounds (G+1 values) and torch._grouped_mm reads o_1..o_G as
 launch of the call takes its own zeroed int32 tile counter from the tail, so nothing is allocated outside the
 call (CUDA-graph pools stay clean) and no extra memset runs.
 
-Two makers of the buffer:
+Three makers of the buffer:
   * `DevicePrologue` (fused plans on a GPU): the one-warp prologue kernel of fusion.kernels.bounds validates
     group_sizes, writes the bounds and zeroes the counters in one launch (a dozen torch ops otherwise, 10-20 us
     of host time each);
+  * `RoutedPrologue` (the same, for an MoE experts block: a Gather first): it also checks the routing index,
+    absorbs the padding rows into the last group and writes the gathering kernels' int32 index, in one launch
+    (about twenty torch ops otherwise);
   * `torch_bounds` (emulate, CPU, and calls whose offsets the caller's context already holds): torch ops.
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ def torch_bounds(ctx, rows: int, device, counters: int) -> torch.Tensor:
 
 class DevicePrologue:
     """The prologue kernel for a block with `groups` groups (1 and no group_sizes for a dense block). Blocks that
-    start with a Gather (sizes may sum to fewer than the routed rows, the rest padding) take `torch_bounds`."""
+    start with a Gather (sizes may sum to fewer than the routed rows, the rest padding) take `RoutedPrologue`."""
 
     def __init__(self, groups: int, grouped: bool):
         self.groups, self.grouped = groups, grouped
@@ -46,11 +49,36 @@ class DevicePrologue:
             compiled = self._compiled[dtype] = compile_group_bounds(self.groups, name)
         return compiled
 
-    def __call__(self, sizes: torch.Tensor | None, rows: int, device: torch.device, counters: int) -> torch.Tensor:
+    def __call__(self, ctx, rows: int, device: torch.device, counters: int) -> torch.Tensor:
         """The call's buffer (G + 1 + counters int32), validated sizes or a device error (no host sync)."""
+        sizes = ctx.group_sizes
         compiled = self._kernel(sizes if self.grouped else None)
         buffer = torch.empty(self.groups + 1 + counters, dtype=torch.int32, device=device)
         stream = torch._C._cuda_getCurrentRawStream(device.index)
         compiled.launch(sizes.data_ptr() if self.grouped else buffer.data_ptr(), buffer.data_ptr(), rows, counters,
                         stream)
+        return buffer
+
+
+class RoutedPrologue:
+    """The prologue kernel of a block that starts with a Gather (fusion.kernels.bounds.RoutedBoundsKernel): the
+    call's buffer as DevicePrologue makes it, with the padding rows past sum(group_sizes) in the last group; the
+    routing index checked; and ctx's derived "gather_index" (the gathering kernels' int32 index, a padding row
+    reading token 0) and ctx.group_sizes (the sizes with the padding absorbed, for the ops that read sizes) set
+    from what it wrote."""
+
+    def __init__(self, groups: int):
+        self.groups = groups
+
+    def __call__(self, ctx, rows: int, device: torch.device, counters: int) -> torch.Tensor:
+        from fusion.kernels.bounds import compile_routed_bounds
+
+        sizes, index = ctx.routed_group_sizes, ctx.index   # rows >= 1: BlockInputs.context checks an empty call
+        buffer = torch.empty(self.groups + 1 + counters, dtype=torch.int32, device=device)
+        index32 = torch.empty(rows, dtype=torch.int32, device=device)
+        compiled = compile_routed_bounds(self.groups, _SIZE_DTYPES[sizes.dtype], _SIZE_DTYPES[index.dtype])
+        compiled.launch(sizes.data_ptr(), index.data_ptr(), buffer.data_ptr(), index32.data_ptr(), rows, ctx.tokens,
+                        counters, torch._C._cuda_getCurrentRawStream(device.index))
+        ctx.derived["gather_index"] = index32
+        ctx.group_sizes = torch.diff(buffer.narrow(0, 0, self.groups + 1))
         return buffer

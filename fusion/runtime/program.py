@@ -58,8 +58,8 @@ def _number_slots(runners) -> int:
 
 
 class BlockProgram:
-    """`prologue`: a fusion.runtime.bounds.DevicePrologue that makes each call's bounds buffer in one launch
-    (fused plans on a GPU), or None (torch ops make it)."""
+    """`prologue`: a fusion.runtime.bounds.DevicePrologue (RoutedPrologue for a block that starts with a Gather)
+    that makes each call's bounds buffer in one launch (fused plans on a GPU), or None (torch ops make it)."""
 
     def __init__(self, seq, plan, backend: str, prologue=None):
         self.seq, self.plan, self.backend = seq, plan, backend
@@ -118,7 +118,7 @@ class BlockProgram:
         ctx.offsets too, for the torch GEMMs and reference ops of the pass."""
         routed = rows if ctx.index is None else ctx.index.numel()
         if self.prologue is not None and ctx.offsets is None:
-            buffer = self.prologue(ctx.group_sizes, routed, device, self.counters)
+            buffer = self.prologue(ctx, routed, device, self.counters)
         else:
             buffer = torch_bounds(ctx, routed, device, self.counters)
         ctx.counters, ctx.groups, ctx.backward_counters_used = buffer, buffer.numel() - 1 - self.counters, False
