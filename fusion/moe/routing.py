@@ -30,15 +30,31 @@ class RouteResult:
     rows_by_token (M,) int64 and token_offsets (T + 2,) int64: for each token its routed rows, for a combine:
         token t's rows are rows_by_token[token_offsets[t]:token_offsets[t + 1]], in increasing row order (the
         order Combine adds them); the padding rows come last. Without round_to every token has exactly k rows
-        and rows_by_token.view(T, k) is the per-token table.
+        and rows_by_token.view(T, k) is the per-token table. Computed when first read (token_layout: a sort
+        of the M rows), not by route(): an experts block's Combine makes its own from `index`, and on a
+        small batch every routing op costs tens of microseconds of host time.
     """
 
     index: torch.Tensor
     group_sizes: torch.Tensor
     probs: torch.Tensor
     expert: torch.Tensor
-    rows_by_token: torch.Tensor
-    token_offsets: torch.Tensor
+    tokens: int
+
+    @property
+    def rows_by_token(self) -> torch.Tensor:
+        return self._layout()[0]
+
+    @property
+    def token_offsets(self) -> torch.Tensor:
+        return self._layout()[1]
+
+    def _layout(self):
+        cached = self.__dict__.get("_token_layout")
+        if cached is None:
+            cached = token_layout(self.index, self.tokens)
+            object.__setattr__(self, "_token_layout", cached)
+        return cached
 
     @property
     def num_rows(self) -> torch.Tensor:
@@ -118,7 +134,6 @@ def _sorted_by_expert(top: torch.Tensor, weights: torch.Tensor, num_experts: int
                       dtype: torch.dtype) -> RouteResult:
     """Top-k (T, k) -> rows grouped by expert, within an expert by token (a stable sort of token-major rows)."""
     tokens, k = top.shape
-    rows = tokens * k
     # The narrowest key dtype: a radix sort makes one pass per key byte (8 passes for int64).
     key = top.reshape(-1).to(torch.uint8 if num_experts <= 256 else torch.int16 if num_experts < 2 ** 15
                               else torch.int32)
@@ -128,12 +143,7 @@ def _sorted_by_expert(top: torch.Tensor, weights: torch.Tensor, num_experts: int
     probs = weights.reshape(-1).index_select(0, order).to(dtype)
     bounds = torch.arange(num_experts + 1, device=top.device, dtype=experts_sorted.dtype)
     group_sizes = torch.searchsorted(experts_sorted, bounds).diff().to(torch.int32)
-    # Token t's rows are where its k token-major entries went (the inverse permutation), in increasing order:
-    # a sort of k values per token, no sort of all M rows. No padding rows: the last segment is empty.
-    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=top.device))
-    rows_by_token = torch.sort(row_of.view(tokens, k), dim=1).values.reshape(-1)
-    token_offsets = (torch.arange(tokens + 2, device=top.device) * k).clamp_max(rows)
-    return RouteResult(index, group_sizes, probs, experts_sorted, rows_by_token, token_offsets)
+    return RouteResult(index, group_sizes, probs, experts_sorted, tokens)
 
 
 def _rounded(top: torch.Tensor, probs_all: torch.Tensor, R: int, dtype: torch.dtype) -> RouteResult:
@@ -166,5 +176,4 @@ def _rounded(top: torch.Tensor, probs_all: torch.Tensor, R: int, dtype: torch.dt
     flat = torch.where(index >= 0, index * num_experts + expert, tokens * num_experts)
     padded = torch.cat([probs_all.reshape(-1), probs_all.new_zeros(1)])
     probs = padded.index_select(0, flat).to(dtype)
-    rows_by_token, token_offsets = token_layout(index, tokens)
-    return RouteResult(index, target.to(torch.int32), probs, expert, rows_by_token, token_offsets)
+    return RouteResult(index, target.to(torch.int32), probs, expert, tokens)
