@@ -167,13 +167,14 @@ def _rounded(top: torch.Tensor, probs_all: torch.Tensor, R: int, dtype: torch.dt
     # Destination row of each kept (t, e): expert e's offset + kept tokens before t; others go to a dump slot.
     m_cap = capacity(tokens, num_experts, top.shape[1], R)
     starts = torch.cumsum(target, 0) - target
-    dest = torch.where(keep, starts.unsqueeze(0) + torch.cumsum(keep.long(), 0) - 1, m_cap).reshape(-1)
+    # (masked_fill, not torch.where with a number: that copies the number to the device, synchronously)
+    dest = (starts.unsqueeze(0) + torch.cumsum(keep.long(), 0) - 1).masked_fill(~keep, m_cap).reshape(-1)
     token_of = torch.arange(tokens, device=device).repeat_interleave(num_experts)
     expert_of = torch.arange(num_experts, device=device).repeat(tokens)
     index = torch.full((m_cap + 1,), -1, dtype=torch.long, device=device).scatter_(0, dest, token_of)[:m_cap]
     expert = torch.full((m_cap + 1,), -1, dtype=torch.long, device=device).scatter_(0, dest, expert_of)[:m_cap]
     # probs through a differentiable gather; padding rows read an appended 0.
-    flat = torch.where(index >= 0, index * num_experts + expert, tokens * num_experts)
+    flat = (index * num_experts + expert).masked_fill(index < 0, tokens * num_experts)
     padded = torch.cat([probs_all.reshape(-1), probs_all.new_zeros(1)])
     probs = padded.index_select(0, flat).to(dtype)
     return RouteResult(index, target.to(torch.int32), probs, expert, tokens)
