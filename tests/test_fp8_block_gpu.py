@@ -204,3 +204,25 @@ def test_fp8_block_inside_torch_compile_runs_the_fused_fp8_kernels():
     assert sorted(LAUNCHES.by_step) == ["B1", "F1"], LAUNCHES.by_step
     for name, ref in want.items():
         assert got[name] is not None and _rel(got[name], ref) < 1e-3, name
+
+
+def test_lone_fp8_gemms_take_their_tile_counter_from_the_calls_buffer(monkeypatch, no_reference_recipe):
+    """FC2's fprop and FC1's dgrad (the lone FP8 GEMMs, dynamic schedule) launch with a counter slot of the call's
+    bounds buffer: no launch allocates and zeroes one. The results still match (a shared or stale counter would
+    skip tiles)."""
+    import fusion.kernels.fp8_api as fp8_api
+
+    real, given = fp8_api.launch_grid, []
+
+    def spy(compiled, M, dev, offsets, num_ctas=None, counter_ptr=None):
+        given.append(counter_ptr)
+        return real(compiled, M, dev, offsets, num_ctas, counter_ptr)
+
+    monkeypatch.setattr(fp8_api, "launch_grid", spy)
+    E, sizes, d, f = CASES[0]
+    sizes = torch.tensor(sizes, device=DEV)
+    seq = _block(E, d, f)
+    x, dy, probs = _inputs(E, int(sizes.sum()), d, sizes)
+    _assert_kernels_match_recipe(seq, x, sizes, probs, dy, no_reference_recipe)
+    assert given and all(p is not None for p in given), given
+    assert len(set(given)) == len(given), "every FP8 launch of the step its own counter"

@@ -81,3 +81,27 @@ def test_lone_fp8_gemms_read_the_calls_bounds_buffer_where_it_fits():
     dense_ctx = RunContext(counters=torch.tensor([0, 7, 0], dtype=torch.int32), groups=1)
     assert fp8_gemm._row_bounds(dense, 7, dense_ctx, "cpu") is dense_ctx.counters
     assert fp8_gemm._row_bounds(grouped, 7, RunContext(group_sizes=sizes), "cpu").tolist() == [0, 2, 2, 7]
+
+
+def test_lone_fp8_gemm_steps_hold_tile_counter_slots_of_the_calls_buffer():
+    """Every step that launches a dynamically scheduled kernel has its own zeroed counter in the call's buffer:
+    the fused steps and the lone FP8 GEMMs (FC2's fprop, FC1's dgrad), so no launch allocates and zeroes one."""
+    from fusion import Sequential, SwiGLU
+    from fusion.run_context import RunContext
+    from fusion.runtime import steps as S
+    from fusion.runtime.program import BlockProgram
+
+    block = Sequential(GroupLinear(4, 128, 256, weight_format="fp8_block"), SwiGLU(),
+                       GroupLinear(4, 128, 128, weight_format="fp8_block")).bfloat16()
+    program = BlockProgram(block, block.plan(torch.bfloat16), "cute")   # the GPU program (built here, never run)
+    fwd = {type(r).__name__: r for r in program.forward_steps}
+    assert fwd["OpForward"].tile_counter and fwd["FusedForward"].slot != fwd["OpForward"].slot
+    dgrads = [r for r in program.backward_steps if isinstance(r, S.GemmDgrad)]
+    assert dgrads and all(r.tile_counter for r in dgrads)
+    assert program.forward_kernels == 2
+    counted = [r for r in program.backward_steps if isinstance(r, S._KernelStep) or getattr(r, "tile_counter", False)]
+    assert program.backward_kernels == len(counted) and sorted(r.slot for r in counted) == list(range(len(counted)))
+    # the address each passes: its own int32 of the buffer's tail
+    state = S.RunState(ctx=RunContext(counters=torch.zeros(5 + program.counters, dtype=torch.int32), groups=4))
+    assert fwd["OpForward"]._counter(state) == {
+        "counter": state.ctx.counters.data_ptr() + 4 * (5 + fwd["OpForward"].slot)}

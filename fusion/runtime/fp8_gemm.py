@@ -31,6 +31,11 @@ from fusion.run_context import RunContext
 
 _COMPILED: dict = {}
 
+#: run and dgrad take `counter`: the address of a zeroed int32 tile counter for the kernel's dynamic scheduler, a
+#: slot of the call's bounds buffer that the program gives the step (fusion/runtime/program.py), so a lone FP8
+#: GEMM allocates and zeroes none per launch.
+TILE_COUNTER = True
+
 
 def takes(op, x) -> bool:
     """Whether the FP8 kernels run `op` on `x`: a CUDA input in bf16/fp16 (or an fp8_block QuantizedTensor of
@@ -124,14 +129,15 @@ def _rowwise(x: torch.Tensor):
     return _quantized(x)[:2]
 
 
-def _gemm(a, b, bounds, dtype, what: str):
-    """``out[r] = A[r] @ B[g(r)].T`` for BlockScaled operands, B (G, N, K)."""
+def _gemm(a, b, bounds, dtype, what: str, counter=None):
+    """``out[r] = A[r] @ B[g(r)].T`` for BlockScaled operands, B (G, N, K); `counter`: TILE_COUNTER's address, or
+    None (a zeroed one is allocated for the launch)."""
     from fusion.kernels.fp8_api import run_fp8_grouped_gemm
 
     G, N, K = b.data.shape
     compiled = _kernel(N, K, G, dtype, what)
     out = torch.empty(a.data.shape[0], N, dtype=dtype, device=a.data.device)
-    run_fp8_grouped_gemm(compiled, a.data, a.scale, b.data, b.scale, bounds, {"out": out})
+    run_fp8_grouped_gemm(compiled, a.data, a.scale, b.data, b.scale, bounds, {"out": out}, counter_ptr=counter)
     return out
 
 
@@ -161,15 +167,16 @@ def weight_operand(op, transposed: bool = False):
     return BlockScaled(data, scale)
 
 
-def run(op, x, ctx: RunContext) -> torch.Tensor:
+def run(op, x, ctx: RunContext, counter: int | None = None) -> torch.Tensor:
     """Y = X @ W[g].T per group, in x's dtype."""
-    return _gemm(operand(x), weight_operand(op), _row_bounds(op, x.shape[0], ctx, x.device), x.dtype, "fprop")
+    return _gemm(operand(x), weight_operand(op), _row_bounds(op, x.shape[0], ctx, x.device), x.dtype, "fprop",
+                 counter)
 
 
-def dgrad(op, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+def dgrad(op, dy: torch.Tensor, ctx: RunContext, counter: int | None = None) -> torch.Tensor:
     """``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3) times the weight's transposed blocks."""
     return _gemm(operand(dy), weight_operand(op, transposed=True), _row_bounds(op, dy.shape[0], ctx, dy.device),
-                 dy.dtype, "dgrad")
+                 dy.dtype, "dgrad", counter)
 
 
 def wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:

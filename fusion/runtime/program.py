@@ -50,8 +50,9 @@ def _last_reads(steps, keep: set, bases: dict[str, str]) -> list[tuple[str, ...]
 
 
 def _number_slots(runners) -> int:
-    """Give each kernel step its own tile-counter slot; returns how many."""
-    kernels = [r for r in runners if isinstance(r, S._KernelStep)]
+    """Give each kernel step, and each step whose device method takes a tile counter, its own tile-counter slot;
+    returns how many."""
+    kernels = [r for r in runners if isinstance(r, S._KernelStep) or getattr(r, "tile_counter", False)]
     for slot, runner in enumerate(kernels):
         runner.slot = slot
     return len(kernels)

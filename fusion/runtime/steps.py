@@ -254,7 +254,22 @@ def _device_method(op, part: str, device_kernels: bool):
     return None if entry is None else importlib.import_module(f"fusion.runtime.{entry[0]}")
 
 
-class OpForward:
+class _DeviceMethodStep:
+    """A step whose device method may launch a dynamically scheduled kernel (its module sets TILE_COUNTER): the
+    step then holds a tile-counter slot of the call's buffer like a fused step (`tile_counter`, `slot`, set by
+    BlockProgram), and passes its address."""
+
+    tile_counter = False
+    slot = 0
+
+    def _claim_counter(self) -> None:
+        self.tile_counter = bool(getattr(self.device, "TILE_COUNTER", False))
+
+    def _counter(self, state: RunState) -> dict:
+        return {"counter": state.counter_ptr(self.slot)} if self.tile_counter else {}
+
+
+class OpForward(_DeviceMethodStep):
     """An op outside any fused kernel: its reference implementation (autograd is the block's), or the device
     kernel fusion.op_table.DEVICE_METHODS names for it when the block runs kernels (`device_kernels`)."""
 
@@ -264,11 +279,12 @@ class OpForward:
         (self.index,) = step.ops
         self.op = seq[self.index]
         self.device = _device_method(self.op, "forward", device_kernels)
+        self._claim_counter()
 
     def run(self, state: RunState, train: bool) -> None:
         x = state.env[v(self.index)]
         if self.device is not None and self.device.takes(self.op, x):
-            state.env[v(self.index + 1)] = self.device.run(self.op, x, state.ctx)
+            state.env[v(self.index + 1)] = self.device.run(self.op, x, state.ctx, **self._counter(state))
             return
         state.env[v(self.index + 1)] = self.op.reference(x, state.ctx)
 
@@ -393,7 +409,7 @@ class FusedDgrad(_KernelStep):
             state.env[v(self.j)] = outs["postact"]
 
 
-class GemmDgrad:
+class GemmDgrad(_DeviceMethodStep):
     """GEMM j's input gradient alone: the vendor grouped GEMM; for fp8_block weights the FP8 kernel (its device
     method, fusion/runtime/fp8_gemm.py) where the block runs kernels and it takes dY, else the recipe's reference."""
 
@@ -405,6 +421,7 @@ class GemmDgrad:
         self.grad_in = out_grad(plan.ops, self.index)
         self.fp8 = _is_fp8(self.op)
         self.device = _device_method(self.op, "dgrad", device_kernels)
+        self._claim_counter()
 
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize
@@ -415,7 +432,7 @@ class GemmDgrad:
         if not self.fp8:
             dx = linear_dgrad(dy, weight_of(op), ctx.group_sizes, ctx.offsets)
         elif self.device is not None and self.device.takes(op, dy):
-            dx = self.device.dgrad(op, dy, ctx)
+            dx = self.device.dgrad(op, dy, ctx, **self._counter(state))
         else:
             from fusion.quant.fp8_linear import fp8_block_dgrad
 
