@@ -9,9 +9,6 @@ bench/profile_step.py (GPU kernels) and bench/host_overhead.py (host microsecond
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import sys
 from pathlib import Path
 
@@ -22,6 +19,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # run from a checkout
 
 from bench_training_step import BLOCKS, phase_fn, setup_block  # noqa: E402
+from profiling import print_host  # noqa: E402
 
 
 def main(argv=None):
@@ -40,18 +38,7 @@ def main(argv=None):
         clear()
         call()
     torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(args.calls):
-        clear()
-        call()
-    prof.disable()
-    torch.cuda.synchronize()
-    for key in ("tottime", "cumulative"):
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
-        print(f"== {args.model} {args.path} {args.phase}: {args.calls} calls, sorted by {key}")
-        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
+    print_host(call, clear, args.calls, args.top, f"{args.model} {args.path} {args.phase}")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,7 @@ bench/profile_host.py.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import math
-import pstats
 import sys
 from pathlib import Path
 
@@ -24,6 +21,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from bench_moe import CONFIGS, Options, make_paths, phase_fn  # noqa: E402
+from profiling import print_host, print_kernels  # noqa: E402
 
 
 def setup(model: str, tokens: int, path_name: str, backend: str = "auto"):
@@ -58,30 +56,8 @@ def main(argv=None):
         call()
     torch.cuda.synchronize()
     title = f"{args.model} T={args.tokens} {args.path} {args.phase}"
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.calls):
-            clear()
-            call()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in events) / args.calls
-    print(f"== {title}: {total / 1000:.3f} ms of kernels per call")
-    for e in events[:args.top]:
-        per = e.device_time_total / args.calls
-        print(f"  {per / 1000:8.3f} ms {100 * per / total:5.1f}%  x{e.count // args.calls:<3d} {e.key[:110]}")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(args.calls):
-        clear()
-        call()
-    prof.disable()
-    torch.cuda.synchronize()
-    for key in ("tottime", "cumulative"):
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
-        print(f"== {title}: host, {args.calls} calls, by {key}")
-        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:8000])
+    print_kernels(call, clear, args.calls, args.top, title)
+    print_host(call, clear, args.calls, args.top, title)
 
 
 if __name__ == "__main__":

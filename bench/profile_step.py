@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_training_step as B  # noqa: E402
+from profiling import print_kernels  # noqa: E402
 
 
 def main(argv=None):
@@ -34,18 +35,7 @@ def main(argv=None):
         clear()
         call()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            clear()
-            call()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in events) / args.steps
-    print(f"{block.model} {args.path} {args.phase}: {total / 1000:.3f} ms of kernels per step")
-    for e in events[:args.top]:
-        per = e.device_time_total / args.steps
-        print(f"  {per / 1000:8.3f} ms {100 * per / total:5.1f}%  x{e.count // args.steps:<3d} {e.key[:110]}")
+    print_kernels(call, clear, args.steps, args.top, f"{block.model} {args.path} {args.phase}")
 
 
 if __name__ == "__main__":

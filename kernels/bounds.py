@@ -51,17 +51,13 @@ class GroupBoundsKernel:
         self.kernel(mSizes, mOut, rows, counters).launch(grid=(1, 1, 1), block=(LANES, 1, 1), stream=stream)
 
     @cute.jit
-    def _saturating_add(self, a: Int32, b: Int32, cap: Int32) -> Int32:
-        return cutlass.min(a + b, cap)
-
-    @cute.kernel
-    def kernel(self, mSizes: cute.Tensor, mOut: cute.Tensor, rows: Int32, counters: Int32):
-        lane, _, _ = cute.arch.thread_idx()
+    def _lane_sizes(self, mSizes: cute.Tensor, lane: Int32, rows: Int32):
+        """This lane's groups (consecutive, so that the warp scan is a plain prefix): their sizes clamped to
+        [0, rows], their sum saturating at rows + 1, and whether one was out of range."""
         cap = rows + 1
         bad = Int32(0)
         values = []
         local = Int32(0)
-        # load, check and sum this lane's groups (consecutive, so the scan below is a plain prefix)
         for j in cutlass.range_constexpr(self.per_lane):
             i = lane * self.per_lane + j
             size = Int32(0)
@@ -72,30 +68,32 @@ class GroupBoundsKernel:
                     raw = mSizes[cutlass.min(i, self.G - 1)]
                     if const_expr(self.sizes_dtype == "int64"):
                         wide = Int64(raw)
-                        out_of_range = (wide < Int64(0)) | (wide > Int64(rows))
-                        bad = bad | Int32(out_of_range)
+                        bad = bad | Int32((wide < Int64(0)) | (wide > Int64(rows)))
                         size = Int32(cutlass.max(cutlass.min(wide, Int64(rows)), Int64(0)))
                     else:
                         narrow = Int32(raw)
                         bad = bad | Int32((narrow < 0) | (narrow > rows))
                         size = cutlass.max(cutlass.min(narrow, rows), Int32(0))
             values.append(size)
-            local = self._saturating_add(local, size, cap)
-        # inclusive scan of the lane sums across the warp (saturating: associative for non-negative values)
+            local = cutlass.min(local + size, cap)
+        return values, local, bad
+
+    @cute.jit
+    def _warp_scan(self, local: Int32, lane: Int32, cap: Int32) -> Int32:
+        """Inclusive scan of the lane sums across the warp (saturating at `cap`: associative for non-negative
+        values, and no int32 wrap)."""
         scan = local
         for k in cutlass.range_constexpr(5):
             offset = 1 << k
             other = cute.arch.shuffle_sync_up(scan, offset)
             if lane >= offset:
-                scan = self._saturating_add(scan, other, cap)
-        total = cute.arch.shuffle_sync(scan, LANES - 1)
-        before = scan - local
-        if const_expr(self.sizes_dtype is not None):  # one group of all rows (dense) needs no check
-            bad = bad | Int32(total != rows)
-            if cute.arch.vote_any_sync(bad != 0):
-                if lane == 0:
-                    cute.printf(self.message, rows, total)
-                _trap()
+                scan = cutlass.min(scan + other, cap)
+        return scan
+
+    @cute.jit
+    def _write(self, mOut: cute.Tensor, lane: Int32, values, before: Int32, last: Int32, counters: Int32):
+        """Bounds [0, o_1, ..., o_{G-1}, last] (`before`: the sum of the groups before this lane's) and zeroed
+        counters."""
         if lane == 0:
             mOut[0] = Int32(0)
         running = before
@@ -103,11 +101,25 @@ class GroupBoundsKernel:
             i = lane * self.per_lane + j
             running = running + values[j]
             if i < self.G:
-                mOut[i + 1] = running
+                mOut[i + 1] = cutlass.select_(i == self.G - 1, last, running)
         c = lane
         while c < counters:
             mOut[self.G + 1 + c] = Int32(0)
             c = c + LANES
+
+    @cute.kernel
+    def kernel(self, mSizes: cute.Tensor, mOut: cute.Tensor, rows: Int32, counters: Int32):
+        lane, _, _ = cute.arch.thread_idx()
+        values, local, bad = self._lane_sizes(mSizes, lane, rows)
+        scan = self._warp_scan(local, lane, rows + 1)
+        total = cute.arch.shuffle_sync(scan, LANES - 1)
+        if const_expr(self.sizes_dtype is not None):  # one group of all rows (dense) needs no check
+            bad = bad | Int32(total != rows)
+            if cute.arch.vote_any_sync(bad != 0):
+                if lane == 0:
+                    cute.printf(self.message, rows, total)
+                _trap()
+        self._write(mOut, lane, values, scan - local, total, counters)
 
 
 def compile_group_bounds(G: int, sizes_dtype: str | None) -> UtilityKernel:
@@ -129,7 +141,7 @@ ROUTED_THREADS = 128
 ROUTED_CHUNK = 4096
 
 
-class RoutedBoundsKernel:
+class RoutedBoundsKernel(GroupBoundsKernel):
     """The prologue of an MoE experts block (a Gather first): what GroupBoundsKernel does, for routed rows.
 
     - CTA 0, warp 0: the sizes, each in [0, rows] and summing to *at most* rows (the rows past the sum are
@@ -144,10 +156,8 @@ class RoutedBoundsKernel:
     value prints the problem on the device and traps, like GroupBoundsKernel."""
 
     def __init__(self, G: int, sizes_dtype: str, index_dtype: str):
-        self.G = G
-        self.sizes_dtype = sizes_dtype
+        super().__init__(G, sizes_dtype)
         self.index_dtype = index_dtype
-        self.per_lane = (G + LANES - 1) // LANES
         self.sizes_message = ("fusion: group_sizes must each be in [0, routed rows] and sum to at most the "
                               "routed rows = %d; got a sum of %d (counted up to rows + 1) or a size out of range\n")
         self.index_message = ("fusion: index[%d] = %lld: the index must lie in [-1, tokens = %d), and be -1 on "
@@ -164,36 +174,6 @@ class RoutedBoundsKernel:
         self.kernel(mSizes, mIndex, mOut, mIdx32, rows, tokens, counters).launch(
             grid=(1 + chunks, 1, 1), block=(ROUTED_THREADS, 1, 1), stream=stream)
 
-    @cute.jit
-    def _lane_sizes(self, mSizes: cute.Tensor, lane: Int32, rows: Int32):
-        """This lane's groups (consecutive): their sizes clamped to [0, rows], their saturating sum, and whether
-        one was out of range."""
-        cap = rows + 1
-        bad = Int32(0)
-        values = []
-        local = Int32(0)
-        for j in cutlass.range_constexpr(self.per_lane):
-            i = lane * self.per_lane + j
-            size = Int32(0)
-            if i < self.G:
-                raw = mSizes[cutlass.min(i, self.G - 1)]
-                wide = Int64(raw)
-                bad = bad | Int32((wide < Int64(0)) | (wide > Int64(rows)))
-                size = Int32(cutlass.max(cutlass.min(wide, Int64(rows)), Int64(0)))
-            values.append(size)
-            local = cutlass.min(local + size, cap)
-        return values, local, bad
-
-    @cute.jit
-    def _warp_scan(self, local: Int32, lane: Int32, cap: Int32) -> Int32:
-        scan = local
-        for k in cutlass.range_constexpr(5):
-            offset = 1 << k
-            other = cute.arch.shuffle_sync_up(scan, offset)
-            if lane >= offset:
-                scan = cutlass.min(scan + other, cap)
-        return scan
-
     @cute.kernel
     def kernel(self, mSizes: cute.Tensor, mIndex: cute.Tensor, mOut: cute.Tensor, mIdx32: cute.Tensor,
                rows: Int32, tokens: Int32, counters: Int32):
@@ -201,10 +181,9 @@ class RoutedBoundsKernel:
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % LANES
         warp = tidx // LANES
-        cap = rows + 1
         # every warp sums the sizes (a few loads per lane): the index checks need the total
         values, local, bad = self._lane_sizes(mSizes, lane, rows)
-        scan = self._warp_scan(local, lane, cap)
+        scan = self._warp_scan(local, lane, rows + 1)
         total = cute.arch.shuffle_sync(scan, LANES - 1)
         if bidx == 0:
             if warp == 0:
@@ -213,18 +192,7 @@ class RoutedBoundsKernel:
                     if lane == 0:
                         cute.printf(self.sizes_message, rows, total)
                     _trap()
-                if lane == 0:
-                    mOut[0] = Int32(0)
-                running = scan - local
-                for j in cutlass.range_constexpr(self.per_lane):
-                    i = lane * self.per_lane + j
-                    running = running + values[j]
-                    if i < self.G:
-                        mOut[i + 1] = cutlass.select_(i == self.G - 1, rows, running)
-                c = lane
-                while c < counters:
-                    mOut[self.G + 1 + c] = Int32(0)
-                    c = c + LANES
+                self._write(mOut, lane, values, scan - local, rows, counters)   # the padding joins the last group
         else:
             start = (bidx - 1) * ROUTED_CHUNK
             end = cutlass.min(start + ROUTED_CHUNK, rows)

@@ -1,0 +1,45 @@
+"""What the profiling scripts (profile_step.py, profile_host.py, profile_moe.py) print: a call's CUDA kernels by
+GPU time (torch.profiler) and its Python functions by host time (cProfile), each over back-to-back calls."""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+
+import torch
+
+
+def _calls(call, clear, n: int) -> None:
+    for _ in range(n):
+        clear()
+        call()
+
+
+def print_kernels(call, clear, calls: int, top: int, title: str) -> None:
+    """torch.profiler over `calls` back-to-back calls: total kernel ms per call, then the `top` kernels."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _calls(call, clear, calls)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / calls
+    print(f"== {title}: {total / 1000:.3f} ms of kernels per call")
+    for e in events[:top]:
+        per = e.device_time_total / calls
+        print(f"  {per / 1000:8.3f} ms {100 * per / total:5.1f}%  x{e.count // calls:<3d} {e.key[:110]}")
+
+
+def print_host(call, clear, calls: int, top: int, title: str, keys=("tottime", "cumulative")) -> None:
+    """cProfile over `calls` back-to-back calls (the GPU keeps up or not: only Python's time is attributed): the
+    `top` functions by each of `keys`."""
+    prof = cProfile.Profile()
+    prof.enable()
+    _calls(call, clear, calls)
+    prof.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for key in keys:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+        print(f"== {title}: host, {calls} calls, by {key}")
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
