@@ -167,7 +167,7 @@ def _rounded(top: torch.Tensor, probs_all: torch.Tensor, R: int, dtype: torch.dt
     # Destination row of each kept (t, e): expert e's offset + kept tokens before t; others go to a dump slot.
     m_cap = capacity(tokens, num_experts, top.shape[1], R)
     starts = torch.cumsum(target, 0) - target
-    # (masked_fill, not torch.where with a number: that copies the number to the device, synchronously)
+    # (masked_fill, not torch.where with a number: that first copies the number to the device)
     dest = (starts.unsqueeze(0) + torch.cumsum(keep.long(), 0) - 1).masked_fill(~keep, m_cap).reshape(-1)
     token_of = torch.arange(tokens, device=device).repeat_interleave(num_experts)
     expert_of = torch.arange(num_experts, device=device).repeat(tokens)
