@@ -10,7 +10,8 @@ a gated GEMM (N = 2f, K = d) with the SwiGLU*scale epilogue.
   torch                    x.index_select + torch._grouped_mm (the GEMM alone, no epilogue)
 
 TFLOP/s counts 2*M*d*2f for every row. Usage: python bench/bench_gather_gemm.py [--shapes i,j] [--sweep] [--out file.json]
-(--sweep: every gather-A tile configuration autotune mode would try, kernels/tile_policy.py candidates).
+(--sweep: every gather-A tile configuration autotune mode would try, kernels/tile_policy.py candidates, and the
+widths that leave a ragged last n-tile).
 """
 import argparse
 import dataclasses
@@ -29,6 +30,8 @@ SHAPES = {  # name: (E, d, f, T, k)
     "qwen3-30b-a3b": (128, 2048, 768, 16384, 8),
     "olmoe": (64, 2048, 1024, 16384, 8),
     "mixtral-8x7b": (8, 4096, 14336, 8192, 2),
+    "gpt-oss-120b": (128, 2880, 2880, 16384, 4),
+    "deepseek-v3-ep8": (32, 7168, 2048, 8192, 8),
 }
 
 
@@ -89,8 +92,10 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False):
         f"pre-gathered, runtime ({'dynamic' if runtime_cfg.dynamic else 'static'})": lambda: run("runtime", xg),
         "index_select + runtime kernel": lambda: run("runtime", x.index_select(0, index)),
     }
-    if sweep:  # every gather-A candidate of autotune mode (kernels/tile_policy.py: candidates)
-        for cfg in candidates(gather_cfg, N)[1:]:
+    if sweep:  # autotune mode's gather-A candidates, and the widths that leave a ragged last n-tile
+        ragged = [dataclasses.replace(gather_cfg, tile_n=tn, stages=st, pingpong=pp)
+                  for tn, st in ((128, 6), (192, 5), (256, 4)) for pp in (False, True) if N % tn]
+        for cfg in [c for c in candidates(gather_cfg, N)[1:] + ragged if c != gather_cfg]:
             try:
                 kern[cfg] = K.compile_grouped_gemm(cfg, epi, "bfloat16", N, d, E)
             except Exception as exc:  # noqa: BLE001 - a candidate that does not build is reported, not fatal

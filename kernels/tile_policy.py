@@ -120,7 +120,11 @@ def gather_tile(config: GemmConfig, N: int) -> GemmConfig:
     43%). 128x192 pingpong where 192 divides N, else 128x256 cooperative where 256 does, else `config`.
     Measured on an H100 (bench/bench_gather_gemm.py --sweep, T=16384, k=8, SwiGLU*scale): Qwen3-30B-A3B's FC1
     (N=1536) 1.87 -> 1.38 ms (192 pingpong; 256 cooperative 1.70), OLMoE's (N=2048) 2.19 -> 1.78 ms (256
-    cooperative; 256 pingpong 2.21); both then at or above the pre-gathered kernel's speed."""
+    cooperative; 256 pingpong 2.21); both then at or above the pre-gathered kernel's speed. The same sweep with
+    the ragged widths too (bench/results/H100-2026-11-24-gather-sweep.json) keeps this rule: GPT-OSS-120B's FC1
+    (N=5760) 3.35 ms at 192 pingpong against 4.29 at 256 cooperative (ragged), DeepSeek-V3's (N=4096) 5.74 ms
+    at 256 cooperative against 7.19 at 192 cooperative (ragged); torch's index_select + _grouped_mm 4.21 and
+    6.05."""
     if N % 192 == 0:
         return dataclasses.replace(config, tile_n=192, stages=_max_stages_capped(192, 5), pingpong=True)
     if N % 256 == 0:
