@@ -134,9 +134,10 @@ def _sorted_by_expert(top: torch.Tensor, weights: torch.Tensor, num_experts: int
                       dtype: torch.dtype) -> RouteResult:
     """Top-k (T, k) -> rows grouped by expert, within an expert by token (a stable sort of token-major rows)."""
     tokens, k = top.shape
-    # The narrowest key dtype: a radix sort makes one pass per key byte (8 passes for int64).
-    key = top.reshape(-1).to(torch.uint8 if num_experts <= 256 else torch.int16 if num_experts < 2 ** 15
-                              else torch.int32)
+    # The narrowest key dtype: a radix sort makes one pass per key byte (8 passes for int64). `top` is a slice of
+    # the sort's indices: the cast copies it contiguous, so the flattening after it is a view, not a second copy.
+    key = top.to(torch.uint8 if num_experts <= 256 else torch.int16 if num_experts < 2 ** 15
+                 else torch.int32).view(-1)
     keys_sorted, order = torch.sort(key, stable=True)
     experts_sorted = keys_sorted.long()
     index = torch.div(order, k, rounding_mode="floor")
