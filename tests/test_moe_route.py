@@ -44,6 +44,15 @@ def test_selection_bias_changes_choice_not_probabilities():
     torch.testing.assert_close(r.probs[rows], torch.sigmoid(logits[:, 3]))  # prob is the score, without bias
 
 
+def test_token_layout_is_built_when_first_read_not_by_route():
+    """route() leaves the per-token table to its first reader (an experts block's Combine builds its own): a sort
+    of the M rows fewer per routing call."""
+    r = route(torch.randn(30, 8, dtype=torch.float64), 2)
+    assert "_token_layout" not in r.__dict__
+    rows = r.rows_by_token
+    assert r.__dict__["_token_layout"][0] is rows and r.rows_by_token is rows   # built once, then kept
+
+
 def test_large_expert_count_and_empty_experts():
     logits = torch.randn(64, 256, dtype=torch.float64)
     logits[:, 200:] -= 100  # experts 200.. never chosen: empty groups
