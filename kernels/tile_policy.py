@@ -12,6 +12,7 @@ loading the DSL.
     gather_tile(config, N)             the wider tile a gathering kernel takes (its A loads bound it)
     spill_fallback(config)             the configuration compile_grouped_gemm rebuilds a spilling kernel at
     candidates(base, N)                what autotune mode times (fusion/runtime/autotune.py)
+    WgradConfig, choose_wgrad_config   the varlen-K kernel's (weight gradients, kernels/varlen_k_gemm.py)
 
 Measured on an H200 (bench/results_h200_v3.txt); tests/test_compile_plans.py checks the SASS of the fused
 kernels (no spills, wgmma).
@@ -170,3 +171,34 @@ def candidates(base: GemmConfig, N: int) -> list[GemmConfig]:
                 if cfg not in out:
                     out.append(cfg)
     return out
+
+
+@dataclass(frozen=True)
+class WgradConfig:
+    """The tile configuration of the varlen-K kernel (kernels/varlen_k_gemm.py): D[g] = A_g.T @ B_g, a
+    ``tile_m x tile_n`` tile of D (Ma x Nb) per CTA step, ``tile_k`` rows of the group per k-step."""
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    stages: int = 4
+    pingpong: bool = False
+    gather_a: bool = False   # A's rows read through the index (A is a (T, Ma) token matrix)
+    gather_b: bool = False   # B's rows read through the index (B is a (T, Nb) token matrix)
+    sm_margin: int = 0       # leave this many SMs free
+    cluster_m: int = 1       # 2: CTA pairs on neighbouring m-tiles share B's tile by TMA multicast (no gather)
+
+
+def choose_wgrad_config(Ma: int, Nb: int, G: int, gather_a: bool = False, gather_b: bool = False) -> WgradConfig:
+    """The varlen-K kernel's tile for D (G, Ma, Nb), a function of the shapes only (the rows are dynamic).
+
+    The kernel is bound by L2 bandwidth, so a wider tile (fewer bytes per FLOP) wins: 128x256 cooperative where
+    256 divides Nb, else 128x192 pingpong where 192 does, else 128x128 pingpong; without a gathered operand, CTA
+    pairs share B's tile by TMA multicast (cluster_m = 2)."""
+    if Nb % 256 == 0:
+        cfg = WgradConfig(tile_n=256, stages=_max_stages_capped(256, 4), pingpong=False)
+    elif Nb % 192 == 0:
+        cfg = WgradConfig(tile_n=192, stages=_max_stages_capped(192, 5), pingpong=True)
+    else:
+        cfg = WgradConfig(tile_n=128, stages=6, pingpong=True)
+    return dataclasses.replace(cfg, gather_a=gather_a, gather_b=gather_b,
+                               cluster_m=1 if gather_a or gather_b else 2)

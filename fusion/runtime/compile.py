@@ -25,7 +25,7 @@ from pathlib import Path
 from fusion.codegen.cache import (BadEntry, cache_dir, discard_entry, dsl_version, load_generated, read_entry,
                                   source_key, template_version, write_entry)
 from fusion.errors import CompileError
-from fusion.kernels.tile_policy import GemmConfig
+from fusion.kernels.tile_policy import GemmConfig, WgradConfig
 
 _LOADED: dict[str, object] = {}
 _LOCK = threading.Lock()
@@ -49,7 +49,9 @@ class KernelJob:
     G: int
     target: str
     #: the GEMM's operands: "bf16" (the dtype's wgmma, kernels/grouped_gemm.py) or "fp8_block" (E4M3 codes with
-    #: 1x128 / 128x128 block scales, kernels/fp8_gemm.py); the weight_format of the GEMM the pattern bound
+    #: 1x128 / 128x128 block scales, kernels/fp8_gemm.py); the weight_format of the GEMM the pattern bound.
+    #: "varlen_k": a weight gradient D[g] = A_g.T @ B_g (kernels/varlen_k_gemm.py; config: WgradConfig fields,
+    #: N = B's columns, K = A's, no epilogue source)
     mainloop: str = "bf16"
 
     @property
@@ -61,6 +63,8 @@ class KernelJob:
 
     @property
     def name(self) -> str:
+        if self.mainloop == "varlen_k":
+            return f"wgrad_{self.step}_{self.dtype}_Ma{self.K}_Nb{self.N}_G{self.G}"
         fp8 = "_fp8" if self.mainloop == "fp8_block" else ""
         return f"fused_{self.step}_{self.variant}{fp8}_{self.dtype}_N{self.N}_K{self.K}_G{self.G}"
 
@@ -94,8 +98,8 @@ def _epilogue(job: KernelJob):
     return load_generated(job.source, CLASS_NAME, source_key(job.source, job.target))()
 
 
-def _config(job: KernelJob) -> GemmConfig:
-    return GemmConfig(*job.config)
+def _config(job: KernelJob) -> GemmConfig | WgradConfig:
+    return (WgradConfig if job.mainloop == "varlen_k" else GemmConfig)(*job.config)
 
 
 def _entry(job: KernelJob) -> tuple[dict, dict] | None:
@@ -117,6 +121,10 @@ def _entry(job: KernelJob) -> tuple[dict, dict] | None:
 
 def _compile(job: KernelJob):
     """The job's kernel, compiled by its mainloop's template."""
+    if job.mainloop == "varlen_k":
+        from fusion.kernels.wgrad_api import compile_varlen_k_gemm
+
+        return compile_varlen_k_gemm(_config(job), job.dtype, job.K, job.N, job.G, target=job.target)
     if job.mainloop == "fp8_block":
         from fusion.kernels import compile_fp8_grouped_gemm
 
@@ -184,6 +192,11 @@ def _load_from_disk(job: KernelJob, entry: tuple[dict, dict]):
                       f"rebuilding it", RuntimeWarning, stacklevel=3)
         discard_entry(folder)
         return _build(job)
+    if job.mainloop == "varlen_k":
+        from fusion.kernels.wgrad_api import CompiledVarlenKGemm
+
+        return CompiledVarlenKGemm(fn, _config(job), job.dtype, job.dtype, job.K, job.N, job.G,
+                                   files["kernel.ptx"].decode(), files["kernel.cubin"], meta["shared_memory_bytes"])
     # The configuration the kernel was built with, which the launch grid depends on: not the requested one
     # when compile_grouped_gemm fell back to a tile that does not spill.
     cls = CompiledFp8GroupedGemm if job.mainloop == "fp8_block" else CompiledGroupedGemm
@@ -206,4 +219,4 @@ def artifact(job: KernelJob) -> CompiledKernel:
     return CompiledKernel(name=job.name, key=job.key, registers=meta["registers"],
                           shared_memory_bytes=meta["shared_memory_bytes"], ptx=files["kernel.ptx"].decode(),
                           cubin=files["kernel.cubin"], path=str(_kernel_dir(job.key)),
-                          config=GemmConfig(*meta["config"]), requested_config=_config(job))
+                          config=type(_config(job))(*meta["config"]), requested_config=_config(job))

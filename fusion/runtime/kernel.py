@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from fusion.kernels.tile_policy import choose_fp8_config, tile_config
+from fusion.kernels.tile_policy import choose_fp8_config, choose_wgrad_config, tile_config
 from fusion.runtime.compile import KernelJob
 
 
@@ -46,6 +46,16 @@ def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: boo
         config = tile_config(N, K, G, gated, b_major, reads_aux, gather)
     return KernelJob(step=step, variant=variant, source=source, config=config,
                      dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target, mainloop=mainloop)
+
+
+def make_wgrad_job(dtype: torch.dtype, out_features: int, in_features: int, G: int, gather: str, step: str,
+                   target: str = "sm_90a") -> KernelJob:
+    """The varlen-K kernel's job for a GroupLinear's weight gradient dW (G, out, in) = dY_g.T @ X_g; `gather`:
+    which operands ("a": dY, "b": X, "ab") are token matrices read through the routing index."""
+    config = choose_wgrad_config(out_features, in_features, G, "a" in gather, "b" in gather)
+    return KernelJob(step=step, variant="wgrad", source="", config=dataclasses.astuple(config),
+                     dtype=str(dtype).removeprefix("torch."), N=in_features, K=out_features, G=G, target=target,
+                     mainloop="varlen_k")
 
 
 class CuteKernel:

@@ -1,0 +1,193 @@
+"""Weight gradients of MoE expert GEMMs: the varlen-K kernel (kernels/varlen_k_gemm.py) against torch._grouped_mm.
+
+Per shape (experts E, hidden d, expert width f, tokens T, top-k; routed rows M = T*k sorted by expert):
+
+  FC1 wgrad  dW1 (E, 2f, d) = dH_g.T @ x_g    x_g: token rows through the routing index
+  FC2 wgrad  dW2 (E, d, f)  = dY_g.T @ h_g
+
+Rows, TFLOP/s = 2*M*Ma*Nb / time:
+
+  torch                    torch._grouped_mm(dy.t(), x, offs) on operands already in routed-row order
+  torch index_select + mm  FC1 as a block without the fusion runs it: x.index_select, then torch._grouped_mm
+  ours                     the varlen-K kernel at the tile policy's configuration (choose_wgrad_config)
+  ours, gathered x         FC1 reading x's rows through the index (no gathered copy)
+  sweep <tile>             (--sweep) other tile configurations
+
+Two group distributions: "topk" (top-k of random logits: about balanced) and "skewed" (expert weights u^3:
+some experts get many rows, some none). Every row is checked against torch's result (max relative error).
+
+Usage (the kernels come from FUSION_CACHE_DIR; compile them first on any machine, no GPU needed):
+    python bench/bench_wgrad.py --precompile [--sweep] [--shapes ...]
+    python bench/bench_wgrad.py [--sweep] [--shapes ...] [--out results.json]
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fusion
+
+from fusion.kernels.tile_policy import WgradConfig, choose_wgrad_config  # noqa: E402
+from fusion.runtime.compile import KernelJob  # noqa: E402
+
+SHAPES = {  # name: (E, d, f, T, k)
+    "qwen3-30b-a3b": (128, 2048, 768, 16384, 8),
+    "olmoe-1b-7b": (64, 2048, 1024, 16384, 8),
+    "gpt-oss-120b": (128, 2880, 2880, 16384, 4),
+    "deepseek-v3-ep8": (32, 7168, 2048, 16384, 8),
+    "sonic-moe-cute": (128, 4096, 1024, 32768, 8),
+    "mixtral-8x7b": (8, 4096, 14336, 8192, 2),
+    "deepseek-v2-lite": (64, 2048, 1408, 8192, 6),
+    "qwen3-30b-a3b-T1024": (128, 2048, 768, 1024, 8),
+}
+SWEEP = tuple(dataclasses.replace(c, cluster_m=m) for m in (2, 1) for c in (
+    WgradConfig(tile_n=256, stages=4), WgradConfig(tile_n=192, stages=5, pingpong=True),
+    WgradConfig(tile_n=128, stages=6, pingpong=True), WgradConfig(tile_n=128, stages=6)))
+
+
+def job(cfg: WgradConfig, Ma: int, Nb: int, G: int) -> KernelJob:
+    return KernelJob(step="bench", variant="wgrad", source="", config=dataclasses.astuple(cfg), dtype="bfloat16",
+                     N=Nb, K=Ma, G=G, target="sm_90a", mainloop="varlen_k")
+
+
+def gemms(E, d, f, T, k):
+    """(label, Ma, Nb, gathers B) of the shape's two weight gradients."""
+    return (("fc1", 2 * f, d, True), ("fc2", d, f, False))
+
+
+def configs(Ma, Nb, G, gathered, sweep):
+    """(plain, gathered) configuration pairs: the tile policy's first, then (sweep) the others; gathered (B read
+    through the index, cp.async: no cluster) only for FC1, once per tile."""
+    base = choose_wgrad_config(Ma, Nb, G)
+    out = [base] + ([c for c in SWEEP if c != base] if sweep else [])
+    pairs, seen = [], set()
+    for c in out:
+        gath = dataclasses.replace(c, gather_b=True, cluster_m=1) if gathered else None
+        pairs.append((c, gath if gath not in seen else None))
+        seen.add(gath)
+    return pairs
+
+
+def all_jobs(names, sweep):
+    jobs = []
+    for name in names:
+        E, d, f, T, k = SHAPES[name]
+        for _, Ma, Nb, gathered in gemms(E, d, f, T, k):
+            for plain, gath in configs(Ma, Nb, E, gathered, sweep):
+                jobs.append(job(plain, Ma, Nb, E))
+                if gath is not None:
+                    jobs.append(job(gath, Ma, Nb, E))
+    return jobs
+
+
+def bench(fn) -> float:
+    """Median milliseconds (triton's do_bench, which flushes L2 between runs; CUDA events without triton)."""
+    try:
+        import triton
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    except ImportError:
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(30):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def routing(T, E, k, skewed, gen, dev):
+    """(group sizes (E,), index int32 (T*k,) sorted by expert): top-k of random logits, or with `skewed` of
+    logits biased by expert weights u^3 (a few experts take most rows, some may take none)."""
+    logits = torch.rand(T, E, generator=gen)
+    if skewed:
+        logits = logits + 4 * torch.rand(E, generator=gen) ** 3
+    experts = logits.topk(k, dim=1).indices.flatten()
+    order = torch.argsort(experts, stable=True)
+    return torch.bincount(experts, minlength=E).to(dev), (order // k).to(torch.int32).to(dev)
+
+
+def run_shape(name, E, d, f, T, k, skewed, gen, sweep, dev="cuda"):
+    from fusion.kernels.wgrad_api import run_varlen_k_gemm
+    from fusion.runtime.compile import load_compiled
+
+    M = T * k
+    dgen = torch.Generator(device=dev).manual_seed(1)
+    sizes, index = routing(T, E, k, skewed, gen, dev)
+    ends = torch.cumsum(sizes, 0).to(torch.int32)
+    offs = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), ends])
+    result = {"shape": dict(E=E, d=d, f=f, T=T, k=k, M=M), "groups": "skewed" if skewed else "topk",
+              "max_rows": int(sizes.max()), "empty_groups": int((sizes == 0).sum()), "gemms": {}}
+    print(f"{name} [{result['groups']}]: E={E} d={d} f={f} T={T} k={k} M={M}, largest group {result['max_rows']}, "
+          f"{result['empty_groups']} empty", flush=True)
+    for label, Ma, Nb, gathered in gemms(E, d, f, T, k):
+        dy = torch.randn(M, Ma, generator=dgen, device=dev, dtype=torch.bfloat16)
+        tokens = torch.randn(T if gathered else M, Nb, generator=dgen, device=dev, dtype=torch.bfloat16)
+        xg = tokens.index_select(0, index) if gathered else tokens
+        out = torch.empty(E, Ma, Nb, dtype=torch.bfloat16, device=dev)
+        want = torch._grouped_mm(dy.t(), xg, offs=ends).float()
+        scale = want.abs().max().item()
+        rows = {"torch _grouped_mm": lambda: torch._grouped_mm(dy.t(), xg, offs=ends)}
+        if gathered:
+            rows["torch index_select + _grouped_mm"] = lambda: torch._grouped_mm(
+                dy.t(), tokens.index_select(0, index), offs=ends)
+        errors = {}
+        for i, (plain, gath) in enumerate(configs(Ma, Nb, E, gathered, sweep)):
+            tag = "ours" if i == 0 else "sweep"
+            for cfg, a_in, b_in, idx, suffix in ((plain, dy, xg, None, ""), (gath, dy, tokens, index, ", gathered x")):
+                if cfg is None:
+                    continue
+                comp = load_compiled(job(cfg, Ma, Nb, E))
+                key = (f"{tag}{suffix} ({cfg.tile_m}x{cfg.tile_n} {'pp' if cfg.pingpong else 'coop'} s{cfg.stages}"
+                       f"{' c2' if cfg.cluster_m > 1 else ''})")
+                fn = (lambda c, a, b, ix: lambda: run_varlen_k_gemm(c, a, b, offs, out, index=ix))(comp, a_in, b_in,
+                                                                                                    idx)
+                out.fill_(float("nan"))
+                fn()
+                errors[key] = (out.float() - want).abs().max().item() / scale
+                rows[key] = fn
+        flops = 2.0 * M * Ma * Nb
+        res = {}
+        print(f"  {label}: Ma={Ma} Nb={Nb}", flush=True)
+        for key, fn in rows.items():
+            ms = bench(fn)
+            res[key] = {"ms": ms, "tflops": flops / ms / 1e9, "max_rel_err": errors.get(key)}
+            err = f"  err {errors[key]:.1e}" if key in errors else ""
+            print(f"    {key:<52} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s{err}", flush=True)
+        result["gemms"][label] = {"Ma": Ma, "Nb": Nb, "rows": res}
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=None, help="comma-separated names of " + ",".join(SHAPES))
+    ap.add_argument("--sweep", action="store_true", help="also time the other tile configurations")
+    ap.add_argument("--skewed", action="store_true", help="also the skewed group distribution")
+    ap.add_argument("--precompile", action="store_true", help="compile the kernels into FUSION_CACHE_DIR and exit")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    names = args.shapes.split(",") if args.shapes else list(SHAPES)
+    if args.precompile:
+        from fusion.runtime.aot import compile_jobs
+        compile_jobs(all_jobs(names, args.sweep), parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "0")) or None)
+        return
+    gen = torch.Generator().manual_seed(0)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "commit": os.environ.get("FUSION_COMMIT"), "shapes": []}
+    print(results["device"], flush=True)
+    for name in names:
+        for skewed in ((False, True) if args.skewed else (False,)):
+            results["shapes"].append({"name": name, **run_shape(name, *SHAPES[name], skewed, gen, args.sweep)})
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

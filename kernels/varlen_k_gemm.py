@@ -1,0 +1,496 @@
+"""Persistent grouped GEMM whose reduction runs over each group's rows (varlen-K), for sm_90a (CuTe DSL): the
+weight gradient of a GroupLinear.
+
+    D[g] = A[rows of g].T @ B[rows of g]        A: (M, Ma)   B: (M, Nb)   D: (G, Ma, Nb)   offsets: (G+1,)
+
+For ``dW[g] = dY_g.T @ X_g``: A = dY (Ma = out_features), B = X (Nb = in_features), D = dW in the weight's
+(G, out, in) layout. The reduction length of group g is its row count, known only on the device.
+
+- **Gathered operands.** ``gather_a`` / ``gather_b``: that operand is a (T, ·) token matrix and routed row r
+  reads its row ``index[r]``. An MoE FC1's weight gradient reads x through the routing index this way, so no
+  gathered copy of x is ever written (kernels/gather_producer.py does the same for the forward's A).
+- **Producer, no gather: TMA**, warp 0 of the producer warpgroup, as the varlen-M kernel's. A k-step is
+  ``tile_k`` rows from the group's first row; the rows of its last k-step past the group's end belong to the
+  next group, so the consumers zero them in both smem tiles before the wgmma reads them (a partial k-step:
+  once per tile; fenced for the async proxy). ``cluster_m = 2``: a CTA pair works on two neighbouring m-tiles
+  of one (group, n-tile) in lockstep and B's tile (the rows of X, the same for both) reaches both by TMA
+  multicast, each CTA loading half: a third less L2 traffic per FLOP at 128x256 (cuBLAS's weight gradient does
+  the same; ncu: without it the kernel is L2-bound).
+- **Producer, gathered operand: cp.async.** The whole producer warpgroup loads both operands with 16-byte
+  ``cp.async``: every row of either operand is one contiguous run of a tile's columns, so a row read through
+  an index costs what a plain one does. Rows past the group's end (and columns past Ma / Nb) are copied with
+  source size 0, i.e. zero-filled. Thread t of the warpgroup copies chunk ``t % 8`` (8 elements) of every
+  64-column swizzle atom of rows ``t // 8 + 16 j``; the full barrier of a stage counts one
+  ``cp.async.mbarrier.arrive.noinc`` per thread.
+- **Operands are MN-major** (a row is a k-step, contiguous along Ma or Nb): the smem tiles use the MN-major
+  128-byte-swizzle atom and wgmma reads both transposed.
+- **Tiles.** Every group has the same ``mt x nt`` output tiles; the schedule walks units of ``cluster_m``
+  m-tiles (one per CTA of a cluster): unit u belongs to group ``u // (mu nt)`` (groups in order, m fastest
+  within one, so neighbouring clusters share a group's rows in L2). A tile's k-steps are
+  ``ceil(rows_g / tile_k)``: an empty group's tiles run no k-step and store zeros. Static schedule
+  (``unit += clusters``).
+- **Consumers** as in kernels/mainloop.py: cooperative (two warpgroups split a 128-row tile) or pingpong (each
+  owns every other tile; a named-barrier pair orders their mainloops). With varlen k-steps a pingpong
+  warpgroup skips the other's tile in the smem ring by that tile's own k-step count (the tile ``grid``
+  further in the static order).
+- **Epilogue**: D seen as a (G * Ma, Nb) matrix whose group g owns rows ``[g Ma, (g+1) Ma)``. A 16-bit D is
+  stored 4 columns (8 bytes) per thread: neighbouring lanes swap one packed pair by a shuffle, so a quad writes
+  a whole 32-byte sector of a row per store (the wgmma fragment gives each lane 2 columns of every 8, which
+  stored as they are write half sectors: ncu-visible on the small-batch shapes, where the epilogue dominates).
+  A 32-bit D goes through :class:`kernels.tile_epilogue.TileEpilogue` with the identity.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from .dtypes import cutlass_dtype
+from .epilogue import IdentityEpilogue
+from .fragment_io import row_addr
+from .mainloop import PINGPONG_BARRIER, REGISTER_SPLIT
+from .tile_epilogue import TileEpilogue
+
+__all__ = ["VarlenKGemmKernel", "PRODUCER_THREADS"]
+
+#: Threads of the producer warpgroup (all of them load both operands).
+PRODUCER_THREADS = 128
+#: Bytes one cp.async moves: 8 bf16/fp16 elements, the unit of the 128-byte swizzle.
+CHUNK_BYTES = 16
+#: Elements of one MN-major swizzle atom row (128 bytes of 16-bit values): 8 chunks, one per thread of a row.
+ATOM_COLS = 64
+#: Named barrier of the consumers that zero a partial k-step's rows (+ the pingpong warpgroup's parity);
+#: kernels/mainloop.py's pingpong order barriers are 8 and 9.
+ZERO_BARRIER = 10
+
+
+class VarlenKGemmKernel:
+    """The kernel for ``config`` (:class:`kernels.tile_policy.WgradConfig`) in ``dtype`` (bf16/fp16 operands, fp32
+    accumulation), storing D in ``out_dtype`` (None: ``dtype``)."""
+
+    def __init__(self, config, dtype: str, out_dtype: str | None = None):
+        self.cfg = config
+        self.ab_dtype = cutlass_dtype(dtype)
+        self.acc_dtype = Float32
+        self.tile_m, self.tile_n, self.tile_k = config.tile_m, config.tile_n, config.tile_k
+        assert self.tile_m in (64, 128) and self.tile_n % ATOM_COLS == 0 and self.tile_n <= 256
+        assert self.tile_m % ATOM_COLS == 0 and self.tile_k % 16 == 0
+        self.pingpong = bool(config.pingpong)
+        self.num_mma_wg = 2 if self.pingpong else self.tile_m // 64
+        self.mma_atoms_m = 1 if self.pingpong else self.num_mma_wg
+        self.threads = 128 * (1 + self.num_mma_wg)
+        self.stages = config.stages
+        self.gather_a, self.gather_b = bool(config.gather_a), bool(config.gather_b)
+        self.tma = not (self.gather_a or self.gather_b)
+        self.cluster_m = int(getattr(config, "cluster_m", 1))
+        assert self.cluster_m in (1, 2) and (self.tma or self.cluster_m == 1), "multicast needs TMA operands"
+        # the cp.async producer keeps a k-step's rows in registers, as the gather-A producer does
+        self.producer_regs, self.consumer_regs = REGISTER_SPLIT[not self.tma]
+        self.epi = IdentityEpilogue(out_dtype)
+        self.tile_epi = TileEpilogue(self.epi, dtype, self.tile_n, 0)
+        self.out_dtype = cutlass_dtype(out_dtype or dtype)
+
+    # ------------------------------------------------------------------ host-side (traced) entry
+    @cute.jit
+    def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pOffs: cute.Pointer, pIdx: cute.Pointer,
+                 pD: cute.Pointer, M: Int32, a_rows: Int32, b_rows: Int32, Ma: cutlass.Constexpr,
+                 Nb: cutlass.Constexpr, G: cutlass.Constexpr, num_ctas: Int32, stream):
+        self.Ma, self.Nb, self.G = Ma, Nb, G
+        self.m_tiles = (Ma + self.tile_m - 1) // self.tile_m
+        self.n_tiles = (Nb + self.tile_n - 1) // self.tile_n
+        self.m_units = (self.m_tiles + self.cluster_m - 1) // self.cluster_m
+        self.group_units = self.m_units * self.n_tiles
+        mA = cute.make_tensor(pA, cute.make_layout((a_rows, Ma), stride=(Ma, 1)))
+        mB = cute.make_tensor(pB, cute.make_layout((b_rows, Nb), stride=(Nb, 1)))
+        mIdx = cute.make_tensor(pIdx, cute.make_layout((M,)))
+        mOffs = cute.make_tensor(pOffs, cute.make_layout((G + 1,)))
+        tensors = self.tile_epi.make_tensors((pD,), G * Ma, G, Nb)
+
+        mn = warpgroup.OperandMajorMode.MN
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, mn, mn, self.acc_dtype, (self.mma_atoms_m, 1, 1),
+            tiler_mn=(64, self.tile_n),
+        )
+        self.sA_layout = self._smem_layout(self.tile_m)
+        self.sB_layout = self._smem_layout(self.tile_n)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.sB_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        if const_expr(self.tma):
+            # the operands as (columns, rows) tensors: a TMA box is tile columns x tile_k rows, MN-major
+            sA_one = cute.slice_(self.sA_layout, (None, None, 0))
+            sB_one = cute.slice_(self.sB_layout, (None, None, 0))
+            tma_a, tA = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), cute.make_tensor(pA, cute.make_layout((Ma, a_rows), stride=(1, Ma))),
+                sA_one, (self.tile_m, self.tile_k))
+            b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_m > 1) else \
+                cpasync.CopyBulkTensorTileG2SOp()
+            tma_b, tB = cpasync.make_tiled_tma_atom(
+                b_op, cute.make_tensor(pB, cute.make_layout((Nb, b_rows), stride=(1, Nb))), sB_one,
+                (self.tile_n, self.tile_k), num_multicast=self.cluster_m)
+            self.tx_bytes = cute.size_in_bytes(self.ab_dtype, sA_one) + cute.size_in_bytes(self.ab_dtype, sB_one)
+            self.kernel_tma(tma_a, tA, tma_b, tB, mOffs, tuple(tensors), self.tiled_mma, self.sA_layout,
+                            self.sB_layout).launch(
+                grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), cluster=(self.cluster_m, 1, 1),
+                smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream)
+        else:
+            self.kernel(mA, mB, mIdx, mOffs, tuple(tensors), self.tiled_mma, self.sA_layout,
+                        self.sB_layout).launch(
+                grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), smem=SharedStorage.size_in_bytes(),
+                min_blocks_per_mp=1, stream=stream)
+
+    def _smem_layout(self, width: int):
+        """A (width, tile_k, stages) ring of MN-major tiles: 128-byte swizzle atoms along the width."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.COL_MAJOR, self.ab_dtype, width), self.ab_dtype)
+        return cute.tile_to_shape(atom, (width, self.tile_k, self.stages), order=(1, 0, 2))
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mIdx: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple,
+               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        ab_pipe = pipeline.PipelineCpAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, PRODUCER_THREADS),
+            # every thread of the warpgroups that read a stage releases it (pingpong: one warpgroup per stage)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.mma_atoms_m),
+        )
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        cute.arch.sync_threads()
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if wg_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            self.produce(mA, mB, mIdx, mOffs, sA, sB, ab_pipe, tidx, bidx, grid)
+        else:
+            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+            self.consume(tiled_mma, sA, sB, mOffs, epi_tensors, ab_pipe, tidx, wg_idx, Int32(0), bidx, grid)
+
+    @cute.kernel
+    def kernel_tma(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+                   mOffs: cute.Tensor, epi_tensors: tuple, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
+                   sB_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+        rank = Int32(0)
+        if const_expr(self.cluster_m > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        # a stage is released by every consumer warp that reads it, in each CTA its B tile was multicast to
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.cluster_m * self.mma_atoms_m * 4),
+            tx_count=self.tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if wg_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            if warp_idx == 0:
+                self.produce_tma(tma_a, mA, tma_b, mB, mOffs, sA, sB, ab_pipe, rank, bidx, grid)
+        else:
+            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+            self.consume(tiled_mma, sA, sB, mOffs, epi_tensors, ab_pipe, tidx, wg_idx, rank, bidx, grid)
+
+    # ------------------------------------------------------------------ schedule
+    def unit_coords(self, unit):
+        """(group, first m-tile, n-tile) of schedule unit ``unit`` (groups in order, m fastest within one); a
+        unit is ``cluster_m`` neighbouring m-tiles, one per CTA of a cluster."""
+        g = unit // self.group_units
+        local = unit - g * self.group_units
+        return g, (local % self.m_units) * self.cluster_m, local // self.m_units
+
+    @cute.jit
+    def k_steps(self, mOffs: cute.Tensor, unit: Int32) -> Int32:
+        """The k-steps of ``unit``'s group (0 past the last unit)."""
+        g = cutlass.min(unit // self.group_units, self.G - 1)
+        steps = (mOffs[g + 1] - mOffs[g] + (self.tile_k - 1)) // self.tile_k
+        return cutlass.select_(unit < self.G * self.group_units, steps, Int32(0))
+
+    # ------------------------------------------------------------------ producer
+    def operand_copy(self) -> cute.TiledCopy:
+        """The 128 producer threads over a (width, tile_k) MN-major stage: 8 threads per row (the 8 16-byte
+        chunks of a 64-column swizzle atom), 16 rows per pass."""
+        chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
+        per_row = ATOM_COLS // chunk
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.ab_dtype,
+                                   num_bits_per_copy=CHUNK_BYTES * 8)
+        threads = cute.make_layout((per_row, PRODUCER_THREADS // per_row), stride=(1, per_row))
+        return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((chunk, 1)))
+
+    @cute.jit
+    def produce(self, mA: cute.Tensor, mB: cute.Tensor, mIdx: cute.Tensor, mOffs: cute.Tensor, sA: cute.Tensor,
+                sB: cute.Tensor, ab_pipe, ptid: Int32, bidx: Int32, grid: Int32):
+        chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
+        tiled_copy = self.operand_copy()
+        thr_copy = tiled_copy.get_slice(ptid)
+        tAsA = thr_copy.partition_D(sA)                                        # (chunk, atoms, rows, stage)
+        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
+        tBsB = thr_copy.partition_D(sB)
+        tBcB = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, self.tile_k)))
+        a_atoms = cute.size(tAcA, mode=[1])
+        b_atoms = cute.size(tBcB, mode=[1])
+        rows = cute.size(tAcA, mode=[2])
+        a_edge = const_expr(self.Ma % self.tile_m != 0)
+        b_edge = const_expr(self.Nb % self.tile_n != 0)
+        total = self.G * self.group_units
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        tile_id = bidx
+        while tile_id < total:
+            g, m_idx, n_idx = self.unit_coords(tile_id)
+            row_start = mOffs[g]
+            row_end = mOffs[g + 1]
+            steps = (row_end - row_start + (self.tile_k - 1)) // self.tile_k
+            a_col0 = m_idx * self.tile_m
+            b_col0 = n_idx * self.tile_n
+            for kt in cutlass.range(steps, unroll=1):
+                # this thread's rows of the k-step (their token rows where an operand is gathered), read before
+                # the wait for an empty stage so that the index loads overlap it
+                live = cute.make_rmem_tensor((rows,), Boolean)
+                row = cute.make_rmem_tensor((rows,), Int32)
+                token = cute.make_rmem_tensor((rows,), Int32)
+                for j in cutlass.range_constexpr(rows):
+                    r = row_start + kt * self.tile_k + tAcA[0, 0, j][1]
+                    live[j] = r < row_end
+                    row[j] = cutlass.select_(live[j], r, Int32(0))
+                    token[j] = Int32(0)
+                    if const_expr(self.gather_a or self.gather_b):
+                        if live[j]:
+                            token[j] = mIdx[r]
+                ab_pipe.producer_acquire(prod_state)
+                stage = prod_state.index
+                for j in cutlass.range_constexpr(rows):
+                    a_row = token[j] if const_expr(self.gather_a) else row[j]
+                    b_row = token[j] if const_expr(self.gather_b) else row[j]
+                    gA = cute.tiled_divide(cute.append_ones(mA[a_row, None], up_to_rank=2), (chunk, 1))
+                    gB = cute.tiled_divide(cute.append_ones(mB[b_row, None], up_to_rank=2), (chunk, 1))
+                    for i in cutlass.range_constexpr(a_atoms):
+                        col = a_col0 + tAcA[0, i, j][0]
+                        ok = cute.make_rmem_tensor((1,), Boolean)
+                        ok[0] = live[j] & (col < self.Ma) if const_expr(a_edge) else live[j]
+                        cute.copy(tiled_copy, gA[None, col // chunk, 0], tAsA[None, i, j, stage], pred=ok)
+                    for i in cutlass.range_constexpr(b_atoms):
+                        col = b_col0 + tBcB[0, i, j][0]
+                        ok = cute.make_rmem_tensor((1,), Boolean)
+                        ok[0] = live[j] & (col < self.Nb) if const_expr(b_edge) else live[j]
+                        cute.copy(tiled_copy, gB[None, col // chunk, 0], tBsB[None, i, j, stage], pred=ok)
+                ab_pipe.producer_commit(prod_state)
+                prod_state.advance()
+            tile_id = tile_id + grid
+        # leave no copy in flight behind an exiting thread, nor a stage the consumers still read
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        ab_pipe.producer_tail(prod_state)
+
+    @cute.jit
+    def produce_tma(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+                    mOffs: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe, rank: Int32, bidx: Int32,
+                    grid: Int32):
+        """Warp 0: the TMA loads of the CTA's tiles (A its own m-tile; B half of the n-tile, multicast to the
+        cluster's CTAs)."""
+        b_mask = None
+        if const_expr(self.cluster_m > 1):
+            b_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)), (rank, 0, 0), mode=0)
+        total = self.G * self.group_units
+        clusters = grid // self.cluster_m
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        unit = bidx // self.cluster_m
+        while unit < total:
+            g, m0, n_idx = self.unit_coords(unit)
+            row_start = mOffs[g]
+            steps = (mOffs[g + 1] - row_start + (self.tile_k - 1)) // self.tile_k
+            gA = cute.local_tile(cute.domain_offset((0, row_start), mA), (self.tile_m, self.tile_k),
+                                 (m0 + rank, None))
+            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                               cute.group_modes(gA, 0, 2))
+            gB = cute.local_tile(cute.domain_offset((0, row_start), mB), (self.tile_n, self.tile_k), (n_idx, None))
+            tBsB, tBgB = cpasync.tma_partition(tma_b, rank, cute.make_layout(self.cluster_m),
+                                               cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+            for kt in cutlass.range(steps, unroll=1):
+                ab_pipe.producer_acquire(prod_state)
+                bar = ab_pipe.producer_get_barrier(prod_state)
+                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar,
+                          mcast_mask=b_mask)
+                ab_pipe.producer_commit(prod_state)
+                prod_state.advance()
+            unit = unit + clusters
+        ab_pipe.producer_tail(prod_state)
+
+    def zero_copy(self, threads: int) -> cute.TiledCopy:
+        """``threads`` consumer threads over a (width, tile_k) MN-major stage: 16-byte stores of zeros, 8 threads
+        per row (one 64-column swizzle atom), ``threads / 8`` rows per pass (the producer's cp.async partition)."""
+        chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
+        per_row = ATOM_COLS // chunk
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=CHUNK_BYTES * 8)
+        layout = cute.make_layout((per_row, threads // per_row), stride=(1, per_row))
+        return cute.make_tiled_copy_tv(atom, layout, cute.make_layout((chunk, 1)))
+
+    @cute.jit
+    def zero_tail_rows(self, sA: cute.Tensor, sB: cute.Tensor, stage, first_row: Int32, t: Int32,
+                       threads: cutlass.Constexpr):
+        """Zero rows ``[first_row, tile_k)`` of both operands' tiles in ``stage`` (the part of a group's last
+        k-step that TMA filled with the next group's rows): one 16-byte store per chunk, ``threads`` consumer
+        threads (``t``: this thread's index among them)."""
+        zero_copy = self.zero_copy(threads)
+        thr = zero_copy.get_slice(t)
+        for s, width in ((sA, self.tile_m), (sB, self.tile_n)):
+            dst = thr.partition_D(s)                                            # (chunk, atoms, rows, stage)
+            zeros = cute.make_rmem_tensor(dst[None, 0, 0, 0].shape, self.ab_dtype)
+            zeros.fill(0.0)
+            crd = thr.partition_S(cute.make_identity_tensor((width, self.tile_k)))
+            for j in cutlass.range_constexpr(cute.size(crd, mode=[2])):
+                if crd[0, 0, j][1] >= first_row:
+                    for i in cutlass.range_constexpr(cute.size(crd, mode=[1])):
+                        cute.copy(zero_copy, zeros, dst[None, i, j, stage])
+
+    # ------------------------------------------------------------------ epilogue
+    def pack2(self, v0, v1) -> Int32:
+        """Two fp32 values as one word of two 16-bit values (v0 in the low half)."""
+        pair = cute.make_rmem_tensor((2,), self.out_dtype)
+        pair[0] = v0.to(self.out_dtype)
+        pair[1] = v1.to(self.out_dtype)
+        return cute.recast_tensor(pair, Int32)[0]
+
+    @cute.jit
+    def store_tile(self, acc: cute.Tensor, tCcC: cute.Tensor, mD: cute.Tensor, row0: Int32, row_end: Int32,
+                   col0: Int32):
+        """Store the tile's accumulator to D (16-bit), rows below ``row_end`` and columns below Nb: per pair of
+        8-column chunks (c, c+1) an even lane stores 4 columns of chunk c and its odd neighbour 4 of chunk c+1,
+        after swapping one packed pair with it (so each store instruction writes whole 32-byte sectors)."""
+        odd = (cute.arch.lane_idx() & 1) == 1
+        n_v, n_h, n_c = tCcC.shape[0]
+        eb = self.out_dtype.width // 8
+        for mm in cutlass.range_constexpr(cute.size(tCcC, mode=[1])):
+            for nn in cutlass.range_constexpr(cute.size(tCcC, mode=[2])):
+                for h in cutlass.range_constexpr(n_h):
+                    grow = row0 + tCcC[((0, h, 0), mm, nn)][0]
+                    row_ok = grow < row_end
+                    base = row_addr(mD, grow, 0, self.out_dtype)
+                    for c in cutlass.range_constexpr(0, n_c, 2):
+                        w0 = self.pack2(acc[((0, h, c), mm, nn)], acc[((1, h, c), mm, nn)])
+                        w1 = self.pack2(acc[((0, h, c + 1), mm, nn)], acc[((1, h, c + 1), mm, nn)])
+                        got = cute.arch.shuffle_sync_bfly(cutlass.select_(odd, w0, w1), 1)
+                        lo = cutlass.select_(odd, got, w0)
+                        hi = cutlass.select_(odd, w1, got)
+                        col = col0 + cutlass.select_(odd, tCcC[((0, h, c + 1), mm, nn)][1] - 2,
+                                                     tCcC[((0, h, c), mm, nn)][1])
+                        if row_ok & (col < self.Nb):
+                            words = cute.make_rmem_tensor((2,), Int32)
+                            words[0] = lo
+                            words[1] = hi
+                            p = cute.make_ptr(Int32, base + col * eb, cute.AddressSpace.gmem, assumed_align=8)
+                            cute.autovec_copy(words, cute.make_tensor(p, cute.make_layout((2,))))
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def consume(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, mOffs: cute.Tensor,
+                epi_tensors: tuple, ab_pipe, tidx: Int32, wg_idx: Int32, rank: Int32, bidx: Int32, grid: Int32):
+        cwg = Int32(0)
+        if const_expr(self.pingpong):
+            cwg = wg_idx - 1            # this consumer warpgroup's parity in the CTA's tile sequence
+            ctid = tidx % 128
+        else:
+            ctid = tidx - 128
+        thr_mma = tiled_mma.get_slice(ctid)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        total = self.G * self.group_units
+        clusters = grid // self.cluster_m
+        # consumers that read a stage: both warpgroups (cooperative) or the tile's own (pingpong)
+        readers = 128 * self.mma_atoms_m
+        zero_t = ctid if const_expr(self.pingpong) else tidx - 128
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        rel_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        tile_id = bidx // self.cluster_m
+        if const_expr(self.pingpong):
+            # warpgroup 1 takes the CTA's second unit: it starts past warpgroup 0's first in the ring
+            first = Int32(self.k_steps(mOffs, tile_id) * cwg)
+            read_state.advance(first)
+            rel_state.advance(first)
+            tile_id = tile_id + cwg * clusters
+            if cwg == 0:
+                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=256)
+        while tile_id < total:
+            g, m0, n_idx = self.unit_coords(tile_id)
+            m_idx = m0 + rank
+            steps = self.k_steps(mOffs, tile_id)
+            tail = mOffs[g + 1] - mOffs[g] - (steps - 1) * self.tile_k   # rows of the last k-step
+            if const_expr(self.pingpong):
+                cute.arch.barrier(barrier_id=PINGPONG_BARRIER + cwg, number_of_threads=256)
+            acc.fill(0.0)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.fence()
+            for kt in cutlass.range(steps, unroll=1):
+                ab_pipe.consumer_wait(read_state)
+                if const_expr(self.tma):
+                    if kt == steps - 1 and tail < self.tile_k:
+                        # TMA read the next group's rows into the last k-step: zero them before the wgmma
+                        self.zero_tail_rows(sA, sB, read_state.index, tail, zero_t, readers)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.barrier(barrier_id=ZERO_BARRIER + cwg, number_of_threads=readers)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)],
+                              tCrB[(None, None, kb, read_state.index)], acc)
+                warpgroup.commit_group()
+                # the previous k-step's wgmma has finished reading its stage once at most this one is in flight
+                warpgroup.wait_group(1)
+                if kt > 0:
+                    ab_pipe.consumer_release(rel_state)
+                    rel_state.advance()
+                read_state.advance()
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg, number_of_threads=256)
+            warpgroup.wait_group(0)
+            if steps > 0:
+                ab_pipe.consumer_release(rel_state)
+                rel_state.advance()
+
+            row0 = g * self.Ma + m_idx * self.tile_m
+            if const_expr(self.out_dtype.width == 16):
+                self.store_tile(acc, tCcC, epi_tensors[0], row0, (g + 1) * self.Ma, n_idx * self.tile_n)
+            else:
+                self.tile_epi.run(acc, tCcC, epi_tensors, row0, (g + 1) * self.Ma, g, n_idx, self.Nb)
+
+            if const_expr(self.pingpong):
+                # skip the other warpgroup's unit in the ring: the next one in the CTA's static order
+                other = Int32(self.k_steps(mOffs, tile_id + clusters))
+                read_state.advance(other)
+                rel_state.advance(other)
+                tile_id = tile_id + 2 * clusters
+            else:
+                tile_id = tile_id + clusters

@@ -1,0 +1,192 @@
+"""Host API of the varlen-K grouped GEMM (kernels/varlen_k_gemm.py): check, compile (no GPU needed), run.
+
+    D[g] = A[rows of g].T @ B[rows of g]        A: (M or T, Ma)   B: (M or T, Nb)   D: (G, Ma, Nb)
+
+A GroupLinear's weight gradient is ``grouped_wgrad(dy, x, offsets)`` (A = dY, B = X, D = dW (G, out, in));
+with an index, the gathered operand is a token matrix read row by row through it (an MoE FC1's x). As the
+varlen-M kernel's (kernels/api.py): an in-memory compile cache, a launch through TVM-FFI with integer arguments.
+"""
+from __future__ import annotations
+
+import shlex
+import tempfile
+import threading
+from typing import Optional
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_ptr
+
+from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
+
+from .api import COMPILE_OPTIONS, _TORCH_DT, _cubin_nv_info, _dtype_name, _fake_ptr, _num_sms, current_stream, sass_text
+from .tile_policy import WgradConfig, _max_stages, choose_wgrad_config
+from .varlen_k_gemm import VarlenKGemmKernel
+
+__all__ = ["WgradConfig", "choose_wgrad_config", "check_wgrad_config", "CompiledVarlenKGemm",
+           "compile_varlen_k_gemm", "run_varlen_k_gemm", "grouped_wgrad"]
+
+
+def check_wgrad_config(config: WgradConfig, dtype, Ma: int, Nb: int, out_dtype=None, target: str = "sm_90a"):
+    """Raise :class:`fusion.errors.KernelConfigError` naming every constraint the kernel cannot meet (cheap)."""
+    dtype = _dtype_name(dtype)
+    out_dtype = _dtype_name(out_dtype or dtype)
+    problems = []
+    if target != "sm_90a":
+        problems.append(f"target {target!r}: only sm_90a is supported")
+    if dtype not in ("bfloat16", "float16"):
+        problems.append(f"dtype {dtype}: A and B must be bfloat16 or float16")
+    if out_dtype not in ("bfloat16", "float16", "float32"):
+        problems.append(f"out_dtype {out_dtype}: D is stored in bfloat16, float16 or float32")
+    if config.tile_m not in (64, 128) or config.tile_n % 64 or not 64 <= config.tile_n <= 256:
+        problems.append(f"tile {config.tile_m}x{config.tile_n}: tile_m is 64 or 128, tile_n a multiple of 64 (one "
+                        "128-byte swizzle atom per 64 columns) up to 256")
+    if config.pingpong and config.tile_n > 192:
+        problems.append(f"pingpong with tile_n = {config.tile_n}: a warpgroup holds the whole fp32 tile, at most "
+                        "192 columns")
+    if config.cluster_m not in (1, 2):
+        problems.append(f"cluster_m = {config.cluster_m}: 1, or 2 (a CTA pair sharing B's tile by TMA multicast)")
+    if config.cluster_m > 1 and (config.gather_a or config.gather_b):
+        problems.append("cluster_m = 2 multicasts B's tile by TMA: a gathered operand is loaded by cp.async; use "
+                        "cluster_m=1 with gather_a / gather_b")
+    if config.tile_k != 64:
+        problems.append(f"tile_k = {config.tile_k}: the producer copies 64 rows per k-step (16 per pass)")
+    if Ma % 8 or Nb % 8:
+        problems.append(f"(Ma, Nb) = ({Ma}, {Nb}): both must be multiples of 8 (16-byte cp.async chunks of a row)")
+    if config.stages < 2 or config.stages > _max_stages(config.tile_m, config.tile_n, config.tile_k):
+        problems.append(f"stages = {config.stages}: 2 up to what fits in shared memory "
+                        f"({_max_stages(config.tile_m, config.tile_n, config.tile_k)} at this tile)")
+    if problems:
+        raise KernelConfigError(f"cannot build the varlen-K grouped GEMM ({dtype}, Ma={Ma}, Nb={Nb}, {config}): "
+                                + "; ".join(problems))
+
+
+class CompiledVarlenKGemm:
+    """A compiled varlen-K kernel: call through :func:`run_varlen_k_gemm`. ``.ptx .cubin .registers .frame_size
+    .sass (lazy) .name .config .dtype .out_dtype .Ma .Nb .G .shared_memory_bytes``."""
+
+    def __init__(self, fn, config, dtype, out_dtype, Ma, Nb, G, ptx, cubin, smem):
+        self.fn = fn
+        self.config = config
+        self.dtype, self.out_dtype = dtype, out_dtype
+        self.Ma, self.Nb, self.G = Ma, Nb, G
+        self.ptx, self.cubin = ptx, cubin
+        self.shared_memory_bytes = smem
+        info = _cubin_nv_info(cubin)
+        self.registers = info.get("registers")
+        self.frame_size = info.get("frame_size", 0)
+        self.name = (f"varlen_k_gemm_{dtype}_{out_dtype}_Ma{Ma}_Nb{Nb}_G{G}_{config.tile_m}x{config.tile_n}x"
+                     f"{config.tile_k}s{config.stages}" + ("_pp" if config.pingpong else "")
+                     + ("_gA" if config.gather_a else "") + ("_gB" if config.gather_b else "")
+                     + (f"_c{config.cluster_m}" if config.cluster_m > 1 else ""))
+        c = config.cluster_m
+        self.tiles = G * -(-Ma // (config.tile_m * c)) * c * -(-Nb // config.tile_n)  # CTAs' tiles, per unit
+        self.launch = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else fn
+        self._sass = None
+
+    @property
+    def sass(self) -> str:
+        if self._sass is None:
+            self._sass = sass_text(self.cubin)
+        return self._sass
+
+    def __repr__(self):
+        return f"<CompiledVarlenKGemm {self.name} regs={self.registers} smem={self.shared_memory_bytes}>"
+
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+
+
+def compile_varlen_k_gemm(config: WgradConfig, dtype, Ma: int, Nb: int, G: int, out_dtype=None,
+                          target: str = "sm_90a") -> CompiledVarlenKGemm:
+    """Compile (cached in memory by config, dtypes and shapes); the rows (M, T) stay dynamic."""
+    dtype = _dtype_name(dtype)
+    out_dtype = _dtype_name(out_dtype or dtype)
+    check_wgrad_config(config, dtype, Ma, Nb, out_dtype, target)
+    key = (config, dtype, out_dtype, Ma, Nb, G, target)
+    with _LOCK:
+        hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    kern = VarlenKGemmKernel(config, dtype, out_dtype)
+    from cutlass.runtime import make_fake_stream
+    int_ptr = make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
+    # (A, B, offsets, index, D, M, A's rows, B's rows, Ma, Nb, G, CTAs, stream)
+    args = (_fake_ptr(dtype), _fake_ptr(dtype), int_ptr, int_ptr, _fake_ptr(out_dtype, 4),
+            cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), Ma, Nb, G, cutlass.Int32(1), make_fake_stream())
+    with tempfile.TemporaryDirectory(prefix="fusion-cute-") as dump:
+        fn = cute.compile(kern, *args, options=f"{COMPILE_OPTIONS} --dump-dir={shlex.quote(dump)}")
+        ptx = getattr(fn, "__ptx__", None)
+        cubin = getattr(fn, "__cubin__", None)
+    if isinstance(ptx, bytes):
+        ptx = ptx.decode()
+    res = CompiledVarlenKGemm(fn, config, dtype, out_dtype, Ma, Nb, G, ptx, cubin,
+                              kern.shared_storage.size_in_bytes())
+    with _LOCK:
+        _CACHE[key] = res
+    return res
+
+
+def run_varlen_k_gemm(compiled: CompiledVarlenKGemm, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
+                      out: torch.Tensor, index: Optional[torch.Tensor] = None, num_ctas: Optional[int] = None):
+    """Launch on torch's current stream: ``out[g] = A[rows of g].T @ B[rows of g]`` for every group (an empty
+    group's ``out[g]`` is zeroed). ``A`` (M, Ma) and ``B`` (M, Nb) row-major, or for a gathered operand (built
+    with ``gather_a`` / ``gather_b``) a (T, ·) token matrix whose row ``index[r]`` routed row r reads; ``offsets``
+    (G+1,) int32 row bounds on the device; ``out`` (G, Ma, Nb) contiguous. Checks shapes, dtypes, devices and
+    alignment (no data read, no host sync)."""
+    cfg = compiled.config
+    G, Ma, Nb = compiled.G, compiled.Ma, compiled.Nb
+    if A.dim() != 2 or B.dim() != 2 or A.shape[1] != Ma or B.shape[1] != Nb:
+        raise ShapeError(f"{compiled.name}: A must be (rows, {Ma}) and B (rows, {Nb}), got A {tuple(A.shape)}, "
+                         f"B {tuple(B.shape)}")
+    if tuple(out.shape) != (G, Ma, Nb) or not out.is_contiguous():
+        raise ShapeError(f"{compiled.name}: out must be a contiguous ({G}, {Ma}, {Nb}), got {tuple(out.shape)}")
+    for name, t, dt in (("A", A, compiled.dtype), ("B", B, compiled.dtype), ("out", out, compiled.out_dtype)):
+        if t.dtype != _TORCH_DT[dt]:
+            raise DTypeError(f"{compiled.name}: {name} must be {dt}, got {t.dtype}")
+        if t.device != A.device:
+            raise DeviceError(f"{compiled.name}: {name} is on {t.device}, A on {A.device}: move it")
+    if not (A.is_contiguous() and B.is_contiguous()) or (A.data_ptr() | B.data_ptr()) & 15:
+        raise ShapeError(f"{compiled.name}: A and B must be contiguous and 16-byte aligned")
+    if offsets.dtype != torch.int32 or offsets.numel() < G + 1 or offsets.device != A.device:
+        raise ShapeError(f"{compiled.name}: offsets must be G+1 = {G + 1} int32 bounds on {A.device}")
+    gathers = cfg.gather_a or cfg.gather_b
+    if gathers:
+        if index is None or index.dtype != torch.int32 or not index.is_contiguous() or index.device != A.device:
+            raise ShapeError(f"{compiled.name} gathers {'A' if cfg.gather_a else 'B'}'s rows: pass index= (int32, "
+                             f"contiguous, on {A.device}: the token row of every routed row)")
+        M = index.numel()
+        idx_ptr = index.data_ptr()
+    elif index is not None:
+        raise ShapeError(f"{compiled.name}: got an index, but the kernel reads the rows in order; build it with "
+                         f"WgradConfig(gather_a=True) or gather_b=True")
+    else:
+        M = A.shape[0]
+        if B.shape[0] != M:
+            raise ShapeError(f"{compiled.name}: A and B must have the same rows, got {A.shape[0]} and {B.shape[0]}")
+        idx_ptr = offsets.data_ptr()  # (never read)
+    if (not cfg.gather_a and A.shape[0] != M) or (not cfg.gather_b and B.shape[0] != M):
+        raise ShapeError(f"{compiled.name}: the operand read in order must have the index's {M} rows")
+    if num_ctas is None:
+        num_ctas = max(1, min(_num_sms(A.device.index) - cfg.sm_margin, compiled.tiles))
+    num_ctas = max(cfg.cluster_m, num_ctas - num_ctas % cfg.cluster_m)  # whole clusters
+    compiled.launch(A.data_ptr(), B.data_ptr(), offsets.data_ptr(), idx_ptr, out.data_ptr(), M, A.shape[0],
+                    B.shape[0], num_ctas, current_stream(A.device))
+
+
+def grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, G: int,
+                  index: Optional[torch.Tensor] = None, gather: str = "", config: Optional[WgradConfig] = None,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``dW[g] = dy[rows of g].T @ x[rows of g]`` as a (G, out, in) tensor in dy's dtype. ``gather``: which
+    operands ("a": dy, "b": x, "ab": both) are token matrices read through ``index``."""
+    Ma, Nb = dy.shape[1], x.shape[1]
+    if config is None:
+        config = choose_wgrad_config(Ma, Nb, G, "a" in gather, "b" in gather)
+    comp = compile_varlen_k_gemm(config, dy.dtype, Ma, Nb, G)
+    if out is None:
+        out = torch.empty(G, Ma, Nb, dtype=dy.dtype, device=dy.device)
+    run_varlen_k_gemm(comp, dy, x, offsets, out, index=index)
+    return out

@@ -1,0 +1,93 @@
+"""The varlen-K kernel (kernels/varlen_k_gemm.py) compiles without a GPU: SASS per producer kind, the tile policy, the
+config checks, and the disk cache round trip. GPU numerics: tests/test_wgrad_gpu.py."""
+import collections
+import dataclasses
+
+import pytest
+from conftest import sass_or_skip
+
+from fusion.errors import FusionError, KernelConfigError
+from fusion.kernels.tile_policy import WgradConfig, choose_wgrad_config
+
+
+def _compile(cfg, Ma, Nb, G, dtype="bfloat16"):
+    from fusion.kernels.wgrad_api import compile_varlen_k_gemm
+
+    return compile_varlen_k_gemm(cfg, dtype, Ma, Nb, G)
+
+
+def _opcodes(comp):
+    from fusion.kernels.api import sass_opcodes
+
+    return collections.Counter(sass_or_skip(lambda: sass_opcodes(comp.sass)))
+
+
+@pytest.mark.parametrize("Ma,Nb,gather", [(1536, 2048, ""), (5760, 2880, ""), (2048, 768, "b"), (2880, 2880, "a")])
+def test_policy_kernels_compile_to_wgmma_without_spills(Ma, Nb, gather):
+    cfg = choose_wgrad_config(Ma, Nb, 128, "a" in gather, "b" in gather)
+    comp = _compile(cfg, Ma, Nb, 128)
+    ops = _opcodes(comp)
+    assert comp.frame_size == 0 and not any(op.startswith(("LDL", "STL")) for op in ops), "register spills"
+    assert any(op.startswith("HGMMA") for op in ops)
+    # the paired 8-byte stores of the epilogue (a quad writes whole 32-byte sectors), one shuffle per store
+    assert ops["STG.E.64"] > 0 and ops["SHFL.BFLY"] == ops["STG.E.64"]
+    if gather:
+        # a gathered operand: cp.async rows through the index, no TMA, no cluster
+        assert cfg.cluster_m == 1 and ops["LDGSTS.E.BYPASS.128"] + ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0
+        assert not any(op.startswith("UTMALDG") for op in ops)
+    else:
+        # TMA, B multicast to the CTA pair; a partial last k-step's rows zeroed by 16-byte smem stores
+        assert cfg.cluster_m == 2 and ops["UTMALDG.2D.MULTICAST"] > 0 and ops["UTMALDG.2D"] > 0
+        assert ops["STS.128"] > 0 and not any(op.startswith("LDGSTS") for op in ops)
+
+
+def test_tile_policy():
+    assert choose_wgrad_config(1536, 2048, 128) == WgradConfig(tile_n=256, stages=4, cluster_m=2)
+    assert choose_wgrad_config(5760, 2880, 128) == WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2)
+    assert choose_wgrad_config(2048, 1408, 64) == WgradConfig(tile_n=128, stages=6, pingpong=True, cluster_m=2)
+    gathered = choose_wgrad_config(1536, 2048, 128, gather_b=True)
+    assert gathered.gather_b and gathered.cluster_m == 1
+
+
+@pytest.mark.parametrize("cfg,Ma,Nb,needle", [
+    (WgradConfig(tile_n=96), 256, 256, "tile_n a multiple of 64"),
+    (WgradConfig(tile_n=256, pingpong=True), 256, 256, "pingpong with tile_n = 256"),
+    (WgradConfig(cluster_m=2, gather_b=True), 256, 256, "cluster_m = 2 multicasts"),
+    (WgradConfig(cluster_m=4), 256, 256, "cluster_m = 4"),
+    (WgradConfig(), 252, 256, "multiples of 8"),
+    (WgradConfig(stages=9), 256, 256, "stages = 9"),
+])
+def test_config_errors_name_the_constraint(cfg, Ma, Nb, needle):
+    from fusion.kernels.wgrad_api import check_wgrad_config
+
+    with pytest.raises(KernelConfigError, match=needle) as err:
+        check_wgrad_config(cfg, "bfloat16", Ma, Nb)
+    assert isinstance(err.value, FusionError)
+
+
+def test_disk_cache_round_trip(tmp_path, monkeypatch):
+    """A job compiled into FUSION_CACHE_DIR loads back (another process: the memory caches cleared) as the same
+    kernel, with the configuration it was built with."""
+    import torch
+
+    import fusion.kernels.wgrad_api as api
+    from fusion.runtime import compile as C
+    from fusion.runtime.kernel import make_wgrad_job
+
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    job = make_wgrad_job(torch.bfloat16, 256, 512, 4, "", "t")
+    assert job.mainloop == "varlen_k" and WgradConfig(*job.config) == choose_wgrad_config(256, 512, 4)
+    built = C.compile_to_disk(job)
+    assert built == job.key and C.is_cached(job)
+    monkeypatch.setattr(C, "_LOADED", {})
+    monkeypatch.setattr(api, "_CACHE", {})
+    loaded = C.load_compiled(job)
+    assert isinstance(loaded, api.CompiledVarlenKGemm)
+    assert loaded.config == WgradConfig(*job.config) and loaded.name.endswith("_c2")
+    art = C.artifact(job)
+    assert art.config == WgradConfig(*job.config) and art.cubin == loaded.cubin
+    assert job.name == "wgrad_t_bfloat16_Ma256_Nb512_G4"
+    # the gathered variant is another kernel
+    assert make_wgrad_job(torch.bfloat16, 256, 512, 4, "b", "t").key != job.key
+    assert dataclasses.astuple(choose_wgrad_config(256, 512, 4, gather_b=True)) == \
+        make_wgrad_job(torch.bfloat16, 256, 512, 4, "b", "t").config
