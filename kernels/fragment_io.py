@@ -3,6 +3,11 @@
 The epilogue keeps one 64-bit base address per (tensor, fragment row) and reaches every element of the
 row by a constant offset from it, so addresses cost few registers. Pairs of adjacent columns move as one
 vector (32-bit for 16-bit types, 16-bit for e4m3); masked loads yield 0, masked stores do nothing.
+
+:func:`store4_swapped` stores 16-bit values 4 columns at a time: a wgmma accumulator gives each lane of a quad 2
+columns of every 8, so 2-column stores write half 32-byte sectors (every store instruction touches twice the
+sectors its bytes need); neighbouring lanes swap one packed pair by a shuffle instead, and each stores 4
+columns of one of two neighbouring chunks, so the quad writes whole sectors.
 """
 from __future__ import annotations
 
@@ -100,3 +105,32 @@ def f32_bits(x) -> Int32:
 def bits_f32(b) -> Float32:
     """The fp32 value of a bit pattern."""
     return Float32(llvm.bitcast(Float32.mlir_type, Int32(b).ir_value()))
+
+
+def pack2(v0, v1, dt) -> Int32:
+    """Two fp32 values as one word of two 16-bit ``dt`` values (v0 in the low half)."""
+    pair = cute.make_rmem_tensor((2,), dt)
+    pair[0] = v0.to(dt)
+    pair[1] = v1.to(dt)
+    return cute.recast_tensor(pair, Int32)[0]
+
+
+@cute.jit
+def store4_swapped(addr_c: Int64, pair_c, pair_c1, ok_c: Boolean, ok_c1: Boolean, odd: Boolean,
+                   dt: cutlass.Constexpr):
+    """Store a lane's 2-column pairs of chunks c and c+1 (8 columns apart; ``addr_c`` = the byte address of its
+    pair in chunk c, ``ok_*`` its predicates) together with its quad neighbour's (lane ^ 1, ``odd`` = this lane
+    is the odd one): the even lane stores 4 columns of chunk c, the odd lane 4 of chunk c+1, one 8-byte store
+    each. Every lane of the warp must call it (the swap is a shuffle); rows must be 8-byte aligned."""
+    w0 = pack2(pair_c[0], pair_c[1], dt)
+    w1 = pack2(pair_c1[0], pair_c1[1], dt)
+    got = cute.arch.shuffle_sync_bfly(cutlass.select_(odd, w0, w1), 1)
+    words = cute.make_rmem_tensor((2,), Int32)
+    words[0] = cutlass.select_(odd, got, w0)
+    words[1] = cutlass.select_(odd, w1, got)
+    eb = dt.width // 8
+    # the odd lane's own pair of chunk c+1 is its 4-column run's second half: the run starts 2 columns before
+    addr = cutlass.select_(odd, addr_c + (8 - 2) * eb, addr_c)
+    if cutlass.select_(odd, ok_c1, ok_c):
+        p = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=8)
+        cute.autovec_copy(words, cute.make_tensor(p, cute.make_layout((2,))))

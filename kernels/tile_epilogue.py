@@ -20,7 +20,7 @@ import cutlass.cute as cute
 
 from .dtypes import cutlass_dtype
 from .epilogue import AuxInput, Epilogue, GroupVector, MXFP8Output, RowVector
-from .fragment_io import load1, load2, load_word, row_addr, store2, unpack2
+from .fragment_io import load1, load2, load_word, row_addr, store2, store4_swapped, unpack2
 from .mxfp8_store import store_mxfp8
 
 _EPI_BATCH = 8  # 8-column chunks per epilogue batch (see TileEpilogue.run)
@@ -64,6 +64,13 @@ class TileEpilogue:
             if isinstance(spec, MXFP8Output):
                 tensors.append(cute.make_tensor(next(it), cute.make_layout((M, w // 32), stride=(w // 32, 1))))
         return tensors
+
+    @staticmethod
+    def _quad_stores(dt, n_log: int, batch: int) -> bool:
+        """Whether an output stores 4 columns per lane (fragment_io.store4_swapped): 16-bit values, whole 8-column
+        chunks (n_log % 8 == 0, so a 4-column run is valid or not as a whole and rows stay 8-byte aligned) and
+        chunk pairs within a batch."""
+        return dt.width == 16 and n_log % 8 == 0 and batch % 2 == 0
 
     def _first_col(self, tCcC, col0, mm, h, nn):
         """The thread's first logical column of fragment (mm, h, nn); chunk c is 8*c columns further."""
@@ -137,6 +144,10 @@ class TileEpilogue:
         in_dtypes, out_dtypes = self.in_dtypes, self.out_dtypes
         has_mx = any(isinstance(s, MXFP8Output) for s in epi.outputs)
         batch = _EPI_BATCH if n_c % _EPI_BATCH == 0 else n_c
+        # (not beside an MXFP8 output: its quantization holds a batch's values, and with the swaps besides, the
+        # "gemm-mxfp8" epilogue spilled: tests/test_compile_plans.py)
+        quad = [not has_mx and self._quad_stores(out_dtypes[oi], n_log, batch) for oi in range(len(epi.outputs))]
+        odd = (cute.arch.lane_idx() & 1) == 1 if any(quad) else None   # the lane's parity in its quad
         if has_mx:
             assert n_c % 4 == 0 and batch % 4 == 0
         if self.gated:
@@ -243,12 +254,24 @@ class TileEpilogue:
                                 store_mxfp8(results[oi], lcols, oks, t, out_tensors[ot + 1], grow, self.ab_dtype)
                                 ot += 2
                                 continue
-                            for k, c in enumerate(cs):
-                                rk = results[oi][k]
-                                if spec.paired:
-                                    store2(out_base[oi] + 8 * c * eb, rk[0][0], rk[1][0], dt, oks[k])
-                                    store2(out_base[oi] + (n_log + 8 * c) * eb, rk[0][1], rk[1][1], dt,
-                                           oks[k])
-                                else:
-                                    store2(out_base[oi] + 8 * c * eb, rk[0], rk[1], dt, oks[k])
+                            if quad[oi]:
+                                # 4 columns per lane and store, whole 32-byte sectors (fragment_io.store4_swapped)
+                                for k in range(0, len(cs), 2):
+                                    c = cs[k]
+                                    r0, r1 = results[oi][k], results[oi][k + 1]
+                                    halves = ((0, 0), (1, n_log)) if spec.paired else ((None, 0),)
+                                    for half, off in halves:
+                                        p0 = (r0[0], r0[1]) if half is None else (r0[0][half], r0[1][half])
+                                        p1 = (r1[0], r1[1]) if half is None else (r1[0][half], r1[1][half])
+                                        store4_swapped(out_base[oi] + (off + 8 * c) * eb, p0, p1, oks[k], oks[k + 1],
+                                                       odd, dt)
+                            else:
+                                for k, c in enumerate(cs):
+                                    rk = results[oi][k]
+                                    if spec.paired:
+                                        store2(out_base[oi] + 8 * c * eb, rk[0][0], rk[1][0], dt, oks[k])
+                                        store2(out_base[oi] + (n_log + 8 * c) * eb, rk[0][1], rk[1][1], dt,
+                                               oks[k])
+                                    else:
+                                        store2(out_base[oi] + 8 * c * eb, rk[0], rk[1], dt, oks[k])
                             ot += 1

@@ -53,7 +53,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .dtypes import cutlass_dtype
 from .epilogue import IdentityEpilogue
-from .fragment_io import row_addr
+from .fragment_io import row_addr, store4_swapped
 from .mainloop import PINGPONG_BARRIER, REGISTER_SPLIT
 from .tile_epilogue import TileEpilogue
 
@@ -376,19 +376,11 @@ class VarlenKGemmKernel:
                         cute.copy(zero_copy, zeros, dst[None, i, j, stage])
 
     # ------------------------------------------------------------------ epilogue
-    def pack2(self, v0, v1) -> Int32:
-        """Two fp32 values as one word of two 16-bit values (v0 in the low half)."""
-        pair = cute.make_rmem_tensor((2,), self.out_dtype)
-        pair[0] = v0.to(self.out_dtype)
-        pair[1] = v1.to(self.out_dtype)
-        return cute.recast_tensor(pair, Int32)[0]
-
     @cute.jit
     def store_tile(self, acc: cute.Tensor, tCcC: cute.Tensor, mD: cute.Tensor, row0: Int32, row_end: Int32,
                    col0: Int32):
-        """Store the tile's accumulator to D (16-bit), rows below ``row_end`` and columns below Nb: per pair of
-        8-column chunks (c, c+1) an even lane stores 4 columns of chunk c and its odd neighbour 4 of chunk c+1,
-        after swapping one packed pair with it (so each store instruction writes whole 32-byte sectors)."""
+        """Store the tile's accumulator to D (16-bit), rows below ``row_end`` and columns below Nb, 4 columns
+        per lane and store (:func:`kernels.fragment_io.store4_swapped`)."""
         odd = (cute.arch.lane_idx() & 1) == 1
         n_v, n_h, n_c = tCcC.shape[0]
         eb = self.out_dtype.width // 8
@@ -397,21 +389,14 @@ class VarlenKGemmKernel:
                 for h in cutlass.range_constexpr(n_h):
                     grow = row0 + tCcC[((0, h, 0), mm, nn)][0]
                     row_ok = grow < row_end
-                    base = row_addr(mD, grow, 0, self.out_dtype)
+                    col = col0 + tCcC[((0, h, 0), mm, nn)][1]        # this lane's column in chunk 0
+                    base = row_addr(mD, grow, col, self.out_dtype)
                     for c in cutlass.range_constexpr(0, n_c, 2):
-                        w0 = self.pack2(acc[((0, h, c), mm, nn)], acc[((1, h, c), mm, nn)])
-                        w1 = self.pack2(acc[((0, h, c + 1), mm, nn)], acc[((1, h, c + 1), mm, nn)])
-                        got = cute.arch.shuffle_sync_bfly(cutlass.select_(odd, w0, w1), 1)
-                        lo = cutlass.select_(odd, got, w0)
-                        hi = cutlass.select_(odd, w1, got)
-                        col = col0 + cutlass.select_(odd, tCcC[((0, h, c + 1), mm, nn)][1] - 2,
-                                                     tCcC[((0, h, c), mm, nn)][1])
-                        if row_ok & (col < self.Nb):
-                            words = cute.make_rmem_tensor((2,), Int32)
-                            words[0] = lo
-                            words[1] = hi
-                            p = cute.make_ptr(Int32, base + col * eb, cute.AddressSpace.gmem, assumed_align=8)
-                            cute.autovec_copy(words, cute.make_tensor(p, cute.make_layout((2,))))
+                        store4_swapped(base + 8 * c * eb,
+                                       (acc[((0, h, c), mm, nn)], acc[((1, h, c), mm, nn)]),
+                                       (acc[((0, h, c + 1), mm, nn)], acc[((1, h, c + 1), mm, nn)]),
+                                       row_ok & (col + 8 * c < self.Nb), row_ok & (col + 8 * (c + 1) < self.Nb),
+                                       odd, self.out_dtype)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
