@@ -35,6 +35,8 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
                                               "weight's transposed blocks (fusion/kernels/fp8_gemm.py)"),
     ("gemm:fp8_block", "wgrad"): ("fp8_gemm", "torch._grouped_mm of the high-precision dY and X (fp8_linear."
                                               "WGRAD_IN_BF16; otherwise their FP8 columnwise copies, dequantized)"),
+    ("gemm", "wgrad"): ("wgrad_gemm", "varlen-K grouped GEMM (fusion/kernels/varlen_k_gemm.py: every group's "
+                                      "dY_g.T @ X_g in one launch, TMA with X's tile multicast to a CTA pair)"),
 }
 
 #: What a device method's kernel takes, by variant (the runtime module's `takes` checks the same at run time):
@@ -43,6 +45,7 @@ DEVICE_METHOD_LIMITS: dict[str, dict] = {
     "combine": {"dtypes": ("bfloat16", "float16", "float32")},
     "gather": {"dtypes": ("bfloat16", "float16", "float32")},
     "gemm:fp8_block": {"dtypes": ("bfloat16", "float16"), "feature_multiple": 16},
+    "gemm": {"dtypes": ("bfloat16", "float16"), "feature_multiple": 8, "ops": ("GroupLinear",)},
     "quantize:fp8_block": {"dtypes": ("bfloat16", "float16", "float32"), "feature_multiple": 8},
 }
 
@@ -57,10 +60,14 @@ def device_method(kind: str, part: str, weight_format: str | None = None) -> tup
     return DEVICE_METHODS.get((_variant(kind, weight_format), part))
 
 
-def device_method_refusal(kind: str, weight_format: str | None, dtype: str, widths) -> str | None:
-    """Why the device method's kernel cannot take this op at `dtype` with these feature `widths` (None ones are
-    unknown, not checked), or None when it can."""
+def device_method_refusal(kind: str, weight_format: str | None, dtype: str, widths,
+                          op_name: str | None = None) -> str | None:
+    """Why the device method's kernel cannot take this op (named `op_name`; None: not checked) at `dtype` with
+    these feature `widths` (None ones are unknown, not checked), or None when it can."""
     limits = DEVICE_METHOD_LIMITS.get(_variant(kind, weight_format), {})
+    ops = limits.get("ops")
+    if ops and op_name is not None and op_name not in ops:
+        return f"its kernel runs {'/'.join(ops)} only"
     if dtype and dtype not in limits.get("dtypes", (dtype,)):
         return f"its kernel runs {'/'.join(limits['dtypes'])}, the dtype is {dtype}"
     multiple = limits.get("feature_multiple")

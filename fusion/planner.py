@@ -246,7 +246,7 @@ def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) ->
     device = device_method(info.kind, part, fmt)
     refusal = None
     if device is not None and (arch_of(target) or 0) >= 90:
-        refusal = device_method_refusal(info.kind, fmt, dtype, (info.in_features, info.out_features))
+        refusal = device_method_refusal(info.kind, fmt, dtype, (info.in_features, info.out_features), info.name)
         if refusal is None:
             return f"{device[1]}{EMULATE_NOTE}", ()
     if info.gemm_by_reference:

@@ -53,11 +53,16 @@ def test_demo_blocks_compile_for_sm90a(dtype):
     for block in demo_blocks(dtype):
         kernels = block.compile(dtype=dtype, target="sm_90a")
         # Forward: FC1+SwiGLU+Scale+QuantizeMXFP8 in a training and an inference variant (FC2 alone has nothing
-        # to fuse: torch._grouped_mm); backward: FC2's dgrad with d(SwiGLU*scale) in its epilogue.
+        # to fuse: torch._grouped_mm); backward: FC2's dgrad with d(SwiGLU*scale) in its epilogue, and both GEMMs'
+        # weight gradients on the varlen-K kernel (FC2's first: autograd order).
         names = [k.name for k in kernels]
-        assert [n.split("_")[1:3] for n in names] == [["F1", "train"], ["F1", "inference"], ["B1", "backward"]]
+        assert [n.split("_")[1:3] for n in names[:3]] == [["F1", "train"], ["F1", "inference"], ["B1", "backward"]]
+        assert [n.split("_")[0] for n in names[3:]] == ["wgrad", "wgrad"]
         assert kernels[0].key != kernels[1].key
-        for k in kernels:
+        for k in kernels[:3]:
+            check_sass(k)
+        for k in kernels[3:]:   # (tests/test_wgrad_compile.py checks the varlen-K kernel's SASS in detail)
+            assert k.config.cluster_m == 2   # TMA operands, X's tile multicast to a CTA pair
             check_sass(k)
 
 

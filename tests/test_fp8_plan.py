@@ -264,8 +264,9 @@ def test_sequential_compile_builds_every_fp8_kernel_the_plan_launches():
         ("F1", "train", 512, 256), ("F1", "inference", 512, 256), ("B1", "backward", 256, 256),
         ("fp8_fprop", "identity", 256, 256), ("fp8_dgrad", "identity", 256, 512)]
     assert {j.mainloop for j in jobs} == {"fp8_block"} and len({j.key for j in jobs}) == 5
+    # a bf16 block: its fused kernels, and its GEMMs' weight gradients on the varlen-K kernel
     assert {j.mainloop for j in plan_jobs(block("bf16", "bf16", backend="auto").to("meta", torch.bfloat16),
-                                          torch.bfloat16)} == {"bf16"}
+                                          torch.bfloat16)} == {"bf16", "varlen_k"}
     # widths the FP8 kernel refuses (72): no job for that GEMM, nothing to fail at compile time
     odd = Sequential(GroupLinear(2, 72, 128, weight_format="fp8_block"), SwiGLU(),
                      GroupLinear(2, 64, 64, weight_format="fp8_block")).to("meta", torch.bfloat16)

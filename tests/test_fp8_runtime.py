@@ -67,20 +67,22 @@ def test_try_quantize_returns_none_where_the_kernel_refuses():
 
 
 def test_lone_fp8_gemms_read_the_calls_bounds_buffer_where_it_fits():
-    """The row bounds a lone FP8 GEMM launches with: the program's buffer (its G+1 head) when its groups are the
-    GEMM's, never for a dense Linear inside a grouped block, and [0, rows] / the offsets without a buffer."""
+    """The row bounds a lone GEMM kernel (FP8, or the bf16 weight gradient's) launches with: the program's buffer
+    (its G+1 head) when its groups are the GEMM's, never for a dense Linear inside a grouped block, and [0, rows] /
+    the offsets without a buffer."""
     from fusion import Linear
     from fusion.run_context import RunContext
+    from fusion.runtime.bounds import row_bounds
 
     grouped, dense = GroupLinear(3, 64, 64, weight_format="fp8_block"), Linear(64, 64, weight_format="fp8_block")
     sizes = torch.tensor([2, 0, 5])
     buffer = torch.tensor([0, 2, 2, 7, 0, 0], dtype=torch.int32)  # G+1 bounds, then two tile counters
     ctx = RunContext(group_sizes=sizes, counters=buffer, groups=3)
-    assert fp8_gemm._row_bounds(grouped, 7, ctx, "cpu") is buffer
-    assert fp8_gemm._row_bounds(dense, 7, ctx, "cpu").tolist() == [0, 7]
+    assert row_bounds(grouped, 7, ctx, "cpu") is buffer
+    assert row_bounds(dense, 7, ctx, "cpu").tolist() == [0, 7]
     dense_ctx = RunContext(counters=torch.tensor([0, 7, 0], dtype=torch.int32), groups=1)
-    assert fp8_gemm._row_bounds(dense, 7, dense_ctx, "cpu") is dense_ctx.counters
-    assert fp8_gemm._row_bounds(grouped, 7, RunContext(group_sizes=sizes), "cpu").tolist() == [0, 2, 2, 7]
+    assert row_bounds(dense, 7, dense_ctx, "cpu") is dense_ctx.counters
+    assert row_bounds(grouped, 7, RunContext(group_sizes=sizes), "cpu").tolist() == [0, 2, 2, 7]
 
 
 def test_lone_fp8_gemm_steps_hold_tile_counter_slots_of_the_calls_buffer():

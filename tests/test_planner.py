@@ -34,7 +34,12 @@ def test_demo_plan_forward_and_backward():
     assert set(b[0].parts) == {(4, "dgrad"), (2, "backward"), (1, "backward")}
     assert [(s.fused, s.parts) for s in b[1:]] == [(False, ((4, "wgrad"),)), (False, ((0, "dgrad"),)),
                                                     (False, ((0, "wgrad"),))]
-    assert b[1].method == "torch._grouped_mm (weight gradient)" and b[1].notes == ()
+    # sm_90: the weight gradients on the varlen-K kernel (fusion/runtime/wgrad_gemm.py), the dgrad torch's
+    assert b[1].method.startswith("varlen-K grouped GEMM") and b[1].notes == ()
+    assert b[2].method == "torch._grouped_mm (input gradient)"
+    # where it does not run (dtype, widths, a dense Linear), the vendor GEMM and why not: torch's
+    plan32 = plan_for(demo_block(), patterns=demo_patterns(), dtype=torch.float32)
+    assert not any(s.method.startswith("varlen-K") for s in plan32.backward)
     assert plan.fallbacks == () and plan.fully_fused
     assert [a.outcome for a in plan.attempts[0]] == ["applied", "not chosen", "failed"]
 

@@ -82,3 +82,24 @@ class RoutedPrologue:
         ctx.derived["gather_index"] = index32
         ctx.group_sizes = torch.diff(buffer.narrow(0, 0, self.groups + 1))
         return buffer
+
+
+def row_bounds(op, rows: int, ctx, device) -> torch.Tensor:
+    """The (G+1,) int32 row bounds a lone GEMM kernel of `op` reads (a device method's: fusion/runtime/fp8_gemm.py,
+    wgrad_gemm.py): the head of the call's bounds buffer (G+1 bounds, then tile counters the kernel does not
+    read), where it describes this GEMM's rows; else made once per call for a grouped block, [0, rows] for a
+    Linear."""
+    dense = op.spec.name == "Linear" or ctx.group_sizes is None
+    if ctx.counters is not None and (ctx.groups == 1 if dense else ctx.groups == op.weight.shape[0]):
+        return ctx.counters
+    if dense:
+        bounds = torch.zeros(2, dtype=torch.int32, device=device)
+        bounds[1] = rows
+        return bounds
+
+    def make():
+        from fusion.kernels.api import offsets_from_group_sizes
+
+        return offsets_from_group_sizes(ctx.group_sizes)
+
+    return ctx.derive("row_bounds", make)

@@ -26,6 +26,7 @@ import torch
 
 from fusion.grouped import group_offsets
 from fusion.op_table import device_method_refusal
+from fusion.runtime.bounds import row_bounds
 from fusion.quant import QuantizedTensor
 from fusion.run_context import RunContext
 
@@ -90,26 +91,6 @@ def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
     return []
 
 
-def _row_bounds(op, rows: int, ctx: RunContext, device) -> torch.Tensor:
-    """The (G+1,) int32 row bounds the kernel reads: the head of the call's bounds buffer, which the block's
-    program made (fusion/runtime/bounds.py: G+1 bounds, then tile counters the kernel does not read), where it
-    describes this GEMM's rows; else once per call for a grouped block, [0, rows] for a Linear."""
-    dense = op.spec.name == "Linear" or ctx.group_sizes is None
-    if ctx.counters is not None and (ctx.groups == 1 if dense else ctx.groups == op.weight.shape[0]):
-        return ctx.counters
-    if dense:
-        bounds = torch.zeros(2, dtype=torch.int32, device=device)
-        bounds[1] = rows
-        return bounds
-
-    def make():
-        from fusion.kernels.api import offsets_from_group_sizes
-
-        return offsets_from_group_sizes(ctx.group_sizes)
-
-    return ctx.derive("row_bounds", make)
-
-
 def _quantized(x: torch.Tensor, columnwise: bool = False, groups=None):
     """(data, scale, cw_data, cw_scale) of a high-precision 2-D tensor: the quantize kernel
     (fusion/kernels/fp8_quantize.py), bit for bit the reference, which runs where the kernel does not take x."""
@@ -169,13 +150,13 @@ def weight_operand(op, transposed: bool = False):
 
 def run(op, x, ctx: RunContext, counter: int | None = None) -> torch.Tensor:
     """Y = X @ W[g].T per group, in x's dtype."""
-    return _gemm(operand(x), weight_operand(op), _row_bounds(op, x.shape[0], ctx, x.device), x.dtype, "fprop",
+    return _gemm(operand(x), weight_operand(op), row_bounds(op, x.shape[0], ctx, x.device), x.dtype, "fprop",
                  counter)
 
 
 def dgrad(op, dy: torch.Tensor, ctx: RunContext, counter: int | None = None) -> torch.Tensor:
     """``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3) times the weight's transposed blocks."""
-    return _gemm(operand(dy), weight_operand(op, transposed=True), _row_bounds(op, dy.shape[0], ctx, dy.device),
+    return _gemm(operand(dy), weight_operand(op, transposed=True), row_bounds(op, dy.shape[0], ctx, dy.device),
                  dy.dtype, "dgrad", counter)
 
 

@@ -441,8 +441,9 @@ class GemmDgrad(_DeviceMethodStep):
 
 
 class GemmWgrad:
-    """GEMM j's weight (and bias) gradient at its saved input: the vendor grouped GEMM; for fp8_block weights the
-    device method's (fusion/runtime/fp8_gemm.py) where the block runs kernels, else the recipe's reference."""
+    """GEMM j's weight (and bias) gradient at its saved input: where the block runs kernels, its device method's
+    (a GroupLinear's varlen-K kernel, fusion/runtime/wgrad_gemm.py; fp8_block weights: fusion/runtime/fp8_gemm.py);
+    else the vendor grouped GEMM, or the fp8_block recipe's reference."""
 
     part = "wgrad"
 
@@ -461,10 +462,10 @@ class GemmWgrad:
         weight, bias = weight_of(op), op.bias
         if weight.requires_grad:
             x = state.env[v(self.index)]
-            if not self.fp8:
-                dw = linear_wgrad(dy, dequantize(x).contiguous(), weight, ctx.group_sizes, ctx.offsets)
-            elif self.device is not None and self.device.takes(op, x):
+            if self.device is not None and self.device.takes(op, x):
                 dw = self.device.wgrad(op, x, dy, ctx)
+            elif not self.fp8:
+                dw = linear_wgrad(dy, dequantize(x).contiguous(), weight, ctx.group_sizes, ctx.offsets)
             else:
                 from fusion.quant.fp8_linear import fp8_block_wgrad
 
