@@ -110,3 +110,23 @@ def run_header(device="cuda") -> dict:
     commit = os.environ.get("FUSION_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip() or "unknown"
     return {"gpu": gpu, "date": datetime.date.today().isoformat(), "commit": commit}
+
+
+def median_ms(fn) -> float:
+    """Median milliseconds of one call of a kernel benchmark (triton's do_bench, which flushes L2 between runs;
+    CUDA events without triton)."""
+    try:
+        import triton
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    except ImportError:
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(30):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]

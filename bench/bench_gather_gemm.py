@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fusion
 
 import fusion.kernels as K  # noqa: E402
+from bench_common import median_ms  # noqa: E402
 from fusion.kernels.tile_policy import GemmConfig, candidates, tile_config  # noqa: E402
 
 SHAPES = {  # name: (E, d, f, T, k)
@@ -33,25 +34,6 @@ SHAPES = {  # name: (E, d, f, T, k)
     "gpt-oss-120b": (128, 2880, 2880, 16384, 4),
     "deepseek-v3-ep8": (32, 7168, 2048, 8192, 8),
 }
-
-
-def bench(fn) -> float:
-    """Median milliseconds (triton's do_bench, which flushes L2 between runs; CUDA events without triton)."""
-    try:
-        import triton
-        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
-    except ImportError:
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(30):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
 
 
 def routing(T, E, k, gen, dev):
@@ -112,7 +94,7 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False):
     print(f"{name}: E={E} d={d} f={f} T={T} k={k} (M={M}); gather vs pre-gathered max |diff| = {diff:.3g}",
           flush=True)
     for label, fn in rows.items():
-        ms = bench(fn)
+        ms = median_ms(fn)
         tf = flops / ms / 1e9
         result["rows"][label] = {"ms": ms, "tflops": tf}
         print(f"  {label:<42} {ms:8.3f} ms {tf:7.1f} TFLOP/s", flush=True)

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fusion
 
+from bench_common import median_ms  # noqa: E402
 from fusion.kernels.tile_policy import WgradConfig, choose_wgrad_config  # noqa: E402
 from fusion.runtime.compile import KernelJob  # noqa: E402
 
@@ -81,25 +82,6 @@ def all_jobs(names, sweep):
                 if gath is not None:
                     jobs.append(job(gath, Ma, Nb, E))
     return jobs
-
-
-def bench(fn) -> float:
-    """Median milliseconds (triton's do_bench, which flushes L2 between runs; CUDA events without triton)."""
-    try:
-        import triton
-        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-    except ImportError:
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(30):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
 
 
 def routing(T, E, k, skewed, gen, dev):
@@ -156,7 +138,7 @@ def run_shape(name, E, d, f, T, k, skewed, gen, sweep, dev="cuda"):
         res = {}
         print(f"  {label}: Ma={Ma} Nb={Nb}", flush=True)
         for key, fn in rows.items():
-            ms = bench(fn)
+            ms = median_ms(fn)
             res[key] = {"ms": ms, "tflops": flops / ms / 1e9, "max_rel_err": errors.get(key)}
             err = f"  err {errors[key]:.1e}" if key in errors else ""
             print(f"    {key:<52} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s{err}", flush=True)

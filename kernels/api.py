@@ -130,20 +130,17 @@ def sass_opcodes(sass: str) -> list[str]:
     return _SASS_OPCODE.findall(sass)
 
 
-class CompiledGroupedGemm:
-    """A compiled kernel: call through :func:`run_grouped_gemm`.  Exposes .ptx, .cubin, .registers,
-    .shared_memory_bytes, .sass (lazy), .name, .config, .requested_config, .epilogue, .dtype, .N, .K, .G.
-    ``.config`` is the tile configuration the kernel was built with, ``.requested_config`` the one asked for: they
-    differ where the tile policy's spill fallback rebuilt it (:func:`fusion.kernels.tile_policy.spill_fallback`)."""
+class CompiledArtifact:
+    """What every compiled kernel of this package exposes: ``.fn`` (what cute.compile returned, or the loaded
+    module's function), ``.launch`` (the raw TVM-FFI function: positional ints), ``.ptx`` ``.cubin``
+    ``.shared_memory_bytes`` ``.registers`` ``.frame_size`` (0 = no spills) ``.max_stack_size`` and ``.sass``
+    (nvdisasm's listing, made when first read)."""
 
-    def __init__(self, fn, kernel: GroupedGemmKernel, config, epilogue, dtype, N, K, G, ptx, cubin, smem):
+    def __init__(self, fn, ptx, cubin, smem):
         self.fn = fn
-        self.kernel = kernel
-        self.config = config
-        self.requested_config = config
-        self.epilogue = epilogue
-        self.dtype = dtype
-        self.N, self.K, self.G = N, K, G
+        #: fn.__tvm_ffi_object__() for a kernel compiled in this process, or what load_module(...,
+        #: enable_tvm_ffi=True) returned (already raw).
+        self.launch = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else fn
         self.ptx = ptx
         self.cubin = cubin
         self.shared_memory_bytes = smem
@@ -151,24 +148,37 @@ class CompiledGroupedGemm:
         self.registers = info.get("registers")
         self.frame_size = info.get("frame_size", 0)
         self.max_stack_size = info.get("max_stack_size", 0)
-        self.name = f"grouped_gemm_{type(epilogue).__name__}_{dtype}_N{N}_K{K}_G{G}_" \
-                    f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}" + \
-                    ("_dyn" if config.dynamic else "") + ("_pp" if getattr(config, "pingpong", False) else "") + \
-                    ("_bmn" if getattr(config, "b_major", "K") == "MN" else "") + \
-                    ("_gA" if getattr(config, "gather_a", False) else "")
         self._sass = None
-        #: The raw TVM-FFI function (positional ints): fn.__tvm_ffi_object__() for a kernel compiled in this
-        #: process, or what load_module(..., enable_tvm_ffi=True) returned (already raw).
-        self.launch = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else fn
-        self.slots = [(s.name, isinstance(s, MXFP8Output)) for s in epilogue.inputs + epilogue.outputs]
-        self.b_shape = (G, N, K) if config.b_major == "K" else (G, K, N)
-        self.n_tiles = (N + config.tile_n - 1) // config.tile_n  # per m-tile row (a gated tile holds both halves)
 
     @property
     def sass(self) -> str:
         if self._sass is None:
             self._sass = sass_text(self.cubin)
         return self._sass
+
+
+class CompiledGroupedGemm(CompiledArtifact):
+    """A compiled kernel: call through :func:`run_grouped_gemm`.  Exposes .ptx, .cubin, .registers,
+    .shared_memory_bytes, .sass (lazy), .name, .config, .requested_config, .epilogue, .dtype, .N, .K, .G.
+    ``.config`` is the tile configuration the kernel was built with, ``.requested_config`` the one asked for: they
+    differ where the tile policy's spill fallback rebuilt it (:func:`fusion.kernels.tile_policy.spill_fallback`)."""
+
+    def __init__(self, fn, kernel: GroupedGemmKernel, config, epilogue, dtype, N, K, G, ptx, cubin, smem):
+        super().__init__(fn, ptx, cubin, smem)
+        self.kernel = kernel
+        self.config = config
+        self.requested_config = config
+        self.epilogue = epilogue
+        self.dtype = dtype
+        self.N, self.K, self.G = N, K, G
+        self.name = f"grouped_gemm_{type(epilogue).__name__}_{dtype}_N{N}_K{K}_G{G}_" \
+                    f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}" + \
+                    ("_dyn" if config.dynamic else "") + ("_pp" if getattr(config, "pingpong", False) else "") + \
+                    ("_bmn" if getattr(config, "b_major", "K") == "MN" else "") + \
+                    ("_gA" if getattr(config, "gather_a", False) else "")
+        self.slots = [(s.name, isinstance(s, MXFP8Output)) for s in epilogue.inputs + epilogue.outputs]
+        self.b_shape = (G, N, K) if config.b_major == "K" else (G, K, N)
+        self.n_tiles = (N + config.tile_n - 1) // config.tile_n  # per m-tile row (a gated tile holds both halves)
 
     def __repr__(self):
         return f"<CompiledGroupedGemm {self.name} regs={self.registers} smem={self.shared_memory_bytes}>"
@@ -282,16 +292,20 @@ def _compile(config, epilogue, dtype, N, K, G):
         _fake_ptr(dtype), _fake_ptr(dtype), int_ptr, int_ptr, int_ptr,
         ptrs, cutlass.Int32(1), cutlass.Int32(1), N, K, G, cutlass.Int32(1), make_fake_stream(),
     )
-    # --keep-ptx/--keep-cubin write files, into the working directory unless told otherwise: a temporary folder
-    # here (the DSL reads both back into memory before returning; the disk cache stores its own copies).
+    fn, ptx, cubin = compile_kernel(kern, args)
+    smem = kern.shared_storage.size_in_bytes() if hasattr(kern, "shared_storage") else None
+    return CompiledGroupedGemm(fn, kern, config, epilogue, dtype, N, K, G, ptx, cubin, smem)
+
+
+def compile_kernel(kern, args: tuple):
+    """cute.compile of a kernel object with its (fake) arguments: (function, PTX text, cubin bytes).
+    --keep-ptx/--keep-cubin write files, into the working directory unless told otherwise: a temporary folder
+    here (the DSL reads both back into memory before returning; the disk cache stores its own copies)."""
     with tempfile.TemporaryDirectory(prefix="fusion-cute-") as dump:
         fn = cute.compile(kern, *args, options=f"{COMPILE_OPTIONS} --dump-dir={shlex.quote(dump)}")
         ptx = getattr(fn, "__ptx__", None)
         cubin = getattr(fn, "__cubin__", None)
-    if isinstance(ptx, bytes):
-        ptx = ptx.decode()
-    smem = kern.shared_storage.size_in_bytes() if hasattr(kern, "shared_storage") else None
-    return CompiledGroupedGemm(fn, kern, config, epilogue, dtype, N, K, G, ptx, cubin, smem)
+    return fn, ptx.decode() if isinstance(ptx, bytes) else ptx, cubin
 
 
 #: Kernels keep their PTX and cubin (Sequential.compile returns them); TVM-FFI is the launch path. _compile adds

@@ -6,8 +6,6 @@ with plain integer arguments (pointers, M, the CTA count, torch's stream).
 """
 from __future__ import annotations
 
-import shlex
-import tempfile
 import threading
 from typing import Optional
 
@@ -19,7 +17,7 @@ from cutlass.cute.runtime import make_ptr
 
 from fusion.errors import DeviceError, KernelConfigError, ShapeError
 
-from .api import (COMPILE_OPTIONS, CompiledGroupedGemm, GemmConfig, _dtype_name, _fake_ptr, _slot_dtypes,
+from .api import (CompiledGroupedGemm, compile_kernel, GemmConfig, _dtype_name, _fake_ptr, _slot_dtypes,
                   allocate_outputs, current_stream, epilogue_pointers, launch_grid, offsets_from_group_sizes)
 from .epilogue import Epilogue, IdentityEpilogue, MXFP8Output
 from .fp8_gemm import OVERLAP_MAX_TILE_N, SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
@@ -150,11 +148,7 @@ def _build(config, epilogue, out_dtype, N, K, G, overlap, debug) -> CompiledFp8G
     from cutlass.runtime import make_fake_stream
     args = (_fake_ptr("float8_e4m3fn"), _fake_ptr("float8_e4m3fn"), _fake_ptr("float32"), _fake_ptr("float32"),
             i32, i32, ptrs, cutlass.Int32(1), N, K, G, cutlass.Int32(1), make_fake_stream())
-    with tempfile.TemporaryDirectory(prefix="fusion-cute-") as dump:
-        fn = cute.compile(kern, *args, options=f"{COMPILE_OPTIONS} --dump-dir={shlex.quote(dump)}")
-        ptx, cubin = getattr(fn, "__ptx__", None), getattr(fn, "__cubin__", None)
-    if isinstance(ptx, bytes):
-        ptx = ptx.decode()
+    fn, ptx, cubin = compile_kernel(kern, args)
     return CompiledFp8GroupedGemm(fn, kern, config, epilogue, out_dtype, N, K, G, ptx, cubin,
                                   kern.shared_storage.size_in_bytes())
 

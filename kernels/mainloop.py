@@ -42,6 +42,23 @@ LAUNCH_REGISTERS = 168
 assert all(128 * (LAUNCH_REGISTERS - p) >= 256 * (c - LAUNCH_REGISTERS) for p, c in REGISTER_SPLIT.values())
 
 
+def consumer_ids(pingpong: bool, tidx, wg_idx):
+    """(parity, thread) of a consumer thread at trace time: pingpong, its warpgroup's parity in the CTA's tile
+    sequence and its thread in the warpgroup (each warpgroup owns whole tiles); cooperative, parity 0 and its
+    thread among the consumer warpgroups (they split one tile)."""
+    if pingpong:
+        return wg_idx - 1, tidx % 128
+    return Int32(0), tidx - 128
+
+
+def mma_k_step(tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: int):
+    """Trace time: issue one smem stage's wgmma into ``acc`` (every k-block of the stage) and commit them as one
+    group."""
+    for kb in range(num_k_blocks):   # plain Python: unrolled while tracing (this helper is not preprocessed)
+        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
+    warpgroup.commit_group()
+
+
 class WarpRoles:
     """Producer and consumer bodies (``@cute.jit``, inlined into the kernel)."""
 
@@ -172,12 +189,7 @@ class WarpRoles:
                 sB: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple, ab_pipe, sched_pipe,
                 sTile: cute.Tensor, tidx: Int32, wg_idx: Int32, bidx: Int32, grid: Int32):
         k_tiles = self.k_tiles
-        cwg = Int32(0)
-        if const_expr(self.pingpong):
-            cwg = wg_idx - 1            # this consumer warpgroup's parity in the CTA's tile sequence
-            ctid = tidx % 128
-        else:
-            ctid = tidx - 128
+        cwg, ctid = consumer_ids(self.pingpong, tidx, wg_idx)
         thr_mma, tCrA, tCrB, tCcC = self.mma_operands(tiled_mma, tiled_mma_log, sA, sB, ctid)
         acc_shape = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))).shape
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
@@ -220,17 +232,11 @@ class WarpRoles:
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.fence()
             ab_pipe.consumer_wait(read_state)
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)],
-                          tCrB[(None, None, kb, read_state.index)], acc)
-            warpgroup.commit_group()
+            mma_k_step(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
             read_state.advance()
             for kt in cutlass.range(1, k_tiles, unroll=1):
                 ab_pipe.consumer_wait(read_state)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)],
-                              tCrB[(None, None, kb, read_state.index)], acc)
-                warpgroup.commit_group()
+                mma_k_step(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
                 warpgroup.wait_group(1)
                 ab_pipe.consumer_release(rel_state)
                 rel_state.advance()

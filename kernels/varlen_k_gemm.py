@@ -54,7 +54,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from .dtypes import cutlass_dtype
 from .epilogue import IdentityEpilogue
 from .fragment_io import row_addr, store4_swapped
-from .mainloop import PINGPONG_BARRIER, REGISTER_SPLIT
+from .mainloop import PINGPONG_BARRIER, REGISTER_SPLIT, consumer_ids, mma_k_step
 from .tile_epilogue import TileEpilogue
 
 __all__ = ["VarlenKGemmKernel", "PRODUCER_THREADS"]
@@ -402,12 +402,7 @@ class VarlenKGemmKernel:
     @cute.jit
     def consume(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, mOffs: cute.Tensor,
                 epi_tensors: tuple, ab_pipe, tidx: Int32, wg_idx: Int32, rank: Int32, bidx: Int32, grid: Int32):
-        cwg = Int32(0)
-        if const_expr(self.pingpong):
-            cwg = wg_idx - 1            # this consumer warpgroup's parity in the CTA's tile sequence
-            ctid = tidx % 128
-        else:
-            ctid = tidx - 128
+        cwg, ctid = consumer_ids(self.pingpong, tidx, wg_idx)
         thr_mma = tiled_mma.get_slice(ctid)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -418,7 +413,7 @@ class VarlenKGemmKernel:
         clusters = grid // self.cluster_m
         # consumers that read a stage: both warpgroups (cooperative) or the tile's own (pingpong)
         readers = 128 * self.mma_atoms_m
-        zero_t = ctid if const_expr(self.pingpong) else tidx - 128
+        zero_t = ctid
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         rel_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tile_id = bidx // self.cluster_m
@@ -448,10 +443,7 @@ class VarlenKGemmKernel:
                         self.zero_tail_rows(sA, sB, read_state.index, tail, zero_t, readers)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.barrier(barrier_id=ZERO_BARRIER + cwg, number_of_threads=readers)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)],
-                              tCrB[(None, None, kb, read_state.index)], acc)
-                warpgroup.commit_group()
+                mma_k_step(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
                 # the previous k-step's wgmma has finished reading its stage once at most this one is in flight
                 warpgroup.wait_group(1)
                 if kt > 0:

@@ -8,8 +8,6 @@ varlen-M kernel's (kernels/api.py): an in-memory compile cache, a launch through
 """
 from __future__ import annotations
 
-import shlex
-import tempfile
 import threading
 from typing import Optional
 
@@ -21,7 +19,7 @@ from cutlass.cute.runtime import make_ptr
 
 from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
 
-from .api import COMPILE_OPTIONS, _TORCH_DT, _cubin_nv_info, _dtype_name, _fake_ptr, _num_sms, current_stream, sass_text
+from .api import _TORCH_DT, CompiledArtifact, compile_kernel, _dtype_name, _fake_ptr, _num_sms, current_stream
 from .tile_policy import WgradConfig, _max_stages, choose_wgrad_config
 from .varlen_k_gemm import VarlenKGemmKernel
 
@@ -63,34 +61,21 @@ def check_wgrad_config(config: WgradConfig, dtype, Ma: int, Nb: int, out_dtype=N
                                 + "; ".join(problems))
 
 
-class CompiledVarlenKGemm:
-    """A compiled varlen-K kernel: call through :func:`run_varlen_k_gemm`. ``.ptx .cubin .registers .frame_size
-    .sass (lazy) .name .config .dtype .out_dtype .Ma .Nb .G .shared_memory_bytes``."""
+class CompiledVarlenKGemm(CompiledArtifact):
+    """A compiled varlen-K kernel: call through :func:`run_varlen_k_gemm`. ``.name .config .dtype .out_dtype .Ma .Nb
+    .G``, and what every compiled kernel has (:class:`kernels.api.CompiledArtifact`)."""
 
     def __init__(self, fn, config, dtype, out_dtype, Ma, Nb, G, ptx, cubin, smem):
-        self.fn = fn
+        super().__init__(fn, ptx, cubin, smem)
         self.config = config
         self.dtype, self.out_dtype = dtype, out_dtype
         self.Ma, self.Nb, self.G = Ma, Nb, G
-        self.ptx, self.cubin = ptx, cubin
-        self.shared_memory_bytes = smem
-        info = _cubin_nv_info(cubin)
-        self.registers = info.get("registers")
-        self.frame_size = info.get("frame_size", 0)
         self.name = (f"varlen_k_gemm_{dtype}_{out_dtype}_Ma{Ma}_Nb{Nb}_G{G}_{config.tile_m}x{config.tile_n}x"
                      f"{config.tile_k}s{config.stages}" + ("_pp" if config.pingpong else "")
                      + ("_gA" if config.gather_a else "") + ("_gB" if config.gather_b else "")
                      + (f"_c{config.cluster_m}" if config.cluster_m > 1 else ""))
         c = config.cluster_m
         self.tiles = G * -(-Ma // (config.tile_m * c)) * c * -(-Nb // config.tile_n)  # CTAs' tiles, per unit
-        self.launch = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else fn
-        self._sass = None
-
-    @property
-    def sass(self) -> str:
-        if self._sass is None:
-            self._sass = sass_text(self.cubin)
-        return self._sass
 
     def __repr__(self):
         return f"<CompiledVarlenKGemm {self.name} regs={self.registers} smem={self.shared_memory_bytes}>"
@@ -117,12 +102,7 @@ def compile_varlen_k_gemm(config: WgradConfig, dtype, Ma: int, Nb: int, G: int, 
     # (A, B, offsets, index, D, M, A's rows, B's rows, Ma, Nb, G, CTAs, stream)
     args = (_fake_ptr(dtype), _fake_ptr(dtype), int_ptr, int_ptr, _fake_ptr(out_dtype, 4),
             cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), Ma, Nb, G, cutlass.Int32(1), make_fake_stream())
-    with tempfile.TemporaryDirectory(prefix="fusion-cute-") as dump:
-        fn = cute.compile(kern, *args, options=f"{COMPILE_OPTIONS} --dump-dir={shlex.quote(dump)}")
-        ptx = getattr(fn, "__ptx__", None)
-        cubin = getattr(fn, "__cubin__", None)
-    if isinstance(ptx, bytes):
-        ptx = ptx.decode()
+    fn, ptx, cubin = compile_kernel(kern, args)
     res = CompiledVarlenKGemm(fn, config, dtype, out_dtype, Ma, Nb, G, ptx, cubin,
                               kern.shared_storage.size_in_bytes())
     with _LOCK:
