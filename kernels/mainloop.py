@@ -59,6 +59,14 @@ def mma_k_step(tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: int):
     warpgroup.commit_group()
 
 
+def end_mainloop(pingpong: bool, cwg):
+    """Trace time, after a tile's last wgmma is issued: a pingpong warpgroup hands the tensor cores to the other
+    (its order barrier); then wait for every wgmma of the tile to finish (the stages may be released)."""
+    if pingpong:
+        cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg, number_of_threads=256)
+    warpgroup.wait_group(0)
+
+
 class WarpRoles:
     """Producer and consumer bodies (``@cute.jit``, inlined into the kernel)."""
 
@@ -241,9 +249,7 @@ class WarpRoles:
                 ab_pipe.consumer_release(rel_state)
                 rel_state.advance()
                 read_state.advance()
-            if const_expr(self.pingpong):
-                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg, number_of_threads=256)
-            warpgroup.wait_group(0)
+            end_mainloop(self.pingpong, cwg)
             ab_pipe.consumer_release(rel_state)
             rel_state.advance()
 

@@ -54,7 +54,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from .dtypes import cutlass_dtype
 from .epilogue import IdentityEpilogue
 from .fragment_io import row_addr, store4_swapped
-from .mainloop import PINGPONG_BARRIER, REGISTER_SPLIT, consumer_ids, mma_k_step
+from .mainloop import PINGPONG_BARRIER, REGISTER_SPLIT, consumer_ids, end_mainloop, mma_k_step
 from .tile_epilogue import TileEpilogue
 
 __all__ = ["VarlenKGemmKernel", "PRODUCER_THREADS"]
@@ -450,9 +450,7 @@ class VarlenKGemmKernel:
                     ab_pipe.consumer_release(rel_state)
                     rel_state.advance()
                 read_state.advance()
-            if const_expr(self.pingpong):
-                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg, number_of_threads=256)
-            warpgroup.wait_group(0)
+            end_mainloop(self.pingpong, cwg)
             if steps > 0:
                 ab_pipe.consumer_release(rel_state)
                 rel_state.advance()
