@@ -89,7 +89,7 @@ class VarlenKGemmKernel:
         self.stages = config.stages
         self.gather_a, self.gather_b = bool(config.gather_a), bool(config.gather_b)
         self.tma = not (self.gather_a or self.gather_b)
-        self.cluster_m = int(getattr(config, "cluster_m", 1))
+        self.cluster_m = config.cluster_m
         assert self.cluster_m in (1, 2) and (self.tma or self.cluster_m == 1), "multicast needs TMA operands"
         # the cp.async producer keeps a k-step's rows in registers, as the gather-A producer does
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[not self.tma]

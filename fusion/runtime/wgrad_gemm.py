@@ -23,6 +23,15 @@ from fusion.runtime.bounds import row_bounds
 TILE_COUNTER = False
 
 _COMPILED: dict = {}
+_MAJOR: dict = {}
+
+
+def _major(device) -> int:
+    """The compute capability's major number of a CUDA device (asked once per device: `takes` runs every step)."""
+    major = _MAJOR.get(device.index)
+    if major is None:
+        major = _MAJOR[device.index] = torch.cuda.get_device_capability(device)[0]
+    return major
 
 
 def _refusal(op, dtype: str) -> str | None:
@@ -37,7 +46,7 @@ def takes(op, x) -> bool:
     take (multiples of 8)."""
     if not x.is_cuda or x.dim() != 2 or op.weight.dtype != x.dtype:
         return False
-    if torch.cuda.get_device_capability(x.device)[0] != 9:
+    if _major(x.device) != 9:
         return False
     return _refusal(op, str(x.dtype).removeprefix("torch.")) is None
 
