@@ -175,7 +175,8 @@ class CompiledGroupedGemm(CompiledArtifact):
                     f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}" + \
                     ("_dyn" if config.dynamic else "") + ("_pp" if getattr(config, "pingpong", False) else "") + \
                     ("_bmn" if getattr(config, "b_major", "K") == "MN" else "") + \
-                    ("_gA" if getattr(config, "gather_a", False) else "")
+                    ("_gA" if getattr(config, "gather_a", False) else "") + \
+                    ("_c2" if getattr(config, "cluster_n", 1) > 1 else "")
         self.slots = [(s.name, isinstance(s, MXFP8Output)) for s in epilogue.inputs + epilogue.outputs]
         self.b_shape = (G, N, K) if config.b_major == "K" else (G, K, N)
         self.n_tiles = (N + config.tile_n - 1) // config.tile_n  # per m-tile row (a gated tile holds both halves)
@@ -214,8 +215,19 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
         problems.append(f"target {target!r}: only sm_90a is supported")
     if dtype not in ("bfloat16", "float16"):
         problems.append(f"dtype {dtype}: A and B must be bfloat16 or float16")
-    if config.cluster_m != 1 or config.cluster_n != 1:
-        problems.append("clusters > 1 are not implemented yet: use cluster_m = cluster_n = 1")
+    if config.cluster_m != 1:
+        problems.append(f"cluster_m = {config.cluster_m}: the grouped GEMM pairs CTAs along n only (cluster_n = 2); "
+                        "use cluster_m = 1")
+    if config.cluster_n not in (1, 2):
+        problems.append(f"cluster_n = {config.cluster_n}: use 1, or 2 (a CTA pair multicasting A)")
+    elif config.cluster_n == 2:
+        n_tiles = -(-(N // 2 if epilogue.gated else N) // (config.tile_n // 2 if epilogue.gated else config.tile_n))
+        if config.gather_a or config.dynamic or not config.persistent:
+            problems.append("cluster_n = 2 multicasts a TMA-loaded A along the persistent static schedule: use "
+                            "gather_a=False, dynamic=False, persistent=True")
+        if n_tiles % 2:
+            problems.append(f"cluster_n = 2 needs an even number of n-tiles ({n_tiles} at tile_n = {config.tile_n}): "
+                            "pick a tile_n that splits N into an even count, or cluster_n = 1")
     if config.tile_m not in (64, 128) or config.tile_n % 16 or not 16 <= config.tile_n <= 256:
         problems.append(f"tile {config.tile_m}x{config.tile_n}: tile_m is 64 or 128, tile_n a multiple of 16 "
                         "up to 256")
@@ -270,6 +282,11 @@ def compile_grouped_gemm(config: GemmConfig, epilogue: Epilogue, dtype, N: int, 
         return hit
     res = _compile(config, epilogue, dtype, N, K, G)
     fallback = spill_fallback(config) if res.frame_size else None
+    if fallback is not None:
+        try:
+            check_config(fallback, epilogue, dtype, N, K, target)   # e.g. a CTA pair needs an even n-tile count
+        except KernelConfigError:
+            fallback = None
     if fallback is not None:
         alt_res = _compile(fallback, epilogue, dtype, N, K, G)
         if not alt_res.frame_size:
@@ -403,6 +420,7 @@ def launch_grid(compiled, M: int, dev, offsets, num_ctas=None, counter_ptr=None)
     if num_ctas is None:
         n_tiles = ((M + cfg.tile_m - 1) // cfg.tile_m + compiled.G) * compiled.n_tiles
         num_ctas = max(1, min(_num_sms(dev.index) - cfg.sm_margin, n_tiles)) if cfg.persistent else n_tiles
+    num_ctas = max(cfg.cluster_n, num_ctas - num_ctas % cfg.cluster_n)   # whole CTA pairs
     counter = None
     if counter_ptr is None:
         counter = torch.zeros(1, dtype=torch.int32, device=dev) if cfg.dynamic else offsets

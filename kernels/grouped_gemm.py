@@ -12,6 +12,9 @@ D[rows of g] = epilogue(A[rows of g] @ B[g].T)
 - ``gather_a``: A is the (a_rows, K) token matrix and routed row r multiplies A[index[r]]; the whole producer
   warpgroup loads A by cp.async through the index, warp 0 still loads B by TMA (kernels/gather_producer.py).
 - tile scheduler (kernels/scheduler.py): walks (group, m-tile, n-tile) on the device from the offsets.
+- ``cluster_n = 2``: CTA pairs (clusters of 2) work on neighbouring n-tiles of one m-tile; each CTA loads
+  half of the A tile's rows by TMA and multicasts it to both, so A crosses L2 once per pair (the weights'
+  B tiles differ per CTA). Static schedule, TMA-loaded A, an even number of n-tiles.
 - rows of a tile past the group's end are computed (TMA of A reads the next group's rows) but never
   stored: the epilogue masks every store by the group's row range.
 
@@ -69,6 +72,10 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         self.gated = epilogue.gated
         self.b_major = getattr(config, "b_major", "K")
         self.gather_a = bool(getattr(config, "gather_a", False))
+        self.cluster_n = int(getattr(config, "cluster_n", 1))
+        assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
+        assert self.cluster_n == 1 or not (self.gather_a or self.dynamic), \
+            "a CTA pair multicasts a TMA-loaded A along the static schedule"
         assert not (self.gather_a and self.dynamic), "gather_a: the producer threads walk a static schedule"
         assert not (self.gather_a and self.b_major != "K"), "gather_a is forward-only: B is K-major"
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.gather_a]
@@ -113,7 +120,7 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         n_log = N // 2 if const_expr(self.gated) else N
         self.k_tiles = (K + self.tile_k - 1) // self.tile_k
         self.sched = TileScheduler(self.tile_m, (n_log + self.tile_n_log - 1) // self.tile_n_log, G,
-                                   self.dynamic, self.pingpong)
+                                   self.dynamic, self.pingpong, self.cluster_n)
         # A: the (M, K) rows of the groups, or with gather_a the (a_rows, K) tokens that index (M,) picks
         mA = cute.make_tensor(pA, cute.make_layout((a_rows if const_expr(self.gather_a) else M, K), stride=(K, 1)))
         mIdx = cute.make_tensor(pIdx, cute.make_layout((M,)))
@@ -159,8 +166,10 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             # the kernel's A slots take B's atom (never used as A) and the plain (a_rows, K) tensor
             tma_a, tma_tA = tma_b, mA
         else:
+            a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_n > 1) else \
+                cpasync.CopyBulkTensorTileG2SOp()
             tma_a, tma_tA = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mA, sA_one, (self.tile_m, self.tile_k)
+                a_op, mA, sA_one, (self.tile_m, self.tile_k), num_multicast=self.cluster_n
             )
         # bytes a stage's TMA loads bring (gather_a: B only; A comes by cp.async, counted as arrivals)
         self.tx_bytes = cute.size_in_bytes(self.ab_dtype, sB_one)
@@ -180,8 +189,8 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             tma_a, tma_tA, tma_b, tma_tB, mOffs, mCounter, mIdx,
             tuple(tensors), M,
             self.tiled_mma, self.tiled_mma_log, self.sA_layout, self.sB_layout,
-        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), smem=SharedStorage.size_in_bytes(),
-                 min_blocks_per_mp=1, stream=stream)
+        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), cluster=(self.cluster_n, 1, 1),
+                 smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
@@ -212,7 +221,14 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             cpasync.prefetch_descriptor(tma_b)
 
         storage, ab_pipe, sched_pipe, sTile, sA, sB = self.make_smem(sA_layout, sB_layout)
+        self.cluster_sync_barriers()
         cute.arch.sync_threads()
+        # the schedule walks clusters: a CTA pair shares one unit (its rank picks the n-tile)
+        rank = 0
+        if const_expr(self.cluster_n > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            bidx = bidx // self.cluster_n
+            grid = grid // self.cluster_n
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
@@ -221,8 +237,8 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
                 self.produce_gather(mA, mIdx, tma_b, mB, mOffs, sA, sB, ab_pipe, tidx, warp_idx, bidx, grid)
             elif warp_idx == 0:
                 self.produce(tma_a, mA, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
-                             bidx, grid)
+                             bidx, grid, rank=rank)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self.consume(tiled_mma, tiled_mma_log, sA, sB, mOffs, epi_tensors, ab_pipe, sched_pipe, sTile,
-                         tidx, wg_idx, bidx, grid)
+                         tidx, wg_idx, bidx, grid, rank=rank)

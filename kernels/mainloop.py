@@ -26,6 +26,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .gather_producer import GATHER_THREADS
 
@@ -72,13 +73,18 @@ class WarpRoles:
 
     #: A loaded through an index by the producer warpgroup (kernels/gather_producer.py); the FP8 kernel never is
     gather_a = False
+    #: CTAs per cluster along n: 2 = a CTA pair works on neighbouring n-tiles of one m-tile, each loading half of
+    #: the A tile and multicasting it to both (the FP8 kernel is never clustered)
+    cluster_n = 1
 
     # ------------------------------------------------------------------ shared setup
     def make_smem(self, sA_layout, sB_layout):
         """Trace time, in the kernel's prologue (before its barrier): the kernel's ``shared_storage``, the
         smem ring's pipeline (TMA producer, plus the 128 cp.async producer threads with gather_a; one arrive
-        per consumer warp that reads a stage: pingpong, one warpgroup reads each stage), the tile-id pipeline
-        of the dynamic scheduler (else None), its smem slots, and the ring's A and B tensors."""
+        per consumer warp that reads a stage: pingpong, one warpgroup reads each stage; with a CTA pair, the
+        peer's warps too, since half of each stage's A came from the peer), the tile-id pipeline of the
+        dynamic scheduler (else None), its smem slots, and the ring's A and B tensors. A clustered kernel
+        must call :meth:`cluster_sync_barriers` before using the pipeline."""
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         # a full barrier's arrivals: the TMA warp's expect-tx arrive, and with gather_a one cp.async arrive per
         # producer thread (kernels/gather_producer.py)
@@ -87,9 +93,11 @@ class WarpRoles:
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_atoms_m * 4),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.cluster_n * self.mma_atoms_m * 4),
             tx_count=self.tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_n, 1, 1)),
+            defer_sync=self.cluster_n > 1,
         )
         sched_pipe = None
         if self.dynamic:
@@ -104,6 +112,13 @@ class WarpRoles:
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         return storage, ab_pipe, sched_pipe, sTile, sA, sB
+
+    def cluster_sync_barriers(self):
+        """Trace time, after :meth:`make_smem`: a clustered kernel waits until every CTA of its cluster has
+        initialized its barriers (a peer's multicast or release must not reach an uninitialized one)."""
+        if const_expr(self.cluster_n > 1):
+            pipeline_init_arrive(cluster_shape_mn=(self.cluster_n, 1), is_relaxed=True)
+            pipeline_init_wait(cluster_shape_mn=(self.cluster_n, 1))
 
     def mma_operands(self, tiled_mma, tiled_mma_log, sA, sB, ctid):
         """A consumer thread's wgmma operand fragments over the smem ring and the (row, logical column)
@@ -156,7 +171,12 @@ class WarpRoles:
     @cute.jit
     def produce(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                 mOffs: cute.Tensor, mCounter: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe,
-                sched_pipe, sTile: cute.Tensor, bidx: Int32, grid: Int32, extras=None):
+                sched_pipe, sTile: cute.Tensor, bidx: Int32, grid: Int32, extras=None, rank=0):
+        """Warp 0. ``bidx`` / ``grid``: the CTA's (or with clusters the cluster's) index and count; ``rank``: the
+        CTA's rank in its cluster (it loads that half of the A tile and multicasts it to the pair)."""
+        a_mask = None
+        if const_expr(self.cluster_n > 1):
+            a_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_n, 1, 1)), (rank, 0, 0), mode=0)
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         if const_expr(self.dynamic):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
@@ -165,18 +185,19 @@ class WarpRoles:
         if const_expr(self.dynamic):
             sched_state = self.sched.publish(sched_pipe, sched_state, sTile, tile_id)
         while g < self.G:
-            m_idx, n_idx = self.sched.coords(tile_id, base, cnt)
+            m_idx, n_idx = self.sched.coords(tile_id, base, cnt, rank)
             row0 = mOffs[g] + m_idx * self.tile_m
             gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))
             tAsA, tAgA = cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                tma_a, rank, cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
             )
             b_parts = self.b_tile(tma_b, mB, sB, g, n_idx)
             tile_extra = self.tile_extra_loads(extras, g, row0, n_idx)
             for kt in cutlass.range(self.k_tiles, unroll=1):
                 ab_pipe.producer_acquire(prod_state)
                 bar = ab_pipe.producer_get_barrier(prod_state)
-                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar,
+                          mcast_mask=a_mask)
                 self.load_b(tma_b, b_parts, kt, prod_state.index, bar)
                 self.stage_extra_loads(extras, tile_extra, kt, prod_state.index, bar)
                 ab_pipe.producer_commit(prod_state)
@@ -195,7 +216,8 @@ class WarpRoles:
     @cute.jit
     def consume(self, tiled_mma: cute.TiledMma, tiled_mma_log: cute.TiledMma, sA: cute.Tensor,
                 sB: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple, ab_pipe, sched_pipe,
-                sTile: cute.Tensor, tidx: Int32, wg_idx: Int32, bidx: Int32, grid: Int32):
+                sTile: cute.Tensor, tidx: Int32, wg_idx: Int32, bidx: Int32, grid: Int32, rank=0):
+        """The consumer warpgroups (``bidx``, ``grid``, ``rank`` as for :meth:`produce`)."""
         k_tiles = self.k_tiles
         cwg, ctid = consumer_ids(self.pingpong, tidx, wg_idx)
         thr_mma, tCrA, tCrB, tCcC = self.mma_operands(tiled_mma, tiled_mma_log, sA, sB, ctid)
@@ -219,7 +241,7 @@ class WarpRoles:
                 # warpgroup 0 goes first: pre-arrive on its own mainloop barrier
                 cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=256)
         while g < self.G:
-            m_idx, n_idx = self.sched.coords(tile_id, base, cnt)
+            m_idx, n_idx = self.sched.coords(tile_id, base, cnt, rank)
             row_start = mOffs[g]
             row_end = mOffs[g + 1]
             row0 = row_start + m_idx * self.tile_m

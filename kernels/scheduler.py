@@ -4,6 +4,10 @@ Tiles are numbered group by group; within a group m runs fastest, then n. A curs
 (group, id of the group's first tile, tiles in the group) is moved forward to a tile id by reading the
 device ``offsets`` (no host sync, so one compile serves every batch and every ``group_sizes``).
 
+With ``cluster_n = 2`` the schedule's unit is an n-tile *pair* of one m-tile, worked by a CTA pair (one
+cluster): the walks below then run over clusters (``bidx`` = the cluster's index, ``grid`` = clusters) and
+:meth:`coords` turns a unit into the n-tile of the CTA of rank ``rank`` in the pair.
+
 - static: the tile ids of CTA ``b`` are ``b, b + grid, b + 2 grid, ...``;
 - dynamic: the producer warp takes the next id from a global atomic counter and publishes it to the
   consumer warpgroups through a small smem pipeline (``sTile`` slots guarded by mbarriers).
@@ -26,11 +30,15 @@ _NO_GROUP = 1 << 30  # tile count of the groups past the last one: the cursor st
 
 class TileScheduler:
     """Trace-time description of the tile order: ``tile_m`` rows per m-tile, ``n_tiles`` n-tiles per
-    group (compile-time, from N), ``G`` groups (compile-time)."""
+    group (compile-time, from N), ``G`` groups (compile-time), ``cluster_n`` neighbouring n-tiles per unit
+    (one per CTA of a cluster; ``n_tiles`` must be a multiple of it)."""
 
-    def __init__(self, tile_m: int, n_tiles: int, G: int, dynamic: bool, pingpong: bool):
+    def __init__(self, tile_m: int, n_tiles: int, G: int, dynamic: bool, pingpong: bool, cluster_n: int = 1):
+        assert n_tiles % cluster_n == 0, "a cluster's CTAs take whole n-tiles: n_tiles % cluster_n == 0"
+        assert cluster_n == 1 or not dynamic, "clusters walk the static schedule"
         self.tile_m = tile_m
-        self.n_tiles = n_tiles
+        self.cluster_n = cluster_n
+        self.n_units = n_tiles // cluster_n     # schedule units along n
         self.G = G
         self.dynamic = dynamic
         self.pingpong = pingpong
@@ -41,7 +49,7 @@ class TileScheduler:
         """Tiles of group ``g`` (a huge count past the last group, which ends every walk there)."""
         gi = cutlass.min(g, self.G - 1)
         rows = mOffs[gi + 1] - mOffs[gi]
-        cnt = ((rows + (self.tile_m - 1)) // self.tile_m) * self.n_tiles
+        cnt = ((rows + (self.tile_m - 1)) // self.tile_m) * self.n_units
         return cutlass.select_(g < self.G, cnt, Int32(_NO_GROUP))
 
     @cute.jit
@@ -62,11 +70,16 @@ class TileScheduler:
         g, base, cnt = self.seek(mOffs, tile_id, g, base, cnt)
         return g, base, cnt
 
-    def coords(self, tile_id, base, cnt):
-        """(m_idx, n_idx) of ``tile_id`` inside its group (m fastest)."""
+    def coords(self, tile_id, base, cnt, rank=0):
+        """(m_idx, n_idx) of ``tile_id`` inside its group (m fastest); with clusters, the n-tile of the CTA of
+        rank ``rank`` in its cluster."""
         local = tile_id - base
-        mt = cnt // self.n_tiles
-        return local % mt, local // mt
+        mt = cnt // self.n_units
+        m_idx = local % mt
+        n_idx = local // mt
+        if cutlass.const_expr(self.cluster_n > 1):
+            n_idx = n_idx * self.cluster_n + rank
+        return m_idx, n_idx
 
     # ---------------------------------------------------------------- next tile id
     @cute.jit

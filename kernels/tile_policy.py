@@ -5,6 +5,7 @@ loading the DSL.
 
     GemmConfig                         the template's tile configuration (KernelJob.config keeps its fields)
     choose_config(M, N, K, G, ...)     the heuristic: a function of the weight shape only (M is dynamic)
+    pair_ctas(config, N)               the configuration as CTA pairs sharing the A tile, where it can be
     tile_config(N, K, G, gated, b_major, reads_aux, gather)
                                        a fused kernel's configuration: the heuristic, except for an epilogue
                                        that reads a saved (M, n) tensor, and a gathered A (static schedule)
@@ -31,8 +32,9 @@ class GemmConfig:
     tile_n: int = 256
     tile_k: int = 64
     stages: int = 4
-    cluster_m: int = 1      # reserved: clusters are not used yet (must be 1)
-    cluster_n: int = 1
+    cluster_m: int = 1      # reserved (must be 1): the grouped GEMM pairs CTAs along n only
+    cluster_n: int = 1      # 2: a CTA pair (cluster) works on neighbouring n-tiles of one m-tile and multicasts
+                            # the A tile (static schedule, TMA A, an even n-tile count; kernels/grouped_gemm.py)
     persistent: bool = True  # False: one CTA per tile (grid = number of tiles upper bound)
     dynamic: bool = False    # dynamic (atomic counter) tile scheduler
     sm_margin: int = 0       # leave this many SMs free
@@ -66,12 +68,27 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     Pingpong consumers (epilogue overlapped with the other warpgroup's mainloop) everywhere; 128x192 tiles
     with the dynamic scheduler for wide N (>= 4096; a ragged last n-tile is cheap there), else 128x128.
     Measured on an H200 (bench/results_h200_v3.txt) against 128x256 cooperative and the other variant.
-    A 128x192 pingpong kernel whose epilogue would spill is built at 128x128 instead (:func:`spill_fallback`)."""
+    A 128x192 pingpong kernel whose epilogue would spill is built at 128x128 instead (:func:`spill_fallback`).
+
+    The 128x128 static schedule runs as CTA pairs sharing the A tile (cluster_n = 2) where N splits into an even
+    number of n-tiles (:func:`pair_ctas`); the dynamic schedule stays single (pairs walk the static one)."""
     tk = 64
     if N >= 4096:
         return GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
                           dynamic=True, pingpong=True, b_major=b_major)
-    return GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major)
+    return pair_ctas(GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major), N)
+
+
+def pair_ctas(config: GemmConfig, N: int) -> GemmConfig:
+    """`config` as CTA pairs multicasting A (cluster_n = 2) where it can be: the static schedule, A loaded by TMA
+    (not gathered) and an even number of n-tiles (a gated tile's n-tiles count the same: tile_n/2 logical columns
+    of N/2). Measured on an H200 (bench/bench_pair_gemm.py, bench/results/H200-2026-11-26-pairs.json; T=16384
+    routed by top-k): the gated FC1 forward 1.61 -> 1.42 ms on Qwen3-30B-A3B (N=1536, K=2048) and 12.2 -> 7.1 ms on
+    SonicMoE's (N=2048, K=4096), 1.8% slower on OLMoE's (1.76 -> 1.79); FC2's forward 0.97 -> 0.93 ms on OLMoE,
+    even on Qwen3 and DeepSeek-V2-Lite; T=1024 2-5% faster."""
+    if config.dynamic or config.gather_a or not config.persistent or -(-N // config.tile_n) % 2:
+        return dataclasses.replace(config, cluster_n=1)
+    return dataclasses.replace(config, cluster_n=2)
 
 
 #: Shared memory an FP8 kernel's pipeline stages may take: 227 KiB less barriers, scheduler slots, alignment.
@@ -108,7 +125,7 @@ def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bo
     schedule (:func:`for_gather`)."""
     config = choose_config(ROWS_PER_GROUP * G, N, K, G, gated, b_major=b_major)
     if reads_aux:
-        config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True)
+        config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True, cluster_n=1)
     if gather:
         config = gather_tile(for_gather(config), N)
     return dataclasses.astuple(config)
@@ -140,7 +157,7 @@ def _max_stages_capped(tile_n: int, cap: int) -> int:
 def for_gather(config: GemmConfig) -> GemmConfig:
     """`config` with A gathered through an index: the same tile, stages and consumer schedule, static tile order
     (all 128 producer threads walk the schedule themselves; the dynamic one hands tile ids out from one warp)."""
-    return dataclasses.replace(config, gather_a=True, dynamic=False)
+    return dataclasses.replace(config, gather_a=True, dynamic=False, cluster_n=1)
 
 
 def spill_fallback(config: GemmConfig) -> GemmConfig | None:

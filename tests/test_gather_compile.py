@@ -95,8 +95,8 @@ def test_tile_policy_gives_gather_a_static_schedule():
     for gated, N in ((True, 28672), (True, 1536), (False, 4096)):
         base = K.GemmConfig(*tile_config(N, 4096, 8, gated, "K", False))
         gath = K.GemmConfig(*tile_config(N, 4096, 8, gated, "K", False, gather=True))
-        assert gath == gather_tile(dataclasses.replace(base, gather_a=True, dynamic=False), N)
-        assert gath.gather_a and not gath.dynamic
+        assert gath == gather_tile(dataclasses.replace(base, gather_a=True, dynamic=False, cluster_n=1), N)
+        assert gath.gather_a and not gath.dynamic and gath.cluster_n == 1   # a gathered A is never multicast
         # the widest tile that divides N: every n-tile gathers its A rows again
         assert (gath.tile_n, gath.pingpong) == {28672: (256, False), 1536: (192, True), 4096: (256, False)}[N]
     assert gather_tile(for_gather(K.GemmConfig(tile_n=128)), 1000) == for_gather(K.GemmConfig(tile_n=128))

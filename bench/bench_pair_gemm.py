@@ -1,0 +1,182 @@
+"""The varlen-M grouped GEMM on the four routed-row GEMMs of an MoE block: single CTAs against CTA pairs that share
+the A tile by TMA multicast (GemmConfig.cluster_n = 2), and against torch._grouped_mm where torch can run the same
+GEMM.
+
+Per shape (experts E, hidden d, expert width f, tokens T, top-k; routed rows M = T*k sorted by expert):
+
+  fc1_fwd    (M, d) x W1 (E, 2f, d)  -> SwiGLU * scale, and the pre-activation (the plan's F1 training kernel)
+  fc2_fwd    (M, f) x W2 (E, d, f)   -> (M, d)            identity epilogue, B K-major
+  fc2_dgrad  (M, d) x W2 (E, d, f)   -> d(SwiGLU * scale) (the plan's B1 kernel: dH's epilogue reads H)
+  fc1_dgrad  (M, 2f) x W1 (E, 2f, d) -> (M, d)            identity epilogue, B MN-major (the weight as stored)
+
+Configurations: the tile policy's (what the runtime launches), the same tile as a CTA pair ("c2", static schedule),
+and, where the policy's is dynamic, the same tile static without pairs (so the pair's gain is separated from the
+schedule's). TFLOP/s = 2*M*N*K / time (gated: N = 2f). Every kernel's output is checked against the policy
+kernel's (max relative difference; 0 where they are bitwise equal).
+
+Usage (compiles on first use; FUSION_CACHE_DIR keeps the kernels between runs):
+    python bench/bench_pair_gemm.py --precompile [--shapes ...]
+    python bench/bench_pair_gemm.py [--shapes ...] [--skewed] [--out results.json]
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fusion
+
+from bench_common import median_ms  # noqa: E402
+from bench_wgrad import SHAPES, routing  # noqa: E402
+from fusion.runtime.compile import KernelJob  # noqa: E402
+
+
+def plan_kernels(E, d, f):
+    """{gemm: KernelJob at the tile policy's configuration} of the block's four routed-row GEMMs."""
+    import fusion
+    from fusion import GroupLinear, Scale, SwiGLU
+    from fusion.runtime.aot import plan_jobs
+    from fusion.runtime.fp8_gemm import IDENTITY_SOURCE
+    from fusion.runtime.kernel import make_job
+
+    with torch.device("meta"):
+        seq = fusion.Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d))
+    jobs = {(j.step, j.variant): j for j in plan_jobs(seq, torch.bfloat16)}
+    return {
+        "fc1_fwd": jobs[("F1", "train")],
+        "fc2_fwd": make_job(IDENTITY_SOURCE, torch.bfloat16, d, f, E, False, "K", False, "fc2", "identity"),
+        "fc2_dgrad": jobs[("B1", "backward")],
+        "fc1_dgrad": make_job(IDENTITY_SOURCE, torch.bfloat16, d, 2 * f, E, False, "MN", False, "fc1dgrad",
+                              "identity"),
+    }
+
+
+def variants(job: KernelJob, gated: bool):
+    """(label, job) of the policy's configuration and its twins (see the module docstring)."""
+    from fusion.kernels.tile_policy import GemmConfig
+
+    base = GemmConfig(*job.config)
+    n_log, tile = (job.N // 2, base.tile_n // 2) if gated else (job.N, base.tile_n)
+    out = [("policy", base)]
+    if base.dynamic:
+        out.append(("static", dataclasses.replace(base, dynamic=False)))
+    if -(-n_log // tile) % 2 == 0 and not base.gather_a:
+        out.append(("c2", dataclasses.replace(base, dynamic=False, cluster_n=2)))
+    return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in out]
+
+
+def all_jobs(names):
+    jobs = []
+    for name in names:
+        E, d, f, _, _ = SHAPES[name]
+        for gemm, job in plan_kernels(E, d, f).items():
+            jobs += [j for _, j in variants(job, gemm == "fc1_fwd")]
+    return jobs
+
+
+def slot_tensors(epi, M, N, G, dtype, gen, dev):
+    """Random inputs and empty outputs for every slot the epilogue of a GEMM N wide declares (kernels/epilogue.py;
+    a gated epilogue's logical width is N/2)."""
+    from fusion.kernels.epilogue import AuxInput, GroupVector, RowVector
+    from fusion.kernels.api import allocate_outputs
+
+    n_log = N // 2 if epi.gated else N
+    extras = {}
+    for s in epi.inputs:
+        dt = getattr(torch, s.dtype) if getattr(s, "dtype", None) else dtype
+        width = n_log * (2 if getattr(s, "paired", False) else 1)
+        shape = {RowVector: (M,), AuxInput: (M, width), GroupVector: (G, width)}[type(s)]
+        extras[s.name] = torch.randn(*shape, generator=gen, device=dev).to(dt)
+    return allocate_outputs(epi, M, N, str(dtype).removeprefix("torch."), dev), extras
+
+
+def run_shape(name, skewed, gen, dev="cuda"):
+    from fusion.kernels import run_grouped_gemm
+    from fusion.runtime.compile import load_compiled
+
+    E, d, f, T, k = SHAPES[name]
+    M = T * k
+    dgen = torch.Generator(device=dev).manual_seed(1)
+    sizes, _ = routing(T, E, k, skewed, gen, dev)
+    ends = torch.cumsum(sizes, 0).to(torch.int32)
+    offs = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), ends])
+    result = {"shape": dict(E=E, d=d, f=f, T=T, k=k, M=M), "groups": "skewed" if skewed else "topk",
+              "max_rows": int(sizes.max()), "empty_groups": int((sizes == 0).sum()), "gemms": {}}
+    print(f"{name} [{result['groups']}]: E={E} d={d} f={f} T={T} k={k} M={M}, largest group {result['max_rows']}, "
+          f"{result['empty_groups']} empty", flush=True)
+    bf = torch.bfloat16
+    w1 = torch.randn(E, 2 * f, d, generator=dgen, device=dev, dtype=bf) / d ** 0.5
+    w2 = torch.randn(E, d, f, generator=dgen, device=dev, dtype=bf) / f ** 0.5
+    operands = {  # gemm: (A, B as the kernel reads it, torch's equivalent or None)
+        "fc1_fwd": (torch.randn(M, d, generator=dgen, device=dev, dtype=bf), w1, None),
+        "fc2_fwd": (torch.randn(M, f, generator=dgen, device=dev, dtype=bf), w2,
+                    lambda a: torch._grouped_mm(a, w2.transpose(-2, -1), offs=ends)),
+        "fc2_dgrad": (torch.randn(M, d, generator=dgen, device=dev, dtype=bf), w2, None),
+        "fc1_dgrad": (torch.randn(M, 2 * f, generator=dgen, device=dev, dtype=bf), w1,
+                      lambda a: torch._grouped_mm(a, w1, offs=ends)),
+    }
+    for gemm, job in plan_kernels(E, d, f).items():
+        A, B, torch_fn = operands[gemm]
+        gated = gemm == "fc1_fwd"
+        flops = 2.0 * M * job.N * job.K
+        rows, ref = {}, None
+        print(f"  {gemm}: N={job.N} K={job.K}", flush=True)
+        if torch_fn is not None:
+            rows["torch _grouped_mm"] = (lambda fn, a: lambda: fn(a))(torch_fn, A)
+            ref = torch_fn(A).float()
+        errors, slots = {}, None
+        for label, vjob in variants(job, gated):
+            comp = load_compiled(vjob)
+            cfg = comp.config
+            if slots is None:   # the same inputs for every configuration, so their outputs compare
+                slots = slot_tensors(comp.epilogue, M, job.N, E, bf, dgen, dev)
+            outs, extras = {k: v.clone() for k, v in slots[0].items()}, slots[1]
+            fn = (lambda c, a, o, x: lambda: run_grouped_gemm(c, a, B, offs, o, x))(comp, A, outs, extras)
+            fn()
+            first = next(iter(outs.values())).float()
+            if ref is None:
+                ref = first
+            scale = ref.abs().max().clamp_min(1e-30)
+            key = (f"{label} ({cfg.tile_m}x{cfg.tile_n} {'pp' if cfg.pingpong else 'coop'} s{cfg.stages}"
+                   f"{' dyn' if cfg.dynamic else ''}{' c2' if cfg.cluster_n > 1 else ''})")
+            errors[key] = ((first - ref).abs().max() / scale).item()
+            rows[key] = fn
+        res = {}
+        for key, fn in rows.items():
+            ms = median_ms(fn)
+            res[key] = {"ms": ms, "tflops": flops / ms / 1e9, "max_rel_diff": errors.get(key)}
+            err = f"  diff {errors[key]:.1e}" if key in errors else ""
+            print(f"    {key:<44} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s{err}", flush=True)
+        result["gemms"][gemm] = {"N": job.N, "K": job.K, "rows": res}
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--skewed", action="store_true", help="also the skewed group distribution")
+    ap.add_argument("--precompile", action="store_true", help="compile every kernel into FUSION_CACHE_DIR (no GPU)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    names = args.shapes.split(",")
+    if args.precompile:
+        from fusion.runtime.aot import compile_jobs
+        jobs = all_jobs(names)
+        print(f"{len(jobs)} kernels ({len({j.key for j in jobs})} distinct)", flush=True)
+        compile_jobs(jobs, parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "1")))
+        return
+    from bench_common import run_header
+    gen = torch.Generator().manual_seed(0)
+    out = run_header() | {"results": []}
+    for name in names:
+        for skewed in ((False, True) if args.skewed else (False,)):
+            out["results"].append({"name": name} | run_shape(name, skewed, gen))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

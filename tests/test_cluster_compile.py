@@ -1,0 +1,81 @@
+"""The grouped GEMM's CTA pairs (GemmConfig.cluster_n = 2: neighbouring n-tiles of one m-tile share the A tile by
+TMA multicast) without a GPU: the SASS, the tile policy that picks them, the configuration checks, and the launch
+grid's whole pairs. GPU numerics: tests/test_cluster_gpu.py."""
+import collections
+import dataclasses
+import types
+
+import pytest
+import torch
+from conftest import sass_or_skip
+
+from fusion.errors import KernelConfigError
+from fusion.kernels import GemmConfig, IdentityEpilogue, SwiGLUScaleEpilogue, compile_grouped_gemm
+from fusion.kernels.api import launch_grid
+from fusion.kernels.tile_policy import choose_config, pair_ctas, tile_config
+
+PAIR = GemmConfig(tile_n=128, stages=6, pingpong=True, cluster_n=2)
+
+
+def _opcodes(comp):
+    from fusion.kernels.api import sass_opcodes
+
+    return collections.Counter(sass_or_skip(lambda: sass_opcodes(comp.sass)))
+
+
+@pytest.mark.parametrize("epilogue,N,K", [(IdentityEpilogue(), 2048, 768), (SwiGLUScaleEpilogue(), 1536, 2048)])
+def test_pairs_multicast_a_and_single_ctas_do_not(epilogue, N, K):
+    pair = compile_grouped_gemm(PAIR, epilogue, "bfloat16", N, K, 128)
+    single = compile_grouped_gemm(dataclasses.replace(PAIR, cluster_n=1), epilogue, "bfloat16", N, K, 128)
+    ops, ops1 = _opcodes(pair), _opcodes(single)
+    for o in (ops, ops1):
+        assert any(op.startswith("HGMMA") for op in o)
+        assert not any(op.startswith(("LDL", "STL")) for op in o), "register spills"
+    assert pair.frame_size == 0 and single.frame_size == 0
+    # the pair: A (M, K) 2-D boxes multicast, B (N, K, G) 3-D boxes plain, and a cluster barrier before the
+    # pipeline starts (a peer's multicast must find initialized barriers); single CTAs never multicast
+    assert ops["UTMALDG.2D.MULTICAST"] > 0 and ops["UTMALDG.2D"] == 0 and ops["UTMALDG.3D"] > 0
+    assert ops["UCGABAR_ARV"] > 0 and ops["UCGABAR_WAIT"] > 0
+    assert ops1["UTMALDG.2D.MULTICAST"] == 0 and ops1["UTMALDG.2D"] > 0 and ops1["UCGABAR_WAIT"] == 0
+    assert pair.name.endswith("_c2") and not single.name.endswith("_c2")
+
+
+def test_policy_pairs_the_static_schedule_where_n_tiles_are_even():
+    # 128x128 static: Qwen3's FC1 (N=1536: 12 n-tiles) and FC2 (N=2048) pair; GPT-OSS's FC2 (N=2880: 23) does not
+    assert choose_config(0, 1536, 2048, 128, gated=True).cluster_n == 2
+    assert choose_config(0, 2048, 768, 128).cluster_n == 2
+    assert choose_config(0, 2880, 2880, 128).cluster_n == 1
+    # the dynamic schedule (wide N) stays single: pairs walk the static one
+    assert choose_config(0, 4096, 2048, 32).cluster_n == 1 and choose_config(0, 4096, 2048, 32).dynamic
+    # an epilogue reading a saved tensor takes the dynamic schedule; a gathered A is never multicast
+    assert GemmConfig(*tile_config(1536, 2048, 128, True, "K", True)).cluster_n == 1
+    gath = GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True))
+    assert gath.gather_a and gath.cluster_n == 1
+    # pair_ctas itself
+    assert pair_ctas(GemmConfig(tile_n=128), 384).cluster_n == 1            # 3 n-tiles
+    assert pair_ctas(GemmConfig(tile_n=128), 400).cluster_n == 2            # 4, the last one ragged
+    assert pair_ctas(GemmConfig(tile_n=128, dynamic=True), 512).cluster_n == 1
+    assert pair_ctas(GemmConfig(tile_n=128, persistent=False), 512).cluster_n == 1
+
+
+@pytest.mark.parametrize("cfg,N,gated,msg", [
+    (dataclasses.replace(PAIR, dynamic=True), 1024, False, "static schedule"),
+    (dataclasses.replace(PAIR, gather_a=True), 1024, False, "gather_a=False"),
+    (PAIR, 384, False, "even number of n-tiles (3"),
+    (PAIR, 384, True, "even number of n-tiles (3"),     # gated: 192 logical columns in 64-column tiles
+    (dataclasses.replace(PAIR, cluster_n=4), 1024, False, "use 1, or 2"),
+    (dataclasses.replace(PAIR, cluster_m=2, cluster_n=1), 1024, False, "cluster_m = 1"),
+])
+def test_config_errors_name_the_constraint(cfg, N, gated, msg):
+    epi = SwiGLUScaleEpilogue() if gated else IdentityEpilogue()
+    with pytest.raises(KernelConfigError, match=msg.replace("(", r"\(")):
+        compile_grouped_gemm(cfg, epi, "bfloat16", N, 256, 8)
+
+
+def test_launch_grid_takes_whole_pairs():
+    offsets = torch.zeros(9, dtype=torch.int32)
+    pair = types.SimpleNamespace(config=PAIR, G=8, n_tiles=8)
+    single = types.SimpleNamespace(config=dataclasses.replace(PAIR, cluster_n=1), G=8, n_tiles=8)
+    assert launch_grid(pair, 1000, torch.device("cpu"), offsets, num_ctas=7)[0] == 6
+    assert launch_grid(pair, 1000, torch.device("cpu"), offsets, num_ctas=1)[0] == 2
+    assert launch_grid(single, 1000, torch.device("cpu"), offsets, num_ctas=7)[0] == 7
