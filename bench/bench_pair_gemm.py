@@ -9,9 +9,8 @@ Per shape (experts E, hidden d, expert width f, tokens T, top-k; routed rows M =
   fc2_dgrad  (M, d) x W2 (E, d, f)   -> d(SwiGLU * scale) (the plan's B1 kernel: dH's epilogue reads H)
   fc1_dgrad  (M, 2f) x W1 (E, 2f, d) -> (M, d)            identity epilogue, B MN-major (the weight as stored)
 
-Configurations: the tile policy's (what the runtime launches), the same tile as a CTA pair ("c2", static schedule),
-and, where the policy's is dynamic, the same tile static without pairs (so the pair's gain is separated from the
-schedule's). TFLOP/s = 2*M*N*K / time (gated: N = 2f). Every kernel's output is checked against the policy
+Configurations: the tile policy's (what the runtime launches), then the same tile with either schedule (static, or
+dynamic: tile ids from an atomic counter), single CTAs or CTA pairs ("c2", where the n-tile count is even). TFLOP/s = 2*M*N*K / time (gated: N = 2f). Every kernel's output is checked against the policy
 kernel's (max relative difference; 0 where they are bitwise equal).
 
 Usage (compiles on first use; FUSION_CACHE_DIR keeps the kernels between runs):
@@ -59,11 +58,13 @@ def variants(job: KernelJob, gated: bool):
 
     base = GemmConfig(*job.config)
     n_log, tile = (job.N // 2, base.tile_n // 2) if gated else (job.N, base.tile_n)
+    pairs = -(-n_log // tile) % 2 == 0 and not base.gather_a
     out = [("policy", base)]
-    if base.dynamic:
-        out.append(("static", dataclasses.replace(base, dynamic=False)))
-    if -(-n_log // tile) % 2 == 0 and not base.gather_a:
-        out.append(("c2", dataclasses.replace(base, dynamic=False, cluster_n=2)))
+    for dynamic in (False, True):
+        for cn in ((1, 2) if pairs else (1,)):
+            cfg = dataclasses.replace(base, dynamic=dynamic, cluster_n=cn)
+            if cfg != base:
+                out.append((("dyn" if dynamic else "static") + (" c2" if cn > 1 else ""), cfg))
     return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in out]
 
 

@@ -222,9 +222,9 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
         problems.append(f"cluster_n = {config.cluster_n}: use 1, or 2 (a CTA pair multicasting A)")
     elif config.cluster_n == 2:
         n_tiles = -(-(N // 2 if epilogue.gated else N) // (config.tile_n // 2 if epilogue.gated else config.tile_n))
-        if config.gather_a or config.dynamic or not config.persistent:
-            problems.append("cluster_n = 2 multicasts a TMA-loaded A along the persistent static schedule: use "
-                            "gather_a=False, dynamic=False, persistent=True")
+        if config.gather_a or not config.persistent:
+            problems.append("cluster_n = 2 multicasts a TMA-loaded A in a persistent kernel: use gather_a=False, "
+                            "persistent=True")
         if n_tiles % 2:
             problems.append(f"cluster_n = 2 needs an even number of n-tiles ({n_tiles} at tile_n = {config.tile_n}): "
                             "pick a tile_n that splits N into an even count, or cluster_n = 1")

@@ -14,7 +14,8 @@ D[rows of g] = epilogue(A[rows of g] @ B[g].T)
 - tile scheduler (kernels/scheduler.py): walks (group, m-tile, n-tile) on the device from the offsets.
 - ``cluster_n = 2``: CTA pairs (clusters of 2) work on neighbouring n-tiles of one m-tile; each CTA loads
   half of the A tile's rows by TMA and multicasts it to both, so A crosses L2 once per pair (the weights'
-  B tiles differ per CTA). Static schedule, TMA-loaded A, an even number of n-tiles.
+  B tiles differ per CTA). TMA-loaded A, an even number of n-tiles; with the dynamic schedule rank 0's producer
+  takes the tile ids and sends them to rank 1's (kernels/scheduler.py).
 - rows of a tile past the group's end are computed (TMA of A reads the next group's rows) but never
   stored: the epilogue masks every store by the group's row range.
 
@@ -34,7 +35,7 @@ from .dtypes import cutlass_dtype
 from .epilogue import Epilogue, AuxInput, MXFP8Output
 from .gather_producer import GATHER_THREADS, GatherProducer
 from .mainloop import REGISTER_SPLIT, WarpRoles
-from .scheduler import TileScheduler
+from .scheduler import PEER_SLOTS, TileScheduler
 from .tile_epilogue import TileEpilogue
 
 # Registers a consumer thread may hold across the mainloop (fp32 accumulator + prefetched epilogue
@@ -74,8 +75,8 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         self.gather_a = bool(getattr(config, "gather_a", False))
         self.cluster_n = int(getattr(config, "cluster_n", 1))
         assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
-        assert self.cluster_n == 1 or not (self.gather_a or self.dynamic), \
-            "a CTA pair multicasts a TMA-loaded A along the static schedule"
+        assert self.cluster_n == 1 or not self.gather_a, "a CTA pair multicasts a TMA-loaded A"
+        self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
         assert not (self.gather_a and self.dynamic), "gather_a: the producer threads walk a static schedule"
         assert not (self.gather_a and self.b_major != "K"), "gather_a is forward-only: B is K-major"
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.gather_a]
@@ -181,6 +182,9 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sched: cute.struct.MemRange[cutlass.Int64, 2 * self.sched_stages]
             tile_slot: cute.struct.MemRange[Int32, self.sched_stages]
+            # a dynamic CTA pair's mailbox of tile ids (kernels/scheduler.py; empty otherwise)
+            peer_bar: cute.struct.MemRange[cutlass.Int64, 2 * PEER_SLOTS if self.peer_ids else 0]
+            peer_slot: cute.struct.MemRange[Int32, PEER_SLOTS if self.peer_ids else 0]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.sB_layout)], 1024]
 

@@ -29,6 +29,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .gather_producer import GATHER_THREADS
+from .scheduler import PEER_SLOTS, PeerMailbox
 
 PINGPONG_BARRIER = 8  # named barriers 8, 9: pingpong mainloop order (consumer warpgroup 0, 1)
 
@@ -109,6 +110,11 @@ class WarpRoles:
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 128),
             )
         sTile = storage.tile_slot.get_tensor(cute.make_layout((self.sched_stages,)))
+        if const_expr(self.dynamic and self.cluster_n > 1):
+            # rank 0's producer hands the tile ids it takes to rank 1's (kernels/scheduler.py)
+            self.mailbox = PeerMailbox(storage.peer_bar.data_ptr(),
+                                       storage.peer_slot.get_tensor(cute.make_layout((PEER_SLOTS,))))
+            self.mailbox.init()
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         return storage, ab_pipe, sched_pipe, sTile, sA, sB
@@ -178,6 +184,8 @@ class WarpRoles:
         if const_expr(self.cluster_n > 1):
             a_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_n, 1, 1)), (rank, 0, 0), mode=0)
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        mailbox = self.mailbox if const_expr(self.dynamic and self.cluster_n > 1) else None
+        sent = Int32(0)   # tile ids through the mailbox so far
         if const_expr(self.dynamic):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
         tile_id = bidx
@@ -202,7 +210,8 @@ class WarpRoles:
                 self.stage_extra_loads(extras, tile_extra, kt, prod_state.index, bar)
                 ab_pipe.producer_commit(prod_state)
                 prod_state.advance()
-            tile_id = self.sched.producer_next(mCounter, tile_id, grid)
+            tile_id = self.sched.producer_next(mCounter, tile_id, grid, mailbox, rank, sent)
+            sent = sent + 1
             g, base, cnt = self.sched.seek(mOffs, tile_id, g, base, cnt)
             if const_expr(self.dynamic):
                 sched_state = self.sched.publish(sched_pipe, sched_state, sTile, tile_id)

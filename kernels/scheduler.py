@@ -6,7 +6,10 @@ device ``offsets`` (no host sync, so one compile serves every batch and every ``
 
 With ``cluster_n = 2`` the schedule's unit is an n-tile *pair* of one m-tile, worked by a CTA pair (one
 cluster): the walks below then run over clusters (``bidx`` = the cluster's index, ``grid`` = clusters) and
-:meth:`coords` turns a unit into the n-tile of the CTA of rank ``rank`` in the pair.
+:meth:`coords` turns a unit into the n-tile of the CTA of rank ``rank`` in the pair. A dynamic pair must agree
+on every unit: the producer warp of rank 0 takes the ids from the counter and sends each one to rank 1's
+producer warp through a mailbox (:class:`PeerMailbox`: ``st.async`` into the peer's smem, completing on the
+peer's mbarrier); each CTA then publishes the ids to its own consumers as above.
 
 - static: the tile ids of CTA ``b`` are ``b, b + grid, b + 2 grid, ...``;
 - dynamic: the producer warp takes the next id from a global atomic counter and publishes it to the
@@ -26,6 +29,52 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 _NO_GROUP = 1 << 30  # tile count of the groups past the last one: the cursor stops there
+PEER_SLOTS = 4       # the CTA pair's mailbox depth (rank 0 runs at most this many tile ids ahead of rank 1)
+ID_BYTES = 4
+
+
+class PeerMailbox:
+    """Rank 0's producer warp hands tile ids to rank 1's (a dynamic CTA pair). Message k goes to slot
+    ``k % PEER_SLOTS``; ``full[i]`` (armed by rank 1 with the 4 bytes it expects, completed by rank 0's
+    ``st.async``) and ``empty[i]`` (released by rank 1 with a remote arrive on rank 0's barrier) are in both CTAs'
+    smem, each used on one side. ``bars``: 2 x PEER_SLOTS mbarriers (full, then empty); ``slots``: PEER_SLOTS
+    Int32."""
+
+    def __init__(self, bars, slots):
+        self.bars = bars
+        self.slots = slots
+
+    @cute.jit
+    def init(self):
+        """In the prologue (before the cluster's barrier sync): one thread initializes the barriers."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(2 * PEER_SLOTS):
+                    cute.arch.mbarrier_init(self.bars + i, 1)
+        cute.arch.mbarrier_init_fence()
+
+    @cute.jit
+    def exchange(self, k: Int32, tile_id: Int32, rank: Int32) -> Int32:
+        """Message ``k`` of the producer warps (every lane): rank 0 sends ``tile_id`` once rank 1 has read the
+        slot's previous message; rank 1 receives it, gives the slot back, and returns it (rank 0 returns its own).
+        One straight-line body, predicated on the rank."""
+        i = k % PEER_SLOTS
+        sender = rank == 0
+        lane0 = cute.arch.lane_idx() == 0
+        if lane0 & (rank != 0):
+            cute.arch.mbarrier_arrive_and_expect_tx(self.bars + i, ID_BYTES)
+        # rank 0 waits for the slot to be empty (the first round passes), rank 1 for it to be full
+        ring = (k // PEER_SLOTS) & 1
+        cute.arch.mbarrier_wait(self.bars + cutlass.select_(sender, PEER_SLOTS + i, i),
+                                cutlass.select_(sender, ring ^ 1, ring))
+        if lane0 & sender:
+            cute.arch.store_async_dsmem(self.slots.iterator + i, tile_id, self.bars + i, 1)
+        got = self.slots[i]
+        cute.arch.sync_warp()
+        if lane0 & (rank != 0):
+            cute.arch.mbarrier_arrive(self.bars + PEER_SLOTS + i, 0)
+        return cutlass.select_(sender, tile_id, got)
 
 
 class TileScheduler:
@@ -35,7 +84,6 @@ class TileScheduler:
 
     def __init__(self, tile_m: int, n_tiles: int, G: int, dynamic: bool, pingpong: bool, cluster_n: int = 1):
         assert n_tiles % cluster_n == 0, "a cluster's CTAs take whole n-tiles: n_tiles % cluster_n == 0"
-        assert cluster_n == 1 or not dynamic, "clusters walk the static schedule"
         self.tile_m = tile_m
         self.cluster_n = cluster_n
         self.n_units = n_tiles // cluster_n     # schedule units along n
@@ -83,15 +131,19 @@ class TileScheduler:
 
     # ---------------------------------------------------------------- next tile id
     @cute.jit
-    def producer_next(self, mCounter: cute.Tensor, tile_id: Int32, grid: Int32) -> Int32:
+    def producer_next(self, mCounter: cute.Tensor, tile_id: Int32, grid: Int32, mailbox=None, rank=0,
+                      k=0) -> Int32:
         """The producer warp's next tile id: from the atomic counter (dynamic; lane 0 takes it and the
-        warp shares it) or ``grid`` further (static)."""
+        warp shares it) or ``grid`` further (static). A dynamic CTA pair: rank 0 takes it and sends it as
+        message ``k`` of ``mailbox``; rank 1 receives it."""
         nxt = tile_id + grid
         if cutlass.const_expr(self.dynamic):
             nt = Int32(0)
-            if cute.arch.lane_idx() == 0:
+            if cute.arch.lane_idx() == rank * 32:   # lane 0; in a pair, of rank 0 only
                 nt = cute.arch.atomic_add(mCounter.iterator.llvm_ptr, Int32(1)) + grid
             nxt = cute.arch.shuffle_sync(nt, 0)
+            if cutlass.const_expr(self.cluster_n > 1):
+                nxt = mailbox.exchange(k, nxt, rank)
         return nxt
 
     @cute.jit

@@ -70,22 +70,30 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     Measured on an H200 (bench/results_h200_v3.txt) against 128x256 cooperative and the other variant.
     A 128x192 pingpong kernel whose epilogue would spill is built at 128x128 instead (:func:`spill_fallback`).
 
-    The 128x128 static schedule runs as CTA pairs sharing the A tile (cluster_n = 2) where N splits into an even
-    number of n-tiles (:func:`pair_ctas`); the dynamic schedule stays single (pairs walk the static one)."""
+    128x128 tiles run as CTA pairs sharing the A tile (cluster_n = 2, static schedule) where N splits into an even
+    number of n-tiles (:func:`pair_ctas`), else as single CTAs on the dynamic schedule. Measured on an H200
+    (bench/bench_pair_gemm.py, bench/results/H200-2026-11-26-pairs.json, 8 MoE shapes x 4 routed-row GEMMs): at
+    128x128 the static pair was the fastest of static/dynamic x single/pair on 10 of the 15 GEMMs without a
+    saved-tensor epilogue (the others within 3%); the dynamic single beat the static single on 20 of 23 (GPT-OSS-
+    120B's FC2 forward, 23 n-tiles: 2.36 -> 2.02 ms). An epilogue reading a saved tensor keeps the dynamic single
+    (:func:`tile_config`; the static pair is 12-17% slower on Qwen3's and OLMoE's dgrad). Dynamic pairs
+    (kernels/scheduler.py's mailbox) are not chosen: 4-6% faster on DeepSeek-V3's GEMMs, 14% slower on
+    GPT-OSS-120B's FC1 forward and 11% on OLMoE's dgrad."""
     tk = 64
     if N >= 4096:
         return GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
                           dynamic=True, pingpong=True, b_major=b_major)
-    return pair_ctas(GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major), N)
+    single = GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major)
+    paired = pair_ctas(single, N)
+    return paired if paired.cluster_n == 2 else dataclasses.replace(single, dynamic=True)
 
 
 def pair_ctas(config: GemmConfig, N: int) -> GemmConfig:
     """`config` as CTA pairs multicasting A (cluster_n = 2) where it can be: the static schedule, A loaded by TMA
     (not gathered) and an even number of n-tiles (a gated tile's n-tiles count the same: tile_n/2 logical columns
-    of N/2). Measured on an H200 (bench/bench_pair_gemm.py, bench/results/H200-2026-11-26-pairs.json; T=16384
-    routed by top-k): the gated FC1 forward 1.61 -> 1.42 ms on Qwen3-30B-A3B (N=1536, K=2048) and 12.2 -> 7.1 ms on
-    SonicMoE's (N=2048, K=4096), 1.8% slower on OLMoE's (1.76 -> 1.79); FC2's forward 0.97 -> 0.93 ms on OLMoE,
-    even on Qwen3 and DeepSeek-V2-Lite; T=1024 2-5% faster."""
+    of N/2). Measured on an H200 (bench/bench_pair_gemm.py, T=16384 routed by top-k, static single -> static
+    pair): the gated FC1 forward 1.61 -> 1.35 ms on Qwen3-30B-A3B (N=1536, K=2048), 1.82 -> 1.54 on OLMoE and
+    11.9 -> 6.7 ms on SonicMoE's (N=2048, K=4096); Qwen3's FC2 forward 0.77 -> 0.64 ms (torch._grouped_mm 0.71)."""
     if config.dynamic or config.gather_a or not config.persistent or -(-N // config.tile_n) % 2:
         return dataclasses.replace(config, cluster_n=1)
     return dataclasses.replace(config, cluster_n=2)

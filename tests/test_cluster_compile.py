@@ -44,7 +44,8 @@ def test_policy_pairs_the_static_schedule_where_n_tiles_are_even():
     # 128x128 static: Qwen3's FC1 (N=1536: 12 n-tiles) and FC2 (N=2048) pair; GPT-OSS's FC2 (N=2880: 23) does not
     assert choose_config(0, 1536, 2048, 128, gated=True).cluster_n == 2
     assert choose_config(0, 2048, 768, 128).cluster_n == 2
-    assert choose_config(0, 2880, 2880, 128).cluster_n == 1
+    unpaired = choose_config(0, 2880, 2880, 128)
+    assert unpaired.cluster_n == 1 and unpaired.dynamic and unpaired.tile_n == 128   # unpaired: dynamic single
     # the dynamic schedule (wide N) stays single: pairs walk the static one
     assert choose_config(0, 4096, 2048, 32).cluster_n == 1 and choose_config(0, 4096, 2048, 32).dynamic
     # an epilogue reading a saved tensor takes the dynamic schedule; a gathered A is never multicast
@@ -59,7 +60,7 @@ def test_policy_pairs_the_static_schedule_where_n_tiles_are_even():
 
 
 @pytest.mark.parametrize("cfg,N,gated,msg", [
-    (dataclasses.replace(PAIR, dynamic=True), 1024, False, "static schedule"),
+    (dataclasses.replace(PAIR, persistent=False), 1024, False, "persistent=True"),
     (dataclasses.replace(PAIR, gather_a=True), 1024, False, "gather_a=False"),
     (PAIR, 384, False, "even number of n-tiles (3"),
     (PAIR, 384, True, "even number of n-tiles (3"),     # gated: 192 logical columns in 64-column tiles
