@@ -73,7 +73,7 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     128x128 tiles run as CTA pairs sharing the A tile (cluster_n = 2, static schedule) where N splits into an even
     number of n-tiles (:func:`pair_ctas`), else as single CTAs on the dynamic schedule. Measured on an H200
     (bench/bench_pair_gemm.py, bench/results/H200-2026-11-26-pairs.json, 8 MoE shapes x 4 routed-row GEMMs): at
-    128x128 the static pair was the fastest of static/dynamic x single/pair on 10 of the 15 GEMMs without a
+    128x128 the static pair was the fastest of static/dynamic x single/pair on 8 of the 13 GEMMs without a
     saved-tensor epilogue (the others within 3%); the dynamic single beat the static single on 20 of 23 (GPT-OSS-
     120B's FC2 forward, 23 n-tiles: 2.36 -> 2.02 ms). An epilogue reading a saved tensor keeps the dynamic single
     (:func:`tile_config`; the static pair is 12-17% slower on Qwen3's and OLMoE's dgrad). Dynamic pairs
