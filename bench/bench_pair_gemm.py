@@ -5,6 +5,7 @@ GEMM.
 Per shape (experts E, hidden d, expert width f, tokens T, top-k; routed rows M = T*k sorted by expert):
 
   fc1_fwd    (M, d) x W1 (E, 2f, d)  -> SwiGLU * scale, and the pre-activation (the plan's F1 training kernel)
+  fc1_fwd_inference                   the same without the pre-activation (the plan's F1 inference kernel)
   fc2_fwd    (M, f) x W2 (E, d, f)   -> (M, d)            identity epilogue, B K-major
   fc2_dgrad  (M, d) x W2 (E, d, f)   -> d(SwiGLU * scale) (the plan's B1 kernel: dH's epilogue reads H)
   fc1_dgrad  (M, 2f) x W1 (E, 2f, d) -> (M, d)            identity epilogue, B MN-major (the weight as stored)
@@ -45,6 +46,7 @@ def plan_kernels(E, d, f):
     jobs = {(j.step, j.variant): j for j in plan_jobs(seq, torch.bfloat16)}
     return {
         "fc1_fwd": jobs[("F1", "train")],
+        "fc1_fwd_inference": jobs[("F1", "inference")],
         "fc2_fwd": make_job(IDENTITY_SOURCE, torch.bfloat16, d, f, E, False, "K", False, "fc2", "identity"),
         "fc2_dgrad": jobs[("B1", "backward")],
         "fc1_dgrad": make_job(IDENTITY_SOURCE, torch.bfloat16, d, 2 * f, E, False, "MN", False, "fc1dgrad",
@@ -73,7 +75,7 @@ def all_jobs(names):
     for name in names:
         E, d, f, _, _ = SHAPES[name]
         for gemm, job in plan_kernels(E, d, f).items():
-            jobs += [j for _, j in variants(job, gemm == "fc1_fwd")]
+            jobs += [j for _, j in variants(job, gemm.startswith("fc1_fwd"))]
     return jobs
 
 
@@ -112,6 +114,7 @@ def run_shape(name, skewed, gen, dev="cuda"):
     w2 = torch.randn(E, d, f, generator=dgen, device=dev, dtype=bf) / f ** 0.5
     operands = {  # gemm: (A, B as the kernel reads it, torch's equivalent or None)
         "fc1_fwd": (torch.randn(M, d, generator=dgen, device=dev, dtype=bf), w1, None),
+        "fc1_fwd_inference": (torch.randn(M, d, generator=dgen, device=dev, dtype=bf), w1, None),
         "fc2_fwd": (torch.randn(M, f, generator=dgen, device=dev, dtype=bf), w2,
                     lambda a: torch._grouped_mm(a, w2.transpose(-2, -1), offs=ends)),
         "fc2_dgrad": (torch.randn(M, d, generator=dgen, device=dev, dtype=bf), w2, None),
@@ -120,7 +123,7 @@ def run_shape(name, skewed, gen, dev="cuda"):
     }
     for gemm, job in plan_kernels(E, d, f).items():
         A, B, torch_fn = operands[gemm]
-        gated = gemm == "fc1_fwd"
+        gated = gemm.startswith("fc1_fwd")
         flops = 2.0 * M * job.N * job.K
         rows, ref = {}, None
         print(f"  {gemm}: N={job.N} K={job.K}", flush=True)
