@@ -219,6 +219,8 @@ class WarpRoles:
             # pingpong consumers read entries in pairs (the other warpgroup's, then their own): a second
             # end-of-work entry lets the warpgroup that skips the first one stop too
             sched_state = self.sched.publish(sched_pipe, sched_state, sTile, tile_id)
+        if const_expr(self.dynamic and self.cluster_n > 1):
+            mailbox.drain(sent, rank)
         ab_pipe.producer_tail(prod_state)
 
     # ------------------------------------------------------------------ consumers

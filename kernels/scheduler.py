@@ -76,6 +76,16 @@ class PeerMailbox:
             cute.arch.mbarrier_arrive(self.bars + PEER_SLOTS + i, 0)
         return cutlass.select_(sender, tile_id, got)
 
+    @cute.jit
+    def drain(self, sent: Int32, rank: Int32):
+        """Rank 0's producer warp, after its last message: wait until rank 1 has given back every slot still
+        out (the last ``PEER_SLOTS`` messages), so that no remote arrive reaches this CTA's smem after it exits."""
+        if rank == 0:
+            for j in cutlass.range_constexpr(PEER_SLOTS):
+                k = sent - 1 - j
+                if k >= 0:
+                    cute.arch.mbarrier_wait(self.bars + PEER_SLOTS + k % PEER_SLOTS, (k // PEER_SLOTS) & 1)
+
 
 class TileScheduler:
     """Trace-time description of the tile order: ``tile_m`` rows per m-tile, ``n_tiles`` n-tiles per
