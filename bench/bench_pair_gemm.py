@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fusion
 
 from bench_common import median_ms  # noqa: E402
-from bench_wgrad import SHAPES, routing  # noqa: E402
+from bench_wgrad import SHAPES, routed_shape  # noqa: E402
 from fusion.runtime.compile import KernelJob  # noqa: E402
 
 
@@ -100,15 +100,7 @@ def run_shape(name, skewed, gen, dev="cuda"):
     from fusion.runtime.compile import load_compiled
 
     E, d, f, T, k = SHAPES[name]
-    M = T * k
-    dgen = torch.Generator(device=dev).manual_seed(1)
-    sizes, _ = routing(T, E, k, skewed, gen, dev)
-    ends = torch.cumsum(sizes, 0).to(torch.int32)
-    offs = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), ends])
-    result = {"shape": dict(E=E, d=d, f=f, T=T, k=k, M=M), "groups": "skewed" if skewed else "topk",
-              "max_rows": int(sizes.max()), "empty_groups": int((sizes == 0).sum()), "gemms": {}}
-    print(f"{name} [{result['groups']}]: E={E} d={d} f={f} T={T} k={k} M={M}, largest group {result['max_rows']}, "
-          f"{result['empty_groups']} empty", flush=True)
+    M, dgen, _, ends, offs, result = routed_shape(name, E, d, f, T, k, skewed, gen, dev)
     bf = torch.bfloat16
     w1 = torch.randn(E, 2 * f, d, generator=dgen, device=dev, dtype=bf) / d ** 0.5
     w2 = torch.randn(E, d, f, generator=dgen, device=dev, dtype=bf) / f ** 0.5

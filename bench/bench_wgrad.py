@@ -95,10 +95,9 @@ def routing(T, E, k, skewed, gen, dev):
     return torch.bincount(experts, minlength=E).to(dev), (order // k).to(torch.int32).to(dev)
 
 
-def run_shape(name, E, d, f, T, k, skewed, gen, sweep, dev="cuda"):
-    from fusion.kernels.wgrad_api import run_varlen_k_gemm
-    from fusion.runtime.compile import load_compiled
-
+def routed_shape(name, E, d, f, T, k, skewed, gen, dev):
+    """One shape's routing and the start of its result record (printed): (M, data generator, index, ends (o_1..o_G),
+    offsets (o_0..o_G), result). Shared with bench/bench_pair_gemm.py."""
     M = T * k
     dgen = torch.Generator(device=dev).manual_seed(1)
     sizes, index = routing(T, E, k, skewed, gen, dev)
@@ -108,6 +107,14 @@ def run_shape(name, E, d, f, T, k, skewed, gen, sweep, dev="cuda"):
               "max_rows": int(sizes.max()), "empty_groups": int((sizes == 0).sum()), "gemms": {}}
     print(f"{name} [{result['groups']}]: E={E} d={d} f={f} T={T} k={k} M={M}, largest group {result['max_rows']}, "
           f"{result['empty_groups']} empty", flush=True)
+    return M, dgen, index, ends, offs, result
+
+
+def run_shape(name, E, d, f, T, k, skewed, gen, sweep, dev="cuda"):
+    from fusion.kernels.wgrad_api import run_varlen_k_gemm
+    from fusion.runtime.compile import load_compiled
+
+    M, dgen, index, ends, offs, result = routed_shape(name, E, d, f, T, k, skewed, gen, dev)
     for label, Ma, Nb, gathered in gemms(E, d, f, T, k):
         dy = torch.randn(M, Ma, generator=dgen, device=dev, dtype=torch.bfloat16)
         tokens = torch.randn(T if gathered else M, Nb, generator=dgen, device=dev, dtype=torch.bfloat16)

@@ -14,7 +14,7 @@ if not hopper_available():
 
 import fusion.kernels as K  # noqa: E402
 from test_kernels_gpu import (CASES, DGRAD_CASES, _check, _data, _DSwiGLUScaleDgrad, _dswiglu_ref,  # noqa: E402
-                              _gemm_kn, _gemm_nk, _nan, _swiglu, _SwiGLUTrain)
+                              _gemm_kn, _gemm_nk, _nan, check_gated_train)
 
 DEV = "cuda"
 PAIR_CFGS = [dict(tile_n=128, stages=6, pingpong=True, cluster_n=2), dict(tile_n=256, stages=4, cluster_n=2),
@@ -62,17 +62,7 @@ def test_gated_pairs(case, dtype, cfg):
     """The gated forward (two half B boxes per stage) saving the canonical pre-activation."""
     G, M, N, Kd = case
     _skip_unpaired(N // 2, cfg["tile_n"] // 2, dtype, cfg)
-    sizes, A, offs = _data(G, M, Kd, dtype)
-    W = torch.randn(G, N, Kd, dtype=dtype, device=DEV) / Kd ** 0.5
-    scale = torch.rand(M, dtype=torch.float32, device=DEV)
-    comp = K.compile_grouped_gemm(K.GemmConfig(**cfg), _SwiGLUTrain(), dtype, N, Kd, G)
-    assert comp.config.cluster_n == 2
-    out, pre = _nan(M, N // 2, dtype=dtype), _nan(M, N, dtype=dtype)
-    K.run_grouped_gemm(comp, A, W, offs, {"out": out, "pre": pre}, {"scale": scale})
-    torch.cuda.synchronize()
-    h = _gemm_nk(A, W, sizes)
-    _check(pre, h)
-    _check(out, _swiglu(h, scale))
+    assert check_gated_train(K.GemmConfig(**cfg), case, dtype).config.cluster_n == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

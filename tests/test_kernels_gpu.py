@@ -174,17 +174,24 @@ class _SwiGLUTrain(K.Epilogue):
 @pytest.mark.parametrize("cfg", GATED_CFGS[1:])
 def test_gated_saves_canonical_preactivation(case, dtype, cfg):
     """The saved pre-activation is the GEMM output in its canonical column order, [gate | up]."""
+    check_gated_train(K.GemmConfig(**cfg), case, dtype)
+
+
+def check_gated_train(config, case, dtype):
+    """The training forward (SwiGLU*scale and the pre-activation) at `config` on `case`, checked; returns the kernel
+    (tests/test_cluster_gpu.py runs it at CTA-pair configurations too)."""
     G, M, N, Kd = case
     sizes, A, offs = _data(G, M, Kd, dtype)
     W = torch.randn(G, N, Kd, dtype=dtype, device=DEV) / Kd ** 0.5
     scale = torch.rand(M, dtype=torch.float32, device=DEV)
-    comp = K.compile_grouped_gemm(K.GemmConfig(**cfg), _SwiGLUTrain(), dtype, N, Kd, G)
+    comp = K.compile_grouped_gemm(config, _SwiGLUTrain(), dtype, N, Kd, G)
     out, pre = _nan(M, N // 2, dtype=dtype), _nan(M, N, dtype=dtype)
     K.run_grouped_gemm(comp, A, W, offs, {"out": out, "pre": pre}, {"scale": scale})
     torch.cuda.synchronize()
     h = _gemm_nk(A, W, sizes)
     _check(pre, h)
     _check(out, _swiglu(h, scale))
+    return comp
 
 
 # ------------------------------------------------------------------ dgrad: paired aux in, paired out
