@@ -43,6 +43,8 @@ SHAPES = {  # name: (E, d, f, T, k)
     "mixtral-8x7b": (8, 4096, 14336, 8192, 2),
     "deepseek-v2-lite": (64, 2048, 1408, 8192, 6),
     "qwen3-30b-a3b-T1024": (128, 2048, 768, 1024, 8),
+    "qwen3-235b-a22b-T4096": (128, 4096, 1536, 4096, 8),   # the training-step bench's block: 256 rows per expert
+    "qwen3-30b-a3b-T512": (128, 2048, 768, 512, 8),        # its small Qwen3 block: 32 rows per expert
 }
 SWEEP = tuple(dataclasses.replace(c, cluster_m=m) for m in (2, 1) for c in (
     WgradConfig(tile_n=256, stages=4), WgradConfig(tile_n=192, stages=5, pingpong=True),
