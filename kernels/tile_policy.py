@@ -34,7 +34,7 @@ class GemmConfig:
     stages: int = 4
     cluster_m: int = 1      # reserved (must be 1): the grouped GEMM pairs CTAs along n only
     cluster_n: int = 1      # 2: a CTA pair (cluster) works on neighbouring n-tiles of one m-tile and multicasts
-                            # the A tile (static schedule, TMA A, an even n-tile count; kernels/grouped_gemm.py)
+                            # the A tile (TMA A, an even n-tile count, either schedule; kernels/grouped_gemm.py)
     persistent: bool = True  # False: one CTA per tile (grid = number of tiles upper bound)
     dynamic: bool = False    # dynamic (atomic counter) tile scheduler
     sm_margin: int = 0       # leave this many SMs free
