@@ -1,7 +1,7 @@
 """GPU correctness of the grouped GEMM's CTA pairs (``cluster_n = 2``: two CTAs work on neighbouring n-tiles of one
 m-tile and multicast the A tile). Same method as tests/test_kernels_gpu.py: poisoned outputs, ragged groups with
-empty ones, partial tiles, every element against float64 torch math; and each run is checked to have launched as
-pairs (an odd CTA count would hang or drop tiles, so the grid is forced odd-sized too).
+empty ones, partial tiles, every element against float64 torch math. Each kernel is checked to be built as pairs,
+and an odd CTA request is made too (the launch must round it to whole pairs: a cluster grid cannot be odd).
 """
 import pytest
 import torch
