@@ -54,13 +54,12 @@ def plan_kernels(E, d, f):
     }
 
 
-def variants(job: KernelJob, gated: bool):
+def variants(job: KernelJob):
     """(label, job) of the policy's configuration and its twins (see the module docstring)."""
-    from fusion.kernels.tile_policy import GemmConfig
+    from fusion.kernels.tile_policy import GemmConfig, n_tile_count
 
     base = GemmConfig(*job.config)
-    n_log, tile = (job.N // 2, base.tile_n // 2) if gated else (job.N, base.tile_n)
-    pairs = -(-n_log // tile) % 2 == 0 and not base.gather_a
+    pairs = n_tile_count(job.N, base.tile_n) % 2 == 0 and not base.gather_a
     out = [("policy", base)]
     for dynamic in (False, True):
         for cn in ((1, 2) if pairs else (1,)):
@@ -75,7 +74,7 @@ def all_jobs(names):
     for name in names:
         E, d, f, _, _ = SHAPES[name]
         for gemm, job in plan_kernels(E, d, f).items():
-            jobs += [j for _, j in variants(job, gemm.startswith("fc1_fwd"))]
+            jobs += [j for _, j in variants(job)]
     return jobs
 
 
@@ -115,7 +114,6 @@ def run_shape(name, skewed, gen, dev="cuda"):
     }
     for gemm, job in plan_kernels(E, d, f).items():
         A, B, torch_fn = operands[gemm]
-        gated = gemm.startswith("fc1_fwd")
         flops = 2.0 * M * job.N * job.K
         rows, ref = {}, None
         print(f"  {gemm}: N={job.N} K={job.K}", flush=True)
@@ -123,7 +121,7 @@ def run_shape(name, skewed, gen, dev="cuda"):
             rows["torch _grouped_mm"] = (lambda fn, a: lambda: fn(a))(torch_fn, A)
             ref = torch_fn(A).float()
         errors, slots = {}, None
-        for label, vjob in variants(job, gated):
+        for label, vjob in variants(job):
             comp = load_compiled(vjob)
             cfg = comp.config
             if slots is None:   # the same inputs for every configuration, so their outputs compare

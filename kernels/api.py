@@ -28,7 +28,7 @@ from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
 
 from .epilogue import Epilogue, MXFP8Output
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
-from .tile_policy import GemmConfig, choose_config, for_gather, spill_fallback
+from .tile_policy import GemmConfig, choose_config, for_gather, n_tile_count, spill_fallback
 
 __all__ = [
     "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
@@ -179,7 +179,7 @@ class CompiledGroupedGemm(CompiledArtifact):
                     ("_c2" if getattr(config, "cluster_n", 1) > 1 else "")
         self.slots = [(s.name, isinstance(s, MXFP8Output)) for s in epilogue.inputs + epilogue.outputs]
         self.b_shape = (G, N, K) if config.b_major == "K" else (G, K, N)
-        self.n_tiles = (N + config.tile_n - 1) // config.tile_n  # per m-tile row (a gated tile holds both halves)
+        self.n_tiles = n_tile_count(N, config.tile_n)  # per m-tile row (a gated tile holds both halves)
 
     def __repr__(self):
         return f"<CompiledGroupedGemm {self.name} regs={self.registers} smem={self.shared_memory_bytes}>"
@@ -221,7 +221,7 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
     if config.cluster_n not in (1, 2):
         problems.append(f"cluster_n = {config.cluster_n}: use 1, or 2 (a CTA pair multicasting A)")
     elif config.cluster_n == 2:
-        n_tiles = -(-(N // 2 if epilogue.gated else N) // (config.tile_n // 2 if epilogue.gated else config.tile_n))
+        n_tiles = n_tile_count(N, config.tile_n)
         if config.gather_a or not config.persistent:
             problems.append("cluster_n = 2 multicasts a TMA-loaded A in a persistent kernel: use gather_a=False, "
                             "persistent=True")

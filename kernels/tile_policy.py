@@ -6,6 +6,7 @@ loading the DSL.
     GemmConfig                         the template's tile configuration (KernelJob.config keeps its fields)
     choose_config(M, N, K, G, ...)     the heuristic: a function of the weight shape only (M is dynamic)
     pair_ctas(config, N)               the configuration as CTA pairs sharing the A tile, where it can be
+    n_tile_count(N, tile_n)            n-tiles per m-tile (gated or not)
     tile_config(N, K, G, gated, b_major, reads_aux, gather)
                                        a fused kernel's configuration: the heuristic, except for an epilogue
                                        that reads a saved (M, n) tensor, and a gathered A (static schedule)
@@ -88,13 +89,19 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     return paired if paired.cluster_n == 2 else dataclasses.replace(single, dynamic=True)
 
 
+def n_tile_count(N: int, tile_n: int) -> int:
+    """n-tiles of a GEMM N wide at ``tile_n`` columns; a gated GEMM counts the same (its logical tile_n/2 columns
+    over N/2)."""
+    return -(-N // tile_n)
+
+
 def pair_ctas(config: GemmConfig, N: int) -> GemmConfig:
     """`config` as CTA pairs multicasting A (cluster_n = 2) where it can be: the static schedule, A loaded by TMA
     (not gathered) and an even number of n-tiles (a gated tile's n-tiles count the same: tile_n/2 logical columns
     of N/2). Measured on an H200 (bench/bench_pair_gemm.py, T=16384 routed by top-k, static single -> static
     pair): the gated FC1 forward 1.61 -> 1.35 ms on Qwen3-30B-A3B (N=1536, K=2048), 1.82 -> 1.54 on OLMoE and
     11.9 -> 6.7 ms on SonicMoE's (N=2048, K=4096); Qwen3's FC2 forward 0.77 -> 0.64 ms (torch._grouped_mm 0.71)."""
-    if config.dynamic or config.gather_a or not config.persistent or -(-N // config.tile_n) % 2:
+    if config.dynamic or config.gather_a or not config.persistent or n_tile_count(N, config.tile_n) % 2:
         return dataclasses.replace(config, cluster_n=1)
     return dataclasses.replace(config, cluster_n=2)
 

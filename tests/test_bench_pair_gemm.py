@@ -20,7 +20,7 @@ def test_variants_start_with_the_policy_and_pair_only_even_tiles(name):
     assert set(plan) == {"fc1_fwd", "fc1_fwd_inference", "fc2_fwd", "fc2_dgrad", "fc1_dgrad"}
     for gemm, job in plan.items():
         gated = gemm.startswith("fc1_fwd")
-        variants = bench_pair_gemm.variants(job, gated)
+        variants = bench_pair_gemm.variants(job)
         labels = [label for label, _ in variants]
         assert labels[0] == "policy" and variants[0][1] == job
         configs = [GemmConfig(*j.config) for _, j in variants]
