@@ -22,7 +22,7 @@ from .api import (CompiledGroupedGemm, compile_kernel, GemmConfig, _dtype_name, 
 from .epilogue import Epilogue, IdentityEpilogue, MXFP8Output
 from .fp8_gemm import OVERLAP_MAX_TILE_N, SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
 from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
-from .tile_policy import FP8_SMEM, choose_fp8_config, fp8_stage_bytes
+from .tile_policy import FP8_SMEM, choose_fp8_config, fp8_stage_bytes, n_tile_count
 
 __all__ = ["choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm", "run_fp8_grouped_gemm",
            "fp8_grouped_gemm", "CompiledFp8GroupedGemm"]
@@ -53,8 +53,17 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
                         "promotion's scratch fragment); use pingpong=False")
     if config.b_major != "K":
         problems.append("b_major must be 'K': FP8 wgmma reads B K-major (the dgrad uses the weight's data_t)")
-    if config.cluster_m != 1 or config.cluster_n != 1:
-        problems.append("clusters > 1 are not implemented: use cluster_m = cluster_n = 1")
+    if config.cluster_m != 1:
+        problems.append(f"cluster_m = {config.cluster_m}: the FP8 kernel pairs CTAs along n only (cluster_m = 1)")
+    if config.cluster_n not in (1, 2):
+        problems.append(f"cluster_n = {config.cluster_n}: 1, or 2 for CTA pairs sharing the A tile")
+    elif config.cluster_n == 2:
+        n_tiles = n_tile_count(N, config.tile_n)
+        if n_tiles % 2:
+            problems.append(f"cluster_n = 2 needs an even number of n-tiles; N = {N} makes {n_tiles} of "
+                            f"{config.tile_n} columns (use cluster_n = 1)")
+        if not config.persistent:
+            problems.append("cluster_n = 2 needs the persistent kernel")
     if K % 16:
         problems.append(f"K = {K}: must be a multiple of 16 (16-byte TMA rows of the E4M3 A and B)")
     if N % (16 if epilogue.gated else 8):
@@ -94,7 +103,8 @@ class CompiledFp8GroupedGemm(CompiledGroupedGemm):
         debug = "" if kernel is None or kernel.debug.scales == "tma" else f"_scales-{kernel.debug.scales}"
         self.name = (f"fp8_grouped_gemm_{type(epilogue).__name__}_{out_dtype}_N{N}_K{K}_G{G}_"
                      f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}"
-                     + ("_dyn" if config.dynamic else "") + ("_ovl" if self.overlap else "") + debug
+                     + ("_dyn" if config.dynamic else "") + ("_c2" if config.cluster_n == 2 else "")
+                     + ("_ovl" if self.overlap else "") + debug
                      + ("" if kernel is None or kernel.debug.reg_realloc else "_noregs"))
         self.k_blocks = -(-K // SCALE_BLOCK)
         self.b_scale_shape = (G, -(-N // SCALE_BLOCK), self.k_blocks)

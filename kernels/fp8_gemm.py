@@ -45,7 +45,7 @@ from .epilogue import Epilogue
 from .fp8_mainloop import Fp8WarpRoles
 from .mainloop import REGISTER_SPLIT
 from .fp8_scales import SA_BOX, SA_STAGE_FLOATS, SB_BOX, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments
-from .scheduler import TileScheduler
+from .scheduler import PEER_SLOTS, TileScheduler
 from .tile_epilogue import TileEpilogue
 
 __all__ = ["Fp8GroupedGemmKernel", "Fp8DebugKnobs"]
@@ -88,6 +88,11 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.stages = config.stages
         self.dynamic = config.dynamic
         self.gated = epilogue.gated
+        # CTA pairs along n share the A tile by TMA multicast, as in the bf16 kernel (kernels/grouped_gemm.py);
+        # each CTA loads its own scales (the activation scales are the pair's, but a few hundred bytes)
+        self.cluster_n = int(getattr(config, "cluster_n", 1))
+        assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
+        self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
         # promotion overlapped with the next k-tile's wgmma needs a second scratch fragment: 3 x tile_n / 2
         # fp32 registers per consumer thread, which fits the 232 a consumer gets up to tile_n = 128
@@ -120,7 +125,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.segments = plan_segments(self.tile_n, N, self.gated)
         self.slots = num_slots(self.segments)
         self.sched = TileScheduler(self.tile_m, (n_log + self.tile_n_log - 1) // self.tile_n_log, G,
-                                   self.dynamic, False)
+                                   self.dynamic, False, self.cluster_n)
         mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
         mB = cute.make_tensor(pB, cute.make_layout((N, K, G), stride=(K, 1, N * K)))
         # scales as flat 1-D tensors: a TMA box may start at any element, so neither M nor the number of
@@ -151,8 +156,10 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
                                            stride=(1, SB_SLOT_FLOATS, SB_SLOT_FLOATS * self.slots))
         sA_one = cute.slice_(self.sA_layout, (None, None, 0))
         sB_one = cute.slice_(self.sB_layout, (None, None, 0))
+        a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_n > 1) else \
+            cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tma_tA = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, sA_one, (self.tile_m, self.tile_k)
+            a_op, mA, sA_one, (self.tile_m, self.tile_k), num_multicast=self.cluster_n
         )
         # gated: one TMA box is half a B tile (gate or up rows); tile_k is one swizzle atom, so a half
         # tile's smem layout is the first tile_n/2 rows of the stage's
@@ -175,6 +182,9 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sched: cute.struct.MemRange[cutlass.Int64, 2 * self.sched_stages]
             tile_slot: cute.struct.MemRange[Int32, self.sched_stages]
+            # a dynamic CTA pair's mailbox of tile ids (kernels/scheduler.py; empty otherwise)
+            peer_bar: cute.struct.MemRange[cutlass.Int64, 2 * PEER_SLOTS if self.peer_ids else 0]
+            peer_slot: cute.struct.MemRange[Int32, PEER_SLOTS if self.peer_ids else 0]
             sA: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(self.sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(self.sB_layout)], 1024]
             sSA: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(self.sSA_layout)], 128]
@@ -185,8 +195,8 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
             tma_a, tma_tA, tma_b, tma_tB, tma_sa, tma_tSA, tma_sb, tma_tSB, mOffs, mCounter, tuple(tensors),
             M, self.tiled_mma, self.tiled_mma_log, self.sA_layout, self.sB_layout, self.sSA_layout,
             self.sSB_layout,
-        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), smem=SharedStorage.size_in_bytes(),
-                 min_blocks_per_mp=1, stream=stream)
+        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), cluster=(self.cluster_n, 1, 1),
+                 smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
@@ -223,7 +233,14 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         storage, ab_pipe, sched_pipe, sTile, sA, sB = self.make_smem(sA_layout, sB_layout)
         sSA = storage.sSA.get_tensor(sSA_layout)
         sSB = storage.sSB.get_tensor(sSB_layout)
+        self.cluster_sync_barriers()
         cute.arch.sync_threads()
+        # the schedule walks clusters: a CTA pair shares one unit (its rank picks the n-tile)
+        rank = 0
+        if const_expr(self.cluster_n > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            bidx = bidx // self.cluster_n
+            grid = grid // self.cluster_n
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
@@ -231,9 +248,9 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
                 cute.arch.warpgroup_reg_dealloc(REGISTER_SPLIT[False][0])
             if warp_idx == 0:
                 self.produce(tma_a, mA, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
-                             bidx, grid, extras=(tma_sa, mSA, tma_sb, mSB, sSA, sSB, M))
+                             bidx, grid, extras=(tma_sa, mSA, tma_sb, mSB, sSA, sSB, M), rank=rank)
         else:
             if const_expr(self.debug.reg_realloc):
                 cute.arch.warpgroup_reg_alloc(REGISTER_SPLIT[False][1])
             self.consume_fp8(tiled_mma, tiled_mma_log, sA, sB, sSA, sSB, mOffs, epi_tensors, ab_pipe,
-                             sched_pipe, sTile, tidx, bidx, grid, M)
+                             sched_pipe, sTile, tidx, bidx, grid, M, rank=rank)

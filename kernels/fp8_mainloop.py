@@ -167,7 +167,9 @@ class Fp8WarpRoles(WarpRoles):
     @cute.jit
     def consume_fp8(self, tiled_mma: cute.TiledMma, tiled_mma_log: cute.TiledMma, sA: cute.Tensor,
                     sB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple,
-                    ab_pipe, sched_pipe, sTile: cute.Tensor, tidx: Int32, bidx: Int32, grid: Int32, M: Int32):
+                    ab_pipe, sched_pipe, sTile: cute.Tensor, tidx: Int32, bidx: Int32, grid: Int32, M: Int32,
+                    rank=0):
+        """The consumer warpgroups (``bidx``, ``grid``, ``rank`` as for :meth:`WarpRoles.produce`)."""
         ctid = tidx - 128
         thr_mma, tCrA, tCrB, tCcC = self.mma_operands(tiled_mma, tiled_mma_log, sA, sB, ctid)
         tCcP = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
@@ -186,7 +188,7 @@ class Fp8WarpRoles(WarpRoles):
             tile_id = self.sched.first_static(bidx, grid)
         g, base, cnt = self.sched.start(mOffs, tile_id)
         while g < self.G:
-            m_idx, n_idx = self.sched.coords(tile_id, base, cnt)
+            m_idx, n_idx = self.sched.coords(tile_id, base, cnt, rank)
             row0 = mOffs[g] + m_idx * self.tile_m
             row_end = mOffs[g + 1]
             bounds = self.split_bounds(n_idx)

@@ -75,7 +75,7 @@ class WarpRoles:
     #: A loaded through an index by the producer warpgroup (kernels/gather_producer.py); the FP8 kernel never is
     gather_a = False
     #: CTAs per cluster along n: 2 = a CTA pair works on neighbouring n-tiles of one m-tile, each loading half of
-    #: the A tile and multicasting it to both (the FP8 kernel is never clustered)
+    #: the A tile and multicasting it to both (the bf16 and the FP8 kernel)
     cluster_n = 1
 
     # ------------------------------------------------------------------ shared setup

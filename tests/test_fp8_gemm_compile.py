@@ -32,6 +32,9 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
     "gated-split": (K.SwiGLUScaleEpilogue(), 2 * 2888, 1024, 8, {}),     # up-half blocks: a run-time boundary
     "serial": (K.IdentityEpilogue(), 1024, 640, 8, dict(overlap=False)),  # fold after each wgmma, no overlap
     "one-k-tile": (K.IdentityEpilogue(), 1024, 64, 8, {}),
+    "pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(cluster_n=2, dynamic=False)),   # A multicast to 2 CTAs
+    "pair-dynamic": (K.IdentityEpilogue(), 1536, 2048, 128, dict(cluster_n=2)),        # tile ids sent to rank 1
+    "pair-gated": (K.SwiGLUScaleEpilogue(), 3072, 2048, 128, dict(cluster_n=2, dynamic=False)),
 }
 
 
@@ -65,7 +68,12 @@ def test_compile_sass(name):
     assert f"x{comp.config.tile_n}x32" in gmma[0]
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local-memory spills"
     tma = {o for o in ops if o.startswith("UTMALDG")}
-    assert {"UTMALDG.1D", "UTMALDG.2D", "UTMALDG.3D"} <= tma, tma   # scales (1-D), A (2-D), B (3-D)
+    assert {"UTMALDG.1D", "UTMALDG.3D"} <= tma, tma   # scales (1-D), B (3-D)
+    # A (2-D): multicast to both CTAs of a pair, which wait at a cluster barrier for each other's mbarriers
+    paired = comp.config.cluster_n == 2
+    assert ("UTMALDG.2D.MULTICAST" in tma) == paired and ("UTMALDG.2D" in tma) != paired, tma
+    assert any(o.startswith("UCGABAR") for o in ops) == paired
+    assert comp.name.endswith(("_c2", "_c2_ovl")) == paired
     assert K.compile_fp8_grouped_gemm(comp.config, epi, N, K_, G, out_dtype=comp.dtype,
                                       overlap=over.get("overlap")) is comp  # cached
 
@@ -223,6 +231,9 @@ def test_unknown_scale_mode_is_rejected():
     (K.IdentityEpilogue(), dict(stages=1), 1024, 512, "at least 2"),
     (K.SwiGLUScaleEpilogue(), {}, 1000, 512, "multiple of 16"),
     (K.SwiGLUScaleMXFP8Epilogue(), dict(tile_n=32), 1024, 512, "32-column"),
+    (K.IdentityEpilogue(), dict(cluster_n=2), 1152, 512, "even number of n-tiles"),   # 9 n-tiles
+    (K.IdentityEpilogue(), dict(cluster_n=4), 1024, 512, "cluster_n = 4"),
+    (K.IdentityEpilogue(), dict(cluster_m=2), 1024, 512, "along n only"),
 ])
 def test_unsupported_configs_are_rejected(epi, over, N, K_, match):
     with pytest.raises(KernelConfigError, match=match):

@@ -249,3 +249,65 @@ def test_mxfp8_output_is_the_quantized_bf16_output():
     assert torch.equal(sc, ref_scale.view(torch.uint8)), "E8M0 scales differ"
     n_diff = (data.view(torch.uint8) != ref_data.view(torch.uint8)).sum().item()
     assert n_diff == 0, f"{n_diff} E4M3 bytes differ"
+
+
+# ------------------------------------------------------------------ CTA pairs (cluster_n = 2)
+# (G, M, N, K): ragged groups with empty ones and unaligned M, a partial last n-tile and weight block (N = 1000:
+# 8 n-tiles, the last 104 wide), many groups, DeepSeek-V3's FC1 widths
+PAIR_CASES = [(8, 3001, 1024, 512), (4, 1000, 1000, 640), (130, 5000, 512, 384), (32, 8192, 4096, 7168),
+              (1, 777, 256, 256)]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("num_ctas", [None, 7])
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: "G{}-M{}-N{}-K{}".format(*c))
+def test_pairs_identity_bitwise_equal_to_single_ctas(case, num_ctas, dynamic):
+    """A CTA pair multicasts the A tile; each CTA still folds the same k-tiles in the same order, so the output
+    is bitwise the single-CTA kernel's, and within the FP8 tolerance of the float64 product. ``num_ctas`` = 7
+    launches 3 pairs (whole pairs only)."""
+    G, M, N, Kd = case
+    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=11)
+    single = _nan(M, N)
+    paired = _nan(M, N)
+    cfg = _config(N, Kd, G, dynamic=dynamic)
+    K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.IdentityEpilogue(), N, Kd, G), *args, {"out": single})
+    comp = K.compile_fp8_grouped_gemm(replace(cfg, cluster_n=2), K.IdentityEpilogue(), N, Kd, G)
+    assert "_c2" in comp.name
+    K.run_fp8_grouped_gemm(comp, *args, {"out": paired}, num_ctas=num_ctas)
+    torch.cuda.synchronize()
+    ref, mag = _reference(a_dq, b_dq, sizes)
+    _check(paired, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name)
+    assert torch.equal(paired, single)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("N", [2 * 1536, 2 * 2048])
+def test_pairs_gated_swiglu_scale(N, dynamic):
+    """FC1 + SwiGLU * router prob as CTA pairs: gate and up B boxes per CTA, the A tile shared."""
+    G, M, Kd = 8, 3000, 1024
+    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=12)
+    scale = torch.rand(M, device=DEV)
+    cfg = replace(_config(N, Kd, G, gated=True), cluster_n=2, dynamic=dynamic)
+    comp = K.compile_fp8_grouped_gemm(cfg, K.SwiGLUScaleEpilogue(), N, Kd, G)
+    out = _nan(M, N // 2)
+    K.run_fp8_grouped_gemm(comp, *args, {"out": out}, extras={"scale": scale})
+    torch.cuda.synchronize()
+    val, tol = _swiglu_ref(*_reference(a_dq, b_dq, sizes), scale)
+    _check(out, val, tol, comp.name)
+
+
+def test_pairs_dgrad_reads_the_transposed_weight_copy():
+    G, M, f_in, f_out = 8, 2000, 768, 1536
+    gen = torch.Generator().manual_seed(13)
+    sizes = _sizes(G, M, gen)
+    dy = _blocky((M, f_out), gen).to(DEV)
+    wq = quantize_weight_fp8_block((_blocky((G, f_out, f_in), gen, spread=4) / f_out ** 0.5).to(DEV))
+    d_data, d_scale = fp8_block_quantize_2d(dy)
+    offs = K.offsets_from_group_sizes(sizes.to(DEV))
+    comp = K.compile_fp8_grouped_gemm(replace(_config(f_in, f_out, G), cluster_n=2), K.IdentityEpilogue(),
+                                      f_in, f_out, G)
+    out = _nan(M, f_in)
+    K.run_fp8_grouped_gemm(comp, d_data, d_scale, wq.data_t, wq.scale_t, offs, {"out": out})
+    torch.cuda.synchronize()
+    ref, mag = _reference(fp8_block_dequantize_2d(d_data, d_scale).double(), wq.dequantize_t().double(), sizes)
+    _check(out, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name + " (dgrad)")
