@@ -1,9 +1,10 @@
 """Tile configurations of the FP8 block-scaled grouped GEMM on MoE shapes: which one the tile policy should pick.
 
-For each shape (the four GEMMs of an expert MLP's forward and dgrads: FC1, FC2, FC2's dgrad, FC1's dgrad) and
-each candidate configuration (tile_n 64 / 128 / 192, static or dynamic schedule, as many stages as fit), the
-kernel with the identity epilogue, timed with CUDA events (median of --reps calls) on balanced random group
-sizes. The kernels are KernelJobs (fusion/runtime/compile.py), so they compile here without a GPU into
+For each shape (the GEMMs of an expert MLP's forward and dgrads: FC1, FC2, FC2's dgrad, FC1's dgrad, of eight
+MoE blocks, and issue 9's 32 x 8192-row target shape) and each candidate configuration (tile_n 128 / 192, static
+or dynamic schedule, single CTAs or CTA pairs sharing the A tile, as many stages as fit; ``--tile-64`` adds
+64-column tiles), the kernel with the identity epilogue, timed with CUDA events (median of --reps calls) on
+balanced random group sizes, beside bf16 torch._grouped_mm on the same (unquantized) operands. The kernels are KernelJobs (fusion/runtime/compile.py), so they compile here without a GPU into
 FUSION_CACHE_DIR and load on the GPU machine:
 
     FUSION_CACHE_DIR=/tmp/kc python bench/fp8_tile_sweep.py --precompile     # no GPU needed
@@ -24,41 +25,53 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))                   # bench_fp8_gemm
 
-from fusion.kernels.tile_policy import FP8_SMEM, choose_fp8_config, fp8_stage_bytes  # noqa: E402
+from fusion.kernels.tile_policy import (FP8_SMEM, choose_fp8_config, fp8_stage_bytes,  # noqa: E402
+                                        n_tile_count)
 
-#: (name, experts E, K, N, routed rows M): Qwen3-30B-A3B's and OLMoE's expert GEMMs, DeepSeek-V3's EP8 share
+#: (name, experts E, K, N, routed rows M): the expert GEMMs of MoE blocks at 16k (DeepSeek-V3: 4k) tokens of
+#: the training-step benchmark (the identity epilogue: the GEMM alone), and issue 9's target shape
 SHAPES = [
     ("qwen3 fc1", 128, 2048, 1536, 65536), ("qwen3 fc2", 128, 768, 2048, 65536),
     ("qwen3 fc2-dgrad", 128, 2048, 768, 65536), ("qwen3 fc1-dgrad", 128, 1536, 2048, 65536),
     ("olmoe fc1", 64, 2048, 2048, 65536), ("olmoe fc2", 64, 1024, 2048, 65536),
+    ("dsv2-lite fc1", 64, 2048, 2816, 49152), ("dsv2-lite fc2", 64, 1408, 2048, 49152),
+    ("qwen3-235b fc1", 128, 4096, 3072, 32768), ("qwen3-235b fc2", 128, 1536, 4096, 32768),
+    ("gpt-oss-120b fc1", 128, 2880, 5760, 65536), ("gpt-oss-120b fc2", 128, 2880, 2880, 65536),
     ("dsv3 fc1", 32, 7168, 4096, 32768), ("dsv3 fc2", 32, 2048, 7168, 32768),
+    ("dsv3 fc1 32x8192", 32, 7168, 4096, 262144),
+    ("small fc1", 8, 2048, 2048, 4096),
 ]
 
 
-def candidates(N: int, K: int, G: int):
-    """The tile policy's choice first, then tile_n 64/128/192 x static/dynamic (stages: as many as fit, <= 8)."""
+def candidates(N: int, K: int, G: int, tile_64: bool = False):
+    """The tile policy's choice first, then tile_n (64,) 128 / 192 x static / dynamic x single / paired CTAs
+    (pairs where the n-tile count is even; stages: as many as fit, <= 8)."""
     out = [choose_fp8_config(N, K, G)]
-    for tile_n in (64, 128, 192):
+    for tile_n in ((64,) if tile_64 else ()) + (128, 192):
         stages = min(8, FP8_SMEM // (fp8_stage_bytes(128, tile_n, 2 if tile_n % 128 else 1) + 16))
-        for dynamic in (False, True):
-            cfg = dataclasses.replace(out[0], tile_n=tile_n, stages=stages, dynamic=dynamic)
-            if cfg not in out:
-                out.append(cfg)
+        for cluster_n in (1, 2):
+            if cluster_n == 2 and n_tile_count(N, tile_n) % 2:
+                continue
+            for dynamic in (False, True):
+                cfg = dataclasses.replace(out[0], tile_n=tile_n, stages=stages, dynamic=dynamic,
+                                          cluster_n=cluster_n)
+                if cfg not in out:
+                    out.append(cfg)
     return out
 
 
-def jobs():
+def jobs(tile_64: bool = False):
     from fusion.runtime.fp8_gemm import IDENTITY_SOURCE
     from fusion.runtime.compile import KernelJob
 
     for name, E, K, N, M in SHAPES:
-        for cfg in candidates(N, K, E):
+        for cfg in candidates(N, K, E, tile_64):
             yield (name, E, K, N, M, cfg), KernelJob(
                 step="fp8_sweep", variant="identity", source=IDENTITY_SOURCE, config=dataclasses.astuple(cfg),
                 dtype="bfloat16", N=N, K=K, G=E, target="sm_90a", mainloop="fp8_block")
 
 
-def measure(reps: int) -> dict:
+def measure(reps: int, tile_64: bool = False) -> dict:
     from bench_fp8_gemm import balanced_sizes, time_ms
     from fusion.kernels import run_fp8_grouped_gemm
     from fusion.kernels.api import offsets_from_group_sizes
@@ -69,14 +82,24 @@ def measure(reps: int) -> dict:
     results: dict = {}
     operands: dict = {}
     gen = torch.Generator().manual_seed(0)
-    for (name, E, K, N, M, cfg), job in jobs():
+    for (name, E, K, N, M, cfg), job in jobs(tile_64):
         if name not in operands:
+            operands.clear()
+            torch.cuda.empty_cache()
             sizes = balanced_sizes(E, M, gen)
             a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             b = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+            offsets = offsets_from_group_sizes(sizes.cuda())
+            # bf16 torch._grouped_mm of the same operands: the issue's ">= 1.6x bf16" baseline
+            ends = offsets[1:]
+            bf16_ms = time_ms(lambda: torch._grouped_mm(a, b.transpose(-2, -1), offs=ends), warmup=5, reps=reps)
+            results[name] = {"E": E, "K": K, "N": N, "M": M, "bf16_grouped_mm_ms": bf16_ms,
+                             "bf16_grouped_mm_tflops": 2 * M * N * K / bf16_ms / 1e9, "configs": []}
+            print(f"{name:16s} bf16 torch._grouped_mm {bf16_ms:7.3f} ms "
+                  f"{results[name]['bf16_grouped_mm_tflops']:6.0f} TFLOP/s", file=sys.stderr, flush=True)
             a_data, a_scale = fp8_block_quantize_2d(a)
             wq = quantize_weight_fp8_block(b)
-            operands[name] = (a_data, a_scale, wq.data, wq.scale, offsets_from_group_sizes(sizes.cuda()),
+            operands[name] = (a_data, a_scale, wq.data, wq.scale, offsets,
                               torch.empty(M, N, device="cuda", dtype=torch.bfloat16))
             del a, b
         a_data, a_scale, b_data, b_scale, offsets, out = operands[name]
@@ -84,11 +107,13 @@ def measure(reps: int) -> dict:
         ms = time_ms(lambda: run_fp8_grouped_gemm(compiled, a_data, a_scale, b_data, b_scale, offsets,
                                                   {"out": out}), warmup=5, reps=reps)
         tflops = 2 * M * N * K / ms / 1e9
-        row = results.setdefault(name, {"E": E, "K": K, "N": N, "M": M, "configs": []})
-        row["configs"].append({"tile_n": cfg.tile_n, "stages": cfg.stages, "dynamic": cfg.dynamic, "ms": ms,
-                               "tflops": tflops, "policy": len(row["configs"]) == 0})
+        row = results[name]
+        row["configs"].append({"tile_n": cfg.tile_n, "stages": cfg.stages, "dynamic": cfg.dynamic,
+                               "cluster_n": cfg.cluster_n, "ms": ms, "tflops": tflops,
+                               "vs_bf16": row["bf16_grouped_mm_ms"] / ms, "policy": len(row["configs"]) == 0})
         print(f"{name:16s} tile_n={cfg.tile_n:3d} stages={cfg.stages} dynamic={cfg.dynamic!s:5s} "
-              f"{ms:7.3f} ms {tflops:6.0f} TFLOP/s" + ("  (policy)" if len(row["configs"]) == 1 else ""),
+              f"pair={cfg.cluster_n == 2!s:5s} {ms:7.3f} ms {tflops:6.0f} TFLOP/s "
+              f"{row['bf16_grouped_mm_ms'] / ms:4.2f}x bf16" + ("  (policy)" if len(row["configs"]) == 1 else ""),
               file=sys.stderr, flush=True)
     return results
 
@@ -97,15 +122,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precompile", action="store_true", help="compile every kernel into FUSION_CACHE_DIR")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--tile-64", action="store_true", help="also 64-column tiles (they lost by 11-33%% on an H100)")
+    ap.add_argument("--shapes", help="comma-separated substrings of the shape names to run (default: all)")
     args = ap.parse_args(argv)
+    if args.shapes:
+        keep = args.shapes.split(",")
+        SHAPES[:] = [s for s in SHAPES if any(k in s[0] for k in keep)]
     if args.precompile:
         from fusion.runtime.aot import compile_jobs
 
-        todo = [job for _, job in jobs()]
+        todo = [job for _, job in jobs(args.tile_64)]
         compile_jobs(todo, parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "2")))
         return
     device = torch.cuda.get_device_name()
-    print(json.dumps({"device": device, "torch": torch.__version__, "shapes": measure(args.reps)}, indent=1))
+    print(json.dumps({"device": device, "torch": torch.__version__, "shapes": measure(args.reps, args.tile_64)}, indent=1))
 
 
 if __name__ == "__main__":
