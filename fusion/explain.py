@@ -213,7 +213,7 @@ def _unfused_text(tag: str, step: Step, plan: Plan) -> str:
 
 
 def _summary(plan: Plan) -> list[str]:
-    """What is fused, precisely: each fused kernel and what it computes, each GEMM computation torch runs outside
+    """What is fused, precisely: each fused kernel and what it computes, each GEMM computation that runs outside
     them, and each elementwise computation that falls back (section 6 of docs/explain.md)."""
     if plan.reason:
         return [f"summary: nothing fused ({plan.reason}): every op runs its reference, forward and backward"]
@@ -221,7 +221,7 @@ def _summary(plan: Plan) -> list[str]:
              [(f"B{n}", s) for n, s in enumerate(plan.backward, 1)]
     kernels = [_kernel_text(tag, s, plan) for tag, s in tagged if s.fused]
     unfused = [(tag, s) for tag, s in tagged if not s.fused]
-    torch_gemms = [_unfused_text(tag, s, plan) for tag, s in unfused
+    unfused_gemms = [_unfused_text(tag, s, plan) for tag, s in unfused
                    if plan.ops[s.parts[0][0]].kind == "gemm" and not plan.ops[s.parts[0][0]].gemm_by_reference]
     by_format = [(tag, s) for tag, s in unfused if plan.ops[s.parts[0][0]].gemm_by_reference]
     # a device method's step names its kernel (fusion.planner.reference_method); the others run the recipe
@@ -230,7 +230,7 @@ def _summary(plan: Plan) -> list[str]:
     fallbacks = [_unfused_text(tag, s, plan) for tag, s in unfused if plan.ops[s.parts[0][0]].kind != "gemm"]
     lines = ["summary:",
              f"  fused kernels ({len(kernels)}): {', '.join(kernels) or 'none'}",
-             f"  torch GEMMs ({len(torch_gemms)}): {', '.join(torch_gemms) or 'none'}"]
+             f"  unfused GEMMs ({len(unfused_gemms)}): {', '.join(unfused_gemms) or 'none'}"]
     if on_kernels:
         lines.append(f"  GEMMs by their weight format's device methods ({len(on_kernels)}): {', '.join(on_kernels)}")
     if recipes:

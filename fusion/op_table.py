@@ -23,6 +23,13 @@ OP_TABLE: dict[str, str] = {}
 #: runs there. The variant is the op's kind, or kind:format for a GEMM whose weights are not the parameter as is
 #: (its weight_format) and for a quantize op (the format it writes). A Gather's backward is a combine of its
 #: rows' gradients.
+#: Where a lone bf16/fp16 GroupLinear GEMM (forward, dgrad) runs our varlen-M kernel rather than torch._grouped_mm,
+#: per call: the routed rows average at most this many per group and the GEMM's output width is a multiple of
+#: `n_multiple` (measured: fusion/runtime/lone_gemm.py).
+LONE_GEMM_RULE = {"max_rows_per_group": 1024, "n_multiple": 128}
+_LONE_RULE_TEXT = (f"where rows per group average <= {LONE_GEMM_RULE['max_rows_per_group']} and N % "
+                   f"{LONE_GEMM_RULE['n_multiple']} == 0, else torch._grouped_mm (fusion/runtime/lone_gemm.py)")
+
 DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
     ("combine", "forward"): ("combine", "combine kernel (fusion/kernels/combine.py: each token's rows summed in "
                                         "row order in float32, no atomics)"),
@@ -35,6 +42,8 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
                                               "weight's transposed blocks (fusion/kernels/fp8_gemm.py)"),
     ("gemm:fp8_block", "wgrad"): ("fp8_gemm", "torch._grouped_mm of the high-precision dY and X (fp8_linear."
                                               "WGRAD_IN_BF16; otherwise their FP8 columnwise copies, dequantized)"),
+    ("gemm", "forward"): ("lone_gemm", "varlen-M grouped GEMM " + _LONE_RULE_TEXT),
+    ("gemm", "dgrad"): ("lone_gemm", "varlen-M grouped GEMM of dY and the weight as stored " + _LONE_RULE_TEXT),
     ("gemm", "wgrad"): ("wgrad_gemm", "varlen-K grouped GEMM (fusion/kernels/varlen_k_gemm.py: every group's "
                                       "dY_g.T @ X_g in one launch, TMA with X's tile multicast to a CTA pair)"),
 }

@@ -86,15 +86,15 @@ def test_text_content():
     assert "elementwise ops unfused (0): none" in text
 
 
-def test_summary_names_every_kernel_and_every_torch_gemm():
+def test_summary_names_every_kernel_and_every_unfused_gemm():
     """The summary says precisely what is fused: not "fully fused" for a plan whose FC2 and three of four backward
-    steps run torch GEMMs, but each fused kernel with what it computes and each GEMM torch runs."""
+    steps run unfused GEMMs, but each fused kernel with what it computes and each GEMM outside them."""
     import fusion.patterns.registry as registry
     registry.reset_to_builtins()
     summary = explain(demo_block()).split("summary:\n", 1)[1].splitlines()
     assert summary == [
         "  fused kernels (2): F1 GEMM+SwiGLU+Scale+QuantizeMXFP8 (ops 0-3), B1 dgrad+dScale+dSwiGLU (ops 1-4)",
-        "  torch GEMMs (4): F2 op 4 GroupLinear forward, B2 op 4 GroupLinear wgrad, B3 op 0 GroupLinear dgrad, "
+        "  unfused GEMMs (4): F2 op 4 GroupLinear forward, B2 op 4 GroupLinear wgrad, B3 op 0 GroupLinear dgrad, "
         "B4 op 0 GroupLinear wgrad",
         "  elementwise ops unfused (0): none"]
     text = explain(demo_block(SwiGLU(), Clamp(min=-1.0, max=1.0)), patterns=PATS)

@@ -290,9 +290,10 @@ class OpForward(_DeviceMethodStep):
 
 
 class GemmForward(OpForward):
-    """A lone bf16/fp16 GEMM without bias: the vendor grouped GEMM called directly (the program is the autograd
-    node, so the reference's autograd wrapper would only cost host time). Anything else (a quantized input, a
-    bias, fp8 weights) takes the op's reference."""
+    """A lone bf16/fp16 GEMM without bias: where the block runs kernels and its device method takes the call (a
+    GroupLinear at few rows per group: fusion/runtime/lone_gemm.py), our varlen-M kernel; else the vendor grouped
+    GEMM called directly (the program is the autograd node, so the reference's autograd wrapper would only cost
+    host time). Anything else (a quantized input, a bias, fp8 weights) takes the op's reference."""
 
     def __init__(self, seq, step, device_kernels: bool = False):
         super().__init__(seq, step, device_kernels)
@@ -311,7 +312,9 @@ class GemmForward(OpForward):
         if type(x) is not torch.Tensor:
             return super().run(state, train)  # a QuantizedTensor: the reference dequantizes it
         x = x if x.is_contiguous() else x.contiguous()
-        if w.dim() == 2:
+        if self.device is not None and self.device.takes(self.op, x):
+            y = self.device.run(self.op, x, state.ctx, **self._counter(state))
+        elif w.dim() == 2:
             y = torch.nn.functional.linear(x, w)
         else:
             key = (x.device, x.dtype)
@@ -410,8 +413,9 @@ class FusedDgrad(_KernelStep):
 
 
 class GemmDgrad(_DeviceMethodStep):
-    """GEMM j's input gradient alone: the vendor grouped GEMM; for fp8_block weights the FP8 kernel (its device
-    method, fusion/runtime/fp8_gemm.py) where the block runs kernels and it takes dY, else the recipe's reference."""
+    """GEMM j's input gradient alone: where the block runs kernels and the op's device method takes dY, its kernel
+    (bf16/fp16 GroupLinear at few rows per group: fusion/runtime/lone_gemm.py; fp8_block weights: the FP8 kernel,
+    fusion/runtime/fp8_gemm.py); else the vendor grouped GEMM, or the fp8_block recipe's reference."""
 
     part = "dgrad"
 
@@ -429,10 +433,10 @@ class GemmDgrad(_DeviceMethodStep):
         ctx, op = state.ctx, self.op
         dy = dequantize(state.env[self.grad_in])
         dy = dy if dy.is_contiguous() else dy.contiguous()
-        if not self.fp8:
-            dx = linear_dgrad(dy, weight_of(op), ctx.group_sizes, ctx.offsets)
-        elif self.device is not None and self.device.takes(op, dy):
+        if self.device is not None and self.device.takes(op, dy):
             dx = self.device.dgrad(op, dy, ctx, **self._counter(state))
+        elif not self.fp8:
+            dx = linear_dgrad(dy, weight_of(op), ctx.group_sizes, ctx.offsets)
         else:
             from fusion.quant.fp8_linear import fp8_block_dgrad
 

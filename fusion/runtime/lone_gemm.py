@@ -1,0 +1,145 @@
+"""A bf16/fp16 GroupLinear's forward or input gradient with nothing fused into it: the varlen-M grouped GEMM in place
+of torch._grouped_mm where ours measures faster, i.e. at few rows per group.
+
+A device method of the fused runtime (fusion.op_table.DEVICE_METHODS, variant "gemm", parts "forward" and
+"dgrad"): the GEMMs no pattern fuses (FC2's forward after a fused FC1, FC1's input gradient after a fused FC2
+dgrad). `takes(op, x)` decides per call from shapes the host already knows (no sync): the kernel runs where
+
+* the routed rows per group are few: ``M <= MAX_ROWS_PER_GROUP * G``, and
+* the GEMM's output width N is a multiple of 128 (whole 128-column tiles; the kernel's partial last n-tile costs
+  a full tile's work, and torch's tiles fit GPT-OSS's 2880 better).
+
+Anywhere else torch._grouped_mm runs, as before. Why that rule: measured on an H200 (bench/bench_pair_gemm.py,
+bench/results/H200-2026-11-26-pairs*.json, the identity epilogue against torch._grouped_mm on the same operands):
+
+| block (rows per expert) | FC2 forward ours / torch ms | FC1 dgrad ours / torch ms |
+|---|---|---|
+| Qwen3-30B-A3B at 512 tokens (32) | 0.113 / 0.156 | 0.210 / 0.274 |
+| Qwen3-235B-A22B (256) | 0.746 / 0.879 | 1.594 / 1.607 |
+| Qwen3-30B-A3B (1024) | 0.635 / 0.706 | 1.356 / 1.396 |
+| OLMoE (2048) | 0.902 / 0.907 | 1.712 / 1.538 |
+| DeepSeek-V3 EP8 share (4096) | 5.779 / 5.781 | - |
+| GPT-OSS-120B (512; N = 2880) | 2.023 / 1.846 | 4.063 / 4.023 |
+
+torch._grouped_mm stays the reference (backend="emulate", the CPU) and explain() names both and the rule.
+Forward: ``Y[rows of g] = X @ W[g].T``, B = the weight K-major. Dgrad: ``dX[rows of g] = dY @ W[g]``, B = the weight
+as stored read MN-major. The kernel's tile comes from kernels/tile_policy.py like a fused kernel's.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fusion.op_table import LONE_GEMM_RULE, device_method_refusal
+from fusion.run_context import RunContext
+from fusion.runtime.bounds import row_bounds
+
+#: The kernel may run the dynamic schedule (kernels/tile_policy.py): the step passes a zeroed tile counter.
+TILE_COUNTER = True
+
+#: Our kernel runs where the routed rows average at most this many per group (M <= MAX_ROWS_PER_GROUP * G) and
+#: the GEMM's output width is a multiple of N_MULTIPLE (the plan's table holds them, so explain() states the same)
+MAX_ROWS_PER_GROUP = LONE_GEMM_RULE["max_rows_per_group"]
+N_MULTIPLE = LONE_GEMM_RULE["n_multiple"]
+#: FUSION_LONE_GEMM=torch (read at import) sends every lone GEMM to torch._grouped_mm: the A/B switch that
+#: bench/ and a user comparing the two use.
+ENABLED = os.environ.get("FUSION_LONE_GEMM", "auto") != "torch"
+
+#: The identity epilogue as a KernelJob's source: the GEMM alone.
+IDENTITY_SOURCE = "from fusion.kernels.epilogue import IdentityEpilogue as GeneratedEpilogue\n"
+
+_COMPILED: dict = {}
+_MAJOR: dict = {}
+
+
+def _major(device) -> int:
+    major = _MAJOR.get(device.index)
+    if major is None:
+        major = _MAJOR[device.index] = torch.cuda.get_device_capability(device)[0]
+    return major
+
+
+def chooses_kernel(rows: int, groups: int, n: int) -> bool:
+    """The measured rule: our kernel for `rows` routed rows over `groups` groups into `n` output columns (never with
+    FUSION_LONE_GEMM=torch)."""
+    return ENABLED and rows <= MAX_ROWS_PER_GROUP * groups and n % N_MULTIPLE == 0
+
+
+def _output_width(op, x) -> int:
+    """The GEMM's N: out_features for a forward (x has in_features columns), in_features for a dgrad. Where the
+    two are equal either reading gives the same N."""
+    return op.out_features if x.shape[1] == op.in_features else op.in_features
+
+
+def takes(op, x) -> bool:
+    """Whether the kernel runs `op`'s forward (x: its input) or dgrad (x: dY) on this call: a plain CUDA bf16/fp16
+    tensor of the weight's dtype on a Hopper GPU, a GroupLinear without bias, widths of 16-byte rows, and the
+    measured rule (:func:`chooses_kernel`)."""
+    if type(x) is not torch.Tensor or not x.is_cuda or x.dim() != 2 or op.weight.dim() != 3:
+        return False
+    if op.weight.dtype != x.dtype or getattr(op, "bias", None) is not None or _major(x.device) != 9:
+        return False
+    if device_method_refusal("gemm", None, str(x.dtype).removeprefix("torch."), (op.in_features, op.out_features),
+                             op.spec.name) is not None:
+        return False
+    return chooses_kernel(x.shape[0], op.weight.shape[0], _output_width(op, x))
+
+
+def _job(op, part: str, dtype: torch.dtype):
+    from fusion.runtime.kernel import make_job
+
+    G, out_f, in_f = op.weight.shape
+    if part == "forward":
+        return make_job(IDENTITY_SOURCE, dtype, out_f, in_f, G, False, "K", False, "lone_fprop", "identity")
+    return make_job(IDENTITY_SOURCE, dtype, in_f, out_f, G, False, "MN", False, "lone_dgrad", "identity")
+
+
+def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
+    """The KernelJob of `op`'s `part` ("forward" or "dgrad"; none for a Linear, a bias, other parts, or where the
+    kernel does not take the op's widths at `dtype`, or the output width fails the rule): what Sequential.compile()
+    builds ahead of time. Built even where many rows may send a call to torch: the rows are known only per call."""
+    if part not in ("forward", "dgrad") or op.weight.dim() != 3 or getattr(op, "bias", None) is not None:
+        return []
+    if device_method_refusal("gemm", None, str(dtype).removeprefix("torch."), (op.in_features, op.out_features),
+                             op.spec.name) is not None:
+        return []
+    if (op.out_features if part == "forward" else op.in_features) % N_MULTIPLE:
+        return []   # the rule never sends this GEMM to the kernel
+    return [_job(op, part, dtype)]
+
+
+def _kernel(op, part: str, dtype: torch.dtype):
+    """The compiled kernel (memory, the disk cache, or compiled now), per weight shape, part and dtype."""
+    key = (tuple(op.weight.shape), part, dtype)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        from fusion.runtime.compile import load_compiled
+
+        compiled = _COMPILED[key] = load_compiled(_job(op, part, dtype))
+    return compiled
+
+
+def _gemm(op, part: str, a: torch.Tensor, n: int, ctx: RunContext, counter: int | None) -> torch.Tensor:
+    from fusion.kernels.api import run_grouped_gemm
+
+    a = a if a.is_contiguous() else a.contiguous()
+    out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
+    # read from the parameter table, never differentiated here (the program is the autograd node), no detach:
+    # the kernel reads the pointer only
+    weight = op._parameters["weight"]
+    weight = weight if weight.is_contiguous() else weight.contiguous()
+    outputs = {"out": out}
+    run_grouped_gemm(_kernel(op, part, a.dtype), a, weight, row_bounds(op, a.shape[0], ctx, a.device), outputs,
+                     outputs, counter_ptr=counter)
+    return out
+
+
+def run(op, x: torch.Tensor, ctx: RunContext, counter: int | None = None) -> torch.Tensor:
+    """Y = X @ W[g].T per group, in x's dtype."""
+    return _gemm(op, "forward", x, op.out_features, ctx, counter)
+
+
+def dgrad(op, dy: torch.Tensor, ctx: RunContext, counter: int | None = None) -> torch.Tensor:
+    """dX = dY @ W[g] per group, in dY's dtype."""
+    return _gemm(op, "dgrad", dy, op.in_features, ctx, counter)

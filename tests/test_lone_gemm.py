@@ -1,0 +1,81 @@
+"""The lone-GEMM device method (fusion/runtime/lone_gemm.py): the measured rule that sends a GroupLinear's unfused
+forward or dgrad to our varlen-M kernel, the kernels Sequential.compile() builds for it, and what explain() says.
+The GPU tests (tests/test_lone_gemm_gpu.py) check that it runs where the rule says and computes the GEMM."""
+import pytest
+import torch
+
+import fusion
+from fusion import GroupLinear, Linear, Scale, SwiGLU
+from fusion.op_table import LONE_GEMM_RULE, device_method
+from fusion.runtime import lone_gemm
+
+ROWS = LONE_GEMM_RULE["max_rows_per_group"]
+
+
+@pytest.mark.parametrize("rows,groups,n,expect", [
+    (32 * 128, 128, 2048, True),          # Qwen3-30B-A3B at 512 tokens: 32 rows per expert
+    (256 * 128, 128, 4096, True),         # Qwen3-235B-A22B: 256
+    (ROWS * 128, 128, 2048, True),        # the boundary itself
+    (ROWS * 128 + 1, 128, 2048, False),
+    (2048 * 64, 64, 2048, False),         # OLMoE: 2048 rows per expert, torch measured faster
+    (512 * 128, 128, 2880, False),        # GPT-OSS: N = 2880 is no multiple of 128
+    (0, 8, 1024, True),                   # no rows: the kernel launches nothing
+])
+def test_rule(rows, groups, n, expect):
+    assert lone_gemm.chooses_kernel(rows, groups, n) is expect
+
+
+def test_fusion_lone_gemm_torch_switches_the_kernel_off(monkeypatch):
+    monkeypatch.setattr(lone_gemm, "ENABLED", False)
+    assert not lone_gemm.chooses_kernel(32 * 128, 128, 2048)
+
+
+def test_the_rule_is_the_tables():
+    assert (lone_gemm.MAX_ROWS_PER_GROUP, lone_gemm.N_MULTIPLE) == (ROWS, LONE_GEMM_RULE["n_multiple"])
+    for part in ("forward", "dgrad"):
+        module, text = device_method("gemm", part)
+        assert module == "lone_gemm"
+        assert f"<= {ROWS}" in text and f"N % {LONE_GEMM_RULE['n_multiple']} == 0" in text
+
+
+def test_output_width_is_the_parts():
+    op = GroupLinear(4, 256, 384)
+    x = torch.zeros(10, 256)
+    dy = torch.zeros(10, 384)
+    assert lone_gemm._output_width(op, x) == 384 and lone_gemm._output_width(op, dy) == 256
+
+
+def test_takes_nothing_off_a_gpu():
+    op = GroupLinear(4, 256, 256).to(torch.bfloat16)
+    assert not lone_gemm.takes(op, torch.zeros(64, 256, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("part,N,K,b_major", [("forward", 384, 256, "K"), ("dgrad", 256, 384, "MN")])
+def test_kernel_jobs(part, N, K, b_major):
+    op = GroupLinear(4, 256, 384)
+    (job,) = lone_gemm.kernel_jobs(op, part, torch.bfloat16)
+    assert (job.N, job.K, job.G, job.dtype) == (N, K, 4, "bfloat16")
+    cfg = dict(zip(("tile_m", "tile_n", "tile_k", "stages", "cluster_m", "cluster_n", "persistent", "dynamic",
+                    "sm_margin", "pingpong", "b_major", "gather_a"), job.config))
+    assert cfg["b_major"] == b_major and not cfg["gather_a"]
+
+
+@pytest.mark.parametrize("op,part,dtype", [
+    (GroupLinear(4, 256, 384), "wgrad", torch.bfloat16),       # the varlen-K kernel's (wgrad_gemm)
+    (GroupLinear(4, 256, 384), "forward", torch.float32),      # the kernel runs bf16/fp16
+    (GroupLinear(4, 256, 384, bias=True), "forward", torch.bfloat16),
+    (Linear(256, 384), "forward", torch.bfloat16),             # a dense GEMM: F.linear
+    (GroupLinear(4, 256, 2880), "forward", torch.bfloat16),    # N % 128 != 0: the rule never takes it
+    (GroupLinear(4, 2880, 256), "dgrad", torch.bfloat16),
+])
+def test_no_kernel_jobs(op, part, dtype):
+    assert lone_gemm.kernel_jobs(op, part, dtype) == []
+
+
+def test_explain_names_the_kernel_and_the_rule_on_hopper_only():
+    seq = fusion.Sequential(GroupLinear(8, 256, 512), SwiGLU(), Scale(), GroupLinear(8, 256, 256)).to(torch.bfloat16)
+    hopper = seq.explain(target="sm_90a")
+    assert "[F2] unfused  op 3 GroupLinear: varlen-M grouped GEMM where rows per group average <= 1024" in hopper
+    assert "op 0 GroupLinear dgrad: varlen-M grouped GEMM of dY and the weight as stored" in hopper
+    cpu = seq.explain(target="cpu")
+    assert "varlen-M grouped GEMM where" not in cpu

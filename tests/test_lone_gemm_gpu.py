@@ -1,0 +1,97 @@
+"""The lone-GEMM device method on a Hopper GPU (fusion/runtime/lone_gemm.py): a GroupLinear's unfused forward and
+dgrad run our varlen-M kernel where the rule says (few rows per group, N % 128 == 0) and torch._grouped_mm
+elsewhere; both compute the GEMM. A spy on the module's run/dgrad tells which ran (a silent fallback would
+compare torch with itself)."""
+import pytest
+import torch
+
+import fusion
+from fusion import GroupLinear, Scale, SwiGLU
+from fusion.runtime import lone_gemm
+from test_fused_gpu import ragged_sizes, rel, run_both  # noqa: F401  (its autouse fixture: Hopper + poison)
+from test_fused_gpu import _hopper_and_poison  # noqa: F401
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = {"run": 0, "dgrad": 0}
+    for name in calls:
+        real = getattr(lone_gemm, name)
+
+        def counted(*args, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(lone_gemm, name, counted)
+    return calls
+
+
+def _block(E, d, f, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return fusion.Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d)).to("cuda", dtype)
+
+
+def _inputs(E, M, d, dtype, seed=0):
+    sizes = ragged_sizes(E, M, seed=seed).cuda()
+    x = torch.randn(M, d, device="cuda", dtype=dtype)
+    probs = torch.rand(M, device="cuda", dtype=dtype)
+    return x, {"group_sizes": sizes, "scale": probs}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("E,d,f,M", [(8, 256, 256, 3000), (16, 512, 384, 4099), (4, 128, 256, 1)])
+def test_few_rows_per_group_run_our_kernel(spy, E, d, f, M, dtype):
+    """FC2's forward and FC1's dgrad on the varlen-M kernel (ragged groups, empty ones, unaligned M), the block's
+    outputs and gradients as the reference's."""
+    block = _block(E, d, f, dtype)
+    x, extras = _inputs(E, M, d, dtype)
+    (y, g), (y_ref, g_ref) = run_both(block, x, extras)
+    assert spy == {"run": 1, "dgrad": 1}, spy
+    assert rel(y, y_ref) < 1e-2
+    for name, ref in g_ref.items():
+        assert ref is None or rel(g[name], ref) < 2e-2, name
+
+
+def test_many_rows_per_group_run_torch(spy):
+    E, d, f = 2, 256, 256
+    M = 2 * lone_gemm.MAX_ROWS_PER_GROUP + 8
+    block = _block(E, d, f)
+    x, extras = _inputs(E, M, d, torch.bfloat16)
+    (y, g), (y_ref, g_ref) = run_both(block, x, extras)
+    assert spy == {"run": 0, "dgrad": 0}, spy
+    assert rel(y, y_ref) < 1e-2 and rel(g["x"], g_ref["x"]) < 2e-2
+
+
+def test_widths_off_the_rule_run_torch(spy):
+    """d = 2880 (GPT-OSS): FC2's output and FC1's input width are no multiple of 128."""
+    block = _block(4, 2880, 256)
+    x, extras = _inputs(4, 1000, 2880, torch.bfloat16)
+    (y, _), (y_ref, _) = run_both(block, x, extras)
+    assert spy == {"run": 0, "dgrad": 0}, spy
+    assert rel(y, y_ref) < 1e-2
+
+
+@pytest.mark.parametrize("part", ["forward", "dgrad"])
+def test_the_kernel_is_the_grouped_gemm(part):
+    """The device method alone against a float64 per-group product, with empty groups and NaN-poisoned output
+    rows past the groups' rows never read."""
+    from fusion.run_context import RunContext
+
+    E, d_in, d_out, M = 8, 384, 640, 2500
+    op = GroupLinear(E, d_in, d_out).to("cuda", torch.bfloat16)
+    sizes = ragged_sizes(E, M, seed=3).cuda()
+    ctx = RunContext(group_sizes=sizes)
+    a = torch.randn(M, d_in if part == "forward" else d_out, device="cuda", dtype=torch.bfloat16)
+    assert lone_gemm.takes(op, a)
+    out = lone_gemm.run(op, a, ctx) if part == "forward" else lone_gemm.dgrad(op, a, ctx)
+    torch.cuda.synchronize()
+    w = op.weight.double()
+    ref, r = [], 0
+    for g, n in enumerate(sizes.tolist()):
+        ref.append(a[r:r + n].double() @ (w[g].T if part == "forward" else w[g]))
+        r += n
+    ref = torch.cat(ref)
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert rel(out, ref) < 5e-3
