@@ -290,3 +290,12 @@ def test_run_with_no_rows_launches_nothing():
     A, sa, B, sb, offs = _operands(0)
     assert K.run_fp8_grouped_gemm(comp, A, sa, B, sb, offs, {"out": torch.empty(0, 1024, dtype=torch.bfloat16)}) \
         is None
+
+
+@pytest.mark.parametrize("N,gated,pair", [(4096, False, True), (1536, False, True), (2880, False, False),
+                                          (5760, True, False), (3072, True, True), (1032, False, False)])
+def test_policy_pairs_ctas_where_the_n_tiles_pair_up(N, gated, pair):
+    """CTA pairs (dynamic schedule) where the 128-column n-tiles come in pairs; single CTAs elsewhere (GPT-OSS's
+    2880 columns: 23 n-tiles)."""
+    cfg = K.choose_fp8_config(N, 2048, 32, gated)
+    assert cfg.cluster_n == (2 if pair else 1) and cfg.dynamic and cfg.tile_n == 128
