@@ -45,6 +45,11 @@ SHAPES = {  # name: (E, d, f, T, k)
     "qwen3-30b-a3b-T1024": (128, 2048, 768, 1024, 8),
     "qwen3-235b-a22b-T4096": (128, 4096, 1536, 4096, 8),   # the training-step bench's block: 256 rows per expert
     "qwen3-30b-a3b-T512": (128, 2048, 768, 512, 8),        # its small Qwen3 block: 32 rows per expert
+    # the training-step bench's blocks at its row counts (the lone-GEMM rule's measurements, fusion/runtime/lone_gemm.py)
+    "small-batch-T2048": (8, 2048, 1024, 2048, 2),          # 512 rows per expert
+    "qwen3-30b-a3b-T8192": (128, 2048, 768, 8192, 8),      # 512
+    "olmoe-1b-7b-T8192": (64, 2048, 1024, 8192, 8),        # 1024
+    "deepseek-v3-ep8-T8192": (32, 7168, 2048, 8192, 4),    # 1024
 }
 SWEEP = tuple(dataclasses.replace(c, cluster_m=m) for m in (2, 1) for c in (
     WgradConfig(tile_n=256, stages=4), WgradConfig(tile_n=192, stages=5, pingpong=True),
