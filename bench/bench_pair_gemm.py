@@ -11,12 +11,14 @@ Per shape (experts E, hidden d, expert width f, tokens T, top-k; routed rows M =
   fc1_dgrad  (M, 2f) x W1 (E, 2f, d) -> (M, d)            identity epilogue, B MN-major (the weight as stored)
 
 Configurations: the tile policy's (what the runtime launches), then the same tile with either schedule (static, or
-dynamic: tile ids from an atomic counter), single CTAs or CTA pairs ("c2", where the n-tile count is even). TFLOP/s = 2*M*N*K / time (gated: N = 2f). Every kernel's output is checked against the policy
-kernel's (max relative difference; 0 where they are bitwise equal).
+dynamic: tile ids from an atomic counter), single CTAs or CTA pairs ("c2", where the n-tile count is even);
+with --tile-m-64 also 64-row pingpong tiles (64x128 s8, 64x192 s6, 64x256 s5, dynamic schedule), which waste less
+of a group's last m-tile at few rows per group. TFLOP/s = 2*M*N*K / time (gated: N = 2f). Every kernel's output is
+checked against the policy kernel's (max relative difference; 0 where they are bitwise equal).
 
 Usage (compiles on first use; FUSION_CACHE_DIR keeps the kernels between runs):
-    python bench/bench_pair_gemm.py --precompile [--shapes ...]
-    python bench/bench_pair_gemm.py [--shapes ...] [--skewed] [--out results.json]
+    python bench/bench_pair_gemm.py --precompile [--shapes ...] [--tile-m-64]
+    python bench/bench_pair_gemm.py [--shapes ...] [--skewed] [--tile-m-64] [--out results.json]
 """
 import argparse
 import dataclasses
@@ -31,6 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench_common import median_ms  # noqa: E402
 from bench_wgrad import SHAPES, routed_shape  # noqa: E402
 from fusion.runtime.compile import KernelJob  # noqa: E402
+
+#: Also time 64-row tiles (--tile-m-64): (tile_n, stages) of the pingpong 64-row tiles that fit shared memory.
+TILE_M_64 = {"on": False, "tiles": ((128, 8), (192, 6), (256, 5))}
 
 
 def plan_kernels(E, d, f):
@@ -66,6 +71,12 @@ def variants(job: KernelJob):
             cfg = dataclasses.replace(base, dynamic=dynamic, cluster_n=cn)
             if cfg != base:
                 out.append((("dyn" if dynamic else "static") + (" c2" if cn > 1 else ""), cfg))
+    if TILE_M_64["on"]:
+        for tile_n, stages in TILE_M_64["tiles"]:
+            cfg = dataclasses.replace(base, tile_m=64, tile_n=tile_n, stages=stages, pingpong=True, dynamic=True,
+                                      cluster_n=1)
+            if cfg != base:
+                out.append((f"64x{tile_n} dyn", cfg))
     return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in out]
 
 
@@ -152,8 +163,10 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--skewed", action="store_true", help="also the skewed group distribution")
     ap.add_argument("--precompile", action="store_true", help="compile every kernel into FUSION_CACHE_DIR (no GPU)")
+    ap.add_argument("--tile-m-64", action="store_true", help="also 64-row pingpong tiles")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    TILE_M_64["on"] = args.tile_m_64
     names = args.shapes.split(",")
     if args.precompile:
         from fusion.runtime.aot import compile_jobs
