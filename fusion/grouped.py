@@ -9,9 +9,9 @@ Two methods, chosen per call by `grouped_mm_method`:
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from fusion.targets import cuda_major
 
 #: What the loop method costs on a GPU; explain() attaches it to the steps that take that method.
 HOST_SYNC_NOTE = "group sizes are copied to the host (one sync per GroupLinear call)"
@@ -28,17 +28,11 @@ def row_group_index(group_sizes: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.repeat_interleave(groups, group_sizes, output_size=rows)
 
 
-@functools.lru_cache(maxsize=None)
-def _major(device_index: int) -> int:
-    """The compute capability's major version (asked once per device: the query costs microseconds per call)."""
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
 def grouped_mm_method(x: torch.Tensor, weight: torch.Tensor) -> str:
     """Which reference method a (x, weight) pair takes; see the module docstring."""
     if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
         return "loop"
-    if _major(x.device.index if x.device.index is not None else torch.cuda.current_device()) < 9:
+    if cuda_major(x.device) < 9:
         return "loop"
     elem = x.element_size()
     if (x.shape[-1] * elem) % 16 or (weight.shape[-2] * elem) % 16:

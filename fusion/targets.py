@@ -8,6 +8,7 @@ architecture family). Spelling is forgiving ("SM_90A", " sm90a " -> "sm_90a"), c
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -62,3 +63,16 @@ def device_target(device: torch.device) -> str | None:
         return None
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
+
+
+def cuda_major(device) -> int:
+    """The compute capability's major number of a CUDA device (a torch.device or an index; None or an index-less
+    device: the current one), asked once per device: the query costs microseconds, and device methods' `takes`
+    runs every call."""
+    index = device if isinstance(device, int) else getattr(device, "index", None)
+    return _cuda_major(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]

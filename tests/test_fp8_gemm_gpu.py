@@ -179,9 +179,10 @@ def test_convenience_matches_run():
     assert torch.equal(out, out2)
 
 
-def test_dgrad_reads_the_transposed_weight_copy():
+@pytest.mark.parametrize("cluster_n", [1, 2])
+def test_dgrad_reads_the_transposed_weight_copy(cluster_n):
     """dX = dY @ W[g] of the recipe: dY quantized 1x128 rowwise, B = the weight's data_t (G, in, out) with
-    scale_t; the kernel's N is in_features, its K out_features."""
+    scale_t; the kernel's N is in_features, its K out_features. Single CTAs and CTA pairs."""
     G, M, f_in, f_out = 8, 2000, 768, 1536
     gen = torch.Generator().manual_seed(5)
     sizes = _sizes(G, M, gen)
@@ -189,7 +190,8 @@ def test_dgrad_reads_the_transposed_weight_copy():
     wq = quantize_weight_fp8_block((_blocky((G, f_out, f_in), gen, spread=4) / f_out ** 0.5).to(DEV))
     d_data, d_scale = fp8_block_quantize_2d(dy)
     offs = K.offsets_from_group_sizes(sizes.to(DEV))
-    comp = K.compile_fp8_grouped_gemm(_config(f_in, f_out, G), K.IdentityEpilogue(), f_in, f_out, G)
+    comp = K.compile_fp8_grouped_gemm(_config(f_in, f_out, G, cluster_n=cluster_n), K.IdentityEpilogue(), f_in,
+                                      f_out, G)
     out = _nan(M, f_in)
     K.run_fp8_grouped_gemm(comp, d_data, d_scale, wq.data_t, wq.scale_t, offs, {"out": out})
     torch.cuda.synchronize()
@@ -212,21 +214,26 @@ def _swiglu_ref(ref, mag, scale):
     return val, tol
 
 
-@pytest.mark.parametrize("N,tile_n", [(2 * 1536, 128), (2 * 2888, 128), (2 * 2880, 192)])
-def test_gated_swiglu_scale(N, tile_n):
-    """FC1 + SwiGLU * router prob. N/2 = 2888: the up half starts 8 rows into a 64-row step, so its 64-row
-    segments straddle weight blocks (a run-time boundary per tile)."""
+def _check_gated(N, cfg, seed):
+    """FC1 + SwiGLU * router prob at `cfg` against the float64 reference and its error bound."""
     G, M, Kd = 8, 3000, 1024
-    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=3)
+    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=seed)
     scale = torch.rand(M, device=DEV)
-    epi = K.SwiGLUScaleEpilogue()
-    cfg = _config(N, Kd, G, gated=True, tile_n=tile_n, **(dict(stages=5) if tile_n > 128 else {}))
-    comp = K.compile_fp8_grouped_gemm(cfg, epi, N, Kd, G)
+    comp = K.compile_fp8_grouped_gemm(cfg(N, Kd, G), K.SwiGLUScaleEpilogue(), N, Kd, G)
     out = _nan(M, N // 2)
     K.run_fp8_grouped_gemm(comp, *args, {"out": out}, extras={"scale": scale})
     torch.cuda.synchronize()
     val, tol = _swiglu_ref(*_reference(a_dq, b_dq, sizes), scale)
     _check(out, val, tol, comp.name)
+
+
+@pytest.mark.parametrize("N,tile_n", [(2 * 1536, 128), (2 * 2888, 128), (2 * 2880, 192)])
+@pytest.mark.parametrize("cluster_n", [1, 2])
+def test_gated_swiglu_scale(N, tile_n, cluster_n):
+    """FC1 + SwiGLU * router prob, single CTAs and CTA pairs. N/2 = 2888: the up half starts 8 rows into a 64-row
+    step, so its 64-row segments straddle weight blocks (a run-time boundary per tile)."""
+    _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, tile_n=tile_n, cluster_n=cluster_n,
+                                             **(dict(stages=5) if tile_n > 128 else {})), seed=3)
 
 
 def test_mxfp8_output_is_the_quantized_bf16_output():
@@ -283,31 +290,5 @@ def test_pairs_identity_bitwise_equal_to_single_ctas(case, num_ctas, dynamic):
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("N", [2 * 1536, 2 * 2048])
 def test_pairs_gated_swiglu_scale(N, dynamic):
-    """FC1 + SwiGLU * router prob as CTA pairs: gate and up B boxes per CTA, the A tile shared."""
-    G, M, Kd = 8, 3000, 1024
-    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=12)
-    scale = torch.rand(M, device=DEV)
-    cfg = replace(_config(N, Kd, G, gated=True), cluster_n=2, dynamic=dynamic)
-    comp = K.compile_fp8_grouped_gemm(cfg, K.SwiGLUScaleEpilogue(), N, Kd, G)
-    out = _nan(M, N // 2)
-    K.run_fp8_grouped_gemm(comp, *args, {"out": out}, extras={"scale": scale})
-    torch.cuda.synchronize()
-    val, tol = _swiglu_ref(*_reference(a_dq, b_dq, sizes), scale)
-    _check(out, val, tol, comp.name)
-
-
-def test_pairs_dgrad_reads_the_transposed_weight_copy():
-    G, M, f_in, f_out = 8, 2000, 768, 1536
-    gen = torch.Generator().manual_seed(13)
-    sizes = _sizes(G, M, gen)
-    dy = _blocky((M, f_out), gen).to(DEV)
-    wq = quantize_weight_fp8_block((_blocky((G, f_out, f_in), gen, spread=4) / f_out ** 0.5).to(DEV))
-    d_data, d_scale = fp8_block_quantize_2d(dy)
-    offs = K.offsets_from_group_sizes(sizes.to(DEV))
-    comp = K.compile_fp8_grouped_gemm(replace(_config(f_in, f_out, G), cluster_n=2), K.IdentityEpilogue(),
-                                      f_in, f_out, G)
-    out = _nan(M, f_in)
-    K.run_fp8_grouped_gemm(comp, d_data, d_scale, wq.data_t, wq.scale_t, offs, {"out": out})
-    torch.cuda.synchronize()
-    ref, mag = _reference(fp8_block_dequantize_2d(d_data, d_scale).double(), wq.dequantize_t().double(), sizes)
-    _check(out, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name + " (dgrad)")
+    """FC1 + SwiGLU * router prob as CTA pairs on either schedule: gate and up B boxes per CTA, the A tile shared."""
+    _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, cluster_n=2, dynamic=dynamic), seed=12)

@@ -53,3 +53,21 @@ def test_other_architectures_cannot_be_compiled():
     for target in ("sm_100a", "sm_80"):
         with pytest.raises(fusion.CompileError, match="sm_90a"):
             kernel_target(target)
+
+
+def test_cuda_major_asks_once_per_device(monkeypatch):
+    """Device methods ask for the compute capability every call: it is cached per device index, and an index-less
+    device means the current one."""
+    from fusion import targets
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    targets._cuda_major.cache_clear()
+    try:
+        assert targets.cuda_major(torch.device("cuda", 1)) == 9
+        assert targets.cuda_major(torch.device("cuda", 1)) == 9
+        assert targets.cuda_major(torch.device("cuda")) == 9 and targets.cuda_major(3) == 9
+        assert asked == [1, 3]
+    finally:
+        targets._cuda_major.cache_clear()

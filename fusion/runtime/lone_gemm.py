@@ -34,6 +34,7 @@ import torch
 from fusion.op_table import LONE_GEMM_RULE, device_method_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
+from fusion.targets import cuda_major
 
 #: The kernel may run the dynamic schedule (kernels/tile_policy.py): the step passes a zeroed tile counter.
 TILE_COUNTER = True
@@ -50,14 +51,6 @@ ENABLED = os.environ.get("FUSION_LONE_GEMM", "auto") != "torch"
 IDENTITY_SOURCE = "from fusion.kernels.epilogue import IdentityEpilogue as GeneratedEpilogue\n"
 
 _COMPILED: dict = {}
-_MAJOR: dict = {}
-
-
-def _major(device) -> int:
-    major = _MAJOR.get(device.index)
-    if major is None:
-        major = _MAJOR[device.index] = torch.cuda.get_device_capability(device)[0]
-    return major
 
 
 def chooses_kernel(rows: int, groups: int, n: int) -> bool:
@@ -78,7 +71,7 @@ def takes(op, x) -> bool:
     measured rule (:func:`chooses_kernel`)."""
     if type(x) is not torch.Tensor or not x.is_cuda or x.dim() != 2 or op.weight.dim() != 3:
         return False
-    if op.weight.dtype != x.dtype or getattr(op, "bias", None) is not None or _major(x.device) != 9:
+    if op.weight.dtype != x.dtype or getattr(op, "bias", None) is not None or cuda_major(x.device) != 9:
         return False
     if device_method_refusal("gemm", None, str(x.dtype).removeprefix("torch."), (op.in_features, op.out_features),
                              op.spec.name) is not None:

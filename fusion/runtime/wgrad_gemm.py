@@ -18,20 +18,12 @@ import torch
 from fusion.op_table import device_method_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
+from fusion.targets import cuda_major
 
 #: The kernel's static schedule reads no tile counter.
 TILE_COUNTER = False
 
 _COMPILED: dict = {}
-_MAJOR: dict = {}
-
-
-def _major(device) -> int:
-    """The compute capability's major number of a CUDA device (asked once per device: `takes` runs every step)."""
-    major = _MAJOR.get(device.index)
-    if major is None:
-        major = _MAJOR[device.index] = torch.cuda.get_device_capability(device)[0]
-    return major
 
 
 def _refusal(op, dtype: str) -> str | None:
@@ -46,7 +38,7 @@ def takes(op, x) -> bool:
     take (multiples of 8)."""
     if not x.is_cuda or x.dim() != 2 or op.weight.dtype != x.dtype:
         return False
-    if _major(x.device) != 9:
+    if cuda_major(x.device) != 9:
         return False
     return _refusal(op, str(x.dtype).removeprefix("torch.")) is None
 
