@@ -20,7 +20,7 @@ from fusion.errors import DeviceError, KernelConfigError, ShapeError
 from .api import (CompiledGroupedGemm, compile_kernel, GemmConfig, _dtype_name, _fake_ptr, _slot_dtypes,
                   allocate_outputs, current_stream, epilogue_pointers, launch_grid, offsets_from_group_sizes)
 from .epilogue import Epilogue, IdentityEpilogue, MXFP8Output
-from .fp8_gemm import OVERLAP_MAX_TILE_N, SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
+from .fp8_gemm import SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
 from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
 from .tile_policy import FP8_SMEM, choose_fp8_config, fp8_stage_bytes, n_tile_count
 
@@ -99,12 +99,11 @@ class CompiledFp8GroupedGemm(CompiledGroupedGemm):
         """`kernel`: the traced Fp8GroupedGemmKernel, or None for a kernel loaded from fusion's disk cache (its
         launch needs only the configuration and the shapes)."""
         super().__init__(fn, kernel, config, epilogue, out_dtype, N, K, G, ptx, cubin, smem)
-        self.overlap = None if kernel is None else kernel.overlap
         debug = "" if kernel is None or kernel.debug.scales == "tma" else f"_scales-{kernel.debug.scales}"
         self.name = (f"fp8_grouped_gemm_{type(epilogue).__name__}_{out_dtype}_N{N}_K{K}_G{G}_"
                      f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}"
                      + ("_dyn" if config.dynamic else "") + ("_c2" if config.cluster_n == 2 else "")
-                     + ("_ovl" if self.overlap else "") + debug
+                     + debug
                      + ("" if kernel is None or kernel.debug.reg_realloc else "_noregs"))
         self.k_blocks = -(-K // SCALE_BLOCK)
         self.b_scale_shape = (G, -(-N // SCALE_BLOCK), self.k_blocks)
@@ -119,40 +118,29 @@ _LOCK = threading.Lock()
 
 def compile_fp8_grouped_gemm(config: GemmConfig, epilogue: Epilogue, N: int, K: int, G: int,
                              out_dtype="bfloat16", target: str = "sm_90a",
-                             overlap: Optional[bool] = None,
                              debug: Optional[Fp8DebugKnobs] = None) -> CompiledFp8GroupedGemm:
-    """Compile (cached in memory by config, epilogue code, out dtype, N, K, G, overlap, debug); M stays dynamic.
+    """Compile (cached in memory by config, epilogue code, out dtype, N, K, G, debug); M stays dynamic.
 
-    ``overlap``: fold each k-tile into the accumulator while the next k-tile's wgmma runs (a second scratch
-    fragment); None = where it fits in registers (tile_n <= 128, and the kernel does not spill: a heavy
-    epilogue is built without it). ``debug``: :class:`kernels.fp8_gemm.Fp8DebugKnobs`, build variants that
-    isolate a device fault (bench/fp8_bisect.py); None = the kernel."""
+    ``debug``: :class:`kernels.fp8_gemm.Fp8DebugKnobs`, build variants that isolate a device fault
+    (bench/fp8_bisect.py); None = the kernel."""
     out_dtype = _dtype_name(out_dtype)
     check_fp8_config(config, epilogue, N, K, out_dtype, target)
-    if overlap and config.tile_n > OVERLAP_MAX_TILE_N:
-        raise KernelConfigError(f"overlap=True needs tile_n <= {OVERLAP_MAX_TILE_N} (three fp32 fragments of "
-                                f"tile_n / 2 registers per thread), got {config.tile_n}")
     debug = debug or Fp8DebugKnobs()
     if debug.scales not in SCALE_MODES:
         raise KernelConfigError(f"Fp8DebugKnobs.scales = {debug.scales!r}: one of {', '.join(SCALE_MODES)}")
-    key = (config, epilogue.cache_key(), out_dtype, N, K, G, target, overlap, debug)
+    key = (config, epilogue.cache_key(), out_dtype, N, K, G, target, debug)
     with _LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    res = _build(config, epilogue, out_dtype, N, K, G, overlap, debug)
-    if overlap is None and res.overlap and res.frame_size:
-        # the second scratch fragment leaves a heavy epilogue too few registers: fold without overlap
-        serial = _build(config, epilogue, out_dtype, N, K, G, False, debug)
-        if not serial.frame_size:
-            res = serial
+    res = _build(config, epilogue, out_dtype, N, K, G, debug)
     with _LOCK:
         _CACHE[key] = res
     return res
 
 
-def _build(config, epilogue, out_dtype, N, K, G, overlap, debug) -> CompiledFp8GroupedGemm:
-    kern = Fp8GroupedGemmKernel(config, epilogue, out_dtype, overlap, debug)
+def _build(config, epilogue, out_dtype, N, K, G, debug) -> CompiledFp8GroupedGemm:
+    kern = Fp8GroupedGemmKernel(config, epilogue, out_dtype, debug)
     ptrs = tuple(_fake_ptr(d, 1 if d == "uint8" else 4) for d in _slot_dtypes(epilogue, out_dtype))
     i32 = make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
     from cutlass.runtime import make_fake_stream

@@ -51,7 +51,6 @@ from .tile_epilogue import TileEpilogue
 __all__ = ["Fp8GroupedGemmKernel", "Fp8DebugKnobs"]
 
 FP8 = cutlass.Float8E4M3FN
-OVERLAP_MAX_TILE_N = 128
 SCALE_MODES = ("tma", "unaligned", "off")
 
 
@@ -69,7 +68,7 @@ class Fp8DebugKnobs:
 
 
 class Fp8GroupedGemmKernel(Fp8WarpRoles):
-    def __init__(self, config, epilogue: Epilogue, out_dtype: str = "bfloat16", overlap=None,
+    def __init__(self, config, epilogue: Epilogue, out_dtype: str = "bfloat16",
                  debug: Fp8DebugKnobs = Fp8DebugKnobs()):
         assert debug.scales in SCALE_MODES, debug
         self.cfg = config
@@ -94,9 +93,6 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
         self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
-        # promotion overlapped with the next k-tile's wgmma needs a second scratch fragment: 3 x tile_n / 2
-        # fp32 registers per consumer thread, which fits the 232 a consumer gets up to tile_n = 128
-        self.overlap = self.tile_n <= OVERLAP_MAX_TILE_N if overlap is None else bool(overlap)
         # the epilogue works in the output dtype (what MXFP8 outputs round to, what Outputs default to)
         self.tile_epi = TileEpilogue(epilogue, out_dtype, self.tile_n_log, 0)
 

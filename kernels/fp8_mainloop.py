@@ -12,10 +12,13 @@ wgmma consumers that promote every k-tile's partial sums into an fp32 accumulato
   fragment ``part`` (zeroed by the first wgmma: ACCUMULATE off), read the row and block scales of the
   stage while it runs, wait, release the stage, then ``acc = part * (sa[row] * sb[slot]) + acc`` (one FFMA
   per element; the slot of an accumulator column is known at trace time, or, for a segment that straddles a
-  128-row boundary, chosen per 8-column chunk against a boundary computed once per tile). With
-  ``overlap`` (tile_n <= 128) a second scratch fragment lets k-tile t be folded while k-tile t + 1's wgmma
-  runs; without it the two warpgroups still drift apart, so one's promotion overlaps the other's wgmma.
-  Then the bf16 kernel's epilogue.
+  128-row boundary, chosen per 8-column chunk against a boundary computed once per tile). The two warpgroups
+  drift apart, so one's promotion overlaps the other's wgmma. Then the bf16 kernel's epilogue.
+
+  No "overlapped" fold (a second scratch fragment, k-tile t folded while k-tile t + 1's wgmma runs): an earlier
+  build had one, and on an H200 it gave wrong results under load (launches on 7 CTAs, 2-26 of 60 wrong against
+  0 of 60 for this serial fold, at K = 512) while the serial fold was as fast or faster (0.92-1.01x its time on
+  six MoE GEMMs; bench/results/H200-2026-11-26-fp8-overlap.txt). It was removed.
 """
 from __future__ import annotations
 
@@ -132,37 +135,11 @@ class Fp8WarpRoles(WarpRoles):
 
     def fold_k_tile(self, acc, frag, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state, back):
         """Fold k-tile ``kt``'s finished ``frag`` into ``acc``: read its stage's scales (the stage ``back`` + 1
-        behind ``read_state``), release the stage, promote."""
+        behind ``read_state``: -1, the last one read), release the stage, promote."""
         stage = (read_state.index + (self.stages + back)) % self.stages
         row_scales, slot_scales = self.read_scales(sSA, sSB, rows, coords, kt, stage)
         ab_pipe.consumer_release(_StageRef(stage))
         self.promote(acc, frag, row_scales, slot_scales, bounds)
-
-    @cute.jit
-    def mainloop_overlapped(self, tiled_mma, acc, p0, p1, tCrA, tCrB, sSA, sSB, rows, bounds, coords, ab_pipe,
-                            read_state):
-        """Two scratch fragments: k-tile t + 1's wgmma runs while k-tile t is folded (3 x tile_n / 2
-        registers of fp32 fragments per thread, so tile_n <= 128). Pairs of k-tiles per iteration keep
-        the fragments' roles static; the k-tile count is a compile-time constant, so the tail is too."""
-        T = self.k_tiles
-        tiled_mma, read_state = self.issue_k_tile(tiled_mma, p0, tCrA, tCrB, ab_pipe, read_state)
-        for i in cutlass.range((T - 1) // 2, unroll=1):
-            tiled_mma, read_state = self.issue_k_tile(tiled_mma, p1, tCrA, tCrB, ab_pipe, read_state)
-            warpgroup.wait_group(1)
-            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, coords, 2 * i, ab_pipe, read_state, -2)
-            tiled_mma, read_state = self.issue_k_tile(tiled_mma, p0, tCrA, tCrB, ab_pipe, read_state)
-            warpgroup.wait_group(1)
-            self.fold_k_tile(acc, p1, sSA, sSB, rows, bounds, coords, 2 * i + 1, ab_pipe, read_state, -2)
-        if T % 2 == 0:
-            tiled_mma, read_state = self.issue_k_tile(tiled_mma, p1, tCrA, tCrB, ab_pipe, read_state)
-            warpgroup.wait_group(1)
-            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, coords, Int32(T - 2), ab_pipe, read_state, -2)
-            warpgroup.wait_group(0)
-            self.fold_k_tile(acc, p1, sSA, sSB, rows, bounds, coords, Int32(T - 1), ab_pipe, read_state, -1)
-        else:
-            warpgroup.wait_group(0)
-            self.fold_k_tile(acc, p0, sSA, sSB, rows, bounds, coords, Int32(T - 1), ab_pipe, read_state, -1)
-        return tiled_mma, read_state
 
     @cute.jit
     def consume_fp8(self, tiled_mma: cute.TiledMma, tiled_mma_log: cute.TiledMma, sA: cute.Tensor,
@@ -175,7 +152,6 @@ class Fp8WarpRoles(WarpRoles):
         tCcP = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         acc = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
         part = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
-        part2 = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype) if const_expr(self.overlap) else None
         n_h = cute.size(tCcP.shape[0][1])
         assert cute.size(tCcP.shape[1]) == 1 and cute.size(tCcP.shape[2]) == 1, \
             "one wgmma atom per warpgroup: 64 rows x tile_n"
@@ -196,14 +172,10 @@ class Fp8WarpRoles(WarpRoles):
             coords = (tile_row0, sb_rows, M)
 
             acc.fill(0.0)
-            if const_expr(self.overlap):
-                tiled_mma, read_state = self.mainloop_overlapped(tiled_mma, acc, part, part2, tCrA, tCrB, sSA, sSB,
-                                                                 rows, bounds, coords, ab_pipe, read_state)
-            else:
-                for kt in cutlass.range(self.k_tiles, unroll=1):
-                    tiled_mma, read_state = self.issue_k_tile(tiled_mma, part, tCrA, tCrB, ab_pipe, read_state)
-                    warpgroup.wait_group(0)
-                    self.fold_k_tile(acc, part, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state, -1)
+            for kt in cutlass.range(self.k_tiles, unroll=1):
+                tiled_mma, read_state = self.issue_k_tile(tiled_mma, part, tCrA, tCrB, ab_pipe, read_state)
+                warpgroup.wait_group(0)
+                self.fold_k_tile(acc, part, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state, -1)
 
             self.tile_epi.run(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, self.N, None)
 

@@ -30,7 +30,6 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
     "gated-swiglu": (K.SwiGLUScaleEpilogue(), 5760, 2880, 32, {}),
     "gated-mxfp8": (K.SwiGLUScaleMXFP8Epilogue(), 2048, 1024, 8, {}),
     "gated-split": (K.SwiGLUScaleEpilogue(), 2 * 2888, 1024, 8, {}),     # up-half blocks: a run-time boundary
-    "serial": (K.IdentityEpilogue(), 1024, 640, 8, dict(overlap=False)),  # fold after each wgmma, no overlap
     "one-k-tile": (K.IdentityEpilogue(), 1024, 64, 8, {}),
     "pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(cluster_n=2, dynamic=False)),   # A multicast to 2 CTAs
     "pair-dynamic": (K.IdentityEpilogue(), 1536, 2048, 128, dict(cluster_n=2)),        # tile ids sent to rank 1
@@ -41,10 +40,8 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
 def _compile(name):
     epi, N, K_, G, over = CASES[name]
     over = dict(over)
-    overlap = over.pop("overlap", None)
     out = "float16" if name == "fp16-out" else "bfloat16"
-    return K.compile_fp8_grouped_gemm(_cfg(N, K_, G, epi.gated, **over), epi, N, K_, G, out_dtype=out,
-                                      overlap=overlap)
+    return K.compile_fp8_grouped_gemm(_cfg(N, K_, G, epi.gated, **over), epi, N, K_, G, out_dtype=out)
 
 
 def _ops(sass):
@@ -73,22 +70,18 @@ def test_compile_sass(name):
     paired = comp.config.cluster_n == 2
     assert ("UTMALDG.2D.MULTICAST" in tma) == paired and ("UTMALDG.2D" in tma) != paired, tma
     assert any(o.startswith("UCGABAR") for o in ops) == paired
-    assert comp.name.endswith(("_c2", "_c2_ovl")) == paired
-    assert K.compile_fp8_grouped_gemm(comp.config, epi, N, K_, G, out_dtype=comp.dtype,
-                                      overlap=over.get("overlap")) is comp  # cached
+    assert comp.name.endswith("_c2") == paired
+    assert K.compile_fp8_grouped_gemm(comp.config, epi, N, K_, G, out_dtype=comp.dtype) is comp  # cached
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_promotion_overlaps_the_next_wgmma_where_it_fits(name):
-    """tile_n <= 128 (unless told otherwise): k-tile t is folded into the accumulator after
-    ``wgmma.wait_group 1``, while k-tile t + 1's wgmma runs; wider tiles wait for every wgmma."""
-    epi, N, K_, G, over = CASES[name]
+def test_promotion_folds_each_k_tile_after_its_wgmma(name):
+    """Every k-tile's wgmma is waited for (``wgmma.wait_group 0``) before its partial sums are folded: the
+    overlapped fold (``wait_group 1``, a second scratch fragment) gave wrong results under load on an H200 and was
+    removed (kernels/fp8_mainloop.py)."""
     comp = _compile(name)
-    expect = over.get("overlap", comp.config.tile_n <= 128)
-    assert comp.overlap == expect and comp.name.endswith("_ovl") == expect
     waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", comp.ptx))
-    k_tiles = -(-K_ // 128)
-    assert waits == ({"0", "1"} if expect and k_tiles > 1 else {"0"}), waits
+    assert waits == {"0"}, waits
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -240,21 +233,10 @@ def test_unsupported_configs_are_rejected(epi, over, N, K_, match):
         K.compile_fp8_grouped_gemm(_cfg(N, K_, 8, epi.gated, **over), epi, N, K_, 8)
 
 
-def test_a_heavy_epilogue_is_built_without_the_overlap_rather_than_spill():
-    """dSwiGLU (paired AuxInput and Output, a RowVector) next to three fp32 fragments spilled (8-byte frame,
-    ptxas of CUTLASS DSL 4.8.1); the default build then folds without the overlapped wgmma: it overlaps
-    exactly when that does not spill."""
+def test_a_heavy_epilogue_compiles_without_spills():
+    """dSwiGLU (paired AuxInput and Output, a RowVector) beside the accumulator and the scratch fragment."""
     epi, N, K_ = K.DSwiGLUEpilogue(), 2048, 1536
-    forced = K.compile_fp8_grouped_gemm(_cfg(N, K_, 8), epi, N, K_, 8, overlap=True)
-    auto = K.compile_fp8_grouped_gemm(_cfg(N, K_, 8), epi, N, K_, 8)
-    assert forced.overlap and auto.frame_size == 0
-    assert auto.overlap == (forced.frame_size == 0)
-
-
-def test_overlap_is_refused_where_it_cannot_fit():
-    with pytest.raises(KernelConfigError, match="overlap=True"):
-        K.compile_fp8_grouped_gemm(_cfg(4096, 512, 8, tile_n=192, stages=5), K.IdentityEpilogue(), 4096, 512, 8,
-                                   overlap=True)
+    assert K.compile_fp8_grouped_gemm(_cfg(N, K_, 8), epi, N, K_, 8).frame_size == 0
 
 
 def test_unsupported_out_dtype_is_rejected():

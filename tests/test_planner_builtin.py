@@ -28,12 +28,13 @@ def fused(plan, direction="forward"):
 def test_moe_demo_block(dtype, target):
     plan = plan_for(demo_block(dtype=dtype), dtype=dtype, target=target)
     # (2) FC1 + SwiGLU + Scale + QuantizeMXFP8 is ONE fused forward kernel; FC2, with nothing to fuse, runs
-    # the vendor grouped GEMM (not a fallback)
+    # the varlen-M kernel alone or the vendor grouped GEMM, by rows per group (not a fallback)
     assert len(plan.forward) == 2
     fc1, fc2 = plan.forward
     assert fc1.fused and fc1.ops == (0, 1, 2, 3) and fc1.kernel == "grouped_gemm"
     assert [lab for lab, _ in fc1.epilogue] == ["act", "scale", "quant"]
-    assert not fc2.fused and fc2.ops == (4,) and fc2.method == "torch._grouped_mm"
+    assert not fc2.fused and fc2.ops == (4,) and fc2.method.startswith("varlen-M grouped GEMM where rows per group")
+    assert "else torch._grouped_mm (fusion/runtime/lone_gemm.py)" in fc2.method
     # (3) backward: FC2's dgrad fused with the backward of Scale and SwiGLU (quantize: straight-through)
     b = plan.backward
     assert b[0].fused and b[0].kernel == "grouped_gemm_dgrad" and b[0].ops == (1, 2, 3, 4)
