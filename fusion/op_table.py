@@ -16,13 +16,6 @@ OP_KINDS = ("gemm", "activation", "elementwise", "quantize", "gather", "combine"
 #: It is complete once fusion.ops is imported, which `import fusion` does before anything can load a pattern.
 OP_TABLE: dict[str, str] = {}
 
-#: Device kernels the fused runtime runs in place of an unfused op's reference, by (op variant, part): the runtime
-#: module (fusion/runtime/<name>.py: `takes(op, value)`, and `run(op, value, ctx)` for a forward or a backward
-#: part, `dgrad(op, dy, ctx)` / `wgrad(op, x, dy, ctx)` for a GEMM's) with the same math in the same order
-#: (each module says how it matches the reference), used on the CUDA tensors it takes, and what explain() says
-#: runs there. The variant is the op's kind, or kind:format for a GEMM whose weights are not the parameter as is
-#: (its weight_format) and for a quantize op (the format it writes). A Gather's backward is a combine of its
-#: rows' gradients.
 #: Where a lone bf16/fp16 GroupLinear GEMM (forward, dgrad) runs our varlen-M kernel rather than torch._grouped_mm,
 #: per call: the routed rows average at most this many per group and the GEMM's output width is a multiple of
 #: `n_multiple` (measured: fusion/runtime/lone_gemm.py).
@@ -30,6 +23,13 @@ LONE_GEMM_RULE = {"max_rows_per_group": 1024, "n_multiple": 128}
 _LONE_RULE_TEXT = (f"where rows per group average <= {LONE_GEMM_RULE['max_rows_per_group']} and N % "
                    f"{LONE_GEMM_RULE['n_multiple']} == 0, else torch._grouped_mm (fusion/runtime/lone_gemm.py)")
 
+#: Device kernels the fused runtime runs in place of an unfused op's reference, by (op variant, part): the runtime
+#: module (fusion/runtime/<name>.py: `takes(op, value)`, and `run(op, value, ctx)` for a forward or a backward
+#: part, `dgrad(op, dy, ctx)` / `wgrad(op, x, dy, ctx)` for a GEMM's) with the same math in the same order
+#: (each module says how it matches the reference), used on the CUDA tensors it takes, and what explain() says
+#: runs there. The variant is the op's kind, or kind:format for a GEMM whose weights are not the parameter as is
+#: (its weight_format) and for a quantize op (the format it writes). A Gather's backward is a combine of its
+#: rows' gradients.
 DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
     ("combine", "forward"): ("combine", "combine kernel (fusion/kernels/combine.py: each token's rows summed in "
                                         "row order in float32, no atomics)"),
