@@ -34,7 +34,7 @@ from .mainloop import WarpRoles
 
 class _StageRef:
     """What ``PipelineTmaAsync.consumer_release`` reads of a pipeline state: the stage index (a fold
-    releases a stage behind the read state)."""
+    releases the stage behind the read state, which has advanced past it)."""
 
     def __init__(self, index):
         self.index = index
@@ -133,10 +133,10 @@ class Fp8WarpRoles(WarpRoles):
         slot_scales = [sSB[(self.box_shift(base + kt), s, stage)] for s, base in enumerate(sb_rows)]
         return row_scales, slot_scales
 
-    def fold_k_tile(self, acc, frag, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state, back):
-        """Fold k-tile ``kt``'s finished ``frag`` into ``acc``: read its stage's scales (the stage ``back`` + 1
-        behind ``read_state``: -1, the last one read), release the stage, promote."""
-        stage = (read_state.index + (self.stages + back)) % self.stages
+    def fold_k_tile(self, acc, frag, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state):
+        """Fold k-tile ``kt``'s finished ``frag`` into ``acc``: read its stage's scales (the stage just behind
+        ``read_state``: the last one read), release the stage, promote."""
+        stage = (read_state.index + (self.stages - 1)) % self.stages
         row_scales, slot_scales = self.read_scales(sSA, sSB, rows, coords, kt, stage)
         ab_pipe.consumer_release(_StageRef(stage))
         self.promote(acc, frag, row_scales, slot_scales, bounds)
@@ -175,7 +175,7 @@ class Fp8WarpRoles(WarpRoles):
             for kt in cutlass.range(self.k_tiles, unroll=1):
                 tiled_mma, read_state = self.issue_k_tile(tiled_mma, part, tCrA, tCrB, ab_pipe, read_state)
                 warpgroup.wait_group(0)
-                self.fold_k_tile(acc, part, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state, -1)
+                self.fold_k_tile(acc, part, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state)
 
             self.tile_epi.run(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, self.N, None)
 
