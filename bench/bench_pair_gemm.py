@@ -43,8 +43,7 @@ def plan_kernels(E, d, f):
     import fusion
     from fusion import GroupLinear, Scale, SwiGLU
     from fusion.runtime.aot import plan_jobs
-    from fusion.runtime.fp8_gemm import IDENTITY_SOURCE
-    from fusion.runtime.kernel import make_job
+    from fusion.runtime.kernel import IDENTITY_SOURCE, make_job
 
     with torch.device("meta"):
         seq = fusion.Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d))

@@ -61,7 +61,7 @@ def candidates(N: int, K: int, G: int, tile_64: bool = False):
 
 
 def jobs(tile_64: bool = False):
-    from fusion.runtime.fp8_gemm import IDENTITY_SOURCE
+    from fusion.runtime.kernel import IDENTITY_SOURCE
     from fusion.runtime.compile import KernelJob
 
     for name, E, K, N, M in SHAPES:

@@ -50,15 +50,10 @@ def takes(op, x) -> bool:
         "gemm", "fp8_block", str(x.dtype).removeprefix("torch."), (op.in_features, op.out_features)) is None
 
 
-#: The identity epilogue as a KernelJob's source: the FP8 GEMM alone, compiled and cached on disk like a fused
-#: kernel (fusion/runtime/compile.py), so Sequential.compile() builds it ahead of time (kernel_jobs).
-IDENTITY_SOURCE = "from fusion.kernels.epilogue import IdentityEpilogue as GeneratedEpilogue\n"
-
-
 def identity_job(N: int, K: int, G: int, dtype: torch.dtype, what: str = "fprop"):
     """The KernelJob of the FP8 GEMM ``(M, K) x (G, N, K) -> (M, N)`` with the identity epilogue (`what` names
     the step in the kernel's name only: the cache key is the same)."""
-    from fusion.runtime.kernel import make_job
+    from fusion.runtime.kernel import IDENTITY_SOURCE, make_job
 
     return make_job(IDENTITY_SOURCE, dtype, N, K, G, False, "K", False, f"fp8_{what}", "identity",
                     mainloop="fp8_block")

@@ -32,6 +32,12 @@ def _kernels():
     return kernels
 
 
+#: The identity epilogue as a KernelJob's source: a GEMM alone (the lone bf16 GEMMs of fusion/runtime/lone_gemm.py,
+#: the FP8 GEMMs of fusion/runtime/fp8_gemm.py), compiled and cached on disk like a fused kernel, so
+#: Sequential.compile() builds it ahead of time.
+IDENTITY_SOURCE = "from fusion.kernels.epilogue import IdentityEpilogue as GeneratedEpilogue\n"
+
+
 def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: bool, b_major: str,
              reads_aux: bool, step: str, variant: str, target: str = "sm_90a", tiles: bool = True,
              gather: bool = False, mainloop: str = "bf16") -> KernelJob:

@@ -47,9 +47,6 @@ N_MULTIPLE = LONE_GEMM_RULE["n_multiple"]
 #: bench/ and a user comparing the two use.
 ENABLED = os.environ.get("FUSION_LONE_GEMM", "auto") != "torch"
 
-#: The identity epilogue as a KernelJob's source: the GEMM alone.
-IDENTITY_SOURCE = "from fusion.kernels.epilogue import IdentityEpilogue as GeneratedEpilogue\n"
-
 _COMPILED: dict = {}
 
 
@@ -80,7 +77,7 @@ def takes(op, x) -> bool:
 
 
 def _job(op, part: str, dtype: torch.dtype):
-    from fusion.runtime.kernel import make_job
+    from fusion.runtime.kernel import IDENTITY_SOURCE, make_job
 
     G, out_f, in_f = op.weight.shape
     if part == "forward":
