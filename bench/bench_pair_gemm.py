@@ -19,6 +19,7 @@ checked against the policy kernel's (max relative difference; 0 where they are b
 Usage (compiles on first use; FUSION_CACHE_DIR keeps the kernels between runs):
     python bench/bench_pair_gemm.py --precompile [--shapes ...] [--tile-m-64]
     python bench/bench_pair_gemm.py [--shapes ...] [--skewed] [--tile-m-64] [--out results.json]
+    python bench/bench_pair_gemm.py --bands 1,8,16 --shapes llama-3-8b,...   (the tile order's bands instead)
 """
 import argparse
 import dataclasses
@@ -36,6 +37,11 @@ from fusion.runtime.compile import KernelJob  # noqa: E402
 
 #: Also time 64-row tiles (--tile-m-64): (tile_n, stages) of the pingpong 64-row tiles that fit shared memory.
 TILE_M_64 = {"on": False, "tiles": ((128, 8), (192, 6), (256, 5))}
+#: --bands B1,B2,...: time the policy's configuration with each band of the tile order (GemmConfig.band_m) instead
+#: of the schedule variants.
+BANDS = {"values": ()}
+#: --gemms: time only these of plan_kernels' GEMMs.
+GEMMS = {"only": ()}
 
 
 def plan_kernels(E, d, f):
@@ -65,6 +71,9 @@ def variants(job: KernelJob):
     base = GemmConfig(*job.config)
     pairs = n_tile_count(job.N, base.tile_n) % 2 == 0 and not base.gather_a
     out = [("policy", base)]
+    if BANDS["values"]:
+        out += [(f"band {b}", dataclasses.replace(base, band_m=b)) for b in BANDS["values"] if b != base.band_m]
+        return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in out]
     for dynamic in (False, True):
         for cn in ((1, 2) if pairs else (1,)):
             cfg = dataclasses.replace(base, dynamic=dynamic, cluster_n=cn)
@@ -84,7 +93,8 @@ def all_jobs(names):
     for name in names:
         E, d, f, _, _ = SHAPES[name]
         for gemm, job in plan_kernels(E, d, f).items():
-            jobs += [j for _, j in variants(job)]
+            if not GEMMS["only"] or gemm in GEMMS["only"]:
+                jobs += [j for _, j in variants(job)]
     return jobs
 
 
@@ -123,6 +133,8 @@ def run_shape(name, skewed, gen, dev="cuda"):
                       lambda a: torch._grouped_mm(a, w1, offs=ends)),
     }
     for gemm, job in plan_kernels(E, d, f).items():
+        if GEMMS["only"] and gemm not in GEMMS["only"]:
+            continue
         A, B, torch_fn = operands[gemm]
         flops = 2.0 * M * job.N * job.K
         rows, ref = {}, None
@@ -144,7 +156,7 @@ def run_shape(name, skewed, gen, dev="cuda"):
                 ref = first
             scale = ref.abs().max().clamp_min(1e-30)
             key = (f"{label} ({cfg.tile_m}x{cfg.tile_n} {'pp' if cfg.pingpong else 'coop'} s{cfg.stages}"
-                   f"{' dyn' if cfg.dynamic else ''}{' c2' if cfg.cluster_n > 1 else ''})")
+                   f"{' dyn' if cfg.dynamic else ''}{' c2' if cfg.cluster_n > 1 else ''} bm{cfg.band_m})")
             errors[key] = ((first - ref).abs().max() / scale).item()
             rows[key] = fn
         res = {}
@@ -163,9 +175,13 @@ def main():
     ap.add_argument("--skewed", action="store_true", help="also the skewed group distribution")
     ap.add_argument("--precompile", action="store_true", help="compile every kernel into FUSION_CACHE_DIR (no GPU)")
     ap.add_argument("--tile-m-64", action="store_true", help="also 64-row pingpong tiles")
+    ap.add_argument("--bands", default="", help="comma-separated band_m values: time those instead of the schedules")
+    ap.add_argument("--gemms", default="", help="comma-separated GEMMs (fc1_fwd, fc2_fwd, ...): only those")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     TILE_M_64["on"] = args.tile_m_64
+    BANDS["values"] = tuple(int(b) for b in args.bands.split(",") if b)
+    GEMMS["only"] = tuple(g for g in args.gemms.split(",") if g)
     names = args.shapes.split(",")
     if args.precompile:
         from fusion.runtime.aot import compile_jobs

@@ -50,6 +50,9 @@ SHAPES = {  # name: (E, d, f, T, k)
     "qwen3-30b-a3b-T8192": (128, 2048, 768, 8192, 8),      # 512
     "olmoe-1b-7b-T8192": (64, 2048, 1024, 8192, 8),        # 1024
     "deepseek-v3-ep8-T8192": (32, 7168, 2048, 8192, 4),    # 1024
+    # dense blocks (one group of T rows: the tile order's bands matter there, kernels/scheduler.py)
+    "llama-3-8b": (1, 4096, 14336, 16384, 1),
+    "llama-3-70b": (1, 8192, 28672, 8192, 1),
 }
 SWEEP = tuple(dataclasses.replace(c, cluster_m=m) for m in (2, 1) for c in (
     WgradConfig(tile_n=256, stages=4), WgradConfig(tile_n=192, stages=5, pingpong=True),

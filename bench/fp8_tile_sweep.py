@@ -43,10 +43,18 @@ SHAPES = [
 ]
 
 
+#: --bands B1,B2,...: the policy's configuration with each band of the tile order (GemmConfig.band_m), instead of
+#: the tile and schedule candidates.
+BANDS: list = []
+
+
 def candidates(N: int, K: int, G: int, tile_64: bool = False):
     """The tile policy's choice first, then tile_n (64,) 128 / 192 x static / dynamic x single / paired CTAs
-    (pairs where the n-tile count is even; stages: as many as fit, <= 8)."""
+    (pairs where the n-tile count is even; stages: as many as fit, <= 8); with BANDS, the policy's choice at
+    each band instead."""
     out = [choose_fp8_config(N, K, G)]
+    if BANDS:
+        return out + [dataclasses.replace(out[0], band_m=b) for b in BANDS if b != out[0].band_m]
     for tile_n in ((64,) if tile_64 else ()) + (128, 192):
         stages = min(8, FP8_SMEM // (fp8_stage_bytes(128, tile_n, 2 if tile_n % 128 else 1) + 16))
         for cluster_n in (1, 2):
@@ -113,10 +121,10 @@ def measure(reps: int, tile_64: bool = False) -> dict:
         tflops = 2 * M * N * K / ms / 1e9
         row = results[name]
         row["configs"].append({"tile_n": cfg.tile_n, "stages": cfg.stages, "dynamic": cfg.dynamic,
-                               "cluster_n": cfg.cluster_n, "ms": ms, "tflops": tflops,
+                               "cluster_n": cfg.cluster_n, "band_m": cfg.band_m, "ms": ms, "tflops": tflops,
                                "vs_bf16": row["bf16_grouped_mm_ms"] / ms, "policy": len(row["configs"]) == 0})
         print(f"{name:16s} tile_n={cfg.tile_n:3d} stages={cfg.stages} dynamic={cfg.dynamic!s:5s} "
-              f"pair={cfg.cluster_n == 2!s:5s} {ms:7.3f} ms {tflops:6.0f} TFLOP/s "
+              f"pair={cfg.cluster_n == 2!s:5s} band={cfg.band_m:2d} {ms:7.3f} ms {tflops:6.0f} TFLOP/s "
               f"{row['bf16_grouped_mm_ms'] / ms:4.2f}x bf16" + ("  (policy)" if len(row["configs"]) == 1 else ""),
               file=sys.stderr, flush=True)
     return results
@@ -128,7 +136,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tile-64", action="store_true", help="also 64-column tiles (they lost by 11-33%% on an H100)")
     ap.add_argument("--shapes", help="comma-separated substrings of the shape names to run (default: all)")
+    ap.add_argument("--bands", default="", help="comma-separated band_m values: the policy's tile at each band")
     args = ap.parse_args(argv)
+    BANDS[:] = [int(b) for b in args.bands.split(",") if b]
     if args.shapes:
         keep = args.shapes.split(",")
         SHAPES[:] = [s for s in SHAPES if any(k in s[0] for k in keep)]

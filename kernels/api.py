@@ -28,7 +28,7 @@ from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
 
 from .epilogue import Epilogue, MXFP8Output
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
-from .tile_policy import GemmConfig, choose_config, for_gather, n_tile_count, spill_fallback
+from .tile_policy import GemmConfig, choose_config, for_gather, n_tile_count, resolved_band, spill_fallback
 
 __all__ = [
     "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
@@ -173,6 +173,7 @@ class CompiledGroupedGemm(CompiledArtifact):
         self.N, self.K, self.G = N, K, G
         self.name = f"grouped_gemm_{type(epilogue).__name__}_{dtype}_N{N}_K{K}_G{G}_" \
                     f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}" + \
+                    (f"_band{resolved_band(config)}" if resolved_band(config) > 1 else "") + \
                     ("_dyn" if config.dynamic else "") + ("_pp" if getattr(config, "pingpong", False) else "") + \
                     ("_bmn" if getattr(config, "b_major", "K") == "MN" else "") + \
                     ("_gA" if getattr(config, "gather_a", False) else "") + \
@@ -220,6 +221,9 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
                         "use cluster_m = 1")
     if config.cluster_n not in (1, 2):
         problems.append(f"cluster_n = {config.cluster_n}: use 1, or 2 (a CTA pair multicasting A)")
+    if not isinstance(config.band_m, int) or config.band_m < 0:
+        problems.append(f"band_m = {config.band_m!r}: m-tiles per band of the tile order, an int >= 1 (1: m fastest "
+                        f"over the whole group), or 0 for the tile's default (tile_policy.band_for)")
     elif config.cluster_n == 2:
         n_tiles = n_tile_count(N, config.tile_n)
         if config.gather_a or not config.persistent:

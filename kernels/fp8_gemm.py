@@ -46,6 +46,7 @@ from .fp8_mainloop import Fp8WarpRoles
 from .mainloop import REGISTER_SPLIT
 from .fp8_scales import SA_BOX, SA_STAGE_FLOATS, SB_BOX, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments
 from .scheduler import PEER_SLOTS, TileScheduler
+from .tile_policy import one_band_limit, resolved_band
 from .tile_epilogue import TileEpilogue
 
 __all__ = ["Fp8GroupedGemmKernel", "Fp8DebugKnobs"]
@@ -90,6 +91,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # CTA pairs along n share the A tile by TMA multicast, as in the bf16 kernel (kernels/grouped_gemm.py);
         # each CTA loads its own scales (the activation scales are the pair's, but a few hundred bytes)
         self.cluster_n = int(getattr(config, "cluster_n", 1))
+        self.band_m = resolved_band(config)    # the tile order's band (kernels/scheduler.py)
         assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
         self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
@@ -121,7 +123,8 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.segments = plan_segments(self.tile_n, N, self.gated)
         self.slots = num_slots(self.segments)
         self.sched = TileScheduler(self.tile_m, (n_log + self.tile_n_log - 1) // self.tile_n_log, G,
-                                   self.dynamic, False, self.cluster_n)
+                                   self.dynamic, False, self.cluster_n, self.band_m,
+                                   one_band_limit(self.band_m, self.tile_m, K, 1))
         mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
         mB = cute.make_tensor(pB, cute.make_layout((N, K, G), stride=(K, 1, N * K)))
         # scales as flat 1-D tensors: a TMA box may start at any element, so neither M nor the number of

@@ -36,6 +36,7 @@ from .epilogue import Epilogue, AuxInput, MXFP8Output
 from .gather_producer import GATHER_THREADS, GatherProducer
 from .mainloop import REGISTER_SPLIT, WarpRoles
 from .scheduler import PEER_SLOTS, TileScheduler
+from .tile_policy import one_band_limit, resolved_band
 from .tile_epilogue import TileEpilogue
 
 # Registers a consumer thread may hold across the mainloop (fp32 accumulator + prefetched epilogue
@@ -74,6 +75,7 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         self.b_major = getattr(config, "b_major", "K")
         self.gather_a = bool(getattr(config, "gather_a", False))
         self.cluster_n = int(getattr(config, "cluster_n", 1))
+        self.band_m = resolved_band(config)    # the tile order's band (kernels/scheduler.py)
         assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
         assert self.cluster_n == 1 or not self.gather_a, "a CTA pair multicasts a TMA-loaded A"
         self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
@@ -121,7 +123,8 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         n_log = N // 2 if const_expr(self.gated) else N
         self.k_tiles = (K + self.tile_k - 1) // self.tile_k
         self.sched = TileScheduler(self.tile_m, (n_log + self.tile_n_log - 1) // self.tile_n_log, G,
-                                   self.dynamic, self.pingpong, self.cluster_n)
+                                   self.dynamic, self.pingpong, self.cluster_n, self.band_m,
+                                   one_band_limit(self.band_m, self.tile_m, K, 2))
         # A: the (M, K) rows of the groups, or with gather_a the (a_rows, K) tokens that index (M,) picks
         mA = cute.make_tensor(pA, cute.make_layout((a_rows if const_expr(self.gather_a) else M, K), stride=(K, 1)))
         mIdx = cute.make_tensor(pIdx, cute.make_layout((M,)))

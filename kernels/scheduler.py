@@ -87,14 +87,26 @@ class PeerMailbox:
                     cute.arch.mbarrier_wait(self.bars + PEER_SLOTS + k % PEER_SLOTS, (k // PEER_SLOTS) & 1)
 
 
+def _select(cond, a, b):
+    """a where cond else b: a DSL select on device values, Python's on Python values (the CPU tests walk the order
+    with ints)."""
+    if isinstance(cond, bool):
+        return a if cond else b
+    return cutlass.select_(cond, a, b)
+
+
 class TileScheduler:
     """Trace-time description of the tile order: ``tile_m`` rows per m-tile, ``n_tiles`` n-tiles per
     group (compile-time, from N), ``G`` groups (compile-time), ``cluster_n`` neighbouring n-tiles per unit
     (one per CTA of a cluster; ``n_tiles`` must be a multiple of it)."""
 
-    def __init__(self, tile_m: int, n_tiles: int, G: int, dynamic: bool, pingpong: bool, cluster_n: int = 1):
+    def __init__(self, tile_m: int, n_tiles: int, G: int, dynamic: bool, pingpong: bool, cluster_n: int = 1,
+                 band_m: int = 1, one_band: int | None = None):
         assert n_tiles % cluster_n == 0, "a cluster's CTAs take whole n-tiles: n_tiles % cluster_n == 0"
+        assert band_m >= 1, "band_m: m-tiles per band, at least 1"
         self.tile_m = tile_m
+        self.band_m = band_m
+        self.one_band = band_m if one_band is None else max(one_band, band_m)
         self.cluster_n = cluster_n
         self.n_units = n_tiles // cluster_n     # schedule units along n
         self.G = G
@@ -129,12 +141,30 @@ class TileScheduler:
         return g, base, cnt
 
     def coords(self, tile_id, base, cnt, rank=0):
-        """(m_idx, n_idx) of ``tile_id`` inside its group (m fastest); with clusters, the n-tile of the CTA of
-        rank ``rank`` in its cluster."""
+        """(m_idx, n_idx) of ``tile_id`` inside its group; with clusters, the n-tile of the CTA of rank ``rank``
+        in its cluster.
+
+        Banded order (L2 reuse; ``band_m`` > 1): a group of more than ``one_band`` m-tiles is cut into the fewest
+        bands of at most ``band_m`` m-tiles, of equal size but the last (which may be shorter); the bands run one
+        after another, and inside a band m runs fastest, then n. Any other group (every MoE group up to
+        ``one_band * tile_m`` rows) is one band: m fastest, then n, as without bands. Why: with m fastest over a
+        tall group (a dense GEMM: 128 m-tiles at 16k rows), the CTAs running at one time cover every m-tile of one
+        or two n-tiles, so every n-tile re-reads all of A from DRAM (A does not fit in L2); inside a band, the CTAs
+        running together share ``band_m`` A tiles and a few B tiles, each read from DRAM about once per band."""
         local = tile_id - base
         mt = cnt // self.n_units
-        m_idx = local % mt
-        n_idx = local // mt
+        if cutlass.const_expr(self.band_m > 1):
+            bands = (mt + (self.band_m - 1)) // self.band_m
+            size = _select(mt > self.one_band, (mt + bands - 1) // bands, mt)   # m-tiles per band
+            band_tiles = size * self.n_units
+            band = local // band_tiles
+            within = local - band * band_tiles
+            rows = cutlass.min(mt - band * size, size)   # m-tiles of this band (the last may have fewer)
+            m_idx = band * size + within % rows
+            n_idx = within // rows
+        else:
+            m_idx = local % mt
+            n_idx = local // mt
         if cutlass.const_expr(self.cluster_n > 1):
             n_idx = n_idx * self.cluster_n + rank
         return m_idx, n_idx

@@ -13,6 +13,8 @@ loading the DSL.
     for_gather(config)                 a configuration with A gathered through an index
     gather_tile(config, N)             the wider tile a gathering kernel takes (its A loads bound it)
     spill_fallback(config)             the configuration compile_grouped_gemm rebuilds a spilling kernel at
+    band_for, resolved_band, one_band_limit
+                                       the tile order's bands (GemmConfig.band_m; kernels/scheduler.py)
     candidates(base, N)                what autotune mode times (fusion/runtime/autotune.py)
     WgradConfig, choose_wgrad_config   the varlen-K kernel's (weight gradients, kernels/varlen_k_gemm.py)
 
@@ -45,11 +47,42 @@ class GemmConfig:
                              # "MN": B is (G, K, N), N contiguous (a dgrad dX = dY @ W[g] reads W[g] so)
     gather_a: bool = False   # A is the (T, K) token matrix read through an int32 index (M,): routed row r
                              # multiplies A[index[r]] (kernels/gather_producer.py; static schedule, b_major "K")
+    band_m: int = 0          # tile order inside a group: a tall group is cut into bands of at most band_m m-tiles,
+                             # m fastest inside a band, then n (L2 reuse; kernels/scheduler.py); 0: band_for(tile_n);
+                             # 1: m fastest over the whole group
 
     @property
     def b_shape_order(self) -> str:
         """The order of B's dimensions in memory: "GNK" or "GKN"."""
         return "GNK" if self.b_major == "K" else "GKN"
+
+
+#: A group whose A rows (m-tiles x tile_m x K bytes) fit in this much L2 stays one band (m fastest): its A is read
+#: from DRAM once however it is walked, and a second band would read the group's B a second time.
+BAND_L2_BYTES = 24 << 20
+
+
+def band_for(tile_n: int) -> int:
+    """The band (m-tiles) of GemmConfig.band_m = 0: 16 for tiles wider than 128 columns, else 8, so that the
+    CTAs of one wave cover about as many A rows as B columns. Measured on an H100 (bench/bench_pair_gemm.py
+    --bands, bench/results/H100-2026-11-26-bands.json: bands of 4 / 8 / 16 on dense Llama-3 and DeepSeek-V3's
+    4096-row groups): 16 was the fastest at 128x192 tiles (Llama-3-8B's FC1 forward 7.77 -> 5.29 ms, 5.54 at 8),
+    8 at 128x128 (Llama-3-70B's FC2 dgrad 11.50 -> 7.48 ms, 7.86 at 16; the FP8 kernel's 32 x 8192-row FC1 953 ->
+    1047 TFLOP/s, 973 at 16)."""
+    return 16 if tile_n > 128 else 8
+
+
+def resolved_band(config) -> int:
+    """The band a kernel built at `config` walks: band_m, or band_for(tile_n) where band_m is 0."""
+    return config.band_m or band_for(config.tile_n)
+
+
+def one_band_limit(band_m: int, tile_m: int, K: int, elem_bytes: int) -> int:
+    """The most m-tiles a group may have and still be walked as one band: band_m, or more where their A rows fit
+    in BAND_L2_BYTES. Mixtral's 2048-row groups at K = 4096 (17 m-tiles, 17 MiB of A) stay one band: walked in bands
+    of 16 (16 m-tiles, then 1) its FC1 forward and FC2 dgrad were 2-5% slower (the second band re-reads the 235 MB
+    expert weight for one m-tile)."""
+    return max(band_m, BAND_L2_BYTES // (tile_m * K * elem_bytes))
 
 
 #: A fixed row estimate per group for the heuristic: kernels must not depend on the row count, so one compile

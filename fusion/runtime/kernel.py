@@ -9,11 +9,12 @@ is the same code either way.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import NamedTuple
 
 import torch
 
-from fusion.kernels.tile_policy import choose_fp8_config, choose_wgrad_config, tile_config
+from fusion.kernels.tile_policy import GemmConfig, choose_fp8_config, choose_wgrad_config, tile_config
 from fusion.runtime.compile import KernelJob
 
 
@@ -38,6 +39,16 @@ def _kernels():
 IDENTITY_SOURCE = "from fusion.kernels.epilogue import IdentityEpilogue as GeneratedEpilogue\n"
 
 
+#: FUSION_TILE_BAND=B (read at import): every fused, lone and FP8 GEMM job walks bands of B m-tiles (1: m fastest
+#: over each group, the order before bands) instead of the tile policy's (GemmConfig.band_m = 0: tile_policy.band_for).
+#: The A/B switch of the banded tile order; it changes the jobs' keys, so both orders live in one kernel cache.
+TILE_BAND = os.environ.get("FUSION_TILE_BAND")
+
+
+def _with_band(config):
+    return config if TILE_BAND is None else dataclasses.replace(config, band_m=int(TILE_BAND))
+
+
 def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: bool, b_major: str,
              reads_aux: bool, step: str, variant: str, target: str = "sm_90a", tiles: bool = True,
              gather: bool = False, mainloop: str = "bf16") -> KernelJob:
@@ -47,9 +58,9 @@ def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: boo
     if not tiles:
         config = ()
     elif mainloop == "fp8_block":
-        config = dataclasses.astuple(choose_fp8_config(N, K, G, gated))
+        config = dataclasses.astuple(_with_band(choose_fp8_config(N, K, G, gated)))
     else:
-        config = tile_config(N, K, G, gated, b_major, reads_aux, gather)
+        config = dataclasses.astuple(_with_band(GemmConfig(*tile_config(N, K, G, gated, b_major, reads_aux, gather))))
     return KernelJob(step=step, variant=variant, source=source, config=config,
                      dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target, mainloop=mainloop)
 

@@ -1,0 +1,81 @@
+"""The tile order inside a group (kernels/scheduler.py `TileScheduler.coords`, GemmConfig.band_m), on the CPU.
+
+`coords` is plain arithmetic on the kernel's integers, so it runs here on Python ints: the same code the kernels
+trace. GPU correctness (banded kernels bitwise equal to unbanded ones) is tests/test_band_gpu.py.
+"""
+import itertools
+
+import pytest
+
+import fusion.kernels as K
+from fusion.errors import KernelConfigError
+from fusion.kernels.scheduler import TileScheduler
+from fusion.kernels.tile_policy import BAND_L2_BYTES, band_for, one_band_limit, resolved_band
+
+
+def _order(mt, n_units, band, one_band, cluster_n=1, rank=0):
+    s = TileScheduler(128, n_units * cluster_n, 1, False, False, cluster_n, band, one_band)
+    return [s.coords(t, 0, mt * n_units, rank) for t in range(mt * n_units)]
+
+
+@pytest.mark.parametrize("mt,n_units,band,one_band", itertools.product((1, 2, 7, 8, 9, 17, 26, 64, 129), (1, 3, 14),
+                                                                       (1, 3, 8, 16), (None, 24)))
+def test_every_tile_once(mt, n_units, band, one_band):
+    got = _order(mt, n_units, band, one_band)
+    assert sorted(got) == [(m, n) for m in range(mt) for n in range(n_units)]
+
+
+@pytest.mark.parametrize("mt", [1, 5, 8, 16, 24])
+def test_a_group_within_the_one_band_limit_keeps_m_fastest(mt):
+    """Every MoE group of up to one_band m-tiles walks as without bands: the change leaves them alone."""
+    assert _order(mt, 6, 8, 24) == _order(mt, 6, 1, None) == [(t % mt, t // mt) for t in range(mt * 6)]
+
+
+@pytest.mark.parametrize("mt,band,sizes", [(26, 8, [7, 7, 7, 5]), (26, 3, [3] * 8 + [2]), (128, 16, [16] * 8),
+                                           (33, 16, [11, 11, 11]), (17, 16, [9, 8])])
+def test_a_tall_group_is_cut_into_even_bands_walked_m_fastest(mt, band, sizes):
+    n_units = 5
+    order = _order(mt, n_units, band, band)
+    start = 0
+    for size in sizes:
+        chunk = order[start * n_units:(start + size) * n_units]
+        assert chunk == [(start + t % size, t // size) for t in range(size * n_units)]
+        start += size
+    assert start == mt
+
+
+def test_pairs_take_neighbouring_n_tiles_of_the_banded_unit():
+    units = _order(26, 3, 8, 8)
+    for rank in (0, 1):
+        assert _order(26, 3, 8, 8, cluster_n=2, rank=rank) == [(m, 2 * n + rank) for m, n in units]
+
+
+def test_band_policy():
+    assert band_for(192) == band_for(256) == 16 and band_for(128) == band_for(64) == 8
+    assert resolved_band(K.GemmConfig(tile_n=192)) == 16 and resolved_band(K.GemmConfig(tile_n=128)) == 8
+    assert resolved_band(K.GemmConfig(tile_n=192, band_m=1)) == 1
+    assert resolved_band(K.choose_fp8_config(4096, 7168, 32)) == 8
+    # Mixtral's 2048-row groups (17 m-tiles) at K = 4096 stay one band; a dense 16k-row GEMM (128) is cut
+    assert one_band_limit(16, 128, 4096, 2) == BAND_L2_BYTES // (128 * 4096 * 2) == 24
+    assert one_band_limit(16, 128, 28672, 2) == 16
+    assert one_band_limit(8, 128, 7168, 1) == 27
+
+
+def test_kernel_names_say_the_band():
+    epi = K.IdentityEpilogue()
+    assert K.compile_grouped_gemm(K.GemmConfig(tile_n=128, stages=6, pingpong=True), epi, "bfloat16", 512, 256,
+                                  4).name.endswith("s6_band8_pp")
+    assert "_band" not in K.compile_grouped_gemm(K.GemmConfig(tile_n=128, stages=6, pingpong=True, band_m=1), epi,
+                                               "bfloat16", 512, 256, 4).name
+
+
+@pytest.mark.parametrize("compile_fn", ["bf16", "fp8"])
+def test_a_negative_band_is_refused(compile_fn):
+    epi = K.IdentityEpilogue()
+    with pytest.raises(KernelConfigError, match="band_m"):
+        if compile_fn == "bf16":
+            K.compile_grouped_gemm(K.GemmConfig(tile_n=128, stages=6, pingpong=True, band_m=-1), epi, "bfloat16",
+                                   512, 256, 4)
+        else:
+            cfg = K.choose_fp8_config(1024, 512, 4)
+            K.compile_fp8_grouped_gemm(K.GemmConfig(**{**cfg.__dict__, "band_m": -1}), epi, 1024, 512, 4)
