@@ -20,6 +20,8 @@ ROWS = LONE_GEMM_RULE["max_rows_per_group"]
     (2048 * 64, 64, 2048, False),         # OLMoE: 2048 rows per expert, torch measured faster
     (512 * 128, 128, 2880, False),        # GPT-OSS: N = 2880 is no multiple of 128
     (0, 8, 1024, True),                   # no rows: the kernel launches nothing
+    (512, 1, 4096, False),                # one group: a dense GEMM, cuBLAS measured faster
+    (512, 2, 4096, True),
 ])
 def test_rule(rows, groups, n, expect):
     assert lone_gemm.chooses_kernel(rows, groups, n) is expect
@@ -31,11 +33,13 @@ def test_fusion_lone_gemm_torch_switches_the_kernel_off(monkeypatch):
 
 
 def test_the_rule_is_the_tables():
-    assert (lone_gemm.MAX_ROWS_PER_GROUP, lone_gemm.N_MULTIPLE) == (ROWS, LONE_GEMM_RULE["n_multiple"])
+    assert (lone_gemm.MIN_GROUPS, lone_gemm.MAX_ROWS_PER_GROUP, lone_gemm.N_MULTIPLE) == (
+        LONE_GEMM_RULE["min_groups"], ROWS, LONE_GEMM_RULE["n_multiple"])
     for part in ("forward", "dgrad"):
         module, text = device_method("gemm", part)
         assert module == "lone_gemm"
         assert f"<= {ROWS}" in text and f"N % {LONE_GEMM_RULE['n_multiple']} == 0" in text
+        assert f">= {LONE_GEMM_RULE['min_groups']} groups" in text
 
 
 def test_output_width_is_the_parts():
@@ -75,7 +79,7 @@ def test_no_kernel_jobs(op, part, dtype):
 def test_explain_names_the_kernel_and_the_rule_on_hopper_only():
     seq = fusion.Sequential(GroupLinear(8, 256, 512), SwiGLU(), Scale(), GroupLinear(8, 256, 256)).to(torch.bfloat16)
     hopper = seq.explain(target="sm_90a")
-    assert "[F2] unfused  op 3 GroupLinear: varlen-M grouped GEMM where rows per group average <= 1024" in hopper
+    assert "[F2] unfused  op 3 GroupLinear: varlen-M grouped GEMM where the GEMM has >= 2 groups, rows per group average <= 1024" in hopper
     assert "op 0 GroupLinear dgrad: varlen-M grouped GEMM of dY and the weight as stored" in hopper
     cpu = seq.explain(target="cpu")
     assert "varlen-M grouped GEMM where" not in cpu

@@ -5,6 +5,8 @@ A device method of the fused runtime (fusion.op_table.DEVICE_METHODS, variant "g
 "dgrad"): the GEMMs no pattern fuses (FC2's forward after a fused FC1, FC1's input gradient after a fused FC2
 dgrad). `takes(op, x)` decides per call from shapes the host already knows (no sync): the kernel runs where
 
+* the GEMM has several groups (``G >= MIN_GROUPS``: a GroupLinear of one group is a dense GEMM, where cuBLAS was
+  faster at every row count measured, below),
 * the routed rows per group are few: ``M <= MAX_ROWS_PER_GROUP * G``, and
 * the GEMM's output width N is a multiple of 128 (whole 128-column tiles; the kernel's partial last n-tile costs
   a full tile's work, and torch's tiles fit GPT-OSS's 2880 better).
@@ -20,6 +22,13 @@ bench/results/H200-2026-11-26-pairs*.json, the identity epilogue against torch._
 | OLMoE (2048) | 0.902 / 0.907 | 1.712 / 1.538 |
 | DeepSeek-V3 EP8 share (4096) | 5.779 / 5.781 | - |
 | GPT-OSS-120B (512; N = 2880) | 2.023 / 1.846 | 4.063 / 4.023 |
+
+Dense (one group), measured on an H100 with the banded tile order (bench/bench_pair_gemm.py --bands 0,
+bench/results/H100-2026-11-26-dense-lone.json): ours / torch ms, FC2 forward and FC1 dgrad: Llama-3-8B at 4096 rows
+0.761 / 0.698 and 1.502 / 1.365, at 16384 rows 3.178 / 2.862 and 6.175 / 5.736; Llama-3-70B at 2048 rows 1.517 /
+1.349 and 3.044 / 2.615, at 8192 5.500 / 5.222 and 11.120 / 10.378; Qwen2.5-7B at 8192 rows 2.173 / 1.540 and
+5.312 / 3.186. (An earlier run on another H100 had ours 3% and 6% ahead on Llama-3-8B at 16384 rows: within the
+machines' spread, and nowhere ahead by a margin.)
 
 torch._grouped_mm stays the reference (backend="emulate", the CPU) and explain() names both and the rule.
 Forward: ``Y[rows of g] = X @ W[g].T``, B = the weight K-major. Dgrad: ``dX[rows of g] = dY @ W[g]``, B = the weight
@@ -41,6 +50,7 @@ TILE_COUNTER = True
 
 #: Our kernel runs where the routed rows average at most this many per group (M <= MAX_ROWS_PER_GROUP * G) and
 #: the GEMM's output width is a multiple of N_MULTIPLE (the plan's table holds them, so explain() states the same)
+MIN_GROUPS = LONE_GEMM_RULE["min_groups"]
 MAX_ROWS_PER_GROUP = LONE_GEMM_RULE["max_rows_per_group"]
 N_MULTIPLE = LONE_GEMM_RULE["n_multiple"]
 #: FUSION_LONE_GEMM=torch (read at import) sends every lone GEMM to torch._grouped_mm: the A/B switch that
@@ -53,7 +63,7 @@ _COMPILED: dict = {}
 def chooses_kernel(rows: int, groups: int, n: int) -> bool:
     """The measured rule: our kernel for `rows` routed rows over `groups` groups into `n` output columns (never with
     FUSION_LONE_GEMM=torch)."""
-    return ENABLED and rows <= MAX_ROWS_PER_GROUP * groups and n % N_MULTIPLE == 0
+    return ENABLED and groups >= MIN_GROUPS and rows <= MAX_ROWS_PER_GROUP * groups and n % N_MULTIPLE == 0
 
 
 def _output_width(op, x) -> int:
@@ -94,7 +104,7 @@ def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
     if device_method_refusal("gemm", None, str(dtype).removeprefix("torch."), (op.in_features, op.out_features),
                              op.spec.name) is not None:
         return []
-    if (op.out_features if part == "forward" else op.in_features) % N_MULTIPLE:
+    if (op.out_features if part == "forward" else op.in_features) % N_MULTIPLE or op.weight.shape[0] < MIN_GROUPS:
         return []   # the rule never sends this GEMM to the kernel
     return [_job(op, part, dtype)]
 
