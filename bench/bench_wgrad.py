@@ -56,6 +56,8 @@ SHAPES = {  # name: (E, d, f, T, k)
     "llama-3-8b-T4096": (1, 4096, 14336, 4096, 1),
     "llama-3-70b-T2048": (1, 8192, 28672, 2048, 1),
     "qwen2.5-7b-dense": (1, 3584, 18944, 8192, 1),
+    "llama-3-8b-T1024": (1, 4096, 14336, 1024, 1),
+    "qwen2.5-7b-dense-T512": (1, 3584, 18944, 512, 1),
 }
 SWEEP = tuple(dataclasses.replace(c, cluster_m=m) for m in (2, 1) for c in (
     WgradConfig(tile_n=256, stages=4), WgradConfig(tile_n=192, stages=5, pingpong=True),

@@ -5,8 +5,8 @@ A device method of the fused runtime (fusion.op_table.DEVICE_METHODS, variant "g
 "dgrad"): the GEMMs no pattern fuses (FC2's forward after a fused FC1, FC1's input gradient after a fused FC2
 dgrad). `takes(op, x)` decides per call from shapes the host already knows (no sync): the kernel runs where
 
-* the GEMM has several groups (``G >= MIN_GROUPS``: a GroupLinear of one group is a dense GEMM, where cuBLAS was
-  faster at every row count measured, below),
+* the GEMM has several groups (``G >= MIN_GROUPS``: a GroupLinear of one group is a dense GEMM, where cuBLAS's
+  per-shape choices were faster on 12 of the 14 dense GEMMs measured, below),
 * the routed rows per group are few: ``M <= MAX_ROWS_PER_GROUP * G``, and
 * the GEMM's output width N is a multiple of 128 (whole 128-column tiles; the kernel's partial last n-tile costs
   a full tile's work, and torch's tiles fit GPT-OSS's 2880 better).
@@ -28,7 +28,10 @@ bench/results/H100-2026-11-26-dense-lone.json): ours / torch ms, FC2 forward and
 0.761 / 0.698 and 1.502 / 1.365, at 16384 rows 3.178 / 2.862 and 6.175 / 5.736; Llama-3-70B at 2048 rows 1.517 /
 1.349 and 3.044 / 2.615, at 8192 5.500 / 5.222 and 11.120 / 10.378; Qwen2.5-7B at 8192 rows 2.173 / 1.540 and
 5.312 / 3.186. (An earlier run on another H100 had ours 3% and 6% ahead on Llama-3-8B at 16384 rows: within the
-machines' spread, and nowhere ahead by a margin.)
+machines' spread.) At few rows (`-dense-lone-small.json`), where the old rule sent them to our kernel: Llama-3-8B at
+1024 rows 0.247 / 0.162 and 0.504 / 0.311 (our 128x192 tiles make 176 tiles for 132 SMs), but Qwen2.5-7B at 512 rows
+0.124 / 0.186 and 0.235 / 0.357 (torch at 375 TFLOP/s there). Dense GEMMs go to cuBLAS; a per-shape choice would
+need a wider sweep than these.
 
 torch._grouped_mm stays the reference (backend="emulate", the CPU) and explain() names both and the rule.
 Forward: ``Y[rows of g] = X @ W[g].T``, B = the weight K-major. Dgrad: ``dX[rows of g] = dY @ W[g]``, B = the weight
