@@ -355,6 +355,9 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="CPU, a tiny float32 layer, fusion backend='reference' "
                                                           "and torch.compile backend='eager': checks the benchmark")
     args = ap.parse_args(argv)
+    unknown = [p for p in args.phases.split(",") if p not in PHASES]
+    if unknown:   # a phase name not listed would otherwise be measured as a training step (phase_fn)
+        ap.error(f"--phases: unknown {unknown}; choose from {PHASES}")
     selected = select(args)
     if args.precompile:
         return precompile(selected)
