@@ -73,8 +73,14 @@ def band_for(tile_n: int) -> int:
 
 
 def resolved_band(config) -> int:
-    """The band a kernel built at `config` walks: band_m, or band_for(tile_n) where band_m is 0."""
-    return config.band_m or band_for(config.tile_n)
+    """The band a kernel built at `config` walks: band_m, or where band_m is 0 band_for(tile_n), except 1 (m fastest)
+    for a kernel that gathers A through an index. Measured on an H100 (bench/bench_moe.py, DeepSeek-V3's EP8 share
+    at T = 16384: 4096 routed rows per expert, 32-33 m-tiles; bench/results/H100-2026-11-26-moe-bands.txt): the
+    layer's forward, whose FC1 is the gathering kernel, took 24.9 / 25.6 ms with bands against 21.4 / 20.0 ms
+    without (two runs each, alternating), while the TMA kernels gain (FC2's dgrad there, and every dense GEMM)."""
+    if config.band_m:
+        return config.band_m
+    return 1 if getattr(config, "gather_a", False) else band_for(config.tile_n)
 
 
 def one_band_limit(band_m: int, tile_m: int, K: int, elem_bytes: int) -> int:

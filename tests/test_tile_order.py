@@ -54,6 +54,9 @@ def test_band_policy():
     assert band_for(192) == band_for(256) == 16 and band_for(128) == band_for(64) == 8
     assert resolved_band(K.GemmConfig(tile_n=192)) == 16 and resolved_band(K.GemmConfig(tile_n=128)) == 8
     assert resolved_band(K.GemmConfig(tile_n=192, band_m=1)) == 1
+    # the gathering kernel keeps m fastest (bands measured slower there); an explicit band still applies
+    assert resolved_band(K.GemmConfig(tile_n=256, gather_a=True)) == 1
+    assert resolved_band(K.GemmConfig(tile_n=256, gather_a=True, band_m=8)) == 8
     assert resolved_band(K.choose_fp8_config(4096, 7168, 32)) == 8
     # Mixtral's 2048-row groups (17 m-tiles) at K = 4096 stay one band; a dense 16k-row GEMM (128) is cut
     assert one_band_limit(16, 128, 4096, 2) == BAND_L2_BYTES // (128 * 4096 * 2) == 24
