@@ -219,11 +219,11 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
     if config.cluster_m != 1:
         problems.append(f"cluster_m = {config.cluster_m}: the grouped GEMM pairs CTAs along n only (cluster_n = 2); "
                         "use cluster_m = 1")
-    if config.cluster_n not in (1, 2):
-        problems.append(f"cluster_n = {config.cluster_n}: use 1, or 2 (a CTA pair multicasting A)")
     if not isinstance(config.band_m, int) or config.band_m < 0:
         problems.append(f"band_m = {config.band_m!r}: m-tiles per band of the tile order, an int >= 1 (1: m fastest "
                         f"over the whole group), or 0 for the tile's default (tile_policy.band_for)")
+    if config.cluster_n not in (1, 2):
+        problems.append(f"cluster_n = {config.cluster_n}: use 1, or 2 (a CTA pair multicasting A)")
     elif config.cluster_n == 2:
         n_tiles = n_tile_count(N, config.tile_n)
         if config.gather_a or not config.persistent:

@@ -82,3 +82,23 @@ def test_a_negative_band_is_refused(compile_fn):
         else:
             cfg = K.choose_fp8_config(1024, 512, 4)
             K.compile_fp8_grouped_gemm(K.GemmConfig(**{**cfg.__dict__, "band_m": -1}), epi, 1024, 512, 4)
+
+
+def test_fusion_tile_band_sets_every_job_band(monkeypatch):
+    """FUSION_TILE_BAND (read at import into fusion.runtime.kernel.TILE_BAND) is the A/B switch: it lands in the
+    job's configuration, so the two orders get different cache keys."""
+    import torch
+
+    from fusion.runtime import kernel
+    from fusion.runtime.kernel import IDENTITY_SOURCE, make_job
+
+    def band_of(job):
+        return K.GemmConfig(*job.config).band_m
+
+    args = (IDENTITY_SOURCE, torch.bfloat16, 4096, 4096, 1, False, "K", False, "s", "v")
+    default = make_job(*args)
+    fp8 = make_job(*args, mainloop="fp8_block")
+    assert band_of(default) == 0 and band_of(fp8) == 0
+    monkeypatch.setattr(kernel, "TILE_BAND", "1")
+    assert band_of(make_job(*args)) == 1 and band_of(make_job(*args, mainloop="fp8_block")) == 1
+    assert make_job(*args).key != default.key
