@@ -5,6 +5,8 @@ so a plan never promises a kernel the runtime cannot launch.
 """
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 
 
@@ -52,6 +54,25 @@ TEMPLATES: dict[str, KernelTemplate] = {
 }
 
 
+#: The environment variable naming templates to decline, comma-separated (read at import).
+DISABLE_ENV = "FUSION_DISABLE_TEMPLATES"
+
+
+def _disabled_from_env() -> frozenset:
+    """FUSION_DISABLE_TEMPLATES=name1,name2: templates the matcher declines as if this build could not run them, so
+    a plan can be measured against the same plan without one fusion (an A/B; explain() names the variable). Unknown
+    names are warned about, not ignored silently."""
+    names = frozenset(n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip())
+    unknown = sorted(names - set(TEMPLATES))
+    if unknown:
+        warnings.warn(f"{DISABLE_ENV}: unknown kernel template(s) {unknown}; the templates are "
+                      f"{sorted(TEMPLATES)}", stacklevel=2)
+    return names
+
+
+DISABLED: frozenset = _disabled_from_env()
+
+
 def weight_format_refused(kernel: str, weight_format: str) -> str | None:
     """Why `kernel` cannot run a GEMM whose weight has `weight_format`, or None when it can."""
     template = TEMPLATES.get(kernel)
@@ -69,4 +90,6 @@ def unavailable(kernel: str) -> str | None:
         return f"kernel template {kernel!r} does not exist (templates: {known})"
     if not template.available:
         return f"kernel template {kernel!r} is not available: {template.unavailable_reason}"
+    if kernel in DISABLED:
+        return f"kernel template {kernel!r} is disabled by {DISABLE_ENV} (unset it to fuse here)"
     return None
