@@ -28,7 +28,8 @@ from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
 
 from .epilogue import Epilogue, MXFP8Output
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
-from .tile_policy import GemmConfig, choose_config, for_gather, n_tile_count, resolved_band, spill_fallback
+from .tile_policy import (GemmConfig, band_problem, choose_config, for_gather, n_tile_count, resolved_band,
+                          spill_fallback)
 
 __all__ = [
     "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
@@ -219,9 +220,8 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
     if config.cluster_m != 1:
         problems.append(f"cluster_m = {config.cluster_m}: the grouped GEMM pairs CTAs along n only (cluster_n = 2); "
                         "use cluster_m = 1")
-    if not isinstance(config.band_m, int) or config.band_m < 0:
-        problems.append(f"band_m = {config.band_m!r}: m-tiles per band of the tile order, an int >= 1 (1: m fastest "
-                        f"over the whole group), or 0 for the tile's default (tile_policy.band_for)")
+    if (why := band_problem(config)) is not None:
+        problems.append(why)
     if config.cluster_n not in (1, 2):
         problems.append(f"cluster_n = {config.cluster_n}: use 1, or 2 (a CTA pair multicasting A)")
     elif config.cluster_n == 2:

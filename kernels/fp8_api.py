@@ -22,7 +22,8 @@ from .api import (CompiledGroupedGemm, compile_kernel, GemmConfig, _dtype_name, 
 from .epilogue import Epilogue, IdentityEpilogue, MXFP8Output
 from .fp8_gemm import SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
 from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
-from .tile_policy import FP8_SMEM, choose_fp8_config, fp8_stage_bytes, n_tile_count, resolved_band
+from .tile_policy import (FP8_SMEM, band_problem, choose_fp8_config, fp8_stage_bytes, n_tile_count,
+                          resolved_band)
 
 __all__ = ["choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm", "run_fp8_grouped_gemm",
            "fp8_grouped_gemm", "CompiledFp8GroupedGemm"]
@@ -55,9 +56,8 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
         problems.append("b_major must be 'K': FP8 wgmma reads B K-major (the dgrad uses the weight's data_t)")
     if config.cluster_m != 1:
         problems.append(f"cluster_m = {config.cluster_m}: the FP8 kernel pairs CTAs along n only (cluster_m = 1)")
-    if not isinstance(config.band_m, int) or config.band_m < 0:
-        problems.append(f"band_m = {config.band_m!r}: m-tiles per band of the tile order, an int >= 1, or 0 for the "
-                        f"tile's default (tile_policy.band_for)")
+    if (why := band_problem(config)) is not None:
+        problems.append(why)
     if config.cluster_n not in (1, 2):
         problems.append(f"cluster_n = {config.cluster_n}: 1, or 2 for CTA pairs sharing the A tile")
     elif config.cluster_n == 2:

@@ -13,7 +13,7 @@ loading the DSL.
     for_gather(config)                 a configuration with A gathered through an index
     gather_tile(config, N)             the wider tile a gathering kernel takes (its A loads bound it)
     spill_fallback(config)             the configuration compile_grouped_gemm rebuilds a spilling kernel at
-    band_for, resolved_band, one_band_limit
+    band_for, resolved_band, one_band_limit, band_problem
                                        the tile order's bands (GemmConfig.band_m; kernels/scheduler.py)
     candidates(base, N)                what autotune mode times (fusion/runtime/autotune.py)
     WgradConfig, choose_wgrad_config   the varlen-K kernel's (weight gradients, kernels/varlen_k_gemm.py)
@@ -81,6 +81,14 @@ def resolved_band(config) -> int:
     if config.band_m:
         return config.band_m
     return 1 if getattr(config, "gather_a", False) else band_for(config.tile_n)
+
+
+def band_problem(config) -> str | None:
+    """What is wrong with config.band_m, or None: the one check both kernels' config validations share."""
+    if isinstance(config.band_m, int) and config.band_m >= 0:
+        return None
+    return (f"band_m = {config.band_m!r}: m-tiles per band of the tile order, an int >= 1 (1: m fastest over the "
+            f"whole group), or 0 for the tile's default (tile_policy.band_for)")
 
 
 def one_band_limit(band_m: int, tile_m: int, K: int, elem_bytes: int) -> int:
