@@ -3,8 +3,9 @@
 Per shape (experts E, hidden d, expert width f, tokens T, top-k): routed rows M = T*k, sorted by expert; the FC1 is
 a gated GEMM (N = 2f, K = d) with the SwiGLU*scale epilogue.
 
-  gather-A kernel          run_grouped_gemm(..., index=): A = x (T, d), rows read through the index (one kernel)
-  pre-gathered, same tile  the same tile configuration reading x[index] by TMA (kernel time only)
+  gather-A kernel          run_grouped_gemm(..., index=): A = x (T, d), rows read through the index (one kernel),
+                           at the runtime's schedule and at the other one (static / dynamic tile order)
+  pre-gathered, same tile  the same tile configuration reading x[index] by TMA (kernel time only), both schedules
   pre-gathered, runtime    the configuration the runtime uses without gathering (may be dynamic), kernel only
   index_select + kernel    what a block does without the fusion: x.index_select, then the runtime's kernel
   torch                    x.index_select + torch._grouped_mm (the GEMM alone, no epilogue)
@@ -32,6 +33,7 @@ SHAPES = {  # name: (E, d, f, T, k)
     "olmoe": (64, 2048, 1024, 16384, 8),
     "mixtral-8x7b": (8, 4096, 14336, 8192, 2),
     "gpt-oss-120b": (128, 2880, 2880, 16384, 4),
+    "qwen3-235b-a22b": (128, 4096, 1536, 16384, 8),
     "deepseek-v3-ep8": (32, 7168, 2048, 8192, 8),
 }
 
@@ -53,11 +55,16 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False):
     epi = K.SwiGLUScaleEpilogue()
     gather_cfg = GemmConfig(*tile_config(N, d, E, True, "K", False, gather=True))
     runtime_cfg = GemmConfig(*tile_config(N, d, E, True, "K", False))
+    other_cfg = dataclasses.replace(gather_cfg, dynamic=not gather_cfg.dynamic)   # the other schedule
     kern = {
         "gather": K.compile_grouped_gemm(gather_cfg, epi, "bfloat16", N, d, E),
+        "gather-other": K.compile_grouped_gemm(other_cfg, epi, "bfloat16", N, d, E),
         "same": K.compile_grouped_gemm(dataclasses.replace(gather_cfg, gather_a=False), epi, "bfloat16", N, d, E),
+        "same-other": K.compile_grouped_gemm(dataclasses.replace(other_cfg, gather_a=False), epi, "bfloat16", N, d,
+                                             E),
         "runtime": K.compile_grouped_gemm(runtime_cfg, epi, "bfloat16", N, d, E),
     }
+    sched = {True: "dynamic", False: "static"}
     out = torch.empty(M, f, dtype=torch.bfloat16, device=dev)
     xg = x.index_select(0, index)
 
@@ -69,8 +76,12 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False):
     run("same", xg)
     diff = (fused.float() - out.float()).abs().max().item()
     rows = {
-        f"gather-A kernel ({kern['gather'].config.tile_n} wide, static)": lambda: run("gather", x, index),
-        "pre-gathered, same tile": lambda: run("same", xg),
+        f"gather-A kernel ({kern['gather'].config.tile_n} wide, {sched[gather_cfg.dynamic]})":
+            lambda: run("gather", x, index),
+        f"gather-A kernel ({kern['gather-other'].config.tile_n} wide, {sched[other_cfg.dynamic]})":
+            lambda: run("gather-other", x, index),
+        f"pre-gathered, same tile, {sched[gather_cfg.dynamic]}": lambda: run("same", xg),
+        f"pre-gathered, same tile, {sched[other_cfg.dynamic]}": lambda: run("same-other", xg),
         f"pre-gathered, runtime ({'dynamic' if runtime_cfg.dynamic else 'static'})": lambda: run("runtime", xg),
         "index_select + runtime kernel": lambda: run("runtime", x.index_select(0, index)),
     }
@@ -84,7 +95,7 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False):
                 print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                 continue
             label = (f"gather-A {cfg.tile_m}x{cfg.tile_n} {'pingpong' if cfg.pingpong else 'cooperative'} "
-                     f"s{cfg.stages}")
+                     f"s{cfg.stages} {sched[cfg.dynamic]}")
             rows[label] = (lambda c: lambda: run(c, x, index))(cfg)
     if hasattr(torch, "_grouped_mm"):
         rows["torch index_select + _grouped_mm"] = lambda: torch._grouped_mm(

@@ -243,9 +243,6 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
     if config.gather_a:
         if config.b_major != "K":
             problems.append("gather_a (A read through an index) is forward-only: use b_major='K'")
-        if config.dynamic:
-            problems.append("gather_a walks the static tile schedule: use dynamic=False "
-                            "(tile_policy.for_gather(config))")
     if config.b_major == "MN" and N % 8 != 0:
         problems.append(f"N = {N}: b_major='MN' needs N % 8 == 0 (16-byte TMA rows of B (G, K, N))")
     paired = any(getattr(s, "paired", False) for s in (*epilogue.inputs, *epilogue.outputs))

@@ -24,8 +24,14 @@ smem rows keep stale values, which only reach accumulator rows the epilogue neve
 k-tile (``K % tile_k != 0``) zero-fills its chunks past K (``cp.async`` with source size 0), as TMA would:
 stale smem there would reach every row of the product.
 
-The schedule is static: every producer thread walks the CTA's tiles itself (the dynamic scheduler's tile
-ids come from the producer warp 0 alone).
+Either schedule. Static: every producer thread walks the CTA's tiles itself (``bidx``, ``bidx + grid``, ...).
+Dynamic: warp 0 takes each next tile id from the atomic counter and publishes it to the consumer warpgroups
+(:meth:`kernels.scheduler.TileScheduler.publish`'s slots); the producer's 128 threads then meet at a named
+barrier (``GATHER_BARRIER``) and read the id from the slot just written. Every producer thread advances the same
+scheduler state, so the slot index needs no broadcast; a slot is written again only ``sched_stages`` tiles later,
+after further barriers that every reader has passed. Why dynamic: with a static walk the CTAs drift apart and
+work on tiles of many experts at once, whose weights then no longer share L2 (measured in
+:func:`kernels.tile_policy.for_gather`).
 """
 from __future__ import annotations
 
@@ -37,6 +43,9 @@ from cutlass.cute.nvgpu import cpasync
 
 #: Threads of the producer warpgroup, all of which load A.
 GATHER_THREADS = 128
+#: Named barrier of the producer warpgroup's 128 threads (dynamic schedule: the next tile id is in its slot);
+#: 8 and 9 are the pingpong consumers' (kernels/mainloop.py).
+GATHER_BARRIER = 10
 #: Bytes one cp.async moves: 8 bf16/fp16 elements, the unit of the 128-byte swizzle.
 CHUNK_BYTES = 16
 
@@ -57,9 +66,10 @@ class GatherProducer:
 
     @cute.jit
     def produce_gather(self, mA: cute.Tensor, mIdx: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-                       mOffs: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe, ptid: Int32,
-                       warp_idx: Int32, bidx: Int32, grid: Int32):
-        """The producer warpgroup's loop (``ptid`` = thread in the warpgroup, ``warp_idx`` its warp)."""
+                       mOffs: cute.Tensor, mCounter: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe,
+                       sched_pipe, sTile: cute.Tensor, ptid: Int32, warp_idx: Int32, bidx: Int32, grid: Int32):
+        """The producer warpgroup's loop (``ptid`` = thread in the warpgroup, ``warp_idx`` its warp); ``mCounter``,
+        ``sched_pipe``, ``sTile``: the dynamic scheduler's counter, tile-id pipeline and slots (unused static)."""
         chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
         tiled_copy = self.gather_copy()
         thr_copy = tiled_copy.get_slice(ptid)
@@ -70,6 +80,9 @@ class GatherProducer:
         k_tail = const_expr(self.K % self.tile_k != 0)
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         tile_id = bidx
+        if const_expr(self.dynamic):
+            sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
+            sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx)
         g, base, cnt = self.sched.start(mOffs, tile_id)
         while g < self.G:
             m_idx, n_idx = self.sched.coords(tile_id, base, cnt)
@@ -107,10 +120,36 @@ class GatherProducer:
                                       pred=in_k)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                 prod_state.advance()
-            tile_id = tile_id + grid
+            if const_expr(self.dynamic):
+                slot = sched_state.index
+                sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx, mCounter, grid)
+                cute.arch.barrier(barrier_id=GATHER_BARRIER, number_of_threads=GATHER_THREADS)
+                tile_id = sTile[slot]
+            else:
+                tile_id = tile_id + grid
             g, base, cnt = self.sched.seek(mOffs, tile_id, g, base, cnt)
+        if const_expr(self.dynamic and self.pingpong):
+            # the second end-of-work entry of a pingpong pair (as TileScheduler's TMA producer publishes)
+            sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx)
         # leave no copy in flight behind an exiting thread (warp 0's tail also waits for the consumers)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         if warp_idx == 0:
             ab_pipe.producer_tail(prod_state)
+
+    @cute.jit
+    def publish_id(self, sched_pipe, state, sTile: cute.Tensor, tile_id: Int32, warp_idx: Int32, mCounter=None,
+                   grid=None):
+        """Every producer thread: warp 0 publishes a tile id to the consumers (dynamic scheduler): ``tile_id``, or
+        with ``mCounter`` the next one it takes from the counter (only warp 0 takes one). All advance the same
+        state (each thread its copy), so after the next :data:`GATHER_BARRIER` every thread knows the slot."""
+        if warp_idx == 0:
+            nxt = tile_id
+            if const_expr(mCounter is not None):
+                nxt = self.sched.producer_next(mCounter, tile_id, grid)
+            sched_pipe.producer_acquire(state)
+            if cute.arch.lane_idx() == 0:
+                sTile[state.index] = nxt
+            sched_pipe.producer_commit(state)
+        state.advance()
+        return state

@@ -10,7 +10,8 @@ D[rows of g] = epilogue(A[rows of g] @ B[g].T)
 - warp roles (kernels/mainloop.py): warpgroup 0 = producer (warp 0 issues TMA loads of A/B into a
   multi-stage smem ring), warpgroups 1..2 = wgmma consumers + epilogue (kernels/tile_epilogue.py).
 - ``gather_a``: A is the (a_rows, K) token matrix and routed row r multiplies A[index[r]]; the whole producer
-  warpgroup loads A by cp.async through the index, warp 0 still loads B by TMA (kernels/gather_producer.py).
+  warpgroup loads A by cp.async through the index, warp 0 still loads B by TMA and takes the dynamic schedule's
+  tile ids (kernels/gather_producer.py).
 - tile scheduler (kernels/scheduler.py): walks (group, m-tile, n-tile) on the device from the offsets.
 - ``cluster_n = 2``: CTA pairs (clusters of 2) work on neighbouring n-tiles of one m-tile; each CTA loads
   half of the A tile's rows by TMA and multicasts it to both, so A crosses L2 once per pair (the weights'
@@ -79,7 +80,6 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
         assert self.cluster_n == 1 or not self.gather_a, "a CTA pair multicasts a TMA-loaded A"
         self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
-        assert not (self.gather_a and self.dynamic), "gather_a: the producer threads walk a static schedule"
         assert not (self.gather_a and self.b_major != "K"), "gather_a is forward-only: B is K-major"
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.gather_a]
         assert self.b_major in ("K", "MN"), "b_major is 'K' or 'MN'"
@@ -241,7 +241,8 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             if const_expr(self.gather_a):
-                self.produce_gather(mA, mIdx, tma_b, mB, mOffs, sA, sB, ab_pipe, tidx, warp_idx, bidx, grid)
+                self.produce_gather(mA, mIdx, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
+                                    tidx, warp_idx, bidx, grid)
             elif warp_idx == 0:
                 self.produce(tma_a, mA, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
                              bidx, grid, rank=rank)

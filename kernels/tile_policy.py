@@ -9,7 +9,7 @@ loading the DSL.
     n_tile_count(N, tile_n)            n-tiles per m-tile (gated or not)
     tile_config(N, K, G, gated, b_major, reads_aux, gather)
                                        a fused kernel's configuration: the heuristic, except for an epilogue
-                                       that reads a saved (M, n) tensor, and a gathered A (static schedule)
+                                       that reads a saved (M, n) tensor, and a gathered A
     for_gather(config)                 a configuration with A gathered through an index
     gather_tile(config, N)             the wider tile a gathering kernel takes (its A loads bound it)
     spill_fallback(config)             the configuration compile_grouped_gemm rebuilds a spilling kernel at
@@ -46,7 +46,7 @@ class GemmConfig:
     b_major: str = "K"       # "K": B is (G, N, K), K contiguous (a forward reads W[g] (out, in) so);
                              # "MN": B is (G, K, N), N contiguous (a dgrad dX = dY @ W[g] reads W[g] so)
     gather_a: bool = False   # A is the (T, K) token matrix read through an int32 index (M,): routed row r
-                             # multiplies A[index[r]] (kernels/gather_producer.py; static schedule, b_major "K")
+                             # multiplies A[index[r]] (kernels/gather_producer.py; b_major "K", single CTAs)
     band_m: int = 0          # tile order inside a group: a tall group is cut into bands of at most band_m m-tiles,
                              # m fastest inside a band, then n (L2 reuse; kernels/scheduler.py); 0: band_for(tile_n);
                              # 1: m fastest over the whole group
@@ -222,9 +222,10 @@ def _max_stages_capped(tile_n: int, cap: int) -> int:
 
 
 def for_gather(config: GemmConfig) -> GemmConfig:
-    """`config` with A gathered through an index: the same tile, stages and consumer schedule, static tile order
-    (all 128 producer threads walk the schedule themselves; the dynamic one hands tile ids out from one warp)."""
-    return dataclasses.replace(config, gather_a=True, dynamic=False, cluster_n=1)
+    """`config` with A gathered through an index: the same tile, stages and consumer schedule, the dynamic tile
+    order (warp 0 takes the ids, the producer's other warps read them at a named barrier), single CTAs (a pair
+    multicasts a TMA-loaded A)."""
+    return dataclasses.replace(config, gather_a=True, dynamic=True, cluster_n=1)
 
 
 def spill_fallback(config: GemmConfig) -> GemmConfig | None:
@@ -243,13 +244,13 @@ def spill_fallback(config: GemmConfig) -> GemmConfig | None:
 
 def candidates(base: GemmConfig, N: int) -> list[GemmConfig]:
     """Autotune mode's candidates: the heuristic's choice first, then the schedules and the tile widths that
-    divide N (a gathered A: static schedules only)."""
+    divide N."""
     out = [base]
     for tile_n, stages in ((128, 6), (192, 5), (256, 4)):
         if N % tile_n:
             continue
         for pingpong in (False, True):
-            for dynamic in ((False,) if base.gather_a else (False, True)):
+            for dynamic in (False, True):
                 cfg = dataclasses.replace(GemmConfig(), tile_n=tile_n, stages=stages, pingpong=pingpong,
                                           dynamic=dynamic, b_major=base.b_major, gather_a=base.gather_a)
                 if cfg not in out:

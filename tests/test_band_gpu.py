@@ -84,16 +84,18 @@ def test_bands_dgrad_mn_major():
         assert torch.equal(outs[band], outs[1]), f"band_m={band}"
 
 
-def test_bands_gathering_producer():
-    """The gather producer's 128 threads walk the tile order themselves (static schedule): they must agree
-    with the consumers on every banded tile."""
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_bands_gathering_producer(dynamic):
+    """The gather producer's 128 threads walk the tile order themselves (static: each its own walk; dynamic: the
+    ids warp 0 takes): they must agree with the consumers on every banded tile."""
     gen = torch.Generator().manual_seed(5)
     N, Kd, T = 512, K_BF16, 1500
     x = torch.randn(T, Kd, generator=gen).to(DEV, torch.bfloat16)
     W = (torch.randn(len(SIZES), N, Kd, generator=gen) / Kd ** 0.5).to(DEV, torch.bfloat16)
     index = torch.randint(0, T, (int(SIZES.sum()),), generator=gen).to(DEV, torch.int32)
     offs = K.offsets_from_group_sizes(SIZES.to(DEV))
-    outs = _run_bands(dict(tile_n=128, stages=6, pingpong=True, gather_a=True), N, Kd, x, W, offs, index=index)
+    outs = _run_bands(dict(tile_n=128, stages=6, pingpong=True, gather_a=True, dynamic=dynamic), N, Kd, x, W, offs,
+                      index=index)
     _check(outs[1], _gemm_nk(x[index.long()], W, SIZES))
     for band in BANDS:
         assert torch.equal(outs[band], outs[1]), f"band_m={band}"

@@ -63,12 +63,26 @@ def test_gated_fc1_gather_compiles_without_spills(model):
     E, d, f = MOE_FC1[model]
     comp = _gather_compile(K.SwiGLUScaleEpilogue(), 2 * f, d, E)
     _check_gather_sass(comp)
-    assert comp.config.gather_a and not comp.config.dynamic
-    assert comp.name.endswith("_gA") and "_dyn" not in comp.name
+    assert comp.config.gather_a and comp.config.dynamic
+    assert comp.name.endswith("_gA") and "_dyn" in comp.name
     # built at gather_tile's tile (the widest that divides N), not a spill fallback
     want = gather_tile(for_gather(K.GemmConfig(*tile_config(2 * f, d, E, True, "K", False))), 2 * f)
     assert comp.config == want
     assert comp.config.tile_n == (192 if 2 * f % 192 == 0 else 256 if 2 * f % 256 == 0 else 128)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_both_schedules_gather_without_spills(dynamic):
+    """The static walk (every producer thread) and the dynamic one (warp 0 takes the ids, the warpgroup meets at a
+    named barrier to read them) both compile to spill-free SASS; only the dynamic one has the barrier and the
+    atomic counter."""
+    config = dataclasses.replace(K.GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True)),
+                                 dynamic=dynamic)
+    comp = K.compile_grouped_gemm(config, K.SwiGLUScaleEpilogue(), "bfloat16", 1536, 2048, 128)
+    _check_gather_sass(comp)
+    from fusion.kernels.gather_producer import GATHER_BARRIER
+    assert bool(re.search(rf"bar\.sync\s+{GATHER_BARRIER}, 128;", comp.ptx)) == dynamic
+    assert ("atom.global.add" in comp.ptx or "atom.add" in comp.ptx or "red.global.add" in comp.ptx) == dynamic
 
 
 @pytest.mark.parametrize("epi,N", [(K.IdentityEpilogue(), 2048), (_SwiGLUTrainMXFP8(), 1536)])
@@ -91,16 +105,17 @@ def test_ragged_k_zero_fills_the_tail_chunks():
     assert re.search(r"cp\.async\.cg\.shared\.global [^;]*, 16, 16;", aligned.ptx)
 
 
-def test_tile_policy_gives_gather_a_static_schedule():
+def test_tile_policy_gives_gather_a_the_dynamic_schedule():
     for gated, N in ((True, 28672), (True, 1536), (False, 4096)):
         base = K.GemmConfig(*tile_config(N, 4096, 8, gated, "K", False))
         gath = K.GemmConfig(*tile_config(N, 4096, 8, gated, "K", False, gather=True))
-        assert gath == gather_tile(dataclasses.replace(base, gather_a=True, dynamic=False, cluster_n=1), N)
-        assert gath.gather_a and not gath.dynamic and gath.cluster_n == 1   # a gathered A is never multicast
+        assert gath == gather_tile(dataclasses.replace(base, gather_a=True, dynamic=True, cluster_n=1), N)
+        assert gath.gather_a and gath.dynamic and gath.cluster_n == 1   # a gathered A is never multicast
         # the widest tile that divides N: every n-tile gathers its A rows again
         assert (gath.tile_n, gath.pingpong) == {28672: (256, False), 1536: (192, True), 4096: (256, False)}[N]
     assert gather_tile(for_gather(K.GemmConfig(tile_n=128)), 1000) == for_gather(K.GemmConfig(tile_n=128))
-    assert all(c.gather_a and not c.dynamic for c in candidates(for_gather(K.GemmConfig()), 4096))
+    tried = candidates(for_gather(K.GemmConfig()), 4096)
+    assert all(c.gather_a for c in tried) and {c.dynamic for c in tried} == {False, True}
     assert not any(c.gather_a for c in candidates(K.GemmConfig(), 4096))
 
 
@@ -115,7 +130,6 @@ def test_runtime_job_carries_gather():
 
 @pytest.mark.parametrize("cfg,match", [
     (dict(gather_a=True, b_major="MN"), "forward-only"),
-    (dict(gather_a=True, dynamic=True), "static tile schedule"),
 ])
 def test_gather_configs_the_kernel_cannot_build_are_rejected(cfg, match):
     with pytest.raises(KernelConfigError, match=match):

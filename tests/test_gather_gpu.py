@@ -4,6 +4,8 @@ Routed row r of group g multiplies token x[index[r]]: compared with torch (x[ind
 epilogue) in float64, on imbalanced groups with empty ones, tokens routed several times, an index longer than the
 routed rows (-1 padding past them) and ragged K; output rows past the groups must stay untouched.
 """
+import dataclasses
+
 import pytest
 import torch
 from conftest import hopper_available
@@ -57,7 +59,7 @@ def _close(x, ref, tol=1e-2):
     assert ((x - ref).norm() / ref.norm()).item() < tol / 2
 
 
-def _run(epi, T, G, N, Kd, topk, pad, extras_fn):
+def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True):
     gen = torch.Generator().manual_seed(1234 + N + Kd)
     x = torch.randn(T, Kd, generator=gen).to(DEV, torch.bfloat16)
     W = (torch.randn(G, N, Kd, generator=gen) / Kd ** 0.5).to(DEV, torch.bfloat16)
@@ -67,8 +69,8 @@ def _run(epi, T, G, N, Kd, topk, pad, extras_fn):
     rows = int(sizes.sum())
     offs = K.offsets_from_group_sizes(sizes)
     config = K.GemmConfig(*tile_config(N, Kd, G, epi.gated, "K", False, gather=True))
-    comp = K.compile_grouped_gemm(config, epi, "bfloat16", N, Kd, G)
-    assert comp.config.gather_a
+    comp = K.compile_grouped_gemm(dataclasses.replace(config, dynamic=dynamic), epi, "bfloat16", N, Kd, G)
+    assert comp.config.gather_a and comp.config.dynamic == dynamic
     n_out = N // 2 if epi.gated else N
     out = torch.full((M, n_out), POISON, dtype=torch.bfloat16, device=DEV)
     extras = extras_fn(M, gen)
@@ -78,22 +80,29 @@ def _run(epi, T, G, N, Kd, topk, pad, extras_fn):
     return out[:rows], _reference(x, W, sizes.cpu(), index), extras, rows
 
 
-@pytest.mark.parametrize("N,Kd", [(384, 512), (200, 520)])
-def test_gather_identity(N, Kd):
-    """Plain grouped GEMM on gathered rows; (200, 520): partial n-tile and a ragged last k-tile (zero fill)."""
-    out, ref, _, _ = _run(K.IdentityEpilogue(), T=700, G=12, N=N, Kd=Kd, topk=3, pad=77,
-                          extras_fn=lambda M, gen: None)
+SCHEDULES = pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+
+
+@SCHEDULES
+@pytest.mark.parametrize("N,Kd,T", [(384, 512, 700), (200, 520, 700), (384, 256, 9000)])
+def test_gather_identity(N, Kd, T, dynamic):
+    """Plain grouped GEMM on gathered rows; (200, 520): partial n-tile and a ragged last k-tile (zero fill);
+    T = 9000: 27000 routed rows, many more tiles than CTAs (each CTA walks several, from the counter when
+    dynamic)."""
+    out, ref, _, _ = _run(K.IdentityEpilogue(), T=T, G=12, N=N, Kd=Kd, topk=3, pad=77,
+                          extras_fn=lambda M, gen: None, dynamic=dynamic)
     _close(out, ref)
 
 
+@SCHEDULES
 @pytest.mark.parametrize("N,Kd", [(512, 1024), (4096, 256)])
-def test_gather_swiglu_scale(N, Kd):
+def test_gather_swiglu_scale(N, Kd, dynamic):
     """Gated FC1 on gathered rows: silu(gate) * up * scale[r] per routed row ((4096, 256): the 128x192 tile)."""
     def extras(M, gen):
         return {"scale": torch.rand(M, generator=gen).to(DEV)}
 
     out, ref, ext, rows = _run(K.SwiGLUScaleEpilogue(), T=600, G=10, N=N, Kd=Kd, topk=2, pad=33,
-                               extras_fn=extras)
+                               extras_fn=extras, dynamic=dynamic)
     gate, up = ref[:, :N // 2], ref[:, N // 2:]
     expect = gate * torch.sigmoid(gate) * up * ext["scale"][:rows].double()[:, None]
     _close(out, expect)
