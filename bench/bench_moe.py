@@ -15,6 +15,8 @@ Metrics per (config, phase, path): b2b_ms, sync_ms, host_us, peak_MB as bench_tr
 (bench_common.measure); TFLOP/s from b2b_ms; in training-step rows `activation_MB`, the memory the path holds
 between forward and backward (allocated after a forward whose output is alive, minus before it: the weights and x
 excluded), `bwd_TFLOPs`, and for `fusion` the bytes explain() lists as saved for backward (`explain_saved_MB`).
+With --graphs, `graph_ms`: the call captured in a CUDA graph and replayed (bench_common.graphed_ms), the host
+removed; the table's "in CUDA graphs" column is torch_compiled's graph_ms over fusion's.
 `rel_err`: fusion's (and sonicmoe's) y, dx, dw1, dw2, drouter against torch_compiled's; `routing_agreement`: the
 share of (token, expert) choices fusion.moe.route and torch.topk agree on (bf16 logits can tie).
 
@@ -42,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout: `fusion` is this repository
 sys.path.insert(0, str(HERE))
 
-from bench_common import measure, phase_calls, rel_errors, run_header, synchronize  # noqa: E402
+from bench_common import graphed_ms, measure, phase_calls, rel_errors, run_header, synchronize  # noqa: E402
 from moe_paths import FusionLayer, SonicLayer, TorchLayer, routing_agreement, sonicmoe_status  # noqa: E402
 
 
@@ -118,6 +120,7 @@ class Options:
     torch_variant: str = "best"        # parts | whole | best (measure both, report the faster)
     combine: str = "index_add"
     calls: dict = None                 # measure()'s call counts
+    graphs: bool = False               # also time each call captured in a CUDA graph (graph_ms)
 
     def measure(self, fn, clear):
         return measure(fn, clear, device=self.device, **(self.calls or {}))
@@ -214,6 +217,8 @@ def run_path(name, moe, cfg, tokens, x, dy, want, phases, opts, log) -> list[dic
                 res = opts.measure(*phase_fn(path, phase, x, dy))
                 if phase == "moe_training_step":
                     res["activation_MB"] = act
+                if opts.graphs:
+                    res.update(graph_row(path, phase, x, dy, opts.device))
                 results[phase][variant] = res
             except Exception as exc:  # noqa: BLE001
                 results[phase][variant] = {"error": _err(exc)}
@@ -276,14 +281,30 @@ def _add_bwd_tflops(rows, cfg, tokens) -> None:
             r["bwd_TFLOPs"] = round(12 * tokens * cfg.k * cfg.d * cfg.f / ((r["b2b_ms"] - before) * 1e-3) / 1e12, 2)
 
 
+def graph_row(path, phase: str, x, dy, device) -> dict:
+    """{"graph_ms": ms per CUDA-graph replay of one call} (bench_common.graphed_ms), or {"graph_error": why}."""
+    if torch.device(device).type != "cuda":
+        return {}
+    call, clear = phase_fn(path, phase, x, dy)
+    try:
+        return {"graph_ms": round(graphed_ms(call), 4)}
+    except Exception as exc:  # noqa: BLE001 - a path that cannot be captured is reported, not fatal
+        synchronize(device)
+        return {"graph_error": _err(exc)}
+    finally:
+        clear()
+
+
 def _row_text(r: dict) -> str:
     if "error" in r and "b2b_ms" not in r:
         return f"{r['path']:15s} {r['phase']:17s} {r['error']}"
     act = f"  act {r['activation_MB']} MB" if r.get("activation_MB") is not None else ""
     err = f"  rel_err {r['rel_err']}" if "rel_err" in r else ""
     variant = f"  ({r['variant']})" if "variant" in r else ""
+    graph = f"  graph {r['graph_ms']:.3f} ms" if "graph_ms" in r else \
+        f"  graph failed ({r['graph_error']})" if "graph_error" in r else ""
     return (f"{r['path']:15s} {r['phase']:17s} b2b {r['b2b_ms']:9.3f} ms  sync {r['sync_ms']:9.3f} ms  "
-            f"host {r['host_us']} us  peak {r['peak_MB']} MB  {r['TFLOPs']} TFLOP/s{act}{err}{variant}")
+            f"host {r['host_us']} us  peak {r['peak_MB']} MB  {r['TFLOPs']} TFLOP/s{graph}{act}{err}{variant}")
 
 
 def table(rows: list[dict]) -> str:
@@ -292,7 +313,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         cells.setdefault((r["model"], r["tokens"], r["phase"]), {})[r["path"]] = r
     out = ["| config (T, d, f, E, k) | phase | " + " | ".join(PATHS) +
-           " | torch_compiled / fusion | activation MB fusion / torch |", "|---" * (len(PATHS) + 4) + "|"]
+           " | torch_compiled / fusion | in CUDA graphs | activation MB fusion / torch |",
+           "|---" * (len(PATHS) + 5) + "|"]
     for (model, tokens, phase), by_path in cells.items():
         r0 = next(iter(by_path.values()))
         fmt = []
@@ -301,10 +323,11 @@ def table(rows: list[dict]) -> str:
             fmt.append("-" if c is None else "n/a" if "b2b_ms" not in c else f"{c['b2b_ms']:.3f} ({c['TFLOPs']:.0f})")
         f, t = by_path.get("fusion", {}), by_path.get("torch_compiled", {})
         speed = f"{t['b2b_ms'] / f['b2b_ms']:.2f}x" if "b2b_ms" in f and "b2b_ms" in t else "-"
+        graphed = f"{t['graph_ms'] / f['graph_ms']:.2f}x" if "graph_ms" in f and "graph_ms" in t else "-"
         act = (f"{f['activation_MB']:.0f} / {t['activation_MB']:.0f}"
                if f.get("activation_MB") is not None and t.get("activation_MB") is not None else "-")
         out.append(f"| {model} ({tokens}, {r0['d']}, {r0['f']}, {r0['E']}, {r0['k']}) | {phase} | " + " | ".join(fmt)
-                   + f" | {speed} | {act} |")
+                   + f" | {speed} | {graphed} | {act} |")
     return "\n".join(out)
 
 
@@ -351,6 +374,8 @@ def main(argv=None):
     ap.add_argument("--combine", default="index_add", choices=["index_add", "gather_sum"],
                     help="torch_compiled's combine: index_add (atomics), or gather + sum over k (deterministic)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<gpu>-<date>-moe.json)")
+    ap.add_argument("--graphs", action="store_true", help="also time every call captured in a CUDA graph (graph_ms: "
+                                                         "the host removed, as under torch.cuda.graph)")
     ap.add_argument("--precompile", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="CPU, a tiny float32 layer, fusion backend='reference' "
                                                           "and torch.compile backend='eager': checks the benchmark")
@@ -367,6 +392,7 @@ def main(argv=None):
                        calls={"b2b_calls": 2, "sync_calls": 1})
     opts.torch_variant = args.torch_variant or ("parts" if args.dry_run else "best")
     opts.combine = args.combine
+    opts.graphs = args.graphs
     header = run_header(opts.device)
     out = Path(args.out) if args.out else \
         HERE / "results" / f"{header['gpu'].replace(' ', '-')}-{header['date']}-moe.json"
