@@ -42,6 +42,9 @@ TILE_M_64 = {"on": False, "tiles": ((128, 8), (192, 6), (256, 5))}
 BANDS = {"values": ()}
 #: --gemms: time only these of plan_kernels' GEMMs.
 GEMMS = {"only": ()}
+#: --tiles N:S:pp|coop,...: also time the policy's configuration at these tile widths, stages and consumer schedules
+#: (dynamic schedule, single CTAs), e.g. 192:5:pp for a width that divides N where 128 leaves a ragged n-tile.
+TILES = {"extra": ()}
 
 
 def plan_kernels(E, d, f):
@@ -79,6 +82,10 @@ def variants(job: KernelJob):
             cfg = dataclasses.replace(base, dynamic=dynamic, cluster_n=cn)
             if cfg != base:
                 out.append((("dyn" if dynamic else "static") + (" c2" if cn > 1 else ""), cfg))
+    for tile_n, stages, pingpong in TILES["extra"]:
+        cfg = dataclasses.replace(base, tile_n=tile_n, stages=stages, pingpong=pingpong, dynamic=True, cluster_n=1)
+        if cfg != base:
+            out.append((f"128x{tile_n} {'pp' if pingpong else 'coop'} dyn", cfg))
     if TILE_M_64["on"]:
         for tile_n, stages in TILE_M_64["tiles"]:
             cfg = dataclasses.replace(base, tile_m=64, tile_n=tile_n, stages=stages, pingpong=True, dynamic=True,
@@ -177,11 +184,15 @@ def main():
     ap.add_argument("--tile-m-64", action="store_true", help="also 64-row pingpong tiles")
     ap.add_argument("--bands", default="", help="comma-separated band_m values: time those instead of the schedules")
     ap.add_argument("--gemms", default="", help="comma-separated GEMMs (fc1_fwd, fc2_fwd, ...): only those")
+    ap.add_argument("--tiles", default="", help="comma-separated N:STAGES:pp|coop tiles to time as well "
+                                                "(dynamic schedule), e.g. 192:5:pp,256:4:coop")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     TILE_M_64["on"] = args.tile_m_64
     BANDS["values"] = tuple(int(b) for b in args.bands.split(",") if b)
     GEMMS["only"] = tuple(g for g in args.gemms.split(",") if g)
+    TILES["extra"] = tuple((int(n), int(st), sched == "pp") for n, st, sched in
+                           (t.split(":") for t in args.tiles.split(",") if t))
     names = args.shapes.split(",")
     if args.precompile:
         from fusion.runtime.aot import compile_jobs

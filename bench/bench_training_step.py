@@ -19,6 +19,9 @@ Paths (all in bf16, the same weights, inputs and group sizes):
                     and torch._grouped_mm for the weight gradients (quack's varlen-K GEMM needs 16-byte
                     aligned group starts).
 - reference         backend="reference": the eager specification (not a baseline; for scale).
+- <path>_graphed    any path above with its forward and backward captured by torch.cuda.make_graphed_callables
+                    (fusion_graphed, unfused_compiled_graphed, ...): the host removed, as a user with a small batch
+                    runs it; each call copies its inputs into the graphs' static inputs and replays.
 - fusion_fp8, fusion_fp8_fp8wgrad, fusion_fp8_direct, unfused_fp8: the FP8 paths (bench/fp8_paths.py): the
                     fp8_block block against torch._scaled_grouped_mm with compiled act and quantization. Their relative error is
                     against the bf16 reference, so it includes FP8's rounding.
@@ -90,6 +93,9 @@ BLOCKS = [
 PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "quack", "reference", "fusion_fp8", "fusion_fp8_fp8wgrad",
          "fusion_fp8_direct", "unfused_fp8"]
 PHASES = ["forward", "training_step", "gemm"]
+#: A path name plus this suffix (fusion_graphed, unfused_compiled_graphed, ...): that path captured in CUDA graphs
+#: (GraphedPath).
+GRAPHED = "_graphed"
 
 
 def group_sizes(block: Block, seed: int = 0) -> torch.Tensor:
@@ -213,6 +219,38 @@ class QuackPath(Path_):
                                  self.cu_seqlens)
 
 
+class _Graphable(torch.nn.Module):
+    """A path as a module of (x[, probs]) for torch.cuda.make_graphed_callables: the block's weights are its
+    parameters (their gradients come out of the backward graph), the router probabilities an input (theirs too)."""
+
+    def __init__(self, path: Path_, seq):
+        super().__init__()
+        self.seq, self.path = seq, path
+
+    def forward(self, x, probs=None):
+        kept, self.path.probs = self.path.probs, probs
+        try:
+            return self.path.forward(x)
+        finally:
+            self.path.probs = kept
+
+
+class GraphedPath(Path_):
+    """Another path with its forward and backward captured in CUDA graphs (torch.cuda.make_graphed_callables, as a
+    user with a small batch runs a block to take the host out): each call copies its inputs into the graphs'
+    static inputs and replays. The kernels and the math are the inner path's."""
+
+    def __init__(self, inner: Path_, seq, rows: int):
+        self.inner, self.params, self.probs = inner, inner.params, inner.probs
+        param = next(seq.parameters())
+        x = torch.randn(rows, seq[0].in_features, device=param.device, dtype=param.dtype, requires_grad=True)
+        args = (x,) if self.probs is None else (x, self.probs.detach().clone().requires_grad_())
+        self.call = torch.cuda.make_graphed_callables(_Graphable(inner, seq), args)
+
+    def forward(self, x):
+        return self.call(x) if self.probs is None else self.call(x, self.probs)
+
+
 # -- timing: measure() and rel_errors() live in bench_common.py (shared with bench_moe.py) ----------------------
 def phase_fn(path: Path_, phase: str, x, dy):
     """(call, clear): one forward or training step, and what drops its gradients."""
@@ -241,6 +279,9 @@ def fingerprint(path: Path_, x, dy) -> dict:
 
 
 def make_path(name: str, seq, sizes, offsets, probs):
+    if name.endswith(GRAPHED):
+        inner = make_path(name.removesuffix(GRAPHED), seq, sizes, offsets, probs)
+        return GraphedPath(inner, seq, int(sizes.sum()))
     if name == "fusion":
         return FusionPath(seq, sizes, probs)
     if name == "fusion_compiled":
