@@ -18,11 +18,12 @@ OP_TABLE: dict[str, str] = {}
 
 #: Where a lone bf16/fp16 GroupLinear GEMM (forward, dgrad) runs our varlen-M kernel rather than torch._grouped_mm,
 #: per call: the GEMM has at least `min_groups` groups (one group is a dense GEMM: cuBLAS measured faster), the routed
-#: rows average at most this many per group and the GEMM's output width is a multiple of `n_multiple` (measured:
-#: fusion/runtime/lone_gemm.py).
-LONE_GEMM_RULE = {"min_groups": 2, "max_rows_per_group": 1024, "n_multiple": 128}
+#: rows average at most this many per group and the GEMM's output width is a multiple of one of `n_multiples` (whole
+#: n-tiles of the kernel's 128- or 192-column tile; measured: fusion/runtime/lone_gemm.py).
+LONE_GEMM_RULE = {"min_groups": 2, "max_rows_per_group": 1024, "n_multiples": (128, 192)}
 _LONE_RULE_TEXT = (f"where the GEMM has >= {LONE_GEMM_RULE['min_groups']} groups, rows per group average <= "
-                   f"{LONE_GEMM_RULE['max_rows_per_group']} and N % {LONE_GEMM_RULE['n_multiple']} == 0, else "
+                   f"{LONE_GEMM_RULE['max_rows_per_group']} and N is a multiple of "
+                   f"{' or '.join(str(m) for m in LONE_GEMM_RULE['n_multiples'])}, else "
                    f"torch._grouped_mm (fusion/runtime/lone_gemm.py)")
 
 #: Device kernels the fused runtime runs in place of an unfused op's reference, by (op variant, part): the runtime

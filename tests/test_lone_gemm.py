@@ -18,7 +18,8 @@ ROWS = LONE_GEMM_RULE["max_rows_per_group"]
     (ROWS * 128, 128, 2048, True),        # the boundary itself
     (ROWS * 128 + 1, 128, 2048, False),
     (2048 * 64, 64, 2048, False),         # OLMoE: 2048 rows per expert, torch measured faster
-    (512 * 128, 128, 2880, False),        # GPT-OSS: N = 2880 is no multiple of 128
+    (512 * 128, 128, 2880, True),         # GPT-OSS: N = 2880, 15 whole 192-column tiles
+    (512 * 128, 128, 2000, False),        # no multiple of 128 or 192: a partial last n-tile
     (0, 8, 1024, True),                   # no rows: the kernel launches nothing
     (512, 1, 4096, False),                # one group: a dense GEMM, cuBLAS measured faster
     (512, 2, 4096, True),
@@ -33,12 +34,12 @@ def test_fusion_lone_gemm_torch_switches_the_kernel_off(monkeypatch):
 
 
 def test_the_rule_is_the_tables():
-    assert (lone_gemm.MIN_GROUPS, lone_gemm.MAX_ROWS_PER_GROUP, lone_gemm.N_MULTIPLE) == (
-        LONE_GEMM_RULE["min_groups"], ROWS, LONE_GEMM_RULE["n_multiple"])
+    assert (lone_gemm.MIN_GROUPS, lone_gemm.MAX_ROWS_PER_GROUP, lone_gemm.N_MULTIPLES) == (
+        LONE_GEMM_RULE["min_groups"], ROWS, LONE_GEMM_RULE["n_multiples"])
     for part in ("forward", "dgrad"):
         module, text = device_method("gemm", part)
         assert module == "lone_gemm"
-        assert f"<= {ROWS}" in text and f"N % {LONE_GEMM_RULE['n_multiple']} == 0" in text
+        assert f"<= {ROWS}" in text and "N is a multiple of 128 or 192" in text
         assert f">= {LONE_GEMM_RULE['min_groups']} groups" in text
 
 
@@ -64,13 +65,21 @@ def test_kernel_jobs(part, N, K, b_major):
     assert cfg["b_major"] == b_major and not cfg["gather_a"]
 
 
+@pytest.mark.parametrize("part", ["forward", "dgrad"])
+def test_gpt_oss_width_builds_whole_192_column_tiles(part):
+    """N = 2880 (GPT-OSS): the job's tile is 128x192 (15 whole n-tiles), not 128x128 (a half-empty last one)."""
+    (job,) = lone_gemm.kernel_jobs(GroupLinear(8, 2880, 2880), part, torch.bfloat16)
+    tile_n, dynamic, pingpong = job.config[1], job.config[7], job.config[9]
+    assert (job.N, tile_n, dynamic, pingpong) == (2880, 192, True, True)
+
+
 @pytest.mark.parametrize("op,part,dtype", [
     (GroupLinear(4, 256, 384), "wgrad", torch.bfloat16),       # the varlen-K kernel's (wgrad_gemm)
     (GroupLinear(4, 256, 384), "forward", torch.float32),      # the kernel runs bf16/fp16
     (GroupLinear(4, 256, 384, bias=True), "forward", torch.bfloat16),
     (Linear(256, 384), "forward", torch.bfloat16),             # a dense GEMM: F.linear
-    (GroupLinear(4, 256, 2880), "forward", torch.bfloat16),    # N % 128 != 0: the rule never takes it
-    (GroupLinear(4, 2880, 256), "dgrad", torch.bfloat16),
+    (GroupLinear(4, 256, 2000), "forward", torch.bfloat16),    # N no multiple of 128 or 192: never taken
+    (GroupLinear(4, 2000, 256), "dgrad", torch.bfloat16),
 ])
 def test_no_kernel_jobs(op, part, dtype):
     assert lone_gemm.kernel_jobs(op, part, dtype) == []

@@ -1,6 +1,6 @@
 """The lone-GEMM device method on a Hopper GPU (fusion/runtime/lone_gemm.py): a GroupLinear's unfused forward and
-dgrad run our varlen-M kernel where the rule says (few rows per group, N % 128 == 0) and torch._grouped_mm
-elsewhere; both compute the GEMM. A spy on the module's run/dgrad tells which ran (a silent fallback would
+dgrad run our varlen-M kernel where the rule says (few rows per group, N a multiple of 128 or 192) and
+torch._grouped_mm elsewhere; both compute the GEMM. A spy on the module's run/dgrad tells which ran (a silent fallback would
 compare torch with itself)."""
 import pytest
 import torch
@@ -41,7 +41,8 @@ def _inputs(E, M, d, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("E,d,f,M", [(8, 256, 256, 3000), (16, 512, 384, 4099), (4, 128, 256, 1)])
+@pytest.mark.parametrize("E,d,f,M", [(8, 256, 256, 3000), (16, 512, 384, 4099), (4, 128, 256, 1),
+                                     (8, 2880, 256, 3001)])   # d = 2880 (GPT-OSS): the 128x192 tile
 def test_few_rows_per_group_run_our_kernel(spy, E, d, f, M, dtype):
     """FC2's forward and FC1's dgrad on the varlen-M kernel (ragged groups, empty ones, unaligned M), the block's
     outputs and gradients as the reference's."""
@@ -65,9 +66,9 @@ def test_many_rows_per_group_run_torch(spy):
 
 
 def test_widths_off_the_rule_run_torch(spy):
-    """d = 2880 (GPT-OSS): FC2's output and FC1's input width are no multiple of 128."""
-    block = _block(4, 2880, 256)
-    x, extras = _inputs(4, 1000, 2880, torch.bfloat16)
+    """d = 2000: FC2's output and FC1's input width are no multiple of 128 or 192."""
+    block = _block(4, 2000, 256)
+    x, extras = _inputs(4, 1000, 2000, torch.bfloat16)
     (y, _), (y_ref, _) = run_both(block, x, extras)
     assert spy == {"run": 0, "dgrad": 0}, spy
     assert rel(y, y_ref) < 1e-2

@@ -8,8 +8,10 @@ dgrad). `takes(op, x)` decides per call from shapes the host already knows (no s
 * the GEMM has several groups (``G >= MIN_GROUPS``: a GroupLinear of one group is a dense GEMM, where cuBLAS's
   per-shape choices were faster on 12 of the 14 dense GEMMs measured, below),
 * the routed rows per group are few: ``M <= MAX_ROWS_PER_GROUP * G``, and
-* the GEMM's output width N is a multiple of 128 (whole 128-column tiles; the kernel's partial last n-tile costs
-  a full tile's work, and torch's tiles fit GPT-OSS's 2880 better).
+* the GEMM's output width N is a multiple of 128 or of 192: whole n-tiles of the tile the policy gives it
+  (kernels/tile_policy.py choose_config: 128x192 where 192 divides N and 128 does not, e.g. GPT-OSS's 2880). A
+  partial last n-tile costs a full tile's work: at 128x128 tiles GPT-OSS-120B's GEMMs were slower than torch's
+  (the table's last row); at 128x192 they are faster (below).
 
 Anywhere else torch._grouped_mm runs, as before. Why that rule: measured on an H200 (bench/bench_pair_gemm.py,
 bench/results/H200-2026-11-26-pairs*.json, the identity epilogue against torch._grouped_mm on the same operands):
@@ -22,6 +24,12 @@ bench/results/H200-2026-11-26-pairs*.json, the identity epilogue against torch._
 | OLMoE (2048) | 0.902 / 0.907 | 1.712 / 1.538 |
 | DeepSeek-V3 EP8 share (4096) | 5.779 / 5.781 | - |
 | GPT-OSS-120B (512; N = 2880) | 2.023 / 1.846 | 4.063 / 4.023 |
+
+GPT-OSS-120B at T = 16384, top-4 (512 rows per expert, N = 2880), on an H100 (bench/bench_pair_gemm.py --tiles,
+bench/results/H100-2026-11-26-tiles.json): FC2 forward 2.323 ms at 128x128 (23 n-tiles, the last half empty),
+1.887 at 128x192 (15 whole n-tiles), torch 2.076; FC1 dgrad 4.689 / 3.617 / 4.021. Where 128 divides N, 192 is no
+better than the policy's 128 (Qwen3-30B-A3B's FC1 dgrad 1.373 ms at 192 against torch's 1.338; OLMoE's 128-column
+pair 0.847 against 0.881 at 192).
 
 Dense (one group), measured on an H100 with the banded tile order (bench/bench_pair_gemm.py --bands 0,
 bench/results/H100-2026-11-26-dense-lone.json): ours / torch ms, FC2 forward and FC1 dgrad: Llama-3-8B at 4096 rows
@@ -52,10 +60,11 @@ from fusion.targets import cuda_major
 TILE_COUNTER = True
 
 #: Our kernel runs where the routed rows average at most this many per group (M <= MAX_ROWS_PER_GROUP * G) and
-#: the GEMM's output width is a multiple of N_MULTIPLE (the plan's table holds them, so explain() states the same)
+#: the GEMM's output width is a multiple of one of N_MULTIPLES (the plan's table holds them, so explain() states the
+#: same)
 MIN_GROUPS = LONE_GEMM_RULE["min_groups"]
 MAX_ROWS_PER_GROUP = LONE_GEMM_RULE["max_rows_per_group"]
-N_MULTIPLE = LONE_GEMM_RULE["n_multiple"]
+N_MULTIPLES = LONE_GEMM_RULE["n_multiples"]
 #: FUSION_LONE_GEMM=torch (read at import) sends every lone GEMM to torch._grouped_mm: the A/B switch that
 #: bench/ and a user comparing the two use.
 ENABLED = os.environ.get("FUSION_LONE_GEMM", "auto") != "torch"
@@ -66,7 +75,12 @@ _COMPILED: dict = {}
 def chooses_kernel(rows: int, groups: int, n: int) -> bool:
     """The measured rule: our kernel for `rows` routed rows over `groups` groups into `n` output columns (never with
     FUSION_LONE_GEMM=torch)."""
-    return ENABLED and groups >= MIN_GROUPS and rows <= MAX_ROWS_PER_GROUP * groups and n % N_MULTIPLE == 0
+    return ENABLED and groups >= MIN_GROUPS and rows <= MAX_ROWS_PER_GROUP * groups and whole_tiles(n)
+
+
+def whole_tiles(n: int) -> bool:
+    """Whether an output `n` columns wide is whole n-tiles of a tile the kernel takes (LONE_GEMM_RULE)."""
+    return any(n % m == 0 for m in N_MULTIPLES)
 
 
 def _output_width(op, x) -> int:
@@ -107,7 +121,7 @@ def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
     if device_method_refusal("gemm", None, str(dtype).removeprefix("torch."), (op.in_features, op.out_features),
                              op.spec.name) is not None:
         return []
-    if (op.out_features if part == "forward" else op.in_features) % N_MULTIPLE or op.weight.shape[0] < MIN_GROUPS:
+    if not whole_tiles(op.out_features if part == "forward" else op.in_features) or op.weight.shape[0] < MIN_GROUPS:
         return []   # the rule never sends this GEMM to the kernel
     return [_job(op, part, dtype)]
 
