@@ -147,9 +147,6 @@ class GatherProducer:
             nxt = tile_id
             if const_expr(mCounter is not None):
                 nxt = self.sched.producer_next(mCounter, tile_id, grid)
-            sched_pipe.producer_acquire(state)
-            if cute.arch.lane_idx() == 0:
-                sTile[state.index] = nxt
-            sched_pipe.producer_commit(state)
+            self.sched.fill_slot(sched_pipe, state, sTile, nxt)
         state.advance()
         return state

@@ -189,12 +189,18 @@ class TileScheduler:
     @cute.jit
     def publish(self, sched_pipe, state, sTile: cute.Tensor, tile_id: Int32):
         """Producer warp: hand ``tile_id`` to the consumer warpgroups (dynamic scheduler)."""
+        self.fill_slot(sched_pipe, state, sTile, tile_id)
+        state.advance()
+        return state
+
+    @cute.jit
+    def fill_slot(self, sched_pipe, state, sTile: cute.Tensor, tile_id: Int32):
+        """Producer warp: write ``tile_id`` into the state's slot once the consumers are done with it, and commit
+        it; the caller advances the state (the gathering producer's other warps advance their copies too)."""
         sched_pipe.producer_acquire(state)
         if cute.arch.lane_idx() == 0:
             sTile[state.index] = tile_id
         sched_pipe.producer_commit(state)
-        state.advance()
-        return state
 
     @cute.jit
     def receive(self, sched_pipe, state, sTile: cute.Tensor):
