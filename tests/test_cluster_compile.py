@@ -41,11 +41,14 @@ def test_pairs_multicast_a_and_single_ctas_do_not(epilogue, N, K):
 
 
 def test_policy_pairs_the_static_schedule_where_n_tiles_are_even():
-    # 128x128 static: Qwen3's FC1 (N=1536: 12 n-tiles) and FC2 (N=2048) pair; GPT-OSS's FC2 (N=2880: 23) does not
+    # 128x128 static: Qwen3's FC1 (N=1536: 12 n-tiles) and FC2 (N=2048) pair; N=1152 (9 n-tiles) does not
     assert choose_config(0, 1536, 2048, 128, gated=True).cluster_n == 2
     assert choose_config(0, 2048, 768, 128).cluster_n == 2
-    unpaired = choose_config(0, 2880, 2880, 128)
+    unpaired = choose_config(0, 1152, 2880, 128)
     assert unpaired.cluster_n == 1 and unpaired.dynamic and unpaired.tile_n == 128   # unpaired: dynamic single
+    # GPT-OSS's FC2 (N=2880: 22.5 128-column tiles) takes 15 whole 192-column ones, dynamic, single
+    gpt_oss = choose_config(0, 2880, 2880, 128)
+    assert (gpt_oss.tile_n, gpt_oss.cluster_n, gpt_oss.dynamic, gpt_oss.pingpong) == (192, 1, True, True)
     # the dynamic schedule (wide N) stays single: pairs walk the static one
     assert choose_config(0, 4096, 2048, 32).cluster_n == 1 and choose_config(0, 4096, 2048, 32).dynamic
     # an epilogue reading a saved tensor takes the dynamic schedule; a gathered A is never multicast

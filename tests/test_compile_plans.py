@@ -54,12 +54,12 @@ def test_demo_blocks_compile_for_sm90a(dtype):
         kernels = block.compile(dtype=dtype, target="sm_90a")
         # Forward: FC1+SwiGLU+Scale+QuantizeMXFP8 in a training and an inference variant; backward: FC2's dgrad
         # with d(SwiGLU*scale) in its epilogue. Then the unfused GEMMs' kernels in step order: FC2's forward and
-        # FC1's dgrad on the varlen-M kernel where their output width is a multiple of 128 (DeepSeek's d = 7168;
-        # not GPT-OSS's 2880: torch._grouped_mm, fusion/runtime/lone_gemm.py), both weight gradients on the
+        # FC1's dgrad on the varlen-M kernel where their output width is a multiple of 128 or 192 (DeepSeek's
+        # d = 7168, GPT-OSS's 2880 at 128x192; fusion/runtime/lone_gemm.py), both weight gradients on the
         # varlen-K kernel (FC2's first: autograd order).
         names = [k.name for k in kernels]
         assert [n.split("_")[1:3] for n in names[:3]] == [["F1", "train"], ["F1", "inference"], ["B1", "backward"]]
-        lone = block[4].out_features % 128 == 0
+        lone = block[4].out_features % 128 == 0 or block[4].out_features % 192 == 0
         expect = (["lone_fprop", "wgrad", "lone_dgrad", "wgrad"] if lone else ["wgrad", "wgrad"])
         assert [n.split("_")[0] if n.startswith("wgrad") else "_".join(n.split("_")[1:3]) for n in names[3:]] \
             == expect, names
