@@ -81,3 +81,16 @@ def test_selection_by_model_and_tokens():
     assert got == [("qwen3-30b-a3b", 8192), ("qwen3-30b-a3b", 1024), ("sonic-olmoe-7b", 32768)]
     with pytest.raises(SystemExit, match="unknown models"):
         bench_moe.select(bench_moe.argparse.Namespace(dry_run=False, models="nope", tokens="8192"))
+
+
+def test_graph_ratio_column_reads_graph_ms():
+    """--graphs: the table's "in CUDA graphs" column is torch_compiled's graph_ms over fusion's, '-' without them
+    (a CPU run captures nothing: bench_moe.graph_row gives no field there)."""
+    base = {"model": "m", "tokens": 8, "d": 4, "f": 2, "E": 2, "k": 1, "phase": "moe_training_step", "TFLOPs": 1.0}
+    rows = [dict(base, path="fusion", b2b_ms=2.0, graph_ms=1.0), dict(base, path="torch_compiled", b2b_ms=3.0,
+                                                                      graph_ms=1.5)]
+    line = bench_moe.table(rows).splitlines()[-1]
+    assert "| 1.50x | 1.50x |" in line
+    del rows[0]["graph_ms"]
+    assert "| 1.50x | - |" in bench_moe.table(rows).splitlines()[-1]
+    assert bench_moe.graph_row(None, "moe_forward", None, None, "cpu") == {}
