@@ -17,6 +17,9 @@ between forward and backward (allocated after a forward whose output is alive, m
 excluded), `bwd_TFLOPs`, and for `fusion` the bytes explain() lists as saved for backward (`explain_saved_MB`).
 With --graphs, `graph_ms`: the call captured in a CUDA graph and replayed (bench_common.graphed_ms), the host
 removed; the table's "in CUDA graphs" column is torch_compiled's graph_ms over fusion's.
+Path `fusion_rounded` is the same layer with token rounding (`--round-to`, default 128: every expert's rows a
+multiple of it, SonicMoE's tile-aligned routing): its speed against `fusion` is the effect of rounding; it routes
+differently, so its `rel_err_vs_top_k` is not a numerics check, and its TFLOP/s count the unrounded T*k rows.
 `rel_err`: fusion's (and sonicmoe's) y, dx, dw1, dw2, drouter against torch_compiled's; `routing_agreement`: the
 share of (token, expert) choices fusion.moe.route and torch.topk agree on (bf16 logits can tie).
 
@@ -45,7 +48,8 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout: `fusion` is this re
 sys.path.insert(0, str(HERE))
 
 from bench_common import graphed_ms, measure, phase_calls, rel_errors, run_header, synchronize  # noqa: E402
-from moe_paths import FusionLayer, SonicLayer, TorchLayer, routing_agreement, sonicmoe_status  # noqa: E402
+from moe_paths import (FusionLayer, SonicLayer, TorchLayer, rounded_moe, routing_agreement,  # noqa: E402
+                       sonicmoe_status)
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ SONICMOE_PUBLISHED_H100: dict = {
                                "where": "Figure 14 (assets/tput.png @ cbcb12a), read off the bar chart, +-5"},
 }
 DRY_RUN = MoEConfig("dry-run-tiny", 32, 4, 2, 16, (64,), "a CPU check of the benchmark itself")
-PATHS = ["fusion", "fusion_compiled", "torch_compiled", "sonicmoe"]
+PATHS = ["fusion", "fusion_compiled", "fusion_rounded", "torch_compiled", "sonicmoe"]
 PHASES = ["moe_forward", "moe_training_step"]
 
 
@@ -121,6 +125,7 @@ class Options:
     combine: str = "index_add"
     calls: dict = None                 # measure()'s call counts
     graphs: bool = False               # also time each call captured in a CUDA graph (graph_ms)
+    round_to: int = 128                # fusion_rounded's token rounding (rows per expert a multiple of it)
 
     def measure(self, fn, clear):
         return measure(fn, clear, device=self.device, **(self.calls or {}))
@@ -175,6 +180,8 @@ def make_paths(name: str, moe, cfg: MoEConfig, opts: Options) -> list:
     """[(variant or None, path)]: torch_compiled with --torch-variant best gives both variants."""
     if name == "fusion":
         return [(None, FusionLayer(moe))]
+    if name == "fusion_rounded":
+        return [(None, FusionLayer(rounded_moe(moe, opts.round_to)))]
     if name == "fusion_compiled":
         return [(None, FusionLayer(moe, compiled=True, compile_backend=opts.compile_backend))]
     if name == "torch_compiled":
@@ -201,7 +208,10 @@ def run_path(name, moe, cfg, tokens, x, dy, want, phases, opts, log) -> list[dic
     extra, results = {}, {p: {} for p in phases}
     for variant, path in variants:
         try:
-            if name != "torch_compiled":
+            if name == "fusion_rounded":   # other routing (rows dropped and added): not the same function
+                extra["rel_err_vs_top_k"] = rel_errors(fingerprint(path, x, dy), want)
+                extra["round_to"] = opts.round_to
+            elif name != "torch_compiled":
                 extra["rel_err"] = rel_errors(fingerprint(path, x, dy), want)
             elif variant == "whole":
                 extra["rel_err_whole_vs_parts"] = rel_errors(fingerprint(path, x, dy), want)
@@ -374,6 +384,8 @@ def main(argv=None):
     ap.add_argument("--combine", default="index_add", choices=["index_add", "gather_sum"],
                     help="torch_compiled's combine: index_add (atomics), or gather + sum over k (deterministic)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<gpu>-<date>-moe.json)")
+    ap.add_argument("--round-to", type=int, default=128, help="fusion_rounded's token rounding (rows per expert "
+                                                                  "rounded to a multiple of it)")
     ap.add_argument("--graphs", action="store_true", help="also time every call captured in a CUDA graph (graph_ms: "
                                                          "the host removed, as under torch.cuda.graph)")
     ap.add_argument("--precompile", action="store_true")
@@ -393,6 +405,7 @@ def main(argv=None):
     opts.torch_variant = args.torch_variant or ("parts" if args.dry_run else "best")
     opts.combine = args.combine
     opts.graphs = args.graphs
+    opts.round_to = args.round_to
     header = run_header(opts.device)
     out = Path(args.out) if args.out else \
         HERE / "results" / f"{header['gpu'].replace(' ', '-')}-{header['date']}-moe.json"

@@ -1,7 +1,8 @@
 """The paths bench_moe.py measures: one whole MoE layer, x (T, d) -> router -> top-k routing -> experts ->
 weighted combine -> y (T, d), every path on the same weights (the fusion.MoE's parameters).
 
-- FusionLayer  fusion.MoE as is (`fusion`), or inside torch.compile(fullgraph=True) (`fusion_compiled`).
+- FusionLayer  fusion.MoE as is (`fusion`), or inside torch.compile(fullgraph=True) (`fusion_compiled`), or
+               with token rounding (`fusion_rounded`: the same module's routing with round_to, rounded_moe).
 - TorchLayer   `torch_compiled`, what a user writes with PyTorch alone: router F.linear, softmax / topk /
                renormalize, a stable sort of the routed rows by expert, index_select of the token rows,
                torch._grouped_mm (with its autograd) for both GEMMs on int32 offsets, a torch.compile'd
@@ -40,6 +41,16 @@ def expert_weights(moe):
 
     w1, w2 = (op.weight for op in moe.experts.ops if isinstance(op, GroupLinear))
     return w1, w2
+
+
+def rounded_moe(moe, round_to: int):
+    """The same layer (the same parameters and experts block: a shallow copy) routing with token rounding to
+    multiples of `round_to` rows per expert (SonicMoE's token rounding; fusion.moe.route)."""
+    import copy
+
+    rounded = copy.copy(moe)
+    rounded.round_to = round_to
+    return rounded
 
 
 class FusionLayer(LayerPath):

@@ -41,6 +41,10 @@ def test_dry_run_writes_every_path_and_phase(dry_run):
         if phase == "moe_training_step":
             assert "activation_MB" in r
     assert rows[("torch_compiled", "moe_forward")]["variant"] == "parts"
+    # token rounding: the same layer routed with round_to, its error against top-k recorded apart (not numerics)
+    assert rows[("fusion_rounded", "moe_forward")]["round_to"] == 128
+    assert "rel_err" not in rows[("fusion_rounded", "moe_forward")]
+    assert set(rows[("fusion_rounded", "moe_forward")]["rel_err_vs_top_k"]) == {"y", "dx", "dw1", "dw2", "drouter"}
     assert rows[("fusion", "moe_training_step")]["explain_saved_MB"] is not None
 
 
@@ -94,3 +98,15 @@ def test_graph_ratio_column_reads_graph_ms():
     del rows[0]["graph_ms"]
     assert "| 1.50x | - |" in bench_moe.table(rows).splitlines()[-1]
     assert bench_moe.graph_row(None, "moe_forward", None, None, "cpu") == {}
+
+
+def test_rounded_path_routes_the_same_layer_with_round_to():
+    import fusion
+
+    moe = fusion.MoE.swiglu(32, 4, 16, 2, dtype=torch.float32, backend="reference")
+    rounded = moe_paths.rounded_moe(moe, 8)
+    assert rounded.round_to == 8 and moe.round_to is None
+    assert rounded.router is moe.router and rounded.experts is moe.experts   # the same parameters
+    r = rounded.route(torch.randn(20, 32))
+    sizes = r.group_sizes.tolist()
+    assert all(s % 8 == 0 or s == 20 for s in sizes)                        # multiples of 8, or capped at T
