@@ -16,8 +16,7 @@ import torch
 
 from fusion.errors import DeviceError, DTypeError, ExtraInputError, GroupSizesError, ShapeError
 from fusion.grouped import group_offsets
-from fusion.ops.args import INT_INPUTS, RESERVED_INPUTS
-from fusion.run_context import RunContext
+from fusion.run_context import INT_INPUTS, RESERVED_INPUTS, RunContext
 
 
 def _moe_structure(ops) -> bool:

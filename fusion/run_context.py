@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: Keyword inputs with a fixed meaning in a block call; an op may not read a float input of these names.
+#: "x" is the data input and "self" the module's own parameter of `forward`, so neither can be a keyword.
+#: (Here, below the ops that check their names and the input checks that read them.)
+INT_INPUTS = ("group_sizes", "index")
+RESERVED_INPUTS = INT_INPUTS + ("x", "self")
+
 
 @dataclass
 class RunContext:

@@ -13,11 +13,7 @@ import numbers
 import torch
 
 from fusion.errors import OpArgumentError
-
-#: Keyword inputs with a fixed meaning in a block call; an op may not read a float input of these names.
-#: "x" is the data input and "self" the module's own parameter of `forward`, so neither can be a keyword.
-INT_INPUTS = ("group_sizes", "index")
-RESERVED_INPUTS = INT_INPUTS + ("x", "self")
+from fusion.run_context import RESERVED_INPUTS
 
 
 def positive_int(op: str, name: str, value, what: str = "") -> int:
