@@ -18,17 +18,21 @@ OP_TABLE: dict[str, str] = {}
 
 #: Where a lone bf16/fp16 GroupLinear GEMM (forward, dgrad) runs our varlen-M kernel rather than torch._grouped_mm,
 #: per call: the GEMM has at least `min_groups` groups (one group is a dense GEMM: cuBLAS measured faster), the routed
-#: rows average at most this many per group and the GEMM's output width is a multiple of one of `n_multiples` (whole
-#: n-tiles of the kernel's 128- or 192-column tile; measured: fusion/runtime/lone_gemm.py).
-LONE_GEMM_RULE = {"min_groups": 2, "max_rows_per_group": 1024, "n_multiples": (128, 192)}
-_LONE_RULE_TEXT = (f"where the GEMM has >= {LONE_GEMM_RULE['min_groups']} groups, rows per group average <= "
-                   f"{LONE_GEMM_RULE['max_rows_per_group']} and N is a multiple of "
-                   f"{' or '.join(str(m) for m in LONE_GEMM_RULE['n_multiples'])}, else "
-                   f"torch._grouped_mm (fusion/runtime/lone_gemm.py)")
+#: rows average at most `max_rows_per_group[part]` per group and the GEMM's output width is a multiple of one of
+#: `n_multiples` (whole n-tiles of the kernel's 128- or 192-column tile; measured: fusion/runtime/lone_gemm.py).
+LONE_GEMM_RULE = {"min_groups": 2, "max_rows_per_group": {"forward": 1024, "dgrad": 512}, "n_multiples": (128, 192)}
+
+
+def _lone_rule_text(part: str) -> str:
+    return (f"where the GEMM has >= {LONE_GEMM_RULE['min_groups']} groups, rows per group average <= "
+            f"{LONE_GEMM_RULE['max_rows_per_group'][part]} and N is a multiple of "
+            f"{' or '.join(str(m) for m in LONE_GEMM_RULE['n_multiples'])}, else "
+            f"torch._grouped_mm (fusion/runtime/lone_gemm.py)")
 
 #: Device kernels the fused runtime runs in place of an unfused op's reference, by (op variant, part): the runtime
 #: module (fusion/runtime/<name>.py: `takes(op, value)`, and `run(op, value, ctx)` for a forward or a backward
-#: part, `dgrad(op, dy, ctx)` / `wgrad(op, x, dy, ctx)` for a GEMM's) with the same math in the same order
+#: part, `dgrad(op, dy, ctx)` / `wgrad(op, x, dy, ctx)` for a GEMM's; a module whose dgrad rule differs from its
+#: forward's also defines `takes_dgrad(op, dy)`, which the dgrad step asks instead) with the same math in the same order
 #: (each module says how it matches the reference), used on the CUDA tensors it takes, and what explain() says
 #: runs there. The variant is the op's kind, or kind:format for a GEMM whose weights are not the parameter as is
 #: (its weight_format) and for a quantize op (the format it writes). A Gather's backward is a combine of its
@@ -45,8 +49,9 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
                                               "weight's transposed blocks (fusion/kernels/fp8_gemm.py)"),
     ("gemm:fp8_block", "wgrad"): ("fp8_gemm", "torch._grouped_mm of the high-precision dY and X (fp8_linear."
                                               "WGRAD_IN_BF16; otherwise their FP8 columnwise copies, dequantized)"),
-    ("gemm", "forward"): ("lone_gemm", "varlen-M grouped GEMM " + _LONE_RULE_TEXT),
-    ("gemm", "dgrad"): ("lone_gemm", "varlen-M grouped GEMM of dY and the weight as stored " + _LONE_RULE_TEXT),
+    ("gemm", "forward"): ("lone_gemm", "varlen-M grouped GEMM " + _lone_rule_text("forward")),
+    ("gemm", "dgrad"): ("lone_gemm", "varlen-M grouped GEMM of dY and the weight as stored "
+                                     + _lone_rule_text("dgrad")),
     ("gemm", "wgrad"): ("wgrad_gemm", "varlen-K grouped GEMM (fusion/kernels/varlen_k_gemm.py: every group's "
                                       "dY_g.T @ X_g in one launch, TMA with X's tile multicast to a CTA pair)"),
 }

@@ -9,7 +9,8 @@ from fusion import GroupLinear, Linear, Scale, SwiGLU
 from fusion.op_table import LONE_GEMM_RULE, device_method
 from fusion.runtime import lone_gemm
 
-ROWS = LONE_GEMM_RULE["max_rows_per_group"]
+ROWS = LONE_GEMM_RULE["max_rows_per_group"]["forward"]
+DGRAD_ROWS = LONE_GEMM_RULE["max_rows_per_group"]["dgrad"]
 
 
 @pytest.mark.parametrize("rows,groups,n,expect", [
@@ -28,6 +29,18 @@ def test_rule(rows, groups, n, expect):
     assert lone_gemm.chooses_kernel(rows, groups, n) is expect
 
 
+@pytest.mark.parametrize("rows_per_group,expect", [
+    (256, True),       # Qwen3-235B-A22B: ours measured faster
+    (512, True),       # the boundary (GPT-OSS-120B at T = 16384, top-4)
+    (768, False),      # DeepSeek-V2-Lite: torch's dgrad measured faster
+    (1024, False),     # Qwen3-30B-A3B at T = 16384: torch's dgrad measured faster on an H100
+])
+def test_dgrad_rule_takes_fewer_rows(rows_per_group, expect):
+    assert DGRAD_ROWS < ROWS
+    assert lone_gemm.chooses_kernel(rows_per_group * 128, 128, 2048, "dgrad") is expect
+    assert lone_gemm.chooses_kernel(rows_per_group * 128, 128, 2048, "forward")   # the forward keeps 1024
+
+
 def test_fusion_lone_gemm_torch_switches_the_kernel_off(monkeypatch):
     monkeypatch.setattr(lone_gemm, "ENABLED", False)
     assert not lone_gemm.chooses_kernel(32 * 128, 128, 2048)
@@ -35,19 +48,12 @@ def test_fusion_lone_gemm_torch_switches_the_kernel_off(monkeypatch):
 
 def test_the_rule_is_the_tables():
     assert (lone_gemm.MIN_GROUPS, lone_gemm.MAX_ROWS_PER_GROUP, lone_gemm.N_MULTIPLES) == (
-        LONE_GEMM_RULE["min_groups"], ROWS, LONE_GEMM_RULE["n_multiples"])
-    for part in ("forward", "dgrad"):
+        LONE_GEMM_RULE["min_groups"], LONE_GEMM_RULE["max_rows_per_group"], LONE_GEMM_RULE["n_multiples"])
+    for part, rows in (("forward", ROWS), ("dgrad", DGRAD_ROWS)):
         module, text = device_method("gemm", part)
         assert module == "lone_gemm"
-        assert f"<= {ROWS}" in text and "N is a multiple of 128 or 192" in text
+        assert f"<= {rows} and" in text and "N is a multiple of 128 or 192" in text
         assert f">= {LONE_GEMM_RULE['min_groups']} groups" in text
-
-
-def test_output_width_is_the_parts():
-    op = GroupLinear(4, 256, 384)
-    x = torch.zeros(10, 256)
-    dy = torch.zeros(10, 384)
-    assert lone_gemm._output_width(op, x) == 384 and lone_gemm._output_width(op, dy) == 256
 
 
 def test_takes_nothing_off_a_gpu():

@@ -38,7 +38,7 @@ def test_demo_plan_forward_and_backward():
     # varlen-M kernel or torch's by rows per group (fusion/runtime/lone_gemm.py)
     assert b[1].method.startswith("varlen-K grouped GEMM") and b[1].notes == ()
     assert b[2].method.startswith("varlen-M grouped GEMM of dY and the weight as stored where the GEMM has >= 2 "
-                                  "groups, rows per group average <= 1024") and "else torch._grouped_mm" in b[2].method
+                                  "groups, rows per group average <= 512") and "else torch._grouped_mm" in b[2].method
     # where it does not run (dtype, widths, a dense Linear), the vendor GEMM and why not: torch's
     plan32 = plan_for(demo_block(), patterns=demo_patterns(), dtype=torch.float32)
     assert not any(s.method.startswith("varlen-K") for s in plan32.backward)

@@ -7,7 +7,8 @@ dgrad). `takes(op, x)` decides per call from shapes the host already knows (no s
 
 * the GEMM has several groups (``G >= MIN_GROUPS``: a GroupLinear of one group is a dense GEMM, where cuBLAS's
   per-shape choices were faster on 12 of the 14 dense GEMMs measured, below),
-* the routed rows per group are few: ``M <= MAX_ROWS_PER_GROUP * G``, and
+* the routed rows per group are few: ``M <= MAX_ROWS_PER_GROUP[part] * G`` (1024 for a forward, 512 for a dgrad:
+  below), and
 * the GEMM's output width N is a multiple of 128 or of 192: whole n-tiles of the tile the policy gives it
   (kernels/tile_policy.py choose_config: 128x192 where 192 divides N and 128 does not, e.g. GPT-OSS's 2880). A
   partial last n-tile costs a full tile's work: at 128x128 tiles GPT-OSS-120B's GEMMs were slower than torch's
@@ -24,6 +25,12 @@ bench/results/H200-2026-11-26-pairs*.json, the identity epilogue against torch._
 | OLMoE (2048) | 0.902 / 0.907 | 1.712 / 1.538 |
 | DeepSeek-V3 EP8 share (4096) | 5.779 / 5.781 | - |
 | GPT-OSS-120B (512; N = 2880) | 2.023 / 1.846 | 4.063 / 4.023 |
+
+The dgrad's threshold is lower: at 768-1024 rows per expert torch's dgrad was faster on an H100
+(bench/results/H100-2026-11-26-tiles.json, T = 16384 top-k routing): Qwen3-30B-A3B's FC1 dgrad (1024 rows) 1.687 ms
+ours (the policy's static 128x128 pair) against 1.338 torch, no tile of ours below 1.373; DeepSeek-V2-Lite's (768
+rows) 1.020 against 0.881 (0.942 on the H200 table above against 0.874); at 256-512 rows ours led (Qwen3-235B-A22B
+1.594 / 1.607 above; GPT-OSS-120B below). The H200's Qwen3 row (1.356 / 1.396) is the one that loses, by 3%.
 
 GPT-OSS-120B at T = 16384, top-4 (512 rows per expert, N = 2880), on an H100 (bench/bench_pair_gemm.py --tiles,
 bench/results/H100-2026-11-26-tiles.json): FC2 forward 2.323 ms at 128x128 (23 n-tiles, the last half empty),
@@ -72,10 +79,10 @@ ENABLED = os.environ.get("FUSION_LONE_GEMM", "auto") != "torch"
 _COMPILED: dict = {}
 
 
-def chooses_kernel(rows: int, groups: int, n: int) -> bool:
-    """The measured rule: our kernel for `rows` routed rows over `groups` groups into `n` output columns (never with
-    FUSION_LONE_GEMM=torch)."""
-    return ENABLED and groups >= MIN_GROUPS and rows <= MAX_ROWS_PER_GROUP * groups and whole_tiles(n)
+def chooses_kernel(rows: int, groups: int, n: int, part: str = "forward") -> bool:
+    """The measured rule: our kernel for `rows` routed rows over `groups` groups into `n` output columns, for a
+    "forward" or a "dgrad" (never with FUSION_LONE_GEMM=torch)."""
+    return (ENABLED and groups >= MIN_GROUPS and rows <= MAX_ROWS_PER_GROUP[part] * groups and whole_tiles(n))
 
 
 def whole_tiles(n: int) -> bool:
@@ -83,16 +90,19 @@ def whole_tiles(n: int) -> bool:
     return any(n % m == 0 for m in N_MULTIPLES)
 
 
-def _output_width(op, x) -> int:
-    """The GEMM's N: out_features for a forward (x has in_features columns), in_features for a dgrad. Where the
-    two are equal either reading gives the same N."""
-    return op.out_features if x.shape[1] == op.in_features else op.in_features
-
-
 def takes(op, x) -> bool:
-    """Whether the kernel runs `op`'s forward (x: its input) or dgrad (x: dY) on this call: a plain CUDA bf16/fp16
-    tensor of the weight's dtype on a Hopper GPU, a GroupLinear without bias, widths of 16-byte rows, and the
-    measured rule (:func:`chooses_kernel`)."""
+    """Whether the kernel runs `op`'s forward at input `x` on this call (see :func:`_takes`)."""
+    return _takes(op, x, "forward")
+
+
+def takes_dgrad(op, dy) -> bool:
+    """Whether the kernel runs `op`'s dgrad of `dy` on this call: the dgrad step asks this (fusion.op_table)."""
+    return _takes(op, dy, "dgrad")
+
+
+def _takes(op, x, part: str) -> bool:
+    """A plain CUDA bf16/fp16 tensor of the weight's dtype on a Hopper GPU, a GroupLinear without bias, widths of
+    16-byte rows, and the measured rule for `part` (:func:`chooses_kernel`)."""
     if type(x) is not torch.Tensor or not x.is_cuda or x.dim() != 2 or op.weight.dim() != 3:
         return False
     if op.weight.dtype != x.dtype or getattr(op, "bias", None) is not None or cuda_major(x.device) != 9:
@@ -100,7 +110,8 @@ def takes(op, x) -> bool:
     if device_method_refusal("gemm", None, str(x.dtype).removeprefix("torch."), (op.in_features, op.out_features),
                              op.spec.name) is not None:
         return False
-    return chooses_kernel(x.shape[0], op.weight.shape[0], _output_width(op, x))
+    n = op.out_features if part == "forward" else op.in_features
+    return chooses_kernel(x.shape[0], op.weight.shape[0], n, part)
 
 
 def _job(op, part: str, dtype: torch.dtype):

@@ -425,6 +425,8 @@ class GemmDgrad(_DeviceMethodStep):
         self.grad_in = out_grad(plan.ops, self.index)
         self.fp8 = _is_fp8(self.op)
         self.device = _device_method(self.op, "dgrad", device_kernels)
+        # a device method whose dgrad rule differs from its forward's says so with takes_dgrad (fusion.op_table)
+        self.takes = None if self.device is None else getattr(self.device, "takes_dgrad", self.device.takes)
         self._claim_counter()
 
     def run(self, state: RunState) -> None:
@@ -433,7 +435,7 @@ class GemmDgrad(_DeviceMethodStep):
         ctx, op = state.ctx, self.op
         dy = dequantize(state.env[self.grad_in])
         dy = dy if dy.is_contiguous() else dy.contiguous()
-        if self.device is not None and self.device.takes(op, dy):
+        if self.takes is not None and self.takes(op, dy):
             dx = self.device.dgrad(op, dy, ctx, **self._counter(state))
         elif not self.fp8:
             dx = linear_dgrad(dy, weight_of(op), ctx.group_sizes, ctx.offsets)
