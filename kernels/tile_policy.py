@@ -77,7 +77,9 @@ def resolved_band(config) -> int:
     for a kernel that gathers A through an index. Measured on an H100 (bench/bench_moe.py, DeepSeek-V3's EP8 share
     at T = 16384: 4096 routed rows per expert, 32-33 m-tiles; bench/results/H100-2026-11-26-moe-bands.txt): the
     layer's forward, whose FC1 is the gathering kernel, took 24.9 / 25.6 ms with bands against 21.4 / 20.0 ms
-    without (two runs each, alternating), while the TMA kernels gain (FC2's dgrad there, and every dense GEMM)."""
+    without (two runs each, alternating), while the TMA kernels gain (FC2's dgrad there, and every dense GEMM).
+    That was the gathering kernel on the static schedule; on the dynamic one (:func:`for_gather`, since) bands are
+    not measured yet."""
     if config.band_m:
         return config.band_m
     return 1 if getattr(config, "gather_a", False) else band_for(config.tile_n)
