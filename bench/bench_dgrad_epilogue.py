@@ -1,10 +1,11 @@
 """FC2's dgrad with the generated d(SwiGLU*scale) epilogue (aux input `pre`), timed alone per kernel variant.
 
-Usage: python bench/bench_dgrad_epilogue.py [--shape i] [--precompile]
+Usage: python bench/bench_dgrad_epilogue.py [--shape i,j,...] [--precompile]
   --precompile: only compile the variants into the fusion kernel cache (no GPU needed), so that a device
   run can load them (copy the cache folder to FUSION_CACHE_DIR there).
-Variants: the config FusedDgradStep.job() picks, cooperative 128x128 (which prefetches the aux tile under its
-mainloop), pingpong 128x128 (static, dynamic); outputs compared with the first variant's.
+Variants: the config FusedDgradStep.job() picks, the same without the L2 prefetch of the aux tile
+(GemmConfig.aux_l2_prefetch), cooperative 128x128 (which prefetches the aux tile into registers under its
+mainloop), pingpong 128x128 static; outputs compared with the first variant's.
 Anchor: torch._grouped_mm of the same dgrad.
 """
 import argparse
@@ -12,36 +13,43 @@ import dataclasses
 
 import torch
 
+# (E, routed rows M, d, 2f): Llama-like dense-ish, GPT-OSS-20B, DeepSeek-V3-like, ..., then GPT-OSS-120B,
+# Qwen3-30B-A3B and OLMoE at 16384 tokens
 SHAPES = [(8, 32768, 4096, 28672), (32, 65536, 2880, 5760), (128, 196608, 1536, 512), (32, 49152, 1536, 2048),
-          (32, 32768, 7168, 4096)]
+          (32, 32768, 7168, 4096), (128, 65536, 2880, 5760), (128, 131072, 2048, 1536), (64, 131072, 2048, 2048)]
 
 
 def jobs(shape):
     from fusion import GroupLinear, Scale, Sequential, SwiGLU
+    from fusion.kernels.tile_policy import GemmConfig
     from fusion.runtime.aot import plan_jobs
 
     E, M, d, f2 = shape
     block = Sequential(GroupLinear(E, d, f2), SwiGLU(), Scale(), GroupLinear(E, f2 // 2, d)).to("meta")
     base = [j for j in plan_jobs(block, torch.bfloat16) if j.variant == "backward"][0]
     out = {"job()": base}
-    for name, kw in (("coop128", dict(pingpong=False, dynamic=False)), ("pp128", dict(pingpong=True, dynamic=False)),
-                     ("pp128dyn", dict(pingpong=True, dynamic=True))):
-        cfg = list(base.config)
-        cfg[1], cfg[3] = 128, 6
-        cfg[7], cfg[9] = kw["dynamic"], kw["pingpong"]
-        out[name] = dataclasses.replace(base, config=tuple(cfg))
+    for name, kw in (("job() no L2 prefetch", dict(aux_l2_prefetch=False)),
+                     ("coop128", dict(tile_n=128, stages=6, pingpong=False, dynamic=False)),
+                     ("pp128", dict(tile_n=128, stages=6, pingpong=True, dynamic=False))):
+        cfg = dataclasses.replace(GemmConfig(*base.config), **kw)
+        out[name] = dataclasses.replace(base, config=dataclasses.astuple(cfg))
     return out
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", type=int, default=0)
+    ap.add_argument("--shape", default="0", help="indices into SHAPES, comma-separated")
     ap.add_argument("--precompile", action="store_true")
     args = ap.parse_args()
+    for i in [int(x) for x in args.shape.split(",")]:
+        run_shape(SHAPES[i], args.precompile)
+
+
+def run_shape(shape, precompile: bool):
     from fusion.runtime import compile as aot
 
-    js = jobs(SHAPES[args.shape])
-    if args.precompile:
+    js = jobs(shape)
+    if precompile:
         for j in js.values():
             aot.compile_to_disk(j)
         return
@@ -49,7 +57,7 @@ def main():
     import triton
     from fusion.kernels import offsets_from_group_sizes, run_grouped_gemm
 
-    E, M, d, f2 = SHAPES[args.shape]
+    E, M, d, f2 = shape
     f = f2 // 2
     torch.manual_seed(0)
     w = torch.rand(E) + 0.5
@@ -84,9 +92,10 @@ def main():
         c = comp.config
         rows.append((f"{name} {c.tile_m}x{c.tile_n} s{c.stages}{' pp' if c.pingpong else ''}"
                      f"{' dyn' if c.dynamic else ''}", ms, f"{err}{' NaN!' if nan else ''}"))
-    print(f"\ndgrad FC2 + dSwiGLU*s kernel alone, E,M,d,2f = {SHAPES[args.shape]}")
+    tflop = 2 * M * d * f / 1e12
+    print(f"\ndgrad FC2 + dSwiGLU*s kernel alone, E,M,d,2f = {shape}")
     for n, ms, e in rows:
-        print(f"  {n:<34} {ms:8.3f} ms  {e}")
+        print(f"  {n:<40} {ms:8.3f} ms {tflop / ms * 1e3:6.0f} TFLOP/s  {e}")
 
 
 if __name__ == "__main__":

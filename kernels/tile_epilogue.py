@@ -20,7 +20,7 @@ import cutlass.cute as cute
 
 from .dtypes import cutlass_dtype
 from .epilogue import AuxInput, Epilogue, GroupVector, MXFP8Output, RowVector
-from .fragment_io import load1, load2, load_word, row_addr, store2, store4_swapped, unpack2
+from .fragment_io import load1, load2, load_word, prefetch_l2, row_addr, store2, store4_swapped, unpack2
 from .mxfp8_store import store_mxfp8
 
 _EPI_BATCH = 8  # 8-column chunks per epilogue batch (see TileEpilogue.run)
@@ -119,6 +119,44 @@ class TileEpilogue:
                             else:
                                 pre[("aux", ii, mm, h, nn, c)] = load_word(base + 16 * c, ok)
         return pre
+
+    def aux_pairs_per_thread(self, tile_m: int, threads: int) -> int:
+        """Packed 16-bit pairs of AuxInput values one thread reads in a tile (``threads`` share the tile);
+        an AuxInput of another width counts as more than any budget (it is never held in registers)."""
+        vals = tile_m * self.tile_n_log // threads
+        n = 0
+        for ii, spec in enumerate(self.epi.inputs):
+            if isinstance(spec, AuxInput):
+                n += (vals // 2) * (2 if spec.paired else 1) if self.in_dtypes[ii].width == 16 else 1 << 30
+        return n
+
+    def prefetch_l2(self, epi_tensors, row0, row_end, n_idx, N, tile_m: int, ctid, threads: int):
+        """Before the tile's mainloop: ask L2 for every 128-byte line of the tile's AuxInput values (one
+        ``prefetch.global.L2`` each, no register held), so the epilogue's loads of what :meth:`prefetch` could
+        not hold in registers hit L2 instead of waiting on DRAM: the epilogue issues its loads a batch at a
+        time, so their latency, not bandwidth, bounds it. Thread ``ctid`` of the ``threads`` sharing the tile
+        takes rows ``ctid``, ``ctid + threads``, ...; masked by the group's rows and the logical width."""
+        n_log = self.logical_width(N)
+        col0 = n_idx * self.tile_n_log
+        col_exact = n_log % self.tile_n_log == 0
+        for ii, spec in enumerate(self.epi.inputs):
+            if not isinstance(spec, AuxInput):
+                continue
+            dt = self.in_dtypes[ii]
+            eb = dt.width // 8
+            span = self.tile_n_log * eb
+            for r0 in range(0, tile_m, threads):
+                r = r0 + ctid
+                grow = row0 + r
+                row_ok = grow < row_end
+                if r0 + threads > tile_m:
+                    row_ok = row_ok & (r < tile_m)
+                base = row_addr(epi_tensors[ii], grow, col0, dt)
+                for off in range(0, span, 128):
+                    ok = row_ok if col_exact else row_ok & (col0 + off // eb < n_log)
+                    prefetch_l2(base + off, ok)
+                    if spec.paired:
+                        prefetch_l2(base + n_log * eb + off, ok)
 
     def run(self, acc, tCcC, epi_tensors, row0, row_end, g, n_idx, N, pre=None):
         """Unrolled over the thread's fragment.

@@ -66,6 +66,9 @@ def test_demo_blocks_compile_for_sm90a(dtype):
         assert kernels[0].key != kernels[1].key
         for k in kernels[:3]:
             check_sass(k)
+        # FC2's dgrad reads the saved pre-activation, more of it than its registers hold: it asks L2 for the
+        # tile's lines before each mainloop (prefetch.global.L2 = CCTL.E.PF2); FC1's forward reads none
+        assert "CCTL.E.PF2" in sass_opcodes(kernels[2].sass) and "CCTL.E.PF2" not in sass_opcodes(kernels[0].sass)
         for k in kernels[3:]:   # (tests/test_wgrad_compile.py checks the varlen-K kernel's SASS in detail)
             if k.name.startswith("wgrad"):
                 assert k.config.cluster_m == 2   # TMA operands, X's tile multicast to a CTA pair

@@ -135,6 +135,22 @@ def test_compile_sass(name):
         assert comp.config.b_major == "MN" and comp.name.endswith("_bmn")
 
 
+def test_aux_tile_asked_of_l2_only_where_registers_cannot_hold_it():
+    """An epilogue reading an AuxInput asks L2 for the tile's lines before the mainloop (one prefetch.global.L2
+    per 128-byte line and thread: 128 rows x (gate, up) x 256 bytes at 128x128 pingpong, 4 per thread) unless
+    the registers hold the whole tile's values (cooperative 128x128) or the config turns it off (the A/B of
+    bench/bench_dgrad_epilogue.py); a kernel without AuxInput asks nothing."""
+    def prefetches(name, **change):
+        epi, cfg, dtype = CASES[name]
+        comp = K.compile_grouped_gemm(K.GemmConfig(**{**cfg, **change}), epi, dtype, N=N_, K=K_, G=G_)
+        return comp.ptx.count("prefetch.global.L2"), comp.sass.count("CCTL.E.PF2")
+
+    assert prefetches("fc2-dgrad-bf16") == (4, 4)
+    assert prefetches("fc2-dgrad-bf16", aux_l2_prefetch=False) == (0, 0)
+    assert prefetches("fc2-dgrad-coop-prefetch") == (0, 0)     # the registers hold the tile (TileEpilogue.prefetch)
+    assert prefetches("plain") == (0, 0)
+
+
 def test_gated_up_box_starts_at_half_n():
     """The second B box of a gated stage is at row N/2 + (the gate box's row) and lands tile_n/2 rows further
     in smem."""
