@@ -10,8 +10,12 @@ Anchor: torch._grouped_mm of the same dgrad.
 """
 import argparse
 import dataclasses
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fusion
 
 # (E, routed rows M, d, 2f): Llama-like dense-ish, GPT-OSS-20B, DeepSeek-V3-like, ..., then GPT-OSS-120B,
 # Qwen3-30B-A3B and OLMoE at 16384 tokens
