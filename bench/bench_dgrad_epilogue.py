@@ -40,6 +40,16 @@ def jobs(shape):
     return out
 
 
+def _tensor(spec, M, f, make):
+    """A CUDA tensor for an epilogue input or output spec: (M,) for a row vector, else (M, f) or paired (M, 2f)."""
+    from fusion.kernels import RowVector
+
+    dtype = getattr(torch, spec.dtype) if spec.dtype else torch.bfloat16
+    if isinstance(spec, RowVector):
+        return make(M, device="cuda", dtype=dtype).abs() if make is torch.randn else make(M, device="cuda", dtype=dtype)
+    return make(M, 2 * f if spec.paired else f, device="cuda", dtype=dtype)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="0", help="indices into SHAPES, comma-separated")
@@ -71,17 +81,17 @@ def run_shape(shape, precompile: bool):
     dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
     W2 = torch.randn(E, d, f, device="cuda", dtype=torch.bfloat16) * 0.02     # FC2 weight (E, out=d, in=f)
     B = W2.transpose(-1, -2).contiguous()                                      # (E, f, d): dgrad B operand
-    pre = torch.randn(M, 2 * f, device="cuda", dtype=torch.bfloat16)
-    scale = torch.rand(M, device="cuda", dtype=torch.float32)
     ref = None
     rows = []
     rows.append(("gmm dgrad alone", triton.testing.do_bench(
         lambda: torch._grouped_mm(dy, W2, offs=offs[1:]), warmup=5, rep=50, return_mode="median"), ""))
+    ext = None
     for name, job in js.items():
         comp = aot.load_compiled(job)
-        outs = {"dpre": torch.full((M, 2 * f), float("nan"), device="cuda", dtype=torch.bfloat16),
-                "dscale_scale": torch.full((M, f), float("nan"), device="cuda", dtype=torch.bfloat16)}
-        ext = {"pre": pre, "scale_scale": scale}
+        if ext is None:   # the epilogue's inputs by its declared names (the saved pre-activation, the row scale)
+            ext = {spec.name: _tensor(spec, M, f, torch.randn) for spec in comp.epilogue.inputs}
+        outs = {spec.name: _tensor(spec, M, f, lambda *a, **k: torch.full(a, float("nan"), **k))
+                for spec in comp.epilogue.outputs}
         run_grouped_gemm(comp, dy, B, offs, outs, ext)
         torch.cuda.synchronize()
         if ref is None:
