@@ -3,9 +3,11 @@
 Usage: python bench/bench_dgrad_epilogue.py [--shape i,j,...] [--precompile]
   --precompile: only compile the variants into the fusion kernel cache (no GPU needed), so that a device
   run can load them (copy the cache folder to FUSION_CACHE_DIR there).
-Variants: the config FusedDgradStep.job() picks, the same without the L2 prefetch of the aux tile
-(GemmConfig.aux_l2_prefetch), cooperative 128x128 (which prefetches the aux tile into registers under its
-mainloop), pingpong 128x128 static; outputs compared with the first variant's.
+Variants (all pingpong): the config FusedDgradStep.job() picks (128x128, dynamic), 128x128 static, CTA pairs
+multicasting dY's tile (static, dynamic; where the n-tile count is even), 128x192 dynamic and in static pairs;
+outputs compared with the first variant's. The kernel is bound by L2 throughput (ncu, GPT-OSS-120B's shape on an
+H100: L2 87%, DRAM 56-65%): every n-tile reads dY's rows again and every m-tile the expert's weight, so wider
+tiles and pairs cut the bytes.
 Anchor: torch._grouped_mm of the same dgrad.
 """
 import argparse
@@ -25,17 +27,22 @@ SHAPES = [(8, 32768, 4096, 28672), (32, 65536, 2880, 5760), (128, 196608, 1536, 
 
 def jobs(shape):
     from fusion import GroupLinear, Scale, Sequential, SwiGLU
-    from fusion.kernels.tile_policy import GemmConfig
+    from fusion.kernels.tile_policy import GemmConfig, n_tile_count
     from fusion.runtime.aot import plan_jobs
 
     E, M, d, f2 = shape
     block = Sequential(GroupLinear(E, d, f2), SwiGLU(), Scale(), GroupLinear(E, f2 // 2, d)).to("meta")
     base = [j for j in plan_jobs(block, torch.bfloat16) if j.variant == "backward"][0]
     out = {"job()": base}
-    for name, kw in (("job() no L2 prefetch", dict(aux_l2_prefetch=False)),
-                     ("coop128", dict(tile_n=128, stages=6, pingpong=False, dynamic=False)),
-                     ("pp128", dict(tile_n=128, stages=6, pingpong=True, dynamic=False))):
-        cfg = dataclasses.replace(GemmConfig(*base.config), **kw)
+    f = f2 // 2
+    for name, kw in (("pp128 static", dict(tile_n=128, stages=6, dynamic=False)),
+                     ("pp128 pairs static", dict(tile_n=128, stages=6, dynamic=False, cluster_n=2)),
+                     ("pp128 pairs dyn", dict(tile_n=128, stages=6, dynamic=True, cluster_n=2)),
+                     ("pp192 dyn", dict(tile_n=192, stages=5, dynamic=True)),
+                     ("pp192 pairs static", dict(tile_n=192, stages=5, dynamic=False, cluster_n=2))):
+        if kw.get("cluster_n", 1) == 2 and n_tile_count(f, kw["tile_n"]) % 2:
+            continue    # a CTA pair takes two neighbouring n-tiles
+        cfg = dataclasses.replace(GemmConfig(*base.config), pingpong=True, **kw)
         out[name] = dataclasses.replace(base, config=dataclasses.astuple(cfg))
     return out
 
@@ -80,7 +87,7 @@ def run_shape(shape, precompile: bool):
     offs = offsets_from_group_sizes(sizes.cuda())
     dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
     W2 = torch.randn(E, d, f, device="cuda", dtype=torch.bfloat16) * 0.02     # FC2 weight (E, out=d, in=f)
-    B = W2.transpose(-1, -2).contiguous()                                      # (E, f, d): dgrad B operand
+    B = W2    # the dgrad reads the weight as stored: MN-major B (G, K=d, N=f)
     ref = None
     rows = []
     rows.append(("gmm dgrad alone", triton.testing.do_bench(

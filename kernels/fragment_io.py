@@ -42,15 +42,6 @@ def load_word(addr: Int64, ok: Boolean) -> Int32:
 
 
 @cute.jit
-def prefetch_l2(addr: Int64, ok: Boolean):
-    """Ask L2 for the 128-byte line holding a byte address (PTX ``prefetch.global.L2``): no register waits on
-    it, so a whole tile's lines can be asked for before a mainloop (TileEpilogue.prefetch_l2)."""
-    if ok:
-        p = cute.make_ptr(cutlass.Int8, addr, cute.AddressSpace.gmem)
-        cute.arch.prefetch(p.llvm_ptr, cache_level="L2")
-
-
-@cute.jit
 def load2(addr: Int64, ok: Boolean, dt: cutlass.Constexpr):
     """2 adjacent values at a byte address, one vector load, as fp32 (0 where not ok)."""
     frag = cute.make_rmem_tensor((2,), dt)

@@ -99,10 +99,7 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             budget = _PREFETCH_REGS - acc_regs
             if budget >= _PREFETCH_MIN:
                 prefetch_pairs = budget
-        self.tile_epi = TileEpilogue(epilogue, dtype, self.tile_n_log, prefetch_pairs)
-        # the AuxInput values the registers cannot hold: their lines asked of L2 before the mainloop instead
-        self.aux_l2 = bool(getattr(config, "aux_l2_prefetch", True)) and \
-            self.tile_epi.aux_pairs_per_thread(self.tile_m, 128 * self.mma_atoms_m) > prefetch_pairs
+        self.tile_epi = TileEpilogue(epilogue, dtype, self.tile_n_log, prefetch_pairs, acc_regs)
 
     # ------------------------------------------------------------------ host-side (traced) entry
     @cute.jit

@@ -260,9 +260,6 @@ class WarpRoles:
             # ---- epilogue inputs read from global memory, issued now so that the loads complete under
             # the mainloop instead of stalling the epilogue
             pre = None
-            if const_expr(self.aux_l2):
-                self.tile_epi.prefetch_l2(epi_tensors, row0, row_end, n_idx, self.N, self.tile_m, ctid,
-                                          128 * self.mma_atoms_m)
             if const_expr(self.tile_epi.prefetch_pairs > 0):
                 pre = self.tile_epi.prefetch(tCcC, epi_tensors, row0, row_end, n_idx, self.N)
 

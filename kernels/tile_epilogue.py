@@ -20,24 +20,31 @@ import cutlass.cute as cute
 
 from .dtypes import cutlass_dtype
 from .epilogue import AuxInput, Epilogue, GroupVector, MXFP8Output, RowVector
-from .fragment_io import load1, load2, load_word, prefetch_l2, row_addr, store2, store4_swapped, unpack2
+from .fragment_io import load1, load2, load_word, row_addr, store2, store4_swapped, unpack2
 from .mxfp8_store import store_mxfp8
 
 _EPI_BATCH = 8  # 8-column chunks per epilogue batch (see TileEpilogue.run)
+# ... and where the accumulator takes more than 128 registers a thread and the epilogue reads an AuxInput: a
+# 128x192 pingpong tile (192 accumulator registers) spilled at 8-chunk batches with FC2's d(SwiGLU*scale)
+# (the saved pre-activation's gate and up values, 3 outputs) and does not at 4
+_EPI_BATCH_WIDE_AUX = 4
 
 
 class TileEpilogue:
     """``epilogue`` of a GEMM in ``dtype`` whose logical tile is ``tile_n_log`` columns wide (the GEMM
     tile, or half of it when gated); ``prefetch_pairs``: how many packed 16-bit AuxInput pairs
-    :meth:`prefetch` may hold in registers across the mainloop."""
+    :meth:`prefetch` may hold in registers across the mainloop; ``acc_regs``: the fp32 accumulator registers of a
+    thread (they choose the epilogue's batch width, :meth:`run`)."""
 
-    def __init__(self, epilogue: Epilogue, dtype: str, tile_n_log: int, prefetch_pairs: int):
+    def __init__(self, epilogue: Epilogue, dtype: str, tile_n_log: int, prefetch_pairs: int, acc_regs: int = 0):
         self.epi = epilogue
         self.dtype_name = dtype
         self.ab_dtype = cutlass_dtype(dtype)
         self.gated = epilogue.gated
         self.tile_n_log = tile_n_log
         self.prefetch_pairs = prefetch_pairs
+        reads_aux = any(isinstance(s, AuxInput) for s in epilogue.inputs)
+        self.batch = _EPI_BATCH_WIDE_AUX if reads_aux and acc_regs > 128 else _EPI_BATCH
         self.in_dtypes = [cutlass_dtype(s.dtype if s.dtype is not None else dtype) for s in epilogue.inputs]
         self.out_dtypes = [cutlass_dtype(s.dtype if s.dtype is not None else dtype) for s in epilogue.outputs]
 
@@ -120,48 +127,10 @@ class TileEpilogue:
                                 pre[("aux", ii, mm, h, nn, c)] = load_word(base + 16 * c, ok)
         return pre
 
-    def aux_pairs_per_thread(self, tile_m: int, threads: int) -> int:
-        """Packed 16-bit pairs of AuxInput values one thread reads in a tile (``threads`` share the tile);
-        an AuxInput of another width counts as more than any budget (it is never held in registers)."""
-        vals = tile_m * self.tile_n_log // threads
-        n = 0
-        for ii, spec in enumerate(self.epi.inputs):
-            if isinstance(spec, AuxInput):
-                n += (vals // 2) * (2 if spec.paired else 1) if self.in_dtypes[ii].width == 16 else 1 << 30
-        return n
-
-    def prefetch_l2(self, epi_tensors, row0, row_end, n_idx, N, tile_m: int, ctid, threads: int):
-        """Before the tile's mainloop: ask L2 for every 128-byte line of the tile's AuxInput values (one
-        ``prefetch.global.L2`` each, no register held), so the epilogue's loads of what :meth:`prefetch` could
-        not hold in registers hit L2 instead of waiting on DRAM: the epilogue issues its loads a batch at a
-        time, so their latency, not bandwidth, bounds it. Thread ``ctid`` of the ``threads`` sharing the tile
-        takes rows ``ctid``, ``ctid + threads``, ...; masked by the group's rows and the logical width."""
-        n_log = self.logical_width(N)
-        col0 = n_idx * self.tile_n_log
-        col_exact = n_log % self.tile_n_log == 0
-        for ii, spec in enumerate(self.epi.inputs):
-            if not isinstance(spec, AuxInput):
-                continue
-            dt = self.in_dtypes[ii]
-            eb = dt.width // 8
-            span = self.tile_n_log * eb
-            for r0 in range(0, tile_m, threads):
-                r = r0 + ctid
-                grow = row0 + r
-                row_ok = grow < row_end
-                if r0 + threads > tile_m:
-                    row_ok = row_ok & (r < tile_m)
-                base = row_addr(epi_tensors[ii], grow, col0, dt)
-                for off in range(0, span, 128):
-                    ok = row_ok if col_exact else row_ok & (col0 + off // eb < n_log)
-                    prefetch_l2(base + off, ok)
-                    if spec.paired:
-                        prefetch_l2(base + n_log * eb + off, ok)
-
     def run(self, acc, tCcC, epi_tensors, row0, row_end, g, n_idx, N, pre=None):
         """Unrolled over the thread's fragment.
 
-        Per fragment row, the 8-column chunks are processed in batches of ``_EPI_BATCH``: the batch's
+        Per fragment row, the 8-column chunks are processed in batches of ``self.batch`` chunks: the batch's
         input loads (2-element vectors; none for what ``pre`` holds, see :meth:`prefetch`), the epilogue
         math, then the batch's stores.  The stores keep the next batch's loads from being hoisted (the
         pointers may alias), which bounds the live registers (no spills with inputs at wide tiles) while a
@@ -181,7 +150,7 @@ class TileEpilogue:
         out_tensors = epi_tensors[n_in:]
         in_dtypes, out_dtypes = self.in_dtypes, self.out_dtypes
         has_mx = any(isinstance(s, MXFP8Output) for s in epi.outputs)
-        batch = _EPI_BATCH if n_c % _EPI_BATCH == 0 else n_c
+        batch = self.batch if n_c % self.batch == 0 else n_c
         # (not beside an MXFP8 output: its quantization holds a batch's values, and with the swaps besides, the
         # "gemm-mxfp8" epilogue spilled: tests/test_compile_plans.py)
         quad = [not has_mx and self._quad_stores(out_dtypes[oi], n_log, batch) for oi in range(len(epi.outputs))]

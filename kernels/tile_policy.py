@@ -50,8 +50,6 @@ class GemmConfig:
     band_m: int = 0          # tile order inside a group: a tall group is cut into bands of at most band_m m-tiles,
                              # m fastest inside a band, then n (L2 reuse; kernels/scheduler.py); 0: band_for(tile_n);
                              # 1: m fastest over the whole group
-    aux_l2_prefetch: bool = True   # an epilogue reading an AuxInput that the registers cannot hold until the epilogue asks
-                                   # L2 for the tile's lines before the mainloop (TileEpilogue.prefetch_l2); False: A/B
 
     @property
     def b_shape_order(self) -> str:

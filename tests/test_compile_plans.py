@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import fusion
-from fusion.kernels import sass_text
 from fusion.patterns.registry import get_activation
 from fusion import (Activation, Bias, Clamp, GeGLU, GroupLinear, Linear, QuantizeFP8Block, QuantizeMXFP8, Scale,
                     Sequential, SReLU, SwiGLU)
@@ -30,6 +29,8 @@ def _private_cache(tmp_path_factory):
 
 
 def check_sass(kernel):
+    from fusion.kernels import sass_text
+
     sass = sass_text(kernel.cubin)
     # FP8 wgmma is QGMMA (E4M3 x E4M3 into F32); the 16-bit one HGMMA
     gmma = "QGMMA" if "_fp8_" in kernel.name else "HGMMA"
@@ -65,9 +66,6 @@ def test_demo_blocks_compile_for_sm90a(dtype):
         assert kernels[0].key != kernels[1].key
         for k in kernels[:3]:
             check_sass(k)
-        # FC2's dgrad reads the saved pre-activation, more of it than its registers hold: it asks L2 for the
-        # tile's lines before each mainloop (prefetch.global.L2 = CCTL.E.PF2); FC1's forward reads none
-        assert "CCTL.E.PF2" in sass_text(kernels[2].cubin) and "CCTL.E.PF2" not in sass_text(kernels[0].cubin)
         for k in kernels[3:]:   # (tests/test_wgrad_compile.py checks the varlen-K kernel's SASS in detail)
             if k.name.startswith("wgrad"):
                 assert k.config.cluster_m == 2   # TMA operands, X's tile multicast to a CTA pair

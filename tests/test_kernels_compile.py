@@ -106,6 +106,7 @@ CASES = {
     "fc2-dgrad-bf16": (_DSwiGLUScaleDgrad(), DGRAD, "bfloat16"),
     "fc2-dgrad-fp16": (_DSwiGLUScaleDgrad(), DGRAD, "float16"),
     "fc2-dgrad-coop-prefetch": (K.DSwiGLUEpilogue(), dict(tile_n=128, stages=6, b_major="MN"), "bfloat16"),
+    "fc2-dgrad-wide": (_DSwiGLUScaleDgrad(), dict(PP192, b_major="MN"), "bfloat16"),   # 4-chunk epilogue batches
     "fc1-dgrad-wide": (K.IdentityEpilogue(), dict(PP192, b_major="MN"), "bfloat16"),
     # K-major, not gated
     "plain": (K.IdentityEpilogue(), dict(tile_n=128, stages=6), "bfloat16"),
@@ -135,20 +136,13 @@ def test_compile_sass(name):
         assert comp.config.b_major == "MN" and comp.name.endswith("_bmn")
 
 
-def test_aux_tile_asked_of_l2_only_where_registers_cannot_hold_it():
-    """An epilogue reading an AuxInput asks L2 for the tile's lines before the mainloop (one prefetch.global.L2
-    per 128-byte line and thread: 128 rows x (gate, up) x 256 bytes at 128x128 pingpong, 4 per thread) unless
-    the registers hold the whole tile's values (cooperative 128x128) or the config turns it off (the A/B of
-    bench/bench_dgrad_epilogue.py); a kernel without AuxInput asks nothing."""
-    def prefetches(name, **change):
-        epi, cfg, dtype = CASES[name]
-        comp = K.compile_grouped_gemm(K.GemmConfig(**{**cfg, **change}), epi, dtype, N=N_, K=K_, G=G_)
-        return comp.ptx.count("prefetch.global.L2"), comp.sass.count("CCTL.E.PF2")
-
-    assert prefetches("fc2-dgrad-bf16") == (4, 4)
-    assert prefetches("fc2-dgrad-bf16", aux_l2_prefetch=False) == (0, 0)
-    assert prefetches("fc2-dgrad-coop-prefetch") == (0, 0)     # the registers hold the tile (TileEpilogue.prefetch)
-    assert prefetches("plain") == (0, 0)
+def test_wide_aux_epilogue_keeps_its_tile():
+    """A 128x192 pingpong dgrad reading the saved pre-activation (192 accumulator registers a thread) runs its
+    epilogue in 4-chunk batches and so builds at 128x192 without spills (at 8-chunk batches it spilled, and the
+    spill fallback rebuilt it at 128x128)."""
+    comp = _compile("fc2-dgrad-wide")
+    assert comp.config.tile_n == 192 and comp.requested_config.tile_n == 192
+    assert comp.kernel.tile_epi.batch == 4 and _compile("fc2-dgrad-bf16").kernel.tile_epi.batch == 8
 
 
 def test_gated_up_box_starts_at_half_n():

@@ -221,6 +221,7 @@ DGRAD_CASES = [(1, 1000, 512, 256), (8, 4099, 1024, 512), (8, 300, 200, 200), (1
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", DGRAD_CASES)
 @pytest.mark.parametrize("cfg", [dict(tile_n=128, stages=6, pingpong=True, dynamic=True),   # the product's
+                                 dict(tile_n=192, stages=5, pingpong=True, dynamic=True),   # 4-chunk batches
                                  dict(tile_n=128, stages=6)])                               # + aux prefetch
 def test_dgrad_canonical(case, dtype, cfg):
     """(G, M, f, d): dY (M, d), W2 (G, d, f) as stored (b_major MN, K = d, N = f), pre / dpre (M, 2f)."""
