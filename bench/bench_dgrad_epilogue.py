@@ -48,10 +48,13 @@ def jobs(shape):
 
 
 def _tensor(spec, M, f, make):
-    """A CUDA tensor for an epilogue input or output spec: (M,) for a row vector, else (M, f) or paired (M, 2f)."""
-    from fusion.kernels import RowVector
+    """A CUDA tensor for an epilogue input or output spec: (M,) for a row vector, (M, f / block) for row sums, else
+    (M, f) or paired (M, 2f)."""
+    from fusion.kernels import RowSumOutput, RowVector
 
     dtype = getattr(torch, spec.dtype) if spec.dtype else torch.bfloat16
+    if isinstance(spec, RowSumOutput):   # float32 partial row sums, one per 32 columns
+        return make(M, spec.parts(f), device="cuda", dtype=dtype)
     if isinstance(spec, RowVector):
         return make(M, device="cuda", dtype=dtype).abs() if make is torch.randn else make(M, device="cuda", dtype=dtype)
     return make(M, 2 * f if spec.paired else f, device="cuda", dtype=dtype)

@@ -142,16 +142,23 @@ class DInput:
 
 @dataclass(frozen=True)
 class DScale:
-    """Per-element terms of a row scale's gradient; the runtime sums each row (d scale = sum_j dy_j * y_j)."""
+    """A row scale's gradient, d scale = sum_j dy_j * y_j: the epilogue returns each term and the kernel sums them
+    per row, as float32 partials per `block` columns (kernels.epilogue.RowSumOutput); the runtime adds the
+    partials (an (M, n / block) tensor, not the (M, n) terms)."""
 
     name: str
+    block: int = 32
 
     @property
     def kernel_name(self) -> str:
         return f"dscale_{self.name}"
 
+    def parts(self, n: int) -> int:
+        """Columns of the partial-sum tensor for a logical width n."""
+        return -(-n // self.block)
+
     def declaration(self, dtype: str) -> str:
-        return f'_epi.Output("{self.kernel_name}")'
+        return f'_epi.RowSumOutput("{self.kernel_name}", block={self.block})'
 
     @property
     def values(self) -> tuple[str, ...]:

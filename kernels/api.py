@@ -26,7 +26,7 @@ from cutlass.cute.runtime import make_ptr
 
 from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
 
-from .epilogue import Epilogue, MXFP8Output
+from .epilogue import Epilogue, MXFP8Output, RowSumOutput
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
 from .tile_policy import (GemmConfig, band_problem, choose_config, for_gather, n_tile_count, resolved_band,
                           spill_fallback)
@@ -262,6 +262,10 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
         tile_log = config.tile_n
     if any(isinstance(s, MXFP8Output) for s in epilogue.outputs) and tile_log % 32:
         problems.append(f"MXFP8 output: the logical tile ({tile_log} columns) must hold whole 32-column blocks")
+    for s in epilogue.outputs:
+        if isinstance(s, RowSumOutput) and (tile_log % s.block or s.block % 8):
+            problems.append(f"row-sum output {s.name!r}: its blocks ({s.block} columns) must be whole 8-column "
+                            f"chunks and tile the logical tile ({tile_log} columns)")
     if problems:
         raise KernelConfigError(f"cannot build the grouped GEMM ({type(epilogue).__name__}, {dtype}, N={N}, "
                                 f"K={K}, {config}): " + "; ".join(problems))
@@ -468,6 +472,8 @@ def allocate_outputs(epilogue: Epilogue, M: int, N: int, dtype: str, device) -> 
         if isinstance(s, MXFP8Output):
             outs[s.name] = torch.empty(M, w, dtype=torch.float8_e4m3fn, device=device)
             outs[s.scale_name] = torch.empty(M, w // 32, dtype=torch.uint8, device=device)
+        elif isinstance(s, RowSumOutput):
+            outs[s.name] = torch.empty(M, s.parts(n_log), dtype=torch.float32, device=device)
         else:
             outs[s.name] = torch.empty(M, w, dtype=_TORCH_DT[s.dtype or dtype], device=device)
     return outs

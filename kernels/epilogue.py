@@ -7,7 +7,7 @@ An epilogue is a plain Python object the kernel calls *at trace time*, once per 
                  [N/2, N); ``apply`` receives ``(gate, up)`` of one logical column and the logical output
                  width is N/2.  When False ``apply`` receives ``(acc,)`` and the logical width is N.
 - ``inputs``  : tuple of :class:`RowVector`, :class:`GroupVector`, :class:`AuxInput` (in call order).
-- ``outputs`` : tuple of :class:`Output` / :class:`MXFP8Output` (at least one).
+- ``outputs`` : tuple of :class:`Output` / :class:`MXFP8Output` / :class:`RowSumOutput` (at least one).
 
 and a method ``apply(self, *values)``: positional arguments are the accumulator value(s) followed by
 one value per unpaired input and two values (gate-half, up-half) per ``paired`` input, in declaration
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = [
-    "Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output",
+    "Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output", "RowSumOutput",
     "IdentityEpilogue", "SwiGLUScaleEpilogue", "DSwiGLUEpilogue", "SwiGLUScaleMXFP8Epilogue",
 ]
 
@@ -79,6 +79,24 @@ class MXFP8Output:
     @property
     def scale_name(self) -> str:
         return self.name + "_scale"
+
+
+@dataclass(frozen=True)
+class RowSumOutput:
+    """The sum of a value over each row's logical columns, as float32 partial sums: one per row and block of
+    ``block`` consecutive columns, an (M, ceil(n / block)) tensor the caller sums over its columns (a fixed order:
+    deterministic). A row scale's gradient (d scale = sum_j dy_j * y_j) needs only the sums: an (M, n) tensor of
+    the terms, written by the kernel and read back by a reduction, moved 2 * M * n * 2 bytes more and was the
+    training step's largest backward transient. ``block`` divides every tile's logical width (32: the MXFP8
+    rule's too), so the partials do not depend on the tile the kernel runs."""
+    name: str
+    block: int = 32
+    paired = False
+    dtype: str = "float32"
+
+    def parts(self, n: int) -> int:
+        """Columns of the partial-sum tensor for a logical width n."""
+        return -(-n // self.block)
 
 
 class Epilogue:

@@ -64,6 +64,20 @@ def store2(addr: Int64, v0: Float32, v1: Float32, dt: cutlass.Constexpr, ok: Boo
 
 
 @cute.jit
+def store_f32(t: cute.Tensor, row: Int32, col: Int32, v: Float32, ok: Boolean):
+    """``t[row, col] = v`` for a row-major float32 tensor, where ok."""
+    if ok:
+        t[row, col] = v
+
+
+def quad_sum(v: Float32) -> Float32:
+    """The sum of ``v`` over the lane's quad (lanes 4i..4i+3: one accumulator row of a wgmma fragment), in every
+    lane of it; a fixed butterfly, so the same inputs give the same bits. Every lane of the warp must call it."""
+    v = v + cute.arch.shuffle_sync_bfly(v, 1)
+    return v + cute.arch.shuffle_sync_bfly(v, 2)
+
+
+@cute.jit
 def store2_rc(t: cute.Tensor, row: Int32, col: Int32, v0: Float32, v1: Float32, dt: cutlass.Constexpr,
               ok: Boolean):
     """Store 2 adjacent values at (row, col), (row, col + 1) of a row-major tensor, one vector store."""

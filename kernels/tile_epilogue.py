@@ -16,11 +16,13 @@ from __future__ import annotations
 
 
 
+import cutlass
 import cutlass.cute as cute
+from cutlass import Float32
 
 from .dtypes import cutlass_dtype
-from .epilogue import AuxInput, Epilogue, GroupVector, MXFP8Output, RowVector
-from .fragment_io import load1, load2, load_word, row_addr, store2, store4_swapped, unpack2
+from .epilogue import AuxInput, Epilogue, GroupVector, MXFP8Output, RowSumOutput, RowVector
+from .fragment_io import load1, load2, load_word, quad_sum, row_addr, store2, store4_swapped, store_f32, unpack2
 from .mxfp8_store import store_mxfp8
 
 _EPI_BATCH = 8  # 8-column chunks per epilogue batch (see TileEpilogue.run)
@@ -67,6 +69,8 @@ class TileEpilogue:
                 tensors.append(cute.make_tensor(p, cute.make_layout((M, w), stride=(w, 1))))
         for spec in self.epi.outputs:
             w = 2 * n_log if spec.paired else n_log
+            if isinstance(spec, RowSumOutput):
+                w = spec.parts(n_log)
             tensors.append(cute.make_tensor(next(it), cute.make_layout((M, w), stride=(w, 1))))
             if isinstance(spec, MXFP8Output):
                 tensors.append(cute.make_tensor(next(it), cute.make_layout((M, w // 32), stride=(w // 32, 1))))
@@ -153,7 +157,19 @@ class TileEpilogue:
         batch = self.batch if n_c % self.batch == 0 else n_c
         # (not beside an MXFP8 output: its quantization holds a batch's values, and with the swaps besides, the
         # "gemm-mxfp8" epilogue spilled: tests/test_compile_plans.py)
-        quad = [not has_mx and self._quad_stores(out_dtypes[oi], n_log, batch) for oi in range(len(epi.outputs))]
+        quad = [not has_mx and not isinstance(epi.outputs[oi], RowSumOutput)
+                and self._quad_stores(out_dtypes[oi], n_log, batch) for oi in range(len(epi.outputs))]
+        # row sums: one running float32 sum per (output, fragment row, block of the tile's columns), reduced over
+        # the quad and stored once per row (RowSumOutput); a fragment row is one wgmma atom wide (n_nn == 1), so
+        # chunk c of it lies in block 8 * c // block
+        row_sums = [oi for oi, spec in enumerate(epi.outputs) if isinstance(spec, RowSumOutput)]
+        if row_sums:
+            assert n_nn == 1, "a row-sum output needs the accumulator one wgmma atom wide"
+            lane = cute.arch.lane_idx()
+        out_slot, ot = {}, 0    # output -> its first tensor (an MXFP8 output has two: data, scales)
+        for oi, spec in enumerate(epi.outputs):
+            out_slot[oi] = ot
+            ot += 2 if isinstance(spec, MXFP8Output) else 1
         odd = (cute.arch.lane_idx() & 1) == 1 if any(quad) else None   # the lane's parity in its quad
         if has_mx:
             assert n_c % 4 == 0 and batch % 4 == 0
@@ -174,6 +190,7 @@ class TileEpilogue:
                             row_vals[ii] = pre[("row", ii, mm, h)]
                         else:
                             row_vals[ii] = load1(in_tensors[ii], grow, row_ok)
+                sums = {oi: [Float32(0.0)] * (self.tile_n_log // epi.outputs[oi].block) for oi in row_sums}
                 for nn in range(n_nn):
                     lc0 = self._first_col(tCcC, col0, mm, h, nn)
                     in_base = {}
@@ -185,7 +202,7 @@ class TileEpilogue:
                     out_base = {}
                     ot = 0
                     for oi, spec in enumerate(epi.outputs):
-                        if not isinstance(spec, MXFP8Output):
+                        if not isinstance(spec, (MXFP8Output, RowSumOutput)):
                             out_base[oi] = row_addr(out_tensors[ot], grow, lc0, out_dtypes[oi])
                         ot += 2 if isinstance(spec, MXFP8Output) else 1
                     for c0 in range(0, n_c, batch):
@@ -257,6 +274,16 @@ class TileEpilogue:
                             dt = out_dtypes[oi]
                             eb = dt.width // 8
                             t = out_tensors[ot]
+                            if isinstance(spec, RowSumOutput):
+                                for k, c in enumerate(cs):
+                                    b = 8 * c // spec.block
+                                    for v in range(n_v):
+                                        val = results[oi][k][v]
+                                        if not col_exact:   # columns past the logical width add nothing
+                                            val = cutlass.select_(lcols[k] < n_log, val, Float32(0.0))
+                                        sums[oi][b] = sums[oi][b] + val
+                                ot += 1
+                                continue
                             if isinstance(spec, MXFP8Output):
                                 store_mxfp8(results[oi], lcols, oks, t, out_tensors[ot + 1], grow, self.ab_dtype)
                                 ot += 2
@@ -282,3 +309,12 @@ class TileEpilogue:
                                     else:
                                         store2(out_base[oi] + 8 * c * eb, rk[0], rk[1], dt, oks[k])
                             ot += 1
+                # the row's sums: over the quad, then lane (block % 4) of it stores block's partial
+                for oi in row_sums:
+                    spec = epi.outputs[oi]
+                    per_tile = self.tile_n_log // spec.block
+                    for b in range(per_tile):
+                        total = quad_sum(sums[oi][b])
+                        blk = n_idx * per_tile + b
+                        ok = row_ok & (lane % 4 == b % 4) & (blk < spec.parts(n_log))
+                        store_f32(out_tensors[out_slot[oi]], grow, blk, total, ok)

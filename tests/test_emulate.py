@@ -190,3 +190,14 @@ def test_emulate_runs_in_float32_and_bfloat16():
         y = low(x.to(dtype), group_sizes=extras["group_sizes"], scale=extras["scale"].to(dtype))
         rel = ((y.double() - y_ref).norm() / y_ref.norm()).item()
         assert rel < tol, (dtype, rel)
+
+
+def test_row_sum_partials_are_block_sums():
+    """A RowSumOutput's emulation (a row scale's gradient in the dgrad epilogue): each row's sum over every 32
+    consecutive columns, the last block partial, as the kernel stores them."""
+    from fusion.runtime.emulate import EmulatedKernel
+
+    v = torch.randn(3, 70, dtype=torch.float64)
+    got = EmulatedKernel._block_sums(v, 32)
+    want = torch.stack([v[:, :32].sum(-1), v[:, 32:64].sum(-1), v[:, 64:].sum(-1)], -1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

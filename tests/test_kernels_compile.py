@@ -81,6 +81,11 @@ class _DSwiGLUScaleDgrad(K.Epilogue):
         return dy * scale * u * (sig + silu * (1.0 - sig)), dy * scale * silu, dy * silu * u
 
 
+class _DSwiGLUScaleDgradRowSum(_DSwiGLUScaleDgrad):
+    """The same with the d(scale) terms summed per row in the kernel (float32 partials per 32 columns)."""
+    outputs = (K.Output("dpre", paired=True), K.RowSumOutput("dscale_x"))
+
+
 class _Bias(K.Epilogue):
     gated = True
     inputs = (K.GroupVector("bias", paired=True), K.GroupVector("b2"), K.RowVector("scale"))
@@ -107,6 +112,8 @@ CASES = {
     "fc2-dgrad-fp16": (_DSwiGLUScaleDgrad(), DGRAD, "float16"),
     "fc2-dgrad-coop-prefetch": (K.DSwiGLUEpilogue(), dict(tile_n=128, stages=6, b_major="MN"), "bfloat16"),
     "fc2-dgrad-wide": (_DSwiGLUScaleDgrad(), dict(PP192, b_major="MN"), "bfloat16"),   # 4-chunk epilogue batches
+    "fc2-dgrad-rowsum": (_DSwiGLUScaleDgradRowSum(), DGRAD, "bfloat16"),              # d(scale) summed in-kernel
+    "fc2-dgrad-rowsum-wide": (_DSwiGLUScaleDgradRowSum(), dict(PP192, b_major="MN"), "bfloat16"),
     "fc1-dgrad-wide": (K.IdentityEpilogue(), dict(PP192, b_major="MN"), "bfloat16"),
     # K-major, not gated
     "plain": (K.IdentityEpilogue(), dict(tile_n=128, stages=6), "bfloat16"),
@@ -143,6 +150,20 @@ def test_wide_aux_epilogue_keeps_its_tile():
     comp = _compile("fc2-dgrad-wide")
     assert comp.config.tile_n == 192 and comp.requested_config.tile_n == 192
     assert comp.kernel.tile_epi.batch == 4 and _compile("fc2-dgrad-bf16").kernel.tile_epi.batch == 8
+
+
+def test_row_sum_output_stores_one_partial_per_block():
+    """A RowSumOutput adds its terms in registers, reduces them over the quad (two butterfly shuffles a block) and
+    stores one float32 per (row, block): a thread's 4 fragment rows (2 x 2) x 4 blocks of a 128-column tile = 16
+    scalar 32-bit stores, in place of the term tensor's 32 quad-swapped 8-byte stores; a block that does not
+    divide the tile is refused."""
+    rowsum, terms = _compile("fc2-dgrad-rowsum").ptx, _compile("fc2-dgrad-bf16").ptx
+    assert rowsum.count("st.global.b32") == 16 and "st.global.b32" not in terms
+    assert rowsum.count("st.global.v2.b32") == terms.count("st.global.v2.b32") - 32
+    with pytest.raises(KernelConfigError, match="row-sum output"):
+        class Odd(_DSwiGLUScaleDgrad):
+            outputs = (K.Output("dpre", paired=True), K.RowSumOutput("dscale_x", block=48))
+        K.check_config(K.GemmConfig(**DGRAD), Odd(), "bfloat16", N_, K_)
 
 
 def test_gated_up_box_starts_at_half_n():

@@ -208,6 +208,12 @@ class _DSwiGLUScaleDgrad(K.Epilogue):
         return dy * scale * u * (sig + silu * (1.0 - sig)), dy * scale * silu, dy * silu * u
 
 
+class _DSwiGLUScaleDgradRowSum(_DSwiGLUScaleDgrad):
+    """The same, with d(scale) summed in the kernel: float32 partials per 32 columns (RowSumOutput), as the
+    product's generated dgrad epilogue declares it."""
+    outputs = (K.Output("dpre", paired=True), K.RowSumOutput("dscale"))
+
+
 def _dswiglu_ref(dh, pre, scale):
     g, u = pre.double().chunk(2, -1)
     s = torch.sigmoid(g)
@@ -216,6 +222,36 @@ def _dswiglu_ref(dh, pre, scale):
 
 
 DGRAD_CASES = [(1, 1000, 512, 256), (8, 4099, 1024, 512), (8, 300, 200, 200), (130, 9000, 256, 256), (8, 0, 256, 128)]
+
+
+@pytest.mark.parametrize("case", DGRAD_CASES)
+@pytest.mark.parametrize("cfg", [dict(tile_n=128, stages=6, pingpong=True, dynamic=True),   # the product's
+                                 dict(tile_n=192, stages=5, pingpong=True, dynamic=True),
+                                 dict(tile_n=128, stages=6)])
+def test_dgrad_row_sums(case, cfg):
+    """The row scale's gradient summed in the kernel: one float32 partial per (row, 32 columns), each the sum of
+    the reference's terms over its block (the last block partial); the rows' totals match the reference's; the
+    same inputs give the same bits twice (each partial has one tile and a fixed order: no atomics)."""
+    G, M, f, d = case
+    dtype = torch.bfloat16
+    sizes, dY, offs = _data(G, M, d, dtype)
+    W2 = torch.randn(G, d, f, dtype=dtype, device=DEV) / d ** 0.5
+    pre = torch.randn(M, 2 * f, dtype=dtype, device=DEV)
+    scale = torch.rand(M, dtype=torch.float32, device=DEV)
+    comp = K.compile_grouped_gemm(K.GemmConfig(**cfg, b_major="MN"), _DSwiGLUScaleDgradRowSum(), dtype, f, d, G)
+    parts = -(-f // 32)
+    runs = []
+    for _ in range(2):
+        dpre, partials = _nan(M, 2 * f, dtype=dtype), _nan(M, parts, dtype=torch.float32)
+        K.run_grouped_gemm(comp, dY, W2, offs, {"dpre": dpre, "dscale": partials}, {"pre": pre, "scale": scale})
+        torch.cuda.synchronize()
+        runs.append(partials)
+    assert torch.equal(runs[0], runs[1]), "row sums differ between two runs of the same inputs"
+    ref_dpre, ref_terms = _dswiglu_ref(_gemm_kn(dY, W2, sizes), pre, scale)
+    _check(dpre, ref_dpre)
+    ref_blocks = torch.nn.functional.pad(ref_terms, (0, parts * 32 - f)).view(M, parts, 32).sum(-1)
+    _check(runs[0], ref_blocks)
+    _check(runs[0].sum(-1), ref_blocks.sum(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -3,9 +3,10 @@
 Only the mainloop is replaced: each group's GEMM is one torch matmul in the compute dtype (float32, float64 for
 float64 blocks; the tensor cores accumulate bf16/fp16 products in fp32). Everything else is the kernel's: the
 same generated Epilogue class (its source executed with fusion.runtime.torch_math as `em`), the same operand
-protocol (RowVector / GroupVector / AuxInput inputs, Output / MXFP8Output outputs, canonical (gate, up) halves
-for paired tensors and gated accumulators), the same B layouts (K-major (G, N, K) or MN-major (G, K, N)), rows
-written only inside the groups' ranges, MXFP8 stores on the value rounded to the GEMM dtype.
+protocol (RowVector / GroupVector / AuxInput inputs, Output / MXFP8Output / RowSumOutput outputs, canonical
+(gate, up) halves for paired tensors and gated accumulators), the same B layouts (K-major (G, N, K) or MN-major
+(G, K, N)), rows written only inside the groups' ranges, MXFP8 stores on the value rounded to the GEMM dtype,
+row sums as per-block partials.
 
 Reading the group bounds takes one host copy per launch: emulate is for tests and CPUs, not for speed.
 """
@@ -87,13 +88,27 @@ class EmulatedKernel:
             rows = end - start
             for slot in epi.outputs:
                 parts = [results.pop(0) for _ in range(2 if slot.paired else 1)]
-                width = tensors[slot.name].shape[-1] // len(parts)
+                row_sum = isinstance(slot, _kernel_protocol().RowSumOutput)
+                n_log = acc.shape[-1] // (2 if self.gated else 1)
+                width = n_log if row_sum else tensors[slot.name].shape[-1] // len(parts)
                 parts = [torch.as_tensor(p, dtype=compute, device=A.device).expand(rows, width) for p in parts]
                 value = torch.cat(parts, -1) if slot.paired else parts[0]
                 if isinstance(slot, _kernel_protocol().MXFP8Output):
                     self._store_mxfp8(value.to(out_dtype), tensors, slot, start, end)
+                elif row_sum:
+                    tensors[slot.name][start:end] = self._block_sums(value, slot.block).to(tensors[slot.name].dtype)
                 else:
                     tensors[slot.name][start:end] = value.to(tensors[slot.name].dtype)
+
+    @staticmethod
+    def _block_sums(value: torch.Tensor, block: int) -> torch.Tensor:
+        """A RowSumOutput's partials: each row's sum over every `block` consecutive columns (the last block
+        partial), as the kernel stores them (its summation order within a block differs)."""
+        rows, n = value.shape
+        pad = -n % block
+        if pad:
+            value = torch.cat([value, value.new_zeros(rows, pad)], -1)
+        return value.view(rows, -1, block).sum(-1)
 
     @staticmethod
     def _store_mxfp8(value: torch.Tensor, tensors: dict, slot, start: int, end: int) -> None:

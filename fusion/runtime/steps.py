@@ -390,6 +390,11 @@ class FusedDgrad(_KernelStep):
                 tensors[slot.kernel_name] = ctx.extra[slot.name]
         outs = {}
         for slot in out_slots:
+            if isinstance(slot, slots.DScale):   # float32 row-sum partials (kernels.epilogue.RowSumOutput)
+                partial_dtype = torch.float64 if dy.dtype == torch.float64 else torch.float32   # (emulate: float64)
+                outs[slot.kernel_name] = torch.empty(M, slot.parts(spec.out_features), dtype=partial_dtype,
+                                                     device=dy.device)
+                continue
             width = spec.in_features if isinstance(slot, slots.DInput) else spec.out_features
             outs[slot.kernel_name] = torch.empty(M, width, dtype=dy.dtype, device=dy.device)
         _poison(outs)
@@ -403,9 +408,9 @@ class FusedDgrad(_KernelStep):
         state.env[f"g{self.first}"] = dinput
         for slot in out_slots:
             if isinstance(slot, slots.DScale):
-                # summed in the scale's dtype (the reduction accumulates in float32; one op, no cast after it)
-                term = outs[slot.kernel_name]
-                state.add(state.extra_grads, slot.name, term.sum(-1))
+                # the kernel's float32 partial row sums, added in a fixed order, then cast to the scale's dtype
+                partials = outs[slot.kernel_name]
+                state.add(state.extra_grads, slot.name, partials.sum(-1).to(ctx.extra[slot.name].dtype))
         for op in self._biases:  # first in the chain: d bias = d(chain input) summed per group
             state.add(state.param_grads, id(op.bias), segment_sum(dinput, state.bounds, op.num_groups is not None))
         if self.postact:
