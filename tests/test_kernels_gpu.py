@@ -214,6 +214,21 @@ class _DSwiGLUScaleDgradRowSum(_DSwiGLUScaleDgrad):
     outputs = (K.Output("dpre", paired=True), K.RowSumOutput("dscale"))
 
 
+def _dgrad_data(case, dtype, b_shape):
+    """A dgrad case (G, M, f, d): ragged sizes, dY (M, d), offsets, B of shape b_shape(G, f, d), the saved
+    pre-activation (M, 2f) and a float32 row scale (M,)."""
+    G, M, f, d = case
+    sizes, dY, offs = _data(G, M, d, dtype)
+    B = torch.randn(*b_shape(G, f, d), dtype=dtype, device=DEV) / d ** 0.5
+    pre = torch.randn(M, 2 * f, dtype=dtype, device=DEV)
+    scale = torch.rand(M, dtype=torch.float32, device=DEV)
+    return sizes, dY, offs, B, pre, scale
+
+
+def _as_stored(G, f, d):
+    return G, d, f      # W2 (G, out=d, in=f): the MN-major dgrad B
+
+
 def _dswiglu_ref(dh, pre, scale):
     g, u = pre.double().chunk(2, -1)
     s = torch.sigmoid(g)
@@ -234,10 +249,7 @@ def test_dgrad_row_sums(case, cfg):
     same inputs give the same bits twice (each partial has one tile and a fixed order: no atomics)."""
     G, M, f, d = case
     dtype = torch.bfloat16
-    sizes, dY, offs = _data(G, M, d, dtype)
-    W2 = torch.randn(G, d, f, dtype=dtype, device=DEV) / d ** 0.5
-    pre = torch.randn(M, 2 * f, dtype=dtype, device=DEV)
-    scale = torch.rand(M, dtype=torch.float32, device=DEV)
+    sizes, dY, offs, W2, pre, scale = _dgrad_data(case, dtype, _as_stored)
     comp = K.compile_grouped_gemm(K.GemmConfig(**cfg, b_major="MN"), _DSwiGLUScaleDgradRowSum(), dtype, f, d, G)
     parts = -(-f // 32)
     runs = []
@@ -262,10 +274,8 @@ def test_dgrad_row_sums(case, cfg):
 def test_dgrad_canonical(case, dtype, cfg):
     """(G, M, f, d): dY (M, d), W2 (G, d, f) as stored (b_major MN, K = d, N = f), pre / dpre (M, 2f)."""
     G, M, f, d = case
-    sizes, dY, offs = _data(G, M, d, dtype)
-    W2 = torch.nn.Parameter(torch.randn(G, d, f, dtype=dtype, device=DEV) / d ** 0.5)
-    pre = torch.randn(M, 2 * f, dtype=dtype, device=DEV)
-    scale = torch.rand(M, dtype=torch.float32, device=DEV)
+    sizes, dY, offs, W2, pre, scale = _dgrad_data(case, dtype, _as_stored)
+    W2 = torch.nn.Parameter(W2)
     comp = K.compile_grouped_gemm(K.GemmConfig(**cfg, b_major="MN"), _DSwiGLUScaleDgrad(), dtype, f, d, G)
     dpre, dscale = _nan(M, 2 * f, dtype=dtype), _nan(M, f, dtype=dtype)
     B = W2.detach()
@@ -282,10 +292,7 @@ def test_dswiglu_k_major(case):
     """The stock DSwiGLUEpilogue on a K-major B (G, f, d): the split paired layout also with b_major K."""
     G, M, f, d = case
     dtype = torch.bfloat16
-    sizes, dY, offs = _data(G, M, d, dtype)
-    B = torch.randn(G, f, d, dtype=dtype, device=DEV) / d ** 0.5
-    pre = torch.randn(M, 2 * f, dtype=dtype, device=DEV)
-    scale = torch.rand(M, dtype=torch.float32, device=DEV)
+    sizes, dY, offs, B, pre, scale = _dgrad_data(case, dtype, lambda G, f, d: (G, f, d))   # K-major (G, N=f, K=d)
     comp = K.compile_grouped_gemm(K.GemmConfig(tile_n=256, stages=4), K.DSwiGLUEpilogue(), dtype, f, d, G)
     out = _nan(M, 2 * f, dtype=dtype)
     K.run_grouped_gemm(comp, dY, B, offs, {"dpre": out}, {"pre": pre, "scale": scale})
