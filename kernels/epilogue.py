@@ -85,10 +85,10 @@ class MXFP8Output:
 class RowSumOutput:
     """The sum of a value over each row's logical columns, as float32 partial sums: one per row and block of
     ``block`` consecutive columns, an (M, ceil(n / block)) tensor the caller sums over its columns (a fixed order:
-    deterministic). A row scale's gradient (d scale = sum_j dy_j * y_j) needs only the sums: an (M, n) tensor of
-    the terms, written by the kernel and read back by a reduction, moved 2 * M * n * 2 bytes more and was the
-    training step's largest backward transient. ``block`` divides every tile's logical width (32: the MXFP8
-    rule's too), so the partials do not depend on the tile the kernel runs."""
+    deterministic). A row scale's gradient (d scale = sum_j dy_j * y_j) needs only the sums: an (M, n) 16-bit
+    tensor of the terms, written by the kernel and read back by a reduction, moved 4 * M * n bytes more (GPT-OSS-120B's
+    MoE step on an H100: 1-2% faster without it; docs/benchmarks.md). ``block`` divides every tile's logical
+    width (32: the MXFP8 rule's too), so the partials do not depend on the tile the kernel runs."""
     name: str
     block: int = 32
     paired = False
