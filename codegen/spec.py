@@ -119,7 +119,8 @@ class EpilogueSpec:
     def backward_slots(self, postact: bool) -> tuple[tuple, tuple]:
         """(inputs, outputs) of the dgrad kernel: reads the saved value (when a stage needs it), the row
         scales and, to recompute the output, the biases after the saved stage; writes the input gradient,
-        the per-element terms of each row scale's gradient, and optionally the recomputed output."""
+        each row scale's gradient as per-block row sums of its terms (slots.DScale), and optionally the
+        recomputed output."""
         inputs: tuple = ()
         if self.saved is not None:
             inputs += (slots.SavedIn(self.saved_paired),)
