@@ -175,3 +175,15 @@ def test_a_value_saved_before_a_gated_activation_is_written_as_halves():
     results = load(epilogue_source(spec, "float64", train=True)).apply(*acc.chunk(2, -1), *args)
     want = acc + ops[0].bias.detach().double()[GROUP]  # the GEMM's output: the Bias op's input
     torch.testing.assert_close(torch.cat(results[-2:], -1), want, rtol=1e-12, atol=1e-12)
+
+
+def test_row_scale_gradient_is_declared_as_row_sums():
+    """The backward epilogue of a chain with a row Scale declares the scale's gradient as a RowSumOutput (the kernel
+    sums each row's terms; no (M, n) tensor of terms), one per row scale; a constant scale has no gradient output."""
+    ops = CASES["clamp-scale-no-act"]()
+    bspec = backward_spec(ops[1:], 16)
+    source = epilogue_source(bspec, "bfloat16", backward=True, postact=False)
+    cls = epilogue_class(source)
+    row_sums = [o for o in cls.outputs if type(o).__name__ == "RowSumOutput"]
+    assert [o.name for o in row_sums] == ["dscale_" + s.name for s in bspec.row_scales()] and len(row_sums) == 1
+    assert row_sums[0].block == slots.DScale("x").block == 32
