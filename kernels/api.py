@@ -208,6 +208,19 @@ def _slot_dtypes(epilogue: Epilogue, dtype: str):
     return out
 
 
+def output_problems(epilogue: Epilogue, tile_log: int) -> list[str]:
+    """What the epilogue's block-wise outputs need of a logical tile ``tile_log`` columns wide (MXFP8's 32-column
+    scale blocks, a row sum's partial blocks): the checks both kernels' config validations share."""
+    problems = []
+    if any(isinstance(s, MXFP8Output) for s in epilogue.outputs) and tile_log % 32:
+        problems.append(f"MXFP8 output: the logical tile ({tile_log} columns) must hold whole 32-column blocks")
+    for s in epilogue.outputs:
+        if isinstance(s, RowSumOutput) and (tile_log % s.block or s.block % 8):
+            problems.append(f"row-sum output {s.name!r}: its blocks ({s.block} columns) must be whole 8-column "
+                            f"chunks and tile the logical tile ({tile_log} columns)")
+    return problems
+
+
 def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, target: str = "sm_90a"):
     """Raise :class:`fusion.errors.KernelConfigError` naming the constraint when the template cannot build
     this kernel (reads no data: cheap)."""
@@ -260,12 +273,7 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
         if paired and N % 8 != 0:
             problems.append(f"N = {N}: paired epilogue tensors (M, 2N) need N % 8 == 0 (aligned up half)")
         tile_log = config.tile_n
-    if any(isinstance(s, MXFP8Output) for s in epilogue.outputs) and tile_log % 32:
-        problems.append(f"MXFP8 output: the logical tile ({tile_log} columns) must hold whole 32-column blocks")
-    for s in epilogue.outputs:
-        if isinstance(s, RowSumOutput) and (tile_log % s.block or s.block % 8):
-            problems.append(f"row-sum output {s.name!r}: its blocks ({s.block} columns) must be whole 8-column "
-                            f"chunks and tile the logical tile ({tile_log} columns)")
+    problems += output_problems(epilogue, tile_log)
     if problems:
         raise KernelConfigError(f"cannot build the grouped GEMM ({type(epilogue).__name__}, {dtype}, N={N}, "
                                 f"K={K}, {config}): " + "; ".join(problems))

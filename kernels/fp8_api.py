@@ -18,8 +18,9 @@ from cutlass.cute.runtime import make_ptr
 from fusion.errors import DeviceError, KernelConfigError, ShapeError
 
 from .api import (CompiledGroupedGemm, compile_kernel, GemmConfig, _dtype_name, _fake_ptr, _slot_dtypes,
-                  allocate_outputs, current_stream, epilogue_pointers, launch_grid, offsets_from_group_sizes)
-from .epilogue import Epilogue, IdentityEpilogue, MXFP8Output, RowSumOutput
+                  allocate_outputs, current_stream, epilogue_pointers, launch_grid, offsets_from_group_sizes,
+                  output_problems)
+from .epilogue import Epilogue, IdentityEpilogue
 from .fp8_gemm import SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
 from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
 from .tile_policy import (FP8_SMEM, band_problem, choose_fp8_config, fp8_stage_bytes, n_tile_count,
@@ -79,12 +80,7 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
         except ValueError as e:
             problems.append(str(e))
     tile_log = config.tile_n // 2 if epilogue.gated else config.tile_n
-    if any(isinstance(s, MXFP8Output) for s in epilogue.outputs) and tile_log % 32:
-        problems.append(f"MXFP8 output: the logical tile ({tile_log} columns) must hold whole 32-column blocks")
-    for s in epilogue.outputs:
-        if isinstance(s, RowSumOutput) and (tile_log % s.block or s.block % 8):
-            problems.append(f"row-sum output {s.name!r}: its blocks ({s.block} columns) must be whole 8-column "
-                            f"chunks and tile the logical tile ({tile_log} columns)")
+    problems += output_problems(epilogue, tile_log)
     if config.stages < 2:
         problems.append(f"stages = {config.stages}: at least 2 (a consumer holds a stage while it waits for the "
                         "next)")

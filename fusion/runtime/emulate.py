@@ -86,10 +86,10 @@ class EmulatedKernel:
             results = epi.apply(*args)
             results = list(results) if isinstance(results, (tuple, list)) else [results]
             rows = end - start
+            n_log = acc.shape[-1] // (2 if self.gated else 1)   # the logical width (a row sum's columns)
             for slot in epi.outputs:
                 parts = [results.pop(0) for _ in range(2 if slot.paired else 1)]
                 row_sum = isinstance(slot, _kernel_protocol().RowSumOutput)
-                n_log = acc.shape[-1] // (2 if self.gated else 1)
                 width = n_log if row_sum else tensors[slot.name].shape[-1] // len(parts)
                 parts = [torch.as_tensor(p, dtype=compute, device=A.device).expand(rows, width) for p in parts]
                 value = torch.cat(parts, -1) if slot.paired else parts[0]
