@@ -1,8 +1,8 @@
 """Typed epilogue operands: what a generated kernel reads besides the accumulator, and what it writes.
 
 Each slot knows three things: the name the kernel's Epilogue class declares for it (`kernel_name`), how it is
-declared (`declaration`: one of the kernel protocol's RowVector / GroupVector / AuxInput / Output /
-MXFP8Output / RowSumOutput), and the names `apply` receives or returns for it (`values`: two for a paired (gate, up) slot).
+declared (`declaration`: one of the kernel protocol's RowVector / GroupVector / AuxInput / Output / MXFP8Output /
+RowSumOutput), and the names `apply` receives or returns for it (`values`: two for a paired (gate, up) slot).
 The runtime binds tensors to slots by type (the step runners of fusion/runtime/steps.py), so no string is ever
 parsed back.
 
@@ -12,8 +12,6 @@ Paired tensors use the canonical layout of the GroupLinear weight: gate half in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from fusion.kernels.epilogue import RowSumOutput   # the protocol's plain data (no cutlass import)
 
 
 def _pair(name: str, paired: bool) -> tuple[str, ...]:
@@ -149,22 +147,18 @@ class DScale:
     partials (an (M, n / block) tensor, not the (M, n) terms)."""
 
     name: str
+    block: int = 32   # the declaration names it: the generated epilogue's RowSumOutput takes this, not its default
 
     @property
     def kernel_name(self) -> str:
         return f"dscale_{self.name}"
 
-    @property
-    def output(self) -> RowSumOutput:
-        """The kernel output it declares (the protocol's default block)."""
-        return RowSumOutput(self.kernel_name)
-
     def parts(self, n: int) -> int:
         """Columns of the partial-sum tensor for a logical width n."""
-        return self.output.parts(n)
+        return -(-n // self.block)
 
     def declaration(self, dtype: str) -> str:
-        return f'_epi.RowSumOutput("{self.kernel_name}", block={self.output.block})'
+        return f'_epi.RowSumOutput("{self.kernel_name}", block={self.block})'
 
     @property
     def values(self) -> tuple[str, ...]:

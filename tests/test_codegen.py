@@ -186,4 +186,4 @@ def test_row_scale_gradient_is_declared_as_row_sums():
     cls = epilogue_class(source)
     row_sums = [o for o in cls.outputs if type(o).__name__ == "RowSumOutput"]
     assert [o.name for o in row_sums] == ["dscale_" + s.name for s in bspec.row_scales()] and len(row_sums) == 1
-    assert row_sums[0].block == slots.DScale("x").output.block == 32
+    assert row_sums[0].block == slots.DScale("x").block == 32
