@@ -4,7 +4,8 @@
 
 The layer, weights and inputs are bench_moe.py's (`run_config`'s setup); paths are its `fusion`,
 `fusion_compiled` and `torch_compiled` (variant `parts`). Prints the kernels with the most GPU time per call,
-then the Python functions with the most own time per call. The MoE counterpart of bench/profile_step.py and
+then the Python functions with the most own time per call; first the host µs per call and the aten ops
+one call dispatches. The MoE counterpart of bench/profile_step.py and
 bench/profile_host.py.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from bench_moe import CONFIGS, Options, make_paths, phase_fn  # noqa: E402
-from profiling import print_host, print_kernels  # noqa: E402
+from profiling import print_host, print_kernels, print_ops  # noqa: E402
 
 
 def setup(model: str, tokens: int, path_name: str, backend: str = "auto"):
@@ -56,6 +57,7 @@ def main(argv=None):
         call()
     torch.cuda.synchronize()
     title = f"{args.model} T={args.tokens} {args.path} {args.phase}"
+    print_ops(call, clear, max(args.calls, 20), title)
     print_kernels(call, clear, args.calls, args.top, title)
     print_host(call, clear, args.calls, args.top, title)
 

@@ -43,3 +43,35 @@ def print_host(call, clear, calls: int, top: int, title: str, keys=("tottime", "
         pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
         print(f"== {title}: host, {calls} calls, by {key}")
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
+
+
+def print_ops(call, clear, calls: int, title: str) -> None:
+    """Host µs per call (perf_counter over `calls` back-to-back calls, no sync inside) and the aten ops one call
+    dispatches, by count: each costs host time (a dispatch, often a launch), so the count says where to cut."""
+    import collections
+    import time
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    _calls(call, clear, calls)
+    host = (time.perf_counter() - start) / calls * 1e6
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    counter = _Count()
+    with counter:
+        _calls(call, clear, 1)
+    ops = sorted(counter.ops.items(), key=lambda kv: -kv[1])
+    print(f"== {title}: {host:.0f} µs of host per call; {sum(counter.ops.values())} aten ops per call")
+    print("  " + " ".join(f"{name}:{n}" for name, n in ops))

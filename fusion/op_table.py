@@ -36,11 +36,14 @@ def _lone_rule_text(part: str) -> str:
 #: (each module says how it matches the reference), used on the CUDA tensors it takes, and what explain() says
 #: runs there. The variant is the op's kind, or kind:format for a GEMM whose weights are not the parameter as is
 #: (its weight_format) and for a quantize op (the format it writes). A Gather's backward is a combine of its
-#: rows' gradients.
+#: rows' gradients, a Combine's backward a gather of the tokens'.
 DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
     ("combine", "forward"): ("combine", "combine kernel (fusion/kernels/combine.py: each token's rows summed in "
                                         "row order in float32, no atomics)"),
     ("gather", "backward"): ("combine", "combine kernel of the rows' gradients (fusion/kernels/combine.py)"),
+    ("gather", "forward"): ("gather", "gather kernel (fusion/kernels/gather_rows.py: each routed row copies its "
+                                      "token's row, a padding row zeros; no copy of the tokens)"),
+    ("combine", "backward"): ("gather", "gather kernel of the tokens' gradients (fusion/kernels/gather_rows.py)"),
     ("quantize:fp8_block", "forward"): ("fp8_quantize", "FP8-block quantize kernel (fusion/kernels/fp8_quantize.py: "
                                                         "rowwise and per-group columnwise in one pass)"),
     ("gemm:fp8_block", "forward"): ("fp8_gemm", "FP8 block-scaled grouped GEMM (fusion/kernels/fp8_gemm.py), the "

@@ -106,9 +106,9 @@ def test_gathered_rows_exist_only_during_fc1_wgrad(monkeypatch):
 
 def test_padding_rows_read_row_zero_and_change_nothing():
     """Token rounding's padding rows (index -1) sit in the last group: the kernel reads them from x[0] through
-    the int32 index (fusion.runtime.steps.gather_index), and no result or gradient depends on them."""
+    the int32 index (fusion.runtime.gather.gather_index), and no result or gradient depends on them."""
     from fusion.run_context import RunContext
-    from fusion.runtime.steps import gather_index
+    from fusion.runtime.gather import gather_index
 
     index = torch.tensor([3, -1, 0, -1, 2])
     ctx = RunContext(index=index)
@@ -130,3 +130,44 @@ def test_gather_backward_skipped_when_x_needs_no_gradient(monkeypatch):
     x = torch.randn(20, D, dtype=torch.float64, requires_grad=True)
     block("emulate")(x, index=r.index, group_sizes=r.group_sizes, scale=probs).sum().backward()
     assert x.grad is not None and calls == [1]
+
+
+@pytest.mark.parametrize("k,round_to,empty", [(2, None, 0), (2, 8, 0), (4, 4, 1)])
+def test_gather_device_method_wiring(monkeypatch, k, round_to, empty):
+    """On the GPU the fused runtime runs the gather kernel (fusion/runtime/gather.py) for the Gather recomputed
+    before FC1's weight gradient and for the Combine's backward. Forced here into the emulated program (device
+    methods are the GPU runtime's; on the CPU the module falls back to the reference gather), with token
+    rounding's padding rows: both steps call it, and every result and gradient is the reference's."""
+    from fusion.runtime import gather as gather_method
+    from fusion.runtime import steps as S
+
+    used = []
+    device_method = S._device_method
+    real_run = gather_method.run
+
+    def with_gather(op, part, device_kernels):
+        if (op.spec.kind, part) in {("gather", "forward"), ("combine", "backward")}:
+            return gather_method
+        return device_method(op, part, device_kernels)
+
+    T = 29
+    r = routing(T, k, round_to, empty)
+    x0 = torch.randn(T, D, dtype=torch.float64)
+    ref = run(block("reference"), x0, r, torch.float64)
+    monkeypatch.setattr(S, "_device_method", with_gather)
+    monkeypatch.setattr(gather_method, "takes", lambda op, x: True)
+    monkeypatch.setattr(gather_method, "run", lambda op, x, ctx: used.append(op.spec.kind) or real_run(op, x, ctx))
+    monkeypatch.setattr(Gather, "reference", lambda *a: pytest.fail("the recompute ran the reference gather"))
+    got = run(block("emulate"), x0, r, torch.float64)
+    assert sorted(used) == ["combine", "gather"]
+    for name, a, b in zip(["y", "dx", "dprobs", "dW1", "dW2"], ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_gather_kernel_in_the_plan():
+    """explain() of the block planned for Hopper names the gather kernel for the Combine's backward."""
+    from fusion.explain import explain
+
+    text = explain(block("auto", dtype=torch.bfloat16), dtype=torch.bfloat16, target="sm_90a")
+    line = next(ln for ln in text.splitlines() if "Combine" in ln and "backward" in ln)
+    assert "gather kernel of the tokens' gradients" in line, line

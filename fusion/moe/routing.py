@@ -112,28 +112,77 @@ def route(logits: torch.Tensor, k: int, score: str = "softmax", bias: torch.Tens
     padding: index == -1, expert == -1, probs == 0.
     """
     _validate(logits, k, score, bias, round_to)
-    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    scores = SCORES[score](logits.to(compute))
-    select = scores.detach()
-    if bias is not None:
-        select = select + bias.detach().to(compute)
-    # A stable descending sort, not topk: ties must go to the lower expert, deterministically.
-    top = torch.sort(select, dim=1, descending=True, stable=True).indices[:, :k]
-    weights = scores.gather(1, top)
-    denom = None
-    if normalize:
-        denom = weights.sum(dim=1, keepdim=True).clamp_min(torch.finfo(compute).tiny)
-        weights = weights / denom
     if round_to is None:
-        return _sorted_by_expert(top, weights, logits.shape[1], logits.dtype)
-    probs_all = scores / denom if normalize else scores
+        index, group_sizes, probs, expert = _TopKRoute.apply(logits, k, score, bias, normalize)
+        return RouteResult(index, group_sizes, probs, expert, logits.shape[0])
+    scores = SCORES[score](logits.to(_compute_dtype(logits)))
+    top = _top_k(scores, bias, k)
+    probs_all = scores
+    if normalize:
+        tiny = torch.finfo(scores.dtype).tiny
+        probs_all = scores / scores.gather(1, top).sum(dim=1, keepdim=True).clamp_min(tiny)
     return _rounded(top, probs_all, round_to, logits.dtype)
 
 
-def _sorted_by_expert(top: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                      dtype: torch.dtype) -> RouteResult:
-    """Top-k (T, k) -> rows grouped by expert, within an expert by token (a stable sort of token-major rows)."""
-    tokens, k = top.shape
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _top_k(scores: torch.Tensor, bias: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Each token's k chosen experts (T, k), best first. A stable descending sort, not topk: ties must go to the
+    lower expert, deterministically. The bias changes the choice only."""
+    select = scores.detach()
+    if bias is not None:
+        select = select + bias.detach().to(scores.dtype)
+    return torch.sort(select, dim=1, descending=True, stable=True).indices[:, :k]
+
+
+class _TopKRoute(torch.autograd.Function):
+    """Top-k routing without token rounding as one autograd node: logits -> (index, group_sizes, probs, expert),
+    only probs differentiable. Its backward is the chain rule of the ops the forward runs (the scores, the
+    gather of the chosen ones, the renormalization, the sort into rows by expert) written out in a dozen ops.
+    Autograd through those ops records nine nodes and runs about twenty-five ops in the backward, each a
+    dispatch and a launch on the host: on a small batch the host is the bottleneck of a whole MoE layer."""
+
+    @staticmethod
+    def forward(fctx, logits, k: int, score: str, bias, normalize: bool):
+        scores = SCORES[score](logits.to(_compute_dtype(logits)))
+        top = _top_k(scores, bias, k)
+        weights = scores.gather(1, top)
+        denom = clamped = None
+        if normalize:
+            tiny = torch.finfo(scores.dtype).tiny
+            total = weights.sum(dim=1, keepdim=True)
+            denom = total.clamp_min(tiny)
+            clamped = total < tiny   # clamp_min passes no gradient there
+            weights = weights / denom
+        index, group_sizes, probs, expert, order = _sorted_by_expert(top, weights, logits.shape[1], logits.dtype)
+        fctx.save_for_backward(scores, top, weights, denom, clamped, order)
+        fctx.score, fctx.logits_dtype = score, logits.dtype
+        fctx.mark_non_differentiable(index, group_sizes, expert)
+        return index, group_sizes, probs, expert
+
+    @staticmethod
+    def backward(fctx, _index, _sizes, dprobs, _expert):
+        scores, top, weights, denom, clamped, order = fctx.saved_tensors
+        # the routed rows' gradients back to their (token, slot): `order` is a permutation of the T*k slots
+        dw = torch.empty_like(weights).view(-1).index_copy_(0, order, dprobs.to(weights.dtype)).view_as(weights)
+        if denom is not None:
+            # w = s / D with D = clamp_min(sum s): ds = (dw - sum(dw * w)) / D, the sum's term 0 where clamped
+            through = (dw * weights).sum(dim=1, keepdim=True).masked_fill_(clamped, 0)
+            dw = (dw - through) / denom
+        dscores = torch.zeros_like(scores).scatter_(1, top, dw)
+        if fctx.score == "softmax":
+            dz = torch._softmax_backward_data(dscores, scores, 1, scores.dtype)
+        else:
+            dz = torch.ops.aten.sigmoid_backward(dscores, scores)
+        return dz.to(fctx.logits_dtype), None, None, None, None
+
+
+def _sorted_by_expert(top: torch.Tensor, weights: torch.Tensor, num_experts: int, dtype: torch.dtype):
+    """Top-k (T, k) -> rows grouped by expert, within an expert by token (a stable sort of token-major rows):
+    (index, group_sizes, probs, expert, order), order[r] the token-major slot t * k + j of routed row r."""
+    k = top.shape[1]
     # The narrowest key dtype: a radix sort makes one pass per key byte (8 passes for int64). `top` is a slice of
     # the sort's indices: the cast copies it contiguous, so the flattening after it is a view, not a second copy.
     key = top.to(torch.uint8 if num_experts <= 256 else torch.int16 if num_experts < 2 ** 15
@@ -144,7 +193,7 @@ def _sorted_by_expert(top: torch.Tensor, weights: torch.Tensor, num_experts: int
     probs = weights.reshape(-1).index_select(0, order).to(dtype)
     bounds = torch.arange(num_experts + 1, device=top.device, dtype=experts_sorted.dtype)
     group_sizes = torch.searchsorted(experts_sorted, bounds).diff().to(torch.int32)
-    return RouteResult(index, group_sizes, probs, experts_sorted, tokens)
+    return index, group_sizes, probs, experts_sorted, order
 
 
 def _rounded(top: torch.Tensor, probs_all: torch.Tensor, R: int, dtype: torch.dtype) -> RouteResult:

@@ -81,6 +81,11 @@ class BlockProgram:
         for n, step in enumerate(plan.backward, 1):
             self.backward_steps.append(self._backward_runner(seq, step, launcher, f"B{n}"))
         self.recompute_bases = _recompute_bases(plan)
+        # a recomputed op runs as in the forward: its device method where it has one (a Gather's index_select
+        # through the int32 gather index, fusion/runtime/gather.py), else its reference
+        self.recompute_methods = {j: S._device_method(seq[j], "forward", self.device_kernels)
+                                  for name, base in self.recompute_bases.items()
+                                  for j in range(index_of(base), index_of(name))}
         self.release = _last_reads(plan.backward, {out_grad(plan.ops, -1)}, self.recompute_bases)
         self.forward_kernels = _number_slots(self.forward_steps)
         self.backward_kernels = _number_slots(self.backward_steps)
@@ -174,10 +179,16 @@ class BlockProgram:
 
     def _recompute(self, state, name: str) -> None:
         """A value the backward reads that the forward did not keep: rerun the ops from the nearest kept value,
-        right before its first reader (it lives from there to its last reader, not through the whole backward)."""
+        right before its first reader (it lives from there to its last reader, not through the whole backward).
+        An op with a forward device method runs it (one that takes a tile counter excepted: the backward's slots
+        belong to its own steps)."""
         base = self.recompute_bases[name]
         with torch.no_grad():
             value = state.env[base]
             for j in range(index_of(base), index_of(name)):
-                value = self.seq[j].reference(value, state.ctx)
+                op, method = self.seq[j], self.recompute_methods[j]
+                if method is not None and not getattr(method, "TILE_COUNTER", False) and method.takes(op, value):
+                    value = method.run(op, value, state.ctx)
+                else:
+                    value = op.reference(value, state.ctx)
         state.env[name] = value

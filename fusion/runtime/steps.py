@@ -27,6 +27,7 @@ from fusion.grouped import linear_dgrad, linear_wgrad
 from fusion.op_table import op_device_method
 from fusion.ops.base import RunContext
 from fusion.runtime import fp8_gemm
+from fusion.runtime.gather import gather_index
 from fusion.runtime.kernel import make_job
 
 
@@ -214,16 +215,6 @@ class FusedForward(_KernelStep):
             state.env[self.output] = outs["out"]
         if "saved" in outs:
             state.env[self.saved] = outs["saved"]
-
-
-def gather_index(ctx: RunContext) -> torch.Tensor:
-    """The index a gathering kernel loads its A rows through: int32, a padding row (-1) reading row 0, made once
-    per call (RunContext.derived).
-
-    Padding rows (token rounding) lie in the last group (RunContext.group_sizes absorbs them), so the kernel
-    computes them: from x[0], which is finite, where the reference gathers zeros. Nothing reads those rows'
-    values: Combine skips them and their probs are 0, so every result and gradient is the reference's."""
-    return ctx.derive("gather_index", lambda: ctx.index.clamp_min(0).to(torch.int32))
 
 
 def _quantized(op, outs: dict, ctx: RunContext):

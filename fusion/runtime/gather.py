@@ -1,0 +1,55 @@
+"""The MoE gather on the GPU: the gather kernel (fusion/kernels/gather_rows.py) in place of the reference, and
+the int32 index the gathering GEMM kernels read.
+
+A device method of the fused runtime (fusion.op_table.DEVICE_METHODS): `takes(op, tensor)` says whether the
+kernel runs it, `run(op, tensor, ctx)` computes. Used by the fused runtime (backend "cute", CUDA tensors) for an
+MoE block's Combine backward (each routed row takes its token's gradient) and its Gather forward where that runs
+alone (recomputed before FC1's weight gradient: the gathering FC1 kernel keeps no gathered copy). Both are the
+same copy: routed row r = token row index[r], a padding row (index -1) zeros, exactly the reference's values
+(fusion/ops/routing.py `_gather`, which appends a zero row to a copy of the tokens and index_selects from it:
+one more pass over the tokens and five small ops, twice per training step).
+"""
+from __future__ import annotations
+
+import torch
+
+from fusion.ops.routing import gather_rows
+from fusion.run_context import RunContext
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+
+
+def gather_index(ctx: RunContext) -> torch.Tensor:
+    """The index a gathering GEMM kernel loads its A rows through: int32, a padding row (-1) reading row 0, made
+    once per call (RunContext.derived; on the GPU the routed prologue writes it, fusion/runtime/bounds.py).
+
+    Padding rows (token rounding) lie in the last group (RunContext.group_sizes absorbs them), so the kernel
+    computes them: from x[0], which is finite, where the reference gathers zeros. No result or gradient depends
+    on them: Combine skips them in the forward and gives them zero gradients in the backward (this module's
+    kernel writes zeros there), so their d(pre-activation) rows are zeros."""
+    return ctx.derive("gather_index", lambda: ctx.index.clamp_min(0).to(torch.int32))
+
+
+def takes(op, x: torch.Tensor) -> bool:
+    """Whether the kernel runs these rows: a CUDA tensor of a kernel dtype whose rows are whole 16-byte chunks."""
+    return x.is_cuda and x.dtype in _KERNEL_DTYPES and x.dim() == 2 and (x.shape[1] * x.element_size()) % 16 == 0
+
+
+def run(op, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+    """(T, d) token rows -> (M, d) routed rows: row r = x[ctx.index[r]], zeros where ctx.index[r] == -1."""
+    index = ctx.index
+    if not takes(op, x) or index.dtype not in _INDEX_DTYPES or not index.is_cuda:
+        return gather_rows(x, index)
+    from fusion.kernels.gather_rows import compile_gather_rows
+
+    x = x if x.is_contiguous() else x.contiguous()
+    index = index if index.is_contiguous() else index.contiguous()
+    T, d = x.shape
+    M = index.numel()
+    out = torch.empty(M, d, dtype=x.dtype, device=x.device)
+    if M:
+        kernel = compile_gather_rows(str(x.dtype).removeprefix("torch."), d, _INDEX_DTYPES[index.dtype])
+        kernel.launch(x.data_ptr(), index.data_ptr(), out.data_ptr(), T, M,
+                      torch._C._cuda_getCurrentRawStream(x.device.index))
+    return out
