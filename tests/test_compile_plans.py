@@ -99,7 +99,8 @@ def test_epilogue_matrix_compiles(case):
     block = Sequential(*epilogue_matrix()[case]).to("meta")
     kernels = block.compile(dtype=torch.bfloat16, target="sm_90a")
     assert kernels
-    assert all(("_fp8_" in k.name) == case.startswith("fp8") for k in kernels)  # the FP8 cases on the FP8 kernel
+    # the FP8 cases on the FP8 kernel (weight gradients: the bf16 varlen-K kernel in both)
+    assert all(("_fp8_" in k.name) == case.startswith("fp8") for k in kernels if not k.name.startswith("wgrad_"))
     for k in kernels:
         check_sass(k)
 

@@ -83,7 +83,7 @@ def test_an_fp8_gemm_backward_is_a_dgrad_step_and_a_wgrad_step():
     steps = {s.parts: s for s in plan.backward if not s.fused}
     dgrad, wgrad = steps[((0, "dgrad"),)], steps[((0, "wgrad"),)]
     assert "FP8 block-scaled grouped GEMM of dY (quantized 1x128)" in dgrad.method
-    assert "torch._grouped_mm of the high-precision dY and X" in wgrad.method
+    assert "varlen-K grouped GEMM of the high-precision dY and X" in wgrad.method
     assert (dgrad.reads, dgrad.writes) == (("g1",), ("g0",))
     assert (wgrad.reads, wgrad.writes) == (("g1", "v0"), ("dW0",))
     cpu = plan_for(block(fmt2="bf16"), dtype=torch.float32, target=None)
@@ -255,22 +255,28 @@ def test_explain_says_why_the_fp8_kernel_does_not_take_a_gemm():
 
 def test_sequential_compile_builds_every_fp8_kernel_the_plan_launches():
     """Sequential.compile()'s jobs (fusion/runtime/aot.py): the fused FP8 kernels (training and inference FC1,
-    FC2's dgrad) and the lone FP8 GEMMs of the device method (FC2's fprop, FC1's dgrad), all on the FP8 mainloop;
-    a bf16 block has no FP8 job."""
+    FC2's dgrad), the lone FP8 GEMMs of the device method (FC2's fprop, FC1's dgrad), all on the FP8 mainloop,
+    and both GEMMs' bf16 weight gradients on the varlen-K kernel; a bf16 block has no FP8 job."""
     from fusion.runtime.aot import plan_jobs
 
     jobs = plan_jobs(block(E=4, d=256, f=256, backend="auto").to("meta", torch.bfloat16), torch.bfloat16)
-    assert [(j.step, j.variant, j.N, j.K) for j in jobs] == [
+    fp8 = [j for j in jobs if j.mainloop == "fp8_block"]
+    assert [(j.step, j.variant, j.N, j.K) for j in fp8] == [
         ("F1", "train", 512, 256), ("F1", "inference", 512, 256), ("B1", "backward", 256, 256),
         ("fp8_fprop", "identity", 256, 256), ("fp8_dgrad", "identity", 256, 512)]
-    assert {j.mainloop for j in jobs} == {"fp8_block"} and len({j.key for j in jobs}) == 5
+    assert len({j.key for j in fp8}) == 5
+    # the weight gradients dW (E, out, in): FC2's (256, 256) and FC1's (512, 256) (N = in, K = out)
+    assert sorted((j.N, j.K) for j in jobs if j.mainloop == "varlen_k") == [(256, 256), (256, 512)]
+    assert {j.mainloop for j in jobs} == {"fp8_block", "varlen_k"}
     # a bf16 block: its fused kernels, and its GEMMs' weight gradients on the varlen-K kernel
     assert {j.mainloop for j in plan_jobs(block("bf16", "bf16", backend="auto").to("meta", torch.bfloat16),
                                           torch.bfloat16)} == {"bf16", "varlen_k"}
-    # widths the FP8 kernel refuses (72): no job for that GEMM, nothing to fail at compile time
+    # widths the FP8 kernel refuses (72): no job for that GEMM (its weight gradient included: the recipe runs
+    # it), nothing to fail at compile time
     odd = Sequential(GroupLinear(2, 72, 128, weight_format="fp8_block"), SwiGLU(),
                      GroupLinear(2, 64, 64, weight_format="fp8_block")).to("meta", torch.bfloat16)
-    assert [(j.step, j.N, j.K) for j in plan_jobs(odd, torch.bfloat16)] == [("B1", 64, 64), ("fp8_fprop", 64, 64)]
+    assert [(j.step, j.N, j.K) for j in plan_jobs(odd, torch.bfloat16)] == [
+        ("B1", 64, 64), ("fp8_fprop", 64, 64), ("wgrad", 64, 64)]
     # backend "emulate" launches no device method: only the fused kernels' jobs
     emulated = plan_jobs(block(E=4, d=256, f=256, backend="emulate").to("meta", torch.bfloat16), torch.bfloat16)
     assert [j.step for j in emulated] == ["F1", "F1", "B1"]
