@@ -113,7 +113,10 @@ def route(logits: torch.Tensor, k: int, score: str = "softmax", bias: torch.Tens
     """
     _validate(logits, k, score, bias, round_to)
     if round_to is None:
-        index, group_sizes, probs, expert = _TopKRoute.apply(logits, k, score, bias, normalize)
+        if torch.is_grad_enabled() and logits.requires_grad:
+            index, group_sizes, probs, expert = _TopKRoute.apply(logits, k, score, bias, normalize)
+        else:   # nothing to differentiate: the same ops without the autograd node's bookkeeping
+            index, group_sizes, probs, expert = _top_k_route(logits, k, score, bias, normalize)[:4]
         return RouteResult(index, group_sizes, probs, expert, logits.shape[0])
     scores = SCORES[score](logits.to(_compute_dtype(logits)))
     top = _top_k(scores, bias, k)
@@ -137,6 +140,25 @@ def _top_k(scores: torch.Tensor, bias: torch.Tensor | None, k: int) -> torch.Ten
     return torch.sort(select, dim=1, descending=True, stable=True).indices[:, :k]
 
 
+def _top_k_route(logits, k: int, score: str, bias, normalize: bool, for_backward: bool = False):
+    """(index, group_sizes, probs, expert, saved): top-k routing without token rounding; `saved` what
+    _TopKRoute's backward reads (scores, top, weights, denom, clamped, order), with `for_backward`."""
+    scores = SCORES[score](logits.to(_compute_dtype(logits)))
+    top = _top_k(scores, bias, k)
+    weights = scores.gather(1, top)
+    denom = clamped = None
+    if normalize:
+        tiny = torch.finfo(scores.dtype).tiny
+        total = weights.sum(dim=1, keepdim=True)
+        denom = total.clamp_min(tiny)
+        if for_backward:
+            clamped = total < tiny   # clamp_min passes no gradient there
+        weights = weights / denom
+    index, group_sizes, probs, expert, order = _sorted_by_expert(top, weights, logits.shape[1], logits.dtype)
+    saved = (scores, top, weights, denom, clamped, order) if for_backward else ()
+    return index, group_sizes, probs, expert, saved
+
+
 class _TopKRoute(torch.autograd.Function):
     """Top-k routing without token rounding as one autograd node: logits -> (index, group_sizes, probs, expert),
     only probs differentiable. Its backward is the chain rule of the ops the forward runs (the scores, the
@@ -146,18 +168,8 @@ class _TopKRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, logits, k: int, score: str, bias, normalize: bool):
-        scores = SCORES[score](logits.to(_compute_dtype(logits)))
-        top = _top_k(scores, bias, k)
-        weights = scores.gather(1, top)
-        denom = clamped = None
-        if normalize:
-            tiny = torch.finfo(scores.dtype).tiny
-            total = weights.sum(dim=1, keepdim=True)
-            denom = total.clamp_min(tiny)
-            clamped = total < tiny   # clamp_min passes no gradient there
-            weights = weights / denom
-        index, group_sizes, probs, expert, order = _sorted_by_expert(top, weights, logits.shape[1], logits.dtype)
-        fctx.save_for_backward(scores, top, weights, denom, clamped, order)
+        index, group_sizes, probs, expert, saved = _top_k_route(logits, k, score, bias, normalize, for_backward=True)
+        fctx.save_for_backward(*saved)
         fctx.score, fctx.logits_dtype = score, logits.dtype
         fctx.mark_non_differentiable(index, group_sizes, expert)
         return index, group_sizes, probs, expert
