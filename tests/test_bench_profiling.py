@@ -4,7 +4,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from profiling import print_host  # noqa: E402
+import torch  # noqa: E402
+
+from profiling import print_host, print_ops  # noqa: E402
 
 
 def test_print_host_lists_the_calls_functions_by_each_key(capsys):
@@ -18,3 +20,15 @@ def test_print_host_lists_the_calls_functions_by_each_key(capsys):
     assert len(cleared) == 3
     assert "== toy: host, 3 calls, by tottime" in out and "== toy: host, 3 calls, by cumulative" in out
     assert out.count("work_we_look_for") == 2   # once in each listing
+
+
+def test_print_ops_counts_the_aten_ops_of_one_call(capsys):
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def step():
+        (x * 2).sum().backward()
+
+    print_ops(step, lambda: setattr(x, "grad", None), calls=3, title="toy")
+    out = capsys.readouterr().out
+    assert "== toy:" in out and "µs of host per call" in out
+    assert "mul:" in out and "sum:1" in out   # the forward's ops and the backward's, dispatched once each call

@@ -81,8 +81,8 @@ class BlockProgram:
         for n, step in enumerate(plan.backward, 1):
             self.backward_steps.append(self._backward_runner(seq, step, launcher, f"B{n}"))
         self.recompute_bases = _recompute_bases(plan)
-        # a recomputed op runs as in the forward: its device method where it has one (a Gather's index_select
-        # through the int32 gather index, fusion/runtime/gather.py), else its reference
+        # a recomputed op runs as in the forward: its device method where it has one (a Gather: the gather
+        # kernel, fusion/runtime/gather.py), else its reference
         self.recompute_methods = {j: S._device_method(seq[j], "forward", self.device_kernels)
                                   for name, base in self.recompute_bases.items()
                                   for j in range(index_of(base), index_of(name))}
