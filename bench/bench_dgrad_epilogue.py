@@ -3,8 +3,9 @@
 Usage: python bench/bench_dgrad_epilogue.py [--shape i,j,...] [--precompile]
   --precompile: only compile the variants into the fusion kernel cache (no GPU needed), so that a device
   run can load them (copy the cache folder to FUSION_CACHE_DIR there).
-Variants (all pingpong): the config FusedDgradStep.job() picks (128x128, dynamic), 128x128 static, CTA pairs
-multicasting dY's tile (static, dynamic; where the n-tile count is even), 128x192 dynamic and in static pairs;
+Variants: the config FusedDgradStep.job() picks (128x128 pingpong, dynamic), 128x128 static, CTA pairs
+multicasting dY's tile (static, dynamic; where the n-tile count is even), 128x192 dynamic and in static pairs,
+128x256 cooperative (each warpgroup 64x256: the pingpong tile's registers) dynamic and in static pairs;
 outputs compared with the first variant's. The kernel is bound by L2 throughput (ncu, GPT-OSS-120B's shape on an
 H100: L2 87%, DRAM 56-65%): every n-tile reads dY's rows again and every m-tile the expert's weight, so wider
 tiles and pairs cut the bytes.
@@ -22,10 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 # (E, routed rows M, d, 2f): Llama-like dense-ish, GPT-OSS-20B, DeepSeek-V3-like, ..., then GPT-OSS-120B,
 # Qwen3-30B-A3B and OLMoE at 16384 tokens
 SHAPES = [(8, 32768, 4096, 28672), (32, 65536, 2880, 5760), (128, 196608, 1536, 512), (32, 49152, 1536, 2048),
-          (32, 32768, 7168, 4096), (128, 65536, 2880, 5760), (128, 131072, 2048, 1536), (64, 131072, 2048, 2048)]
+          (32, 32768, 7168, 4096), (128, 65536, 2880, 5760), (128, 131072, 2048, 1536), (64, 131072, 2048, 2048),
+          (128, 262144, 4096, 3072)]   # the last: SonicMoE's Qwen3-235B configuration (T = 32768, top-8)
 
 
-def jobs(shape):
+def jobs(shape, only=None):
     from fusion import GroupLinear, Scale, Sequential, SwiGLU
     from fusion.kernels.tile_policy import GemmConfig, n_tile_count
     from fusion.runtime.aot import plan_jobs
@@ -39,10 +41,14 @@ def jobs(shape):
                      ("pp128 pairs static", dict(tile_n=128, stages=6, dynamic=False, cluster_n=2)),
                      ("pp128 pairs dyn", dict(tile_n=128, stages=6, dynamic=True, cluster_n=2)),
                      ("pp192 dyn", dict(tile_n=192, stages=5, dynamic=True)),
-                     ("pp192 pairs static", dict(tile_n=192, stages=5, dynamic=False, cluster_n=2))):
+                     ("pp192 pairs static", dict(tile_n=192, stages=5, dynamic=False, cluster_n=2)),
+                     ("co256 dyn", dict(tile_n=256, stages=4, dynamic=True, pingpong=False)),
+                     ("co256 pairs static", dict(tile_n=256, stages=4, dynamic=False, cluster_n=2, pingpong=False))):
         if kw.get("cluster_n", 1) == 2 and n_tile_count(f, kw["tile_n"]) % 2:
             continue    # a CTA pair takes two neighbouring n-tiles
-        cfg = dataclasses.replace(GemmConfig(*base.config), pingpong=True, **kw)
+        if only is not None and name not in only:
+            continue
+        cfg = dataclasses.replace(GemmConfig(*base.config), **{"pingpong": True, **kw})
         out[name] = dataclasses.replace(base, config=dataclasses.astuple(cfg))
     return out
 
@@ -64,15 +70,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="0", help="indices into SHAPES, comma-separated")
     ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--only", default=None, help="variant names to time besides job()'s, comma-separated")
     args = ap.parse_args()
+    only = None if args.only is None else set(args.only.split(","))
     for i in [int(x) for x in args.shape.split(",")]:
-        run_shape(SHAPES[i], args.precompile)
+        run_shape(SHAPES[i], args.precompile, only)
 
 
-def run_shape(shape, precompile: bool):
+def run_shape(shape, precompile: bool, only=None):
     from fusion.runtime import compile as aot
 
-    js = jobs(shape)
+    js = jobs(shape, only)
     if precompile:
         for j in js.values():
             aot.compile_to_disk(j)

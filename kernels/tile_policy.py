@@ -191,22 +191,37 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False) -> GemmConfig
 
 def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool, gather: bool = False) -> tuple:
     """The tile configuration of a fused kernel (as GemmConfig fields, KernelJob.config): the heuristic, with two
-    overrides: an epilogue reading a saved (M, n) tensor (FC2's dgrad + d(act*scale)) takes the 128x128 pingpong
-    dynamic tile (tests/test_compile_plans.py checks the SASS); a kernel that gathers A's rows through an index
-    (`gather`) takes :func:`gather_tile`'s width and :func:`for_gather`'s schedule.
-
-    The dgrad's 128x128 against its alternatives, H100 (bench/bench_dgrad_epilogue.py,
-    bench/results/H100-2026-11-26c-dgrad-variants.log; ms): GPT-OSS-20B 2.31 (128x192 dynamic 2.22, 128x128 static
-    3.27), GPT-OSS-120B 2.57 (128x192 2.63), Qwen3-30B-A3B 0.97 (CTA pairs dynamic 0.96, static 1.06, 128x192 1.16),
-    OLMoE 1.22 (pairs dynamic 1.19, 128x192 1.48): within 4% either way, so one rule. torch._grouped_mm's dgrad
-    alone (no epilogue) takes 1.61 / 2.04 / 0.69 / 0.82 ms: the kernel is bound by L2 throughput (ncu, GPT-OSS-120B:
-    L2 87%, DRAM 56%), not by the epilogue's load latency (an L2 prefetch of the saved tile gained nothing)."""
+    overrides: an epilogue reading a saved (M, n) tensor (FC2's dgrad + d(act*scale)) takes :func:`aux_tile`
+    (tests/test_compile_plans.py checks the SASS); a kernel that gathers A's rows through an index (`gather`) takes
+    :func:`gather_tile`'s width and :func:`for_gather`'s schedule."""
     config = choose_config(ROWS_PER_GROUP * G, N, K, G, gated, b_major=b_major)
     if reads_aux:
-        config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True, cluster_n=1)
+        config = aux_tile(config, N)
     if gather:
         config = gather_tile(for_gather(config), N)
     return dataclasses.astuple(config)
+
+
+def aux_tile(config: GemmConfig, N: int) -> GemmConfig:
+    """The tile of a kernel whose epilogue reads a saved (M, n) tensor (FC2's dgrad + d(act*scale)): 128x128
+    pingpong on the dynamic schedule, as CTA pairs sharing dY's tile (cluster_n = 2) where the n-tiles pair up,
+    else 128x192 where 192 divides N, else single 128x128 CTAs. The kernel is bound by L2 throughput (ncu,
+    GPT-OSS-120B: L2 87%, DRAM 56%; an L2 prefetch of the saved tile gained nothing): every n-tile reads dY's rows
+    again, and a pair reads them once for two.
+
+    Measured on an H100 (bench/bench_dgrad_epilogue.py, bench/results/H100-2026-11-26e-dgrad-variants.log; ms,
+    single 128x128 dynamic -> this rule, the outputs bitwise equal): SonicMoE's Qwen3-235B (N=1536, K=4096, 262144
+    rows) 6.719 -> 5.658 (pairs; 128x192 5.931, 128x256 cooperative 5.937), DeepSeek-V3 EP8 (N=2048, K=7168)
+    1.845 -> 1.502, a Llama-like dense-ish block (N=14336, K=4096) 7.418 -> 6.550, OLMoE 1.186 -> 1.088,
+    Qwen3-30B-A3B 0.949 -> 0.875, GPT-OSS-20B (N=2880: 23 n-tiles, 15 at 192) 2.368 -> 2.179 (128x192),
+    GPT-OSS-120B 2.585 -> 2.516 (128x192; an earlier H100 had 2.57 -> 2.63 there). Static pairs were slower than
+    single dynamic CTAs on the large shapes (Qwen3-235B 8.104, GPT-OSS 128x128 static 4.164)."""
+    config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True, cluster_n=1)
+    if n_tile_count(N, 128) % 2 == 0:
+        return dataclasses.replace(config, cluster_n=2)
+    if N % 192 == 0:
+        return dataclasses.replace(config, tile_n=192, stages=5)
+    return config
 
 
 def gather_tile(config: GemmConfig, N: int) -> GemmConfig:

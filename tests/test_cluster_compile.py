@@ -51,8 +51,15 @@ def test_policy_pairs_the_static_schedule_where_n_tiles_are_even():
     assert (gpt_oss.tile_n, gpt_oss.cluster_n, gpt_oss.dynamic, gpt_oss.pingpong) == (192, 1, True, True)
     # the dynamic schedule (wide N) stays single: pairs walk the static one
     assert choose_config(0, 4096, 2048, 32).cluster_n == 1 and choose_config(0, 4096, 2048, 32).dynamic
-    # an epilogue reading a saved tensor takes the dynamic schedule; a gathered A is never multicast
-    assert GemmConfig(*tile_config(1536, 2048, 128, True, "K", True)).cluster_n == 1
+    # an epilogue reading a saved tensor (FC2's dgrad) takes 128x128 pingpong on the dynamic schedule, as CTA pairs
+    # where the n-tiles pair up, else 128x192 where 192 divides N, else single CTAs; a gathered A is never multicast
+    def aux(N):
+        c = GemmConfig(*tile_config(N, 2048, 128, False, "MN", True))
+        assert c.dynamic and c.pingpong and c.tile_m == 128
+        return c.tile_n, c.cluster_n
+    assert aux(1536) == (128, 2) and aux(768) == (128, 2) and aux(400) == (128, 2)   # 12, 6, 4 (ragged) n-tiles
+    assert aux(2880) == (192, 1)        # GPT-OSS: 23 n-tiles at 128, 15 at 192
+    assert aux(2944) == (128, 1)        # 23 n-tiles, 192 does not divide
     gath = GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True))
     assert gath.gather_a and gath.cluster_n == 1
     # pair_ctas itself
