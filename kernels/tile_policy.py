@@ -10,6 +10,7 @@ loading the DSL.
     tile_config(N, K, G, gated, b_major, reads_aux, gather)
                                        a fused kernel's configuration: the heuristic, except for an epilogue
                                        that reads a saved (M, n) tensor, and a gathered A
+    aux_tile(config, N)                the tile of an epilogue reading a saved (M, n) tensor (FC2's dgrad)
     for_gather(config)                 a configuration with A gathered through an index
     gather_tile(config, N)             the wider tile a gathering kernel takes (its A loads bound it)
     spill_fallback(config)             the configuration compile_grouped_gemm rebuilds a spilling kernel at
