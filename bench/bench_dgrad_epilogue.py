@@ -3,8 +3,10 @@
 Usage: python bench/bench_dgrad_epilogue.py [--shape i,j,...] [--precompile]
   --precompile: only compile the variants into the fusion kernel cache (no GPU needed), so that a device
   run can load them (copy the cache folder to FUSION_CACHE_DIR there).
-Variants: the config FusedDgradStep.job() picks (128x128 pingpong, dynamic), 128x128 static, CTA pairs
-multicasting dY's tile (static, dynamic; where the n-tile count is even), 128x192 dynamic and in static pairs,
+Variants: the config the plan's job picks (kernels/tile_policy.py aux_tile: 128x128 pingpong dynamic pairs where
+the n-tiles pair up, else 128x192 where 192 divides N), single 128x128 CTAs dynamic (the policy before aux_tile)
+and static, CTA pairs multicasting dY's tile (static, dynamic; where the n-tile count is even), 128x192 dynamic
+and in static pairs,
 128x256 cooperative (each warpgroup 64x256: the pingpong tile's registers) dynamic and in static pairs;
 outputs compared with the first variant's. The kernel is bound by L2 throughput (ncu, GPT-OSS-120B's shape on an
 H100: L2 87%, DRAM 56-65%): every n-tile reads dY's rows again and every m-tile the expert's weight, so wider
@@ -37,12 +39,13 @@ def jobs(shape, only=None):
     base = [j for j in plan_jobs(block, torch.bfloat16) if j.variant == "backward"][0]
     out = {"job()": base}
     f = f2 // 2
-    for name, kw in (("pp128 static", dict(tile_n=128, stages=6, dynamic=False)),
+    for name, kw in (("pp128 dyn", dict(tile_n=128, stages=6, dynamic=True, cluster_n=1)),
+                     ("pp128 static", dict(tile_n=128, stages=6, dynamic=False, cluster_n=1)),
                      ("pp128 pairs static", dict(tile_n=128, stages=6, dynamic=False, cluster_n=2)),
                      ("pp128 pairs dyn", dict(tile_n=128, stages=6, dynamic=True, cluster_n=2)),
-                     ("pp192 dyn", dict(tile_n=192, stages=5, dynamic=True)),
+                     ("pp192 dyn", dict(tile_n=192, stages=5, dynamic=True, cluster_n=1)),
                      ("pp192 pairs static", dict(tile_n=192, stages=5, dynamic=False, cluster_n=2)),
-                     ("co256 dyn", dict(tile_n=256, stages=4, dynamic=True, pingpong=False)),
+                     ("co256 dyn", dict(tile_n=256, stages=4, dynamic=True, cluster_n=1, pingpong=False)),
                      ("co256 pairs static", dict(tile_n=256, stages=4, dynamic=False, cluster_n=2, pingpong=False))):
         if kw.get("cluster_n", 1) == 2 and n_tile_count(f, kw["tile_n"]) % 2:
             continue    # a CTA pair takes two neighbouring n-tiles
