@@ -15,8 +15,9 @@ import torch
 
 from fusion.ops.routing import gather_rows
 from fusion.run_context import RunContext
+# the same rows as the combine kernel's: a CUDA tensor of a kernel dtype whose rows are whole 16-byte chunks
+from fusion.runtime.combine import takes  # noqa: F401 (this module's `takes`)
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 
 
@@ -29,11 +30,6 @@ def gather_index(ctx: RunContext) -> torch.Tensor:
     on them: Combine skips them in the forward and gives them zero gradients in the backward (this module's
     kernel writes zeros there), so their d(pre-activation) rows are zeros."""
     return ctx.derive("gather_index", lambda: ctx.index.clamp_min(0).to(torch.int32))
-
-
-def takes(op, x: torch.Tensor) -> bool:
-    """Whether the kernel runs these rows: a CUDA tensor of a kernel dtype whose rows are whole 16-byte chunks."""
-    return x.is_cuda and x.dtype in _KERNEL_DTYPES and x.dim() == 2 and (x.shape[1] * x.element_size()) % 16 == 0
 
 
 def run(op, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
