@@ -7,7 +7,8 @@ Variants: the config the plan's job picks (kernels/tile_policy.py aux_tile: 128x
 the n-tiles pair up, else 128x192 where 192 divides N), single 128x128 CTAs dynamic (the policy before aux_tile)
 and static, CTA pairs multicasting dY's tile (static, dynamic; where the n-tile count is even), 128x192 dynamic
 and in static pairs,
-128x256 cooperative (each warpgroup 64x256: the pingpong tile's registers) dynamic and in static pairs;
+128x192 and 128x128 as CTA pairs on neighbouring m-tiles multicasting the weight's tile ("mpairs", cluster_m = 2:
+for n-tile counts that do not pair up, GPT-OSS's 2880), 128x256 cooperative (each warpgroup 64x256: the pingpong tile's registers) dynamic and in static pairs;
 outputs compared with the first variant's. The kernel is bound by L2 throughput (ncu, GPT-OSS-120B's shape on an
 H100: L2 87%, DRAM 56-65%): every n-tile reads dY's rows again and every m-tile the expert's weight, so wider
 tiles and pairs cut the bytes.
@@ -26,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 # Qwen3-30B-A3B and OLMoE at 16384 tokens
 SHAPES = [(8, 32768, 4096, 28672), (32, 65536, 2880, 5760), (128, 196608, 1536, 512), (32, 49152, 1536, 2048),
           (32, 32768, 7168, 4096), (128, 65536, 2880, 5760), (128, 131072, 2048, 1536), (64, 131072, 2048, 2048),
-          (128, 262144, 4096, 3072)]   # the last: SonicMoE's Qwen3-235B configuration (T = 32768, top-8)
+          (128, 262144, 4096, 3072),   # SonicMoE's Qwen3-235B configuration (T = 32768, top-8)
+          (64, 49152, 2048, 2816)]     # DeepSeek-V2-Lite (f = 1408: 11 128-column n-tiles, 192 does not divide)
 
 
 def jobs(shape, only=None):
@@ -45,13 +47,16 @@ def jobs(shape, only=None):
                      ("pp128 pairs dyn", dict(tile_n=128, stages=6, dynamic=True, cluster_n=2)),
                      ("pp192 dyn", dict(tile_n=192, stages=5, dynamic=True, cluster_n=1)),
                      ("pp192 pairs static", dict(tile_n=192, stages=5, dynamic=False, cluster_n=2)),
+                     ("pp192 mpairs dyn", dict(tile_n=192, stages=5, dynamic=True, cluster_m=2)),
+                     ("pp128 mpairs dyn", dict(tile_n=128, stages=6, dynamic=True, cluster_m=2)),
+                     ("pp192 mpairs static", dict(tile_n=192, stages=5, dynamic=False, cluster_m=2)),
                      ("co256 dyn", dict(tile_n=256, stages=4, dynamic=True, cluster_n=1, pingpong=False)),
                      ("co256 pairs static", dict(tile_n=256, stages=4, dynamic=False, cluster_n=2, pingpong=False))):
         if kw.get("cluster_n", 1) == 2 and n_tile_count(f, kw["tile_n"]) % 2:
             continue    # a CTA pair takes two neighbouring n-tiles
         if only is not None and name not in only:
             continue
-        cfg = dataclasses.replace(GemmConfig(*base.config), **{"pingpong": True, **kw})
+        cfg = dataclasses.replace(GemmConfig(*base.config), **{"pingpong": True, "cluster_n": 1, "cluster_m": 1, **kw})
         out[name] = dataclasses.replace(base, config=dataclasses.astuple(cfg))
     return out
 

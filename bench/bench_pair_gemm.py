@@ -11,7 +11,8 @@ Per shape (experts E, hidden d, expert width f, tokens T, top-k; routed rows M =
   fc1_dgrad  (M, 2f) x W1 (E, 2f, d) -> (M, d)            identity epilogue, B MN-major (the weight as stored)
 
 Configurations: the tile policy's (what the runtime launches), then the same tile with either schedule (static, or
-dynamic: tile ids from an atomic counter), single CTAs or CTA pairs ("c2", where the n-tile count is even);
+dynamic: tile ids from an atomic counter), single CTAs or CTA pairs ("c2", where the n-tile count is even), and
+CTA pairs on neighbouring m-tiles multicasting B ("m2", dynamic; B not gated);
 with --tile-m-64 also 64-row pingpong tiles (64x128 s8, 64x192 s6, 64x256 s5, dynamic schedule), which waste less
 of a group's last m-tile at few rows per group. TFLOP/s = 2*M*N*K / time (gated: N = 2f). Every kernel's output is
 checked against the policy kernel's (max relative difference; 0 where they are bitwise equal).
@@ -82,6 +83,9 @@ def variants(job: KernelJob):
             cfg = dataclasses.replace(base, dynamic=dynamic, cluster_n=cn)
             if cfg != base:
                 out.append((("dyn" if dynamic else "static") + (" c2" if cn > 1 else ""), cfg))
+    if not base.gather_a and job.step != "F1":   # F1: the gated FC1 (two B boxes per stage)
+        # CTA pairs on neighbouring m-tiles multicasting B (cluster_m = 2), dynamic: what an odd n-tile count allows
+        out.append(("dyn m2", dataclasses.replace(base, dynamic=True, cluster_n=1, cluster_m=2)))
     for tile_n, stages, pingpong in TILES["extra"]:
         cfg = dataclasses.replace(base, tile_n=tile_n, stages=stages, pingpong=pingpong, dynamic=True, cluster_n=1)
         if cfg != base:
@@ -163,7 +167,8 @@ def run_shape(name, skewed, gen, dev="cuda"):
                 ref = first
             scale = ref.abs().max().clamp_min(1e-30)
             key = (f"{label} ({cfg.tile_m}x{cfg.tile_n} {'pp' if cfg.pingpong else 'coop'} s{cfg.stages}"
-                   f"{' dyn' if cfg.dynamic else ''}{' c2' if cfg.cluster_n > 1 else ''} bm{cfg.band_m})")
+                   f"{' dyn' if cfg.dynamic else ''}{' c2' if cfg.cluster_n > 1 else ''}{' m2' if cfg.cluster_m > 1 else ''}"
+                   f" bm{cfg.band_m})")
             errors[key] = ((first - ref).abs().max() / scale).item()
             rows[key] = fn
         res = {}

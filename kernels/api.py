@@ -178,7 +178,8 @@ class CompiledGroupedGemm(CompiledArtifact):
                     ("_dyn" if config.dynamic else "") + ("_pp" if getattr(config, "pingpong", False) else "") + \
                     ("_bmn" if getattr(config, "b_major", "K") == "MN" else "") + \
                     ("_gA" if getattr(config, "gather_a", False) else "") + \
-                    ("_c2" if getattr(config, "cluster_n", 1) > 1 else "")
+                    ("_c2" if getattr(config, "cluster_n", 1) > 1 else "") + \
+                    ("_cm2" if getattr(config, "cluster_m", 1) > 1 else "")
         self.slots = [(s.name, isinstance(s, MXFP8Output)) for s in epilogue.inputs + epilogue.outputs]
         self.b_shape = (G, N, K) if config.b_major == "K" else (G, K, N)
         self.n_tiles = n_tile_count(N, config.tile_n)  # per m-tile row (a gated tile holds both halves)
@@ -230,9 +231,18 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
         problems.append(f"target {target!r}: only sm_90a is supported")
     if dtype not in ("bfloat16", "float16"):
         problems.append(f"dtype {dtype}: A and B must be bfloat16 or float16")
-    if config.cluster_m != 1:
-        problems.append(f"cluster_m = {config.cluster_m}: the grouped GEMM pairs CTAs along n only (cluster_n = 2); "
-                        "use cluster_m = 1")
+    if config.cluster_m not in (1, 2):
+        problems.append(f"cluster_m = {config.cluster_m}: use 1, or 2 (a CTA pair on neighbouring m-tiles "
+                        "multicasting B)")
+    elif config.cluster_m == 2:
+        if config.cluster_n != 1:
+            problems.append("cluster_m = 2 and cluster_n = 2: a CTA pair runs along m or along n; set one to 1")
+        if config.gather_a or not config.persistent:
+            problems.append("cluster_m = 2 multicasts a TMA-loaded B in a persistent kernel beside a TMA-loaded A: "
+                            "use gather_a=False, persistent=True")
+        if epilogue.gated:
+            problems.append("cluster_m = 2 multicasts one B box per stage; a gated epilogue loads two (gate, up): "
+                            "use cluster_m = 1 (or cluster_n = 2)")
     if (why := band_problem(config)) is not None:
         problems.append(why)
     if config.cluster_n not in (1, 2):
@@ -433,7 +443,8 @@ def launch_grid(compiled, M: int, dev, offsets, num_ctas=None, counter_ptr=None)
     if num_ctas is None:
         n_tiles = ((M + cfg.tile_m - 1) // cfg.tile_m + compiled.G) * compiled.n_tiles
         num_ctas = max(1, min(_num_sms(dev.index) - cfg.sm_margin, n_tiles)) if cfg.persistent else n_tiles
-    num_ctas = max(cfg.cluster_n, num_ctas - num_ctas % cfg.cluster_n)   # whole CTA pairs
+    pair = cfg.cluster_n * cfg.cluster_m
+    num_ctas = max(pair, num_ctas - num_ctas % pair)   # whole CTA pairs
     counter = None
     if counter_ptr is None:
         counter = torch.zeros(1, dtype=torch.int32, device=dev) if cfg.dynamic else offsets

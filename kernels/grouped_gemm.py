@@ -17,6 +17,10 @@ D[rows of g] = epilogue(A[rows of g] @ B[g].T)
   half of the A tile's rows by TMA and multicasts it to both, so A crosses L2 once per pair (the weights'
   B tiles differ per CTA). TMA-loaded A, an even number of n-tiles; with the dynamic schedule rank 0's producer
   takes the tile ids and sends them to rank 1's (kernels/scheduler.py).
+- ``cluster_m = 2``: CTA pairs work on neighbouring m-tiles of one group and n-tile; each loads half of the B
+  tile (the weight's, the same for both) and multicasts it, so B crosses L2 once per pair. For a GEMM whose
+  n-tiles do not pair up (an odd count: GPT-OSS's 2880 at 128x192), B not gated, A by TMA. A group with an odd
+  m-tile count leaves rank 1 of its last pair a tile past the group's rows (masked: nothing stored).
 - rows of a tile past the group's end are computed (TMA of A reads the next group's rows) but never
   stored: the epilogue masks every store by the group's row range.
 
@@ -76,10 +80,13 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         self.b_major = getattr(config, "b_major", "K")
         self.gather_a = bool(getattr(config, "gather_a", False))
         self.cluster_n = int(getattr(config, "cluster_n", 1))
+        self.cluster_m = int(getattr(config, "cluster_m", 1))
         self.band_m = resolved_band(config)    # the tile order's band (kernels/scheduler.py)
-        assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
-        assert self.cluster_n == 1 or not self.gather_a, "a CTA pair multicasts a TMA-loaded A"
-        self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
+        assert self.cluster_n in (1, 2) and self.cluster_m in (1, 2), "cluster_n and cluster_m are 1 or 2"
+        assert self.cluster_size <= 2, "a CTA pair along m or along n, not both"
+        assert self.cluster_size == 1 or not self.gather_a, "a CTA pair's multicast needs TMA loads of A and B"
+        assert self.cluster_m == 1 or not epilogue.gated, "cluster_m multicasts one B box: not a gated B"
+        self.peer_ids = self.dynamic and self.cluster_size > 1   # rank 0 sends the tile ids it takes to rank 1
         assert not (self.gather_a and self.b_major != "K"), "gather_a is forward-only: B is K-major"
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.gather_a]
         assert self.b_major in ("K", "MN"), "b_major is 'K' or 'MN'"
@@ -124,7 +131,7 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         self.k_tiles = (K + self.tile_k - 1) // self.tile_k
         self.sched = TileScheduler(self.tile_m, (n_log + self.tile_n_log - 1) // self.tile_n_log, G,
                                    self.dynamic, self.pingpong, self.cluster_n, self.band_m,
-                                   one_band_limit(self.band_m, self.tile_m, K, 2))
+                                   one_band_limit(self.band_m, self.tile_m, K, 2), self.cluster_m)
         # A: the (M, K) rows of the groups, or with gather_a the (a_rows, K) tokens that index (M,) picks
         mA = cute.make_tensor(pA, cute.make_layout((a_rows if const_expr(self.gather_a) else M, K), stride=(K, 1)))
         mIdx = cute.make_tensor(pIdx, cute.make_layout((M,)))
@@ -164,7 +171,9 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         # tile's smem layout is the first tile_n/2 rows of the stage's (kernels/mainloop.py loads both)
         b_box = (self.tile_n // 2 if self.gated else self.tile_n, self.tile_k)
         sB_box = cute.tile_to_shape(b_layout_atom, b_box, order=(0, 1)) if const_expr(self.gated) else sB_one
-        tma_b, tma_tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_box, b_box)
+        b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_m > 1) else \
+            cpasync.CopyBulkTensorTileG2SOp()
+        tma_b, tma_tB = cpasync.make_tiled_tma_atom(b_op, mB, sB_box, b_box, num_multicast=self.cluster_m)
         if const_expr(self.gather_a):
             # A is read through the index by cp.async (kernels/gather_producer.py): no TMA descriptor of A;
             # the kernel's A slots take B's atom (never used as A) and the plain (a_rows, K) tensor
@@ -196,7 +205,7 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             tma_a, tma_tA, tma_b, tma_tB, mOffs, mCounter, mIdx,
             tuple(tensors), M,
             self.tiled_mma, self.tiled_mma_log, self.sA_layout, self.sB_layout,
-        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), cluster=(self.cluster_n, 1, 1),
+        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), cluster=(self.cluster_size, 1, 1),
                  smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
@@ -230,12 +239,12 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         storage, ab_pipe, sched_pipe, sTile, sA, sB = self.make_smem(sA_layout, sB_layout)
         self.cluster_sync_barriers()
         cute.arch.sync_threads()
-        # the schedule walks clusters: a CTA pair shares one unit (its rank picks the n-tile)
+        # the schedule walks clusters: a CTA pair shares one unit (its rank picks the n-tile, or the m-tile)
         rank = 0
-        if const_expr(self.cluster_n > 1):
+        if const_expr(self.cluster_size > 1):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            bidx = bidx // self.cluster_n
-            grid = grid // self.cluster_n
+            bidx = bidx // self.cluster_size
+            grid = grid // self.cluster_size
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:

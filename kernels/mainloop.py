@@ -77,6 +77,14 @@ class WarpRoles:
     #: CTAs per cluster along n: 2 = a CTA pair works on neighbouring n-tiles of one m-tile, each loading half of
     #: the A tile and multicasting it to both (the bf16 and the FP8 kernel)
     cluster_n = 1
+    #: CTAs per cluster along m: 2 = a CTA pair works on neighbouring m-tiles of one group and n-tile, each loading
+    #: half of the B tile (the weight's) and multicasting it to both (the bf16 kernel, B not gated)
+    cluster_m = 1
+
+    @property
+    def cluster_size(self) -> int:
+        """CTAs per cluster (a pair along m or n, or a single CTA)."""
+        return self.cluster_m * self.cluster_n
 
     # ------------------------------------------------------------------ shared setup
     def make_smem(self, sA_layout, sB_layout):
@@ -95,10 +103,11 @@ class WarpRoles:
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.cluster_n * self.mma_atoms_m * 4),
+                                                     self.cluster_size * self.mma_atoms_m * 4),
             tx_count=self.tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_n, 1, 1)),
-            defer_sync=self.cluster_n > 1,
+            # a pair's consumers release a stage in both CTAs (either CTA's producer filled half of it)
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_size, 1, 1)),
+            defer_sync=self.cluster_size > 1,
         )
         sched_pipe = None
         if self.dynamic:
@@ -110,7 +119,7 @@ class WarpRoles:
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 128),
             )
         sTile = storage.tile_slot.get_tensor(cute.make_layout((self.sched_stages,)))
-        if const_expr(self.dynamic and self.cluster_n > 1):
+        if const_expr(self.dynamic and self.cluster_size > 1):
             # rank 0's producer hands the tile ids it takes to rank 1's (kernels/scheduler.py)
             self.mailbox = PeerMailbox(storage.peer_bar.data_ptr(),
                                        storage.peer_slot.get_tensor(cute.make_layout((PEER_SLOTS,))))
@@ -122,9 +131,9 @@ class WarpRoles:
     def cluster_sync_barriers(self):
         """Trace time, after :meth:`make_smem`: a clustered kernel waits until every CTA of its cluster has
         initialized its barriers (a peer's multicast or release must not reach an uninitialized one)."""
-        if const_expr(self.cluster_n > 1):
-            pipeline_init_arrive(cluster_shape_mn=(self.cluster_n, 1), is_relaxed=True)
-            pipeline_init_wait(cluster_shape_mn=(self.cluster_n, 1))
+        if const_expr(self.cluster_size > 1):
+            pipeline_init_arrive(cluster_shape_mn=(self.cluster_size, 1), is_relaxed=True)
+            pipeline_init_wait(cluster_shape_mn=(self.cluster_size, 1))
 
     def mma_operands(self, tiled_mma, tiled_mma_log, sA, sB, ctid):
         """A consumer thread's wgmma operand fragments over the smem ring and the (row, logical column)
@@ -144,9 +153,10 @@ class WarpRoles:
     def stage_extra_loads(self, extras, tile_extra, kt, stage, bar):
         """Hook (trace time): issue k-tile ``kt``'s extra loads into ``stage`` on the stage's barrier."""
 
-    def b_tile(self, tma_b: cute.CopyAtom, mB: cute.Tensor, sB: cute.Tensor, g, n_idx):
+    def b_tile(self, tma_b: cute.CopyAtom, mB: cute.Tensor, sB: cute.Tensor, g, n_idx, rank=0):
         """Trace time, once per tile: the TMA partitions of B's n-tile ``n_idx`` of group ``g`` over the smem
-        ring, as (gmem, smem) pairs of TMA boxes, one box (two when gated) per stage."""
+        ring, as (gmem, smem) pairs of TMA boxes, one box (two when gated) per stage; with ``cluster_m = 2``
+        this CTA's half of the box (rank ``rank``), multicast to the pair by :meth:`load_b`."""
         if const_expr(self.gated):
             # gate rows [n_idx * tile_n/2, +tile_n/2) -> first half of the B tile, the same rows of the up
             # half (N/2 further) -> second half.  A partial last n-tile: the gate box reads up rows (their
@@ -164,27 +174,32 @@ class WarpRoles:
         parts = []
         for gB, sBb in boxes:
             tBsB, tBgB = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sBb, 0, 2), cute.group_modes(gB, 0, 2)
+                tma_b, rank if const_expr(self.cluster_m > 1) else 0, cute.make_layout(self.cluster_m),
+                cute.group_modes(sBb, 0, 2), cute.group_modes(gB, 0, 2)
             )
             parts.append((tBgB, tBsB))
         return parts
 
-    def load_b(self, tma_b: cute.CopyAtom, b_parts, kt, stage, bar):
-        """Trace time: issue k-tile ``kt`` of B (the boxes of :meth:`b_tile`) into ``stage`` on ``bar``."""
+    def load_b(self, tma_b: cute.CopyAtom, b_parts, kt, stage, bar, b_mask=None):
+        """Trace time: issue k-tile ``kt`` of B (the boxes of :meth:`b_tile`) into ``stage`` on ``bar`` (with
+        ``b_mask``: multicast to the CTA pair)."""
         for tBgB, tBsB in b_parts:
-            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, stage)], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, stage)], tma_bar_ptr=bar, mcast_mask=b_mask)
 
     @cute.jit
     def produce(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                 mOffs: cute.Tensor, mCounter: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe,
                 sched_pipe, sTile: cute.Tensor, bidx: Int32, grid: Int32, extras=None, rank=0):
         """Warp 0. ``bidx`` / ``grid``: the CTA's (or with clusters the cluster's) index and count; ``rank``: the
-        CTA's rank in its cluster (it loads that half of the A tile and multicasts it to the pair)."""
-        a_mask = None
+        CTA's rank in its cluster (it loads that half of the A tile, or with ``cluster_m`` of the B tile, and
+        multicasts it to the pair)."""
+        a_mask = b_mask = None
         if const_expr(self.cluster_n > 1):
             a_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_n, 1, 1)), (rank, 0, 0), mode=0)
+        if const_expr(self.cluster_m > 1):
+            b_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)), (rank, 0, 0), mode=0)
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        mailbox = self.mailbox if const_expr(self.dynamic and self.cluster_n > 1) else None
+        mailbox = self.mailbox if const_expr(self.dynamic and self.cluster_size > 1) else None
         sent = Int32(0)   # tile ids through the mailbox so far
         if const_expr(self.dynamic):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
@@ -197,16 +212,17 @@ class WarpRoles:
             row0 = mOffs[g] + m_idx * self.tile_m
             gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))
             tAsA, tAgA = cpasync.tma_partition(
-                tma_a, rank, cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                tma_a, rank if const_expr(self.cluster_n > 1) else 0, cute.make_layout(self.cluster_n),
+                cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
             )
-            b_parts = self.b_tile(tma_b, mB, sB, g, n_idx)
+            b_parts = self.b_tile(tma_b, mB, sB, g, n_idx, rank)
             tile_extra = self.tile_extra_loads(extras, g, row0, n_idx)
             for kt in cutlass.range(self.k_tiles, unroll=1):
                 ab_pipe.producer_acquire(prod_state)
                 bar = ab_pipe.producer_get_barrier(prod_state)
                 cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar,
                           mcast_mask=a_mask)
-                self.load_b(tma_b, b_parts, kt, prod_state.index, bar)
+                self.load_b(tma_b, b_parts, kt, prod_state.index, bar, b_mask)
                 self.stage_extra_loads(extras, tile_extra, kt, prod_state.index, bar)
                 ab_pipe.producer_commit(prod_state)
                 prod_state.advance()
@@ -219,7 +235,7 @@ class WarpRoles:
             # pingpong consumers read entries in pairs (the other warpgroup's, then their own): a second
             # end-of-work entry lets the warpgroup that skips the first one stop too
             sched_state = self.sched.publish(sched_pipe, sched_state, sTile, tile_id)
-        if const_expr(self.dynamic and self.cluster_n > 1):
+        if const_expr(self.dynamic and self.cluster_size > 1):
             mailbox.drain(sent, rank)
         ab_pipe.producer_tail(prod_state)
 

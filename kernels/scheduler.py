@@ -5,8 +5,10 @@ Tiles are numbered group by group; within a group m runs fastest, then n. A curs
 device ``offsets`` (no host sync, so one compile serves every batch and every ``group_sizes``).
 
 With ``cluster_n = 2`` the schedule's unit is an n-tile *pair* of one m-tile, worked by a CTA pair (one
-cluster): the walks below then run over clusters (``bidx`` = the cluster's index, ``grid`` = clusters) and
-:meth:`coords` turns a unit into the n-tile of the CTA of rank ``rank`` in the pair. A dynamic pair must agree
+cluster); with ``cluster_m = 2`` it is an m-tile pair of one n-tile (a group's m-tiles in twos; where a group has
+an odd count, rank 1's half of its last unit lies past the group's rows: every row masked, nothing stored). The
+walks below then run over clusters (``bidx`` = the cluster's index, ``grid`` = clusters) and :meth:`coords` turns
+a unit into the tile of the CTA of rank ``rank`` in the pair. A dynamic pair must agree
 on every unit: the producer warp of rank 0 takes the ids from the counter and sends each one to rank 1's
 producer warp through a mailbox (:class:`PeerMailbox`: ``st.async`` into the peer's smem, completing on the
 peer's mbarrier); each CTA then publishes the ids to its own consumers as above.
@@ -98,13 +100,16 @@ def _select(cond, a, b):
 class TileScheduler:
     """Trace-time description of the tile order: ``tile_m`` rows per m-tile, ``n_tiles`` n-tiles per
     group (compile-time, from N), ``G`` groups (compile-time), ``cluster_n`` neighbouring n-tiles per unit
-    (one per CTA of a cluster; ``n_tiles`` must be a multiple of it)."""
+    (one per CTA of a cluster; ``n_tiles`` must be a multiple of it) or ``cluster_m`` neighbouring m-tiles of
+    one group (the bands then count m-tile units)."""
 
     def __init__(self, tile_m: int, n_tiles: int, G: int, dynamic: bool, pingpong: bool, cluster_n: int = 1,
-                 band_m: int = 1, one_band: int | None = None):
+                 band_m: int = 1, one_band: int | None = None, cluster_m: int = 1):
         assert n_tiles % cluster_n == 0, "a cluster's CTAs take whole n-tiles: n_tiles % cluster_n == 0"
         assert band_m >= 1, "band_m: m-tiles per band, at least 1"
+        assert cluster_m == 1 or cluster_n == 1, "a cluster pairs CTAs along m or along n, not both"
         self.tile_m = tile_m
+        self.cluster_m = cluster_m
         self.band_m = band_m
         self.one_band = band_m if one_band is None else max(one_band, band_m)
         self.cluster_n = cluster_n
@@ -116,10 +121,12 @@ class TileScheduler:
     # ---------------------------------------------------------------- cursor over the groups
     @cute.jit
     def group_tiles(self, mOffs: cute.Tensor, g: Int32) -> Int32:
-        """Tiles of group ``g`` (a huge count past the last group, which ends every walk there)."""
+        """Schedule units of group ``g`` (a huge count past the last group, which ends every walk there): its
+        m-tiles (in units of ``cluster_m``) times the n units."""
         gi = cutlass.min(g, self.G - 1)
         rows = mOffs[gi + 1] - mOffs[gi]
-        cnt = ((rows + (self.tile_m - 1)) // self.tile_m) * self.n_units
+        unit_rows = self.tile_m * self.cluster_m
+        cnt = ((rows + (unit_rows - 1)) // unit_rows) * self.n_units
         return cutlass.select_(g < self.G, cnt, Int32(_NO_GROUP))
 
     @cute.jit
@@ -141,8 +148,8 @@ class TileScheduler:
         return g, base, cnt
 
     def coords(self, tile_id, base, cnt, rank=0):
-        """(m_idx, n_idx) of ``tile_id`` inside its group; with clusters, the n-tile of the CTA of rank ``rank``
-        in its cluster.
+        """(m_idx, n_idx) of ``tile_id`` inside its group; with clusters, the tile of the CTA of rank ``rank``
+        in its cluster (``cluster_n``: its n-tile of the unit's pair; ``cluster_m``: its m-tile).
 
         Banded order (L2 reuse; ``band_m`` > 1): a group of more than ``one_band`` m-tiles is cut into the fewest
         bands of at most ``band_m`` m-tiles, of equal size but the last (which may be shorter); the bands run one
@@ -167,6 +174,8 @@ class TileScheduler:
             n_idx = local // mt
         if cutlass.const_expr(self.cluster_n > 1):
             n_idx = n_idx * self.cluster_n + rank
+        if cutlass.const_expr(self.cluster_m > 1):
+            m_idx = m_idx * self.cluster_m + rank
         return m_idx, n_idx
 
     # ---------------------------------------------------------------- next tile id
@@ -182,7 +191,7 @@ class TileScheduler:
             if cute.arch.lane_idx() == rank * 32:   # lane 0; in a pair, of rank 0 only
                 nt = cute.arch.atomic_add(mCounter.iterator.llvm_ptr, Int32(1)) + grid
             nxt = cute.arch.shuffle_sync(nt, 0)
-            if cutlass.const_expr(self.cluster_n > 1):
+            if cutlass.const_expr(self.cluster_n * self.cluster_m > 1):
                 nxt = mailbox.exchange(k, nxt, rank)
         return nxt
 

@@ -6,6 +6,8 @@ loading the DSL.
     GemmConfig                         the template's tile configuration (KernelJob.config keeps its fields)
     choose_config(M, N, K, G, ...)     the heuristic: a function of the weight shape only (M is dynamic)
     pair_ctas(config, N)               the configuration as CTA pairs sharing the A tile, where it can be
+    m_pairs(config, N)                 ... as CTA pairs on neighbouring m-tiles sharing the B tile, where the
+                                       n-tiles do not pair up
     n_tile_count(N, tile_n)            n-tiles per m-tile (gated or not)
     tile_config(N, K, G, gated, b_major, reads_aux, gather)
                                        a fused kernel's configuration: the heuristic, except for an epilogue
@@ -36,7 +38,8 @@ class GemmConfig:
     tile_n: int = 256
     tile_k: int = 64
     stages: int = 4
-    cluster_m: int = 1      # reserved (must be 1): the grouped GEMM pairs CTAs along n only
+    cluster_m: int = 1      # 2: a CTA pair works on neighbouring m-tiles of one group and multicasts the B tile
+                            # (TMA A, B not gated; for n-tile counts that do not pair up; kernels/grouped_gemm.py)
     cluster_n: int = 1      # 2: a CTA pair (cluster) works on neighbouring n-tiles of one m-tile and multicasts
                             # the A tile (TMA A, an even n-tile count, either schedule; kernels/grouped_gemm.py)
     persistent: bool = True  # False: one CTA per tile (grid = number of tiles upper bound)
@@ -132,11 +135,17 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     120B's FC2 forward, 23 n-tiles: 2.36 -> 2.02 ms). An epilogue reading a saved tensor keeps the dynamic single
     (:func:`tile_config`; the static pair is 12-17% slower on Qwen3's and OLMoE's dgrad). Dynamic pairs
     (kernels/scheduler.py's mailbox) are not chosen: 4-6% faster on DeepSeek-V3's GEMMs, 14% slower on
-    GPT-OSS-120B's FC1 forward and 11% on OLMoE's dgrad."""
+    GPT-OSS-120B's FC1 forward and 11% on OLMoE's dgrad.
+
+    A dgrad (``b_major="MN"``) at 128x192 whose n-tiles do not pair up runs as CTA pairs along m (:func:`m_pairs`):
+    measured on an H100 (bench/bench_pair_gemm.py, bench/results/H100-2026-11-26f-m-pairs.json), GPT-OSS-120B's
+    FC1 dgrad (N=2880: 15 n-tiles) 4.044 -> 3.528 ms (torch._grouped_mm 3.826); its FC2 forward (K-major B) was
+    slower as m-pairs (1.981 -> 2.084), so a forward keeps single CTAs."""
     tk = 64
     if N >= 4096 or (N % 128 and N % 192 == 0):
-        return GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
+        wide = GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
                           dynamic=True, pingpong=True, b_major=b_major)
+        return m_pairs(wide, N) if b_major == "MN" else wide
     single = GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major)
     paired = pair_ctas(single, N)
     return paired if paired.cluster_n == 2 else dataclasses.replace(single, dynamic=True)
@@ -146,6 +155,16 @@ def n_tile_count(N: int, tile_n: int) -> int:
     """n-tiles of a GEMM N wide at ``tile_n`` columns; a gated GEMM counts the same (its logical tile_n/2 columns
     over N/2)."""
     return -(-N // tile_n)
+
+
+def m_pairs(config: GemmConfig, N: int) -> GemmConfig:
+    """`config` as CTA pairs on neighbouring m-tiles multicasting B (cluster_m = 2, dynamic schedule) where its
+    n-tiles do not pair up (an odd count: the pairs along n of :func:`pair_ctas` cannot run) and B is read by
+    TMA; else unchanged. The pair reads the weight's tile once for two m-tiles; a group's odd last m-tile leaves
+    rank 1 a tile without rows."""
+    if config.gather_a or not config.persistent or n_tile_count(N, config.tile_n) % 2 == 0:
+        return config
+    return dataclasses.replace(config, dynamic=True, cluster_n=1, cluster_m=2)
 
 
 def pair_ctas(config: GemmConfig, N: int) -> GemmConfig:
@@ -206,9 +225,15 @@ def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bo
 def aux_tile(config: GemmConfig, N: int) -> GemmConfig:
     """The tile of a kernel whose epilogue reads a saved (M, n) tensor (FC2's dgrad + d(act*scale)): 128x128
     pingpong on the dynamic schedule, as CTA pairs sharing dY's tile (cluster_n = 2) where the n-tiles pair up,
-    else 128x192 where 192 divides N, else single 128x128 CTAs. The kernel is bound by L2 throughput (ncu,
-    GPT-OSS-120B: L2 87%, DRAM 56%; an L2 prefetch of the saved tile gained nothing): every n-tile reads dY's rows
-    again, and a pair reads them once for two.
+    else as CTA pairs on neighbouring m-tiles sharing the weight's tile (cluster_m = 2, :func:`m_pairs`), at
+    128x192 where 192 divides N. The kernel is bound by L2 throughput (ncu, GPT-OSS-120B: L2 87%, DRAM 56%; an L2
+    prefetch of the saved tile gained nothing): every n-tile reads dY's rows again, and every m-tile the weight's
+    columns; a pair reads one of them once for two tiles.
+
+    The m-pairs, measured on an H100 (bench/bench_dgrad_epilogue.py, bench/results/H100-2026-11-26f-dgrad-m-pairs.log;
+    ms, single CTAs -> m-pairs, outputs bitwise equal): GPT-OSS-20B (N=2880, 15 n-tiles at 192) 2.168 -> 1.976,
+    GPT-OSS-120B 2.532 -> 2.436, DeepSeek-V2-Lite (N=1408: 11 at 128, 192 does not divide) 0.665 -> 0.643; static
+    m-pairs were slower (GPT-OSS-120B 2.863).
 
     Measured on an H100 (bench/bench_dgrad_epilogue.py, bench/results/H100-2026-11-26e-dgrad-variants.log; ms,
     single 128x128 dynamic -> this rule, the outputs bitwise equal): SonicMoE's Qwen3-235B (N=1536, K=4096, 262144
@@ -217,12 +242,13 @@ def aux_tile(config: GemmConfig, N: int) -> GemmConfig:
     Qwen3-30B-A3B 0.949 -> 0.875, GPT-OSS-20B (N=2880: 23 n-tiles, 15 at 192) 2.368 -> 2.179 (128x192),
     GPT-OSS-120B 2.585 -> 2.516 (128x192; an earlier H100 had 2.57 -> 2.63 there). Static pairs were slower than
     single dynamic CTAs on the large shapes (Qwen3-235B 8.104, GPT-OSS 128x128 static 4.164)."""
-    config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True, cluster_n=1)
+    config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True, cluster_n=1,
+                                 cluster_m=1)
     if n_tile_count(N, 128) % 2 == 0:
         return dataclasses.replace(config, cluster_n=2)
     if N % 192 == 0:
-        return dataclasses.replace(config, tile_n=192, stages=5)
-    return config
+        config = dataclasses.replace(config, tile_n=192, stages=5)
+    return m_pairs(config, N)
 
 
 def gather_tile(config: GemmConfig, N: int) -> GemmConfig:
@@ -255,7 +281,7 @@ def for_gather(config: GemmConfig) -> GemmConfig:
     top-k; bench/results/H200-2026-11-26-gather-schedules.json), static -> dynamic: GPT-OSS-120B's FC1 3.78 ->
     3.25 ms, Qwen3-235B-A22B's 5.43 -> 4.86, Qwen3-30B-A3B's 1.33 -> 1.18, DeepSeek-V3's 5.87 -> 5.28, OLMoE's
     1.72 -> 1.72; on an H100 the static kernel had taken 7.12 ms on GPT-OSS-120B (docs/benchmarks.md)."""
-    return dataclasses.replace(config, gather_a=True, dynamic=True, cluster_n=1)
+    return dataclasses.replace(config, gather_a=True, dynamic=True, cluster_n=1, cluster_m=1)
 
 
 def spill_fallback(config: GemmConfig) -> GemmConfig | None:

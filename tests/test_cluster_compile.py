@@ -40,6 +40,19 @@ def test_pairs_multicast_a_and_single_ctas_do_not(epilogue, N, K):
     assert pair.name.endswith("_c2") and not single.name.endswith("_c2")
 
 
+def test_m_pairs_multicast_b():
+    """cluster_m = 2 on an odd n-tile count (2880 = 15 x 192, GPT-OSS's width): B's boxes are multicast, A's are
+    not, a cluster barrier guards the pipeline's start, no spills; the name says _cm2."""
+    cfg = GemmConfig(tile_n=192, stages=5, pingpong=True, dynamic=True, cluster_m=2, b_major="MN")
+    comp = compile_grouped_gemm(cfg, IdentityEpilogue(), "bfloat16", 2880, 512, 8)
+    ops = _opcodes(comp)
+    assert any(op.startswith("HGMMA") for op in ops)
+    assert not any(op.startswith(("LDL", "STL")) for op in ops) and comp.frame_size == 0, "register spills"
+    assert ops["UTMALDG.3D.MULTICAST"] > 0 and ops["UTMALDG.3D"] == 0 and ops["UTMALDG.2D"] > 0
+    assert ops["UTMALDG.2D.MULTICAST"] == 0 and ops["UCGABAR_WAIT"] > 0
+    assert comp.name.endswith("_cm2")
+
+
 def test_policy_pairs_the_static_schedule_where_n_tiles_are_even():
     # 128x128 static: Qwen3's FC1 (N=1536: 12 n-tiles) and FC2 (N=2048) pair; N=1152 (9 n-tiles) does not
     assert choose_config(0, 1536, 2048, 128, gated=True).cluster_n == 2
@@ -53,13 +66,19 @@ def test_policy_pairs_the_static_schedule_where_n_tiles_are_even():
     assert choose_config(0, 4096, 2048, 32).cluster_n == 1 and choose_config(0, 4096, 2048, 32).dynamic
     # an epilogue reading a saved tensor (FC2's dgrad) takes 128x128 pingpong on the dynamic schedule, as CTA pairs
     # where the n-tiles pair up, else 128x192 where 192 divides N, else single CTAs; a gathered A is never multicast
+    # where the n-tiles do not pair up, CTA pairs along m sharing the weight's tile (cluster_m = 2)
     def aux(N):
         c = GemmConfig(*tile_config(N, 2048, 128, False, "MN", True))
         assert c.dynamic and c.pingpong and c.tile_m == 128
-        return c.tile_n, c.cluster_n
-    assert aux(1536) == (128, 2) and aux(768) == (128, 2) and aux(400) == (128, 2)   # 12, 6, 4 (ragged) n-tiles
-    assert aux(2880) == (192, 1)        # GPT-OSS: 23 n-tiles at 128, 15 at 192
-    assert aux(2944) == (128, 1)        # 23 n-tiles, 192 does not divide
+        return c.tile_n, c.cluster_n, c.cluster_m
+    assert aux(1536) == (128, 2, 1) and aux(768) == (128, 2, 1) and aux(400) == (128, 2, 1)  # 12, 6, 4 n-tiles
+    assert aux(2880) == (192, 1, 2)     # GPT-OSS: 23 n-tiles at 128, 15 at 192
+    assert aux(2944) == (128, 1, 2)     # 23 n-tiles, 192 does not divide
+    assert aux(1408) == (128, 1, 2)     # DeepSeek-V2-Lite: 11
+    # a lone dgrad (MN-major B) at 128x192 with an odd n-tile count: m-pairs; a forward (K-major B) stays single
+    assert choose_config(0, 2880, 5760, 128, b_major="MN").cluster_m == 2
+    assert choose_config(0, 2880, 2880, 128).cluster_m == 1
+    assert choose_config(0, 7168, 4096, 32, b_major="MN").cluster_m == 1      # 38 n-tiles: even
     gath = GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True))
     assert gath.gather_a and gath.cluster_n == 1
     # pair_ctas itself
@@ -75,7 +94,10 @@ def test_policy_pairs_the_static_schedule_where_n_tiles_are_even():
     (PAIR, 384, False, "even number of n-tiles (3"),
     (PAIR, 384, True, "even number of n-tiles (3"),     # gated: 192 logical columns in 64-column tiles
     (dataclasses.replace(PAIR, cluster_n=4), 1024, False, "use 1, or 2"),
-    (dataclasses.replace(PAIR, cluster_m=2, cluster_n=1), 1024, False, "cluster_m = 1"),
+    (dataclasses.replace(PAIR, cluster_m=2), 1024, False, "along m or along n"),
+    (dataclasses.replace(PAIR, cluster_m=2, cluster_n=1), 1024, True, "gated epilogue loads two"),
+    (dataclasses.replace(PAIR, cluster_m=2, cluster_n=1, gather_a=True), 1024, False, "TMA-loaded B"),
+    (dataclasses.replace(PAIR, cluster_m=4, cluster_n=1), 1024, False, "use 1, or 2 (a CTA pair on neighbouring m"),
 ])
 def test_config_errors_name_the_constraint(cfg, N, gated, msg):
     epi = SwiGLUScaleEpilogue() if gated else IdentityEpilogue()
@@ -90,3 +112,5 @@ def test_launch_grid_takes_whole_pairs():
     assert launch_grid(pair, 1000, torch.device("cpu"), offsets, num_ctas=7)[0] == 6
     assert launch_grid(pair, 1000, torch.device("cpu"), offsets, num_ctas=1)[0] == 2
     assert launch_grid(single, 1000, torch.device("cpu"), offsets, num_ctas=7)[0] == 7
+    m_pair = types.SimpleNamespace(config=dataclasses.replace(PAIR, cluster_n=1, cluster_m=2), G=8, n_tiles=8)
+    assert launch_grid(m_pair, 1000, torch.device("cpu"), offsets, num_ctas=7)[0] == 6

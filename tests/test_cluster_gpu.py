@@ -102,3 +102,72 @@ def test_pairs_match_single_ctas_bitwise(dynamic):
     torch.cuda.synchronize()
     assert torch.equal(outs[0], outs[1])
     _check(outs[1], _gemm_nk(A, B, sizes))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CTA pairs along m (cluster_m = 2): two CTAs on neighbouring m-tiles of one group share the B tile by multicast
+MPAIR_CFGS = [dict(tile_n=128, stages=6, pingpong=True, dynamic=True, cluster_m=2),
+              dict(tile_n=192, stages=5, pingpong=True, dynamic=True, cluster_m=2),
+              dict(tile_n=192, stages=5, pingpong=True, cluster_m=2),                 # static schedule
+              dict(tile_n=256, stages=4, dynamic=True, cluster_m=2)]                  # cooperative
+
+
+@pytest.mark.parametrize("case", CASES + [(8, 300, 384, 200), (5, 1300, 2880, 320)])
+@pytest.mark.parametrize("cfg", MPAIR_CFGS)
+@pytest.mark.parametrize("num_ctas", [None, 7])
+def test_identity_m_pairs(case, cfg, num_ctas):
+    """A K-major B, any n-tile count (odd ones included), groups whose m-tile count is odd (rank 1 of the last
+    pair has no rows) and empty ones; ``num_ctas=7`` is launched as 3 whole pairs."""
+    G, M, N, Kd = case
+    dtype = torch.bfloat16
+    sizes, A, offs = _data(G, M, Kd, dtype)
+    B = torch.randn(G, N, Kd, dtype=dtype, device=DEV) / Kd ** 0.5
+    comp = K.compile_grouped_gemm(K.GemmConfig(**cfg), K.IdentityEpilogue(), dtype, N, Kd, G)
+    assert comp.config.cluster_m == 2 and comp.name.endswith("_cm2")
+    out = _nan(M, N, dtype=dtype)
+    K.run_grouped_gemm(comp, A, B, offs, {"out": out}, num_ctas=num_ctas)
+    torch.cuda.synchronize()
+    _check(out, _gemm_nk(A, B, sizes))
+
+
+@pytest.mark.parametrize("case", DGRAD_CASES + [(16, 5000, 2880, 640)])
+@pytest.mark.parametrize("cfg", MPAIR_CFGS[:2])
+def test_dgrad_m_pairs(case, cfg):
+    """FC2's fused dgrad (MN-major B multicast, the saved pre-activation read in the epilogue) as m-pairs: what
+    the tile policy picks where the n-tiles do not pair up (GPT-OSS's 2880)."""
+    G, M, f, d = case
+    dtype = torch.bfloat16
+    sizes, dY, offs = _data(G, M, d, dtype)
+    W2 = torch.randn(G, d, f, dtype=dtype, device=DEV) / d ** 0.5
+    pre = torch.randn(M, 2 * f, dtype=dtype, device=DEV)
+    scale = torch.rand(M, dtype=torch.float32, device=DEV)
+    comp = K.compile_grouped_gemm(K.GemmConfig(**cfg, b_major="MN"), _DSwiGLUScaleDgrad(), dtype, f, d, G)
+    assert comp.config.cluster_m == 2
+    dpre, dscale = _nan(M, 2 * f, dtype=dtype), _nan(M, f, dtype=dtype)
+    K.run_grouped_gemm(comp, dY, W2, offs, {"dpre": dpre, "dscale": dscale}, {"pre": pre, "scale": scale})
+    torch.cuda.synchronize()
+    ref_dpre, ref_dscale = _dswiglu_ref(_gemm_kn(dY, W2, sizes), pre, scale)
+    _check(dpre, ref_dpre)
+    _check(dscale, ref_dscale)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("b_major", ["K", "MN"])
+def test_m_pairs_match_single_ctas_bitwise(dynamic, b_major):
+    """B's multicast changes where its bytes come from, not the math: same tiles, same k order, same bits."""
+    G, M, N, Kd = 16, 20000, 960, 768
+    dtype = torch.bfloat16
+    sizes, A, offs = _data(G, M, Kd, dtype)
+    shape = (G, N, Kd) if b_major == "K" else (G, Kd, N)
+    B = torch.randn(*shape, dtype=dtype, device=DEV) / Kd ** 0.5
+    outs = []
+    for cm in (1, 2):
+        comp = K.compile_grouped_gemm(K.GemmConfig(tile_n=192, stages=5, pingpong=True, dynamic=dynamic,
+                                                   cluster_m=cm, b_major=b_major), K.IdentityEpilogue(), dtype,
+                                      N, Kd, G)
+        out = _nan(M, N, dtype=dtype)
+        K.run_grouped_gemm(comp, A, B, offs, {"out": out})
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])
+    _check(outs[1], _gemm_nk(A, B, sizes) if b_major == "K" else _gemm_kn(A, B, sizes))

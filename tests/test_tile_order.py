@@ -50,6 +50,23 @@ def test_pairs_take_neighbouring_n_tiles_of_the_banded_unit():
         assert _order(26, 3, 8, 8, cluster_n=2, rank=rank) == [(m, 2 * n + rank) for m, n in units]
 
 
+@pytest.mark.parametrize("mt,band", [(1, 8), (2, 8), (7, 8), (26, 8), (33, 16)])
+def test_m_pairs_take_neighbouring_m_tiles_of_one_n_tile(mt, band):
+    """cluster_m = 2: a unit is two neighbouring m-tiles of one n-tile (one per rank); a group's odd last m-tile
+    leaves rank 1 a tile one past the group (its rows are masked, nothing stored); bands count units."""
+    n_units = 3
+    units = -(-mt // 2)
+    s = TileScheduler(128, n_units, 1, False, False, 1, band, band, cluster_m=2)
+    walks = [[s.coords(t, 0, units * n_units, rank) for t in range(units * n_units)] for rank in (0, 1)]
+    for (m0, n0), (m1, n1) in zip(*walks):
+        assert m1 == m0 + 1 and n0 == n1 and m0 % 2 == 0
+    tiles = sorted(walks[0] + walks[1])
+    assert tiles == [(m, n) for m in range(2 * units) for n in range(n_units)]
+    assert [t for t in tiles if t[0] >= mt] == ([(mt, n) for n in range(n_units)] if mt % 2 else [])
+    with pytest.raises(AssertionError, match="along m or along n"):
+        TileScheduler(128, 4, 1, False, False, 2, 1, None, cluster_m=2)
+
+
 def test_band_policy():
     assert band_for(192) == band_for(256) == 16 and band_for(128) == band_for(64) == 8
     assert resolved_band(K.GemmConfig(tile_n=192)) == 16 and resolved_band(K.GemmConfig(tile_n=128)) == 8
