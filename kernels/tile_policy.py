@@ -137,15 +137,15 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     (kernels/scheduler.py's mailbox) are not chosen: 4-6% faster on DeepSeek-V3's GEMMs, 14% slower on
     GPT-OSS-120B's FC1 forward and 11% on OLMoE's dgrad.
 
-    A dgrad (``b_major="MN"``) at 128x192 whose n-tiles do not pair up runs as CTA pairs along m (:func:`m_pairs`):
-    measured on an H100 (bench/bench_pair_gemm.py, bench/results/H100-2026-11-26f-m-pairs.json), GPT-OSS-120B's
-    FC1 dgrad (N=2880: 15 n-tiles) 4.044 -> 3.528 ms (torch._grouped_mm 3.826); its FC2 forward (K-major B) was
-    slower as m-pairs (1.981 -> 2.084), so a forward keeps single CTAs."""
+    CTA pairs along m (:func:`m_pairs`) are not chosen here: measured on an H100 for GPT-OSS-120B's lone GEMMs
+    (N=2880: 15 n-tiles at 192), the FC2 forward was slower as m-pairs (1.981 -> 2.084 ms,
+    bench/results/H100-2026-11-26f-m-pairs.log); the FC1 dgrad was faster alone (4.044 -> 3.528, torch 3.826), but
+    inside training steps (kernel times from bench/profile_step.py and profile_moe.py, one H100) it moved by -2% at
+    512 rows per expert and +2% at 256: no gain to take."""
     tk = 64
     if N >= 4096 or (N % 128 and N % 192 == 0):
-        wide = GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
+        return GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
                           dynamic=True, pingpong=True, b_major=b_major)
-        return m_pairs(wide, N) if b_major == "MN" else wide
     single = GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major)
     paired = pair_ctas(single, N)
     return paired if paired.cluster_n == 2 else dataclasses.replace(single, dynamic=True)
