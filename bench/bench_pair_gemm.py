@@ -80,12 +80,14 @@ def variants(job: KernelJob):
         return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in out]
     for dynamic in (False, True):
         for cn in ((1, 2) if pairs else (1,)):
-            cfg = dataclasses.replace(base, dynamic=dynamic, cluster_n=cn)
+            cfg = dataclasses.replace(base, dynamic=dynamic, cluster_n=cn, cluster_m=1)
             if cfg != base:
                 out.append((("dyn" if dynamic else "static") + (" c2" if cn > 1 else ""), cfg))
     if not base.gather_a and job.step != "F1":   # F1: the gated FC1 (two B boxes per stage)
         # CTA pairs on neighbouring m-tiles multicasting B (cluster_m = 2), dynamic: what an odd n-tile count allows
-        out.append(("dyn m2", dataclasses.replace(base, dynamic=True, cluster_n=1, cluster_m=2)))
+        m2 = dataclasses.replace(base, dynamic=True, cluster_n=1, cluster_m=2)
+        if m2 != base:
+            out.append(("dyn m2", m2))
     for tile_n, stages, pingpong in TILES["extra"]:
         cfg = dataclasses.replace(base, tile_n=tile_n, stages=stages, pingpong=pingpong, dynamic=True, cluster_n=1)
         if cfg != base:
