@@ -70,8 +70,13 @@ def test_gated_pairs(case, dtype, cfg):
 @pytest.mark.parametrize("cfg", [PAIR_CFGS[0], PAIR_CFGS[2]])
 def test_dgrad_pairs(case, dtype, cfg):
     """An MN-major B (the weight as stored) with paired aux inputs prefetched under the mainloop."""
+    _skip_unpaired(case[2], cfg["tile_n"], dtype, cfg)
+    _check_dgrad(case, dtype, cfg)
+
+
+def _check_dgrad(case, dtype, cfg):
+    """FC2's dgrad + d(SwiGLU·scale) at `cfg` (MN-major B) against float64 math; returns the compiled kernel."""
     G, M, f, d = case
-    _skip_unpaired(f, cfg["tile_n"], dtype, cfg)
     sizes, dY, offs = _data(G, M, d, dtype)
     W2 = torch.randn(G, d, f, dtype=dtype, device=DEV) / d ** 0.5
     pre = torch.randn(M, 2 * f, dtype=dtype, device=DEV)
@@ -83,6 +88,7 @@ def test_dgrad_pairs(case, dtype, cfg):
     ref_dpre, ref_dscale = _dswiglu_ref(_gemm_kn(dY, W2, sizes), pre, scale)
     _check(dpre, ref_dpre)
     _check(dscale, ref_dscale)
+    return comp
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -135,20 +141,7 @@ def test_identity_m_pairs(case, cfg, num_ctas):
 def test_dgrad_m_pairs(case, cfg):
     """FC2's fused dgrad (MN-major B multicast, the saved pre-activation read in the epilogue) as m-pairs: what
     the tile policy picks where the n-tiles do not pair up (GPT-OSS's 2880)."""
-    G, M, f, d = case
-    dtype = torch.bfloat16
-    sizes, dY, offs = _data(G, M, d, dtype)
-    W2 = torch.randn(G, d, f, dtype=dtype, device=DEV) / d ** 0.5
-    pre = torch.randn(M, 2 * f, dtype=dtype, device=DEV)
-    scale = torch.rand(M, dtype=torch.float32, device=DEV)
-    comp = K.compile_grouped_gemm(K.GemmConfig(**cfg, b_major="MN"), _DSwiGLUScaleDgrad(), dtype, f, d, G)
-    assert comp.config.cluster_m == 2
-    dpre, dscale = _nan(M, 2 * f, dtype=dtype), _nan(M, f, dtype=dtype)
-    K.run_grouped_gemm(comp, dY, W2, offs, {"dpre": dpre, "dscale": dscale}, {"pre": pre, "scale": scale})
-    torch.cuda.synchronize()
-    ref_dpre, ref_dscale = _dswiglu_ref(_gemm_kn(dY, W2, sizes), pre, scale)
-    _check(dpre, ref_dpre)
-    _check(dscale, ref_dscale)
+    assert _check_dgrad(case, torch.bfloat16, cfg).config.cluster_m == 2
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
