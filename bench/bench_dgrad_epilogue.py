@@ -4,11 +4,12 @@ Usage: python bench/bench_dgrad_epilogue.py [--shape i,j,...] [--precompile]
   --precompile: only compile the variants into the fusion kernel cache (no GPU needed), so that a device
   run can load them (copy the cache folder to FUSION_CACHE_DIR there).
 Variants: the config the plan's job picks (kernels/tile_policy.py aux_tile: 128x128 pingpong dynamic pairs where
-the n-tiles pair up, else 128x192 where 192 divides N), single 128x128 CTAs dynamic (the policy before aux_tile)
-and static, CTA pairs multicasting dY's tile (static, dynamic; where the n-tile count is even), 128x192 dynamic
-and in static pairs,
-128x192 and 128x128 as CTA pairs on neighbouring m-tiles multicasting the weight's tile ("mpairs", cluster_m = 2:
-for n-tile counts that do not pair up, GPT-OSS's 2880), 128x256 cooperative (each warpgroup 64x256: the pingpong tile's registers) dynamic and in static pairs;
+the n-tiles pair up, else dynamic pairs along m, at 128x192 where 192 divides N), single 128x128 CTAs dynamic (the
+policy before aux_tile) and static, CTA pairs multicasting dY's tile (static, dynamic; where the n-tile count is
+even), 128x192 dynamic and in static pairs, 128x192 and 128x128 as CTA pairs on neighbouring m-tiles multicasting
+the weight's tile ("mpairs", cluster_m = 2: for n-tile counts that do not pair up, GPT-OSS's 2880), 128x256
+cooperative (each warpgroup 64x256: the pingpong tile's registers) dynamic and in static pairs; a 192-column
+variant that spills is built at 128 columns (the label shows the tile built);
 outputs compared with the first variant's. The kernel is bound by L2 throughput (ncu, GPT-OSS-120B's shape on an
 H100: L2 87%, DRAM 56-65%): every n-tile reads dY's rows again and every m-tile the expert's weight, so wider
 tiles and pairs cut the bytes.
@@ -131,7 +132,8 @@ def run_shape(shape, precompile: bool, only=None):
                                      return_mode="median")
         c = comp.config
         rows.append((f"{name} {c.tile_m}x{c.tile_n} s{c.stages}{' pp' if c.pingpong else ''}"
-                     f"{' dyn' if c.dynamic else ''}", ms, f"{err}{' NaN!' if nan else ''}"))
+                     f"{' dyn' if c.dynamic else ''}{' c2' if c.cluster_n > 1 else ''}{' m2' if c.cluster_m > 1 else ''}",
+                     ms, f"{err}{' NaN!' if nan else ''}"))
     tflop = 2 * M * d * f / 1e12
     print(f"\ndgrad FC2 + dSwiGLU*s kernel alone, E,M,d,2f = {shape}")
     for n, ms, e in rows:
