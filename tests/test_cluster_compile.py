@@ -65,8 +65,8 @@ def test_policy_pairs_the_static_schedule_where_n_tiles_are_even():
     # the dynamic schedule (wide N) stays single: pairs walk the static one
     assert choose_config(0, 4096, 2048, 32).cluster_n == 1 and choose_config(0, 4096, 2048, 32).dynamic
     # an epilogue reading a saved tensor (FC2's dgrad) takes 128x128 pingpong on the dynamic schedule, as CTA pairs
-    # where the n-tiles pair up, else 128x192 where 192 divides N, else single CTAs; a gathered A is never multicast
-    # where the n-tiles do not pair up, CTA pairs along m sharing the weight's tile (cluster_m = 2)
+    # sharing dY's tile where the n-tiles pair up, else as CTA pairs along m sharing the weight's tile (cluster_m = 2),
+    # at 128x192 where 192 divides N; a gathered A is never multicast
     def aux(N):
         c = GemmConfig(*tile_config(N, 2048, 128, False, "MN", True))
         assert c.dynamic and c.pingpong and c.tile_m == 128
