@@ -1,0 +1,138 @@
+"""Where one call's host (CPU) time goes, split by the runtime's own pieces: each forward and backward step's
+runner, the program's bookkeeping around them, autograd's engine (the time from `.backward()` to our backward
+function and back), and the input checks.
+
+    python bench/host_split.py --model small-batch [--calls 200]                   # the training-step block
+    python bench/host_split.py --moe qwen3-30b-a3b --tokens 1024                   # the whole MoE layer
+
+cProfile cannot split a training step: autograd runs our backward function on its device thread, and the
+profile of the calling thread then charges that time to `run_backward`. Here every piece is wrapped with a
+`time.perf_counter` timer (either thread), so the columns add up to the step's wall time per call. The GPU is
+kept ahead by a small block, so these are host times. Complements bench/host_overhead.py (µs per call of whole
+calls) and bench/profile_host.py (cProfile of the calling thread).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # run from a checkout
+
+TIMES: "collections.Counter[str]" = collections.Counter()
+
+
+def timed(label: str, fn):
+    """`fn` with its wall time added to TIMES[label]."""
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[label] += time.perf_counter() - start
+    return wrapper
+
+
+def instrument_program(program, prefix: str = "") -> None:
+    """Wrap each of the program's step runners, its forward and backward, and its bounds prologue."""
+    for name, steps in (("F", program.forward_steps), ("B", program.backward_steps)):
+        for n, runner in enumerate(steps, 1):
+            runner.run = timed(f"{prefix}{name}{n} {type(runner).__name__}", runner.run)
+    program.forward = timed(f"{prefix}program.forward (all)", program.forward)
+    program.backward = timed(f"{prefix}program.backward (all)", program.backward)
+    program._bounds = timed(f"{prefix}bounds", program._bounds)
+
+
+def instrument_autograd() -> None:
+    """The autograd function's forward and backward (the parts outside the program)."""
+    from fusion.runtime import autograd
+
+    fn = autograd._BlockFunction
+    fn.forward = staticmethod(timed("_BlockFunction.forward (all)", fn.forward))
+    fn.backward = staticmethod(timed("_BlockFunction.backward (all)", fn.backward))
+
+
+def report(title: str, calls: int, total_s: float) -> None:
+    print(f"== {title}: {total_s / calls * 1e6:.1f} µs of host per call ({calls} calls, {torch.cuda.get_device_name()})")
+    for label, seconds in sorted(TIMES.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:<48} {seconds / calls * 1e6:8.1f} µs")
+
+
+def measure(call, clear, calls: int, title: str) -> None:
+    for _ in range(10):
+        clear()
+        call()
+    torch.cuda.synchronize()
+    TIMES.clear()
+    outer = timed("step (all)", call)
+    start = time.perf_counter()
+    for _ in range(calls):
+        clear()
+        outer()
+    total = time.perf_counter() - start
+    torch.cuda.synchronize()
+    report(title, calls, total)
+
+
+def block_step(model: str, calls: int) -> None:
+    from bench_training_step import BLOCKS, phase_fn, setup_block
+    from fusion.runtime import runner_for
+
+    block = next(b for b in BLOCKS if b.model == model)
+    setup = setup_block(block)
+    path = setup.path("fusion")
+    for phase in ("forward", "training_step"):
+        call, clear = phase_fn(path, phase, setup.x, setup.dy)
+        call()
+        if phase == "forward":
+            runner = runner_for(path.seq, setup.x)
+            instrument_program(runner.program)
+            instrument_autograd()
+            type(runner).check = timed("runner.check", type(runner).check)
+        measure(call, clear, calls, f"{model} fusion {phase}")
+
+
+def moe_step(model: str, tokens: int, calls: int) -> None:
+    from profile_moe import setup
+    from bench_moe import phase_fn
+    from fusion.runtime import runner_for
+
+    path, x, dy = setup(model, tokens, "fusion")
+    for phase in ("moe_forward", "moe_training_step"):
+        call, clear = phase_fn(path, phase, x, dy)
+        call()
+        if phase == "moe_forward":
+            moe = path.call
+            from fusion.moe import layer
+            layer.route = timed("route", layer.route)
+            moe.router.forward = timed("router Linear", moe.router.forward)
+            for name, child in moe.named_modules():
+                if hasattr(child, "inputs") and hasattr(child, "ops"):
+                    runner = runner_for(child, x)
+                    if runner.program is not None:
+                        instrument_program(runner.program, prefix=f"{name}.")
+            instrument_autograd()
+        measure(call, clear, calls, f"{model} T={tokens} fusion {phase}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a block of bench_training_step.py")
+    ap.add_argument("--moe", default=None, help="an MoE config of bench_moe.py")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--calls", type=int, default=200)
+    args = ap.parse_args(argv)
+    if args.model:
+        block_step(args.model, args.calls)
+    if args.moe:
+        moe_step(args.moe, args.tokens, args.calls)
+
+
+if __name__ == "__main__":
+    main()
