@@ -102,6 +102,8 @@ def route(logits: torch.Tensor, k: int, score: str = "softmax", bias: torch.Tens
         False keeps the raw scores (OLMoE, Switch). With k=1 and normalize=True every prob is 1 and the
         router gets no gradient.
     Ties pick the lower expert index (a stable sort), so routing is deterministic.
+    On a Hopper GPU, without round_to, three kernels run it (fusion/runtime/route.py: two forward, one backward)
+    instead of these torch ops, which stay the reference (same rules; scores may differ in the last bits).
 
     round_to=R (token rounding, as SonicMoE): each expert's count c is rounded to the nearer multiple of R,
     an exact half (c % R == R / 2) rounding up, and capped at T. Rounding down drops that expert's rows
@@ -113,6 +115,10 @@ def route(logits: torch.Tensor, k: int, score: str = "softmax", bias: torch.Tens
     """
     _validate(logits, k, score, bias, round_to)
     if round_to is None:
+        from fusion.runtime import route as route_kernels
+
+        if route_kernels.takes(logits, k, bias):
+            return RouteResult(*route_kernels.route_top_k(logits, k, score, bias, normalize), logits.shape[0])
         if torch.is_grad_enabled() and logits.requires_grad:
             index, group_sizes, probs, expert = _TopKRoute.apply(logits, k, score, bias, normalize)
         else:   # nothing to differentiate: the same ops without the autograd node's bookkeeping

@@ -1,0 +1,103 @@
+"""route() on the GPU: top-k routing by the kernels of fusion/kernels/route.py, as one autograd node.
+
+fusion.moe.route calls `route_top_k` where `takes` says the kernels run the call (a CUDA tensor of a kernel dtype
+on a Hopper GPU, E <= 1024, k <= 32, no token rounding, not under torch.compile, which traces the torch ops);
+everywhere else it runs its torch ops, which stay the
+reference. The forward is two launches (top-k per token, then the stable counting sort by expert), the backward
+one (the chain rule per token, the scores recomputed from the logits): three launches where torch's routing runs
+about twenty ops forward and a dozen backward, each costing host time that a small batch cannot hide.
+
+FUSION_ROUTE_KERNEL=0 (read at import) sends every call to the torch ops: the A/B switch of bench/.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fusion.targets import cuda_major
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ENABLED = os.environ.get("FUSION_ROUTE_KERNEL", "1") != "0"
+
+
+def takes(logits: torch.Tensor, k: int, bias: torch.Tensor | None) -> bool:
+    """Whether the kernels run this route() call (its arguments already validated)."""
+    if not (ENABLED and logits.is_cuda and logits.dtype in KERNEL_DTYPES and logits.shape[0] > 0
+            and (bias is None or bias.device == logits.device) and not torch.compiler.is_compiling()
+            and cuda_major(logits.device) == 9):
+        return False
+    from fusion.kernels.route import MAX_EXPERTS, MAX_K   # (loads the DSL: only for a CUDA tensor)
+
+    return logits.shape[1] <= MAX_EXPERTS and k <= MAX_K
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _bias32(bias, logits):
+    """The bias as the kernels read it (float32, contiguous), or any valid address when there is none."""
+    if bias is None:
+        return logits
+    b = bias.detach()
+    return b if b.dtype == torch.float32 and b.is_contiguous() else b.to(torch.float32).contiguous()
+
+
+def _forward(logits: torch.Tensor, k: int, score: str, bias, normalize: bool):
+    """(index, group_sizes, probs, expert, top, pos): route's results and what the backward reads."""
+    from fusion.kernels.route import compile_route_sort, compile_route_topk
+
+    logits = logits if logits.is_contiguous() else logits.contiguous()
+    T, E = logits.shape
+    S, dev, name = T * k, logits.device, _dtype_name(logits.dtype)
+    stream = torch._C._cuda_getCurrentRawStream(dev.index)
+    top = torch.empty(S, dtype=torch.int32, device=dev)
+    w = torch.empty(S, dtype=torch.float32, device=dev)
+    b = _bias32(bias, logits)
+    compile_route_topk(name, E, k, score, normalize, bias is not None).launch(
+        logits.data_ptr(), b.data_ptr(), top.data_ptr(), w.data_ptr(), T, stream)
+    index = torch.empty(S, dtype=torch.int64, device=dev)
+    expert = torch.empty(S, dtype=torch.int64, device=dev)
+    probs = torch.empty(S, dtype=logits.dtype, device=dev)
+    sizes = torch.empty(E, dtype=torch.int32, device=dev)
+    pos = torch.empty(S, dtype=torch.int32, device=dev)
+    compile_route_sort(name, E, k).launch(top.data_ptr(), w.data_ptr(), index.data_ptr(), expert.data_ptr(),
+                                          probs.data_ptr(), sizes.data_ptr(), pos.data_ptr(), S, stream)
+    return index, sizes, probs, expert, top, pos
+
+
+class _KernelRoute(torch.autograd.Function):
+    """logits -> (index, group_sizes, probs, expert); only probs is differentiable."""
+
+    @staticmethod
+    def forward(fctx, logits, k: int, score: str, bias, normalize: bool):
+        index, sizes, probs, expert, top, pos = _forward(logits, k, score, bias, normalize)
+        fctx.save_for_backward(logits, top, pos)
+        fctx.k, fctx.score, fctx.normalize = k, score, normalize
+        fctx.bias = None if bias is None else _bias32(bias, logits)
+        fctx.mark_non_differentiable(index, sizes, expert)
+        return index, sizes, probs, expert
+
+    @staticmethod
+    def backward(fctx, _index, _sizes, dprobs, _expert):
+        from fusion.kernels.route import compile_route_grad
+
+        logits, top, pos = fctx.saved_tensors
+        logits = logits if logits.is_contiguous() else logits.contiguous()
+        T, E = logits.shape
+        dprobs = dprobs.to(logits.dtype).contiguous()
+        dlogits = torch.empty_like(logits)
+        b = logits if fctx.bias is None else fctx.bias
+        compile_route_grad(_dtype_name(logits.dtype), E, fctx.k, fctx.score, fctx.normalize,
+                           fctx.bias is not None).launch(
+            logits.data_ptr(), b.data_ptr(), top.data_ptr(), pos.data_ptr(), dprobs.data_ptr(), dlogits.data_ptr(),
+            T, dprobs.shape[0], torch._C._cuda_getCurrentRawStream(logits.device.index))
+        return dlogits, None, None, None, None
+
+
+def route_top_k(logits: torch.Tensor, k: int, score: str, bias, normalize: bool):
+    """(index, group_sizes, probs, expert) of route() without token rounding, by the kernels."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _KernelRoute.apply(logits, k, score, bias, normalize)
+    return _forward(logits, k, score, bias, normalize)[:4]
