@@ -1,9 +1,11 @@
 """MoE top-k routing in three small kernels instead of about twenty torch ops (fusion.moe.route without token
 rounding, on the GPU).
 
-    forward:  RouteTopKKernel   logits (T, E)  -> top (T*k,) int32 experts, best first; w (T*k,) float32 weights
+    forward:  RouteTopKKernel   logits (T, E)  -> top (T*k,) int32 experts, best first; w (T*k,) float32 weights;
+                                                  token_offsets (T + 2,) int64
               RouteSortKernel   top, w         -> index, expert (M,) int64, probs (M,), group_sizes (E,) int32,
-                                                  pos (T*k,) int32: the routed row of slot t*k + j
+                                                  pos (T*k,) int32: the routed row of slot t*k + j;
+                                                  rows_by_token (M,) int64: each token's rows, increasing
     backward: RouteGradKernel   logits, top, pos, dprobs (M,) -> dlogits (T, E)
 
 Why: at a small batch the host is an MoE layer's bottleneck, and torch's routing (two sorts, a gather, the
@@ -18,6 +20,9 @@ Semantics are route()'s (fusion/moe/routing.py), computed in float32:
 - weights: the chosen scores, divided by their sum clamped to the smallest normal float when normalizing;
 - rows: grouped by expert, within an expert by token (a stable counting sort of the token-major slots), so
   routing is deterministic: no atomics anywhere.
+The token layout (fusion.ops.routing.token_layout: each token's rows in increasing order, which the Combine and
+the Gather's backward read) falls out of the sort: a token's rows increase with its experts' ids, so slot
+(t, j) goes to place t*k + (how many of t's experts are below its own); the offsets are t*k.
 The backward recomputes the scores from the logits (nothing of size (T, E) is saved) and applies the chain rule
 of the renormalization and of the softmax or sigmoid.
 
@@ -160,16 +165,19 @@ class RouteTopKKernel(_TokenScores):
     """Trace-time: logits dtype, E, k, score, normalize, has_bias. One warp per token."""
 
     @cute.jit
-    def __call__(self, pL: cute.Pointer, pBias: cute.Pointer, pTop: cute.Pointer, pW: cute.Pointer, T: Int32, stream):
+    def __call__(self, pL: cute.Pointer, pBias: cute.Pointer, pTop: cute.Pointer, pW: cute.Pointer,
+                 pOffs: cute.Pointer, T: Int32, stream):
         mL = cute.make_tensor(pL, cute.make_layout((T, self.E), stride=(self.E, 1)))
         mBias = cute.make_tensor(pBias, cute.make_layout((self.E,)))
         mTop = cute.make_tensor(pTop, cute.make_layout((T * self.k,)))
         mW = cute.make_tensor(pW, cute.make_layout((T * self.k,)))
-        self.kernel(mL, mBias, mTop, mW, T).launch(grid=((T + TOKEN_WARPS - 1) // TOKEN_WARPS, 1, 1),
+        mOffs = cute.make_tensor(pOffs, cute.make_layout((T + 2,)))
+        self.kernel(mL, mBias, mTop, mW, mOffs, T).launch(grid=((T + TOKEN_WARPS - 1) // TOKEN_WARPS, 1, 1),
                                                    block=(LANES * TOKEN_WARPS, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, mL: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor, mW: cute.Tensor, T: Int32):
+    def kernel(self, mL: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor, mW: cute.Tensor, mOffs: cute.Tensor,
+               T: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % LANES
@@ -179,6 +187,10 @@ class RouteTopKKernel(_TokenScores):
             experts, chosen = self.top_k(scores, keys, lane)
             _, denom = self.denominator(chosen)
             if lane == 0:
+                mOffs[t] = Int64(t) * self.k
+                if t == T - 1:
+                    mOffs[T] = Int64(T) * self.k
+                    mOffs[T + 1] = Int64(T) * self.k
                 for j in cutlass.range_constexpr(self.k):
                     mTop[t * self.k + j] = experts[j]
                     w = chosen[j]
@@ -259,7 +271,8 @@ class RouteSortKernel:
 
     @cute.jit
     def __call__(self, pTop: cute.Pointer, pW: cute.Pointer, pIndex: cute.Pointer, pExpert: cute.Pointer,
-                 pProbs: cute.Pointer, pSizes: cute.Pointer, pPos: cute.Pointer, S: Int32, stream):
+                 pProbs: cute.Pointer, pSizes: cute.Pointer, pPos: cute.Pointer, pLayout: cute.Pointer, S: Int32,
+                 stream):
         mTop = cute.make_tensor(pTop, cute.make_layout((S,)))
         mW = cute.make_tensor(pW, cute.make_layout((S,)))
         mIndex = cute.make_tensor(pIndex, cute.make_layout((S,)))
@@ -267,7 +280,8 @@ class RouteSortKernel:
         mProbs = cute.make_tensor(pProbs, cute.make_layout((S,)))
         mSizes = cute.make_tensor(pSizes, cute.make_layout((self.E,)))
         mPos = cute.make_tensor(pPos, cute.make_layout((S,)))
-        self.kernel(mTop, mW, mIndex, mExpert, mProbs, mSizes, mPos, S).launch(
+        mLayout = cute.make_tensor(pLayout, cute.make_layout((S,)))
+        self.kernel(mTop, mW, mIndex, mExpert, mProbs, mSizes, mPos, mLayout, S).launch(
             grid=(self.E, 1, 1), block=(SORT_THREADS, 1, 1), stream=stream)
 
     @cute.jit
@@ -289,7 +303,7 @@ class RouteSortKernel:
 
     @cute.kernel
     def kernel(self, mTop: cute.Tensor, mW: cute.Tensor, mIndex: cute.Tensor, mExpert: cute.Tensor,
-               mProbs: cute.Tensor, mSizes: cute.Tensor, mPos: cute.Tensor, S: Int32):
+               mProbs: cute.Tensor, mSizes: cute.Tensor, mPos: cute.Tensor, mLayout: cute.Tensor, S: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         e, _, _ = cute.arch.block_idx()
         lane = tidx % LANES
@@ -346,6 +360,11 @@ class RouteSortKernel:
                     mExpert[row] = Int64(e)
                     mProbs[row] = Float32(mW[slot]).to(self.dtype)
                     mPos[slot] = row
+                    token0 = (slot // self.k) * self.k
+                    below = Int32(0)
+                    for j in cutlass.range_constexpr(self.k):
+                        below = below + Int32(Int32(mTop[token0 + j]) < e)
+                    mLayout[token0 + below] = Int64(row)
                     row = row + 1
             running = running + total
             base = base + chunk
@@ -356,26 +375,30 @@ def _ptr(dtype, align: int = 16):
 
 
 def compile_route_topk(dtype: str, E: int, k: int, score: str, normalize: bool, has_bias: bool) -> UtilityKernel:
-    """`launch(logits_ptr, bias_ptr, top_ptr, w_ptr, T, stream)`: logits (T, E) of `dtype`, bias (E,) float32
-    (any address when has_bias is False), top (T*k,) int32 and w (T*k,) float32 out."""
+    """`launch(logits_ptr, bias_ptr, top_ptr, w_ptr, offsets_ptr, T, stream)`: logits (T, E) of `dtype`, bias (E,)
+    float32 (any address when has_bias is False); top (T*k,) int32, w (T*k,) float32 and the token offsets (T + 2,)
+    int64 out."""
     def build():
         from cutlass.runtime import make_fake_stream
 
         return cute.compile(RouteTopKKernel(dtype, E, k, score, normalize, has_bias), _ptr(cutlass_dtype(dtype), 2),
-                            _ptr(Float32, 4), _ptr(Int32, 4), _ptr(Float32, 4), Int32(1), make_fake_stream(),
+                            _ptr(Float32, 4), _ptr(Int32, 4), _ptr(Float32, 4), _ptr(Int64, 8), Int32(1),
+                            make_fake_stream(),
                             options="--enable-tvm-ffi")
 
     return compile_once(("route_topk", dtype, E, k, score, normalize, has_bias), build)
 
 
 def compile_route_sort(dtype: str, E: int, k: int) -> UtilityKernel:
-    """`launch(top_ptr, w_ptr, index_ptr, expert_ptr, probs_ptr, sizes_ptr, pos_ptr, S, stream)`: S = T*k slots;
-    index and expert (S,) int64, probs (S,) of `dtype`, sizes (E,) int32 and pos (S,) int32 out."""
+    """`launch(top_ptr, w_ptr, index_ptr, expert_ptr, probs_ptr, sizes_ptr, pos_ptr, layout_ptr, S, stream)`: S =
+    T*k slots; index and expert (S,) int64, probs (S,) of `dtype`, sizes (E,) int32, pos (S,) int32 and the token
+    layout's rows (S,) int64 out."""
     def build():
         from cutlass.runtime import make_fake_stream
 
         return cute.compile(RouteSortKernel(dtype, E, k), _ptr(Int32, 4), _ptr(Float32, 4), _ptr(Int64, 8),
-                            _ptr(Int64, 8), _ptr(cutlass_dtype(dtype), 2), _ptr(Int32, 4), _ptr(Int32, 4), Int32(1),
+                            _ptr(Int64, 8), _ptr(cutlass_dtype(dtype), 2), _ptr(Int32, 4), _ptr(Int32, 4),
+                            _ptr(Int64, 8), Int32(1),
                             make_fake_stream(), options="--enable-tvm-ffi")
 
     return compile_once(("route_sort", dtype, E, k), build)

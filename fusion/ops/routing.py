@@ -16,6 +16,7 @@ write of `tokens` rows; bfloat16/float16 rows are summed in float32.
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fusion.ops.base import Op, OpSpec, RunContext
 
@@ -102,10 +103,30 @@ def combine_rows(y: torch.Tensor, index: torch.Tensor, tokens: int, layout=None)
     return CombineRows.apply(y, index, int(tokens), layout)
 
 
+#: Token layouts that whoever made an index already knows (the GPU route of fusion/runtime/route.py writes its
+#: layout in the same launches), by index tensor: (index._version, tokens, layout). Weak keys: an entry lives as
+#: long as its index; a changed index (another version) or another token count is not matched.
+_KNOWN_LAYOUTS = WeakIdKeyDictionary()
+
+
+def remember_token_layout(index: torch.Tensor, tokens: int, layout: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Record `layout` (what token_layout(index, tokens) returns, made by its producer) for the calls that read
+    `index`: they then skip the sort that token_layout runs."""
+    _KNOWN_LAYOUTS[index] = (index._version, tokens, layout)
+
+
 def call_layout(ctx: RunContext):
     """token_layout of the call's index, made once per call: a block's Combine and its Gather's backward share
-    it (RunContext.derived)."""
-    return ctx.derive("token_layout", lambda: token_layout(ctx.index, ctx.tokens))
+    it (RunContext.derived). An index that route() made on the GPU brings its layout along."""
+    def make():
+        if torch.compiler.is_compiling():   # traced: dynamo cannot read the weak table (and routes by torch ops)
+            return token_layout(ctx.index, ctx.tokens)
+        known = _KNOWN_LAYOUTS.get(ctx.index)
+        if known is not None and known[0] == ctx.index._version and known[1] == ctx.tokens:
+            return known[2]
+        return token_layout(ctx.index, ctx.tokens)
+
+    return ctx.derive("token_layout", make)
 
 
 class Gather(Op, kind="gather"):

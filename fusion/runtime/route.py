@@ -2,10 +2,11 @@
 
 fusion.moe.route calls `route_top_k` where `takes` says the kernels run the call (a CUDA tensor of a kernel dtype
 on a Hopper GPU, E <= 1024, k <= 32, no token rounding, not under torch.compile, which traces the torch ops);
-everywhere else it runs its torch ops, which stay the
-reference. The forward is two launches (top-k per token, then the stable counting sort by expert), the backward
-one (the chain rule per token, the scores recomputed from the logits): three launches where torch's routing runs
-about twenty ops forward and a dozen backward, each costing host time that a small batch cannot hide.
+everywhere else it runs its torch ops, which stay the reference. The forward is two launches (top-k per token,
+then the stable counting sort by expert, which also writes the token layout that the Combine and the Gather's
+backward read: fusion.ops.routing.call_layout), the backward one (the chain rule per token, the scores recomputed
+from the logits): three launches where torch's routing runs about twenty ops forward and a dozen backward, each
+costing host time that a small batch cannot hide.
 
 FUSION_ROUTE_KERNEL=0 (read at import) sends every call to the torch ops: the A/B switch of bench/.
 """
@@ -15,6 +16,7 @@ import os
 
 import torch
 
+from fusion.ops.routing import remember_token_layout
 from fusion.targets import cuda_major
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -54,16 +56,20 @@ def _forward(logits: torch.Tensor, k: int, score: str, bias, normalize: bool):
     stream = torch._C._cuda_getCurrentRawStream(dev.index)
     top = torch.empty(S, dtype=torch.int32, device=dev)
     w = torch.empty(S, dtype=torch.float32, device=dev)
+    offsets = torch.empty(T + 2, dtype=torch.int64, device=dev)
     b = _bias32(bias, logits)
     compile_route_topk(name, E, k, score, normalize, bias is not None).launch(
-        logits.data_ptr(), b.data_ptr(), top.data_ptr(), w.data_ptr(), T, stream)
+        logits.data_ptr(), b.data_ptr(), top.data_ptr(), w.data_ptr(), offsets.data_ptr(), T, stream)
     index = torch.empty(S, dtype=torch.int64, device=dev)
     expert = torch.empty(S, dtype=torch.int64, device=dev)
     probs = torch.empty(S, dtype=logits.dtype, device=dev)
     sizes = torch.empty(E, dtype=torch.int32, device=dev)
     pos = torch.empty(S, dtype=torch.int32, device=dev)
+    rows_by_token = torch.empty(S, dtype=torch.int64, device=dev)
     compile_route_sort(name, E, k).launch(top.data_ptr(), w.data_ptr(), index.data_ptr(), expert.data_ptr(),
-                                          probs.data_ptr(), sizes.data_ptr(), pos.data_ptr(), S, stream)
+                                          probs.data_ptr(), sizes.data_ptr(), pos.data_ptr(), rows_by_token.data_ptr(),
+                                          S, stream)
+    remember_token_layout(index, T, (rows_by_token, offsets))
     return index, sizes, probs, expert, top, pos
 
 
