@@ -1,7 +1,7 @@
 """MoE top-k routing in three small kernels instead of about twenty torch ops (fusion.moe.route without token
 rounding, on the GPU).
 
-    forward:  RouteTopKKernel   logits (T, E)  -> top (T*k,) int32 experts, best first; w (T*k,) float32 weights;
+    forward:  RouteTopKKernel   logits (T, E)  -> top (T*k,) int16 experts, best first; w (T*k,) float32 weights;
                                                   token_offsets (T + 2,) int64
               RouteSortKernel   top, w         -> index, expert (M,) int64, probs (M,), group_sizes (E,) int32,
                                                   pos (T*k,) int32: the routed row of slot t*k + j;
@@ -36,7 +36,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int16, Int32, Int64, const_expr
 from cutlass.cute.runtime import make_ptr
 from cutlass.memory import SmemAllocator
 
@@ -50,8 +50,8 @@ TOKEN_WARPS = 4
 MAX_EXPERTS = 1024
 MAX_K = 32
 #: Threads per CTA of the sort and slots per thread per chunk (a chunk: SORT_THREADS * SORT_VEC slots).
-SORT_THREADS = 256
-SORT_VEC = 8
+SORT_THREADS = 512
+SORT_VEC = 16
 SCORES = ("softmax", "sigmoid")
 _TINY = float.fromhex("0x1p-126")   # torch.finfo(torch.float32).tiny
 
@@ -192,7 +192,7 @@ class RouteTopKKernel(_TokenScores):
                     mOffs[T] = Int64(T) * self.k
                     mOffs[T + 1] = Int64(T) * self.k
                 for j in cutlass.range_constexpr(self.k):
-                    mTop[t * self.k + j] = experts[j]
+                    mTop[t * self.k + j] = Int16(experts[j])
                     w = chosen[j]
                     if const_expr(self.normalize):
                         w = chosen[j] / denom
@@ -311,20 +311,25 @@ class RouteSortKernel:
         smem = SmemAllocator()
         sA = smem.allocate_tensor(Int32, cute.make_layout((self.warps,)), 16)
         sB = smem.allocate_tensor(Int32, cute.make_layout((self.warps,)), 16)
-        # pass 1: the slots of experts before e (this expert's first row) and of e (its group size)
+        # pass 1: the slots of experts before e (this expert's first row) and of e (its group size); each thread
+        # reads SORT_VEC consecutive slots per step, unrolled, so that the loads overlap
+        chunk = SORT_THREADS * SORT_VEC
         before, mine = Int32(0), Int32(0)
-        s = tidx
-        while s < S:
-            x = Int32(mTop[s])
-            before = before + Int32(x < e)
-            mine = mine + Int32(x == e)
-            s = s + SORT_THREADS
+        base = Int32(0)
+        while base < S:
+            first = base + tidx * SORT_VEC
+            for v in cutlass.range_constexpr(SORT_VEC):
+                x = Int32(self.E)   # past the slots: neither below e nor e
+                if first + v < S:
+                    x = Int32(mTop[first + v])
+                before = before + Int32(x < e)
+                mine = mine + Int32(x == e)
+            base = base + chunk
         start, count = self._block_sums(before, mine, sA, sB, warp, lane)
         if tidx == 0:
             mSizes[e] = count
         # pass 2: e's slots in token order, SORT_VEC consecutive slots per thread per chunk, a block-wide
         # exclusive scan of the per-thread counts placing each
-        chunk = SORT_THREADS * SORT_VEC
         running = Int32(0)
         base = Int32(0)
         while (base < S) & (running < count):
@@ -376,13 +381,13 @@ def _ptr(dtype, align: int = 16):
 
 def compile_route_topk(dtype: str, E: int, k: int, score: str, normalize: bool, has_bias: bool) -> UtilityKernel:
     """`launch(logits_ptr, bias_ptr, top_ptr, w_ptr, offsets_ptr, T, stream)`: logits (T, E) of `dtype`, bias (E,)
-    float32 (any address when has_bias is False); top (T*k,) int32, w (T*k,) float32 and the token offsets (T + 2,)
+    float32 (any address when has_bias is False); top (T*k,) int16, w (T*k,) float32 and the token offsets (T + 2,)
     int64 out."""
     def build():
         from cutlass.runtime import make_fake_stream
 
         return cute.compile(RouteTopKKernel(dtype, E, k, score, normalize, has_bias), _ptr(cutlass_dtype(dtype), 2),
-                            _ptr(Float32, 4), _ptr(Int32, 4), _ptr(Float32, 4), _ptr(Int64, 8), Int32(1),
+                            _ptr(Float32, 4), _ptr(Int16, 2), _ptr(Float32, 4), _ptr(Int64, 8), Int32(1),
                             make_fake_stream(),
                             options="--enable-tvm-ffi")
 
@@ -396,7 +401,7 @@ def compile_route_sort(dtype: str, E: int, k: int) -> UtilityKernel:
     def build():
         from cutlass.runtime import make_fake_stream
 
-        return cute.compile(RouteSortKernel(dtype, E, k), _ptr(Int32, 4), _ptr(Float32, 4), _ptr(Int64, 8),
+        return cute.compile(RouteSortKernel(dtype, E, k), _ptr(Int16, 2), _ptr(Float32, 4), _ptr(Int64, 8),
                             _ptr(Int64, 8), _ptr(cutlass_dtype(dtype), 2), _ptr(Int32, 4), _ptr(Int32, 4),
                             _ptr(Int64, 8), Int32(1),
                             make_fake_stream(), options="--enable-tvm-ffi")
@@ -412,7 +417,7 @@ def compile_route_grad(dtype: str, E: int, k: int, score: str, normalize: bool, 
 
         p = _ptr(cutlass_dtype(dtype), 2)
         return cute.compile(RouteGradKernel(dtype, E, k, score, normalize, has_bias), p, _ptr(Float32, 4),
-                            _ptr(Int32, 4), _ptr(Int32, 4), p, p, Int32(1), Int32(1), make_fake_stream(),
+                            _ptr(Int16, 2), _ptr(Int32, 4), p, p, Int32(1), Int32(1), make_fake_stream(),
                             options="--enable-tvm-ffi")
 
     return compile_once(("route_grad", dtype, E, k, score, normalize, has_bias), build)

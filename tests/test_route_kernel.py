@@ -32,7 +32,7 @@ def _sass(kernel, *args) -> str:
 
 @pytest.mark.parametrize("E,k,score,bias", [(128, 8, "softmax", False), (256, 8, "sigmoid", True), (1024, 32, "softmax", False)])
 def test_kernels_compile_without_spills(E, k, score, bias):
-    from cutlass import Float32, Int32, Int64
+    from cutlass import Float32, Int16, Int32, Int64
     from cutlass.runtime import make_fake_stream
 
     from fusion.kernels.api import sass_opcodes
@@ -40,11 +40,11 @@ def test_kernels_compile_without_spills(E, k, score, bias):
     from fusion.kernels.route import RouteGradKernel, RouteSortKernel, RouteTopKKernel, _ptr
 
     bf16, s = _ptr(cutlass_dtype("bfloat16"), 2), make_fake_stream()
-    f32, i32, i64 = _ptr(Float32, 4), _ptr(Int32, 4), _ptr(Int64, 8)
+    f32, i16, i32, i64 = _ptr(Float32, 4), _ptr(Int16, 2), _ptr(Int32, 4), _ptr(Int64, 8)
     listings = {
-        "topk": _sass(RouteTopKKernel("bfloat16", E, k, score, True, bias), bf16, f32, i32, f32, i64, Int32(1), s),
-        "sort": _sass(RouteSortKernel("bfloat16", E, k), i32, f32, i64, i64, bf16, i32, i32, i64, Int32(1), s),
-        "grad": _sass(RouteGradKernel("bfloat16", E, k, score, True, bias), bf16, f32, i32, i32, bf16, bf16,
+        "topk": _sass(RouteTopKKernel("bfloat16", E, k, score, True, bias), bf16, f32, i16, f32, i64, Int32(1), s),
+        "sort": _sass(RouteSortKernel("bfloat16", E, k), i16, f32, i64, i64, bf16, i32, i32, i64, Int32(1), s),
+        "grad": _sass(RouteGradKernel("bfloat16", E, k, score, True, bias), bf16, f32, i16, i32, bf16, bf16,
                       Int32(1), Int32(1), s),
     }
     for name, text in listings.items():

@@ -54,7 +54,7 @@ def _forward(logits: torch.Tensor, k: int, score: str, bias, normalize: bool):
     T, E = logits.shape
     S, dev, name = T * k, logits.device, _dtype_name(logits.dtype)
     stream = torch._C._cuda_getCurrentRawStream(dev.index)
-    top = torch.empty(S, dtype=torch.int32, device=dev)
+    top = torch.empty(S, dtype=torch.int16, device=dev)
     w = torch.empty(S, dtype=torch.float32, device=dev)
     offsets = torch.empty(T + 2, dtype=torch.int64, device=dev)
     b = _bias32(bias, logits)
