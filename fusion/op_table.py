@@ -98,6 +98,20 @@ def device_method_refusal(kind: str, weight_format: str | None, dtype: str, widt
     return None
 
 
+_GEMM_REFUSALS: dict = {}
+
+
+def gemm_refusal(op, dtype: str) -> str | None:
+    """device_method_refusal("gemm", None, dtype, (op.in_features, op.out_features), op.spec.name), kept per
+    (op class, widths, dtype): the lone GEMM's and the weight gradient's `takes` ask it on every call, where
+    building the op's spec and checking the table cost several microseconds of host time each."""
+    key = (type(op), op.in_features, op.out_features, dtype)
+    if key not in _GEMM_REFUSALS:
+        _GEMM_REFUSALS[key] = device_method_refusal("gemm", None, dtype, (op.in_features, op.out_features),
+                                                    op.spec.name)
+    return _GEMM_REFUSALS[key]
+
+
 def op_device_method(op, part: str) -> tuple[str, str] | None:
     """The DEVICE_METHODS entry of an op object for `part` (its variant: kind, and a GEMM's weight_format or a
     quantize op's format), or None."""

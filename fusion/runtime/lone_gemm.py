@@ -58,7 +58,7 @@ import os
 
 import torch
 
-from fusion.op_table import LONE_GEMM_RULE, device_method_refusal
+from fusion.op_table import LONE_GEMM_RULE, gemm_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
 from fusion.targets import cuda_major
@@ -107,8 +107,7 @@ def _takes(op, x, part: str) -> bool:
         return False
     if op.weight.dtype != x.dtype or getattr(op, "bias", None) is not None or cuda_major(x.device) != 9:
         return False
-    if device_method_refusal("gemm", None, str(x.dtype).removeprefix("torch."), (op.in_features, op.out_features),
-                             op.spec.name) is not None:
+    if gemm_refusal(op, str(x.dtype).removeprefix("torch.")) is not None:
         return False
     n = op.out_features if part == "forward" else op.in_features
     return chooses_kernel(x.shape[0], op.weight.shape[0], n, part)
@@ -129,8 +128,7 @@ def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
     builds ahead of time. Built even where many rows may send a call to torch: the rows are known only per call."""
     if part not in ("forward", "dgrad") or op.weight.dim() != 3 or getattr(op, "bias", None) is not None:
         return []
-    if device_method_refusal("gemm", None, str(dtype).removeprefix("torch."), (op.in_features, op.out_features),
-                             op.spec.name) is not None:
+    if gemm_refusal(op, str(dtype).removeprefix("torch.")) is not None:
         return []
     if not whole_tiles(op.out_features if part == "forward" else op.in_features) or op.weight.shape[0] < MIN_GROUPS:
         return []   # the rule never sends this GEMM to the kernel

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fusion.op_table import device_method_refusal
+from fusion.op_table import gemm_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
 from fusion.targets import cuda_major
@@ -28,7 +28,7 @@ _COMPILED: dict = {}
 
 def _refusal(op, dtype: str) -> str | None:
     # the limits the plan states (fusion.op_table.DEVICE_METHOD_LIMITS), so explain() says what runs
-    return device_method_refusal("gemm", None, dtype, (op.in_features, op.out_features), op.spec.name)
+    return gemm_refusal(op, dtype)
 
 
 def takes(op, x) -> bool:
