@@ -189,3 +189,14 @@ def test_rounding_and_float64_take_the_torch_ops():
     assert not route_kernels.takes(torch.randn(8, 16, device="cuda", dtype=torch.float64), 2, None)
     r = route(torch.randn(64, 16, device="cuda"), 2, round_to=8)   # token rounding: the torch ops
     assert int(r.group_sizes.sum()) % 8 == 0
+
+
+@pytest.mark.gpu
+def test_route_result_reads_the_layout_the_kernels_wrote():
+    from fusion.ops.routing import token_layout
+
+    r = route(torch.randn(300, 64, device="cuda", dtype=torch.bfloat16), 6)
+    known = routing_layouts()[r.index][2]
+    assert r.rows_by_token is known[0] and r.token_offsets is known[1]
+    for a, w in zip((r.rows_by_token, r.token_offsets), token_layout(r.index, 300)):
+        assert torch.equal(a, w)

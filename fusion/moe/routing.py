@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from fusion.errors import DTypeError, OpArgumentError, ShapeError
-from fusion.ops.routing import token_layout
+from fusion.ops.routing import layout_of
 
 SCORES = {"softmax": lambda z: torch.softmax(z, dim=-1), "sigmoid": torch.sigmoid}
 
@@ -31,8 +31,9 @@ class RouteResult:
         token t's rows are rows_by_token[token_offsets[t]:token_offsets[t + 1]], in increasing row order (the
         order Combine adds them); the padding rows come last. Without round_to every token has exactly k rows
         and rows_by_token.view(T, k) is the per-token table. Computed when first read (token_layout: a sort
-        of the M rows), not by route(): an experts block's Combine makes its own from `index`, and on a
-        small batch every routing op costs tens of microseconds of host time.
+        of the M rows), not by route(): on a small batch every routing op costs tens of microseconds of host
+        time. On a GPU without round_to, route's kernels write it with the rows (fusion.ops.routing.layout_of
+        finds it by `index`, as an experts block's Combine does).
     """
 
     index: torch.Tensor
@@ -52,7 +53,7 @@ class RouteResult:
     def _layout(self):
         cached = self.__dict__.get("_token_layout")
         if cached is None:
-            cached = token_layout(self.index, self.tokens)
+            cached = layout_of(self.index, self.tokens)
             object.__setattr__(self, "_token_layout", cached)
         return cached
 

@@ -115,18 +115,20 @@ def remember_token_layout(index: torch.Tensor, tokens: int, layout: tuple[torch.
     _KNOWN_LAYOUTS[index] = (index._version, tokens, layout)
 
 
-def call_layout(ctx: RunContext):
-    """token_layout of the call's index, made once per call: a block's Combine and its Gather's backward share
-    it (RunContext.derived). An index that route() made on the GPU brings its layout along."""
-    def make():
-        if torch.compiler.is_compiling():   # traced: dynamo cannot read the weak table (and routes by torch ops)
-            return token_layout(ctx.index, ctx.tokens)
-        known = _KNOWN_LAYOUTS.get(ctx.index)
-        if known is not None and known[0] == ctx.index._version and known[1] == ctx.tokens:
+def layout_of(index: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_layout(index, tokens), or the layout its producer recorded for this index (remember_token_layout):
+    an index that route() made on the GPU brings its layout along."""
+    if not torch.compiler.is_compiling():   # (traced: dynamo cannot read the weak table; it routes by torch ops)
+        known = _KNOWN_LAYOUTS.get(index)
+        if known is not None and known[0] == index._version and known[1] == tokens:
             return known[2]
-        return token_layout(ctx.index, ctx.tokens)
+    return token_layout(index, tokens)
 
-    return ctx.derive("token_layout", make)
+
+def call_layout(ctx: RunContext):
+    """The token layout of the call's index (layout_of), made once per call: a block's Combine and its Gather's
+    backward share it (RunContext.derived)."""
+    return ctx.derive("token_layout", lambda: layout_of(ctx.index, ctx.tokens))
 
 
 class Gather(Op, kind="gather"):
