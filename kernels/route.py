@@ -80,6 +80,18 @@ class _TokenScores:
         self.E, self.k, self.score, self.normalize, self.has_bias = E, k, score, normalize, has_bias
         self.per_lane = (E + LANES - 1) // LANES
 
+    @staticmethod
+    def launch_shape(T) -> dict:
+        """The launch's grid and block: one warp per token, TOKEN_WARPS tokens per CTA."""
+        return {"grid": ((T + TOKEN_WARPS - 1) // TOKEN_WARPS, 1, 1), "block": (LANES * TOKEN_WARPS, 1, 1)}
+
+    @cute.jit
+    def warp_token(self):
+        """(token, lane) of this thread."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        return bidx * TOKEN_WARPS + tidx // LANES, tidx % LANES
+
     @cute.jit
     def scores(self, mL: cute.Tensor, mBias: cute.Tensor, t: Int32, lane: Int32):
         """(scores, keys) of the lane's experts lane + 32 i (past E: score 0, key -inf, never chosen)."""
@@ -172,16 +184,12 @@ class RouteTopKKernel(_TokenScores):
         mTop = cute.make_tensor(pTop, cute.make_layout((T * self.k,)))
         mW = cute.make_tensor(pW, cute.make_layout((T * self.k,)))
         mOffs = cute.make_tensor(pOffs, cute.make_layout((T + 2,)))
-        self.kernel(mL, mBias, mTop, mW, mOffs, T).launch(grid=((T + TOKEN_WARPS - 1) // TOKEN_WARPS, 1, 1),
-                                                   block=(LANES * TOKEN_WARPS, 1, 1), stream=stream)
+        self.kernel(mL, mBias, mTop, mW, mOffs, T).launch(**self.launch_shape(T), stream=stream)
 
     @cute.kernel
     def kernel(self, mL: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor, mW: cute.Tensor, mOffs: cute.Tensor,
                T: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % LANES
-        t = bidx * TOKEN_WARPS + tidx // LANES
+        t, lane = self.warp_token()
         if t < T:
             scores, keys = self.scores(mL, mBias, t, lane)
             experts, chosen = self.top_k(scores, keys, lane)
@@ -211,16 +219,12 @@ class RouteGradKernel(_TokenScores):
         mPos = cute.make_tensor(pPos, cute.make_layout((T * self.k,)))
         mDP = cute.make_tensor(pDProbs, cute.make_layout((M,)))
         mDL = cute.make_tensor(pDL, cute.make_layout((T, self.E), stride=(self.E, 1)))
-        self.kernel(mL, mBias, mTop, mPos, mDP, mDL, T).launch(grid=((T + TOKEN_WARPS - 1) // TOKEN_WARPS, 1, 1),
-                                                               block=(LANES * TOKEN_WARPS, 1, 1), stream=stream)
+        self.kernel(mL, mBias, mTop, mPos, mDP, mDL, T).launch(**self.launch_shape(T), stream=stream)
 
     @cute.kernel
     def kernel(self, mL: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor, mPos: cute.Tensor, mDP: cute.Tensor,
                mDL: cute.Tensor, T: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % LANES
-        t = bidx * TOKEN_WARPS + tidx // LANES
+        t, lane = self.warp_token()
         if t < T:
             scores, _ = self.scores(mL, mBias, t, lane)
             experts, chosen = [], []
