@@ -98,3 +98,16 @@ def test_explain_names_the_kernel_and_the_rule_on_hopper_only():
     assert "op 0 GroupLinear dgrad: varlen-M grouped GEMM of dY and the weight as stored" in hopper
     cpu = seq.explain(target="cpu")
     assert "varlen-M grouped GEMM where" not in cpu
+
+
+@pytest.mark.parametrize("op", [GroupLinear(4, 64, 128), GroupLinear(4, 60, 128), Linear(64, 128),
+                                GroupLinear(2, 64, 128, bias=True)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_gemm_refusal_is_the_tables_answer_kept_per_op_class_widths_and_dtype(op, dtype):
+    """The per-call takes() read a kept answer: it must be the table's for every op, width and dtype (a key that
+    left one out would hand one op's answer to another)."""
+    from fusion.op_table import device_method_refusal, gemm_refusal
+
+    want = device_method_refusal("gemm", None, dtype, (op.in_features, op.out_features), op.spec.name)
+    assert gemm_refusal(op, dtype) == want
+    assert gemm_refusal(op, dtype) == want   # and again, from the kept answers
