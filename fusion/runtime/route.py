@@ -38,16 +38,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _bias32(bias, logits):
-    """The bias as the kernels read it (float32, contiguous), or any valid address when there is none."""
+def _bias32(bias):
+    """The bias as the kernels read it (float32, contiguous), or None."""
     if bias is None:
-        return logits
+        return None
     b = bias.detach()
     return b if b.dtype == torch.float32 and b.is_contiguous() else b.to(torch.float32).contiguous()
 
 
-def _forward(logits: torch.Tensor, k: int, score: str, bias, normalize: bool):
-    """(index, group_sizes, probs, expert, top, pos): route's results and what the backward reads."""
+def _forward(logits: torch.Tensor, k: int, score: str, bias32, normalize: bool):
+    """(index, group_sizes, probs, expert, top, pos): route's results and what the backward reads. `bias32`: the
+    bias as _bias32 gives it (a kernel without one reads the logits' address in its place, never the values)."""
     from fusion.kernels.route import compile_route_sort, compile_route_topk
 
     logits = logits if logits.is_contiguous() else logits.contiguous()
@@ -57,9 +58,8 @@ def _forward(logits: torch.Tensor, k: int, score: str, bias, normalize: bool):
     top = torch.empty(S, dtype=torch.int16, device=dev)
     w = torch.empty(S, dtype=torch.float32, device=dev)
     offsets = torch.empty(T + 2, dtype=torch.int64, device=dev)
-    b = _bias32(bias, logits)
-    compile_route_topk(name, E, k, score, normalize, bias is not None).launch(
-        logits.data_ptr(), b.data_ptr(), top.data_ptr(), w.data_ptr(), offsets.data_ptr(), T, stream)
+    compile_route_topk(name, E, k, score, normalize, bias32 is not None).launch(
+        logits.data_ptr(), (logits if bias32 is None else bias32).data_ptr(), top.data_ptr(), w.data_ptr(), offsets.data_ptr(), T, stream)
     index = torch.empty(S, dtype=torch.int64, device=dev)
     expert = torch.empty(S, dtype=torch.int64, device=dev)
     probs = torch.empty(S, dtype=logits.dtype, device=dev)
@@ -77,11 +77,10 @@ class _KernelRoute(torch.autograd.Function):
     """logits -> (index, group_sizes, probs, expert); only probs is differentiable."""
 
     @staticmethod
-    def forward(fctx, logits, k: int, score: str, bias, normalize: bool):
-        index, sizes, probs, expert, top, pos = _forward(logits, k, score, bias, normalize)
+    def forward(fctx, logits, k: int, score: str, bias32, normalize: bool):
+        index, sizes, probs, expert, top, pos = _forward(logits, k, score, bias32, normalize)
         fctx.save_for_backward(logits, top, pos)
-        fctx.k, fctx.score, fctx.normalize = k, score, normalize
-        fctx.bias = None if bias is None else _bias32(bias, logits)
+        fctx.k, fctx.score, fctx.normalize, fctx.bias = k, score, normalize, bias32
         fctx.mark_non_differentiable(index, sizes, expert)
         return index, sizes, probs, expert
 
@@ -104,6 +103,7 @@ class _KernelRoute(torch.autograd.Function):
 
 def route_top_k(logits: torch.Tensor, k: int, score: str, bias, normalize: bool):
     """(index, group_sizes, probs, expert) of route() without token rounding, by the kernels."""
+    bias32 = _bias32(bias)
     if torch.is_grad_enabled() and logits.requires_grad:
-        return _KernelRoute.apply(logits, k, score, bias, normalize)
-    return _forward(logits, k, score, bias, normalize)[:4]
+        return _KernelRoute.apply(logits, k, score, bias32, normalize)
+    return _forward(logits, k, score, bias32, normalize)[:4]
