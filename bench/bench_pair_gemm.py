@@ -14,8 +14,7 @@ Configurations: the tile policy's (what the runtime launches), then the same til
 dynamic: tile ids from an atomic counter), single CTAs or CTA pairs ("c2", where the n-tile count is even), and
 CTA pairs on neighbouring m-tiles multicasting B ("m2", dynamic; B not gated);
 with --tile-m-64 also 64-row pingpong tiles (64x128 s8, 64x192 s6, 64x256 s5, dynamic schedule), which waste less
-of a group's last m-tile at few rows per group; with --split-ab only the policy's split launch (a 128-row kernel, then
-a 64-row one for the groups' last tiles of at most 64 rows: tile_policy.split_tails) and the same tile unsplit. TFLOP/s = 2*M*N*K / time (gated: N = 2f). Every kernel's output is
+of a group's last m-tile at few rows per group. TFLOP/s = 2*M*N*K / time (gated: N = 2f). Every kernel's output is
 checked against the policy kernel's (max relative difference; 0 where they are bitwise equal).
 
 Usage (compiles on first use; FUSION_CACHE_DIR keeps the kernels between runs):
@@ -39,9 +38,6 @@ from fusion.runtime.compile import KernelJob  # noqa: E402
 
 #: Also time 64-row tiles (--tile-m-64): (tile_n, stages) of the pingpong 64-row tiles that fit shared memory.
 TILE_M_64 = {"on": False, "tiles": ((128, 8), (192, 6), (256, 5))}
-#: --split-ab: time the policy's split configuration (GemmConfig.split = "head", its tail kernel after it) and the
-#: same configuration unsplit, instead of the schedule variants.
-SPLIT_AB = {"on": False}
 #: --bands B1,B2,...: time the policy's configuration with each band of the tile order (GemmConfig.band_m) instead
 #: of the schedule variants.
 BANDS = {"values": ()}
@@ -82,9 +78,6 @@ def variants(job: KernelJob):
     if BANDS["values"]:
         out += [(f"band {b}", dataclasses.replace(base, band_m=b)) for b in BANDS["values"] if b != base.band_m]
         return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in out]
-    if SPLIT_AB["on"]:   # the policy's configuration, split and whole
-        out.append(("policy nosplit", dataclasses.replace(base, split="")))
-        return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in out]
     for dynamic in (False, True):
         for cn in ((1, 2) if pairs else (1,)):
             cfg = dataclasses.replace(base, dynamic=dynamic, cluster_n=cn, cluster_m=1)
@@ -105,9 +98,6 @@ def variants(job: KernelJob):
                                       cluster_n=1)
             if cfg != base:
                 out.append((f"64x{tile_n} dyn", cfg))
-    # a split launch (GemmConfig.split) needs 128-row tiles on single CTAs or pairs along n
-    out = [(label, cfg if cfg.tile_m == 128 and cfg.cluster_m == 1 else dataclasses.replace(cfg, split=""))
-           for label, cfg in out]
     return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in out]
 
 
@@ -180,7 +170,7 @@ def run_shape(name, skewed, gen, dev="cuda"):
             scale = ref.abs().max().clamp_min(1e-30)
             key = (f"{label} ({cfg.tile_m}x{cfg.tile_n} {'pp' if cfg.pingpong else 'coop'} s{cfg.stages}"
                    f"{' dyn' if cfg.dynamic else ''}{' c2' if cfg.cluster_n > 1 else ''}{' m2' if cfg.cluster_m > 1 else ''}"
-                   f" bm{cfg.band_m}{(' ' + cfg.split) if cfg.split else ''})")
+                   f" bm{cfg.band_m})")
             errors[key] = ((first - ref).abs().max() / scale).item()
             rows[key] = fn
         res = {}
@@ -199,7 +189,6 @@ def main():
     ap.add_argument("--skewed", action="store_true", help="also the skewed group distribution")
     ap.add_argument("--precompile", action="store_true", help="compile every kernel into FUSION_CACHE_DIR (no GPU)")
     ap.add_argument("--tile-m-64", action="store_true", help="also 64-row pingpong tiles")
-    ap.add_argument("--split-ab", action="store_true", help="only the policy's split launch and the same tile unsplit")
     ap.add_argument("--bands", default="", help="comma-separated band_m values: time those instead of the schedules")
     ap.add_argument("--gemms", default="", help="comma-separated GEMMs (fc1_fwd, fc2_fwd, ...): only those")
     ap.add_argument("--tiles", default="", help="comma-separated N:STAGES:pp|coop tiles to time as well "
@@ -207,7 +196,6 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     TILE_M_64["on"] = args.tile_m_64
-    SPLIT_AB["on"] = args.split_ab
     BANDS["values"] = tuple(int(b) for b in args.bands.split(",") if b)
     GEMMS["only"] = tuple(g for g in args.gemms.split(",") if g)
     TILES["extra"] = tuple((int(n), int(st), sched == "pp") for n, st, sched in

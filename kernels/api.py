@@ -29,7 +29,7 @@ from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
 from .epilogue import Epilogue, MXFP8Output, RowSumOutput
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
 from .tile_policy import (GemmConfig, band_problem, choose_config, for_gather, n_tile_count, resolved_band,
-                          spill_fallback, split_problem, tail_config)
+                          spill_fallback)
 
 __all__ = [
     "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
@@ -179,13 +179,10 @@ class CompiledGroupedGemm(CompiledArtifact):
                     ("_bmn" if getattr(config, "b_major", "K") == "MN" else "") + \
                     ("_gA" if getattr(config, "gather_a", False) else "") + \
                     ("_c2" if getattr(config, "cluster_n", 1) > 1 else "") + \
-                    ("_cm2" if getattr(config, "cluster_m", 1) > 1 else "") + \
-                    (f"_{config.split}" if getattr(config, "split", "") else "")
+                    ("_cm2" if getattr(config, "cluster_m", 1) > 1 else "")
         self.slots = [(s.name, isinstance(s, MXFP8Output)) for s in epilogue.inputs + epilogue.outputs]
         self.b_shape = (G, N, K) if config.b_major == "K" else (G, K, N)
         self.n_tiles = n_tile_count(N, config.tile_n)  # per m-tile row (a gated tile holds both halves)
-        # a "head" kernel's companion (GemmConfig.split): run_grouped_gemm launches it right after this one
-        self.tail: Optional[CompiledGroupedGemm] = None
 
     def __repr__(self):
         return f"<CompiledGroupedGemm {self.name} regs={self.registers} smem={self.shared_memory_bytes}>"
@@ -248,8 +245,6 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
                             "use cluster_m = 1 (or cluster_n = 2)")
     if (why := band_problem(config)) is not None:
         problems.append(why)
-    if (why := split_problem(config)) is not None:
-        problems.append(why)
     if config.cluster_n not in (1, 2):
         problems.append(f"cluster_n = {config.cluster_n}: use 1, or 2 (a CTA pair multicasting A)")
     elif config.cluster_n == 2:
@@ -295,14 +290,12 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
 
 
 def compile_grouped_gemm(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, G: int,
-                         target: str = "sm_90a", with_tail: bool = True) -> CompiledGroupedGemm:
+                         target: str = "sm_90a") -> CompiledGroupedGemm:
     """Compile (cached in memory); M (rows) stays dynamic.  B is (G, N, K) for ``config.b_major == "K"``,
     (G, K, N) for ``"MN"``.  A kernel that spills registers at ``config`` is rebuilt at the tile policy's
     fallback when that one does not spill (:func:`fusion.kernels.tile_policy.spill_fallback`): the returned
     kernel's ``.config`` is the one it was built with, ``.requested_config`` is ``config`` (logged at INFO on
-    the "fusion.kernels" logger when they differ). A ``split="head"`` kernel gets its tail kernel
-    (:func:`~fusion.kernels.tile_policy.tail_config`) as ``.tail``, compiled too unless ``with_tail`` is False (the
-    disk cache compiles and loads the two as separate jobs, fusion/runtime/compile.py)."""
+    the "fusion.kernels" logger when they differ)."""
     dtype = _dtype_name(dtype)
     check_config(config, epilogue, dtype, N, K, target)
     key = (config, epilogue.cache_key(), dtype, N, K, G, target)
@@ -326,8 +319,6 @@ def compile_grouped_gemm(config: GemmConfig, epilogue: Epilogue, dtype, N: int, 
     res.requested_config = config
     with _LOCK:
         _CACHE[key] = res
-    if config.split == "head" and with_tail and res.tail is None:
-        res.tail = compile_grouped_gemm(tail_config(config), epilogue, dtype, N, K, G, target)
     return res
 
 
@@ -411,17 +402,8 @@ def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Te
     if M == 0:
         return
     num_ctas, counter_ptr, _counter = launch_grid(compiled, M, A.device, offsets, num_ctas, counter_ptr)
-    stream = current_stream(A.device)
-    compiled.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, idx_ptr, ptrs, M, T, num_ctas, stream)
-    if cfg.split == "head":
-        # the groups' last m-tiles of at most 64 rows, which the head kernel left out (static: no tile counter)
-        tail = compiled.tail
-        if tail is None:
-            raise KernelConfigError(f"grouped GEMM {compiled.name} is the head of a split launch and has no tail "
-                                    f"kernel: build it with compile_grouped_gemm (which attaches .tail) or attach "
-                                    f"the kernel of tile_policy.tail_config(config)")
-        tail_ctas, tail_counter, _ = launch_grid(tail, M, A.device, offsets)
-        tail.launch(a_ptr, b_ptr, offsets.data_ptr(), tail_counter, idx_ptr, ptrs, M, T, tail_ctas, stream)
+    compiled.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, idx_ptr, ptrs, M, T, num_ctas,
+                    current_stream(A.device))
 
 
 def _gather_index(compiled, A: torch.Tensor, index: Optional[torch.Tensor]) -> int:
@@ -459,8 +441,7 @@ def launch_grid(compiled, M: int, dev, offsets, num_ctas=None, counter_ptr=None)
     the returned tensor alive until then."""
     cfg = compiled.config
     if num_ctas is None:
-        m_tiles = compiled.G if cfg.split == "tail" else (M + cfg.tile_m - 1) // cfg.tile_m + compiled.G
-        n_tiles = m_tiles * compiled.n_tiles
+        n_tiles = ((M + cfg.tile_m - 1) // cfg.tile_m + compiled.G) * compiled.n_tiles
         num_ctas = max(1, min(_num_sms(dev.index) - cfg.sm_margin, n_tiles)) if cfg.persistent else n_tiles
     pair = cfg.cluster_n * cfg.cluster_m
     num_ctas = max(pair, num_ctas - num_ctas % pair)   # whole CTA pairs

@@ -57,8 +57,6 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
         problems.append("b_major must be 'K': FP8 wgmma reads B K-major (the dgrad uses the weight's data_t)")
     if config.cluster_m != 1:
         problems.append(f"cluster_m = {config.cluster_m}: the FP8 kernel pairs CTAs along n only (cluster_m = 1)")
-    if config.split:
-        problems.append(f"split = {config.split!r}: the FP8 kernel runs every m-tile of a group (split = '')")
     if (why := band_problem(config)) is not None:
         problems.append(why)
     if config.cluster_n not in (1, 2):

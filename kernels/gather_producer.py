@@ -87,7 +87,7 @@ class GatherProducer:
         while g < self.G:
             m_idx, n_idx = self.sched.coords(tile_id, base, cnt)
             row_end = mOffs[g + 1]
-            row0 = self.sched.row0(mOffs, g, m_idx)
+            row0 = mOffs[g] + m_idx * self.tile_m
             # this thread's rows of the tile: their tokens (read once per tile), as rows of A cut into chunks
             live = cute.make_rmem_tensor((rows,), Boolean)
             token = cute.make_rmem_tensor((rows,), Int32)

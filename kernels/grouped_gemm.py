@@ -82,7 +82,6 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         self.cluster_n = int(getattr(config, "cluster_n", 1))
         self.cluster_m = int(getattr(config, "cluster_m", 1))
         self.band_m = resolved_band(config)    # the tile order's band (kernels/scheduler.py)
-        self.split = getattr(config, "split", "")   # a split launch's head or tail kernel (tile_policy.split_tails)
         assert self.cluster_n in (1, 2) and self.cluster_m in (1, 2), "cluster_n and cluster_m are 1 or 2"
         assert self.cluster_size <= 2, "a CTA pair along m or along n, not both"
         assert self.cluster_size == 1 or not self.gather_a, "a CTA pair's multicast needs TMA loads of A and B"
@@ -132,8 +131,7 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         self.k_tiles = (K + self.tile_k - 1) // self.tile_k
         self.sched = TileScheduler(self.tile_m, (n_log + self.tile_n_log - 1) // self.tile_n_log, G,
                                    self.dynamic, self.pingpong, self.cluster_n, self.band_m,
-                                   one_band_limit(self.band_m, self.tile_m, K, 2), self.cluster_m,
-                                   self.split)
+                                   one_band_limit(self.band_m, self.tile_m, K, 2), self.cluster_m)
         # A: the (M, K) rows of the groups, or with gather_a the (a_rows, K) tokens that index (M,) picks
         mA = cute.make_tensor(pA, cute.make_layout((a_rows if const_expr(self.gather_a) else M, K), stride=(K, 1)))
         mIdx = cute.make_tensor(pIdx, cute.make_layout((M,)))

@@ -209,7 +209,7 @@ class WarpRoles:
             sched_state = self.sched.publish(sched_pipe, sched_state, sTile, tile_id)
         while g < self.G:
             m_idx, n_idx = self.sched.coords(tile_id, base, cnt, rank)
-            row0 = self.sched.row0(mOffs, g, m_idx)
+            row0 = mOffs[g] + m_idx * self.tile_m
             gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))
             tAsA, tAgA = cpasync.tma_partition(
                 tma_a, rank if const_expr(self.cluster_n > 1) else 0, cute.make_layout(self.cluster_n),
@@ -269,8 +269,9 @@ class WarpRoles:
                 cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=256)
         while g < self.G:
             m_idx, n_idx = self.sched.coords(tile_id, base, cnt, rank)
+            row_start = mOffs[g]
             row_end = mOffs[g + 1]
-            row0 = self.sched.row0(mOffs, g, m_idx)
+            row0 = row_start + m_idx * self.tile_m
 
             # ---- epilogue inputs read from global memory, issued now so that the loads complete under
             # the mainloop instead of stalling the epilogue

@@ -13,10 +13,6 @@ on every unit: the producer warp of rank 0 takes the ids from the counter and se
 producer warp through a mailbox (:class:`PeerMailbox`: ``st.async`` into the peer's smem, completing on the
 peer's mbarrier); each CTA then publishes the ids to its own consumers as above.
 
-A split launch (GemmConfig.split, tile_policy.split_tails) walks each group in two kernels: the "head" kernel's
-128-row m-tiles stop before a last tile of at most 64 rows, which the "tail" kernel's 64-row tile covers
-(:meth:`TileScheduler.m_units`, :meth:`TileScheduler.row0`); every other rule here holds in both.
-
 - static: the tile ids of CTA ``b`` are ``b, b + grid, b + 2 grid, ...``;
 - dynamic: the producer warp takes the next id from a global atomic counter and publishes it to the
   consumer warpgroups through a small smem pipeline (``sTile`` slots guarded by mbarriers).
@@ -108,13 +104,11 @@ class TileScheduler:
     one group (the bands then count m-tile units)."""
 
     def __init__(self, tile_m: int, n_tiles: int, G: int, dynamic: bool, pingpong: bool, cluster_n: int = 1,
-                 band_m: int = 1, one_band: int | None = None, cluster_m: int = 1, split: str = ""):
+                 band_m: int = 1, one_band: int | None = None, cluster_m: int = 1):
         assert n_tiles % cluster_n == 0, "a cluster's CTAs take whole n-tiles: n_tiles % cluster_n == 0"
         assert band_m >= 1, "band_m: m-tiles per band, at least 1"
         assert cluster_m == 1 or cluster_n == 1, "a cluster pairs CTAs along m or along n, not both"
-        assert split in ("", "head", "tail") and (not split or cluster_m == 1), "split: '', 'head' or 'tail'"
         self.tile_m = tile_m
-        self.split = split
         self.cluster_m = cluster_m
         self.band_m = band_m
         self.one_band = band_m if one_band is None else max(one_band, band_m)
@@ -130,36 +124,10 @@ class TileScheduler:
         """Schedule units of group ``g`` (a huge count past the last group, which ends every walk there): its
         m-tiles (in units of ``cluster_m``) times the n units."""
         gi = cutlass.min(g, self.G - 1)
-        cnt = self.m_units(mOffs[gi + 1] - mOffs[gi]) * self.n_units
-        return cutlass.select_(g < self.G, cnt, Int32(_NO_GROUP))
-
-    def m_units(self, rows):
-        """Schedule units along m of a group of ``rows`` rows (plain arithmetic: the CPU tests run it on ints).
-
-        A split launch (GemmConfig.split) shares each group between two kernels: the "head" one (128-row tiles)
-        runs every m-tile but a last one holding at most 64 rows; the "tail" one (64-row tiles) runs exactly that
-        one, when there is one: rows % 128 in [1, 64]."""
-        if self.split == "head":
-            return (rows + (self.tile_m // 2 - 1)) // self.tile_m
-        if self.split == "tail":
-            return ((rows % (2 * self.tile_m) + (self.tile_m - 1)) // self.tile_m) % 2
+        rows = mOffs[gi + 1] - mOffs[gi]
         unit_rows = self.tile_m * self.cluster_m
-        return (rows + (unit_rows - 1)) // unit_rows
-
-    def first_m(self, rows):
-        """The m-tile (of ``tile_m`` rows) where a group's walk starts: the tail kernel's one tile lies after the
-        head's 128-row tiles, at row 128 * (rows // 128)."""
-        if self.split == "tail":
-            return (rows // (2 * self.tile_m)) * 2
-        return 0
-
-    @cute.jit
-    def row0(self, mOffs: cute.Tensor, g: Int32, m_idx: Int32) -> Int32:
-        """The first row (of A and of the outputs) of group ``g``'s m-tile ``m_idx`` (from :meth:`coords`)."""
-        start = mOffs[g]
-        if cutlass.const_expr(self.split == "tail"):
-            m_idx = m_idx + self.first_m(mOffs[g + 1] - start)
-        return start + m_idx * self.tile_m
+        cnt = ((rows + (unit_rows - 1)) // unit_rows) * self.n_units
+        return cutlass.select_(g < self.G, cnt, Int32(_NO_GROUP))
 
     @cute.jit
     def seek(self, mOffs: cute.Tensor, tile_id: Int32, g: Int32, base: Int32, cnt: Int32):

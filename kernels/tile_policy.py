@@ -18,8 +18,6 @@ loading the DSL.
     spill_fallback(config)             the configuration compile_grouped_gemm rebuilds a spilling kernel at
     band_for, resolved_band, one_band_limit, band_problem
                                        the tile order's bands (GemmConfig.band_m; kernels/scheduler.py)
-    split_tails(config, G), tail_config(head), split_problem
-                                       a group's short last m-tile on a second, 64-row kernel (GemmConfig.split)
     candidates(base, N)                what autotune mode times (fusion/runtime/autotune.py)
     WgradConfig, choose_wgrad_config   the varlen-K kernel's (weight gradients, kernels/varlen_k_gemm.py)
 
@@ -29,7 +27,6 @@ kernels (no spills, wgmma).
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 from .fp8_scales import SA_STAGE_FLOATS, SB_SLOT_FLOATS, SCALE_BLOCK
@@ -57,9 +54,6 @@ class GemmConfig:
     band_m: int = 0          # tile order inside a group: a tall group is cut into bands of at most band_m m-tiles,
                              # m fastest inside a band, then n (L2 reuse; kernels/scheduler.py); 0: band_for(tile_n);
                              # 1: m fastest over the whole group
-    split: str = ""          # "": every m-tile of every group; "head": all but a group's last m-tile when that one
-                             # holds at most tile_m / 2 rows; "tail": only those last tiles, tile_m rows each (a
-                             # 64-row kernel launched after a 128-row "head" one: tail_config, split_tails)
 
     @property
     def b_shape_order(self) -> str:
@@ -101,49 +95,6 @@ def band_problem(config) -> str | None:
         return None
     return (f"band_m = {config.band_m!r}: m-tiles per band of the tile order, an int >= 1 (1: m fastest over the "
             f"whole group), or 0 for the tile's default (tile_policy.band_for)")
-
-
-#: FUSION_TAIL_SPLIT=0 (read at import): no grouped GEMM job splits its groups' short last m-tiles off (the A/B switch
-#: of :func:`split_tails`; it changes the jobs' keys, so both live in one kernel cache).
-TAIL_SPLIT = os.environ.get("FUSION_TAIL_SPLIT", "1") != "0"
-
-SPLITS = ("", "head", "tail")
-
-
-def split_tails(config: GemmConfig, G: int) -> GemmConfig:
-    """`config` as the "head" of a split launch where it can be: a grouped GEMM (G > 1) of 128-row tiles, not CTA
-    pairs along m. The head kernel runs every m-tile of a group but a last one of at most 64 rows; the tail kernel
-    (:func:`tail_config`, launched right after it by kernels/api.run_grouped_gemm) runs those at 64 rows a tile.
-
-    Why: a group's last m-tile holds 1-128 rows, and a 128-row tile costs the same whatever it holds. At a few
-    hundred rows per expert (Qwen3-235B-A22B's 256 at 32768 routed rows, GPT-OSS-120B's 512) that last tile is a
-    large share of the work: a group of 257 rows costs three tiles at 128 rows, two and a half-height one split.
-    A pingpong warpgroup that issues only half of its tile's wgmma makes ptxas serialize every wgmma of the kernel
-    (kernels/README.md, "Known gaps"), so the short tiles get a kernel of their own, uniform in its tile shape.
-    CTA pairs along m (cluster_m = 2) keep every tile: rank 1's tile past a group's head would overlap the tail."""
-    if not TAIL_SPLIT or G <= 1 or config.tile_m != 128 or config.cluster_m != 1 or config.split:
-        return config
-    return dataclasses.replace(config, split="head")
-
-
-def tail_config(head: GemmConfig) -> GemmConfig:
-    """The tail kernel of a "head" configuration: 64-row pingpong tiles of the same width (one per group at most),
-    the static schedule (no tile counter: a few uniform tiles), single CTAs, m fastest; A loaded as the head's."""
-    stages = min(8, _max_stages(64, head.tile_n, head.tile_k))
-    return dataclasses.replace(head, tile_m=64, split="tail", stages=stages, pingpong=True, dynamic=False,
-                               cluster_n=1, cluster_m=1, band_m=1, persistent=True)
-
-
-def split_problem(config) -> str | None:
-    """What is wrong with config.split, or None (the bf16 template's check; the FP8 kernel takes no split)."""
-    split = getattr(config, "split", "")
-    if split not in SPLITS:
-        return f"split = {split!r}: use one of {SPLITS}"
-    if split == "head" and (config.tile_m != 128 or config.cluster_m != 1):
-        return "split = 'head' runs 128-row tiles, single CTAs or pairs along n: use tile_m = 128, cluster_m = 1"
-    if split == "tail" and (config.tile_m != 64 or config.cluster_m != 1 or config.cluster_n != 1):
-        return "split = 'tail' runs 64-row tiles on single CTAs: use tile_m = 64, cluster_m = cluster_n = 1"
-    return None
 
 
 def one_band_limit(band_m: int, tile_m: int, K: int, elem_bytes: int) -> int:
@@ -262,14 +213,13 @@ def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bo
     """The tile configuration of a fused kernel (as GemmConfig fields, KernelJob.config): the heuristic, with two
     overrides: an epilogue reading a saved (M, n) tensor (FC2's dgrad + d(act*scale)) takes :func:`aux_tile`
     (tests/test_compile_plans.py checks the SASS); a kernel that gathers A's rows through an index (`gather`) takes
-    :func:`gather_tile`'s width and :func:`for_gather`'s schedule; a grouped GEMM runs its groups' short last
-    m-tiles on a second kernel (:func:`split_tails`)."""
+    :func:`gather_tile`'s width and :func:`for_gather`'s schedule."""
     config = choose_config(ROWS_PER_GROUP * G, N, K, G, gated, b_major=b_major)
     if reads_aux:
         config = aux_tile(config, N)
     if gather:
         config = gather_tile(for_gather(config), N)
-    return dataclasses.astuple(split_tails(config, G))
+    return dataclasses.astuple(config)
 
 
 def aux_tile(config: GemmConfig, N: int) -> GemmConfig:

@@ -3,7 +3,6 @@
 `coords` is plain arithmetic on the kernel's integers, so it runs here on Python ints: the same code the kernels
 trace. GPU correctness (banded kernels bitwise equal to unbanded ones) is tests/test_band_gpu.py.
 """
-import dataclasses
 import itertools
 
 import pytest
@@ -120,72 +119,3 @@ def test_fusion_tile_band_sets_every_job_band(monkeypatch):
     monkeypatch.setattr(kernel, "TILE_BAND", "1")
     assert band_of(make_job(*args)) == 1 and band_of(make_job(*args, mainloop="fp8_block")) == 1
     assert make_job(*args).key != default.key
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# split launches (GemmConfig.split): a 128-row head kernel and a 64-row tail kernel share each group
-
-
-def _split_rows(rows):
-    """The rows of a group of `rows` rows each kernel of a split launch covers: (head rows, tail rows), as lists."""
-    head = TileScheduler(128, 1, 1, False, True, split="head")
-    tail = TileScheduler(64, 1, 1, False, True, split="tail")
-    head_rows = [r for m in range(head.m_units(rows)) for r in range(m * 128, min(m * 128 + 128, rows))]
-    tail_rows = [r for m in range(tail.m_units(rows))
-                 for r in range((tail.first_m(rows) + m) * 64, min((tail.first_m(rows) + m + 1) * 64, rows))]
-    return head, tail, head_rows, tail_rows
-
-
-@pytest.mark.parametrize("rows", list(range(0, 400)) + [1000, 1023, 1024, 1025, 1088, 1089, 4097])
-def test_a_split_covers_every_row_of_a_group_once(rows):
-    head, tail, head_rows, tail_rows = _split_rows(rows)
-    assert sorted(head_rows + tail_rows) == list(range(rows))
-    r = rows % 128
-    assert tail.m_units(rows) == (1 if 0 < r <= 64 else 0)    # the tail kernel: a short last tile, or nothing
-    assert len(tail_rows) == (r if 0 < r <= 64 else 0)
-    whole = -(-rows // 128)
-    assert head.m_units(rows) == (whole - 1 if 0 < r <= 64 else whole)
-
-
-def test_the_split_policy():
-    from fusion.kernels.tile_policy import GemmConfig, split_problem, split_tails, tail_config, tile_config
-
-    base = GemmConfig(tile_n=192, stages=5, pingpong=True, dynamic=True)
-    assert split_tails(base, 128).split == "head"
-    assert split_tails(base, 1).split == ""                                    # a dense GEMM: one group
-    assert split_tails(dataclasses.replace(base, cluster_m=2), 32).split == ""  # m-pairs keep every tile
-    assert split_tails(dataclasses.replace(base, tile_m=64), 32).split == ""
-    tail = tail_config(split_tails(base, 128))
-    assert (tail.tile_m, tail.tile_n, tail.split, tail.dynamic, tail.pingpong, tail.cluster_n) == \
-        (64, 192, "tail", False, True, 1)
-    assert split_problem(tail) is None and split_problem(split_tails(base, 128)) is None
-    assert "tile_m = 128" in split_problem(dataclasses.replace(base, tile_m=64, split="head"))
-    assert "tile_m = 64" in split_problem(dataclasses.replace(base, split="tail"))
-    assert "one of" in split_problem(dataclasses.replace(base, split="middle"))
-    # every grouped job of the policy splits; a dense one does not
-    assert GemmConfig(*tile_config(1536, 2048, 128, True, "K", False)).split == "head"
-    assert GemmConfig(*tile_config(1536, 2048, 128, False, "K", True, gather=True)).split == "head"
-    assert GemmConfig(*tile_config(14336, 4096, 1, True, "K", False)).split == ""
-
-
-def test_a_head_job_has_its_tail_job_as_companion():
-    import torch
-
-    from fusion.runtime.compile import companion_jobs, with_companions
-    from fusion.runtime.kernel import IDENTITY_SOURCE, make_job
-    from fusion.kernels.tile_policy import GemmConfig
-
-    job = make_job(IDENTITY_SOURCE, torch.bfloat16, 2048, 768, 128, False, "K", False, "lone_fprop", "identity")
-    (tail,) = companion_jobs(job)
-    assert GemmConfig(*tail.config).split == "tail" and tail.key != job.key
-    assert companion_jobs(tail) == []
-    assert [j.key for j in with_companions([job, tail, job])] == [job.key, tail.key]
-    dense = make_job(IDENTITY_SOURCE, torch.bfloat16, 2048, 768, 1, False, "K", False, "lone_fprop", "identity")
-    assert companion_jobs(dense) == []
-
-
-@pytest.mark.parametrize("split,tile_m", [("head", 64), ("tail", 128), ("sideways", 128)])
-def test_a_bad_split_is_refused(split, tile_m):
-    cfg = K.GemmConfig(tile_m=tile_m, tile_n=128, stages=6, pingpong=True, split=split)
-    with pytest.raises(KernelConfigError, match="split"):
-        K.check_config(cfg, K.IdentityEpilogue(), "bfloat16", 512, 256)

@@ -18,8 +18,7 @@ import torch
 
 from fusion.codegen.cache import writable_cache_dir
 from fusion.planner import plan_for
-from fusion.runtime.compile import (CompiledKernel, KernelJob, artifact, compile_to_disk, is_cached,
-                                   with_companions)
+from fusion.runtime.compile import CompiledKernel, KernelJob, artifact, compile_to_disk, is_cached
 from fusion.runtime.compile_worker import compile_in_workers
 from fusion.runtime.program import BlockProgram
 from fusion.runtime.steps import FusedForward
@@ -57,9 +56,7 @@ def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob
 
 
 def compile_jobs(jobs: list[KernelJob], parallel: int | None = None, progress: bool = True) -> list[CompiledKernel]:
-    """Compile what the disk cache lacks (in `parallel` worker programs), then describe every job's kernel; the
-    jobs' companions (a split launch's tail kernel: fusion/runtime/compile.py `companion_jobs`) are jobs too."""
-    jobs = with_companions(jobs)
+    """Compile what the disk cache lacks (in `parallel` worker programs), then describe every job's kernel."""
     todo = [j for j in {j.key: j for j in jobs}.values() if not is_cached(j)]
     workers = min(len(todo), parallel or os.cpu_count() or 1)
     if todo:

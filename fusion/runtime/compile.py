@@ -25,7 +25,7 @@ from pathlib import Path
 from fusion.codegen.cache import (BadEntry, cache_dir, discard_entry, dsl_version, load_generated, read_entry,
                                   source_key, template_version, write_entry)
 from fusion.errors import CompileError
-from fusion.kernels.tile_policy import GemmConfig, WgradConfig, tail_config
+from fusion.kernels.tile_policy import GemmConfig, WgradConfig
 
 _LOADED: dict[str, object] = {}
 _LOCK = threading.Lock()
@@ -132,29 +132,7 @@ def _compile(job: KernelJob):
                                         target=job.target)
     from fusion.kernels import compile_grouped_gemm
 
-    # a split launch's tail kernel is a job of its own (companion_jobs): cached and loaded beside the head's
-    return compile_grouped_gemm(_config(job), _epilogue(job), job.dtype, job.N, job.K, job.G, target=job.target,
-                                with_tail=False)
-
-
-def companion_jobs(job: KernelJob) -> list[KernelJob]:
-    """The other kernels a job's launch runs: the tail kernel of a split launch's "head" job
-    (GemmConfig.split, kernels/tile_policy.split_tails), else none."""
-    if job.mainloop != "bf16" or not job.config:
-        return []
-    config = GemmConfig(*job.config)
-    if config.split != "head":
-        return []
-    return [dataclasses.replace(job, config=dataclasses.astuple(tail_config(config)))]
-
-
-def with_companions(jobs: list[KernelJob]) -> list[KernelJob]:
-    """`jobs` and every companion job they need, each once, in order (what compiling them ahead of time covers)."""
-    out = {}
-    for job in jobs:
-        for j in (job, *companion_jobs(job)):
-            out.setdefault(j.key, j)
-    return list(out.values())
+    return compile_grouped_gemm(_config(job), _epilogue(job), job.dtype, job.N, job.K, job.G, target=job.target)
 
 
 def _build(job: KernelJob):
@@ -197,8 +175,6 @@ def load_compiled(job: KernelJob):
         return hit
     entry = _entry(job)
     compiled = _build(job) if entry is None else _load_from_disk(job, entry)
-    for companion in companion_jobs(job):   # a split launch: the head kernel launches its tail kernel
-        compiled.tail = load_compiled(companion)
     with _LOCK:
         return _LOADED.setdefault(job.key, compiled)
 
