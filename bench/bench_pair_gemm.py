@@ -45,7 +45,7 @@ BANDS = {"values": ()}
 GEMMS = {"only": ()}
 #: --tiles N:S:pp|coop,...: also time the policy's configuration at these tile widths, stages and consumer schedules
 #: (dynamic schedule, single CTAs), e.g. 192:5:pp for a width that divides N where 128 leaves a ragged n-tile.
-TILES = {"extra": ()}
+TILES = {"extra": (), "pairs": False}
 
 
 def plan_kernels(E, d, f):
@@ -89,9 +89,15 @@ def variants(job: KernelJob):
         if m2 != base:
             out.append(("dyn m2", m2))
     for tile_n, stages, pingpong in TILES["extra"]:
-        cfg = dataclasses.replace(base, tile_n=tile_n, stages=stages, pingpong=pingpong, dynamic=True, cluster_n=1)
+        cfg = dataclasses.replace(base, tile_n=tile_n, stages=stages, pingpong=pingpong, dynamic=True, cluster_n=1,
+                                  cluster_m=1)
+        label = f"128x{tile_n} {'pp' if pingpong else 'coop'} s{stages}"
         if cfg != base:
-            out.append((f"128x{tile_n} {'pp' if pingpong else 'coop'} dyn", cfg))
+            out.append((f"{label} dyn", cfg))
+        if TILES["pairs"] and n_tile_count(job.N, tile_n) % 2 == 0 and not base.gather_a:
+            # the same tile as CTA pairs sharing A (cluster_n = 2), on either schedule
+            out += [(f"{label} static c2", dataclasses.replace(cfg, dynamic=False, cluster_n=2)),
+                    (f"{label} dyn c2", dataclasses.replace(cfg, cluster_n=2))]
     if TILE_M_64["on"]:
         for tile_n, stages in TILE_M_64["tiles"]:
             cfg = dataclasses.replace(base, tile_m=64, tile_n=tile_n, stages=stages, pingpong=True, dynamic=True,
@@ -193,11 +199,14 @@ def main():
     ap.add_argument("--gemms", default="", help="comma-separated GEMMs (fc1_fwd, fc2_fwd, ...): only those")
     ap.add_argument("--tiles", default="", help="comma-separated N:STAGES:pp|coop tiles to time as well "
                                                 "(dynamic schedule), e.g. 192:5:pp,256:4:coop")
+    ap.add_argument("--tile-pairs", action="store_true", help="with --tiles: also each tile as CTA pairs (c2), "
+                                                               "static and dynamic, where its n-tiles pair up")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     TILE_M_64["on"] = args.tile_m_64
     BANDS["values"] = tuple(int(b) for b in args.bands.split(",") if b)
     GEMMS["only"] = tuple(g for g in args.gemms.split(",") if g)
+    TILES["pairs"] = args.tile_pairs
     TILES["extra"] = tuple((int(n), int(st), sched == "pp") for n, st, sched in
                            (t.split(":") for t in args.tiles.split(",") if t))
     names = args.shapes.split(",")
