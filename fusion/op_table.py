@@ -20,13 +20,17 @@ OP_TABLE: dict[str, str] = {}
 #: per call: the GEMM has at least `min_groups` groups (one group is a dense GEMM: cuBLAS measured faster), the routed
 #: rows average at most `max_rows_per_group[part]` per group and the GEMM's output width is a multiple of one of
 #: `n_multiples` (whole n-tiles of the kernel's 128- or 192-column tile; measured: fusion/runtime/lone_gemm.py).
-LONE_GEMM_RULE = {"min_groups": 2, "max_rows_per_group": {"forward": 1024, "dgrad": 512}, "n_multiples": (128, 192)}
+LONE_GEMM_RULE = {"min_groups": 2, "max_rows_per_group": {"forward": 1024, "dgrad": 512}, "n_multiples": (128, 192),
+                  # a one-group (dense) GEMM's dgrad: at >= this many rows, N a multiple of 256 (128x256 tiles)
+                  "dense_dgrad_min_rows": 8192, "dense_dgrad_n_multiple": 256}
 
 
 def _lone_rule_text(part: str) -> str:
+    dense = (f"; one group: at >= {LONE_GEMM_RULE['dense_dgrad_min_rows']} rows with N a multiple of "
+             f"{LONE_GEMM_RULE['dense_dgrad_n_multiple']}" if part == "dgrad" else "")
     return (f"where the GEMM has >= {LONE_GEMM_RULE['min_groups']} groups, rows per group average <= "
             f"{LONE_GEMM_RULE['max_rows_per_group'][part]} and N is a multiple of "
-            f"{' or '.join(str(m) for m in LONE_GEMM_RULE['n_multiples'])}, else "
+            f"{' or '.join(str(m) for m in LONE_GEMM_RULE['n_multiples'])}{dense}, else "
             f"torch._grouped_mm (fusion/runtime/lone_gemm.py)")
 
 #: Device kernels the fused runtime runs in place of an unfused op's reference, by (op variant, part): the runtime

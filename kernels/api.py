@@ -304,17 +304,18 @@ def compile_grouped_gemm(config: GemmConfig, epilogue: Epilogue, dtype, N: int, 
     if hit is not None:
         return hit
     res = _compile(config, epilogue, dtype, N, K, G)
-    fallback = spill_fallback(config) if res.frame_size else None
-    if fallback is not None:
+    # a spilling kernel: the policy's fallbacks in turn, until one does not spill (else the first is kept)
+    tried = config
+    while res.frame_size and (fallback := spill_fallback(tried)) is not None:
+        tried = fallback
         try:
             check_config(fallback, epilogue, dtype, N, K, target)   # e.g. a CTA pair needs an even n-tile count
         except KernelConfigError:
-            fallback = None
-    if fallback is not None:
+            continue
         alt_res = _compile(fallback, epilogue, dtype, N, K, G)
         if not alt_res.frame_size:
-            log.info("fusion.kernels: %s spills at tile_n=%d; built at tile_n=%d, stages=%d instead", res.name,
-                     config.tile_n, fallback.tile_n, fallback.stages)
+            log.info("fusion.kernels: %s spills; built at tile_n=%d, stages=%d, cluster_n=%d instead", res.name,
+                     fallback.tile_n, fallback.stages, fallback.cluster_n)
             res = alt_res
     res.requested_config = config
     with _LOCK:

@@ -6,6 +6,8 @@ loading the DSL.
     GemmConfig                         the template's tile configuration (KernelJob.config keeps its fields)
     choose_config(M, N, K, G, ...)     the heuristic: a function of the weight shape only (M is dynamic)
     pair_ctas(config, N)               the configuration as CTA pairs sharing the A tile, where it can be
+    dynamic_pairs(config, N, G)        ... on the dynamic schedule, for weights of few groups
+    dense_dgrad_tile(config)           a one-group GEMM's input gradient on our kernel (fusion/runtime/lone_gemm.py)
     m_pairs(config, N)                 ... as CTA pairs on neighbouring m-tiles sharing the B tile, where the
                                        n-tiles do not pair up
     n_tile_count(N, tile_n)            n-tiles per m-tile (gated or not)
@@ -27,6 +29,7 @@ kernels (no spills, wgmma).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from .fp8_scales import SA_STAGE_FLOATS, SB_SLOT_FLOATS, SCALE_BLOCK
@@ -134,8 +137,9 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     saved-tensor epilogue (the others within 3%); the dynamic single beat the static single on 20 of 23 (GPT-OSS-
     120B's FC2 forward, 23 n-tiles: 2.36 -> 2.02 ms). An epilogue reading a saved tensor keeps the dynamic single
     (:func:`tile_config`; the static pair is 12-17% slower on Qwen3's and OLMoE's dgrad). Dynamic pairs
-    (kernels/scheduler.py's mailbox) are not chosen: 4-6% faster on DeepSeek-V3's GEMMs, 14% slower on
-    GPT-OSS-120B's FC1 forward and 11% on OLMoE's dgrad.
+    (kernels/scheduler.py's mailbox) are chosen for 128x192 tiles of weights with few groups only
+    (:func:`dynamic_pairs`): 4-6% faster on DeepSeek-V3's GEMMs and dense ones, 14% slower on GPT-OSS-120B's FC1
+    forward and 11% on OLMoE's dgrad.
 
     CTA pairs along m (:func:`m_pairs`) are not chosen here: measured on an H100 for GPT-OSS-120B's lone GEMMs
     (N=2880: 15 n-tiles at 192), the FC2 forward was slower as m-pairs (1.981 -> 2.084 ms,
@@ -144,11 +148,46 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     512 rows per expert and +2% at 256: no gain to take."""
     tk = 64
     if N >= 4096 or (N % 128 and N % 192 == 0):
-        return GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
-                          dynamic=True, pingpong=True, b_major=b_major)
+        return dynamic_pairs(GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
+                                        dynamic=True, pingpong=True, b_major=b_major), N, G)
     single = GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major)
     paired = pair_ctas(single, N)
     return paired if paired.cluster_n == 2 else dataclasses.replace(single, dynamic=True)
+
+
+#: FUSION_DYNAMIC_PAIRS=0 (read at import): :func:`dynamic_pairs` leaves every configuration single (the A/B switch;
+#: it changes the jobs' keys, so both live in one kernel cache).
+DYNAMIC_PAIRS = os.environ.get("FUSION_DYNAMIC_PAIRS", "1") != "0"
+#: The most groups a weight may have for :func:`dynamic_pairs` (a dense GEMM has one, DeepSeek-V3's EP8 share 32).
+DYNAMIC_PAIRS_MAX_GROUPS = 32
+
+
+def dynamic_pairs(config: GemmConfig, N: int, G: int) -> GemmConfig:
+    """A 128x192 dynamic configuration as dynamic CTA pairs sharing the A tile (cluster_n = 2; rank 0 takes the
+    tile ids and hands them to rank 1, kernels/scheduler.py) where the weight has at most
+    DYNAMIC_PAIRS_MAX_GROUPS groups and its n-tiles pair up; else unchanged.
+
+    Measured on two H100s (bench/bench_pair_gemm.py --tiles 192:5:pp --tile-pairs,
+    bench/results/H100-2026-11-26i-tiles.log and -dense.log; ms, single -> pair): DeepSeek-V3's EP8 share at 1024
+    rows per expert FC1 forward 3.077 -> 2.912-2.990, FC2 forward 1.674 -> 1.537-1.549 (torch 1.558), FC1 dgrad
+    3.106 -> 2.925-2.950; Llama-3-8B at 16384 rows FC1 forward 5.568 -> 5.398-5.645, FC2 forward 2.995-3.179 ->
+    2.656-2.813 (torch 2.921-2.936); Mixtral FC2 forward 3.183 -> 2.896. With many groups the pairs lost (an H200,
+    bench/results/H200-2026-11-26-pairs.json: GPT-OSS-120B's FC1 forward 14% slower, 128 groups of 512 rows)."""
+    if (not DYNAMIC_PAIRS or G > DYNAMIC_PAIRS_MAX_GROUPS or not config.dynamic or config.gather_a
+            or config.cluster_m != 1 or n_tile_count(N, config.tile_n) % 2):
+        return config
+    return dataclasses.replace(config, cluster_n=2)
+
+
+def dense_dgrad_tile(config: GemmConfig) -> GemmConfig:
+    """The tile of a one-group (dense) GEMM's input gradient that runs on our kernel (fusion/runtime/lone_gemm.py):
+    128x256 cooperative on the dynamic schedule, single CTAs. Measured on two H100s (bench/bench_pair_gemm.py --tiles
+    256:4:coop, bench/results/H100-2026-11-26i-dense.log; ms, ours / torch._grouped_mm): Llama-3-70B's FC1 dgrad at
+    8192 rows 10.476 / 11.203 (and 10.359 / 11.546 on the other machine), Llama-3-8B's at 16384 rows 5.320 / 5.902,
+    Qwen2.5-7B's at 8192 rows 3.047 / 3.152; at fewer rows torch led (Llama-3-8B at 4096 rows 1.483 / 1.367,
+    Llama-3-70B at 2048 rows 2.830 / 2.739). The 128x192 pingpong tile was no faster than torch there."""
+    return dataclasses.replace(config, tile_n=256, stages=_max_stages_capped(256, 4), pingpong=False, dynamic=True,
+                               cluster_n=1, cluster_m=1)
 
 
 def n_tile_count(N: int, tile_n: int) -> int:
@@ -292,7 +331,14 @@ def spill_fallback(config: GemmConfig) -> GemmConfig | None:
     inputs) spill at 192 columns, and 128 columns (stages >= 6) leave them room. compile_grouped_gemm keeps the
     rebuilt kernel only if it does not spill; the kernel it returns says which it is: `.config` is the
     configuration it was built with, `.requested_config` the one asked for. The disk cache records the built one
-    (a launch grid depends on it) next to the job's."""
+    (a launch grid depends on it) next to the job's.
+
+    compile_grouped_gemm asks again of the fallback while the rebuilt kernel still spills. A dynamic CTA pair
+    (:func:`dynamic_pairs`) is rebuilt as a single CTA first: the mailbox of tile ids costs registers (the demo's
+    GPT-OSS-like FC1 with an MXFP8 output at 128x192: a 56-byte stack frame as a pair), then as the single CTA's
+    fallback."""
+    if config.dynamic and config.cluster_n == 2:
+        return dataclasses.replace(config, cluster_n=1)
     if config.pingpong and config.tile_n > 128:
         return dataclasses.replace(config, tile_n=128, stages=max(config.stages, 6))
     return None

@@ -111,3 +111,31 @@ def test_gemm_refusal_is_the_tables_answer_kept_per_op_class_widths_and_dtype(op
     want = device_method_refusal("gemm", None, dtype, (op.in_features, op.out_features), op.spec.name)
     assert gemm_refusal(op, dtype) == want
     assert gemm_refusal(op, dtype) == want   # and again, from the kept answers
+
+
+DENSE_ROWS = LONE_GEMM_RULE["dense_dgrad_min_rows"]
+
+
+@pytest.mark.parametrize("rows,n,part,expect", [
+    (DENSE_ROWS, 8192, "dgrad", True),          # Llama-3-70B's FC1 dgrad at 8192 rows: ours measured faster
+    (16384, 4096, "dgrad", True),               # Llama-3-8B's at 16384
+    (DENSE_ROWS - 1, 8192, "dgrad", False),     # fewer rows: torch's led (Llama-3-8B at 4096)
+    (16384, 2880, "dgrad", False),              # no whole 128x256 tiles
+    (16384, 4096, "forward", False),            # a dense forward stays torch's (it split both ways)
+])
+def test_a_dense_dgrad_at_many_rows_takes_the_kernel(rows, n, part, expect, monkeypatch):
+    assert lone_gemm.chooses_kernel(rows, 1, n, part) is expect
+    monkeypatch.setattr(lone_gemm, "DENSE_DGRAD", False)      # FUSION_DENSE_DGRAD=0
+    assert not lone_gemm.chooses_kernel(rows, 1, n, part)
+
+
+def test_a_dense_dgrad_job_runs_128x256_cooperative_tiles():
+    from fusion.kernels.tile_policy import GemmConfig
+
+    (job,) = lone_gemm.kernel_jobs(GroupLinear(1, 4096, 14336), "dgrad", torch.bfloat16)
+    cfg = GemmConfig(*job.config)
+    assert (job.N, job.G, cfg.tile_n, cfg.pingpong, cfg.dynamic, cfg.b_major) == (4096, 1, 256, False, True, "MN")
+    assert lone_gemm.kernel_jobs(GroupLinear(1, 4096, 14336), "forward", torch.bfloat16) == []
+    assert lone_gemm.kernel_jobs(GroupLinear(1, 2880, 5760), "dgrad", torch.bfloat16) == []
+    text = device_method("gemm", "dgrad")[1]
+    assert f"one group: at >= {DENSE_ROWS} rows with N a multiple of 256" in text

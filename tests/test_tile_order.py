@@ -119,3 +119,30 @@ def test_fusion_tile_band_sets_every_job_band(monkeypatch):
     monkeypatch.setattr(kernel, "TILE_BAND", "1")
     assert band_of(make_job(*args)) == 1 and band_of(make_job(*args, mainloop="fp8_block")) == 1
     assert make_job(*args).key != default.key
+
+
+@pytest.mark.parametrize("N,G,pairs", [(4096, 32, True), (28672, 1, True), (5760, 32, True), (4096, 64, False),
+                                       (5760, 128, False), (2880, 32, False), (4032, 1, False)])
+def test_dynamic_pairs_for_weights_of_few_groups(N, G, pairs, monkeypatch):
+    """128x192 dynamic tiles run as dynamic CTA pairs where the weight has <= 32 groups and the n-tiles pair up
+    (tile_policy.dynamic_pairs); FUSION_DYNAMIC_PAIRS=0 keeps them single."""
+    from fusion.kernels import tile_policy
+
+    cfg = tile_policy.choose_config(0, N, 4096, G)
+    assert (cfg.tile_n, cfg.dynamic) == (192, True)
+    assert cfg.cluster_n == (2 if pairs else 1)
+    gathered = tile_policy.GemmConfig(*tile_policy.tile_config(N, 4096, G, False, "K", False, gather=True))
+    assert gathered.cluster_n == 1
+    monkeypatch.setattr(tile_policy, "DYNAMIC_PAIRS", False)
+    assert tile_policy.choose_config(0, N, 4096, G).cluster_n == 1
+
+
+def test_a_spilling_dynamic_pair_falls_back_to_a_single_cta_then_to_128_columns():
+    from fusion.kernels.tile_policy import GemmConfig, spill_fallback
+
+    pair = GemmConfig(tile_n=192, stages=5, pingpong=True, dynamic=True, cluster_n=2)
+    single = spill_fallback(pair)
+    assert (single.tile_n, single.cluster_n) == (192, 1)
+    narrow = spill_fallback(single)
+    assert (narrow.tile_n, narrow.cluster_n, narrow.stages) == (128, 1, 6)
+    assert spill_fallback(narrow) is None

@@ -6,7 +6,9 @@ A device method of the fused runtime (fusion.op_table.DEVICE_METHODS, variant "g
 dgrad). `takes(op, x)` decides per call from shapes the host already knows (no sync): the kernel runs where
 
 * the GEMM has several groups (``G >= MIN_GROUPS``: a GroupLinear of one group is a dense GEMM, where cuBLAS's
-  per-shape choices were faster on 12 of the 14 dense GEMMs measured, below),
+  per-shape choices were faster on 12 of the 14 dense GEMMs measured at 128x192 tiles, below; the one exception
+  is a dense dgrad at ``>= DENSE_DGRAD_MIN_ROWS`` rows into a multiple of 256 columns, which runs 128x256
+  cooperative tiles, kernels/tile_policy.dense_dgrad_tile, measured there and at the end of this docstring),
 * the routed rows per group are few: ``M <= MAX_ROWS_PER_GROUP[part] * G`` (1024 for a forward, 512 for a dgrad:
   below), and
 * the GEMM's output width N is a multiple of 128 or of 192: whole n-tiles of the tile the policy gives it
@@ -48,15 +50,24 @@ machines' spread.) At few rows (`-dense-lone-small.json`), where the old rule se
 0.124 / 0.186 and 0.235 / 0.357 (torch at 375 TFLOP/s there). Dense GEMMs go to cuBLAS; a per-shape choice would
 need a wider sweep than these.
 
+Dense dgrads at 128x256 cooperative tiles (bench/bench_pair_gemm.py --tiles 256:4:coop, two H100s,
+bench/results/H100-2026-11-26i-dense.log and -tiles.log; ms, ours / torch): Llama-3-70B at 8192 rows 10.476 /
+11.203 (10.359 / 11.546), Llama-3-8B at 16384 rows 5.320 / 5.902, Qwen2.5-7B at 8192 rows 3.047 / 3.152; below
+8192 rows torch led (Llama-3-8B at 4096 rows 1.483 / 1.367, Llama-3-70B at 2048 rows 2.830 / 2.739). The forwards
+at the same tile split both ways (Llama-3-70B's FC2 forward 5.452 / 5.071, Llama-3-8B's 2.659 / 2.936): torch's.
+
 torch._grouped_mm stays the reference (backend="emulate", the CPU) and explain() names both and the rule.
 Forward: ``Y[rows of g] = X @ W[g].T``, B = the weight K-major. Dgrad: ``dX[rows of g] = dY @ W[g]``, B = the weight
 as stored read MN-major. The kernel's tile comes from kernels/tile_policy.py like a fused kernel's.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
+
+from fusion.kernels.tile_policy import GemmConfig, dense_dgrad_tile
 
 from fusion.op_table import LONE_GEMM_RULE, gemm_refusal
 from fusion.run_context import RunContext
@@ -72,9 +83,12 @@ TILE_COUNTER = True
 MIN_GROUPS = LONE_GEMM_RULE["min_groups"]
 MAX_ROWS_PER_GROUP = LONE_GEMM_RULE["max_rows_per_group"]
 N_MULTIPLES = LONE_GEMM_RULE["n_multiples"]
+DENSE_DGRAD_MIN_ROWS = LONE_GEMM_RULE["dense_dgrad_min_rows"]
+DENSE_DGRAD_N_MULTIPLE = LONE_GEMM_RULE["dense_dgrad_n_multiple"]
 #: FUSION_LONE_GEMM=torch (read at import) sends every lone GEMM to torch._grouped_mm: the A/B switch that
-#: bench/ and a user comparing the two use.
+#: bench/ and a user comparing the two use. FUSION_DENSE_DGRAD=0 sends a one-group GEMM's dgrad there only.
 ENABLED = os.environ.get("FUSION_LONE_GEMM", "auto") != "torch"
+DENSE_DGRAD = os.environ.get("FUSION_DENSE_DGRAD", "1") != "0"
 
 _COMPILED: dict = {}
 
@@ -82,7 +96,15 @@ _COMPILED: dict = {}
 def chooses_kernel(rows: int, groups: int, n: int, part: str = "forward") -> bool:
     """The measured rule: our kernel for `rows` routed rows over `groups` groups into `n` output columns, for a
     "forward" or a "dgrad" (never with FUSION_LONE_GEMM=torch)."""
+    if groups == 1:
+        return ENABLED and part == "dgrad" and dense_dgrad(n) and rows >= DENSE_DGRAD_MIN_ROWS
     return (ENABLED and groups >= MIN_GROUPS and rows <= MAX_ROWS_PER_GROUP[part] * groups and whole_tiles(n))
+
+
+def dense_dgrad(n: int) -> bool:
+    """Whether a one-group GEMM's dgrad into `n` columns may run on our kernel (at enough rows: the rule above):
+    whole 128x256 tiles (kernels/tile_policy.dense_dgrad_tile), and not switched off (FUSION_DENSE_DGRAD=0)."""
+    return DENSE_DGRAD and n % DENSE_DGRAD_N_MULTIPLE == 0
 
 
 def whole_tiles(n: int) -> bool:
@@ -119,7 +141,10 @@ def _job(op, part: str, dtype: torch.dtype):
     G, out_f, in_f = op.weight.shape
     if part == "forward":
         return make_job(IDENTITY_SOURCE, dtype, out_f, in_f, G, False, "K", False, "lone_fprop", "identity")
-    return make_job(IDENTITY_SOURCE, dtype, in_f, out_f, G, False, "MN", False, "lone_dgrad", "identity")
+    job = make_job(IDENTITY_SOURCE, dtype, in_f, out_f, G, False, "MN", False, "lone_dgrad", "identity")
+    if G == 1:   # a dense dgrad runs at its own tile
+        job = dataclasses.replace(job, config=dataclasses.astuple(dense_dgrad_tile(GemmConfig(*job.config))))
+    return job
 
 
 def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
@@ -130,7 +155,9 @@ def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
         return []
     if gemm_refusal(op, str(dtype).removeprefix("torch.")) is not None:
         return []
-    if not whole_tiles(op.out_features if part == "forward" else op.in_features) or op.weight.shape[0] < MIN_GROUPS:
+    n = op.out_features if part == "forward" else op.in_features
+    dense = op.weight.shape[0] == 1
+    if (dense and not (part == "dgrad" and dense_dgrad(n))) or (not dense and not whole_tiles(n)):
         return []   # the rule never sends this GEMM to the kernel
     return [_job(op, part, dtype)]
 
