@@ -137,3 +137,17 @@ def test_moe_layer_runs_our_kernel_and_matches_the_reference(spy, round_to):
     assert spy == {"run": 1, "dgrad": 1}, spy
     for i, (a, b) in enumerate(zip(*outs)):
         assert rel(a, b) < 2e-2, (i, rel(a, b))
+
+
+@pytest.mark.parametrize("M", [lone_gemm.DENSE_DGRAD_MIN_ROWS, lone_gemm.DENSE_DGRAD_MIN_ROWS + 77])
+def test_a_dense_dgrad_at_many_rows_runs_our_128x256_kernel(spy, M):
+    """One group (a dense block): FC1's dgrad on our kernel at 128x256 cooperative tiles from 8192 rows (d = 512, a
+    multiple of 256), FC2's forward on torch's; the gradients as the reference's."""
+    block = _block(1, 512, 256)
+    x, extras = _inputs(1, M, 512, torch.bfloat16)
+    (y, g), (y_ref, g_ref) = run_both(block, x, extras)
+    assert spy == {"run": 0, "dgrad": 1}, spy
+    assert lone_gemm._kernel(block[0], "dgrad", torch.bfloat16).config.tile_n == 256
+    assert rel(y, y_ref) < 1e-2
+    for name, ref in g_ref.items():
+        assert ref is None or rel(g[name], ref) < 2e-2, name
