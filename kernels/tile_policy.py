@@ -119,8 +119,15 @@ def _max_stages(tile_m, tile_n, tile_k, elem_bytes=2, smem=227 * 1024, reserve=1
 
 
 def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, b_major: str = "K") -> GemmConfig:
-    """Tile heuristic, a function of the weight shape (N, K, G) only (M is dynamic; ``M_estimate`` and
-    ``gated`` are accepted for compatibility and ignored); ``b_major`` is passed through.
+    """Tile heuristic, a function of the weight shape (N, K, G) and of ``gated`` only (M is dynamic; ``M_estimate``
+    is accepted for compatibility and ignored); ``b_major`` is passed through.
+
+    A gated kernel (FC1's forward: SwiGLU of the gate and up halves) takes 128x192 on the dynamic schedule at
+    every N (:data:`GATED_192`). Measured on an H100 (bench/bench_pair_gemm.py --gemms fc1_fwd --tiles
+    192:5:pp,256:4:coop --tile-pairs, two timing rounds, bench/results/H100-2026-11-26i-fc1.log; ms, the 128x128
+    static pair before -> 128x192 dynamic): Qwen3-235B-A22B at 256 rows per expert (N = 3072) 2.057 -> 1.698 (1.654
+    as a dynamic pair), Qwen3-30B-A3B (N = 1536) 1.707 -> 1.368, OLMoE (N = 2048, a ragged last n-tile) 1.882 ->
+    1.759; 128x256 cooperative 1.726 / 1.521 / 1.856, the 128x128 dynamic pair 1.715 / 1.402 / 1.802.
 
     Pingpong consumers (epilogue overlapped with the other warpgroup's mainloop) everywhere; 128x192 tiles
     with the dynamic scheduler for wide N (>= 4096; a ragged last n-tile is cheap there) and where 192 divides N
@@ -147,7 +154,7 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     inside training steps (kernel times from bench/profile_step.py and profile_moe.py, one H100) it moved by -2% at
     512 rows per expert and +2% at 256: no gain to take."""
     tk = 64
-    if N >= 4096 or (N % 128 and N % 192 == 0):
+    if N >= 4096 or (N % 128 and N % 192 == 0) or (gated and GATED_192):
         return dynamic_pairs(GemmConfig(tile_m=128, tile_n=192, tile_k=tk, stages=min(_max_stages(128, 192, tk), 5),
                                         dynamic=True, pingpong=True, b_major=b_major), N, G)
     single = GemmConfig(tile_m=128, tile_n=128, tile_k=tk, stages=6, pingpong=True, b_major=b_major)
@@ -155,6 +162,9 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     return paired if paired.cluster_n == 2 else dataclasses.replace(single, dynamic=True)
 
 
+#: FUSION_GATED_192=0 (read at import): a gated kernel below N = 4096 takes the 128x128 tiles of the other GEMMs (the
+#: policy before 2026-11-26's gated rule in :func:`choose_config`; the A/B switch).
+GATED_192 = os.environ.get("FUSION_GATED_192", "1") != "0"
 #: FUSION_DYNAMIC_PAIRS=0 (read at import): :func:`dynamic_pairs` leaves every configuration single (the A/B switch;
 #: it changes the jobs' keys, so both live in one kernel cache).
 DYNAMIC_PAIRS = os.environ.get("FUSION_DYNAMIC_PAIRS", "1") != "0"

@@ -54,9 +54,14 @@ def test_m_pairs_multicast_b():
 
 
 def test_policy_pairs_the_static_schedule_where_n_tiles_are_even():
-    # 128x128 static: Qwen3's FC1 (N=1536: 12 n-tiles) and FC2 (N=2048) pair; N=1152 (9 n-tiles) does not
-    assert choose_config(0, 1536, 2048, 128, gated=True).cluster_n == 2
+    # 128x128 static: Qwen3's FC2 (N=2048) and an ungated N=1536 (12 n-tiles) pair; N=1152 (9 n-tiles) does not
+    assert choose_config(0, 1536, 2048, 128).cluster_n == 2
     assert choose_config(0, 2048, 768, 128).cluster_n == 2
+    # a gated FC1 takes 128x192 on the dynamic schedule at any N (tile_policy.GATED_192), single at 128 groups
+    gated = choose_config(0, 1536, 2048, 128, gated=True)
+    assert (gated.tile_n, gated.dynamic, gated.pingpong, gated.cluster_n) == (192, True, True, 1)
+    assert choose_config(0, 2048, 2048, 8, gated=True).cluster_n == 1      # 11 n-tiles (ragged): no pair
+    assert choose_config(0, 1536, 2048, 8, gated=True).cluster_n == 2      # 8 n-tiles, 8 groups: dynamic pair
     unpaired = choose_config(0, 1152, 2880, 128)
     assert unpaired.cluster_n == 1 and unpaired.dynamic and unpaired.tile_n == 128   # unpaired: dynamic single
     # GPT-OSS's FC2 (N=2880: 22.5 128-column tiles) takes 15 whole 192-column ones, dynamic, single

@@ -146,3 +146,12 @@ def test_a_spilling_dynamic_pair_falls_back_to_a_single_cta_then_to_128_columns(
     narrow = spill_fallback(single)
     assert (narrow.tile_n, narrow.cluster_n, narrow.stages) == (128, 1, 6)
     assert spill_fallback(narrow) is None
+
+
+def test_fusion_gated_192_0_restores_128_column_gated_tiles(monkeypatch):
+    from fusion.kernels import tile_policy
+
+    assert tile_policy.choose_config(0, 3072, 4096, 128, gated=True).tile_n == 192
+    monkeypatch.setattr(tile_policy, "GATED_192", False)
+    assert tile_policy.choose_config(0, 3072, 4096, 128, gated=True).tile_n == 128
+    assert tile_policy.choose_config(0, 5760, 2880, 128, gated=True).tile_n == 192   # wide N: 192 either way
