@@ -4,7 +4,7 @@ Plain Python, importing nothing from fusion and not cutlass: planning, compiling
 loading the DSL.
 
     GemmConfig                         the template's tile configuration (KernelJob.config keeps its fields)
-    choose_config(M, N, K, G, ...)     the heuristic: a function of the weight shape only (M is dynamic)
+    choose_config(M, N, K, G, ...)     the heuristic: a function of the weight shape and gating only (M is dynamic)
     pair_ctas(config, N)               the configuration as CTA pairs sharing the A tile, where it can be
     dynamic_pairs(config, N, G)        ... on the dynamic schedule, for weights of few groups
     dense_dgrad_tile(config)           a one-group GEMM's input gradient on our kernel (fusion/runtime/lone_gemm.py)

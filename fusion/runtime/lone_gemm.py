@@ -68,7 +68,6 @@ import os
 import torch
 
 from fusion.kernels.tile_policy import GemmConfig, dense_dgrad_tile
-
 from fusion.op_table import LONE_GEMM_RULE, gemm_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
