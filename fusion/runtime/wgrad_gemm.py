@@ -26,11 +26,6 @@ TILE_COUNTER = False
 _COMPILED: dict = {}
 
 
-def _refusal(op, dtype: str) -> str | None:
-    # the limits the plan states (fusion.op_table.DEVICE_METHOD_LIMITS), so explain() says what runs
-    return gemm_refusal(op, dtype)
-
-
 def takes(op, x) -> bool:
     """Whether the kernel computes `op`'s weight gradient at input `x`: a CUDA bf16/fp16 tensor of the weight's
     dtype (or a QuantizedTensor of one: it reads the dequantized values, as torch's path does) on a Hopper GPU, a
@@ -40,7 +35,8 @@ def takes(op, x) -> bool:
         return False
     if cuda_major(x.device) != 9:
         return False
-    return _refusal(op, str(x.dtype).removeprefix("torch.")) is None
+    # the limits the plan states (fusion.op_table.DEVICE_METHOD_LIMITS), so explain() says what runs
+    return gemm_refusal(op, str(x.dtype).removeprefix("torch.")) is None
 
 
 def _job(op, dtype: torch.dtype):
@@ -53,7 +49,7 @@ def _job(op, dtype: torch.dtype):
 def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
     """The KernelJob of `op`'s weight gradient ("wgrad"; none for other parts or where the kernel does not take the
     op at `dtype`): what Sequential.compile() builds ahead of time (fusion/runtime/aot.py)."""
-    if part != "wgrad" or _refusal(op, str(dtype).removeprefix("torch.")) is not None:
+    if part != "wgrad" or gemm_refusal(op, str(dtype).removeprefix("torch.")) is not None:
         return []
     return [_job(op, dtype)]
 
