@@ -12,7 +12,9 @@ Per shape (experts E, hidden d, expert width f, tokens T, top-k; routed rows M =
 
 Configurations: the tile policy's (what the runtime launches), then the same tile with either schedule (static, or
 dynamic: tile ids from an atomic counter), single CTAs or CTA pairs ("c2", where the n-tile count is even), and
-CTA pairs on neighbouring m-tiles multicasting B ("m2", dynamic; B not gated);
+CTA pairs on neighbouring m-tiles multicasting B ("m2", dynamic; B not gated); with --short-ab only the policy's
+configuration with and without short tiles (GemmConfig.short_tiles: a group's last m-tile of at most 64 rows issues
+only their wgmma);
 with --tile-m-64 also 64-row pingpong tiles (64x128 s8, 64x192 s6, 64x256 s5, dynamic schedule), which waste less
 of a group's last m-tile at few rows per group. TFLOP/s = 2*M*N*K / time (gated: N = 2f). Every kernel's output is
 checked against the policy kernel's (max relative difference; 0 where they are bitwise equal). Each row is timed in
@@ -42,6 +44,8 @@ TILE_M_64 = {"on": False, "tiles": ((128, 8), (192, 6), (256, 5))}
 #: --bands B1,B2,...: time the policy's configuration with each band of the tile order (GemmConfig.band_m) instead
 #: of the schedule variants.
 BANDS = {"values": ()}
+#: --short-ab: time the policy's configuration with and without short tiles instead of the schedule variants.
+SHORT_AB = {"on": False}
 #: --gemms: time only these of plan_kernels' GEMMs.
 GEMMS = {"only": ()}
 #: --tiles N:S:pp|coop,...: also time the policy's configuration at these tile widths, stages and consumer schedules
@@ -76,6 +80,10 @@ def variants(job: KernelJob):
     base = GemmConfig(*job.config)
     pairs = n_tile_count(job.N, base.tile_n) % 2 == 0 and not base.gather_a
     out = [("policy", base)]
+    if SHORT_AB["on"]:
+        # the policy's configuration with every tile issuing all of its rows' wgmma (GemmConfig.short_tiles)
+        return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg)))
+                for label, cfg in out + [("no short tiles", dataclasses.replace(base, short_tiles=False))]]
     if BANDS["values"]:
         out += [(f"band {b}", dataclasses.replace(base, band_m=b)) for b in BANDS["values"] if b != base.band_m]
         return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in out]
@@ -177,7 +185,7 @@ def run_shape(name, skewed, gen, dev="cuda"):
             scale = ref.abs().max().clamp_min(1e-30)
             key = (f"{label} ({cfg.tile_m}x{cfg.tile_n} {'pp' if cfg.pingpong else 'coop'} s{cfg.stages}"
                    f"{' dyn' if cfg.dynamic else ''}{' c2' if cfg.cluster_n > 1 else ''}{' m2' if cfg.cluster_m > 1 else ''}"
-                   f" bm{cfg.band_m})")
+                   f" bm{cfg.band_m}{'' if cfg.short_tiles else ' full'})")
             errors[key] = ((first - ref).abs().max() / scale).item()
             rows[key] = fn
         # two rounds, the second in reverse order, and each row's lower median: the first row timed after a GEMM
@@ -207,8 +215,11 @@ def main():
                                                 "(dynamic schedule), e.g. 192:5:pp,256:4:coop")
     ap.add_argument("--tile-pairs", action="store_true", help="with --tiles: also each tile as CTA pairs (c2), "
                                                                "static and dynamic, where its n-tiles pair up")
+    ap.add_argument("--short-ab", action="store_true", help="time the policy's configuration with and without "
+                                                             "short tiles (GemmConfig.short_tiles) only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    SHORT_AB["on"] = args.short_ab
     TILE_M_64["on"] = args.tile_m_64
     BANDS["values"] = tuple(int(b) for b in args.bands.split(",") if b)
     GEMMS["only"] = tuple(g for g in args.gemms.split(",") if g)

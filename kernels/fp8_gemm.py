@@ -92,6 +92,8 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # each CTA loads its own scales (the activation scales are the pair's, but a few hundred bytes)
         self.cluster_n = int(getattr(config, "cluster_n", 1))
         self.band_m = resolved_band(config)    # the tile order's band (kernels/scheduler.py)
+        # a tile whose rows end within its first 64: the second warpgroup issues no wgmma (kernels/fp8_mainloop.py)
+        self.short_tiles = bool(getattr(config, "short_tiles", False))
         assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
         self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n

@@ -148,6 +148,7 @@ class Fp8WarpRoles(WarpRoles):
                     rank=0):
         """The consumer warpgroups (``bidx``, ``grid``, ``rank`` as for :meth:`WarpRoles.produce`)."""
         ctid = tidx - 128
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma, tCrA, tCrB, tCcC = self.mma_operands(tiled_mma, tiled_mma_log, sA, sB, ctid)
         tCcP = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         acc = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
@@ -172,10 +173,20 @@ class Fp8WarpRoles(WarpRoles):
             coords = (tile_row0, sb_rows, M)
 
             acc.fill(0.0)
-            for kt in cutlass.range(self.k_tiles, unroll=1):
+            # a short tile (its rows end within the first 64: WarpRoles.short_tile) leaves the second warpgroup
+            # no wgmma: it only waits for each stage and releases it. Two loops with run-time trip counts, not a
+            # branch: the MMA's ACCUMULATE field is a traced value that loops carry and branches cannot
+            mma_tiles = self.k_tiles
+            if const_expr(self.short_tiles):
+                mma_tiles = cutlass.select_(self.short_tile(row0, row_end, wg_idx), Int32(0), Int32(self.k_tiles))
+            for kt in cutlass.range(mma_tiles, unroll=1):
                 tiled_mma, read_state = self.issue_k_tile(tiled_mma, part, tCrA, tCrB, ab_pipe, read_state)
                 warpgroup.wait_group(0)
                 self.fold_k_tile(acc, part, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state)
+            for kt in cutlass.range(self.k_tiles - mma_tiles, unroll=1):
+                ab_pipe.consumer_wait(read_state)
+                ab_pipe.consumer_release(read_state)
+                read_state.advance()
 
             self.tile_epi.run(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, self.N, None)
 

@@ -82,6 +82,8 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         self.cluster_n = int(getattr(config, "cluster_n", 1))
         self.cluster_m = int(getattr(config, "cluster_m", 1))
         self.band_m = resolved_band(config)    # the tile order's band (kernels/scheduler.py)
+        # a tile whose rows end within its first 64 issues only their wgmma (kernels/mainloop.py)
+        self.short_tiles = bool(getattr(config, "short_tiles", False)) and self.tile_m == 128
         assert self.cluster_n in (1, 2) and self.cluster_m in (1, 2), "cluster_n and cluster_m are 1 or 2"
         assert self.cluster_size <= 2, "a CTA pair along m or along n, not both"
         assert self.cluster_size == 1 or not self.gather_a, "a CTA pair's multicast needs TMA loads of A and B"

@@ -61,6 +61,29 @@ def mma_k_step(tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: int):
     warpgroup.commit_group()
 
 
+def first_rows(tiled_mma, thr_mma, acc, sA, tile_k: int, stages: int):
+    """Trace time, for a pingpong warpgroup (its 128-row tile is two 64-row wgmma atoms along m): the operands of
+    the first atom only, (A fragment over the ring's first 64 rows, the accumulator's first m-repeat as a view of
+    the same registers), for :func:`mma_k_step_first_rows`."""
+    tCrA_first = tiled_mma.make_fragment_A(thr_mma.partition_A(cute.local_tile(sA, (64, tile_k, stages), (0, 0, 0))))
+    v_shape, v_stride = acc.layout.shape[0], acc.layout.stride[0]
+    acc_first = cute.make_tensor(acc.iterator, cute.make_layout((v_shape, 1, 1), stride=(v_stride, 0, 0)))
+    return tCrA_first, acc_first
+
+
+def mma_k_step_first_rows(tiled_mma, first, tCrB, stage, num_k_blocks: int):
+    """Trace time: :func:`mma_k_step` for a short tile, whose rows end within its first 64: with ``first`` (a
+    pingpong warpgroup's :func:`first_rows`) the first atom's wgmma only; with None (a cooperative kernel's
+    warpgroup of the tile's second 64 rows) none. Commits one group either way, so that the callers'
+    wait_group counts hold."""
+    if first is not None:
+        tCrA_first, acc_first = first
+        for kb in range(num_k_blocks):
+            cute.gemm(tiled_mma, acc_first, tCrA_first[(None, None, kb, stage)], tCrB[(None, None, kb, stage)],
+                      acc_first)
+    warpgroup.commit_group()
+
+
 def end_mainloop(pingpong: bool, cwg):
     """Trace time, after a tile's last wgmma is issued: a pingpong warpgroup hands the tensor cores to the other
     (its order barrier); then wait for every wgmma of the tile to finish (the stages may be released)."""
@@ -80,6 +103,9 @@ class WarpRoles:
     #: CTAs per cluster along m: 2 = a CTA pair works on neighbouring m-tiles of one group and n-tile, each loading
     #: half of the B tile (the weight's) and multicasting it to both (the bf16 kernel, B not gated)
     cluster_m = 1
+    #: a 128-row tile whose rows end within its first 64 issues only their wgmma (:meth:`short_tile`; the bf16
+    #: kernel, GemmConfig.short_tiles)
+    short_tiles = False
 
     @property
     def cluster_size(self) -> int:
@@ -240,6 +266,51 @@ class WarpRoles:
         ab_pipe.producer_tail(prod_state)
 
     # ------------------------------------------------------------------ consumers
+    def short_tile(self, row0, row_end, wg_idx):
+        """Trace time: whether the consumer warpgroup ``wg_idx`` (1 or 2, warp-uniform) issues the short-tile wgmma
+        of :func:`mma_k_step_first_rows` for the tile at ``row0`` (its group's rows end at ``row_end``): the
+        tile's rows end within its first 64 (a group's short last m-tile; the other rows belong to the next group
+        or to no group, and the epilogue stores none of them) and, cooperative, the warpgroup is the one of the
+        second 64. The tensor cores then do half of the tile's work: 20-40% of a 128-row tile is wasted on such
+        tiles where groups have a few hundred rows (Qwen3-235B-A22B's 256 rows per expert)."""
+        second_half = row0 + 64 >= row_end
+        if const_expr(self.pingpong):
+            return second_half
+        return second_half & (wg_idx == 2)
+
+    @cute.jit
+    def tile_mainloop(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+                      ab_pipe, read_state, rel_state, num_k_blocks: cutlass.Constexpr, cwg,
+                      first, short: cutlass.Constexpr):
+        """One tile's mainloop over the smem ring: every k-tile's wgmma (one commit group each, one in flight
+        while the next stage is awaited), each stage released once its wgmma finished. ``read_state`` and
+        ``rel_state`` are the caller's copies (it advances its own by ``k_tiles``). ``short``: the wgmma of
+        :func:`mma_k_step_first_rows` (``first``: :func:`first_rows` or None) instead of :func:`mma_k_step`.
+        The caller sets the MMA's ACCUMULATE field (a traced value: set inside a branch, it would not reach the
+        next tile)."""
+        warpgroup.fence()
+        ab_pipe.consumer_wait(read_state)
+        self.mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks, first, short)
+        read_state.advance()
+        for kt in cutlass.range(1, self.k_tiles, unroll=1):
+            ab_pipe.consumer_wait(read_state)
+            self.mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks, first, short)
+            warpgroup.wait_group(1)
+            ab_pipe.consumer_release(rel_state)
+            rel_state.advance()
+            read_state.advance()
+        end_mainloop(self.pingpong, cwg)
+        ab_pipe.consumer_release(rel_state)
+        rel_state.advance()
+
+    def mma_stage(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: int, first, short: bool):
+        """Trace time: one smem stage's wgmma and its commit, :func:`mma_k_step` or for a short tile
+        :func:`mma_k_step_first_rows`."""
+        if short:
+            mma_k_step_first_rows(tiled_mma, first, tCrB, stage, num_k_blocks)
+        else:
+            mma_k_step(tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks)
+
     @cute.jit
     def consume(self, tiled_mma: cute.TiledMma, tiled_mma_log: cute.TiledMma, sA: cute.Tensor,
                 sB: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple, ab_pipe, sched_pipe,
@@ -251,6 +322,9 @@ class WarpRoles:
         acc_shape = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))).shape
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         num_k_blocks = cute.size(tCrA, mode=[2])
+        first = None   # a short tile's operands (pingpong: the first 64 rows; cooperative: none to issue)
+        if const_expr(self.short_tiles and self.pingpong):
+            first = first_rows(tiled_mma, thr_mma, acc, sA, self.tile_k, self.stages)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         rel_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         if const_expr(self.pingpong):
@@ -287,20 +361,22 @@ class WarpRoles:
                 cute.arch.barrier(barrier_id=PINGPONG_BARRIER + cwg, number_of_threads=256)
             acc.fill(0.0)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.fence()
-            ab_pipe.consumer_wait(read_state)
-            mma_k_step(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
-            read_state.advance()
-            for kt in cutlass.range(1, k_tiles, unroll=1):
-                ab_pipe.consumer_wait(read_state)
-                mma_k_step(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
-                warpgroup.wait_group(1)
-                ab_pipe.consumer_release(rel_state)
-                rel_state.advance()
-                read_state.advance()
-            end_mainloop(self.pingpong, cwg)
-            ab_pipe.consumer_release(rel_state)
-            rel_state.advance()
+            # the mainloop advances copies of the ring's states (a @cute.jit callee's changes to its arguments do
+            # not reach the caller: passed the states themselves, the next tile restarted at this one's stages)
+            if const_expr(self.short_tiles):
+                # two whole mainloops, not a branch per k-step: a branch between wgmma issue and wait makes
+                # ptxas serialize every wgmma (an arrive and a wait around each HGMMA in the SASS)
+                if self.short_tile(row0, row_end, wg_idx):
+                    self.tile_mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read_state.clone(), rel_state.clone(),
+                                       num_k_blocks, cwg, first, True)
+                else:
+                    self.tile_mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read_state.clone(), rel_state.clone(),
+                                       num_k_blocks, cwg, first, False)
+            else:
+                self.tile_mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read_state.clone(), rel_state.clone(),
+                                   num_k_blocks, cwg, first, False)
+            read_state.advance(k_tiles)
+            rel_state.advance(k_tiles)
 
             # ---- epilogue
             self.tile_epi.run(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, self.N, pre)

@@ -35,6 +35,11 @@ from dataclasses import dataclass
 from .fp8_scales import SA_STAGE_FLOATS, SB_SLOT_FLOATS, SCALE_BLOCK
 
 
+#: FUSION_SHORT_TILES=0 (read at import): every tile issues the wgmma of all its rows (the kernels before
+#: 2026-11-26's short tiles; the A/B switch: it changes the jobs' keys, so both live in one kernel cache).
+SHORT_TILES = os.environ.get("FUSION_SHORT_TILES", "1") != "0"
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     tile_m: int = 128
@@ -57,6 +62,8 @@ class GemmConfig:
     band_m: int = 0          # tile order inside a group: a tall group is cut into bands of at most band_m m-tiles,
                              # m fastest inside a band, then n (L2 reuse; kernels/scheduler.py); 0: band_for(tile_n);
                              # 1: m fastest over the whole group
+    short_tiles: bool = SHORT_TILES  # a 128-row tile whose rows end within its first 64 (a group's short last
+                                     # m-tile) issues the wgmma of those 64 rows only (kernels/mainloop.py)
 
     @property
     def b_shape_order(self) -> str:

@@ -216,6 +216,28 @@ def test_gemm_config_tuples_of_the_old_fields_still_build_a_k_major_config():
     assert K.choose_config(4096, 4096, 1024, 8, b_major="MN").b_major == "MN"
 
 
+@pytest.mark.parametrize("epi, cfg", [
+    (K.SwiGLUScaleEpilogue(), dict(tile_n=192, stages=5, pingpong=True, dynamic=True)),
+    (K.IdentityEpilogue(), dict(tile_n=128, stages=6, pingpong=True, cluster_n=2)),
+    (K.IdentityEpilogue(), dict(tile_n=256, stages=4, dynamic=True)),            # cooperative
+])
+def test_short_tiles_add_a_mainloop_without_serializing_wgmma(epi, cfg):
+    """GemmConfig.short_tiles builds a second mainloop for a group's short last m-tile (kernels/mainloop.py). Its
+    branch must sit around whole mainloops: inside the k-loop, ptxas serialized every wgmma (a WARPGROUP.DEPBAR
+    wait after each HGMMA: 24 of 24). A pingpong kernel's short mainloop issues half of the HGMMAs of the full one."""
+    full, short = (K.compile_grouped_gemm(K.GemmConfig(**cfg, short_tiles=st), epi, "bfloat16", N=N_, K=K_, G=G_)
+                   for st in (False, True))
+    counts = []
+    for comp in (full, short):
+        ops = _check(comp)
+        hgmma = sum(o.startswith("HGMMA") for o in ops)
+        waits = sum(o.startswith("WARPGROUP.DEPBAR") for o in ops)
+        assert waits < hgmma / 2, f"{comp.name}: {waits} wgmma waits for {hgmma} HGMMAs (serialized)"
+        counts.append(hgmma)
+    if cfg.get("pingpong"):
+        assert counts[1] == counts[0] * 3 // 2, counts     # the full mainloop's HGMMAs and half as many again
+
+
 def test_run_checks_b_shape_for_its_major_mode():
     comp = _compile("fc2-dgrad-bf16")                           # MN-major: B must be (G, K, N)
     A = torch.zeros(4, K_, dtype=torch.bfloat16)
