@@ -4,6 +4,7 @@ Plain Python, importing nothing from fusion and not cutlass: planning, compiling
 loading the DSL.
 
     GemmConfig                         the template's tile configuration (KernelJob.config keeps its fields)
+    SHORT_TILES                        GemmConfig.short_tiles' default (FUSION_SHORT_TILES=0: off)
     choose_config(M, N, K, G, ...)     the heuristic: a function of the weight shape and gating only (M is dynamic)
     pair_ctas(config, N)               the configuration as CTA pairs sharing the A tile, where it can be
     dynamic_pairs(config, N, G)        ... on the dynamic schedule, for weights of few groups

@@ -4,6 +4,7 @@
 trace. GPU correctness (banded kernels bitwise equal to unbanded ones) is tests/test_band_gpu.py.
 """
 import itertools
+import os
 
 import pytest
 
@@ -155,3 +156,24 @@ def test_fusion_gated_192_0_restores_128_column_gated_tiles(monkeypatch):
     monkeypatch.setattr(tile_policy, "GATED_192", False)
     assert tile_policy.choose_config(0, 3072, 4096, 128, gated=True).tile_n == 128
     assert tile_policy.choose_config(0, 5760, 2880, 128, gated=True).tile_n == 192   # wide N: 192 either way
+
+
+def test_short_tiles_are_on_by_default_and_fusion_short_tiles_0_turns_them_off():
+    """GemmConfig.short_tiles (a group's last m-tile of at most 64 rows issues only their wgmma) defaults to
+    tile_policy.SHORT_TILES, read from FUSION_SHORT_TILES at import: every policy configuration carries it, so the
+    A/B switch changes the kernels' cache keys and both builds live in one cache."""
+    import subprocess
+    import sys
+
+    from fusion.kernels.tile_policy import GemmConfig, choose_config, choose_fp8_config, tile_config
+
+    assert GemmConfig().short_tiles
+    assert choose_config(0, 1536, 2048, 128, gated=True).short_tiles
+    assert choose_fp8_config(4096, 7168, 32).short_tiles
+    assert GemmConfig(*tile_config(2048, 1536, 128, False, "MN", False)).short_tiles
+    probe = ("from fusion.kernels.tile_policy import GemmConfig, choose_config, choose_fp8_config; "
+             "print(GemmConfig().short_tiles, choose_config(0, 1536, 2048, 128, gated=True).short_tiles, "
+             "choose_fp8_config(4096, 7168, 32).short_tiles)")
+    env = dict(os.environ, FUSION_SHORT_TILES="0")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "False"]
