@@ -103,8 +103,8 @@ class WarpRoles:
     #: CTAs per cluster along m: 2 = a CTA pair works on neighbouring m-tiles of one group and n-tile, each loading
     #: half of the B tile (the weight's) and multicasting it to both (the bf16 kernel, B not gated)
     cluster_m = 1
-    #: a 128-row tile whose rows end within its first 64 issues only their wgmma (:meth:`short_tile`; the bf16
-    #: kernel, GemmConfig.short_tiles)
+    #: a 128-row tile whose rows end within its first 64 issues only their wgmma (:meth:`short_tile`;
+    #: GemmConfig.short_tiles: the bf16 kernel here, the FP8 kernel in kernels/fp8_mainloop.py)
     short_tiles = False
 
     @property
@@ -271,8 +271,8 @@ class WarpRoles:
         of :func:`mma_k_step_first_rows` for the tile at ``row0`` (its group's rows end at ``row_end``): the
         tile's rows end within its first 64 (a group's short last m-tile; the other rows belong to the next group
         or to no group, and the epilogue stores none of them) and, cooperative, the warpgroup is the one of the
-        second 64. The tensor cores then do half of the tile's work: 20-40% of a 128-row tile is wasted on such
-        tiles where groups have a few hundred rows (Qwen3-235B-A22B's 256 rows per expert)."""
+        second 64. The tensor cores then do half of the tile's work. Groups of a few hundred rows leave such a tile
+        in about every other group (Qwen3-235B-A22B's 256 rows per expert)."""
         second_half = row0 + 64 >= row_end
         if const_expr(self.pingpong):
             return second_half
