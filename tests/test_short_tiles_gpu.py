@@ -4,8 +4,9 @@ A 128-row tile whose rows end within its first 64 (a group's short last m-tile) 
 only (kernels/mainloop.py): pingpong warpgroups the first of their two 64-row atoms, a cooperative kernel's second
 warpgroup none. The group sizes below put every interesting remainder on some group's last m-tile (1, 63, 64, 65,
 127, 128 rows past a multiple of 128, and groups of 0), on each consumer schedule, gated and not, K-major and
-MN-major B, CTA pairs along n and m, and a gathered A, on 4 CTAs (many tiles each). Outputs must be bitwise equal to the same configuration with
-short tiles off (no row the epilogue stores comes from the skipped wgmma) and match float64 torch.
+MN-major B, CTA pairs along n and m, a gathered A and the FP8 kernel, on 4 CTAs (many tiles each). Outputs must be
+bitwise equal to the same configuration with short tiles off (no row the epilogue stores comes from the skipped
+wgmma) and match float64 torch.
 """
 import dataclasses
 
