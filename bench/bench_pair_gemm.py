@@ -82,11 +82,10 @@ def variants(job: KernelJob):
     out = [("policy", base)]
     if SHORT_AB["on"]:
         # the policy's configuration with every tile issuing all of its rows' wgmma (GemmConfig.short_tiles)
-        return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg)))
-                for label, cfg in out + [("no short tiles", dataclasses.replace(base, short_tiles=False))]]
+        return _as_jobs(job, out + [("no short tiles", dataclasses.replace(base, short_tiles=False))])
     if BANDS["values"]:
         out += [(f"band {b}", dataclasses.replace(base, band_m=b)) for b in BANDS["values"] if b != base.band_m]
-        return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in out]
+        return _as_jobs(job, out)
     for dynamic in (False, True):
         for cn in ((1, 2) if pairs else (1,)):
             cfg = dataclasses.replace(base, dynamic=dynamic, cluster_n=cn, cluster_m=1)
@@ -113,7 +112,12 @@ def variants(job: KernelJob):
                                       cluster_n=1)
             if cfg != base:
                 out.append((f"64x{tile_n} dyn", cfg))
-    return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in out]
+    return _as_jobs(job, out)
+
+
+def _as_jobs(job: KernelJob, configs) -> list:
+    """(label, `job` at that configuration) for each (label, GemmConfig) of `configs`."""
+    return [(label, dataclasses.replace(job, config=dataclasses.astuple(cfg))) for label, cfg in configs]
 
 
 def all_jobs(names):
