@@ -17,8 +17,8 @@ Two group distributions: "topk" (top-k of random logits: about balanced) and "sk
 some experts get many rows, some none). Every row is checked against torch's result (max relative error).
 
 Usage (the kernels come from FUSION_CACHE_DIR; compile them first on any machine, no GPU needed):
-    python bench/bench_wgrad.py --precompile [--sweep] [--shapes ...]
-    python bench/bench_wgrad.py [--sweep] [--shapes ...] [--out results.json]
+    python bench/bench_wgrad.py --precompile [--sweep] [--no-gather] [--shapes ...]
+    python bench/bench_wgrad.py [--sweep] [--no-gather] [--shapes ...] [--out results.json]
 """
 import argparse
 import dataclasses
@@ -45,6 +45,14 @@ SHAPES = {  # name: (E, d, f, T, k)
     "qwen3-30b-a3b-T1024": (128, 2048, 768, 1024, 8),
     "qwen3-235b-a22b-T4096": (128, 4096, 1536, 4096, 8),   # the training-step bench's block: 256 rows per expert
     "qwen3-30b-a3b-T512": (128, 2048, 768, 512, 8),        # its small Qwen3 block: 32 rows per expert
+    # rows per expert from 128 to 1024 on the same kernels (the --sweep's question: which tile at how many rows)
+    "qwen3-30b-a3b-T2048": (128, 2048, 768, 2048, 8),      # 128 rows per expert
+    "qwen3-30b-a3b-T4096": (128, 2048, 768, 4096, 8),      # 256
+    "qwen3-235b-a22b-T2048": (128, 4096, 1536, 2048, 8),   # 128
+    "qwen3-235b-a22b-T8192": (128, 4096, 1536, 8192, 8),   # 512
+    "qwen3-235b-a22b-T16384": (128, 4096, 1536, 16384, 8),  # 1024
+    "gpt-oss-120b-T8192": (128, 2880, 2880, 8192, 4),      # 256
+    "deepseek-v3-ep8-T1024": (32, 7168, 2048, 1024, 8),    # 256
     # the training-step bench's blocks at its row counts (the lone-GEMM rule's measurements, fusion/runtime/lone_gemm.py)
     "small-batch-T2048": (8, 2048, 1024, 2048, 2),          # 512 rows per expert
     "qwen3-30b-a3b-T8192": (128, 2048, 768, 8192, 8),      # 512
@@ -74,25 +82,25 @@ def gemms(E, d, f, T, k):
     return (("fc1", 2 * f, d, True), ("fc2", d, f, False))
 
 
-def configs(Ma, Nb, G, gathered, sweep):
+def configs(Ma, Nb, G, gathered, sweep, gather=True):
     """(plain, gathered) configuration pairs: the tile policy's first, then (sweep) the others; gathered (B read
     through the index, cp.async: no cluster) only for FC1, once per tile."""
     base = choose_wgrad_config(Ma, Nb, G)
     out = [base] + ([c for c in SWEEP if c != base] if sweep else [])
     pairs, seen = [], set()
     for c in out:
-        gath = dataclasses.replace(c, gather_b=True, cluster_m=1) if gathered else None
+        gath = dataclasses.replace(c, gather_b=True, cluster_m=1) if gathered and gather else None
         pairs.append((c, gath if gath not in seen else None))
         seen.add(gath)
     return pairs
 
 
-def all_jobs(names, sweep):
+def all_jobs(names, sweep, gather=True):
     jobs = []
     for name in names:
         E, d, f, T, k = SHAPES[name]
         for _, Ma, Nb, gathered in gemms(E, d, f, T, k):
-            for plain, gath in configs(Ma, Nb, E, gathered, sweep):
+            for plain, gath in configs(Ma, Nb, E, gathered, sweep, gather):
                 jobs.append(job(plain, Ma, Nb, E))
                 if gath is not None:
                     jobs.append(job(gath, Ma, Nb, E))
@@ -125,7 +133,7 @@ def routed_shape(name, E, d, f, T, k, skewed, gen, dev):
     return M, dgen, index, ends, offs, result
 
 
-def run_shape(name, E, d, f, T, k, skewed, gen, sweep, dev="cuda"):
+def run_shape(name, E, d, f, T, k, skewed, gen, sweep, gather=True, dev="cuda"):
     from fusion.kernels.wgrad_api import run_varlen_k_gemm
     from fusion.runtime.compile import load_compiled
 
@@ -142,7 +150,7 @@ def run_shape(name, E, d, f, T, k, skewed, gen, sweep, dev="cuda"):
             rows["torch index_select + _grouped_mm"] = lambda: torch._grouped_mm(
                 dy.t(), tokens.index_select(0, index), offs=ends)
         errors = {}
-        for i, (plain, gath) in enumerate(configs(Ma, Nb, E, gathered, sweep)):
+        for i, (plain, gath) in enumerate(configs(Ma, Nb, E, gathered, sweep, gather)):
             tag = "ours" if i == 0 else "sweep"
             for cfg, a_in, b_in, idx, suffix in ((plain, dy, xg, None, ""), (gath, dy, tokens, index, ", gathered x")):
                 if cfg is None:
@@ -173,13 +181,15 @@ def main():
     ap.add_argument("--shapes", default=None, help="comma-separated names of " + ",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also time the other tile configurations")
     ap.add_argument("--skewed", action="store_true", help="also the skewed group distribution")
+    ap.add_argument("--no-gather", action="store_true", help="leave out the kernels that gather x (FC1)")
     ap.add_argument("--precompile", action="store_true", help="compile the kernels into FUSION_CACHE_DIR and exit")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     names = args.shapes.split(",") if args.shapes else list(SHAPES)
     if args.precompile:
         from fusion.runtime.aot import compile_jobs
-        compile_jobs(all_jobs(names, args.sweep), parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "0")) or None)
+        compile_jobs(all_jobs(names, args.sweep, not args.no_gather),
+                     parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "0")) or None)
         return
     gen = torch.Generator().manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -187,7 +197,8 @@ def main():
     print(results["device"], flush=True)
     for name in names:
         for skewed in ((False, True) if args.skewed else (False,)):
-            results["shapes"].append({"name": name, **run_shape(name, *SHAPES[name], skewed, gen, args.sweep)})
+            results["shapes"].append({"name": name, **run_shape(name, *SHAPES[name], skewed, gen, args.sweep,
+                                                                      not args.no_gather)})
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(results, fh, indent=1)
