@@ -53,6 +53,10 @@ SHAPES = {  # name: (E, d, f, T, k)
     "qwen3-235b-a22b-T16384": (128, 4096, 1536, 16384, 8),  # 1024
     "gpt-oss-120b-T8192": (128, 2880, 2880, 8192, 4),      # 256
     "deepseek-v3-ep8-T1024": (32, 7168, 2048, 1024, 8),    # 256
+    # shapes the rule by rows per group (kernels/tile_policy.py WGRAD_PINGPONG_ROWS) was not derived from
+    "olmoe-1b-7b-T4096": (64, 2048, 1024, 4096, 8),        # 512
+    "sonic-moe-cute-T4096": (128, 4096, 1024, 4096, 8),    # 256
+    "mixtral-8x7b-T2048": (8, 4096, 14336, 2048, 2),       # 512
     # the training-step bench's blocks at its row counts (the lone-GEMM rule's measurements, fusion/runtime/lone_gemm.py)
     "small-batch-T2048": (8, 2048, 1024, 2048, 2),          # 512 rows per expert
     "qwen3-30b-a3b-T8192": (128, 2048, 768, 8192, 8),      # 512

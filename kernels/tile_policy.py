@@ -22,7 +22,8 @@ loading the DSL.
     band_for, resolved_band, one_band_limit, band_problem
                                        the tile order's bands (GemmConfig.band_m; kernels/scheduler.py)
     candidates(base, N)                what autotune mode times (fusion/runtime/autotune.py)
-    WgradConfig, choose_wgrad_config   the varlen-K kernel's (weight gradients, kernels/varlen_k_gemm.py)
+    WgradConfig, choose_wgrad_config   the varlen-K kernel's (weight gradients, kernels/varlen_k_gemm.py), by rows
+    wgrad_configs                      ... every one it may pick for a shape (compiled ahead of time)
 
 Measured on an H200 (bench/results_h200_v3.txt); tests/test_compile_plans.py checks the SASS of the fused
 kernels (no spills, wgmma).
@@ -393,17 +394,54 @@ class WgradConfig:
     cluster_m: int = 1       # 2: CTA pairs on neighbouring m-tiles share B's tile by TMA multicast (no gather)
 
 
-def choose_wgrad_config(Ma: int, Nb: int, G: int, gather_a: bool = False, gather_b: bool = False) -> WgradConfig:
-    """The varlen-K kernel's tile for D (G, Ma, Nb), a function of the shapes only (the rows are dynamic).
+#: Mean rows per group (a tile's reduction length) from which, and below which, the varlen-K kernel takes
+#: pingpong 128x192 tiles over the wide-tile rule. Measured on an H100 (bench/bench_wgrad.py --sweep,
+#: bench/results/H100-2026-11-26k-wgrad-sweep.*): at 256-1024 rows per group 128x192 pingpong was the fastest
+#: tile on 13 of 14 weight gradients of four MoE models, 4-22% faster than 128x256 cooperative (its epilogue
+#: overlaps the other warpgroup's mainloop where a tile has only 4-16 k-steps); at 128 rows and fewer it lost by up
+#: to 15%, and at 2048 and more rows (bench/results/H100-2026-11-24-wgrad.*) by 9-51%. 1536: between the measured
+#: 1024 and 2048.
+WGRAD_PINGPONG_ROWS = (192, 1536)
+#: ... where 192-column tiles pad Nb by at most this fraction (Nb = 4096, 2048: 3%; 1024: 12.5%, not measured).
+WGRAD_PINGPONG_PAD = 1 / 16
+#: FUSION_WGRAD_BY_ROWS=0 (read at import): the wide-tile rule at every row count (the A/B switch of the choice by
+#: rows per group).
+WGRAD_BY_ROWS = os.environ.get("FUSION_WGRAD_BY_ROWS", "1") != "0"
 
-    The kernel is bound by L2 bandwidth, so a wider tile (fewer bytes per FLOP) wins: 128x256 cooperative where
-    256 divides Nb, else 128x192 pingpong where 192 does, else 128x128 pingpong; without a gathered operand, CTA
-    pairs share B's tile by TMA multicast (cluster_m = 2)."""
+
+def _wide_wgrad_tile(Nb: int) -> WgradConfig:
+    """128x256 cooperative where 256 divides Nb, else 128x192 pingpong where 192 does, else 128x128 pingpong."""
     if Nb % 256 == 0:
-        cfg = WgradConfig(tile_n=256, stages=_max_stages_capped(256, 4), pingpong=False)
-    elif Nb % 192 == 0:
+        return WgradConfig(tile_n=256, stages=_max_stages_capped(256, 4), pingpong=False)
+    if Nb % 192 == 0:
+        return WgradConfig(tile_n=192, stages=_max_stages_capped(192, 5), pingpong=True)
+    return WgradConfig(tile_n=128, stages=6, pingpong=True)
+
+
+def choose_wgrad_config(Ma: int, Nb: int, G: int, gather_a: bool = False, gather_b: bool = False,
+                        rows: int | None = None) -> WgradConfig:
+    """The varlen-K kernel's tile for D (G, Ma, Nb) over `rows` routed rows (None: not known, the wide-tile rule).
+
+    The kernel is bound by L2 bandwidth where tiles have many k-steps, so a wider tile (fewer bytes per FLOP) wins
+    there (`_wide_wgrad_tile`); where a group's rows make only a few k-steps (WGRAD_PINGPONG_ROWS), the epilogue
+    of a 128x256 cooperative tile is exposed and 128x192 pingpong tiles win. Without a gathered operand, CTA pairs
+    share B's tile by TMA multicast (cluster_m = 2)."""
+    low, high = WGRAD_PINGPONG_ROWS
+    padded = -(-Nb // 192) * 192
+    if rows is not None and WGRAD_BY_ROWS and low <= rows / G < high and padded - Nb <= WGRAD_PINGPONG_PAD * Nb:
         cfg = WgradConfig(tile_n=192, stages=_max_stages_capped(192, 5), pingpong=True)
     else:
-        cfg = WgradConfig(tile_n=128, stages=6, pingpong=True)
+        cfg = _wide_wgrad_tile(Nb)
     return dataclasses.replace(cfg, gather_a=gather_a, gather_b=gather_b,
                                cluster_m=1 if gather_a or gather_b else 2)
+
+
+def wgrad_configs(Ma: int, Nb: int, G: int, gather_a: bool = False, gather_b: bool = False) -> list[WgradConfig]:
+    """Every configuration choose_wgrad_config may pick for D (G, Ma, Nb) at some row count: what is compiled ahead
+    of time."""
+    out = []
+    for rows in (None, WGRAD_PINGPONG_ROWS[0] * G):
+        cfg = choose_wgrad_config(Ma, Nb, G, gather_a, gather_b, rows)
+        if cfg not in out:
+            out.append(cfg)
+    return out

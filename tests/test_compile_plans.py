@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fusion
+from fusion.kernels.tile_policy import wgrad_configs
 from fusion.patterns.registry import get_activation
 from fusion import (Activation, Bias, Clamp, GeGLU, GroupLinear, Linear, QuantizeFP8Block, QuantizeMXFP8, Scale,
                     Sequential, SReLU, SwiGLU)
@@ -48,6 +49,12 @@ def demo_blocks(dtype):
     return [build_block(shape, dtype, "meta") for shape in (GPT_OSS_LIKE, DEEPSEEK_LIKE)]
 
 
+def _wgrads(op):
+    """A GroupLinear's weight-gradient kernels: one per tile the policy may pick at some rows per group."""
+    G, out_f, in_f = op.weight.shape
+    return ["wgrad"] * len(wgrad_configs(out_f, in_f, G))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_demo_blocks_compile_for_sm90a(dtype):
     for block in demo_blocks(dtype):
@@ -60,7 +67,8 @@ def test_demo_blocks_compile_for_sm90a(dtype):
         names = [k.name for k in kernels]
         assert [n.split("_")[1:3] for n in names[:3]] == [["F1", "train"], ["F1", "inference"], ["B1", "backward"]]
         lone = block[4].out_features % 128 == 0 or block[4].out_features % 192 == 0
-        expect = (["lone_fprop", "wgrad", "lone_dgrad", "wgrad"] if lone else ["wgrad", "wgrad"])
+        expect = (["lone_fprop", *_wgrads(block[4]), "lone_dgrad", *_wgrads(block[0])] if lone
+                  else [*_wgrads(block[4]), *_wgrads(block[0])])
         assert [n.split("_")[0] if n.startswith("wgrad") else "_".join(n.split("_")[1:3]) for n in names[3:]] \
             == expect, names
         assert kernels[0].key != kernels[1].key

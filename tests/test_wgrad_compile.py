@@ -7,7 +7,7 @@ import pytest
 from conftest import sass_or_skip
 
 from fusion.errors import FusionError, KernelConfigError
-from fusion.kernels.tile_policy import WgradConfig, choose_wgrad_config
+from fusion.kernels.tile_policy import WGRAD_PINGPONG_ROWS, WgradConfig, choose_wgrad_config, wgrad_configs
 
 
 def _compile(cfg, Ma, Nb, G, dtype="bfloat16"):
@@ -49,6 +49,25 @@ def test_tile_policy():
     assert gathered.gather_b and gathered.cluster_m == 1
 
 
+def test_tile_policy_by_rows_per_group():
+    """128x192 pingpong where a group's rows make few k-steps (WGRAD_PINGPONG_ROWS) and 192-column tiles pad Nb
+    little; the wide-tile rule at fewer or more rows, for an unknown row count, and where 192 pads Nb too much."""
+    pp192 = WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2)
+    wide = choose_wgrad_config(3072, 4096, 128)
+    assert wide == WgradConfig(tile_n=256, stages=4, cluster_m=2)
+    low, high = WGRAD_PINGPONG_ROWS
+    for rows, want in ((low * 128 - 1, wide), (low * 128, pp192), (1024 * 128, pp192), (high * 128 - 1, pp192),
+                       (high * 128, wide), (None, wide)):
+        assert choose_wgrad_config(3072, 4096, 128, rows=rows) == want, rows
+    assert choose_wgrad_config(4096, 7168, 32, rows=256 * 32) == pp192      # 7168 = 37.3 tiles: 1.8% padding
+    assert choose_wgrad_config(2048, 1024, 64, rows=512 * 64) == choose_wgrad_config(2048, 1024, 64)   # 12.5%
+    assert choose_wgrad_config(3072, 4096, 128, gather_b=True, rows=256 * 128).cluster_m == 1
+    # every configuration the policy may pick is compiled ahead of time
+    assert wgrad_configs(3072, 4096, 128) == [wide, pp192]
+    assert wgrad_configs(5760, 2880, 128) == [pp192]
+    assert wgrad_configs(2048, 1024, 64) == [choose_wgrad_config(2048, 1024, 64)]
+
+
 @pytest.mark.parametrize("cfg,Ma,Nb,needle", [
     (WgradConfig(tile_n=96), 256, 256, "tile_n a multiple of 64"),
     (WgradConfig(tile_n=256, pingpong=True), 256, 256, "pingpong with tile_n = 256"),
@@ -86,7 +105,7 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     assert loaded.config == WgradConfig(*job.config) and loaded.name.endswith("_c2")
     art = C.artifact(job)
     assert art.config == WgradConfig(*job.config) and art.cubin == loaded.cubin
-    assert job.name == "wgrad_t_bfloat16_Ma256_Nb512_G4"
+    assert job.name == "wgrad_t_bfloat16_Ma256_Nb512_G4_128x256"   # the tile: a shape may have several (by rows)
     # the gathered variant is another kernel
     assert make_wgrad_job(torch.bfloat16, 256, 512, 4, "b", "t").key != job.key
     assert dataclasses.astuple(choose_wgrad_config(256, 512, 4, gather_b=True)) == \

@@ -27,6 +27,7 @@ CASES = [
     (200, 264, 5, WgradConfig(tile_n=256, stages=4, cluster_m=2)),         # ragged m- and n-tiles, 2 m-tiles
     (392, 264, 5, WgradConfig(tile_n=256, stages=4, cluster_m=2)),         # 4 m-tiles, the last ragged
     (384, 384, 7, WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2)),   # 3 m-tiles: odd
+    (264, 456, 6, WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2)),   # ragged 192-column n-tile
     (136, 200, 9, WgradConfig(tile_n=128, stages=6, pingpong=True, cluster_m=2)),
     (256, 320, 4, WgradConfig(tile_n=128, stages=6)),
     (200, 264, 5, WgradConfig(tile_n=256, stages=4)),
@@ -121,10 +122,12 @@ def test_grouped_wgrad_matches_torch_grouped_mm():
     assert ((got - want).norm() / want.norm()).item() < 4e-3
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_training_step_runs_both_weight_gradients_on_the_kernel(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 256), (torch.float16, 256), (torch.bfloat16, 2048)])
+def test_training_step_runs_both_weight_gradients_on_the_kernel(monkeypatch, dtype, d):
     """A block's training step on Hopper: both GroupLinear weight gradients come from the varlen-K kernel (counted:
-    a silent fallback to torch._grouped_mm would compare torch with torch) and match the reference backend's."""
+    a silent fallback to torch._grouped_mm would compare torch with torch) and match the reference backend's.
+    d = 2048: FC1's gradient (Nb = 2048) at about 300 rows per group takes the tile policy's pingpong 128x192 tile
+    (its wide tile is 128x256)."""
     import copy
 
     from fusion import GroupLinear, Scale, Sequential, SwiGLU
@@ -133,7 +136,7 @@ def test_training_step_runs_both_weight_gradients_on_the_kernel(monkeypatch, dty
     calls = []
     real = wgrad_gemm.wgrad
     monkeypatch.setattr(wgrad_gemm, "wgrad", lambda op, x, dy, ctx: calls.append(op) or real(op, x, dy, ctx))
-    E, d, f = 6, 256, 192
+    E, f = 6, 192
     gen = torch.Generator().manual_seed(3)
     sizes = _sizes(E, gen) * 3
     rows = int(sizes.sum())
@@ -148,5 +151,8 @@ def test_training_step_runs_both_weight_gradients_on_the_kernel(monkeypatch, dty
         b(x, group_sizes=sizes.to(DEV), scale=scale).backward(dy)
         grads.append([p.grad.double() for p in b.parameters()])
     assert [id(op) for op in calls] == [id(block[3]), id(block[0])], "the weight gradients did not use the kernel"
+    if d == 2048:
+        assert wgrad_gemm._config(block[0], rows).pingpong and wgrad_gemm._config(block[0], rows).tile_n == 192
+        assert not wgrad_gemm._config(block[0], None).pingpong
     for got, want in zip(*grads):
         assert ((got - want).norm() / want.norm()).item() < 1e-2

@@ -3,7 +3,8 @@
 A device method of the fused runtime (fusion.op_table.DEVICE_METHODS, variant "gemm", part "wgrad"):
 ``dW[g] = dY_g.T @ X_g`` for every group at once, the group row bounds read on the device (no host sync), an empty
 group's gradient zeros. The kernel (kernels/varlen_k_gemm.py) loads both operands by TMA, a CTA pair sharing X's
-tile by multicast; its tile comes from kernels/tile_policy.py `choose_wgrad_config`.
+tile by multicast; its tile comes from kernels/tile_policy.py `choose_wgrad_config`, by the call's rows per group
+(128x192 pingpong tiles where each group's rows make only a few k-steps, wide tiles elsewhere).
 
 Why ours and not torch's: measured on an H100 (bench/bench_wgrad.py, bench/results/H100-2026-11-24-wgrad.json) at
 0.77-1.08x torch._grouped_mm's time on the expert GEMMs of eight MoE models (faster on 9 of 16, within 3% on 5,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from fusion.kernels.tile_policy import choose_wgrad_config, wgrad_configs
 from fusion.op_table import gemm_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
@@ -39,32 +41,43 @@ def takes(op, x) -> bool:
     return gemm_refusal(op, str(x.dtype).removeprefix("torch.")) is None
 
 
-def _job(op, dtype: torch.dtype):
+def _job(op, dtype: torch.dtype, config):
     from fusion.runtime.kernel import make_wgrad_job
 
     G, out_f, in_f = op.weight.shape
-    return make_wgrad_job(dtype, out_f, in_f, G, "", "wgrad")
+    return make_wgrad_job(dtype, out_f, in_f, G, "", "wgrad", config=config)
+
+
+def _config(op, rows: int | None):
+    """The tile policy's configuration for `op`'s weight gradient over `rows` routed rows (its choice depends on
+    rows per group: kernels/tile_policy.py WGRAD_PINGPONG_ROWS)."""
+    G, out_f, in_f = op.weight.shape
+    return choose_wgrad_config(out_f, in_f, G, rows=rows)
 
 
 def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
-    """The KernelJob of `op`'s weight gradient ("wgrad"; none for other parts or where the kernel does not take the
-    op at `dtype`): what Sequential.compile() builds ahead of time (fusion/runtime/aot.py)."""
+    """The KernelJobs of `op`'s weight gradient ("wgrad"; none for other parts or where the kernel does not take
+    the op at `dtype`), one per configuration the tile policy may choose at some row count: what
+    Sequential.compile() builds ahead of time (fusion/runtime/aot.py)."""
     if part != "wgrad" or gemm_refusal(op, str(dtype).removeprefix("torch.")) is not None:
         return []
-    return [_job(op, dtype)]
+    G, out_f, in_f = op.weight.shape
+    return [_job(op, dtype, config) for config in wgrad_configs(out_f, in_f, G)]
 
 
 def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
-    """dW (G, out, in) in the weight's dtype: one launch over every group."""
+    """dW (G, out, in) in the weight's dtype: one launch over every group, at the tile for this call's rows per
+    group (the routed row count is known on the host; the group sizes are not read)."""
     from fusion.kernels.wgrad_api import run_varlen_k_gemm
     from fusion.quant import dequantize
 
-    key = (tuple(op.weight.shape), x.dtype)
+    config = _config(op, x.shape[0])
+    key = (tuple(op.weight.shape), x.dtype, config)
     compiled = _COMPILED.get(key)
     if compiled is None:
         from fusion.runtime.compile import load_compiled
 
-        compiled = _COMPILED[key] = load_compiled(_job(op, x.dtype))
+        compiled = _COMPILED[key] = load_compiled(_job(op, x.dtype, config))
     x = dequantize(x)
     x = x if x.is_contiguous() else x.contiguous()
     dy = dy if dy.is_contiguous() else dy.contiguous()
