@@ -395,14 +395,21 @@ class WgradConfig:
 
 
 #: Mean rows per group (a tile's reduction length) from which, and below which, the varlen-K kernel takes
-#: pingpong 128x192 tiles over the wide-tile rule. Measured on an H100 (bench/bench_wgrad.py --sweep,
-#: bench/results/H100-2026-11-26k-wgrad-sweep.*): at 256-1024 rows per group 128x192 pingpong was the fastest
-#: tile on 13 of 14 weight gradients of four MoE models, 4-22% faster than 128x256 cooperative (its epilogue
-#: overlaps the other warpgroup's mainloop where a tile has only 4-16 k-steps); at 128 rows and fewer it lost by up
-#: to 15%, and at 2048 and more rows (bench/results/H100-2026-11-24-wgrad.*) by 9-51%. 1536: between the measured
-#: 1024 and 2048.
+#: pingpong 128x192 tiles over the wide-tile rule, for weights of several groups. Measured on an H100
+#: (bench/bench_wgrad.py --sweep; bench/results/H100-2026-11-26k-wgrad-sweep.* derived it,
+#: -wgrad-validate.* checked it on shapes it was not derived from): at 256-1024 rows per group 128x192 pingpong was
+#: 3-13% faster than 128x256 cooperative on the 16 weight gradients of Qwen3-30B-A3B, Qwen3-235B-A22B and
+#: DeepSeek-V3 it changes, the fastest of eight tiles on 14 (its epilogue overlaps the other warpgroup's mainloop
+#: where a tile has only 4-16 k-steps; the cooperative tile's epilogue is exposed); on the unseen MoE shapes it
+#: was the fastest of the eight wherever it applies (7 gradients, 0.4-10% faster). At 128 rows and fewer it lost
+#: by up to 15%, at 2048 and more rows (bench/results/H100-2026-11-24-wgrad.*) by 9-51%; 1536 lies between the
+#: measured 1024 and 2048.
+#: A one-group weight (a dense Linear) keeps the wide-tile rule: Llama-3-8B's FC1 gradient at 1024 rows took 13%
+#: longer at 128x192 pingpong.
 WGRAD_PINGPONG_ROWS = (192, 1536)
-#: ... where 192-column tiles pad Nb by at most this fraction (Nb = 4096, 2048: 3%; 1024: 12.5%, not measured).
+#: ... where 192-column tiles pad Nb by at most this fraction (Nb = 4096, 2048: 3%). Beyond it the wide-tile rule
+#: stays: at Nb = 1024 (12.5%) 128x192 pingpong beat 128x256 cooperative by 4-5% on three of four gradients and
+#: lost 3% on one; at Nb = 1408 the rule's 128x128 pingpong was the fastest.
 WGRAD_PINGPONG_PAD = 1 / 16
 #: FUSION_WGRAD_BY_ROWS=0 (read at import): the wide-tile rule at every row count (the A/B switch of the choice by
 #: rows per group).
@@ -423,12 +430,12 @@ def choose_wgrad_config(Ma: int, Nb: int, G: int, gather_a: bool = False, gather
     """The varlen-K kernel's tile for D (G, Ma, Nb) over `rows` routed rows (None: not known, the wide-tile rule).
 
     The kernel is bound by L2 bandwidth where tiles have many k-steps, so a wider tile (fewer bytes per FLOP) wins
-    there (`_wide_wgrad_tile`); where a group's rows make only a few k-steps (WGRAD_PINGPONG_ROWS), the epilogue
-    of a 128x256 cooperative tile is exposed and 128x192 pingpong tiles win. Without a gathered operand, CTA pairs
-    share B's tile by TMA multicast (cluster_m = 2)."""
+    there (`_wide_wgrad_tile`); where a group's rows make only a few k-steps (WGRAD_PINGPONG_ROWS, weights of
+    several groups), the epilogue of a 128x256 cooperative tile is exposed and 128x192 pingpong tiles win.
+    Without a gathered operand, CTA pairs share B's tile by TMA multicast (cluster_m = 2)."""
     low, high = WGRAD_PINGPONG_ROWS
-    padded = -(-Nb // 192) * 192
-    if rows is not None and WGRAD_BY_ROWS and low <= rows / G < high and padded - Nb <= WGRAD_PINGPONG_PAD * Nb:
+    few_k_steps = rows is not None and WGRAD_BY_ROWS and G > 1 and low <= rows / G < high
+    if few_k_steps and -(-Nb // 192) * 192 - Nb <= WGRAD_PINGPONG_PAD * Nb:
         cfg = WgradConfig(tile_n=192, stages=_max_stages_capped(192, 5), pingpong=True)
     else:
         cfg = _wide_wgrad_tile(Nb)

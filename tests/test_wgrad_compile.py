@@ -62,6 +62,7 @@ def test_tile_policy_by_rows_per_group():
     assert choose_wgrad_config(4096, 7168, 32, rows=256 * 32) == pp192      # 7168 = 37.3 tiles: 1.8% padding
     assert choose_wgrad_config(2048, 1024, 64, rows=512 * 64) == choose_wgrad_config(2048, 1024, 64)   # 12.5%
     assert choose_wgrad_config(3072, 4096, 128, gather_b=True, rows=256 * 128).cluster_m == 1
+    assert choose_wgrad_config(28672, 4096, 1, rows=1024) == choose_wgrad_config(28672, 4096, 1)   # one group
     # every configuration the policy may pick is compiled ahead of time
     assert wgrad_configs(3072, 4096, 128) == [wide, pp192]
     assert wgrad_configs(5760, 2880, 128) == [pp192]
