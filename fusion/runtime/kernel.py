@@ -66,12 +66,12 @@ def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: boo
 
 
 def make_wgrad_job(dtype: torch.dtype, out_features: int, in_features: int, G: int, gather: str, step: str,
-                   target: str = "sm_90a", rows: int | None = None, config=None) -> KernelJob:
-    """The varlen-K kernel's job for a GroupLinear's weight gradient dW (G, out, in) = dY_g.T @ X_g over `rows`
-    routed rows (the tile policy's choice depends on rows per group; None: the wide-tile rule), or at `config`;
-    `gather`: which operands ("a": dY, "b": X, "ab") are token matrices read through the routing index."""
+                   target: str = "sm_90a", config=None) -> KernelJob:
+    """The varlen-K kernel's job for a GroupLinear's weight gradient dW (G, out, in) = dY_g.T @ X_g at `config`
+    (None: the tile policy's choice for unknown rows; fusion/runtime/wgrad_gemm.py passes the one for a call's rows
+    per group); `gather`: which operands ("a": dY, "b": X, "ab") are token matrices read through the routing index."""
     if config is None:
-        config = choose_wgrad_config(out_features, in_features, G, "a" in gather, "b" in gather, rows)
+        config = choose_wgrad_config(out_features, in_features, G, "a" in gather, "b" in gather)
     return KernelJob(step=step, variant="wgrad", source="", config=dataclasses.astuple(config),
                      dtype=str(dtype).removeprefix("torch."), N=in_features, K=out_features, G=G, target=target,
                      mainloop="varlen_k")
