@@ -9,7 +9,8 @@ Rows, TFLOP/s = 2*M*Ma*Nb / time:
 
   torch                    torch._grouped_mm(dy.t(), x, offs) on operands already in routed-row order
   torch index_select + mm  FC1 as a block without the fusion runs it: x.index_select, then torch._grouped_mm
-  ours                     the varlen-K kernel at the tile policy's configuration (choose_wgrad_config)
+  ours                     the varlen-K kernel at the tile policy's configuration for the shape's rows
+                           (choose_wgrad_config(..., rows=M): what the runtime launches)
   ours, gathered x         FC1 reading x's rows through the index (no gathered copy)
   sweep <tile>             (--sweep) other tile configurations
 
@@ -86,10 +87,11 @@ def gemms(E, d, f, T, k):
     return (("fc1", 2 * f, d, True), ("fc2", d, f, False))
 
 
-def configs(Ma, Nb, G, gathered, sweep, gather=True):
-    """(plain, gathered) configuration pairs: the tile policy's first, then (sweep) the others; gathered (B read
-    through the index, cp.async: no cluster) only for FC1, once per tile."""
-    base = choose_wgrad_config(Ma, Nb, G)
+def configs(Ma, Nb, G, rows, gathered, sweep, gather=True):
+    """(plain, gathered) configuration pairs: the tile policy's at `rows` routed rows first (the runtime's choice),
+    then (sweep) the others; gathered (B read through the index, cp.async: no cluster) only for FC1, once per
+    tile."""
+    base = choose_wgrad_config(Ma, Nb, G, rows=rows)
     out = [base] + ([c for c in SWEEP if c != base] if sweep else [])
     pairs, seen = [], set()
     for c in out:
@@ -104,7 +106,7 @@ def all_jobs(names, sweep, gather=True):
     for name in names:
         E, d, f, T, k = SHAPES[name]
         for _, Ma, Nb, gathered in gemms(E, d, f, T, k):
-            for plain, gath in configs(Ma, Nb, E, gathered, sweep, gather):
+            for plain, gath in configs(Ma, Nb, E, T * k, gathered, sweep, gather):
                 jobs.append(job(plain, Ma, Nb, E))
                 if gath is not None:
                     jobs.append(job(gath, Ma, Nb, E))
@@ -154,7 +156,7 @@ def run_shape(name, E, d, f, T, k, skewed, gen, sweep, gather=True, dev="cuda"):
             rows["torch index_select + _grouped_mm"] = lambda: torch._grouped_mm(
                 dy.t(), tokens.index_select(0, index), offs=ends)
         errors = {}
-        for i, (plain, gath) in enumerate(configs(Ma, Nb, E, gathered, sweep, gather)):
+        for i, (plain, gath) in enumerate(configs(Ma, Nb, E, M, gathered, sweep, gather)):
             tag = "ours" if i == 0 else "sweep"
             for cfg, a_in, b_in, idx, suffix in ((plain, dy, xg, None, ""), (gath, dy, tokens, index, ", gathered x")):
                 if cfg is None:

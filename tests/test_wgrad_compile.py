@@ -111,3 +111,33 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     assert make_wgrad_job(torch.bfloat16, 256, 512, 4, "b", "t").key != job.key
     assert dataclasses.astuple(choose_wgrad_config(256, 512, 4, gather_b=True)) == \
         make_wgrad_job(torch.bfloat16, 256, 512, 4, "b", "t").config
+
+
+def test_the_runtime_launches_the_tile_for_each_calls_rows(monkeypatch):
+    """fusion/runtime/wgrad_gemm.wgrad picks the tile per call from the routed rows (launch mocked: no GPU): 256
+    rows per group of a 128-group weight take 128x192 pingpong, 64 the wide 128x256 cooperative tile; each tile's
+    kernel is loaded once and every one of them is among the jobs Sequential.compile() builds."""
+    import torch
+
+    import fusion.kernels.wgrad_api as api
+    from fusion import GroupLinear
+    from fusion.ops.base import RunContext
+    from fusion.runtime import compile as C
+    from fusion.runtime import wgrad_gemm
+
+    loaded, launched = [], []
+    monkeypatch.setattr(wgrad_gemm, "_COMPILED", {})
+    monkeypatch.setattr(C, "load_compiled", lambda job: loaded.append(job) or WgradConfig(*job.config))
+    monkeypatch.setattr(api, "run_varlen_k_gemm", lambda compiled, dy, x, bounds, dw: launched.append(compiled))
+    bf16 = torch.bfloat16
+    op = GroupLinear(128, 4096, 3072, device="meta", dtype=bf16)   # weight (128, 3072, 4096): Qwen3-235B's FC1
+    for rows_per_group in (256, 64, 256):
+        rows = 128 * rows_per_group
+        ctx = RunContext(group_sizes=torch.full((128,), rows_per_group))
+        x, dy = torch.empty(rows, 4096, device="meta", dtype=bf16), torch.empty(rows, 3072, device="meta", dtype=bf16)
+        wgrad_gemm.wgrad(op, x, dy, ctx)
+    pp192 = WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2)
+    wide = WgradConfig(tile_n=256, stages=4, cluster_m=2)
+    assert launched == [pp192, wide, pp192]
+    assert [WgradConfig(*job.config) for job in loaded] == [pp192, wide]   # loaded once per tile
+    assert {job.key for job in loaded} == {job.key for job in wgrad_gemm.kernel_jobs(op, "wgrad", bf16)}
