@@ -61,7 +61,8 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
     ("gemm", "dgrad"): ("lone_gemm", "varlen-M grouped GEMM of dY and the weight as stored "
                                      + _lone_rule_text("dgrad")),
     ("gemm", "wgrad"): ("wgrad_gemm", "varlen-K grouped GEMM (fusion/kernels/varlen_k_gemm.py: every group's "
-                                      "dY_g.T @ X_g in one launch, TMA with X's tile multicast to a CTA pair)"),
+                                      "dY_g.T @ X_g in one launch, TMA with X's tile multicast to a CTA pair; "
+                                      "128x192 pingpong tiles at 192-1535 rows per group, wider ones elsewhere)"),
 }
 
 #: What a device method's kernel takes, by variant (the runtime module's `takes` checks the same at run time):
