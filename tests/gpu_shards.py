@@ -37,6 +37,11 @@ def consecutive_shards(ids: list[str], shards: int) -> list[list[str]]:
     return [s for s in out if s]
 
 
+def files_of(shard: list[str]) -> list[str]:
+    """The test files a shard's ids come from, in order, each once."""
+    return list(dict.fromkeys(node.split("::")[0] for node in shard))
+
+
 def summary(log: str) -> str:
     """The last line of a shard's log that pytest's summary or the timeout wrote."""
     lines = [ln for ln in log.splitlines() if ln.strip()]
@@ -61,8 +66,9 @@ def main(argv=None) -> int:
     procs = []
     for i, shard in enumerate(consecutive_shards(ids, args.shards)):
         log = open(os.path.join(args.logs, f"shard{i:02d}.log"), "w")
-        procs.append((i, shard, log, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                                       *shard], stdout=log, stderr=subprocess.STDOUT)))
+        procs.append((i, shard, log, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rs", "-p",
+                                                       "no:cacheprovider", *shard],
+                                                      stdout=log, stderr=subprocess.STDOUT)))
     print(f"gpu_shards: {len(ids)} tests in {len(procs)} shards", flush=True)
     deadline, failed = time.monotonic() + args.timeout, False
     for i, shard, log, proc in procs:
@@ -75,9 +81,9 @@ def main(argv=None) -> int:
         with open(log.name) as fh:
             text = fh.read()
         failed |= rc != 0
-        print(f"shard {i:2d} ({len(shard)} tests from {shard[0].split('::')[0]}): rc {rc}: {summary(text)}")
+        print(f"shard {i:2d} ({len(shard)} tests of {', '.join(files_of(shard))}): rc {rc}: {summary(text)}")
         for line in text.splitlines():
-            if line.startswith(("FAILED", "ERROR")):
+            if line.startswith(("FAILED", "ERROR", "SKIPPED")):   # skips with their reasons (-rs)
                 print(f"  {line}")
     return 1 if failed else 0
 

@@ -22,3 +22,8 @@ def test_summary_is_pytests_last_result_line():
     assert gpu_shards.summary(log) == "1 failed, 5 passed, 3 warnings in 9.1s"
     assert gpu_shards.summary("") == "(no output)"
     assert gpu_shards.summary("collecting ...\nKilled\n") == "Killed"
+
+
+def test_a_shard_names_every_file_it_runs():
+    shard = ["tests/test_a.py::t1", "tests/test_a.py::t2", "tests/test_b.py::t[x]", "tests/test_a.py::t3"]
+    assert gpu_shards.files_of(shard) == ["tests/test_a.py", "tests/test_b.py"]
