@@ -402,8 +402,8 @@ class WgradConfig:
 #: DeepSeek-V3 it changes, the fastest of eight tiles on 14 (its epilogue overlaps the other warpgroup's mainloop
 #: where a tile has only 4-16 k-steps; the cooperative tile's epilogue is exposed); on the unseen MoE shapes it
 #: was the fastest of the eight wherever it applies (7 gradients, 0.4-10% faster). At 128 rows and fewer it lost
-#: by up to 15%, at 2048 and more rows (bench/results/H100-2026-11-24-wgrad.*) by 9-51%; 1536 lies between the
-#: measured 1024 and 2048.
+#: by up to 15%, at 2048 and more rows (bench/results/H100-2026-11-24-wgrad.*) on 7 of 8 gradients by 9-51% (it
+#: won 3% on Mixtral's FC2); 1536 lies between the measured 1024 and 2048.
 #: A one-group weight (a dense Linear) keeps the wide-tile rule: Llama-3-8B's FC1 gradient at 1024 rows took 13%
 #: longer at 128x192 pingpong.
 WGRAD_PINGPONG_ROWS = (192, 1536)
