@@ -349,19 +349,23 @@ def setup_block(block: Block) -> BlockSetup:
 
 
 def run_block(block: Block, paths, phases, out_rows, log):
+    t0 = time.time()
     setup = setup_block(block)
     seq, sizes, offsets, x, probs, dy = setup.seq, setup.sizes, setup.offsets, setup.x, setup.probs, setup.dy
     launched = check_fused_ran(seq, x, sizes, probs)
-    log(f"{block.model}: E={block.E} rows={block.rows} d={block.d} 2f={2 * block.f}; fused launches {launched}")
     want = fingerprint(make_path("reference", seq, sizes, offsets, probs), x, dy)
+    # the seconds a block costs before its timings (kernel loads, the reference): device time to plan for
+    log(f"{block.model}: E={block.E} rows={block.rows} d={block.d} 2f={2 * block.f}; fused launches {launched} "
+        f"(setup and reference {time.time() - t0:.0f}s)")
     if "gemm" in phases:
         gemm_rows(block, out_rows, log)
     phases = [p for p in phases if p != "gemm"]
     for name in paths:
         try:
+            t0 = time.time()
             path = make_path(name, seq, sizes, offsets, probs)
             err = rel_errors(fingerprint(path, x, dy), want)
-            log(f"  {name}: relative error against the reference {err}")
+            log(f"  {name}: relative error against the reference {err} ({time.time() - t0:.0f}s with its warm-up)")
         except Exception as exc:  # noqa: BLE001 - a path that cannot run here is reported, not fatal
             log(f"  {name}: unavailable ({type(exc).__name__}: {str(exc)[:300]})")
             torch.cuda.synchronize()
