@@ -151,7 +151,7 @@ def run_shape(name, skewed, gen, dev="cuda"):
     from fusion.runtime.compile import load_compiled
 
     E, d, f, T, k = SHAPES[name]
-    M, dgen, _, ends, offs, result = routed_shape(name, E, d, f, T, k, skewed, gen, dev)
+    M, dgen, _, ends, offs, result = routed_shape(name, E, d, f, T, k, "skewed" if skewed else "topk", gen, dev)
     bf = torch.bfloat16
     w1 = torch.randn(E, 2 * f, d, generator=dgen, device=dev, dtype=bf) / d ** 0.5
     w2 = torch.randn(E, d, f, generator=dgen, device=dev, dtype=bf) / f ** 0.5

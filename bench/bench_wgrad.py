@@ -14,12 +14,13 @@ Rows, TFLOP/s = 2*M*Ma*Nb / time:
   ours, gathered x         FC1 reading x's rows through the index (no gathered copy)
   sweep <tile>             (--sweep) other tile configurations
 
-Two group distributions: "topk" (top-k of random logits: about balanced) and "skewed" (expert weights u^3:
-some experts get many rows, some none). Every row is checked against torch's result (max relative error).
+Group distributions (--groups, GROUPS): "topk" (top-k of random logits: about balanced), "skewed" (expert weights
+u^3: some experts get many rows, some none) and "lognormal" (the training-step bench's imbalance). Every row is
+checked against torch's result (max relative error).
 
 Usage (the kernels come from FUSION_CACHE_DIR; compile them first on any machine, no GPU needed):
     python bench/bench_wgrad.py --precompile [--sweep] [--no-gather] [--shapes ...]
-    python bench/bench_wgrad.py [--sweep] [--no-gather] [--shapes ...] [--out results.json]
+    python bench/bench_wgrad.py [--sweep] [--no-gather] [--groups topk,lognormal] [--shapes ...] [--out results.json]
 """
 import argparse
 import dataclasses
@@ -113,37 +114,47 @@ def all_jobs(names, sweep, gather=True):
     return jobs
 
 
-def routing(T, E, k, skewed, gen, dev):
-    """(group sizes (E,), index int32 (T*k,) sorted by expert): top-k of random logits, or with `skewed` of
-    logits biased by expert weights u^3 (a few experts take most rows, some may take none)."""
+#: The group distributions: "topk" (top-k of random logits: about balanced), "skewed" (logits biased by expert
+#: weights u^3: a few experts take most rows, some none) and "lognormal" (bench/bench_training_step.py's: rows split
+#: by weights exp(0.6 z), as the training-step and MoE benches route them).
+GROUPS = ("topk", "skewed", "lognormal")
+
+
+def routing(T, E, k, groups, gen, dev):
+    """(group sizes (E,), index int32 (T*k,) of each routed row's token, rows sorted by expert) under `groups` (one
+    of GROUPS)."""
+    if groups == "lognormal":
+        weights = torch.exp(0.6 * torch.randn(E, generator=gen))
+        sizes = torch.distributions.Multinomial(T * k, probs=weights / weights.sum()).sample().long()
+        return sizes.to(dev), torch.randint(0, T, (T * k,), generator=gen).to(torch.int32).to(dev)
     logits = torch.rand(T, E, generator=gen)
-    if skewed:
+    if groups == "skewed":
         logits = logits + 4 * torch.rand(E, generator=gen) ** 3
     experts = logits.topk(k, dim=1).indices.flatten()
     order = torch.argsort(experts, stable=True)
     return torch.bincount(experts, minlength=E).to(dev), (order // k).to(torch.int32).to(dev)
 
 
-def routed_shape(name, E, d, f, T, k, skewed, gen, dev):
+def routed_shape(name, E, d, f, T, k, groups, gen, dev):
     """One shape's routing and the start of its result record (printed): (M, data generator, index, ends (o_1..o_G),
     offsets (o_0..o_G), result). Shared with bench/bench_pair_gemm.py."""
     M = T * k
     dgen = torch.Generator(device=dev).manual_seed(1)
-    sizes, index = routing(T, E, k, skewed, gen, dev)
+    sizes, index = routing(T, E, k, groups, gen, dev)
     ends = torch.cumsum(sizes, 0).to(torch.int32)
     offs = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), ends])
-    result = {"shape": dict(E=E, d=d, f=f, T=T, k=k, M=M), "groups": "skewed" if skewed else "topk",
+    result = {"shape": dict(E=E, d=d, f=f, T=T, k=k, M=M), "groups": groups,
               "max_rows": int(sizes.max()), "empty_groups": int((sizes == 0).sum()), "gemms": {}}
     print(f"{name} [{result['groups']}]: E={E} d={d} f={f} T={T} k={k} M={M}, largest group {result['max_rows']}, "
           f"{result['empty_groups']} empty", flush=True)
     return M, dgen, index, ends, offs, result
 
 
-def run_shape(name, E, d, f, T, k, skewed, gen, sweep, gather=True, dev="cuda"):
+def run_shape(name, E, d, f, T, k, groups, gen, sweep, gather=True, dev="cuda"):
     from fusion.kernels.wgrad_api import run_varlen_k_gemm
     from fusion.runtime.compile import load_compiled
 
-    M, dgen, index, ends, offs, result = routed_shape(name, E, d, f, T, k, skewed, gen, dev)
+    M, dgen, index, ends, offs, result = routed_shape(name, E, d, f, T, k, groups, gen, dev)
     for label, Ma, Nb, gathered in gemms(E, d, f, T, k):
         dy = torch.randn(M, Ma, generator=dgen, device=dev, dtype=torch.bfloat16)
         tokens = torch.randn(T if gathered else M, Nb, generator=dgen, device=dev, dtype=torch.bfloat16)
@@ -187,6 +198,7 @@ def main():
     ap.add_argument("--shapes", default=None, help="comma-separated names of " + ",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also time the other tile configurations")
     ap.add_argument("--skewed", action="store_true", help="also the skewed group distribution")
+    ap.add_argument("--groups", default="topk", help="comma-separated group distributions of " + ",".join(GROUPS))
     ap.add_argument("--no-gather", action="store_true", help="leave out the kernels that gather x (FC1)")
     ap.add_argument("--precompile", action="store_true", help="compile the kernels into FUSION_CACHE_DIR and exit")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -202,8 +214,8 @@ def main():
                "commit": os.environ.get("FUSION_COMMIT"), "shapes": []}
     print(results["device"], flush=True)
     for name in names:
-        for skewed in ((False, True) if args.skewed else (False,)):
-            results["shapes"].append({"name": name, **run_shape(name, *SHAPES[name], skewed, gen, args.sweep,
+        for groups in args.groups.split(",") + (["skewed"] if args.skewed else []):
+            results["shapes"].append({"name": name, **run_shape(name, *SHAPES[name], groups, gen, args.sweep,
                                                                       not args.no_gather)})
         if args.out:
             with open(args.out, "w") as fh:
