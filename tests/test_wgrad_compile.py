@@ -115,7 +115,7 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
 
 def test_the_runtime_launches_the_tile_for_each_calls_rows(monkeypatch):
     """fusion/runtime/wgrad_gemm.wgrad picks the tile per call from the routed rows (launch mocked: no GPU): 256
-    rows per group of a 128-group weight take 128x192 pingpong, 64 the wide 128x256 cooperative tile; each tile's
+    rows per group of a 128-group weight take 128x192 pingpong, 64 the wide 128x256 cooperative tile; each row count's
     kernel is loaded once and every one of them is among the jobs Sequential.compile() builds."""
     import torch
 
@@ -139,5 +139,5 @@ def test_the_runtime_launches_the_tile_for_each_calls_rows(monkeypatch):
     pp192 = WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2)
     wide = WgradConfig(tile_n=256, stages=4, cluster_m=2)
     assert launched == [pp192, wide, pp192]
-    assert [WgradConfig(*job.config) for job in loaded] == [pp192, wide]   # loaded once per tile
+    assert [WgradConfig(*job.config) for job in loaded] == [pp192, wide]   # kept per row count: no reload
     assert {job.key for job in loaded} == {job.key for job in wgrad_gemm.kernel_jobs(op, "wgrad", bf16)}
