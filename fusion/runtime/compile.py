@@ -64,7 +64,8 @@ class KernelJob:
     @property
     def name(self) -> str:
         if self.mainloop == "varlen_k":
-            tile = f"_{self.config[0]}x{self.config[1]}{'pp' if self.config[4] else ''}" if self.config else ""
+            cfg = WgradConfig(*self.config) if self.config else None
+            tile = f"_{cfg.tile_m}x{cfg.tile_n}{'pp' if cfg.pingpong else ''}" if cfg else ""
             return f"wgrad_{self.step}_{self.dtype}_Ma{self.K}_Nb{self.N}_G{self.G}{tile}"
         fp8 = "_fp8" if self.mainloop == "fp8_block" else ""
         return f"fused_{self.step}_{self.variant}{fp8}_{self.dtype}_N{self.N}_K{self.K}_G{self.G}"
