@@ -49,7 +49,13 @@ def main(argv=None):
     ap.add_argument("--phase", default="moe_training_step", choices=["moe_forward", "moe_training_step"])
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--host-only", action="store_true", help="skip the kernel profile")
+    ap.add_argument("--single-thread", action="store_true",
+                    help="autograd runs the backward on the calling thread (torch.autograd.set_multithreading_"
+                         "enabled(False)), so cProfile sees the backward's functions too")
     args = ap.parse_args(argv)
+    if args.single_thread:
+        torch.autograd.set_multithreading_enabled(False)
     path, x, dy = setup(args.model, args.tokens, args.path)
     call, clear = phase_fn(path, args.phase, x, dy)
     for _ in range(3):
@@ -58,7 +64,8 @@ def main(argv=None):
     torch.cuda.synchronize()
     title = f"{args.model} T={args.tokens} {args.path} {args.phase}"
     print_ops(call, clear, max(args.calls, 20), title)
-    print_kernels(call, clear, args.calls, args.top, title)
+    if not args.host_only:
+        print_kernels(call, clear, args.calls, args.top, title)
     print_host(call, clear, args.calls, args.top, title)
 
 

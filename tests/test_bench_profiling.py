@@ -32,3 +32,27 @@ def test_print_ops_counts_the_aten_ops_of_one_call(capsys):
     out = capsys.readouterr().out
     assert "== toy:" in out and "µs of host per call" in out
     assert "mul:" in out and "sum:1" in out   # the forward's ops and the backward's, dispatched once each call
+
+
+def test_host_threads_placement_pins_every_thread_and_moves_the_backward_to_the_calling_thread():
+    import os
+    import threading
+
+    from host_threads import Placement
+
+    place = Placement()
+    parked = threading.Event()
+    helper = threading.Thread(target=parked.wait)   # a second thread of the process: it must be pinned too
+    helper.start()
+    try:
+        place("one-core+calling")
+        assert not torch._C._is_multithreading_enabled()
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        assert len(tids) >= 2 and all(os.sched_getaffinity(t) == {place.core} for t in tids)
+        place("device-thread")
+        assert torch._C._is_multithreading_enabled()
+        assert all(os.sched_getaffinity(t) == place.all_cpus for t in tids)
+    finally:
+        place("device-thread")
+        parked.set()
+        helper.join()
