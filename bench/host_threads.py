@@ -84,7 +84,8 @@ def paths_for(args):
         from profile_moe import setup
 
         for name in args.paths.split(","):
-            path, x, dy = setup(args.moe, args.tokens, name)
+            # torch_compiled as bench_moe.py reports it: the whole layer compiled
+            path, x, dy = setup(args.moe, args.tokens, name, torch_variant="whole")
             call, _ = phase_fn(path, "moe_training_step", x, dy)
             out.append((name, call))
     else:

@@ -25,8 +25,8 @@ from bench_moe import CONFIGS, Options, make_paths, phase_fn  # noqa: E402
 from profiling import print_host, print_kernels, print_ops  # noqa: E402
 
 
-def setup(model: str, tokens: int, path_name: str, backend: str = "auto"):
-    """bench_moe.run_config's layer, x and dy, and the named path (torch_compiled: variant `parts`)."""
+def setup(model: str, tokens: int, path_name: str, backend: str = "auto", torch_variant: str = "parts"):
+    """bench_moe.run_config's layer, x and dy, and the named path (torch_compiled: variant `torch_variant`)."""
     import fusion
 
     cfg = next(c for c in CONFIGS if c.model == model)
@@ -36,7 +36,7 @@ def setup(model: str, tokens: int, path_name: str, backend: str = "auto"):
         torch.nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[-1]))
     x = torch.randn(tokens, cfg.d, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(tokens, cfg.d, device="cuda", dtype=torch.bfloat16)
-    opts = Options(torch_variant="parts")
+    opts = Options(torch_variant=torch_variant)
     (_, path), = make_paths(path_name, moe, cfg, opts)
     return path, x, dy
 
