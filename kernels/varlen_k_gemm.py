@@ -16,12 +16,18 @@ For ``dW[g] = dY_g.T @ X_g``: A = dY (Ma = out_features), B = X (Nb = in_feature
   of one (group, n-tile) in lockstep and B's tile (the rows of X, the same for both) reaches both by TMA
   multicast, each CTA loading half: a third less L2 traffic per FLOP at 128x256 (cuBLAS's weight gradient does
   the same; ncu: without it the kernel is L2-bound).
-- **Producer, gathered operand: cp.async.** The whole producer warpgroup loads both operands with 16-byte
-  ``cp.async``: every row of either operand is one contiguous run of a tile's columns, so a row read through
-  an index costs what a plain one does. Rows past the group's end (and columns past Ma / Nb) are copied with
-  source size 0, i.e. zero-filled. Thread t of the warpgroup copies chunk ``t % 8`` (8 elements) of every
-  64-column swizzle atom of rows ``t // 8 + 16 j``; the full barrier of a stage counts one
-  ``cp.async.mbarrier.arrive.noinc`` per thread.
+- **Producer, one gathered operand: TMA and cp.async.** The operand read in order comes by TMA (warp 0, as
+  above, no multicast); the gathered one by 16-byte ``cp.async`` from the whole producer warpgroup: every row
+  of it is one contiguous run of a tile's columns, so a row read through an index costs what a plain one does.
+  Its rows past the group's end (and columns past Ma / Nb) are copied with source size 0, i.e. zero-filled;
+  the TMA operand's rows there are zeroed by the consumers as above. Thread t of the warpgroup copies chunk
+  ``t % 8`` (8 elements) of every 64-column swizzle atom of rows ``t // 8 + 16 j``. One ``PipelineTmaAsync``
+  ring whose full barriers expect ``1 + 128`` arrivals, as kernels/gather_producer.py's: warp 0's arrive with
+  the TMA bytes, and one ``cp.async.mbarrier.arrive.noinc`` per producer thread. Why not cp.async for both:
+  measured on an H100 that kernel was slower than regathering x and running the TMA kernel on 5 of 7 MoE FC1
+  gradients (docs/benchmarks.md, "The weight-gradient kernel alone").
+- **Producer, both operands gathered: cp.async** for both, as the gathered operand above; the full barrier of
+  a stage counts one ``cp.async.mbarrier.arrive.noinc`` per thread.
 - **Operands are MN-major** (a row is a k-step, contiguous along Ma or Nb): the smem tiles use the MN-major
   128-byte-swizzle atom and wgmma reads both transposed.
 - **Tiles.** Every group has the same ``mt x nt`` output tiles; the schedule walks units of ``cluster_m``
@@ -88,7 +94,8 @@ class VarlenKGemmKernel:
         self.threads = 128 * (1 + self.num_mma_wg)
         self.stages = config.stages
         self.gather_a, self.gather_b = bool(config.gather_a), bool(config.gather_b)
-        self.tma = not (self.gather_a or self.gather_b)
+        self.tma = not (self.gather_a or self.gather_b)           # both operands by TMA
+        self.hybrid = self.gather_a != self.gather_b                # the gathered one by cp.async, the other by TMA
         self.cluster_m = config.cluster_m
         assert self.cluster_m in (1, 2) and (self.tma or self.cluster_m == 1), "multicast needs TMA operands"
         # the cp.async producer keeps a k-step's rows in registers, as the gather-A producer does
@@ -145,6 +152,20 @@ class VarlenKGemmKernel:
                             self.sB_layout).launch(
                 grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), cluster=(self.cluster_m, 1, 1),
                 smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream)
+        elif const_expr(self.hybrid):
+            # the operand read in order by TMA, as a (columns, rows) tensor; the gathered one stays row-major
+            if const_expr(self.gather_b):
+                one, width, ptr, cols, rows = cute.slice_(self.sA_layout, (None, None, 0)), self.tile_m, pA, Ma, a_rows
+            else:
+                one, width, ptr, cols, rows = cute.slice_(self.sB_layout, (None, None, 0)), self.tile_n, pB, Nb, b_rows
+            tma_in, tIn = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), cute.make_tensor(ptr, cute.make_layout((cols, rows), stride=(1, cols))),
+                one, (width, self.tile_k))
+            self.tx_bytes = cute.size_in_bytes(self.ab_dtype, one)
+            self.kernel_hybrid(tma_in, tIn, mA if const_expr(self.gather_a) else mB, mIdx, mOffs, tuple(tensors),
+                               self.tiled_mma, self.sA_layout, self.sB_layout).launch(
+                grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), smem=SharedStorage.size_in_bytes(),
+                min_blocks_per_mp=1, stream=stream)
         else:
             self.kernel(mA, mB, mIdx, mOffs, tuple(tensors), self.tiled_mma, self.sA_layout,
                         self.sB_layout).launch(
@@ -223,6 +244,43 @@ class VarlenKGemmKernel:
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self.consume(tiled_mma, sA, sB, mOffs, epi_tensors, ab_pipe, tidx, wg_idx, rank, bidx, grid)
+
+    @cute.kernel
+    def kernel_hybrid(self, tma_in: cute.CopyAtom, mIn: cute.Tensor, mGath: cute.Tensor, mIdx: cute.Tensor,
+                      mOffs: cute.Tensor, epi_tensors: tuple, tiled_mma: cute.TiledMma,
+                      sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
+        """One gathered operand (``mGath``, row-major (T, ·)): it comes by cp.async, the other (``mIn`` through
+        ``tma_in``) by TMA; no cluster."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_in)
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        # a full barrier's arrivals: warp 0's arrive expecting the TMA bytes, and one cp.async arrive per
+        # producer thread; a stage is released by every consumer warp that reads it
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + PRODUCER_THREADS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_atoms_m * 4),
+            tx_count=self.tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if wg_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            self.produce_hybrid(tma_in, mIn, mGath, mIdx, mOffs, sA, sB, ab_pipe, tidx, warp_idx, bidx, grid)
+        else:
+            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+            self.consume(tiled_mma, sA, sB, mOffs, epi_tensors, ab_pipe, tidx, wg_idx, Int32(0), bidx, grid)
 
     # ------------------------------------------------------------------ schedule
     def unit_coords(self, unit):
@@ -349,6 +407,73 @@ class VarlenKGemmKernel:
             unit = unit + clusters
         ab_pipe.producer_tail(prod_state)
 
+    @cute.jit
+    def produce_hybrid(self, tma_in: cute.CopyAtom, mIn: cute.Tensor, mGath: cute.Tensor, mIdx: cute.Tensor,
+                       mOffs: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe, ptid: Int32, warp_idx: Int32,
+                       bidx: Int32, grid: Int32):
+        """The producer warpgroup with one gathered operand: per k-step warp 0 waits for the empty stage, arrives
+        expecting the TMA operand's bytes and issues its box; the other warps wait for the empty stage
+        themselves; then every thread copies its rows of the gathered operand (read through the index, zero-filled
+        past the group's end and the operand's width) and arrives once they have landed."""
+        chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
+        if const_expr(self.gather_a):
+            sG, sIn, g_width, in_width, g_limit = sA, sB, self.tile_m, self.tile_n, self.Ma
+        else:
+            sG, sIn, g_width, in_width, g_limit = sB, sA, self.tile_n, self.tile_m, self.Nb
+        tiled_copy = self.operand_copy()
+        thr_copy = tiled_copy.get_slice(ptid)
+        tGsG = thr_copy.partition_D(sG)                                        # (chunk, atoms, rows, stage)
+        tGcG = thr_copy.partition_S(cute.make_identity_tensor((g_width, self.tile_k)))
+        atoms = cute.size(tGcG, mode=[1])
+        rows = cute.size(tGcG, mode=[2])
+        edge = const_expr(g_limit % g_width != 0)
+        total = self.G * self.group_units
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        tile_id = bidx
+        while tile_id < total:
+            g, m_idx, n_idx = self.unit_coords(tile_id)
+            row_start = mOffs[g]
+            row_end = mOffs[g + 1]
+            steps = (row_end - row_start + (self.tile_k - 1)) // self.tile_k
+            g_col0 = m_idx * self.tile_m if const_expr(self.gather_a) else n_idx * self.tile_n
+            gIn = cute.local_tile(cute.domain_offset((0, row_start), mIn), (in_width, self.tile_k),
+                                  (n_idx if const_expr(self.gather_a) else m_idx, None))
+            tIsI, tIgI = cpasync.tma_partition(tma_in, 0, cute.make_layout(1), cute.group_modes(sIn, 0, 2),
+                                               cute.group_modes(gIn, 0, 2))
+            for kt in cutlass.range(steps, unroll=1):
+                # this thread's rows of the k-step and their tokens, read before the wait for an empty stage so
+                # that the index loads overlap it
+                live = cute.make_rmem_tensor((rows,), Boolean)
+                token = cute.make_rmem_tensor((rows,), Int32)
+                for j in cutlass.range_constexpr(rows):
+                    r = row_start + kt * self.tile_k + tGcG[0, 0, j][1]
+                    live[j] = r < row_end
+                    token[j] = Int32(0)
+                    if live[j]:
+                        token[j] = mIdx[r]
+                stage = prod_state.index
+                bar = ab_pipe.producer_get_barrier(prod_state)
+                if warp_idx == 0:
+                    ab_pipe.producer_acquire(prod_state)       # empty wait + arrive expecting the TMA bytes
+                    cute.copy(tma_in, tIgI[(None, kt)], tIsI[(None, stage)], tma_bar_ptr=bar)
+                else:
+                    ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
+                for j in cutlass.range_constexpr(rows):
+                    gG = cute.tiled_divide(cute.append_ones(mGath[token[j], None], up_to_rank=2), (chunk, 1))
+                    for i in cutlass.range_constexpr(atoms):
+                        col = g_col0 + tGcG[0, i, j][0]
+                        ok = cute.make_rmem_tensor((1,), Boolean)
+                        ok[0] = live[j] & (col < g_limit) if const_expr(edge) else live[j]
+                        cute.copy(tiled_copy, gG[None, col // chunk, 0], tGsG[None, i, j, stage], pred=ok)
+                cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+                prod_state.advance()
+            tile_id = tile_id + grid
+        # leave no copy in flight behind an exiting thread (warp 0's tail also waits for the consumers)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        if warp_idx == 0:
+            ab_pipe.producer_tail(prod_state)
+
     def zero_copy(self, threads: int) -> cute.TiledCopy:
         """``threads`` consumer threads over a (width, tile_k) MN-major stage: 16-byte stores of zeros, 8 threads
         per row (one 64-column swizzle atom), ``threads / 8`` rows per pass (the producer's cp.async partition)."""
@@ -438,7 +563,7 @@ class VarlenKGemmKernel:
             warpgroup.fence()
             for kt in cutlass.range(steps, unroll=1):
                 ab_pipe.consumer_wait(read_state)
-                if const_expr(self.tma):
+                if const_expr(self.tma or self.hybrid):
                     if kt == steps - 1 and tail < self.tile_k:
                         # TMA read the next group's rows into the last k-step: zero them before the wgmma
                         self.zero_tail_rows(sA, sB, read_state.index, tail, zero_t, readers)

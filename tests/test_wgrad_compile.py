@@ -22,7 +22,8 @@ def _opcodes(comp):
     return collections.Counter(sass_or_skip(lambda: sass_opcodes(comp.sass)))
 
 
-@pytest.mark.parametrize("Ma,Nb,gather", [(1536, 2048, ""), (5760, 2880, ""), (2048, 768, "b"), (2880, 2880, "a")])
+@pytest.mark.parametrize("Ma,Nb,gather", [(1536, 2048, ""), (5760, 2880, ""), (2048, 768, "b"), (2880, 2880, "a"),
+                                          (1536, 2048, "ab")])
 def test_policy_kernels_compile_to_wgmma_without_spills(Ma, Nb, gather):
     cfg = choose_wgrad_config(Ma, Nb, 128, "a" in gather, "b" in gather)
     comp = _compile(cfg, Ma, Nb, 128)
@@ -32,9 +33,11 @@ def test_policy_kernels_compile_to_wgmma_without_spills(Ma, Nb, gather):
     # the paired 8-byte stores of the epilogue (a quad writes whole 32-byte sectors), one shuffle per store
     assert ops["STG.E.64"] > 0 and ops["SHFL.BFLY"] == ops["STG.E.64"]
     if gather:
-        # a gathered operand: cp.async rows through the index, no TMA, no cluster
+        # a gathered operand: cp.async rows through the index, no cluster; the other operand by TMA (no multicast)
+        # where only one is gathered, also by cp.async where both are
         assert cfg.cluster_m == 1 and ops["LDGSTS.E.BYPASS.128"] + ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0
-        assert not any(op.startswith("UTMALDG") for op in ops)
+        assert not any(op.startswith("UTMALDG.2D.MULTICAST") for op in ops)
+        assert (ops["UTMALDG.2D"] > 0) == (len(gather) == 1)
     else:
         # TMA, B multicast to the CTA pair; a partial last k-step's rows zeroed by 16-byte smem stores
         assert cfg.cluster_m == 2 and ops["UTMALDG.2D.MULTICAST"] > 0 and ops["UTMALDG.2D"] > 0
