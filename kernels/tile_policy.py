@@ -416,6 +416,27 @@ WGRAD_PINGPONG_PAD = 1 / 16
 WGRAD_BY_ROWS = os.environ.get("FUSION_WGRAD_BY_ROWS", "1") != "0"
 
 
+#: Mean rows per group from which the weight gradient of a GroupLinear after a Gather (an MoE FC1: dW = dH.T @
+#: x[index]) reads x's rows through the routing index (the varlen-K kernel's gathering producer: x by cp.async, dH
+#: by TMA) instead of a regathered copy of x (the gather kernel writing M x d, then the TMA kernel). Measured on an
+#: H100 (bench/bench_wgrad.py --sweep, bench/results/H100-2026-11-27-wgrad-gather.*; 128x256 cooperative, ms, the
+#: gathering kernel against the TMA kernel plus the regather, M x d read and written at 3 TB/s, 1.44 ms measured at
+#: moe-cute): SonicMoE's moe-cute (2048 rows per expert) 7.00 / 7.94, OLMoE (2048) 1.92 / 2.07, DeepSeek-V3 EP8
+#: (4096) 12.11 / 12.15, Qwen3-30B-A3B (1024) 1.54 / 1.55, GPT-OSS-120B (512) 4.66 / 4.07. The gathering kernel has
+#: no CTA pair sharing x's tile, which costs most where few rows per group make the plain kernel's pairs of
+#: pingpong tiles win. It never writes the copy either (2 GiB at moe-cute).
+WGRAD_GATHER_ROWS = 1536
+#: FUSION_WGRAD_GATHER=0 (read at import): always regather (the A/B switch of gather_in_wgrad).
+WGRAD_GATHER = os.environ.get("FUSION_WGRAD_GATHER", "1") != "0"
+
+
+def gather_in_wgrad(Nb: int, G: int, rows: int) -> bool:
+    """Whether a weight gradient D (G, Ma, Nb) over `rows` routed rows reads its B operand (x) through the routing
+    index rather than from a regathered copy: at WGRAD_GATHER_ROWS or more rows per group, for weights of several
+    groups, where the measured tile (128x256 cooperative: 256 divides Nb) applies."""
+    return WGRAD_GATHER and G > 1 and rows >= WGRAD_GATHER_ROWS * G and Nb % 256 == 0
+
+
 def _wide_wgrad_tile(Nb: int) -> WgradConfig:
     """128x256 cooperative where 256 divides Nb, else 128x192 pingpong where 192 does, else 128x128 pingpong."""
     if Nb % 256 == 0:

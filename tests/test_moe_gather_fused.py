@@ -164,6 +164,49 @@ def test_gather_device_method_wiring(monkeypatch, k, round_to, empty):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("gathers", [True, False])
+def test_fc1_weight_gradient_reads_the_tokens_through_the_index(monkeypatch, gathers):
+    """Where the tile policy says so (kernels/tile_policy.py gather_in_wgrad; forced here), FC1's weight gradient
+    gets the block's tokens and the int32 routing index instead of the regathered rows, and the program skips the
+    Gather's recompute; otherwise the recompute runs and the gradient reads its rows. The weight-gradient device
+    method (fusion/runtime/wgrad_gemm.py) is forced into the emulated program, its kernel replaced by torch on the
+    operands it is given: every result and gradient is the reference's either way (token rounding's padding
+    rows included)."""
+    from fusion.grouped import linear_wgrad
+    from fusion.runtime import steps as S
+    from fusion.runtime import wgrad_gemm
+
+    calls = []
+    device_method = S._device_method
+    gather_ref = Gather.reference
+    recomputes = []
+
+    def with_wgrad(op, part, device_kernels):
+        return wgrad_gemm if (op.spec.kind, part) == ("gemm", "wgrad") else device_method(op, part, device_kernels)
+
+    def kernel(op, x, dy, ctx, index=None):
+        calls.append(index is not None)
+        if index is not None:
+            assert index.dtype == torch.int32 and x.shape[0] == T   # the tokens, read through the index
+            x = x[index.long()]
+        return linear_wgrad(dy, x, op.weight, ctx.group_sizes, ctx.offsets)
+
+    T = 29
+    r = routing(T, 4, 4, 1)
+    x0 = torch.randn(T, D, dtype=torch.float64)
+    ref = run(block("reference"), x0, r, torch.float64)
+    monkeypatch.setattr(S, "_device_method", with_wgrad)
+    monkeypatch.setattr(wgrad_gemm, "takes", lambda op, x: True)
+    monkeypatch.setattr(wgrad_gemm, "gathers", lambda op, rows: gathers)
+    monkeypatch.setattr(wgrad_gemm, "wgrad", kernel)
+    monkeypatch.setattr(Gather, "reference", lambda self, x, ctx: recomputes.append(1) or gather_ref(self, x, ctx))
+    got = run(block("emulate"), x0, r, torch.float64)
+    assert calls == [False, gathers]           # FC2's weight gradient, then FC1's
+    assert len(recomputes) == (0 if gathers else 1)
+    for name, a, b in zip(["y", "dx", "dprobs", "dW1", "dW2"], ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_gather_kernel_in_the_plan():
     """explain() of the block planned for Hopper names the gather kernel for the Combine's backward."""
     from fusion.explain import explain

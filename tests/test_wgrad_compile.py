@@ -131,7 +131,7 @@ def test_the_runtime_launches_the_tile_for_each_calls_rows(monkeypatch):
     loaded, launched = [], []
     monkeypatch.setattr(wgrad_gemm, "_COMPILED", {})
     monkeypatch.setattr(C, "load_compiled", lambda job: loaded.append(job) or WgradConfig(*job.config))
-    monkeypatch.setattr(api, "run_varlen_k_gemm", lambda compiled, dy, x, bounds, dw: launched.append(compiled))
+    monkeypatch.setattr(api, "run_varlen_k_gemm", lambda compiled, dy, x, bounds, dw, index=None: launched.append(compiled))
     bf16 = torch.bfloat16
     op = GroupLinear(128, 4096, 3072, device="meta", dtype=bf16)   # weight (128, 3072, 4096): Qwen3-235B's FC1
     for rows_per_group in (256, 64, 256):
@@ -144,3 +144,44 @@ def test_the_runtime_launches_the_tile_for_each_calls_rows(monkeypatch):
     assert launched == [pp192, wide, pp192]
     assert [WgradConfig(*job.config) for job in loaded] == [pp192, wide]   # kept per row count: no reload
     assert {job.key for job in loaded} == {job.key for job in wgrad_gemm.kernel_jobs(op, "wgrad", bf16)}
+
+
+def test_fc1_weight_gradient_gathers_its_tokens_at_many_rows_per_group(monkeypatch):
+    """kernels/tile_policy.py gather_in_wgrad: at >= WGRAD_GATHER_ROWS routed rows per group, several groups and
+    in_features a multiple of 256, the weight gradient after a Gather reads x through the index; the runtime then
+    launches the gathering kernel (128x256 cooperative, x's rows by cp.async, no cluster) with the index, and
+    Sequential.compile() builds that kernel for a GroupLinear after a Gather (launch mocked: no GPU)."""
+    import torch
+
+    import fusion.kernels.wgrad_api as api
+    from fusion import GroupLinear
+    from fusion.kernels import tile_policy
+    from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, gather_in_wgrad
+    from fusion.ops.base import RunContext
+    from fusion.runtime import compile as C
+    from fusion.runtime import wgrad_gemm
+
+    G, rows = 64, 64 * WGRAD_GATHER_ROWS
+    assert gather_in_wgrad(2048, G, rows) and not gather_in_wgrad(2048, G, rows - 1)
+    assert not gather_in_wgrad(2880, G, rows) and not gather_in_wgrad(2048, 1, rows)
+    monkeypatch.setattr(tile_policy, "WGRAD_GATHER", False)
+    assert not gather_in_wgrad(2048, G, rows)                  # FUSION_WGRAD_GATHER=0
+    monkeypatch.setattr(tile_policy, "WGRAD_GATHER", True)
+
+    launched = []
+    monkeypatch.setattr(wgrad_gemm, "_COMPILED", {})
+    monkeypatch.setattr(C, "load_compiled", lambda job: WgradConfig(*job.config))
+    monkeypatch.setattr(api, "run_varlen_k_gemm",
+                        lambda compiled, dy, x, bounds, dw, index=None: launched.append((compiled, index)))
+    bf16 = torch.bfloat16
+    op = GroupLinear(G, 2048, 2048, device="meta", dtype=bf16)   # OLMoE's FC1: weight (64, 2048, 2048)
+    assert wgrad_gemm.gathers(op, rows) and not wgrad_gemm.gathers(op, rows // 2)
+    T = rows // 8
+    tokens, dy = torch.empty(T, 2048, device="meta", dtype=bf16), torch.empty(rows, 2048, device="meta", dtype=bf16)
+    index = torch.zeros(rows, dtype=torch.int32, device="meta")
+    wgrad_gemm.wgrad(op, tokens, dy, RunContext(group_sizes=torch.full((G,), rows // G)), index=index)
+    (cfg, got_index), = launched
+    assert cfg == WgradConfig(tile_n=256, stages=4, gather_b=True, cluster_m=1) and got_index is index
+    gathered_jobs = wgrad_gemm.kernel_jobs(op, "wgrad", bf16, gathered=True)
+    assert [j for j in gathered_jobs if WgradConfig(*j.config).gather_b] and \
+        not [j for j in wgrad_gemm.kernel_jobs(op, "wgrad", bf16) if WgradConfig(*j.config).gather_b]

@@ -135,7 +135,7 @@ def test_training_step_runs_both_weight_gradients_on_the_kernel(monkeypatch, dty
 
     calls = []
     real = wgrad_gemm.wgrad
-    monkeypatch.setattr(wgrad_gemm, "wgrad", lambda op, x, dy, ctx: calls.append(op) or real(op, x, dy, ctx))
+    monkeypatch.setattr(wgrad_gemm, "wgrad", lambda op, x, dy, ctx, **kw: calls.append(op) or real(op, x, dy, ctx, **kw))
     E, f = 6, 192
     gen = torch.Generator().manual_seed(3)
     sizes = _sizes(E, gen) * 3
@@ -154,5 +154,49 @@ def test_training_step_runs_both_weight_gradients_on_the_kernel(monkeypatch, dty
     if d == 2048:
         assert wgrad_gemm._config(block[0], rows).pingpong and wgrad_gemm._config(block[0], rows).tile_n == 192
         assert not wgrad_gemm._config(block[0], None).pingpong
+    for got, want in zip(*grads):
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("gather_in_kernel", [True, False])
+def test_moe_fc1_weight_gradient_reads_the_tokens_through_the_index(monkeypatch, gather_in_kernel):
+    """An MoE experts block at >= WGRAD_GATHER_ROWS rows per expert (d = 256: the 128x256 tile): FC1's weight
+    gradient reads x through the routing index (the kernel's TMA + cp.async producer), so the gather kernel runs
+    once (the Combine's backward), not twice (no regathered x); with the rule off, twice. Every gradient matches
+    the reference backend's either way."""
+    import copy
+
+    from fusion import Combine, Gather, GroupLinear, Scale, Sequential, SwiGLU
+    from fusion.kernels import tile_policy
+    from fusion.moe import route
+    from fusion.runtime import gather as gather_method
+    from fusion.runtime import wgrad_gemm
+
+    monkeypatch.setattr(tile_policy, "WGRAD_GATHER", gather_in_kernel)
+    gathers, indexed = [], []
+    real_gather, real_wgrad = gather_method.run, wgrad_gemm.wgrad
+    monkeypatch.setattr(gather_method, "run", lambda op, x, ctx: gathers.append(1) or real_gather(op, x, ctx))
+    monkeypatch.setattr(wgrad_gemm, "wgrad", lambda op, x, dy, ctx, index=None:
+                        indexed.append(index is not None) or real_wgrad(op, x, dy, ctx, index=index))
+    E, d, f, T, k = 4, 256, 128, 4096, 2     # 2048 routed rows per expert on average
+    gen = torch.Generator().manual_seed(5)
+    block = Sequential(Gather(), GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d),
+                       Combine()).to(DEV, torch.bfloat16)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=d ** -0.5)
+    ref = copy.deepcopy(block)
+    ref.backend = "reference"
+    x = torch.randn(T, d, generator=gen).to(DEV, torch.bfloat16)
+    logits = torch.randn(T, E, generator=gen).to(DEV, torch.bfloat16)
+    r = route(logits, k)
+    assert int(r.group_sizes.min()) >= tile_policy.WGRAD_GATHER_ROWS
+    dy = torch.randn(T, d, generator=gen).to(DEV, torch.bfloat16)
+    grads = []
+    for b in (block, ref):
+        xg = x.clone().requires_grad_()
+        b(xg, index=r.index, group_sizes=r.group_sizes, scale=r.probs.detach()).backward(dy)
+        grads.append([xg.grad.double()] + [p.grad.double() for p in b.parameters()])
+    assert indexed == [False, gather_in_kernel], indexed      # FC2's gradient, then FC1's
+    assert len(gathers) == (1 if gather_in_kernel else 2), gathers
     for got, want in zip(*grads):
         assert ((got - want).norm() / want.norm()).item() < 1e-2

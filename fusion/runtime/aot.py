@@ -51,7 +51,9 @@ def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob
     for runner in program.forward_steps + program.backward_steps:
         device = getattr(runner, "device", None)
         if device is not None and hasattr(device, "kernel_jobs"):
-            jobs.extend(device.kernel_jobs(runner.op, runner.part, dtype))
+            # a weight gradient after a Gather may read the tokens through the index: its kernel too
+            gathered = {"gathered": True} if getattr(runner, "tokens", None) else {}
+            jobs.extend(device.kernel_jobs(runner.op, runner.part, dtype, **gathered))
     return jobs
 
 

@@ -151,9 +151,11 @@ class BlockProgram:
         recomputed = set(self.plan.recomputed)
         for step, runner, done in zip(self.plan.backward, self.backward_steps, self.release):
             if self._wanted(step, runner, need_x):
-                for name in step.reads:
-                    if name in recomputed and name not in state.env:
-                        self._recompute(state, name)
+                # (a weight gradient that reads the tokens through the routing index needs no regathered copy)
+                if not (isinstance(runner, S.GemmWgrad) and runner.gathers(state)):
+                    for name in step.reads:
+                        if name in recomputed and name not in state.env:
+                            self._recompute(state, name)
                 runner.run(state)
             for name in done:  # free each value after its last reader, as autograd would between nodes
                 state.env.pop(name, None)

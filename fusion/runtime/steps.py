@@ -445,7 +445,11 @@ class GemmDgrad(_DeviceMethodStep):
 class GemmWgrad:
     """GEMM j's weight (and bias) gradient at its saved input: where the block runs kernels, its device method's
     (a GroupLinear's varlen-K kernel, fusion/runtime/wgrad_gemm.py; fp8_block weights: fusion/runtime/fp8_gemm.py);
-    else the vendor grouped GEMM, or the fp8_block recipe's reference."""
+    else the vendor grouped GEMM, or the fp8_block recipe's reference.
+
+    A GEMM after a Gather whose output the backward recomputes (an MoE FC1: its input is x's rows through the
+    routing index) may instead have the kernel read the block's tokens through the index (`gathers`, per call:
+    fusion/runtime/wgrad_gemm.py); the program then skips the recompute."""
 
     part = "wgrad"
 
@@ -455,6 +459,19 @@ class GemmWgrad:
         self.grad_in = out_grad(plan.ops, self.index)
         self.fp8 = _is_fp8(self.op)
         self.device = _device_method(self.op, "wgrad", device_kernels)
+        # the tokens the Gather before this GEMM reads, where the kernel may read them through the index instead
+        before, tokens = (seq[self.index - 1], v(self.index - 1)) if self.index > 0 else (None, None)
+        self.tokens = (tokens if before is not None and before.spec.kind == "gather" and hasattr(self.device, "gathers")
+                       and v(self.index) in plan.recomputed and tokens in plan.saves and tokens not in plan.recomputed
+                       else None)
+
+    def gathers(self, state: RunState) -> bool:
+        """Whether this call's weight gradient reads the tokens through the routing index (not the recomputed
+        gathered rows)."""
+        if self.tokens is None or not self.op.weight.requires_grad:
+            return False
+        tokens = state.env[self.tokens]
+        return self.device.gathers(self.op, state.ctx.index.numel()) and self.device.takes(self.op, tokens)
 
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize
@@ -462,7 +479,10 @@ class GemmWgrad:
         ctx, op = state.ctx, self.op
         dy = dequantize(state.env[self.grad_in]).contiguous()
         weight, bias = weight_of(op), op.bias
-        if weight.requires_grad:
+        if weight.requires_grad and self.gathers(state):
+            dw = self.device.wgrad(op, state.env[self.tokens], dy, ctx, index=gather_index(ctx))
+            state.add(state.param_grads, id(weight), dw)
+        elif weight.requires_grad:
             x = state.env[v(self.index)]
             if self.device is not None and self.device.takes(op, x):
                 dw = self.device.wgrad(op, x, dy, ctx)

@@ -6,6 +6,11 @@ group's gradient zeros. The kernel (kernels/varlen_k_gemm.py) loads both operand
 tile by multicast; its tile comes from kernels/tile_policy.py `choose_wgrad_config`, by the call's rows per group
 (128x192 pingpong tiles where each group's rows make only a few k-steps, wide tiles elsewhere).
 
+After a Gather (an MoE FC1, whose input the forward does not keep: it is x's rows through the routing index), the
+kernel reads x's rows through the index itself where kernels/tile_policy.py `gather_in_wgrad` says so (many rows per
+group), so the regathered copy of x is never written; elsewhere the runtime regathers x first (fusion/runtime/
+gather.py) and the kernel reads both operands by TMA.
+
 Why ours and not torch's: measured on an H100 (bench/bench_wgrad.py, bench/results/H100-2026-11-24-wgrad.json) at
 0.77-1.08x torch._grouped_mm's time on the expert GEMMs of eight MoE models (faster on 9 of 16, within 3% on 5,
 slower by 8% at worst, Qwen3-30B-A3B's FC1), and 0.88-0.90x at a small batch; one launch with integer arguments
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from fusion.kernels.tile_policy import choose_wgrad_config, wgrad_configs
+from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, choose_wgrad_config, gather_in_wgrad, wgrad_configs
 from fusion.op_table import gemm_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
@@ -45,43 +50,57 @@ def _job(op, dtype: torch.dtype, config):
     from fusion.runtime.kernel import make_wgrad_job
 
     G, out_f, in_f = op.weight.shape
-    return make_wgrad_job(dtype, out_f, in_f, G, "", "wgrad", config=config)
+    return make_wgrad_job(dtype, out_f, in_f, G, "b" if config.gather_b else "", "wgrad", config=config)
 
 
-def _config(op, rows: int | None):
+def _config(op, rows: int | None, gathered: bool = False):
     """The tile policy's configuration for `op`'s weight gradient over `rows` routed rows (its choice depends on
-    rows per group: kernels/tile_policy.py WGRAD_PINGPONG_ROWS)."""
+    rows per group: kernels/tile_policy.py WGRAD_PINGPONG_ROWS); `gathered`: x read through the index."""
     G, out_f, in_f = op.weight.shape
-    return choose_wgrad_config(out_f, in_f, G, rows=rows)
+    return choose_wgrad_config(out_f, in_f, G, gather_b=gathered, rows=rows)
 
 
-def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
+def kernel_jobs(op, part: str, dtype: torch.dtype, gathered: bool = False) -> list:
     """The KernelJobs of `op`'s weight gradient ("wgrad"; none for other parts or where the kernel does not take
-    the op at `dtype`), one per configuration the tile policy may choose at some row count: what
-    Sequential.compile() builds ahead of time (fusion/runtime/aot.py)."""
+    the op at `dtype`), one per configuration the tile policy may choose at some row count, and with `gathered`
+    (the op follows a Gather) the one that reads x through the index (`gathers`): what Sequential.compile() builds
+    ahead of time (fusion/runtime/aot.py)."""
     if part != "wgrad" or gemm_refusal(op, str(dtype).removeprefix("torch.")) is not None:
         return []
     G, out_f, in_f = op.weight.shape
-    return [_job(op, dtype, config) for config in wgrad_configs(out_f, in_f, G)]
+    jobs = [_job(op, dtype, config) for config in wgrad_configs(out_f, in_f, G)]
+    if gathered and gather_in_wgrad(in_f, G, WGRAD_GATHER_ROWS * G):
+        jobs.append(_job(op, dtype, _config(op, WGRAD_GATHER_ROWS * G, gathered=True)))
+    return jobs
 
 
-def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+def gathers(op, rows: int) -> bool:
+    """Whether `op`'s weight gradient over `rows` routed rows reads x's rows through the routing index (a GroupLinear
+    after a Gather: kernels/tile_policy.py `gather_in_wgrad`) instead of a regathered copy."""
+    G, _, in_f = op.weight.shape
+    return gather_in_wgrad(in_f, G, rows)
+
+
+def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext, index: torch.Tensor | None = None) -> torch.Tensor:
     """dW (G, out, in) in the weight's dtype: one launch over every group, at the tile for this call's rows per
-    group (the routed row count is known on the host; the group sizes are not read)."""
+    group (the routed row count is known on the host; the group sizes are not read). With `index` (int32, one
+    token row per routed row: fusion/runtime/gather.py `gather_index`) x is the (T, in) token matrix, read through
+    it."""
     from fusion.kernels.wgrad_api import run_varlen_k_gemm
     from fusion.quant import dequantize
 
+    rows = dy.shape[0]
     # kept per row count: the tile policy (about 5 µs) runs once per (shape, dtype, rows), not per call; the kernel
     # of a tile is loaded once (load_compiled keeps it by its key)
-    key = (tuple(op.weight.shape), x.dtype, x.shape[0])
+    key = (tuple(op.weight.shape), x.dtype, rows, index is not None)
     compiled = _COMPILED.get(key)
     if compiled is None:
         from fusion.runtime.compile import load_compiled
 
-        compiled = _COMPILED[key] = load_compiled(_job(op, x.dtype, _config(op, x.shape[0])))
+        compiled = _COMPILED[key] = load_compiled(_job(op, x.dtype, _config(op, rows, index is not None)))
     x = dequantize(x)
     x = x if x.is_contiguous() else x.contiguous()
     dy = dy if dy.is_contiguous() else dy.contiguous()
     dw = torch.empty(op.weight.shape, dtype=x.dtype, device=x.device)
-    run_varlen_k_gemm(compiled, dy, x, row_bounds(op, x.shape[0], ctx, x.device), dw)
+    run_varlen_k_gemm(compiled, dy, x, row_bounds(op, rows, ctx, x.device), dw, index=index)
     return dw
