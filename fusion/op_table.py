@@ -63,7 +63,7 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
     ("gemm", "wgrad"): ("wgrad_gemm", "varlen-K grouped GEMM (fusion/kernels/varlen_k_gemm.py: every group's "
                                       "dY_g.T @ X_g in one launch, TMA with X's tile multicast to a CTA pair; "
                                       "128x192 pingpong tiles at 192-1535 rows per group, wider ones elsewhere; "
-                                      "after a Gather, at >= 1536 rows per group with in_features a multiple of "
+                                      "after a Gather, at >= 1024 rows per group with in_features a multiple of "
                                       "256, X's rows read through the routing index, no regathered copy)"),
 }
 

@@ -424,8 +424,9 @@ WGRAD_BY_ROWS = os.environ.get("FUSION_WGRAD_BY_ROWS", "1") != "0"
 #: moe-cute): SonicMoE's moe-cute (2048 rows per expert) 7.00 / 7.94, OLMoE (2048) 1.92 / 2.07, DeepSeek-V3 EP8
 #: (4096) 12.11 / 12.15, Qwen3-30B-A3B (1024) 1.54 / 1.55, GPT-OSS-120B (512) 4.66 / 4.07. The gathering kernel has
 #: no CTA pair sharing x's tile, which costs most where few rows per group make the plain kernel's pairs of
-#: pingpong tiles win. It never writes the copy either (2 GiB at moe-cute).
-WGRAD_GATHER_ROWS = 1536
+#: pingpong tiles win. It never writes the copy (M x d: 512 MiB at Qwen3-30B-A3B's T = 16384, 2 GiB at moe-cute),
+#: which lowers the layer's peak memory by as much: at parity (1024 rows) the memory decides.
+WGRAD_GATHER_ROWS = 1024
 #: FUSION_WGRAD_GATHER=0 (read at import): always regather (the A/B switch of gather_in_wgrad).
 WGRAD_GATHER = os.environ.get("FUSION_WGRAD_GATHER", "1") != "0"
 
@@ -452,10 +453,15 @@ def choose_wgrad_config(Ma: int, Nb: int, G: int, gather_a: bool = False, gather
 
     The kernel is bound by L2 bandwidth where tiles have many k-steps, so a wider tile (fewer bytes per FLOP) wins
     there (`_wide_wgrad_tile`); where a group's rows make only a few k-steps (WGRAD_PINGPONG_ROWS, weights of
-    several groups), the epilogue of a 128x256 cooperative tile is exposed and 128x192 pingpong tiles win.
+    several groups, no gathered operand), the epilogue of a 128x256 cooperative tile is exposed and 128x192
+    pingpong tiles win.
     Without a gathered operand, CTA pairs share B's tile by TMA multicast (cluster_m = 2)."""
     low, high = WGRAD_PINGPONG_ROWS
-    few_k_steps = rows is not None and WGRAD_BY_ROWS and G > 1 and low <= rows / G < high
+    # a gathered operand keeps the wide tile at every row count: without the CTA pair's shared tile the pingpong
+    # tile lost to it on all five MoE FC1 gradients measured (bench/results/H100-2026-11-27-wgrad-gather.*: e.g.
+    # 1.85 against 1.54 ms at Qwen3-30B-A3B's 1024 rows per group; 4.67 against 4.66 at GPT-OSS-120B's 512)
+    few_k_steps = (rows is not None and WGRAD_BY_ROWS and G > 1 and low <= rows / G < high
+                   and not (gather_a or gather_b))
     if few_k_steps and -(-Nb // 192) * 192 - Nb <= WGRAD_PINGPONG_PAD * Nb:
         cfg = WgradConfig(tile_n=192, stages=_max_stages_capped(192, 5), pingpong=True)
     else:

@@ -185,3 +185,15 @@ def test_fc1_weight_gradient_gathers_its_tokens_at_many_rows_per_group(monkeypat
     gathered_jobs = wgrad_gemm.kernel_jobs(op, "wgrad", bf16, gathered=True)
     assert [j for j in gathered_jobs if WgradConfig(*j.config).gather_b] and \
         not [j for j in wgrad_gemm.kernel_jobs(op, "wgrad", bf16) if WgradConfig(*j.config).gather_b]
+
+
+def test_explain_states_the_weight_gradient_rules_the_tile_policy_applies():
+    """The op table's text (what explain() prints; fusion/op_table.py sits below the kernels and cannot import
+    their constants) names the row counts kernels/tile_policy.py uses."""
+    from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, WGRAD_PINGPONG_ROWS
+    from fusion.op_table import DEVICE_METHODS
+
+    text = DEVICE_METHODS[("gemm", "wgrad")][1]
+    low, high = WGRAD_PINGPONG_ROWS
+    assert f"at {low}-{high - 1} rows per group" in text
+    assert f"after a Gather, at >= {WGRAD_GATHER_ROWS} rows per group" in text
