@@ -84,7 +84,7 @@ def paths_for(args):
         from profile_moe import setup
 
         for name in args.paths.split(","):
-            # torch_compiled as bench_moe.py reports it: the whole layer compiled
+            # torch_compiled's whole-layer variant (bench_moe.py's "whole": the one its runs reported; "parts" syncs)
             path, x, dy = setup(args.moe, args.tokens, name, torch_variant="whole")
             call, _ = phase_fn(path, "moe_training_step", x, dy)
             out.append((name, call))

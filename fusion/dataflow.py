@@ -18,8 +18,8 @@ gradient of its first op's input:
 The values the backward reads that no earlier backward step wrote are the forward's saves. A saved value the
 forward does not produce (interior to a fused step whose pattern does not save it) is recomputed from the
 nearest value before it that the forward produces, which is then saved too (a Gather fused into FC1's A loads
-leaves the gathered rows unwritten: FC1's wgrad regathers them from x); the plan lists those, and explain()
-says so.
+leaves the gathered rows unwritten: FC1's wgrad regathers them from x, unless its kernel reads x through the
+routing index, fusion/runtime/steps.py GemmWgrad); the plan lists those, and explain() says so.
 
 Rows: every value of a dense block has the rows of x (M). An MoE block's Gather turns token rows (T) into
 routed rows (M, one per (token, expert) pair: k per token without token rounding) and its Combine turns them

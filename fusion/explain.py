@@ -254,7 +254,10 @@ def _saves_lines(plan: Plan) -> list[str]:
             rows.append(f"  {name}: {what}")
             continue
         unit = f" B per {_ROW_WORDS[rows_of(plan.ops, name)]}" if moe else " B/row"
-        extra = " (recomputed in backward: the forward does not keep it)" if name in plan.recomputed else ""
+        extra = (" (recomputed in backward: the forward does not keep it; an MoE FC1's weight gradient reads x "
+                 "through the index instead at many rows per group)" if name in plan.recomputed and i > 0
+                 and plan.ops[i - 1].kind == "gather" else
+                 " (recomputed in backward: the forward does not keep it)" if name in plan.recomputed else "")
         rows.append(f"  {name}: {what}, {'?' if size is None else f'{size:g}'}{unit}{extra}")
     kept, _ = saved_bytes(plan.ops, [n for n in plan.saves if n not in plan.recomputed and n != "v0"])
     if not moe:

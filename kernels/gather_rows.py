@@ -3,7 +3,8 @@
     out[r, :] = x[index[r], :] if index[r] >= 0 else 0          x: (T, d)   index: (M,)   out: (M, d)
 
 What an MoE block runs where its Gather is not fused into a GEMM's A loads: the Combine's backward (each routed
-row takes its token's gradient) and the gathered x recomputed for FC1's weight gradient. The reference
+row takes its token's gradient) and the gathered x recomputed for FC1's weight gradient (where that kernel
+does not read x through the index itself: fusion/runtime/wgrad_gemm.py `gathers`). The reference
 (fusion/ops/routing.py `_gather`) appends a zero row to a copy of the T token rows and index_selects from it: a
 second pass over the tokens and five small ops before the copy. This kernel reads each routed row's token once,
 writes each routed row once, and writes the zeros of a padding row itself.

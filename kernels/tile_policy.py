@@ -458,8 +458,9 @@ def choose_wgrad_config(Ma: int, Nb: int, G: int, gather_a: bool = False, gather
     Without a gathered operand, CTA pairs share B's tile by TMA multicast (cluster_m = 2)."""
     low, high = WGRAD_PINGPONG_ROWS
     # a gathered operand keeps the wide tile at every row count: without the CTA pair's shared tile the pingpong
-    # tile lost to it on all five MoE FC1 gradients measured (bench/results/H100-2026-11-27-wgrad-gather.*: e.g.
-    # 1.85 against 1.54 ms at Qwen3-30B-A3B's 1024 rows per group; 4.67 against 4.66 at GPT-OSS-120B's 512)
+    # tile lost to 128x256 cooperative on the four MoE FC1 gradients measured where 256 divides Nb
+    # (bench/results/H100-2026-11-27-wgrad-gather.*: 1.85 against 1.54 ms at Qwen3-30B-A3B's 1024 rows per
+    # group, 2.14 / 1.92 OLMoE, 16.64 / 12.11 DeepSeek-V3, 8.10 / 7.00 moe-cute)
     few_k_steps = (rows is not None and WGRAD_BY_ROWS and G > 1 and low <= rows / G < high
                    and not (gather_a or gather_b))
     if few_k_steps and -(-Nb // 192) * 192 - Nb <= WGRAD_PINGPONG_PAD * Nb:

@@ -7,8 +7,9 @@ For ``dW[g] = dY_g.T @ X_g``: A = dY (Ma = out_features), B = X (Nb = in_feature
 (G, out, in) layout. The reduction length of group g is its row count, known only on the device.
 
 - **Gathered operands.** ``gather_a`` / ``gather_b``: that operand is a (T, ·) token matrix and routed row r
-  reads its row ``index[r]``. An MoE FC1's weight gradient reads x through the routing index this way, so no
-  gathered copy of x is ever written (kernels/gather_producer.py does the same for the forward's A).
+  reads its row ``index[r]``. An MoE FC1's weight gradient reads x through the routing index this way where the
+  tile policy says so (kernels/tile_policy.py `gather_in_wgrad`: many rows per group), and no gathered copy of x
+  is written (kernels/gather_producer.py does the same for the forward's A).
 - **Producer, no gather: TMA**, warp 0 of the producer warpgroup, as the varlen-M kernel's. A k-step is
   ``tile_k`` rows from the group's first row; the rows of its last k-step past the group's end belong to the
   next group, so the consumers zero them in both smem tiles before the wgmma reads them (a partial k-step:
@@ -66,7 +67,7 @@ from .tile_epilogue import TileEpilogue
 
 __all__ = ["VarlenKGemmKernel", "PRODUCER_THREADS"]
 
-#: Threads of the producer warpgroup (all of them load both operands).
+#: Threads of the producer warpgroup (with a gathered operand all of them load it; warp 0 issues the TMA loads).
 PRODUCER_THREADS = 128
 #: Bytes one cp.async moves: 8 bf16/fp16 elements, the unit of the 128-byte swizzle.
 CHUNK_BYTES = 16

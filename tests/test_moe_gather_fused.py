@@ -214,3 +214,38 @@ def test_gather_kernel_in_the_plan():
     text = explain(block("auto", dtype=torch.bfloat16), dtype=torch.bfloat16, target="sm_90a")
     line = next(ln for ln in text.splitlines() if "Combine" in ln and "backward" in ln)
     assert "gather kernel of the tokens' gradients" in line, line
+
+
+def test_fc1_weight_gradient_gather_rule_reads_the_routed_rows_and_needs_a_combine(monkeypatch):
+    """GemmWgrad.gathers asks the tile policy at the call's routed rows M (not the tokens T): 4 experts, 2048 tokens,
+    k = 2 routed rows each, so 1024 rows per expert (kernels/tile_policy.py WGRAD_GATHER_ROWS) where T alone would
+    make 512; a block without a Combine (padding rows could get a gradient) and a Linear never gather; and
+    Sequential.compile() builds the gathering kernel of an MoE FC1."""
+    from fusion import Linear
+    from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, WgradConfig
+    from fusion.planner import plan_for
+    from fusion.run_context import RunContext
+    from fusion.runtime import steps as S
+    from fusion.runtime import wgrad_gemm
+    from fusion.runtime.aot import plan_jobs
+
+    E, d, f, T, k = 4, 256, 128, 2048, 2
+    assert T * k == E * WGRAD_GATHER_ROWS
+    monkeypatch.setattr(wgrad_gemm, "takes", lambda op, x: True)
+
+    def fc1_runner(seq):
+        plan = plan_for(seq, dtype=torch.bfloat16)
+        step = next(s for s in plan.backward if s.parts[0] == (1, "wgrad"))
+        return S.GemmWgrad(seq, step, plan, device_kernels=True)
+
+    moe = Sequential(Gather(), GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d), Combine())
+    runner = fc1_runner(moe)
+    assert runner.tokens == "v0"
+    for M, want in ((T * k, True), (T * k - 1, False)):
+        state = S.RunState(ctx=RunContext(index=torch.zeros(M, dtype=torch.long)), rows=T)
+        state.env["v0"] = torch.empty(T, d)
+        assert runner.gathers(state) is want
+    assert fc1_runner(Sequential(Gather(), GroupLinear(E, d, 2 * f), SwiGLU(), GroupLinear(E, f, d))).tokens is None
+    assert fc1_runner(Sequential(Gather(), Linear(d, 2 * f), SwiGLU(), Linear(f, d), Combine())).tokens is None
+    gathered = [WgradConfig(*j.config) for j in plan_jobs(moe, torch.bfloat16) if j.mainloop == "varlen_k"]
+    assert WgradConfig(tile_n=256, stages=4, gather_b=True, cluster_m=1) in gathered

@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not hopper_available(), reason
 DEV = "cuda"
 
 #: (Ma, Nb, G, config): the policy's three tiles, cooperative and pingpong, TMA with and without the CTA pair's
-#: multicast (an odd m-tile count: the pair's second CTA computes a tile past Ma), edges and gathers (cp.async)
+#: multicast (an odd m-tile count: the pair's second CTA computes a tile past Ma), edges and gathers (one gathered
+#: operand: it by cp.async, the other by TMA; both gathered: cp.async for both)
 CASES = [
     (256, 512, 6, WgradConfig(tile_n=256, stages=4, cluster_m=2)),
     (200, 264, 5, WgradConfig(tile_n=256, stages=4, cluster_m=2)),         # ragged m- and n-tiles, 2 m-tiles

@@ -4,7 +4,8 @@ the int32 index the gathering GEMM kernels read.
 A device method of the fused runtime (fusion.op_table.DEVICE_METHODS): `takes(op, tensor)` says whether the
 kernel runs it, `run(op, tensor, ctx)` computes. Used by the fused runtime (backend "cute", CUDA tensors) for an
 MoE block's Combine backward (each routed row takes its token's gradient) and its Gather forward where that runs
-alone (recomputed before FC1's weight gradient: the gathering FC1 kernel keeps no gathered copy). Both are the
+alone (recomputed before FC1's weight gradient where that kernel does not read x through the index itself:
+fusion/runtime/wgrad_gemm.py `gathers`; the gathering FC1 kernel keeps no gathered copy). Both are the
 same copy: routed row r = token row index[r], a padding row (index -1) zeros, exactly the reference's values
 (fusion/ops/routing.py `_gather`, which appends a zero row to a copy of the tokens and index_selects from it:
 one more pass over the tokens and five small ops, twice per training step).
@@ -22,7 +23,7 @@ _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 
 
 def gather_index(ctx: RunContext) -> torch.Tensor:
-    """The index a gathering GEMM kernel loads its A rows through: int32, a padding row (-1) reading row 0, made
+    """The index a gathering GEMM kernel loads its A rows (a gathering weight gradient its x rows) through: int32, a padding row (-1) reading row 0, made
     once per call (RunContext.derived; on the GPU the routed prologue writes it, fusion/runtime/bounds.py).
 
     Padding rows (token rounding) lie in the last group (RunContext.group_sizes absorbs them), so the kernel

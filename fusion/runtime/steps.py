@@ -447,9 +447,12 @@ class GemmWgrad:
     (a GroupLinear's varlen-K kernel, fusion/runtime/wgrad_gemm.py; fp8_block weights: fusion/runtime/fp8_gemm.py);
     else the vendor grouped GEMM, or the fp8_block recipe's reference.
 
-    A GEMM after a Gather whose output the backward recomputes (an MoE FC1: its input is x's rows through the
-    routing index) may instead have the kernel read the block's tokens through the index (`gathers`, per call:
-    fusion/runtime/wgrad_gemm.py); the program then skips the recompute."""
+    A GroupLinear after a Gather whose output the backward recomputes, in a block that ends with a Combine (an MoE
+    FC1: its input is x's rows through the routing index) may instead have the kernel read the block's tokens
+    through the index (`gathers`, asked by the program once per call: fusion/runtime/wgrad_gemm.py); the program
+    then skips the recompute, and `run` finds the gathered rows absent. Why the Combine: a padding row (token
+    rounding) reads token 0 through the kernel's index where the regathered copy holds zeros, so its
+    d(pre-activation) row must be zero, which the Combine's backward (zeros at padding rows) guarantees."""
 
     part = "wgrad"
 
@@ -462,16 +465,17 @@ class GemmWgrad:
         # the tokens the Gather before this GEMM reads, where the kernel may read them through the index instead
         before, tokens = (seq[self.index - 1], v(self.index - 1)) if self.index > 0 else (None, None)
         self.tokens = (tokens if before is not None and before.spec.kind == "gather" and hasattr(self.device, "gathers")
+                       and self.op.weight.dim() == 3 and seq[len(seq) - 1].spec.kind == "combine"
                        and v(self.index) in plan.recomputed and tokens in plan.saves and tokens not in plan.recomputed
                        else None)
 
     def gathers(self, state: RunState) -> bool:
         """Whether this call's weight gradient reads the tokens through the routing index (not the recomputed
-        gathered rows)."""
-        if self.tokens is None or not self.op.weight.requires_grad:
+        gathered rows): the tile policy's rule at the call's routed rows, and the kernel takes the tokens."""
+        if self.tokens is None or not weight_of(self.op).requires_grad:
             return False
-        tokens = state.env[self.tokens]
-        return self.device.gathers(self.op, state.ctx.index.numel()) and self.device.takes(self.op, tokens)
+        return (self.device.gathers(self.op, state.ctx.index.numel())
+                and self.device.takes(self.op, state.env[self.tokens]))
 
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize
@@ -479,7 +483,8 @@ class GemmWgrad:
         ctx, op = state.ctx, self.op
         dy = dequantize(state.env[self.grad_in]).contiguous()
         weight, bias = weight_of(op), op.bias
-        if weight.requires_grad and self.gathers(state):
+        # the program skipped the gathered rows' recompute because `gathers` said so (asked once per call)
+        if weight.requires_grad and self.tokens is not None and v(self.index) not in state.env:
             dw = self.device.wgrad(op, state.env[self.tokens], dy, ctx, index=gather_index(ctx))
             state.add(state.param_grads, id(weight), dw)
         elif weight.requires_grad:

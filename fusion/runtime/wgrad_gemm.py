@@ -77,8 +77,8 @@ def kernel_jobs(op, part: str, dtype: torch.dtype, gathered: bool = False) -> li
 def gathers(op, rows: int) -> bool:
     """Whether `op`'s weight gradient over `rows` routed rows reads x's rows through the routing index (a GroupLinear
     after a Gather: kernels/tile_policy.py `gather_in_wgrad`) instead of a regathered copy."""
-    G, _, in_f = op.weight.shape
-    return gather_in_wgrad(in_f, G, rows)
+    weight = op._parameters["weight"]
+    return weight.dim() == 3 and gather_in_wgrad(weight.shape[2], weight.shape[0], rows)
 
 
 def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext, index: torch.Tensor | None = None) -> torch.Tensor:
