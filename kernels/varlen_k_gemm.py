@@ -201,7 +201,7 @@ class VarlenKGemmKernel:
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
-            self.produce(mA, mB, mIdx, mOffs, sA, sB, ab_pipe, tidx, bidx, grid)
+            self.produce_gathered(None, None, mA, mB, mIdx, mOffs, sA, sB, ab_pipe, tidx, Int32(0), bidx, grid)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self.consume(tiled_mma, sA, sB, mOffs, epi_tensors, ab_pipe, tidx, wg_idx, Int32(0), bidx, grid)
@@ -278,7 +278,8 @@ class VarlenKGemmKernel:
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
-            self.produce_hybrid(tma_in, mIn, mGath, mIdx, mOffs, sA, sB, ab_pipe, tidx, warp_idx, bidx, grid)
+            # (the gathered operand fills the slot of A or B its config names; the other slot is not read)
+            self.produce_gathered(tma_in, mIn, mGath, mGath, mIdx, mOffs, sA, sB, ab_pipe, tidx, warp_idx, bidx, grid)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self.consume(tiled_mma, sA, sB, mOffs, epi_tensors, ab_pipe, tidx, wg_idx, Int32(0), bidx, grid)
@@ -310,8 +311,14 @@ class VarlenKGemmKernel:
         return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((chunk, 1)))
 
     @cute.jit
-    def produce(self, mA: cute.Tensor, mB: cute.Tensor, mIdx: cute.Tensor, mOffs: cute.Tensor, sA: cute.Tensor,
-                sB: cute.Tensor, ab_pipe, ptid: Int32, bidx: Int32, grid: Int32):
+    def produce_gathered(self, tma_in, mIn, mA: cute.Tensor, mB: cute.Tensor, mIdx: cute.Tensor,
+                         mOffs: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe, ptid: Int32, warp_idx: Int32,
+                         bidx: Int32, grid: Int32):
+        """The producer warpgroup of a kernel with gathered operands: every thread copies its rows of each gathered
+        operand (read through the index; zero-filled past the group's end and the operand's width). With one
+        gathered operand (``hybrid``) the other comes by TMA: per k-step warp 0 waits for the empty stage, arrives
+        expecting its bytes and issues its box (``tma_in`` over ``mIn``), the other warps wait for the empty stage
+        themselves, and every thread arrives once its copies have landed. Both gathered: a cp.async ring."""
         chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
         tiled_copy = self.operand_copy()
         thr_copy = tiled_copy.get_slice(ptid)
@@ -319,11 +326,7 @@ class VarlenKGemmKernel:
         tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
         tBsB = thr_copy.partition_D(sB)
         tBcB = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, self.tile_k)))
-        a_atoms = cute.size(tAcA, mode=[1])
-        b_atoms = cute.size(tBcB, mode=[1])
-        rows = cute.size(tAcA, mode=[2])
-        a_edge = const_expr(self.Ma % self.tile_m != 0)
-        b_edge = const_expr(self.Nb % self.tile_n != 0)
+        rows = cute.size(tAcA, mode=[2])        # the same rows of a k-step for both operands
         total = self.G * self.group_units
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         tile_id = bidx
@@ -332,46 +335,69 @@ class VarlenKGemmKernel:
             row_start = mOffs[g]
             row_end = mOffs[g + 1]
             steps = (row_end - row_start + (self.tile_k - 1)) // self.tile_k
-            a_col0 = m_idx * self.tile_m
-            b_col0 = n_idx * self.tile_n
+            tIsI, tIgI = None, None
+            if const_expr(self.hybrid):
+                # the operand read in order: B's n-tile where A is gathered, else A's m-tile
+                in_sm, in_width, in_idx = (sB, self.tile_n, n_idx) if const_expr(self.gather_a) else \
+                    (sA, self.tile_m, m_idx)
+                gIn = cute.local_tile(cute.domain_offset((0, row_start), mIn), (in_width, self.tile_k), (in_idx, None))
+                tIsI, tIgI = cpasync.tma_partition(tma_in, 0, cute.make_layout(1), cute.group_modes(in_sm, 0, 2),
+                                                   cute.group_modes(gIn, 0, 2))
             for kt in cutlass.range(steps, unroll=1):
-                # this thread's rows of the k-step (their token rows where an operand is gathered), read before
-                # the wait for an empty stage so that the index loads overlap it
+                # this thread's rows of the k-step and their tokens, read before the wait for an empty stage so
+                # that the index loads overlap it
                 live = cute.make_rmem_tensor((rows,), Boolean)
-                row = cute.make_rmem_tensor((rows,), Int32)
                 token = cute.make_rmem_tensor((rows,), Int32)
                 for j in cutlass.range_constexpr(rows):
                     r = row_start + kt * self.tile_k + tAcA[0, 0, j][1]
                     live[j] = r < row_end
-                    row[j] = cutlass.select_(live[j], r, Int32(0))
                     token[j] = Int32(0)
-                    if const_expr(self.gather_a or self.gather_b):
-                        if live[j]:
-                            token[j] = mIdx[r]
-                ab_pipe.producer_acquire(prod_state)
+                    if live[j]:
+                        token[j] = mIdx[r]
                 stage = prod_state.index
-                for j in cutlass.range_constexpr(rows):
-                    a_row = token[j] if const_expr(self.gather_a) else row[j]
-                    b_row = token[j] if const_expr(self.gather_b) else row[j]
-                    gA = cute.tiled_divide(cute.append_ones(mA[a_row, None], up_to_rank=2), (chunk, 1))
-                    gB = cute.tiled_divide(cute.append_ones(mB[b_row, None], up_to_rank=2), (chunk, 1))
-                    for i in cutlass.range_constexpr(a_atoms):
-                        col = a_col0 + tAcA[0, i, j][0]
-                        ok = cute.make_rmem_tensor((1,), Boolean)
-                        ok[0] = live[j] & (col < self.Ma) if const_expr(a_edge) else live[j]
-                        cute.copy(tiled_copy, gA[None, col // chunk, 0], tAsA[None, i, j, stage], pred=ok)
-                    for i in cutlass.range_constexpr(b_atoms):
-                        col = b_col0 + tBcB[0, i, j][0]
-                        ok = cute.make_rmem_tensor((1,), Boolean)
-                        ok[0] = live[j] & (col < self.Nb) if const_expr(b_edge) else live[j]
-                        cute.copy(tiled_copy, gB[None, col // chunk, 0], tBsB[None, i, j, stage], pred=ok)
-                ab_pipe.producer_commit(prod_state)
+                bar = None
+                if const_expr(self.hybrid):
+                    bar = ab_pipe.producer_get_barrier(prod_state)
+                    if warp_idx == 0:
+                        ab_pipe.producer_acquire(prod_state)   # empty wait + arrive expecting the TMA bytes
+                        cute.copy(tma_in, tIgI[(None, kt)], tIsI[(None, stage)], tma_bar_ptr=bar)
+                    else:
+                        ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
+                else:
+                    ab_pipe.producer_acquire(prod_state)
+                if const_expr(self.gather_a):
+                    self.copy_rows(tiled_copy, mA, token, live, tAcA, tAsA, stage, m_idx * self.tile_m, self.Ma,
+                                   self.tile_m)
+                if const_expr(self.gather_b):
+                    self.copy_rows(tiled_copy, mB, token, live, tBcB, tBsB, stage, n_idx * self.tile_n, self.Nb,
+                                   self.tile_n)
+                if const_expr(self.hybrid):
+                    cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+                else:
+                    ab_pipe.producer_commit(prod_state)
                 prod_state.advance()
             tile_id = tile_id + grid
         # leave no copy in flight behind an exiting thread, nor a stage the consumers still read
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
-        ab_pipe.producer_tail(prod_state)
+        if const_expr(self.hybrid):
+            if warp_idx == 0:
+                ab_pipe.producer_tail(prod_state)
+        else:
+            ab_pipe.producer_tail(prod_state)
+
+    def copy_rows(self, tiled_copy, mX: cute.Tensor, token, live, tXcX, tXsX, stage, col0, limit: int, width: int):
+        """Trace time: this thread's 16-byte chunks of a gathered operand's k-step rows (token rows of ``mX``) into
+        ``stage``, zero-filled past the group's end (``live``) and past the operand's ``limit`` columns."""
+        chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
+        edge = limit % width != 0
+        for j in range(cute.size(tXcX, mode=[2])):
+            gX = cute.tiled_divide(cute.append_ones(mX[token[j], None], up_to_rank=2), (chunk, 1))
+            for i in range(cute.size(tXcX, mode=[1])):
+                col = col0 + tXcX[0, i, j][0]
+                ok = cute.make_rmem_tensor((1,), Boolean)
+                ok[0] = live[j] & (col < limit) if edge else live[j]
+                cute.copy(tiled_copy, gX[None, col // chunk, 0], tXsX[None, i, j, stage], pred=ok)
 
     @cute.jit
     def produce_tma(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
@@ -407,73 +433,6 @@ class VarlenKGemmKernel:
                 prod_state.advance()
             unit = unit + clusters
         ab_pipe.producer_tail(prod_state)
-
-    @cute.jit
-    def produce_hybrid(self, tma_in: cute.CopyAtom, mIn: cute.Tensor, mGath: cute.Tensor, mIdx: cute.Tensor,
-                       mOffs: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe, ptid: Int32, warp_idx: Int32,
-                       bidx: Int32, grid: Int32):
-        """The producer warpgroup with one gathered operand: per k-step warp 0 waits for the empty stage, arrives
-        expecting the TMA operand's bytes and issues its box; the other warps wait for the empty stage
-        themselves; then every thread copies its rows of the gathered operand (read through the index, zero-filled
-        past the group's end and the operand's width) and arrives once they have landed."""
-        chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
-        if const_expr(self.gather_a):
-            sG, sIn, g_width, in_width, g_limit = sA, sB, self.tile_m, self.tile_n, self.Ma
-        else:
-            sG, sIn, g_width, in_width, g_limit = sB, sA, self.tile_n, self.tile_m, self.Nb
-        tiled_copy = self.operand_copy()
-        thr_copy = tiled_copy.get_slice(ptid)
-        tGsG = thr_copy.partition_D(sG)                                        # (chunk, atoms, rows, stage)
-        tGcG = thr_copy.partition_S(cute.make_identity_tensor((g_width, self.tile_k)))
-        atoms = cute.size(tGcG, mode=[1])
-        rows = cute.size(tGcG, mode=[2])
-        edge = const_expr(g_limit % g_width != 0)
-        total = self.G * self.group_units
-        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        tile_id = bidx
-        while tile_id < total:
-            g, m_idx, n_idx = self.unit_coords(tile_id)
-            row_start = mOffs[g]
-            row_end = mOffs[g + 1]
-            steps = (row_end - row_start + (self.tile_k - 1)) // self.tile_k
-            g_col0 = m_idx * self.tile_m if const_expr(self.gather_a) else n_idx * self.tile_n
-            gIn = cute.local_tile(cute.domain_offset((0, row_start), mIn), (in_width, self.tile_k),
-                                  (n_idx if const_expr(self.gather_a) else m_idx, None))
-            tIsI, tIgI = cpasync.tma_partition(tma_in, 0, cute.make_layout(1), cute.group_modes(sIn, 0, 2),
-                                               cute.group_modes(gIn, 0, 2))
-            for kt in cutlass.range(steps, unroll=1):
-                # this thread's rows of the k-step and their tokens, read before the wait for an empty stage so
-                # that the index loads overlap it
-                live = cute.make_rmem_tensor((rows,), Boolean)
-                token = cute.make_rmem_tensor((rows,), Int32)
-                for j in cutlass.range_constexpr(rows):
-                    r = row_start + kt * self.tile_k + tGcG[0, 0, j][1]
-                    live[j] = r < row_end
-                    token[j] = Int32(0)
-                    if live[j]:
-                        token[j] = mIdx[r]
-                stage = prod_state.index
-                bar = ab_pipe.producer_get_barrier(prod_state)
-                if warp_idx == 0:
-                    ab_pipe.producer_acquire(prod_state)       # empty wait + arrive expecting the TMA bytes
-                    cute.copy(tma_in, tIgI[(None, kt)], tIsI[(None, stage)], tma_bar_ptr=bar)
-                else:
-                    ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
-                for j in cutlass.range_constexpr(rows):
-                    gG = cute.tiled_divide(cute.append_ones(mGath[token[j], None], up_to_rank=2), (chunk, 1))
-                    for i in cutlass.range_constexpr(atoms):
-                        col = g_col0 + tGcG[0, i, j][0]
-                        ok = cute.make_rmem_tensor((1,), Boolean)
-                        ok[0] = live[j] & (col < g_limit) if const_expr(edge) else live[j]
-                        cute.copy(tiled_copy, gG[None, col // chunk, 0], tGsG[None, i, j, stage], pred=ok)
-                cute.arch.cp_async_mbarrier_arrive_noinc(bar)
-                prod_state.advance()
-            tile_id = tile_id + grid
-        # leave no copy in flight behind an exiting thread (warp 0's tail also waits for the consumers)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        if warp_idx == 0:
-            ab_pipe.producer_tail(prod_state)
 
     def zero_copy(self, threads: int) -> cute.TiledCopy:
         """``threads`` consumer threads over a (width, tile_k) MN-major stage: 16-byte stores of zeros, 8 threads

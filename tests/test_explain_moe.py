@@ -113,13 +113,14 @@ def test_dense_blocks_keep_one_row_symbol():
 def test_saved_bytes_per_token():
     text = moe_block().explain(dtype=torch.bfloat16)
     # FC1's output (2F bf16) per routed row; k routed rows per token. The gathered x (FC1's input) is never
-    # kept: the Gather runs in FC1's A loads, and FC1's wgrad regathers the rows from x
+    # kept: the Gather runs in FC1's A loads, and FC1's wgrad regathers the rows from x (or, at many rows per group,
+    # reads x through the index itself)
     per_routed = 2 * 2 * F
     assert (f"saved for backward (besides x): {per_routed} B per routed row + 0 B per token = {per_routed}·k B per "
             f"token") in text
     assert f"v2: output of op 1 GroupLinear, {2 * 2 * F} B per routed row" in text
     assert (f"v1: output of op 0 Gather(), {2 * D} B per routed row (recomputed in backward: the forward does not "
-            f"keep it)") in text
+            f"keep it; an MoE FC1's weight gradient reads x through the index instead at many rows per group)") in text
     assert "  v0: x (the block input)\n" in text
 
 

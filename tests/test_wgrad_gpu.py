@@ -37,6 +37,8 @@ CASES = [
     (320, 192, 5, WgradConfig(tile_n=192, stages=5, pingpong=True, gather_a=True)),
     (128, 136, 8, WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True, gather_b=True)),
     (256, 512, 6, WgradConfig(tile_n=256, stages=4, gather_b=True)),
+    (200, 264, 5, WgradConfig(tile_n=256, stages=4, gather_b=True)),      # TMA A with a ragged m-tile, cp.async B ragged
+    (264, 200, 6, WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True)),  # cp.async A ragged, TMA B ragged
 ]
 
 
