@@ -249,3 +249,33 @@ def test_fc1_weight_gradient_gather_rule_reads_the_routed_rows_and_needs_a_combi
     assert fc1_runner(Sequential(Gather(), Linear(d, 2 * f), SwiGLU(), Linear(f, d), Combine())).tokens is None
     gathered = [WgradConfig(*j.config) for j in plan_jobs(moe, torch.bfloat16) if j.mainloop == "varlen_k"]
     assert WgradConfig(tile_n=256, stages=4, gather_b=True, cluster_m=1) in gathered
+
+
+def test_a_bias_gradient_alone_needs_no_regathered_rows(monkeypatch):
+    """FC1's weight frozen, its bias trained: the wgrad step computes only the bias gradient (dH summed per expert),
+    so the program does not recompute the gathered rows; the gradients are the reference's."""
+    recomputes = []
+    gather_ref = Gather.reference
+    T = 23
+    r = routing(T, 2)
+    x0 = torch.randn(T, D, dtype=torch.float64)
+
+    def with_bias(backend):
+        torch.manual_seed(1)
+        seq = Sequential(Gather(), GroupLinear(E, D, 2 * F, bias=True), SwiGLU(), Scale(), GroupLinear(E, F, D),
+                         Combine(), backend=backend).to(torch.float64)
+        seq[1].weight.requires_grad_(False)
+        return seq
+
+    def step(seq):
+        probs = r.probs.detach().to(torch.float64)
+        y = seq(x0, index=r.index, group_sizes=r.group_sizes, scale=probs)
+        dy = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).reshape(y.shape)
+        return torch.autograd.grad(y, [seq[1].bias, seq[4].weight], dy)
+
+    want = step(with_bias("reference"))
+    monkeypatch.setattr(Gather, "reference", lambda self, x, ctx: recomputes.append(1) or gather_ref(self, x, ctx))
+    got = step(with_bias("emulate"))
+    assert recomputes == []
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)

@@ -151,8 +151,9 @@ class BlockProgram:
         recomputed = set(self.plan.recomputed)
         for step, runner, done in zip(self.plan.backward, self.backward_steps, self.release):
             if self._wanted(step, runner, need_x):
-                # (a weight gradient that reads the tokens through the routing index needs no regathered copy)
-                if not (isinstance(runner, S.GemmWgrad) and runner.gathers(state)):
+                # (a weight gradient that reads the tokens through the routing index needs no regathered copy, a
+                # bias gradient alone no input)
+                if not isinstance(runner, S.GemmWgrad) or runner.reads_input(state):
                     for name in step.reads:
                         if name in recomputed and name not in state.env:
                             self._recompute(state, name)

@@ -469,6 +469,11 @@ class GemmWgrad:
                        and v(self.index) in plan.recomputed and tokens in plan.saves and tokens not in plan.recomputed
                        else None)
 
+    def reads_input(self, state: RunState) -> bool:
+        """Whether this call reads GEMM j's input (the program recomputes it first if the forward did not keep
+        it): not for a bias gradient alone, nor where the kernel reads the tokens through the index instead."""
+        return weight_of(self.op).requires_grad and not self.gathers(state)
+
     def gathers(self, state: RunState) -> bool:
         """Whether this call's weight gradient reads the tokens through the routing index (not the recomputed
         gathered rows): the tile policy's rule at the call's routed rows, and the kernel takes the tokens."""
