@@ -468,6 +468,7 @@ class GemmWgrad:
                        and self.op.weight.dim() == 3 and seq[len(seq) - 1].spec.kind == "combine"
                        and v(self.index) in plan.recomputed and tokens in plan.saves and tokens not in plan.recomputed
                        else None)
+        self._gathers: dict = {}
 
     def reads_input(self, state: RunState) -> bool:
         """Whether this call reads GEMM j's input (the program recomputes it first if the forward did not keep
@@ -476,11 +477,16 @@ class GemmWgrad:
 
     def gathers(self, state: RunState) -> bool:
         """Whether this call's weight gradient reads the tokens through the routing index (not the recomputed
-        gathered rows): the tile policy's rule at the call's routed rows, and the kernel takes the tokens."""
+        gathered rows): the tile policy's rule at the call's routed rows, and the kernel takes the tokens. Kept
+        per (routed rows, tokens' dtype and device): the rule reads only those, and this runs on every backward."""
         if self.tokens is None or not weight_of(self.op).requires_grad:
             return False
-        return (self.device.gathers(self.op, state.ctx.index.numel())
-                and self.device.takes(self.op, state.env[self.tokens]))
+        tokens = state.env[self.tokens]
+        key = (state.ctx.index.numel(), tokens.dtype, tokens.device, tokens.dim())
+        hit = self._gathers.get(key)
+        if hit is None:
+            hit = self._gathers[key] = bool(self.device.gathers(self.op, key[0]) and self.device.takes(self.op, tokens))
+        return hit
 
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize
