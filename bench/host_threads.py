@@ -11,7 +11,8 @@ step. Four modes, in rounds (each a fresh sample of the machine):
 
   device-thread          autograd's default
   calling-thread         torch.autograd.set_multithreading_enabled(False)
-  one-core               the default, with every thread of the process pinned to one core (the lowest the process may use)
+  one-core               the default, with every thread of the process pinned to one core (the lowest the
+                         process may use)
   one-core+calling       both
 
 Host µs per step: the time to issue `--calls` steps while the GPU works through a long sleep queued first (the

@@ -160,8 +160,8 @@ class VarlenKGemmKernel:
             else:
                 one, width, ptr, cols, rows = cute.slice_(self.sB_layout, (None, None, 0)), self.tile_n, pB, Nb, b_rows
             tma_in, tIn = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), cute.make_tensor(ptr, cute.make_layout((cols, rows), stride=(1, cols))),
-                one, (width, self.tile_k))
+                cpasync.CopyBulkTensorTileG2SOp(),
+                cute.make_tensor(ptr, cute.make_layout((cols, rows), stride=(1, cols))), one, (width, self.tile_k))
             self.tx_bytes = cute.size_in_bytes(self.ab_dtype, one)
             self.kernel_hybrid(tma_in, tIn, mA if const_expr(self.gather_a) else mB, mIdx, mOffs, tuple(tensors),
                                self.tiled_mma, self.sA_layout, self.sB_layout).launch(

@@ -131,7 +131,8 @@ def test_the_runtime_launches_the_tile_for_each_calls_rows(monkeypatch):
     loaded, launched = [], []
     monkeypatch.setattr(wgrad_gemm, "_COMPILED", {})
     monkeypatch.setattr(C, "load_compiled", lambda job: loaded.append(job) or WgradConfig(*job.config))
-    monkeypatch.setattr(api, "run_varlen_k_gemm", lambda compiled, dy, x, bounds, dw, index=None: launched.append(compiled))
+    monkeypatch.setattr(api, "run_varlen_k_gemm",
+                        lambda compiled, dy, x, bounds, dw, index=None: launched.append(compiled))
     bf16 = torch.bfloat16
     op = GroupLinear(128, 4096, 3072, device="meta", dtype=bf16)   # weight (128, 3072, 4096): Qwen3-235B's FC1
     for rows_per_group in (256, 64, 256):

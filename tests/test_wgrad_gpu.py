@@ -37,7 +37,7 @@ CASES = [
     (320, 192, 5, WgradConfig(tile_n=192, stages=5, pingpong=True, gather_a=True)),
     (128, 136, 8, WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True, gather_b=True)),
     (256, 512, 6, WgradConfig(tile_n=256, stages=4, gather_b=True)),
-    (200, 264, 5, WgradConfig(tile_n=256, stages=4, gather_b=True)),      # TMA A with a ragged m-tile, cp.async B ragged
+    (200, 264, 5, WgradConfig(tile_n=256, stages=4, gather_b=True)),      # TMA A, a ragged m-tile; cp.async B ragged
     (264, 200, 6, WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True)),  # cp.async A ragged, TMA B ragged
 ]
 
@@ -138,7 +138,8 @@ def test_training_step_runs_both_weight_gradients_on_the_kernel(monkeypatch, dty
 
     calls = []
     real = wgrad_gemm.wgrad
-    monkeypatch.setattr(wgrad_gemm, "wgrad", lambda op, x, dy, ctx, **kw: calls.append(op) or real(op, x, dy, ctx, **kw))
+    monkeypatch.setattr(wgrad_gemm, "wgrad",
+                        lambda op, x, dy, ctx, **kw: calls.append(op) or real(op, x, dy, ctx, **kw))
     E, f = 6, 192
     gen = torch.Generator().manual_seed(3)
     sizes = _sizes(E, gen) * 3

@@ -23,8 +23,9 @@ _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 
 
 def gather_index(ctx: RunContext) -> torch.Tensor:
-    """The index a gathering GEMM kernel loads its A rows (a gathering weight gradient its x rows) through: int32, a padding row (-1) reading row 0, made
-    once per call (RunContext.derived; on the GPU the routed prologue writes it, fusion/runtime/bounds.py).
+    """The index a gathering GEMM kernel loads its A rows (a gathering weight gradient its x rows) through: int32,
+    a padding row (-1) reading row 0, made once per call (RunContext.derived; on the GPU the routed prologue
+    writes it, fusion/runtime/bounds.py).
 
     Padding rows (token rounding) lie in the last group (RunContext.group_sizes absorbs them), so the kernel
     computes them: from x[0], which is finite, where the reference gathers zeros. No result or gradient depends
