@@ -11,8 +11,8 @@ step. Four modes, in rounds (each a fresh sample of the machine):
 
   device-thread          autograd's default
   calling-thread         torch.autograd.set_multithreading_enabled(False)
-  one-core               the default, with every thread of the process pinned to one core (the lowest the
-                         process may use)
+  one-core               the default, with every thread of the process pinned to one core (the highest the
+                         process may use; the runs of 2026-11-27 pinned to the lowest)
   one-core+calling       both
 
 Host µs per step: the time to issue `--calls` steps while the GPU works through a long sleep queued first (the
@@ -45,7 +45,7 @@ class Placement:
 
     def __init__(self):
         self.all_cpus = os.sched_getaffinity(0)
-        self.core = min(self.all_cpus)
+        self.core = max(self.all_cpus)   # the highest: core 0 usually takes the interrupts
 
     def __call__(self, mode: str) -> None:
         torch.autograd.set_multithreading_enabled("calling" not in mode)
