@@ -263,9 +263,6 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
     if K % 8 != 0:
         problems.append(f"K = {K}: must be a multiple of 8 (16-byte TMA rows of A; gather_a: 16-byte cp.async "
                         "chunks)")
-    if config.gather_a:
-        if config.b_major != "K":
-            problems.append("gather_a (A read through an index) is forward-only: use b_major='K'")
     if config.b_major == "MN" and N % 8 != 0:
         problems.append(f"N = {N}: b_major='MN' needs N % 8 == 0 (16-byte TMA rows of B (G, K, N))")
     paired = any(getattr(s, "paired", False) for s in (*epilogue.inputs, *epilogue.outputs))
@@ -381,7 +378,8 @@ def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Te
     A kernel built with ``gather_a`` reads A's rows through ``index`` (required: int32, contiguous, on A's
     device): ``A`` is the (T, K) token matrix, routed row r (the rows ``offsets`` cover) multiplies
     ``A[index[r]]``, M = ``index.numel()`` is every epilogue tensor's row count, and T is independent of M.
-    Entries of ``index`` past ``offsets[G]`` are never read (padding such as -1 is fine)."""
+    Entries of ``index`` past ``offsets[G]`` are never read; a row whose entry is negative (-1: padding) reads
+    zeros, as a gathered copy with zero padding rows would give."""
     cfg = compiled.config
     T, K = A.shape  # (raises for A that is not 2-D)
     if B.shape != compiled.b_shape or K != compiled.K:

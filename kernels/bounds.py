@@ -148,8 +148,8 @@ class RoutedBoundsKernel(GroupBoundsKernel):
       padding); bounds [0, o_1, ..., o_{G-1}, rows] (the padding joins the last group: the kernels compute
       its rows, zeros from the Gather, and the Combine skips them); the counters zeroed.
     - CTAs 1..: ``ROUTED_CHUNK`` routed rows each: ``index[r]`` in [-1, tokens), -1 on every row past the
-      sizes' sum, and the gathering kernels' int32 index ``max(index[r], 0)`` (a padding row reads token 0;
-      nothing stores its results).
+      sizes' sum, and the gathering kernels' int32 copy of it (a padding row, -1, reads zeros there: the
+      gather producers zero-fill it).
 
     In torch these are about twenty small ops per call (an index range check, the padding rows' check, the
     padding absorbed into the last group, the offsets, the int32 index), 10-40 us of host time each. A bad
@@ -203,7 +203,7 @@ class RoutedBoundsKernel(GroupBoundsKernel):
                 if wrong:
                     cute.printf(self.index_message, r, value, tokens, total)
                     _trap()
-                mIdx32[r] = Int32(cutlass.max(value, Int64(0)))
+                mIdx32[r] = Int32(value)
                 r = r + ROUTED_THREADS
 
 

@@ -19,10 +19,12 @@ Synchronisation (one ``PipelineTmaAsync`` ring, full barriers expecting ``1 + 12
   once all of its copies so far have landed, so the stage is full when B's bytes and all 128 threads' A rows
   are in smem.
 
-Rows of a tile past the group's end are neither read from ``index`` (it may be padding) nor loaded (their
-smem rows keep stale values, which only reach accumulator rows the epilogue never stores). A ragged last
-k-tile (``K % tile_k != 0``) zero-fills its chunks past K (``cp.async`` with source size 0), as TMA would:
-stale smem there would reach every row of the product.
+Rows of a tile past the group's end are neither read from ``index`` nor loaded (their smem rows keep stale
+values, which only reach accumulator rows the epilogue never stores). A padding row (index -1: token rounding's
+rows past the routed ones) is zero-filled (``cp.async`` with source size 0), so its product row is zero, as the
+reference's gathered copy (zeros there) gives: a dY read through the index then needs no gathered copy with
+zeros at padding rows. A ragged last k-tile (``K % tile_k != 0``) zero-fills its chunks past K the same way, as
+TMA would: stale smem there would reach every row of the product.
 
 Either schedule. Static: every producer thread walks the CTA's tiles itself (``bidx``, ``bidx + grid``, ...).
 Dynamic: warp 0 takes each next tile id from the atomic counter and publishes it to the consumer warpgroups
@@ -89,7 +91,9 @@ class GatherProducer:
             row_end = mOffs[g + 1]
             row0 = mOffs[g] + m_idx * self.tile_m
             # this thread's rows of the tile: their tokens (read once per tile), as rows of A cut into chunks
+            # (`live`: inside the group, so copied; `real`: a token, not padding (-1), whose copies are zero-filled)
             live = cute.make_rmem_tensor((rows,), Boolean)
+            real = cute.make_rmem_tensor((rows,), Boolean)
             token = cute.make_rmem_tensor((rows,), Int32)
             for m in cutlass.range_constexpr(rows):
                 r = row0 + tAcA[0, m, 0][0]
@@ -97,6 +101,9 @@ class GatherProducer:
                 token[m] = Int32(0)
                 if live[m]:
                     token[m] = mIdx[r]
+                real[m] = token[m] >= 0
+                if not real[m]:
+                    token[m] = Int32(0)
             gRows = [cute.tiled_divide(cute.append_ones(mA[token[m], None], up_to_rank=2), (chunk, 1))
                      for m in range(rows)]
             b_parts = self.b_tile(tma_b, mB, sB, g, n_idx)
@@ -110,14 +117,11 @@ class GatherProducer:
                     ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
                 for c in cutlass.range_constexpr(chunks):
                     col = kt * self.tile_k + tAcA[0, 0, c][1]
-                    in_k = None
-                    if const_expr(k_tail):
-                        in_k = cute.make_rmem_tensor((1,), Boolean)
-                        in_k[0] = col < self.K
                     for m in cutlass.range_constexpr(rows):
                         if live[m]:
-                            cute.copy(tiled_copy, gRows[m][None, col // chunk, 0], tAsA[None, m, c, stage],
-                                      pred=in_k)
+                            ok = cute.make_rmem_tensor((1,), Boolean)
+                            ok[0] = real[m] & (col < self.K) if const_expr(k_tail) else real[m]
+                            cute.copy(tiled_copy, gRows[m][None, col // chunk, 0], tAsA[None, m, c, stage], pred=ok)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                 prod_state.advance()
             if const_expr(self.dynamic):

@@ -9,9 +9,10 @@ D[rows of g] = epilogue(A[rows of g] @ B[g].T)
 - offsets: (G+1,) int32 device tensor of cumulative row offsets.
 - warp roles (kernels/mainloop.py): warpgroup 0 = producer (warp 0 issues TMA loads of A/B into a
   multi-stage smem ring), warpgroups 1..2 = wgmma consumers + epilogue (kernels/tile_epilogue.py).
-- ``gather_a``: A is the (a_rows, K) token matrix and routed row r multiplies A[index[r]]; the whole producer
-  warpgroup loads A by cp.async through the index, warp 0 still loads B by TMA and takes the dynamic schedule's
-  tile ids (kernels/gather_producer.py).
+- ``gather_a``: A is the (a_rows, K) token matrix and routed row r multiplies A[index[r]] (zeros where index[r]
+  is -1); the whole producer warpgroup loads A by cp.async through the index, warp 0 still loads B by TMA (either
+  major) and takes the dynamic schedule's tile ids (kernels/gather_producer.py). An MoE FC1's forward gathers x
+  this way, FC2's dgrad the tokens' gradient dY.
 - tile scheduler (kernels/scheduler.py): walks (group, m-tile, n-tile) on the device from the offsets.
 - ``cluster_n = 2``: CTA pairs (clusters of 2) work on neighbouring n-tiles of one m-tile; each CTA loads
   half of the A tile's rows by TMA and multicasts it to both, so A crosses L2 once per pair (the weights'
@@ -89,7 +90,6 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         assert self.cluster_size == 1 or not self.gather_a, "a CTA pair's multicast needs TMA loads of A and B"
         assert self.cluster_m == 1 or not epilogue.gated, "cluster_m multicasts one B box: not a gated B"
         self.peer_ids = self.dynamic and self.cluster_size > 1   # rank 0 sends the tile ids it takes to rank 1
-        assert not (self.gather_a and self.b_major != "K"), "gather_a is forward-only: B is K-major"
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.gather_a]
         assert self.b_major in ("K", "MN"), "b_major is 'K' or 'MN'"
         assert not (self.gated and self.b_major == "MN"), "a gated GEMM reads a K-major B"

@@ -438,6 +438,21 @@ def gather_in_wgrad(Nb: int, G: int, rows: int) -> bool:
     return WGRAD_GATHER and G > 1 and rows >= WGRAD_GATHER_ROWS * G and Nb % 256 == 0
 
 
+#: FUSION_DY_GATHER=0 (read at import): an MoE block's backward always writes the Combine's backward copy (dY per
+#: routed row) for FC2's dgrad and weight gradient (the A/B switch of gather_dy).
+DY_GATHER = os.environ.get("FUSION_DY_GATHER", "1") != "0"
+
+
+def gather_dy(G: int, rows: int) -> bool:
+    """Whether an MoE FC2's dgrad and weight gradient (the GEMMs before a Combine) read the tokens' gradient dY
+    (T, d) through the routing index (each a gathering kernel: dY by cp.async, the weight or H by TMA) rather than
+    the Combine backward's copy (M x d, dY per routed row, which the SonicMoE design never stores): at
+    WGRAD_GATHER_ROWS or more rows per group, for weights of several groups, the row count from which the
+    weight gradient's gathering producer kept up with the TMA kernel plus the copy on the FC1 gradients
+    (`gather_in_wgrad`)."""
+    return DY_GATHER and G > 1 and rows >= WGRAD_GATHER_ROWS * G
+
+
 def _wide_wgrad_tile(Nb: int) -> WgradConfig:
     """128x256 cooperative where 256 divides Nb, else 128x192 pingpong where 192 does, else 128x128 pingpong."""
     if Nb % 256 == 0:

@@ -20,8 +20,8 @@ For ``dW[g] = dY_g.T @ X_g``: A = dY (Ma = out_features), B = X (Nb = in_feature
 - **Producer, one gathered operand: TMA and cp.async.** The operand read in order comes by TMA (warp 0, as
   above, no multicast); the gathered one by 16-byte ``cp.async`` from the whole producer warpgroup: every row
   of it is one contiguous run of a tile's columns, so a row read through an index costs what a plain one does.
-  Its rows past the group's end (and columns past Ma / Nb) are copied with source size 0, i.e. zero-filled;
-  the TMA operand's rows there are zeroed by the consumers as above. Thread t of the warpgroup copies chunk
+  Its rows past the group's end, padding rows (index -1) and columns past Ma / Nb are copied with source size
+  0, i.e. zero-filled; the TMA operand's rows past the group's end are zeroed by the consumers as above. Thread t of the warpgroup copies chunk
   ``t % 8`` (8 elements) of every 64-column swizzle atom of rows ``t // 8 + 16 j``. One ``PipelineTmaAsync``
   ring whose full barriers expect ``1 + 128`` arrivals, as kernels/gather_producer.py's: warp 0's arrive with
   the TMA bytes, and one ``cp.async.mbarrier.arrive.noinc`` per producer thread. Why not cp.async for both:
@@ -354,6 +354,9 @@ class VarlenKGemmKernel:
                     token[j] = Int32(0)
                     if live[j]:
                         token[j] = mIdx[r]
+                    if token[j] < 0:   # a padding row (-1): zero-filled as past the group's end
+                        live[j] = False
+                        token[j] = Int32(0)
                 stage = prod_state.index
                 bar = None
                 if const_expr(self.hybrid):

@@ -94,15 +94,27 @@ def test_plain_and_training_epilogues_gather_without_spills(epi, N):
     assert comp.config == (want if N % 192 else spill_fallback(want))
 
 
-def test_ragged_k_zero_fills_the_tail_chunks():
-    """K = 520 (not a multiple of tile_k = 64): the last k-tile's chunks past K are cp.async with a source size
-    chosen at run time (0 = zero fill), the others copy 16 bytes unconditionally."""
-    comp = _gather_compile(K.IdentityEpilogue(), 256, 520, 4)
+def test_copies_zero_fill_padding_rows_and_the_k_tail():
+    """Every A copy is a cp.async whose source size is chosen at run time (0 = zero fill): a padding row (index -1)
+    reads zeros, and so do the chunks past K of a ragged last k-tile (K = 520, not a multiple of tile_k = 64); no
+    copy moves 16 bytes unconditionally."""
+    for Kd in (520, 512):
+        comp = _gather_compile(K.IdentityEpilogue(), 256, Kd, 4)
+        _check_gather_sass(comp)
+        assert re.search(r"cp\.async\.cg\.shared\.global \[[^\]]+\], \[[^\]]+\], 16, %r\d+;", comp.ptx)
+        assert not re.search(r"cp\.async\.cg\.shared\.global [^;]*, 16, 16;", comp.ptx)
+
+
+@pytest.mark.parametrize("f,d,E", [(768, 2048, 128), (1024, 2048, 64), (2880, 2880, 128)])
+def test_fc2_dgrad_gathering_dy_compiles_without_spills(f, d, E):
+    """FC2's fused dgrad reading the tokens' gradient through the index (an MoE block's backward without the
+    Combine's copy): A (dY) gathered by cp.async, B the weight (E, d, f) as stored, read MN-major by TMA, the
+    d(SwiGLU * scale) epilogue reading the saved pre-activation; at the tile the runtime asks for."""
+    config = K.GemmConfig(*tile_config(f, d, E, False, "MN", True, gather=True))
+    assert config.gather_a and config.b_major == "MN" and config.cluster_n == config.cluster_m == 1
+    comp = K.compile_grouped_gemm(config, K.DSwiGLUEpilogue(), "bfloat16", f, d, E)
     _check_gather_sass(comp)
-    assert re.search(r"cp\.async\.cg\.shared\.global \[[^\]]+\], \[[^\]]+\], 16, %r\d+;", comp.ptx)
-    aligned = _gather_compile(K.IdentityEpilogue(), 256, 512, 4)
-    assert not re.search(r"cp\.async\.cg\.shared\.global [^;]*, 16, %r\d+;", aligned.ptx)
-    assert re.search(r"cp\.async\.cg\.shared\.global [^;]*, 16, 16;", aligned.ptx)
+    assert comp.config == config
 
 
 def test_tile_policy_gives_gather_a_the_dynamic_schedule():
@@ -129,7 +141,8 @@ def test_runtime_job_carries_gather():
 
 
 @pytest.mark.parametrize("cfg,match", [
-    (dict(gather_a=True, b_major="MN"), "forward-only"),
+    (dict(gather_a=True, cluster_n=2), "multicasts a TMA-loaded A"),
+    (dict(gather_a=True, cluster_m=2), "beside a TMA-loaded A"),
 ])
 def test_gather_configs_the_kernel_cannot_build_are_rejected(cfg, match):
     with pytest.raises(KernelConfigError, match=match):

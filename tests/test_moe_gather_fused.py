@@ -104,17 +104,22 @@ def test_gathered_rows_exist_only_during_fc1_wgrad(monkeypatch):
     assert events == ["wgrad4", "gather", "wgrad1"], events
 
 
-def test_padding_rows_read_row_zero_and_change_nothing():
-    """Token rounding's padding rows (index -1) sit in the last group: the kernel reads them from x[0] through
-    the int32 index (fusion.runtime.gather.gather_index), and no result or gradient depends on them."""
+def test_padding_rows_read_zeros_through_the_index():
+    """Token rounding's padding rows (index -1) sit in the last group: the int32 index the kernels read keeps
+    their -1 (fusion.runtime.gather.gather_index), and a gathering kernel reads zeros there (its producers
+    zero-fill; the emulation does the same), what the reference's gathered copy holds."""
     from fusion.run_context import RunContext
+    from fusion.runtime.emulate import _gathered
     from fusion.runtime.gather import gather_index
 
     index = torch.tensor([3, -1, 0, -1, 2])
     ctx = RunContext(index=index)
     got = gather_index(ctx)
-    assert got.dtype == torch.int32 and got.tolist() == [3, 0, 0, 0, 2]
+    assert got.dtype == torch.int32 and got.tolist() == [3, -1, 0, -1, 2]
     assert gather_index(ctx) is got  # made once per call
+    x = torch.arange(1.0, 17.0).reshape(4, 4)
+    rows = _gathered(x, got)
+    assert rows[[1, 3]].eq(0).all() and torch.equal(rows[[0, 2, 4]], x[[3, 0, 2]])
 
 
 def test_gather_backward_skipped_when_x_needs_no_gradient(monkeypatch):
@@ -216,11 +221,12 @@ def test_gather_kernel_in_the_plan():
     assert "gather kernel of the tokens' gradients" in line, line
 
 
-def test_fc1_weight_gradient_gather_rule_reads_the_routed_rows_and_needs_a_combine(monkeypatch):
+def test_fc1_weight_gradient_gather_rule_reads_the_routed_rows(monkeypatch):
     """GemmWgrad.gathers asks the tile policy at the call's routed rows M (not the tokens T): 4 experts, 2048 tokens,
     k = 2 routed rows each, so 1024 rows per expert (kernels/tile_policy.py WGRAD_GATHER_ROWS) where T alone would
-    make 512; a block without a Combine (padding rows could get a gradient) and a Linear never gather; and
-    Sequential.compile() builds the gathering kernel of an MoE FC1."""
+    make 512; a block without a Combine gathers too (padding rows read zeros through the index, as the regathered
+    copy holds), a Linear never; and Sequential.compile() builds the gathering kernels of an MoE FC1 (x through
+    the index) and FC2 (dY through it)."""
     from fusion import Linear
     from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, WgradConfig
     from fusion.planner import plan_for
@@ -245,10 +251,11 @@ def test_fc1_weight_gradient_gather_rule_reads_the_routed_rows_and_needs_a_combi
         state = S.RunState(ctx=RunContext(index=torch.zeros(M, dtype=torch.long)), rows=T)
         state.env["v0"] = torch.empty(T, d)
         assert runner.gathers(state) is want
-    assert fc1_runner(Sequential(Gather(), GroupLinear(E, d, 2 * f), SwiGLU(), GroupLinear(E, f, d))).tokens is None
+    assert fc1_runner(Sequential(Gather(), GroupLinear(E, d, 2 * f), SwiGLU(), GroupLinear(E, f, d))).tokens == "v0"
     assert fc1_runner(Sequential(Gather(), Linear(d, 2 * f), SwiGLU(), Linear(f, d), Combine())).tokens is None
     gathered = [WgradConfig(*j.config) for j in plan_jobs(moe, torch.bfloat16) if j.mainloop == "varlen_k"]
-    assert WgradConfig(tile_n=256, stages=4, gather_b=True, cluster_m=1) in gathered
+    assert WgradConfig(tile_n=256, stages=4, gather_b=True, cluster_m=1) in gathered      # FC1's: x
+    assert WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True, cluster_m=1) in gathered   # FC2's: dY
 
 
 def test_a_bias_gradient_alone_needs_no_regathered_rows(monkeypatch):
@@ -279,3 +286,109 @@ def test_a_bias_gradient_alone_needs_no_regathered_rows(monkeypatch):
     assert recomputes == []
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("gathers", [True, False])
+@pytest.mark.parametrize("k,round_to,empty", [(2, None, 0), (4, 4, 1)])
+def test_fc2_backward_reads_the_tokens_gradient_through_the_index(monkeypatch, gathers, k, round_to, empty):
+    """Where the tile policy says so (kernels/tile_policy.py gather_dy; forced here), FC2's fused dgrad and its
+    weight gradient read the tokens' gradient (T x d) through the routing index, and the program skips the
+    Combine's backward (the copy of dY to every routed row); otherwise the copy is made and both read it. The
+    weight-gradient device method is forced into the emulated program, its kernel replaced by torch on the
+    operands it is given (a padding row, index -1, reads zeros as the kernel's producer zero-fills it); the fused
+    dgrad's emulated kernel reads through the index itself. Every result and gradient is the reference's either
+    way, token rounding's padding rows included."""
+    from fusion.grouped import linear_wgrad
+    from fusion.runtime import steps as S
+    from fusion.runtime import wgrad_gemm
+    from fusion.runtime.emulate import _gathered
+
+    calls, copies = [], []
+    device_method = S._device_method
+    combine_grad = Combine.input_grad
+
+    def with_wgrad(op, part, device_kernels):
+        return wgrad_gemm if (op.spec.kind, part) == ("gemm", "wgrad") else device_method(op, part, device_kernels)
+
+    def kernel(op, x, dy, ctx, index=None, dy_index=None):
+        calls.append(dy_index is not None)
+        if dy_index is not None:
+            assert dy_index.dtype == torch.int32 and dy.shape[0] == T   # the tokens' gradient, read through the index
+            dy = _gathered(dy, dy_index)
+        return linear_wgrad(dy, x, op.weight, ctx.group_sizes, ctx.offsets)
+
+    T = 29
+    r = routing(T, k, round_to, empty)
+    x0 = torch.randn(T, D, dtype=torch.float64)
+    ref = run(block("reference"), x0, r, torch.float64)
+    monkeypatch.setattr(S, "_device_method", with_wgrad)
+    monkeypatch.setattr(S, "gather_dy", lambda G, rows: gathers)
+    monkeypatch.setattr(wgrad_gemm, "takes", lambda op, x: True)
+    monkeypatch.setattr(wgrad_gemm, "gathers", lambda op, rows: False)
+    monkeypatch.setattr(wgrad_gemm, "gathers_dy", lambda op, rows: gathers)
+    monkeypatch.setattr(wgrad_gemm, "wgrad", kernel)
+    monkeypatch.setattr(Combine, "input_grad", lambda self, dy, ctx: copies.append(1) or combine_grad(self, dy, ctx))
+    variants = []
+    dgrad_kernel = S.FusedDgrad.kernel
+    monkeypatch.setattr(S.FusedDgrad, "kernel", lambda self, dtype, variant: variants.append(variant) or
+                        dgrad_kernel(self, dtype, variant))
+    got = run(block("emulate"), x0, r, torch.float64)
+    assert calls == [gathers, False]           # FC2's weight gradient, then FC1's
+    assert copies == ([] if gathers else [1])  # the Combine's backward copy only where a reader needs it
+    assert variants == ["backward_gather" if gathers else "backward"]
+    for name, a, b in zip(["y", "dx", "dprobs", "dW1", "dW2"], ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_fc2_dgrad_alone_reads_through_the_index_when_its_weight_is_frozen(monkeypatch):
+    """FC2's weight frozen: its weight gradient does not run, so the fused dgrad is the copy's only reader and reads
+    through the index by the rule alone (no device method needed); FC2 with a trained bias keeps the copy (the bias
+    gradient sums the routed rows' dY)."""
+    from fusion.runtime import steps as S
+
+    copies = []
+    combine_grad = Combine.input_grad
+    monkeypatch.setattr(S, "gather_dy", lambda G, rows: True)
+    monkeypatch.setattr(Combine, "input_grad", lambda self, dy, ctx: copies.append(1) or combine_grad(self, dy, ctx))
+    T = 31
+    r = routing(T, 4, 4, 1)
+    x0 = torch.randn(T, D, dtype=torch.float64)
+    want, got = [], []
+    for backend, out in (("reference", want), ("emulate", got)):
+        copies.clear()
+        seq = block(backend)
+        seq[4].weight.requires_grad_(False)
+        x, probs = x0.clone().requires_grad_(), r.probs.detach().to(torch.float64).requires_grad_()
+        y = seq(x, index=r.index, group_sizes=r.group_sizes, scale=probs)
+        dy = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).reshape(y.shape)
+        out.extend([y, *torch.autograd.grad(y, [x, probs, seq[1].weight], dy)])
+    assert copies == []
+    for name, a, b in zip(["y", "dx", "dprobs", "dW1"], want, got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
+
+    def with_bias(backend):
+        torch.manual_seed(1)
+        return Sequential(Gather(), GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D, bias=True),
+                          Combine(), backend=backend).to(torch.float64)
+
+    monkeypatch.setattr(S, "_device_method", lambda op, part, device_kernels: None)
+    want = run(with_bias("reference"), x0, r, torch.float64)
+    copies.clear()
+    got = run(with_bias("emulate"), x0, r, torch.float64)
+    assert copies == [1]
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_compile_builds_the_fc2_dgrad_that_reads_through_the_index():
+    """Sequential.compile()'s jobs (fusion/runtime/aot.py) hold FC2's fused dgrad twice: reading the Combine's copy,
+    and reading the tokens' gradient through the index (a gathering kernel with the weight read MN-major)."""
+    from fusion.kernels.tile_policy import GemmConfig
+    from fusion.runtime.aot import plan_jobs
+
+    moe = Sequential(Gather(), GroupLinear(8, 512, 2 * 256), SwiGLU(), Scale(), GroupLinear(8, 256, 512), Combine())
+    dgrads = [j for j in plan_jobs(moe, torch.bfloat16) if j.mainloop == "bf16" and j.variant.startswith("backward")]
+    assert sorted(j.variant for j in dgrads) == ["backward", "backward_gather"]
+    configs = {j.variant: GemmConfig(*j.config) for j in dgrads}
+    assert configs["backward_gather"].gather_a and configs["backward_gather"].b_major == "MN"
+    assert not configs["backward"].gather_a

@@ -69,6 +69,7 @@ def _run(Ma, Nb, G, cfg, dtype=torch.bfloat16, seed=0):
     T = 97
     index = torch.randint(0, T, (rows + pad,), generator=gen, dtype=torch.int32)
     index[rows:] = -1
+    index[:rows][torch.rand(rows, generator=gen) < 0.1] = -1   # padding rows inside the groups: read as zeros
     a_rows = T if cfg.gather_a else rows + pad
     b_rows = T if cfg.gather_b else rows + pad
     A = torch.randn(a_rows, Ma, generator=gen)
@@ -78,8 +79,13 @@ def _run(Ma, Nb, G, cfg, dtype=torch.bfloat16, seed=0):
     if not cfg.gather_b:
         B[rows:] = float("nan")
     A, B = A.to(dtype), B.to(dtype)
-    Ag = A[index[:rows].long()] if cfg.gather_a else A[:rows]
-    Bg = B[index[:rows].long()] if cfg.gather_b else B[:rows]
+    padding = (index[:rows] < 0)[:, None]
+
+    def gathered(X):
+        return X[index[:rows].long().clamp_min(0)].masked_fill(padding, 0)
+
+    Ag = gathered(A) if cfg.gather_a else A[:rows]
+    Bg = gathered(B) if cfg.gather_b else B[:rows]
     want = torch.stack([Ag[offs[g]:offs[g + 1]].double().T @ Bg[offs[g]:offs[g + 1]].double() for g in range(G)])
 
     comp = load_compiled(job(Ma, Nb, G, cfg, str(dtype).removeprefix("torch.")))
@@ -177,6 +183,7 @@ def test_moe_fc1_weight_gradient_reads_the_tokens_through_the_index(monkeypatch,
     from fusion.runtime import wgrad_gemm
 
     monkeypatch.setattr(tile_policy, "WGRAD_GATHER", gather_in_kernel)
+    monkeypatch.setattr(tile_policy, "DY_GATHER", False)   # FC2's dY through the index: tests/test_dy_gather_gpu.py
     gathers, indexed = [], []
     real_gather, real_wgrad = gather_method.run, wgrad_gemm.wgrad
     monkeypatch.setattr(gather_method, "run", lambda op, x, ctx: gathers.append(1) or real_gather(op, x, ctx))

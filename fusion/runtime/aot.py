@@ -44,15 +44,18 @@ def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob
         if isinstance(runner, FusedForward):
             variants = ("train", "inference") if runner.writes_saved else ("inference",)
         else:
-            variants = ("backward",)
+            variants = runner.variants()
         jobs.extend(runner.job(dtype, variant) for variant in variants)
     if getattr(seq, "backend", "auto") not in ("auto", "fused"):
         return jobs  # device methods run under these backends only (fusion/runtime/__init__.py, BlockRunner)
     for runner in program.forward_steps + program.backward_steps:
         device = getattr(runner, "device", None)
         if device is not None and hasattr(device, "kernel_jobs"):
-            # a weight gradient after a Gather may read the tokens through the index: its kernel too
+            # a weight gradient after a Gather may read the tokens through the index, one before a Combine the
+            # tokens' gradient: those kernels too
             gathered = {"gathered": True} if getattr(runner, "tokens", None) else {}
+            if getattr(runner, "dy_tokens", None):
+                gathered["dy_gathered"] = True
             jobs.extend(device.kernel_jobs(runner.op, runner.part, dtype, **gathered))
     return jobs
 

@@ -48,6 +48,12 @@ def _halves(t: torch.Tensor, paired: bool) -> tuple[torch.Tensor, ...]:
     return tuple(t.chunk(2, -1)) if paired else (t,)
 
 
+def _gathered(A: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A's rows through `index` as the gather producers read them: a padding row (-1) zero-filled."""
+    rows = A.index_select(0, index.long().clamp_min(0))
+    return rows.masked_fill((index < 0)[:, None], 0)
+
+
 class EmulatedKernel:
     """Runs one generated grouped-GEMM kernel in torch; `run` has the launcher's signature."""
 
@@ -60,7 +66,8 @@ class EmulatedKernel:
             index: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> None:
         """A (M, K); B (G, N, K) for b_major "K" or (G, K, N) for "MN"; bounds (G+1,) row offsets; tensors: the
         epilogue's inputs and outputs by name (MXFP8 outputs: data under the name, scales under name_scale).
-        `index` (M,): a gathering kernel's, row r of the GEMM reads A[index[r]] (A is then (T, K)).
+        `index` (M,): a gathering kernel's, row r of the GEMM reads A[index[r]] (A is then (T, K); zeros where
+        index[r] is -1).
         `out_dtype`: the dtype the epilogue works in (default A's; an FP8 kernel's A arrives dequantized in
         float32)."""
         epi = self.epilogue
@@ -71,7 +78,7 @@ class EmulatedKernel:
             start, end = edges[g], edges[g + 1]
             if end <= start:
                 continue
-            a = (A[start:end] if index is None else A.index_select(0, index[start:end].long())).to(compute)
+            a = (A[start:end] if index is None else _gathered(A, index[start:end])).to(compute)
             b = B[g].to(compute)
             acc = a @ (b.t() if self.b_major == "K" else b)
             args = list(_halves(acc, self.gated))

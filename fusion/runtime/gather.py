@@ -23,15 +23,14 @@ _INDEX_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 
 
 def gather_index(ctx: RunContext) -> torch.Tensor:
-    """The index a gathering GEMM kernel loads its A rows (a gathering weight gradient its x rows) through: int32,
-    a padding row (-1) reading row 0, made once per call (RunContext.derived; on the GPU the routed prologue
-    writes it, fusion/runtime/bounds.py).
+    """The index a gathering GEMM kernel loads its rows through (FC1's forward and weight gradient: x's; FC2's
+    dgrad and weight gradient: the tokens' gradient dY's): int32, -1 at padding rows, made once per call
+    (RunContext.derived; on the GPU the routed prologue writes it, fusion/runtime/bounds.py).
 
-    Padding rows (token rounding) lie in the last group (RunContext.group_sizes absorbs them), so the kernel
-    computes them: from x[0], which is finite, where the reference gathers zeros. No result or gradient depends
-    on them: Combine skips them in the forward and gives them zero gradients in the backward (this module's
-    kernel writes zeros there), so their d(pre-activation) rows are zeros."""
-    return ctx.derive("gather_index", lambda: ctx.index.clamp_min(0).to(torch.int32))
+    Padding rows (token rounding) lie in the last group (RunContext.group_sizes absorbs them), so the kernels
+    compute them; their gather producers zero-fill a row whose index is -1, so they read exactly what the
+    reference's gathered copy holds there (zeros)."""
+    return ctx.derive("gather_index", lambda: ctx.index.to(torch.int32))
 
 
 def run(op, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:

@@ -8,7 +8,9 @@ Read it top to bottom: forward runs each forward step's runner (fusion/runtime/s
 of named values (v<i>: the input of op i); the values the plan saves are returned for the backward. Backward
 starts from the gradient of the block output and runs each backward step's runner in plan order over the same
 kind of dictionary (g<i>: the gradient of v<i>), after recomputing any saved value the forward did not
-produce (plan.recomputed). Steps whose results nobody needs are skipped. The autograd wrappers around it
+produce (plan.recomputed). Steps whose results nobody needs are skipped; so is an MoE block's Combine backward
+(a copy of the tokens' gradient to every routed row) in a call where every reader of that copy reads the tokens'
+gradient through the routing index instead (steps.tokens_grad). The autograd wrappers around it
 (eager autograd.Function, torch.library custom ops for torch.compile) live in fusion/runtime/autograd.py.
 """
 from __future__ import annotations
@@ -33,12 +35,13 @@ def _recompute_bases(plan) -> dict[str, str]:
     return {name: v(max(i for i in kept if i < index_of(name))) for name in plan.recomputed}
 
 
-def _last_reads(steps, keep: set, bases: dict[str, str]) -> list[tuple[str, ...]]:
+def _last_reads(steps, keep: set, bases: dict[str, str], also: dict[int, tuple[str, ...]]) -> list[tuple[str, ...]]:
     """For each backward step, the values no later step reads (dropped after it runs), except `keep`. A step
-    reading a recomputed value also reads its base (the recompute runs right before that step)."""
+    reading a recomputed value also reads its base (the recompute runs right before that step); step n may also
+    read `also[n]` (the tokens' gradient, read through the routing index in place of the Combine's copy)."""
     last = {}
     for n, step in enumerate(steps):
-        for name in step.reads:
+        for name in (*step.reads, *also.get(n, ())):
             last[name] = n
             if name in bases:
                 last[bases[name]] = n
@@ -86,7 +89,10 @@ class BlockProgram:
         self.recompute_methods = {j: S._device_method(seq[j], "forward", self.device_kernels)
                                   for name, base in self.recompute_bases.items()
                                   for j in range(index_of(base), index_of(name))}
-        self.release = _last_reads(plan.backward, {out_grad(plan.ops, -1)}, self.recompute_bases)
+        self.combine_copy = self._combine_copy(seq, plan)
+        also = {} if self.combine_copy is None else {n: (self.backward_steps[n].dy_tokens,)
+                                                       for n in self.combine_copy[1]}
+        self.release = _last_reads(plan.backward, {out_grad(plan.ops, -1)}, self.recompute_bases, also)
         self.forward_kernels = _number_slots(self.forward_steps)
         self.backward_kernels = _number_slots(self.backward_steps)
         self.counters = self.forward_kernels + self.backward_kernels
@@ -102,6 +108,21 @@ class BlockProgram:
         part = step.parts[0][1]
         kind = {"dgrad": S.GemmDgrad, "wgrad": S.GemmWgrad}.get(part)
         return (kind or S.OpBackward)(seq, step, self.plan, self.device_kernels)
+
+    def _combine_copy(self, seq, plan):
+        """(the Combine backward's step, the steps that read its copy of the tokens' gradient) where each of those
+        readers may read the tokens' gradient through the routing index instead (an MoE FC2's fused dgrad and
+        weight gradient: steps.tokens_grad), else None."""
+        last = len(plan.ops) - 1
+        at = next((n for n, r in enumerate(self.backward_steps)
+                   if isinstance(r, S.OpBackward) and r.index == last and seq[last].spec.kind == "combine"), None)
+        if at is None:
+            return None
+        copy = plan.backward[at].writes[0]
+        readers = tuple(n for n, step in enumerate(plan.backward) if copy in step.reads)
+        if not readers or not all(getattr(self.backward_steps[n], "dy_tokens", None) for n in readers):
+            return None
+        return at, readers
 
     def fused_runners(self):
         return [r for r in self.forward_steps + self.backward_steps if isinstance(r, S._KernelStep)]
@@ -149,8 +170,10 @@ class BlockProgram:
         state.env[self.output_grad] = dy
         need_x = bool(needs[0])
         recomputed = set(self.plan.recomputed)
-        for step, runner, done in zip(self.plan.backward, self.backward_steps, self.release):
-            if self._wanted(step, runner, need_x):
+        skip = self._skipped_copy(state, need_x)
+        state.dy_through_index = skip is not None
+        for n, (step, runner, done) in enumerate(zip(self.plan.backward, self.backward_steps, self.release)):
+            if self._wanted(step, runner, need_x) and n != skip:
                 # (a weight gradient that reads the tokens through the routing index needs no regathered copy, a
                 # bias gradient alone no input)
                 if not isinstance(runner, S.GemmWgrad) or runner.reads_input(state):
@@ -164,6 +187,17 @@ class BlockProgram:
         grads = [state.param_grads.get(id(p)) for p in self.params]
         extra = [state.extra_grads.get(name) for name in ctx.extra]
         return dx, grads, extra
+
+    def _skipped_copy(self, state, need_x: bool) -> int | None:
+        """The Combine backward's step, to skip in this call, where every wanted reader of its copy reads the
+        tokens' gradient through the routing index (each asks the tile policy at the call's routed rows); else
+        None."""
+        if self.combine_copy is None:
+            return None
+        at, readers = self.combine_copy
+        wanted = [self.backward_steps[n] for n in readers
+                  if self._wanted(self.plan.backward[n], self.backward_steps[n], need_x)]
+        return at if all(r.gathers_dy(state) for r in wanted) else None
 
     def _wanted(self, step, runner, need_x: bool) -> bool:
         """Skip what only produces unwanted gradients: the input gradient when x needs none, a weight gradient

@@ -22,7 +22,8 @@ import torch
 from fusion.codegen import slots
 from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forward_spec
-from fusion.dataflow import index_of, out_grad, v
+from fusion.dataflow import g, index_of, out_grad, v
+from fusion.kernels.tile_policy import gather_dy
 from fusion.grouped import linear_dgrad, linear_wgrad
 from fusion.op_table import op_device_method
 from fusion.ops.base import RunContext
@@ -39,6 +40,9 @@ class RunState:
     rows: int = 0          # rows of the block's input x
     counter_base: int = 0  # the first counter of this pass (the backward's follow the forward's)
     env: dict = field(default_factory=dict)
+    # an MoE FC2's backward reads the tokens' gradient through the routing index this call (`tokens_grad`; the
+    # program then skips the Combine's backward copy)
+    dy_through_index: bool = False
     param_grads: dict = field(default_factory=dict)  # id(parameter) -> gradient
     extra_grads: dict = field(default_factory=dict)  # extra input name -> gradient
 
@@ -87,6 +91,17 @@ class _SharedBias:
         if self._key != key:
             self._key, self._value = key, b.expand(groups, b.shape[0]).contiguous()
         return self._value
+
+
+def tokens_grad(seq, plan, j: int) -> str | None:
+    """The gradient GEMM j's backward may read through the routing index in place of its output's gradient: the
+    block output's (the tokens' dY, T x d), where op j is a GroupLinear whose output goes straight into the block's
+    last op, a Combine (an MoE FC2), whose backward only copies it to every routed row (zeros at padding rows, as
+    the gathering kernels read them). None elsewhere."""
+    last = len(seq) - 1
+    if last < 1 or seq[last].spec.kind != "combine" or out_grad(plan.ops, j) != g(last):
+        return None
+    return out_grad(plan.ops, last) if seq[j].weight.dim() == 3 else None
 
 
 def segment_sum(values: torch.Tensor, bounds: torch.Tensor, per_group: bool) -> torch.Tensor:
@@ -322,7 +337,9 @@ class GemmForward(OpForward):
 # -- backward --------------------------------------------------------------------------------------------------------
 class FusedDgrad(_KernelStep):
     """GEMM j's dgrad whose epilogue runs the backward of the elementwise ops a..j-1 (reading the saved value),
-    and, when the plan asks, recomputes GEMM j's input for its wgrad."""
+    and, when the plan asks, recomputes GEMM j's input for its wgrad. An MoE FC2's (`dy_tokens`) may read the
+    tokens' gradient through the routing index (its "backward_gather" kernel loads dY's rows as the forward's
+    gathering kernel loads x's) where the program says so for the call (RunState.dy_through_index)."""
 
     def __init__(self, seq, step, launcher, label: str, plan):
         super().__init__(launcher, label)
@@ -341,6 +358,7 @@ class FusedDgrad(_KernelStep):
         self.grad_in = out_grad(plan.ops, self.j)
         self.saved = next((r for r in step.reads if r.startswith("v")), None)
         self.postact = v(self.j) in step.writes
+        self.dy_tokens = None if self.fp8 else tokens_grad(seq, plan, self.j)
         self.origin = f"pattern {step.pattern} [{step.pattern_loc}] (backward), ops {list(step.ops)}"
         self._shared_bias = {}
         self._slots = self.spec.backward_slots(self.postact)
@@ -352,23 +370,40 @@ class FusedDgrad(_KernelStep):
         G, out_f, in_f = w.shape if w.dim() == 3 else (1, *w.shape)
         return G, in_f, out_f
 
+    def variants(self) -> tuple[str, ...]:
+        """The kernels this step may launch: "backward", and an MoE FC2's "backward_gather" (dY through the index)."""
+        return ("backward", "backward_gather") if self.dy_tokens is not None else ("backward",)
+
     def job(self, dtype: torch.dtype, variant: str = "backward", tiles: bool = True):
         G, N, K = self.weight_shape()
         source = epilogue_source(self.spec, str(dtype).removeprefix("torch."), backward=True, postact=self.postact,
                                  origin=self.origin)
         return make_job(source, dtype, N, K, G, False, self.b_major, self.spec.saved is not None, self.label, variant,
-                        tiles=tiles, mainloop="fp8_block" if self.fp8 else "bf16")
+                        tiles=tiles, gather=variant == "backward_gather", mainloop="fp8_block" if self.fp8 else "bf16")
+
+    def gathers_dy(self, state: RunState) -> bool:
+        """Whether this call's kernel can read the tokens' gradient through the routing index (the tile policy's
+        rule at the call's routed rows: kernels/tile_policy.py `gather_dy`)."""
+        if self.dy_tokens is None:
+            return False
+        from fusion.quant import QuantizedTensor
+
+        tokens = state.env.get(self.dy_tokens)
+        return (tokens is not None and not isinstance(tokens, QuantizedTensor) and tokens.dim() == 2
+                and gather_dy(self.weight_shape()[0], state.ctx.index.numel()))
 
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize
 
-        dy = dequantize(state.env[self.grad_in])
+        ctx = state.ctx
+        index = gather_index(ctx) if state.dy_through_index and self.dy_tokens is not None else None
+        dy = dequantize(state.env[self.grad_in if index is None else self.dy_tokens])
         dy = dy if dy.is_contiguous() else dy.contiguous()
-        kernel = self.kernel(dy.dtype, "backward")
-        spec, ctx = self.spec, state.ctx
+        kernel = self.kernel(dy.dtype, "backward" if index is None else "backward_gather")
+        spec = self.spec
         weight = weight_of(self.gemm)
         G = weight.shape[0] if weight.dim() == 3 else 1
-        M = dy.shape[0]
+        M = dy.shape[0] if index is None else index.numel()
         in_slots, out_slots = self._slots
         tensors = {}
         for slot in in_slots:
@@ -394,7 +429,7 @@ class FusedDgrad(_KernelStep):
             a, b = fp8_gemm.operand(dy), fp8_gemm.weight_operand(self.gemm, transposed=True)
         else:
             a, b = dy, _weight_as_b(weight)
-        kernel.run(a, b, state.ctx.counters, tensors, state.counter_ptr(self.slot))
+        kernel.run(a, b, state.ctx.counters, tensors, state.counter_ptr(self.slot), index=index)
         dinput = outs["dinput"]
         state.env[f"g{self.first}"] = dinput
         for slot in out_slots:
@@ -447,12 +482,12 @@ class GemmWgrad:
     (a GroupLinear's varlen-K kernel, fusion/runtime/wgrad_gemm.py; fp8_block weights: fusion/runtime/fp8_gemm.py);
     else the vendor grouped GEMM, or the fp8_block recipe's reference.
 
-    A GroupLinear after a Gather whose output the backward recomputes, in a block that ends with a Combine (an MoE
-    FC1: its input is x's rows through the routing index) may instead have the kernel read the block's tokens
-    through the index (`gathers`, asked by the program once per call: fusion/runtime/wgrad_gemm.py); the program
-    then skips the recompute, and `run` finds the gathered rows absent. Why the Combine: a padding row (token
-    rounding) reads token 0 through the kernel's index where the regathered copy holds zeros, so its
-    d(pre-activation) row must be zero, which the Combine's backward (zeros at padding rows) guarantees."""
+    A GroupLinear after a Gather whose output the backward recomputes (an MoE FC1: its input is x's rows through the
+    routing index) may instead have the kernel read the block's tokens through the index (`gathers`, asked by the
+    program once per call: fusion/runtime/wgrad_gemm.py); the program then skips the recompute, and `run` finds
+    the gathered rows absent. A GroupLinear before a final Combine (an MoE FC2: `dy_tokens`) may read the tokens'
+    gradient through the index (`gathers_dy`; the program then skips the Combine's backward copy). A padding row
+    (index -1) reads zeros through the kernel's index, as the copies hold there."""
 
     part = "wgrad"
 
@@ -465,9 +500,9 @@ class GemmWgrad:
         # the tokens the Gather before this GEMM reads, where the kernel may read them through the index instead
         before, tokens = (seq[self.index - 1], v(self.index - 1)) if self.index > 0 else (None, None)
         self.tokens = (tokens if before is not None and before.spec.kind == "gather" and hasattr(self.device, "gathers")
-                       and self.op.weight.dim() == 3 and seq[len(seq) - 1].spec.kind == "combine"
-                       and v(self.index) in plan.recomputed and tokens in plan.saves and tokens not in plan.recomputed
-                       else None)
+                       and self.op.weight.dim() == 3 and v(self.index) in plan.recomputed and tokens in plan.saves
+                       and tokens not in plan.recomputed else None)
+        self.dy_tokens = tokens_grad(seq, plan, self.index)
         self._gathers: dict = {}
 
     def reads_input(self, state: RunState) -> bool:
@@ -488,11 +523,30 @@ class GemmWgrad:
             hit = self._gathers[key] = bool(self.device.gathers(self.op, key[0]) and self.device.takes(self.op, tokens))
         return hit
 
+    def gathers_dy(self, state: RunState) -> bool:
+        """Whether this call's weight gradient can read the tokens' gradient through the routing index (not the
+        Combine backward's copy): the tile policy's rule at the call's routed rows, the kernel takes the tokens'
+        gradient, and no bias gradient (a per-group sum of the routed rows) wants the copy."""
+        op = self.op
+        if self.dy_tokens is None or (op.bias is not None and op.bias.requires_grad):
+            return False
+        if not weight_of(op).requires_grad:
+            return True   # nothing read
+        if not hasattr(self.device, "gathers_dy"):
+            return False
+        tokens = state.env[self.dy_tokens]
+        key = ("dy", state.ctx.index.numel(), tokens.dtype, tokens.device, tokens.dim())
+        hit = self._gathers.get(key)
+        if hit is None:
+            hit = self._gathers[key] = bool(self.device.gathers_dy(op, key[1]) and self.device.takes(op, tokens))
+        return hit
+
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize
 
         ctx, op = state.ctx, self.op
-        dy = dequantize(state.env[self.grad_in]).contiguous()
+        dy_index = gather_index(ctx) if state.dy_through_index and self.dy_tokens is not None else None
+        dy = dequantize(state.env[self.grad_in if dy_index is None else self.dy_tokens]).contiguous()
         weight, bias = weight_of(op), op.bias
         # the program skipped the gathered rows' recompute because `gathers` said so (asked once per call)
         if weight.requires_grad and self.tokens is not None and v(self.index) not in state.env:
@@ -500,7 +554,9 @@ class GemmWgrad:
             state.add(state.param_grads, id(weight), dw)
         elif weight.requires_grad:
             x = state.env[v(self.index)]
-            if self.device is not None and self.device.takes(op, x):
+            if dy_index is not None:   # `gathers_dy` said so for this call
+                dw = self.device.wgrad(op, x, dy, ctx, dy_index=dy_index)
+            elif self.device is not None and self.device.takes(op, x):
                 dw = self.device.wgrad(op, x, dy, ctx)
             elif not self.fp8:
                 dw = linear_wgrad(dy, dequantize(x).contiguous(), weight, ctx.group_sizes, ctx.offsets)

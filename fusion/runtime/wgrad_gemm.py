@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, choose_wgrad_config, gather_in_wgrad, wgrad_configs
+from fusion.kernels.tile_policy import (WGRAD_GATHER_ROWS, choose_wgrad_config, gather_dy, gather_in_wgrad,
+                                        wgrad_configs)
 from fusion.op_table import gemm_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
@@ -50,27 +51,33 @@ def _job(op, dtype: torch.dtype, config):
     from fusion.runtime.kernel import make_wgrad_job
 
     G, out_f, in_f = op.weight.shape
-    return make_wgrad_job(dtype, out_f, in_f, G, "b" if config.gather_b else "", "wgrad", config=config)
+    gather = ("a" if config.gather_a else "") + ("b" if config.gather_b else "")
+    return make_wgrad_job(dtype, out_f, in_f, G, gather, "wgrad", config=config)
 
 
-def _config(op, rows: int | None, gathered: bool = False):
+def _config(op, rows: int | None, gathered: bool = False, dy_gathered: bool = False):
     """The tile policy's configuration for `op`'s weight gradient over `rows` routed rows (its choice depends on
-    rows per group: kernels/tile_policy.py WGRAD_PINGPONG_ROWS); `gathered`: x read through the index."""
+    rows per group: kernels/tile_policy.py WGRAD_PINGPONG_ROWS); `gathered`: x read through the index;
+    `dy_gathered`: dY read through it."""
     G, out_f, in_f = op.weight.shape
-    return choose_wgrad_config(out_f, in_f, G, gather_b=gathered, rows=rows)
+    return choose_wgrad_config(out_f, in_f, G, gather_a=dy_gathered, gather_b=gathered, rows=rows)
 
 
-def kernel_jobs(op, part: str, dtype: torch.dtype, gathered: bool = False) -> list:
+def kernel_jobs(op, part: str, dtype: torch.dtype, gathered: bool = False, dy_gathered: bool = False) -> list:
     """The KernelJobs of `op`'s weight gradient ("wgrad"; none for other parts or where the kernel does not take
     the op at `dtype`), one per configuration the tile policy may choose at some row count, and with `gathered`
-    (the op follows a Gather) the one that reads x through the index (`gathers`): what Sequential.compile() builds
-    ahead of time (fusion/runtime/aot.py)."""
+    (the op follows a Gather) the one that reads x through the index (`gathers`), with `dy_gathered` (a Combine
+    follows it) the one that reads dY through it (`gathers_dy`): what Sequential.compile() builds ahead of time
+    (fusion/runtime/aot.py)."""
     if part != "wgrad" or gemm_refusal(op, str(dtype).removeprefix("torch.")) is not None:
         return []
     G, out_f, in_f = op.weight.shape
     jobs = [_job(op, dtype, config) for config in wgrad_configs(out_f, in_f, G)]
-    if gathered and gather_in_wgrad(in_f, G, WGRAD_GATHER_ROWS * G):
-        jobs.append(_job(op, dtype, _config(op, WGRAD_GATHER_ROWS * G, gathered=True)))
+    many = WGRAD_GATHER_ROWS * G
+    if gathered and gather_in_wgrad(in_f, G, many):
+        jobs.append(_job(op, dtype, _config(op, many, gathered=True)))
+    if dy_gathered and gather_dy(G, many):
+        jobs.append(_job(op, dtype, _config(op, many, dy_gathered=True)))
     return jobs
 
 
@@ -81,26 +88,36 @@ def gathers(op, rows: int) -> bool:
     return weight.dim() == 3 and gather_in_wgrad(weight.shape[2], weight.shape[0], rows)
 
 
-def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext, index: torch.Tensor | None = None) -> torch.Tensor:
+def gathers_dy(op, rows: int) -> bool:
+    """Whether `op`'s weight gradient over `rows` routed rows (a GroupLinear before a Combine) reads the tokens'
+    gradient through the routing index (kernels/tile_policy.py `gather_dy`) instead of the Combine backward's copy."""
+    weight = op._parameters["weight"]
+    return weight.dim() == 3 and gather_dy(weight.shape[0], rows)
+
+
+def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext, index: torch.Tensor | None = None,
+          dy_index: torch.Tensor | None = None) -> torch.Tensor:
     """dW (G, out, in) in the weight's dtype: one launch over every group, at the tile for this call's rows per
     group (the routed row count is known on the host; the group sizes are not read). With `index` (int32, one
     token row per routed row: fusion/runtime/gather.py `gather_index`) x is the (T, in) token matrix, read through
-    it."""
+    it; with `dy_index` (the same index) dY is the (T, out) tokens' gradient, read through it."""
     from fusion.kernels.wgrad_api import run_varlen_k_gemm
     from fusion.quant import dequantize
 
-    rows = dy.shape[0]
+    routing = index if index is not None else dy_index
+    rows = dy.shape[0] if routing is None else routing.numel()
     # kept per row count: the tile policy (about 5 µs) runs once per (shape, dtype, rows), not per call; the kernel
     # of a tile is loaded once (load_compiled keeps it by its key)
-    key = (tuple(op.weight.shape), x.dtype, rows, index is not None)
+    key = (tuple(op.weight.shape), x.dtype, rows, index is not None, dy_index is not None)
     compiled = _COMPILED.get(key)
     if compiled is None:
         from fusion.runtime.compile import load_compiled
 
-        compiled = _COMPILED[key] = load_compiled(_job(op, x.dtype, _config(op, rows, index is not None)))
+        config = _config(op, rows, index is not None, dy_index is not None)
+        compiled = _COMPILED[key] = load_compiled(_job(op, x.dtype, config))
     x = dequantize(x)
     x = x if x.is_contiguous() else x.contiguous()
     dy = dy if dy.is_contiguous() else dy.contiguous()
     dw = torch.empty(op.weight.shape, dtype=x.dtype, device=x.device)
-    run_varlen_k_gemm(compiled, dy, x, row_bounds(op, rows, ctx, x.device), dw, index=index)
+    run_varlen_k_gemm(compiled, dy, x, row_bounds(op, rows, ctx, x.device), dw, index=routing)
     return dw
