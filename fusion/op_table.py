@@ -47,7 +47,10 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
     ("gather", "backward"): ("combine", "combine kernel of the rows' gradients (fusion/kernels/combine.py)"),
     ("gather", "forward"): ("gather", "gather kernel (fusion/kernels/gather_rows.py: each routed row copies its "
                                       "token's row, a padding row zeros; no copy of the tokens)"),
-    ("combine", "backward"): ("gather", "gather kernel of the tokens' gradients (fusion/kernels/gather_rows.py)"),
+    ("combine", "backward"): ("gather", "gather kernel of the tokens' gradients (fusion/kernels/gather_rows.py); "
+                                        "skipped where the GEMM before the Combine reads them through the routing "
+                                        "index in its fused dgrad and weight gradient (>= 1024 routed rows per "
+                                        "group)"),
     ("quantize:fp8_block", "forward"): ("fp8_quantize", "FP8-block quantize kernel (fusion/kernels/fp8_quantize.py: "
                                                         "rowwise and per-group columnwise in one pass)"),
     ("gemm:fp8_block", "forward"): ("fp8_gemm", "FP8 block-scaled grouped GEMM (fusion/kernels/fp8_gemm.py), the "
@@ -64,7 +67,8 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
                                       "dY_g.T @ X_g in one launch, TMA with X's tile multicast to a CTA pair; "
                                       "128x192 pingpong tiles at 192-1535 rows per group, wider ones elsewhere; "
                                       "after a Gather, at >= 1024 rows per group with in_features a multiple of "
-                                      "256, X's rows read through the routing index, no regathered copy)"),
+                                      "256, X's rows read through the routing index, no regathered copy; before a "
+                                      "Combine, at >= 1024 rows per group, dY's rows through it)"),
 }
 
 #: What a device method's kernel takes, by variant (the runtime module's `takes` checks the same at run time):

@@ -198,3 +198,47 @@ def test_explain_states_the_weight_gradient_rules_the_tile_policy_applies():
     low, high = WGRAD_PINGPONG_ROWS
     assert f"at {low}-{high - 1} rows per group" in text
     assert f"after a Gather, at >= {WGRAD_GATHER_ROWS} rows per group" in text
+    assert f"before a Combine, at >= {WGRAD_GATHER_ROWS} rows per group" in text      # tile_policy.gather_dy's
+    assert f">= {WGRAD_GATHER_ROWS} routed rows per group" in DEVICE_METHODS[("combine", "backward")][1]
+
+
+def test_fc2_weight_gradient_reads_dy_through_the_index_at_many_rows_per_group(monkeypatch):
+    """kernels/tile_policy.py gather_dy: at >= WGRAD_GATHER_ROWS routed rows per group and several groups an MoE FC2's
+    weight gradient reads the tokens' gradient through the index; the runtime then launches the kernel that gathers
+    A (dY's rows by cp.async, H by TMA, no cluster) with the index, and Sequential.compile() builds it for a
+    GroupLinear before a Combine (launch mocked: no GPU)."""
+    import torch
+
+    import fusion.kernels.wgrad_api as api
+    from fusion import GroupLinear
+    from fusion.kernels import tile_policy
+    from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, gather_dy
+    from fusion.ops.base import RunContext
+    from fusion.runtime import compile as C
+    from fusion.runtime import wgrad_gemm
+
+    G = 16
+    rows = G * WGRAD_GATHER_ROWS
+    assert gather_dy(G, rows) and not gather_dy(G, rows - 1) and not gather_dy(1, rows)
+    monkeypatch.setattr(tile_policy, "DY_GATHER", False)
+    assert not gather_dy(G, rows)                              # FUSION_DY_GATHER=0
+    monkeypatch.setattr(tile_policy, "DY_GATHER", True)
+
+    launched, loaded = [], []
+    monkeypatch.setattr(C, "load_compiled", lambda job: loaded.append(job) or job)
+    monkeypatch.setattr(api, "run_varlen_k_gemm", lambda comp, a, b, offs, out, index=None:
+                        launched.append((WgradConfig(*comp.config), a.shape, index)))
+    wgrad_gemm._COMPILED.clear()
+    op = GroupLinear(G, 256, 512).to(torch.bfloat16)            # FC2: f = 256 -> d = 512
+    T = rows // 2
+    dy_tokens = torch.empty(T, 512, dtype=torch.bfloat16)
+    h = torch.empty(rows, 256, dtype=torch.bfloat16)
+    index = torch.zeros(rows, dtype=torch.int32)
+    ctx = RunContext(group_sizes=torch.full((G,), WGRAD_GATHER_ROWS))
+    wgrad_gemm.wgrad(op, h, dy_tokens, ctx, dy_index=index)
+    ((cfg, a_shape, got_index),) = launched
+    assert cfg.gather_a and not cfg.gather_b and cfg.cluster_m == 1 and a_shape == (T, 512) and got_index is index
+    jobs = wgrad_gemm.kernel_jobs(op, "wgrad", torch.bfloat16, dy_gathered=True)
+    assert loaded[0].key in {j.key for j in jobs}              # the kernel it launches is one compile() builds
+    assert not [j for j in wgrad_gemm.kernel_jobs(op, "wgrad", torch.bfloat16) if WgradConfig(*j.config).gather_a]
+    wgrad_gemm._COMPILED.clear()
