@@ -10,7 +10,9 @@ even), 128x192 dynamic and in static pairs, 128x192 and 128x128 as CTA pairs on 
 the weight's tile ("mpairs", cluster_m = 2: for n-tile counts that do not pair up, GPT-OSS's 2880), 128x256
 cooperative (each warpgroup 64x256: the pingpong tile's registers) dynamic and in static pairs; a 192-column
 variant that spills is built at 128 columns (the label shows the tile built);
-outputs compared with the first variant's. The kernel is bound by L2 throughput (ncu, GPT-OSS-120B's shape on an
+outputs compared with the first variant's. "gather ..." variants read dY's rows through a routing index (an MoE
+FC2 before a Combine: the tokens' gradient (M/8, d), each token's row read by 8 routed rows; no copy of dY per
+routed row): the runtime's tile for them (tile_policy.tile_config with gather: gather_tile, no CTA pair) and others. The kernel is bound by L2 throughput (ncu, GPT-OSS-120B's shape on an
 H100: L2 87%, DRAM 56-65%): every n-tile reads dY's rows again and every m-tile the expert's weight, so wider
 tiles and pairs cut the bytes.
 Anchor: torch._grouped_mm of the same dgrad.
@@ -29,12 +31,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 SHAPES = [(8, 32768, 4096, 28672), (32, 65536, 2880, 5760), (128, 196608, 1536, 512), (32, 49152, 1536, 2048),
           (32, 32768, 7168, 4096), (128, 65536, 2880, 5760), (128, 131072, 2048, 1536), (64, 131072, 2048, 2048),
           (128, 262144, 4096, 3072),   # SonicMoE's Qwen3-235B configuration (T = 32768, top-8)
-          (64, 49152, 2048, 2816)]     # DeepSeek-V2-Lite (f = 1408: 11 128-column n-tiles, 192 does not divide)
+          (64, 49152, 2048, 2816),     # DeepSeek-V2-Lite (f = 1408: 11 128-column n-tiles, 192 does not divide)
+          (32, 131072, 7168, 4096),    # DeepSeek-V3 EP8 at 16384 tokens (bench/bench_moe.py's)
+          (128, 262144, 4096, 2048)]   # SonicMoE's moe-cute default (T = 32768, top-8, f = 1024)
 
 
 def jobs(shape, only=None):
     from fusion import GroupLinear, Scale, Sequential, SwiGLU
-    from fusion.kernels.tile_policy import GemmConfig, n_tile_count
+    from fusion.kernels.tile_policy import GemmConfig, n_tile_count, tile_config
     from fusion.runtime.aot import plan_jobs
 
     E, M, d, f2 = shape
@@ -59,6 +63,17 @@ def jobs(shape, only=None):
             continue
         cfg = dataclasses.replace(GemmConfig(*base.config), **{"pingpong": True, "cluster_n": 1, "cluster_m": 1, **kw})
         out[name] = dataclasses.replace(base, config=dataclasses.astuple(cfg))
+    gathered = GemmConfig(*tile_config(f, d, E, False, "MN", True, gather=True))
+    for name, kw in (("gather job()", {}),
+                     ("gather pp128 dyn", dict(tile_n=128, stages=6, pingpong=True)),
+                     ("gather pp192 dyn", dict(tile_n=192, stages=5, pingpong=True)),
+                     ("gather co256 dyn", dict(tile_n=256, stages=4, pingpong=False))):
+        if only is not None and name not in only and name != "gather job()":
+            continue
+        cfg = dataclasses.replace(gathered, **kw)
+        if name != "gather job()" and cfg == gathered:
+            continue
+        out[name] = dataclasses.replace(base, variant="backward_gather", config=dataclasses.astuple(cfg))
     return out
 
 
@@ -73,6 +88,17 @@ def _tensor(spec, M, f, make):
     if isinstance(spec, RowVector):
         return make(M, device="cuda", dtype=dtype).abs() if make is torch.randn else make(M, device="cuda", dtype=dtype)
     return make(M, 2 * f if spec.paired else f, device="cuda", dtype=dtype)
+
+
+def _gather(tokens, index):
+    """The Combine backward's copy of dY to every routed row, by the runtime's gather kernel."""
+    from fusion.kernels.gather_rows import compile_gather_rows
+
+    out = torch.empty(index.numel(), tokens.shape[1], dtype=tokens.dtype, device=tokens.device)
+    compile_gather_rows("bfloat16", tokens.shape[1], "int32").launch(
+        tokens.data_ptr(), index.data_ptr(), out.data_ptr(), tokens.shape[0], index.numel(),
+        torch.cuda.current_stream().cuda_stream)
+    return out
 
 
 def main():
@@ -105,7 +131,9 @@ def run_shape(shape, precompile: bool, only=None):
     sizes = torch.floor(w / w.sum() * M).long()
     sizes[0] += M - int(sizes.sum())
     offs = offsets_from_group_sizes(sizes.cuda())
-    dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+    dy_tokens = torch.randn(M // 8, d, device="cuda", dtype=torch.bfloat16)
+    index = torch.randint(0, M // 8, (M,), device="cuda", dtype=torch.int32)
+    dy = dy_tokens.index_select(0, index)     # the Combine backward's copy: what the TMA variants read
     W2 = torch.randn(E, d, f, device="cuda", dtype=torch.bfloat16) * 0.02     # FC2 weight (E, out=d, in=f)
     B = W2    # the dgrad reads the weight as stored: MN-major B (G, K=d, N=f)
     ref = None
@@ -119,7 +147,8 @@ def run_shape(shape, precompile: bool, only=None):
             ext = {spec.name: _tensor(spec, M, f, torch.randn) for spec in comp.epilogue.inputs}
         outs = {spec.name: _tensor(spec, M, f, lambda *a, **k: torch.full(a, float("nan"), **k))
                 for spec in comp.epilogue.outputs}
-        run_grouped_gemm(comp, dy, B, offs, outs, ext)
+        a, idx = (dy_tokens, index) if comp.config.gather_a else (dy, None)
+        run_grouped_gemm(comp, a, B, offs, outs, ext, index=idx)
         torch.cuda.synchronize()
         if ref is None:
             ref = {k: v.float() for k, v in outs.items()}
@@ -128,12 +157,14 @@ def run_shape(shape, precompile: bool, only=None):
             err = max(float((outs[k].float() - ref[k]).norm() / ref[k].norm()) for k in ref)
             err = f"rel diff vs first {err:.1e}"
         nan = any(bool(v.isnan().any()) for v in outs.values())
-        ms = triton.testing.do_bench(lambda: run_grouped_gemm(comp, dy, B, offs, outs, ext), warmup=5, rep=50,
-                                     return_mode="median")
+        ms = triton.testing.do_bench(lambda: run_grouped_gemm(comp, a, B, offs, outs, ext, index=idx), warmup=5,
+                                     rep=50, return_mode="median")
         c = comp.config
         rows.append((f"{name} {c.tile_m}x{c.tile_n} s{c.stages}{' pp' if c.pingpong else ''}"
                      f"{' dyn' if c.dynamic else ''}{' c2' if c.cluster_n > 1 else ''}{' m2' if c.cluster_m > 1 else ''}",
-                     ms, f"{err}{' NaN!' if nan else ''}"))
+                     ms, f"{err}{' NaN!' if nan else ''}{' gather' if c.gather_a else ''}"))
+    rows.append(("the copy itself (gather kernel, M x d)", triton.testing.do_bench(
+        lambda: _gather(dy_tokens, index), warmup=5, rep=50, return_mode="median"), ""))
     tflop = 2 * M * d * f / 1e12
     print(f"\ndgrad FC2 + dSwiGLU*s kernel alone, E,M,d,2f = {shape}")
     for n, ms, e in rows:

@@ -12,6 +12,7 @@ Rows, TFLOP/s = 2*M*Ma*Nb / time:
   ours                     the varlen-K kernel at the tile policy's configuration for the shape's rows
                            (choose_wgrad_config(..., rows=M): what the runtime launches)
   ours, gathered x         FC1 reading x's rows through the index (no gathered copy)
+  ours, gathered dY        FC2 reading the tokens' gradient dY's rows through the index (no Combine-backward copy)
   sweep <tile>             (--sweep) other tile configurations
 
 Group distributions (--groups, GROUPS): "topk" (top-k of random logits: about balanced), "skewed" (expert weights
@@ -84,19 +85,21 @@ def job(cfg: WgradConfig, Ma: int, Nb: int, G: int) -> KernelJob:
 
 
 def gemms(E, d, f, T, k):
-    """(label, Ma, Nb, gathers B) of the shape's two weight gradients."""
-    return (("fc1", 2 * f, d, True), ("fc2", d, f, False))
+    """(label, Ma, Nb, the operand an MoE block may read through the index) of the shape's two weight gradients:
+    FC1's B (x), FC2's A (dY)."""
+    return (("fc1", 2 * f, d, "b"), ("fc2", d, f, "a"))
 
 
 def configs(Ma, Nb, G, rows, gathered, sweep, gather=True):
     """(plain, gathered) configuration pairs: the tile policy's at `rows` routed rows first (the runtime's choice),
-    then (sweep) the others; gathered (B read through the index, cp.async: no cluster) only for FC1, once per
-    tile."""
+    then (sweep) the others; gathered (the `gathered` operand, "a" or "b", read through the index, cp.async: no
+    cluster) once per tile."""
     base = choose_wgrad_config(Ma, Nb, G, rows=rows)
     out = [base] + ([c for c in SWEEP if c != base] if sweep else [])
     pairs, seen = [], set()
     for c in out:
-        gath = dataclasses.replace(c, gather_b=True, cluster_m=1) if gathered and gather else None
+        gath = (dataclasses.replace(c, **{f"gather_{gathered}": True}, cluster_m=1) if gathered and gather
+                else None)
         pairs.append((c, gath if gath not in seen else None))
         seen.add(gath)
     return pairs
@@ -156,20 +159,24 @@ def run_shape(name, E, d, f, T, k, groups, gen, sweep, gather=True, dev="cuda"):
 
     M, dgen, index, ends, offs, result = routed_shape(name, E, d, f, T, k, groups, gen, dev)
     for label, Ma, Nb, gathered in gemms(E, d, f, T, k):
-        dy = torch.randn(M, Ma, generator=dgen, device=dev, dtype=torch.bfloat16)
-        tokens = torch.randn(T if gathered else M, Nb, generator=dgen, device=dev, dtype=torch.bfloat16)
-        xg = tokens.index_select(0, index) if gathered else tokens
+        # the operand read through the index as (T, .) tokens, the other as (M, .) routed rows
+        a_tok = torch.randn(T if gathered == "a" else M, Ma, generator=dgen, device=dev, dtype=torch.bfloat16)
+        b_tok = torch.randn(T if gathered == "b" else M, Nb, generator=dgen, device=dev, dtype=torch.bfloat16)
+        dy = a_tok.index_select(0, index) if gathered == "a" else a_tok
+        xg = b_tok.index_select(0, index) if gathered == "b" else b_tok
         out = torch.empty(E, Ma, Nb, dtype=torch.bfloat16, device=dev)
         want = torch._grouped_mm(dy.t(), xg, offs=ends).float()
         scale = want.abs().max().item()
         rows = {"torch _grouped_mm": lambda: torch._grouped_mm(dy.t(), xg, offs=ends)}
-        if gathered:
+        if gathered == "b":
             rows["torch index_select + _grouped_mm"] = lambda: torch._grouped_mm(
-                dy.t(), tokens.index_select(0, index), offs=ends)
+                dy.t(), b_tok.index_select(0, index), offs=ends)
         errors = {}
+        suffix_g = ", gathered x" if gathered == "b" else ", gathered dY"
         for i, (plain, gath) in enumerate(configs(Ma, Nb, E, M, gathered, sweep, gather)):
             tag = "ours" if i == 0 else "sweep"
-            for cfg, a_in, b_in, idx, suffix in ((plain, dy, xg, None, ""), (gath, dy, tokens, index, ", gathered x")):
+            gathered_in = (a_tok if gathered == "a" else dy, b_tok if gathered == "b" else xg)
+            for cfg, a_in, b_in, idx, suffix in ((plain, dy, xg, None, ""), (gath, *gathered_in, index, suffix_g)):
                 if cfg is None:
                     continue
                 comp = load_compiled(job(cfg, Ma, Nb, E))
@@ -199,7 +206,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time the other tile configurations")
     ap.add_argument("--skewed", action="store_true", help="also the skewed group distribution")
     ap.add_argument("--groups", default="topk", help="comma-separated group distributions of " + ",".join(GROUPS))
-    ap.add_argument("--no-gather", action="store_true", help="leave out the kernels that gather x (FC1)")
+    ap.add_argument("--no-gather", action="store_true",
+                    help="leave out the kernels that gather an operand (FC1's x, FC2's dY)")
     ap.add_argument("--precompile", action="store_true", help="compile the kernels into FUSION_CACHE_DIR and exit")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
