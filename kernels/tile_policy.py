@@ -275,7 +275,14 @@ def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bo
     config = choose_config(ROWS_PER_GROUP * G, N, K, G, gated, b_major=b_major)
     if reads_aux:
         config = aux_tile(config, N)
-    if gather:
+    if gather and reads_aux and N % 256 == 0:
+        # FC2's dgrad reading dY through the index: 128x256 cooperative, measured on an H100 (bench/
+        # bench_dgrad_epilogue.py, bench/results/H100-2026-11-27b-dy-gather-dgrad.log; ms, 256 cooperative against
+        # gather_tile's 128x192 pingpong, rebuilt at 128 as it spills, and 128x128 pingpong): Qwen3-30B-A3B (N = 768)
+        # 0.942 / 0.985 / 1.048, OLMoE 1.198 / - / 1.261, DeepSeek-V3 EP8 6.844 / 9.362 (128x128)
+        config = dataclasses.replace(for_gather(config), tile_n=256, stages=_max_stages_capped(256, 4),
+                                     pingpong=False)
+    elif gather:
         config = gather_tile(for_gather(config), N)
     return dataclasses.astuple(config)
 
@@ -443,14 +450,25 @@ def gather_in_wgrad(Nb: int, G: int, rows: int) -> bool:
 DY_GATHER = os.environ.get("FUSION_DY_GATHER", "1") != "0"
 
 
-def gather_dy(G: int, rows: int) -> bool:
-    """Whether an MoE FC2's dgrad and weight gradient (the GEMMs before a Combine) read the tokens' gradient dY
-    (T, d) through the routing index (each a gathering kernel: dY by cp.async, the weight or H by TMA) rather than
-    the Combine backward's copy (M x d, dY per routed row, which the SonicMoE design never stores): at
-    WGRAD_GATHER_ROWS or more rows per group, for weights of several groups, the row count from which the
-    weight gradient's gathering producer kept up with the TMA kernel plus the copy on the FC1 gradients
-    (`gather_in_wgrad`)."""
-    return DY_GATHER and G > 1 and rows >= WGRAD_GATHER_ROWS * G
+#: The widest FC2 input (f, the expert's intermediate width) at which its backward reads dY through the index.
+#: Measured on an H100 (bench/bench_dgrad_epilogue.py and bench/bench_wgrad.py --sweep, bench/results/
+#: H100-2026-11-27b-dy-gather-{dgrad,wgrad}.log; ms, the kernels reading the Combine's copy -> reading dY through the
+#: index at their best tile, against the copy itself, a gather kernel writing M x d): Qwen3-30B-A3B (f = 768) dgrad
+#: 0.852 -> 0.942, weight gradient 0.590 -> 0.734, copy 0.313 (net -0.08); OLMoE (1024) 1.074 -> 1.198, 0.788 ->
+#: 0.963, copy 0.319 (-0.02); SonicMoE's moe-cute (1024) 3.464 -> 3.899, 3.142 -> 3.844, copy 1.374 (-0.24);
+#: DeepSeek-V3 EP8 (2048) 6.370 -> 6.844, 5.458 -> 6.288, copy 1.088 (+0.21). The gathering kernels lose the CTA
+#: pair that shares dY's tile (a cp.async operand cannot be multicast) and run 10-25% longer, a cost that grows
+#: with the GEMMs' work per copied byte, i.e. with f; the copy costs M x d whatever f.
+DY_GATHER_MAX_F = 1024
+
+
+def gather_dy(G: int, rows: int, f: int) -> bool:
+    """Whether an MoE FC2 (weight (G, d, f)) reads the tokens' gradient dY (T, d) through the routing index in its
+    fused dgrad and its weight gradient (each a gathering kernel: dY by cp.async, the weight or H by TMA) rather
+    than the Combine backward's copy (M x d, dY per routed row, which the SonicMoE design never stores): at
+    WGRAD_GATHER_ROWS or more rows per group (as the FC1 weight gradient's `gather_in_wgrad`: below it the
+    gathering producer fell behind), for weights of several groups, f at most DY_GATHER_MAX_F."""
+    return DY_GATHER and G > 1 and rows >= WGRAD_GATHER_ROWS * G and f <= DY_GATHER_MAX_F
 
 
 def _wide_wgrad_tile(Nb: int) -> WgradConfig:

@@ -112,6 +112,8 @@ def test_fc2_dgrad_gathering_dy_compiles_without_spills(f, d, E):
     d(SwiGLU * scale) epilogue reading the saved pre-activation; at the tile the runtime asks for."""
     config = K.GemmConfig(*tile_config(f, d, E, False, "MN", True, gather=True))
     assert config.gather_a and config.b_major == "MN" and config.cluster_n == config.cluster_m == 1
+    # 128x256 cooperative where 256 divides f (tile_config's measured rule), else gather_tile's
+    assert (config.tile_n, config.pingpong) == ((256, False) if f % 256 == 0 else (192, True))
     comp = K.compile_grouped_gemm(config, K.DSwiGLUEpilogue(), "bfloat16", f, d, E)
     _check_gather_sass(comp)
     assert comp.config == config

@@ -322,7 +322,7 @@ def test_fc2_backward_reads_the_tokens_gradient_through_the_index(monkeypatch, g
     x0 = torch.randn(T, D, dtype=torch.float64)
     ref = run(block("reference"), x0, r, torch.float64)
     monkeypatch.setattr(S, "_device_method", with_wgrad)
-    monkeypatch.setattr(S, "gather_dy", lambda G, rows: gathers)
+    monkeypatch.setattr(S, "gather_dy", lambda G, rows, f: gathers)
     monkeypatch.setattr(wgrad_gemm, "takes", lambda op, x: True)
     monkeypatch.setattr(wgrad_gemm, "gathers", lambda op, rows: False)
     monkeypatch.setattr(wgrad_gemm, "gathers_dy", lambda op, rows: gathers)
@@ -348,7 +348,7 @@ def test_fc2_dgrad_alone_reads_through_the_index_when_its_weight_is_frozen(monke
 
     copies = []
     combine_grad = Combine.input_grad
-    monkeypatch.setattr(S, "gather_dy", lambda G, rows: True)
+    monkeypatch.setattr(S, "gather_dy", lambda G, rows, f: True)
     monkeypatch.setattr(Combine, "input_grad", lambda self, dy, ctx: copies.append(1) or combine_grad(self, dy, ctx))
     T = 31
     r = routing(T, 4, 4, 1)

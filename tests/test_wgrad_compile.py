@@ -219,9 +219,11 @@ def test_fc2_weight_gradient_reads_dy_through_the_index_at_many_rows_per_group(m
 
     G = 16
     rows = G * WGRAD_GATHER_ROWS
-    assert gather_dy(G, rows) and not gather_dy(G, rows - 1) and not gather_dy(1, rows)
+    f = tile_policy.DY_GATHER_MAX_F
+    assert gather_dy(G, rows, f) and not gather_dy(G, rows - 1, f) and not gather_dy(1, rows, f)
+    assert not gather_dy(G, rows, f + 128)                     # wide experts keep the copy (tile_policy's note)
     monkeypatch.setattr(tile_policy, "DY_GATHER", False)
-    assert not gather_dy(G, rows)                              # FUSION_DY_GATHER=0
+    assert not gather_dy(G, rows, f)                           # FUSION_DY_GATHER=0
     monkeypatch.setattr(tile_policy, "DY_GATHER", True)
 
     launched, loaded = [], []

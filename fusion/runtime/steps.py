@@ -389,8 +389,9 @@ class FusedDgrad(_KernelStep):
         from fusion.quant import QuantizedTensor
 
         tokens = state.env.get(self.dy_tokens)
+        G, N, _ = self.weight_shape()
         return (tokens is not None and not isinstance(tokens, QuantizedTensor) and tokens.dim() == 2
-                and gather_dy(self.weight_shape()[0], state.ctx.index.numel()))
+                and gather_dy(G, state.ctx.index.numel(), N))
 
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize

@@ -76,7 +76,7 @@ def kernel_jobs(op, part: str, dtype: torch.dtype, gathered: bool = False, dy_ga
     many = WGRAD_GATHER_ROWS * G
     if gathered and gather_in_wgrad(in_f, G, many):
         jobs.append(_job(op, dtype, _config(op, many, gathered=True)))
-    if dy_gathered and gather_dy(G, many):
+    if dy_gathered and gather_dy(G, many, in_f):
         jobs.append(_job(op, dtype, _config(op, many, dy_gathered=True)))
     return jobs
 
@@ -92,7 +92,7 @@ def gathers_dy(op, rows: int) -> bool:
     """Whether `op`'s weight gradient over `rows` routed rows (a GroupLinear before a Combine) reads the tokens'
     gradient through the routing index (kernels/tile_policy.py `gather_dy`) instead of the Combine backward's copy."""
     weight = op._parameters["weight"]
-    return weight.dim() == 3 and gather_dy(weight.shape[0], rows)
+    return weight.dim() == 3 and gather_dy(weight.shape[0], rows, weight.shape[2])
 
 
 def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext, index: torch.Tensor | None = None,
