@@ -16,7 +16,7 @@ import fusion
 from fusion import GroupLinear, Linear, QuantizeFP8Block, Scale, Sequential, SwiGLU
 from fusion.quant import fp8_linear
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
 
 

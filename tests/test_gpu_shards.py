@@ -27,3 +27,13 @@ def test_summary_is_pytests_last_result_line():
 def test_a_shard_names_every_file_it_runs():
     shard = ["tests/test_a.py::t1", "tests/test_a.py::t2", "tests/test_b.py::t[x]", "tests/test_a.py::t3"]
     assert gpu_shards.files_of(shard) == ["tests/test_a.py", "tests/test_b.py"]
+
+
+def test_every_gpu_test_file_carries_the_gpu_marker():
+    """gpu_shards.py collects `-m gpu`: a GPU test file without the marker would never run there (two did not,
+    test_moe_graph_gpu.py and test_fp8_block_gpu.py, until 2026-11-27)."""
+    import pathlib
+
+    here = pathlib.Path(__file__).parent
+    unmarked = [p.name for p in sorted(here.glob("test_*_gpu.py")) if "pytest.mark.gpu" not in p.read_text()]
+    assert unmarked == []

@@ -12,7 +12,7 @@ import torch
 
 from fusion import Combine, Gather, GroupLinear, MoE, Scale, Sequential, SwiGLU
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 T, D, F, E, K = 512, 256, 128, 16, 4
 
 
