@@ -98,8 +98,9 @@ def configs(Ma, Nb, G, rows, gathered, sweep, gather=True):
     out = [base] + ([c for c in SWEEP if c != base] if sweep else [])
     pairs, seen = [], set()
     for c in out:
-        gath = (dataclasses.replace(c, **{f"gather_{gathered}": True}, cluster_m=1) if gathered and gather
-                else None)
+        # (a gathered A keeps the tile's CTA pair: B multicast; a gathered B has none)
+        gath = (dataclasses.replace(c, **{f"gather_{gathered}": True}, cluster_m=c.cluster_m if gathered == "a" else 1)
+                if gathered and gather else None)
         pairs.append((c, gath if gath not in seen else None))
         seen.add(gath)
     return pairs

@@ -16,7 +16,6 @@ arguments, like the grouped GEMMs.
 """
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.runtime import make_ptr

@@ -39,7 +39,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .dtypes import cutlass_dtype
 from .epilogue import Epilogue, AuxInput, MXFP8Output
-from .gather_producer import GATHER_THREADS, GatherProducer
+from .gather_producer import GatherProducer
 from .mainloop import REGISTER_SPLIT, WarpRoles
 from .scheduler import PEER_SLOTS, TileScheduler
 from .tile_policy import one_band_limit, resolved_band

@@ -98,7 +98,9 @@ class VarlenKGemmKernel:
         self.tma = not (self.gather_a or self.gather_b)           # both operands by TMA
         self.hybrid = self.gather_a != self.gather_b                # the gathered one by cp.async, the other by TMA
         self.cluster_m = config.cluster_m
-        assert self.cluster_m in (1, 2) and (self.tma or self.cluster_m == 1), "multicast needs TMA operands"
+        # a CTA pair shares B's tile by TMA multicast: both operands by TMA, or A gathered and B by TMA
+        assert self.cluster_m in (1, 2) and (self.tma or (self.hybrid and self.gather_a) or self.cluster_m == 1), \
+            "multicast needs a TMA-loaded B"
         # the cp.async producer keeps a k-step's rows in registers, as the gather-A producer does
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[not self.tma]
         self.epi = IdentityEpilogue(out_dtype)
@@ -159,14 +161,17 @@ class VarlenKGemmKernel:
                 one, width, ptr, cols, rows = cute.slice_(self.sA_layout, (None, None, 0)), self.tile_m, pA, Ma, a_rows
             else:
                 one, width, ptr, cols, rows = cute.slice_(self.sB_layout, (None, None, 0)), self.tile_n, pB, Nb, b_rows
+            # (A gathered, cluster_m = 2: B's tile multicast to the pair, each CTA loading half of the box)
+            in_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_m > 1) else \
+                cpasync.CopyBulkTensorTileG2SOp()
             tma_in, tIn = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(),
-                cute.make_tensor(ptr, cute.make_layout((cols, rows), stride=(1, cols))), one, (width, self.tile_k))
+                in_op, cute.make_tensor(ptr, cute.make_layout((cols, rows), stride=(1, cols))), one,
+                (width, self.tile_k), num_multicast=self.cluster_m)
             self.tx_bytes = cute.size_in_bytes(self.ab_dtype, one)
             self.kernel_hybrid(tma_in, tIn, mA if const_expr(self.gather_a) else mB, mIdx, mOffs, tuple(tensors),
                                self.tiled_mma, self.sA_layout, self.sB_layout).launch(
-                grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), smem=SharedStorage.size_in_bytes(),
-                min_blocks_per_mp=1, stream=stream)
+                grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), cluster=(self.cluster_m, 1, 1),
+                smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream)
         else:
             self.kernel(mA, mB, mIdx, mOffs, tuple(tensors), self.tiled_mma, self.sA_layout,
                         self.sB_layout).launch(
@@ -201,7 +206,8 @@ class VarlenKGemmKernel:
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
-            self.produce_gathered(None, None, mA, mB, mIdx, mOffs, sA, sB, ab_pipe, tidx, Int32(0), bidx, grid)
+            self.produce_gathered(None, None, mA, mB, mIdx, mOffs, sA, sB, ab_pipe, tidx, Int32(0), Int32(0), bidx,
+                                  grid)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self.consume(tiled_mma, sA, sB, mOffs, epi_tensors, ab_pipe, tidx, wg_idx, Int32(0), bidx, grid)
@@ -251,38 +257,44 @@ class VarlenKGemmKernel:
                       mOffs: cute.Tensor, epi_tensors: tuple, tiled_mma: cute.TiledMma,
                       sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
         """One gathered operand (``mGath``, row-major (T, ·)): it comes by cp.async, the other (``mIn`` through
-        ``tma_in``) by TMA; no cluster."""
+        ``tma_in``) by TMA; with ``cluster_m = 2`` (A gathered) a CTA pair on neighbouring m-tiles shares B's tile,
+        each CTA loading half of the box and multicasting it, as the TMA kernel's pairs."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_in)
+        rank = Int32(0)
+        if const_expr(self.cluster_m > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         # a full barrier's arrivals: warp 0's arrive expecting the TMA bytes, and one cp.async arrive per
-        # producer thread; a stage is released by every consumer warp that reads it
+        # producer thread; a stage is released by every consumer warp that reads it, in each CTA its B tile was
+        # multicast to
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + PRODUCER_THREADS),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_atoms_m * 4),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_m * self.mma_atoms_m * 4),
             tx_count=self.tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
             defer_sync=True,
         )
-        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             # (the gathered operand fills the slot of A or B its config names; the other slot is not read)
-            self.produce_gathered(tma_in, mIn, mGath, mGath, mIdx, mOffs, sA, sB, ab_pipe, tidx, warp_idx, bidx, grid)
+            self.produce_gathered(tma_in, mIn, mGath, mGath, mIdx, mOffs, sA, sB, ab_pipe, tidx, warp_idx, rank,
+                                  bidx, grid)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
-            self.consume(tiled_mma, sA, sB, mOffs, epi_tensors, ab_pipe, tidx, wg_idx, Int32(0), bidx, grid)
+            self.consume(tiled_mma, sA, sB, mOffs, epi_tensors, ab_pipe, tidx, wg_idx, rank, bidx, grid)
 
     # ------------------------------------------------------------------ schedule
     def unit_coords(self, unit):
@@ -313,13 +325,13 @@ class VarlenKGemmKernel:
     @cute.jit
     def produce_gathered(self, tma_in, mIn, mA: cute.Tensor, mB: cute.Tensor, mIdx: cute.Tensor,
                          mOffs: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe, ptid: Int32, warp_idx: Int32,
-                         bidx: Int32, grid: Int32):
+                         rank: Int32, bidx: Int32, grid: Int32):
         """The producer warpgroup of a kernel with gathered operands: every thread copies its rows of each gathered
         operand (read through the index; zero-filled past the group's end and the operand's width). With one
         gathered operand (``hybrid``) the other comes by TMA: per k-step warp 0 waits for the empty stage, arrives
         expecting its bytes and issues its box (``tma_in`` over ``mIn``), the other warps wait for the empty stage
-        themselves, and every thread arrives once its copies have landed. Both gathered: a cp.async ring."""
-        chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
+        themselves, and every thread arrives once its copies have landed; in a CTA pair (A gathered) warp 0 issues
+        its half of B's box, multicast to both CTAs (``rank``: this CTA's). Both gathered: a cp.async ring."""
         tiled_copy = self.operand_copy()
         thr_copy = tiled_copy.get_slice(ptid)
         tAsA = thr_copy.partition_D(sA)                                        # (chunk, atoms, rows, stage)
@@ -328,10 +340,15 @@ class VarlenKGemmKernel:
         tBcB = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, self.tile_k)))
         rows = cute.size(tAcA, mode=[2])        # the same rows of a k-step for both operands
         total = self.G * self.group_units
+        clusters = grid // self.cluster_m
+        b_mask = None
+        if const_expr(self.cluster_m > 1):
+            b_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)), (rank, 0, 0), mode=0)
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        tile_id = bidx
+        tile_id = bidx // self.cluster_m
         while tile_id < total:
-            g, m_idx, n_idx = self.unit_coords(tile_id)
+            g, m0, n_idx = self.unit_coords(tile_id)
+            m_idx = m0 + rank
             row_start = mOffs[g]
             row_end = mOffs[g + 1]
             steps = (row_end - row_start + (self.tile_k - 1)) // self.tile_k
@@ -341,8 +358,8 @@ class VarlenKGemmKernel:
                 in_sm, in_width, in_idx = (sB, self.tile_n, n_idx) if const_expr(self.gather_a) else \
                     (sA, self.tile_m, m_idx)
                 gIn = cute.local_tile(cute.domain_offset((0, row_start), mIn), (in_width, self.tile_k), (in_idx, None))
-                tIsI, tIgI = cpasync.tma_partition(tma_in, 0, cute.make_layout(1), cute.group_modes(in_sm, 0, 2),
-                                                   cute.group_modes(gIn, 0, 2))
+                tIsI, tIgI = cpasync.tma_partition(tma_in, rank, cute.make_layout(self.cluster_m),
+                                                   cute.group_modes(in_sm, 0, 2), cute.group_modes(gIn, 0, 2))
             for kt in cutlass.range(steps, unroll=1):
                 # this thread's rows of the k-step and their tokens, read before the wait for an empty stage so
                 # that the index loads overlap it
@@ -363,7 +380,7 @@ class VarlenKGemmKernel:
                     bar = ab_pipe.producer_get_barrier(prod_state)
                     if warp_idx == 0:
                         ab_pipe.producer_acquire(prod_state)   # empty wait + arrive expecting the TMA bytes
-                        cute.copy(tma_in, tIgI[(None, kt)], tIsI[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(tma_in, tIgI[(None, kt)], tIsI[(None, stage)], tma_bar_ptr=bar, mcast_mask=b_mask)
                     else:
                         ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
                 else:
@@ -379,7 +396,7 @@ class VarlenKGemmKernel:
                 else:
                     ab_pipe.producer_commit(prod_state)
                 prod_state.advance()
-            tile_id = tile_id + grid
+            tile_id = tile_id + clusters
         # leave no copy in flight behind an exiting thread, nor a stage the consumers still read
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
@@ -393,7 +410,8 @@ class VarlenKGemmKernel:
         """Trace time: this thread's 16-byte chunks of a gathered operand's k-step rows (token rows of ``mX``) into
         ``stage``, zero-filled past the group's end (``live``) and past the operand's ``limit`` columns."""
         chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
-        edge = limit % width != 0
+        # (a CTA pair's second CTA may work on an m-tile past Ma: an odd m-tile count)
+        edge = limit % width != 0 or self.cluster_m > 1
         for j in range(cute.size(tXcX, mode=[2])):
             gX = cute.tiled_divide(cute.append_ones(mX[token[j], None], up_to_rank=2), (chunk, 1))
             for i in range(cute.size(tXcX, mode=[1])):

@@ -46,9 +46,9 @@ def check_wgrad_config(config: WgradConfig, dtype, Ma: int, Nb: int, out_dtype=N
                         "192 columns")
     if config.cluster_m not in (1, 2):
         problems.append(f"cluster_m = {config.cluster_m}: 1, or 2 (a CTA pair sharing B's tile by TMA multicast)")
-    if config.cluster_m > 1 and (config.gather_a or config.gather_b):
-        problems.append("cluster_m = 2 multicasts B's tile by TMA: a gathered operand is loaded by cp.async; use "
-                        "cluster_m=1 with gather_a / gather_b")
+    if config.cluster_m > 1 and config.gather_b:
+        problems.append("cluster_m = 2 multicasts B's tile by TMA: a gathered B is loaded by cp.async; use "
+                        "cluster_m=1 with gather_b")
     if config.tile_k != 64:
         problems.append(f"tile_k = {config.tile_k}: the producer copies 64 rows per k-step (16 per pass)")
     if Ma % 8 or Nb % 8:

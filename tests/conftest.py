@@ -36,3 +36,25 @@ def all_templates_available(monkeypatch):
     from fusion import kernel_templates as templates
 
     monkeypatch.setattr(templates, "unavailable", lambda kernel: None)
+
+
+def moe_block_case(seed: int, round_to=None, E: int = 4, d: int = 256, f: int = 128, T: int = 4096, k: int = 2):
+    """A bf16 MoE experts block on the GPU (Gather, FC1, SwiGLU, Scale, FC2, Combine) at 2048 routed rows per expert
+    on average, its reference-backend copy, tokens, a routing and the output gradient: (block, ref, x, r, dy)."""
+    import copy
+
+    from fusion import Combine, Gather, GroupLinear, Scale, Sequential, SwiGLU
+    from fusion.moe import route
+
+    gen = torch.Generator().manual_seed(seed)
+    block = Sequential(Gather(), GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d),
+                       Combine()).to("cuda", torch.bfloat16)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=d ** -0.5)
+    ref = copy.deepcopy(block)
+    ref.backend = "reference"
+    x = torch.randn(T, d, generator=gen).to("cuda", torch.bfloat16)
+    logits = torch.randn(T, E, generator=gen).to("cuda", torch.bfloat16)
+    r = route(logits, k, round_to=round_to)
+    dy = torch.randn(T, d, generator=gen).to("cuda", torch.bfloat16)
+    return block, ref, x, r, dy

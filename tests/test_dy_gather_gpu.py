@@ -6,13 +6,12 @@ there, so each gathering producer zero-fills a row whose index is -1 (kernels/ga
 End to end the padding rows' probabilities are 0, which hides a wrong row from every gradient, so the kernels are
 checked here one by one: each output row of a padding row must be exactly what a zero input row gives.
 """
-import copy
 import dataclasses
 import importlib
 
 import pytest
 import torch
-from conftest import hopper_available
+from conftest import hopper_available, moe_block_case
 
 import fusion.kernels as K
 from fusion.kernels.tile_policy import tile_config
@@ -120,9 +119,7 @@ def test_moe_fc2_backward_reads_the_tokens_gradient_through_the_index(monkeypatc
     dgrad and weight gradient read dY through the routing index, so the gather kernel never runs (FC1's weight
     gradient reads x through the index too); with the rule off the Combine's backward copy runs once. Every
     gradient matches the reference backend's either way."""
-    from fusion import Combine, Gather, GroupLinear, Scale, Sequential, SwiGLU
     from fusion.kernels import tile_policy
-    from fusion.moe import route
     from fusion.runtime import gather as gather_method
     from fusion.runtime import wgrad_gemm
     from fusion.runtime.kernel import LAUNCHES
@@ -134,19 +131,8 @@ def test_moe_fc2_backward_reads_the_tokens_gradient_through_the_index(monkeypatc
     monkeypatch.setattr(wgrad_gemm, "wgrad", lambda op, x, dy, ctx, index=None, dy_index=None:
                         dy_indexed.append(dy_index is not None) or
                         real_wgrad(op, x, dy, ctx, index=index, dy_index=dy_index))
-    E, d, f, T, k = 4, 256, 128, 4096, 2
-    gen = torch.Generator().manual_seed(7)
-    block = Sequential(Gather(), GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d),
-                       Combine()).to(DEV, torch.bfloat16)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=d ** -0.5)
-    ref = copy.deepcopy(block)
-    ref.backend = "reference"
-    x = torch.randn(T, d, generator=gen).to(DEV, torch.bfloat16)
-    logits = torch.randn(T, E, generator=gen).to(DEV, torch.bfloat16)
-    r = route(logits, k, round_to=128)
+    block, ref, x, r, dy = moe_block_case(7, round_to=128)
     assert int((r.index < 0).sum()) > 0 and int(r.group_sizes.min()) >= tile_policy.WGRAD_GATHER_ROWS
-    dy = torch.randn(T, d, generator=gen).to(DEV, torch.bfloat16)
     grads = []
     LAUNCHES.reset()
     for b in (block, ref):

@@ -44,6 +44,26 @@ def test_policy_kernels_compile_to_wgmma_without_spills(Ma, Nb, gather):
         assert ops["STS.128"] > 0 and not any(op.startswith("LDGSTS") for op in ops)
 
 
+@pytest.mark.parametrize("cfg", [WgradConfig(tile_n=256, stages=4, gather_a=True, cluster_m=2),
+                                 WgradConfig(tile_n=192, stages=5, pingpong=True, gather_a=True, cluster_m=2)])
+def test_gathered_a_pair_multicasts_b_without_spills(cfg):
+    """A gathered (dY through the index: an MoE FC2's weight gradient) in a CTA pair on neighbouring m-tiles: A by
+    cp.async in each CTA, B (H) by TMA multicast to the pair, no spills."""
+    comp = _compile(cfg, 2048, 768, 128)
+    ops = _opcodes(comp)
+    assert comp.frame_size == 0 and not any(op.startswith(("LDL", "STL")) for op in ops), "register spills"
+    assert any(op.startswith("HGMMA") for op in ops)
+    assert ops["UTMALDG.2D.MULTICAST"] > 0 and ops["UTMALDG.2D"] == 0
+    assert ops["LDGSTS.E.BYPASS.128"] + ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0
+
+
+def test_a_gathered_b_cannot_be_multicast():
+    from fusion.kernels.wgrad_api import check_wgrad_config
+
+    with pytest.raises(KernelConfigError, match="a gathered B is loaded by cp.async"):
+        check_wgrad_config(WgradConfig(gather_b=True, cluster_m=2), "bfloat16", 256, 256)
+
+
 def test_tile_policy():
     assert choose_wgrad_config(1536, 2048, 128) == WgradConfig(tile_n=256, stages=4, cluster_m=2)
     assert choose_wgrad_config(5760, 2880, 128) == WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2)

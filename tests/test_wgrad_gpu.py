@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import hopper_available
+from conftest import hopper_available, moe_block_case
 
 from fusion.kernels.tile_policy import WgradConfig, choose_wgrad_config
 from fusion.runtime.compile import KernelJob
@@ -39,6 +39,10 @@ CASES = [
     (256, 512, 6, WgradConfig(tile_n=256, stages=4, gather_b=True)),
     (200, 264, 5, WgradConfig(tile_n=256, stages=4, gather_b=True)),      # TMA A, a ragged m-tile; cp.async B ragged
     (264, 200, 6, WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True)),  # cp.async A ragged, TMA B ragged
+    # A gathered, B multicast to a CTA pair on neighbouring m-tiles
+    (256, 512, 6, WgradConfig(tile_n=256, stages=4, gather_a=True, cluster_m=2)),
+    (264, 200, 6, WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True, cluster_m=2)),   # 3 m-tiles: odd
+    (384, 384, 7, WgradConfig(tile_n=192, stages=5, pingpong=True, gather_a=True, cluster_m=2)),   # odd, ragged
 ]
 
 
@@ -174,11 +178,7 @@ def test_moe_fc1_weight_gradient_reads_the_tokens_through_the_index(monkeypatch,
     gradient reads x through the routing index (the kernel's TMA + cp.async producer), so the gather kernel runs
     once (the Combine's backward), not twice (no regathered x); with the rule off, twice. Every gradient matches
     the reference backend's either way."""
-    import copy
-
-    from fusion import Combine, Gather, GroupLinear, Scale, Sequential, SwiGLU
     from fusion.kernels import tile_policy
-    from fusion.moe import route
     from fusion.runtime import gather as gather_method
     from fusion.runtime import wgrad_gemm
 
@@ -189,19 +189,8 @@ def test_moe_fc1_weight_gradient_reads_the_tokens_through_the_index(monkeypatch,
     monkeypatch.setattr(gather_method, "run", lambda op, x, ctx: gathers.append(1) or real_gather(op, x, ctx))
     monkeypatch.setattr(wgrad_gemm, "wgrad", lambda op, x, dy, ctx, index=None:
                         indexed.append(index is not None) or real_wgrad(op, x, dy, ctx, index=index))
-    E, d, f, T, k = 4, 256, 128, 4096, 2     # 2048 routed rows per expert on average
-    gen = torch.Generator().manual_seed(5)
-    block = Sequential(Gather(), GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d),
-                       Combine()).to(DEV, torch.bfloat16)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=d ** -0.5)
-    ref = copy.deepcopy(block)
-    ref.backend = "reference"
-    x = torch.randn(T, d, generator=gen).to(DEV, torch.bfloat16)
-    logits = torch.randn(T, E, generator=gen).to(DEV, torch.bfloat16)
-    r = route(logits, k)
+    block, ref, x, r, dy = moe_block_case(5)     # 2048 routed rows per expert on average
     assert int(r.group_sizes.min()) >= tile_policy.WGRAD_GATHER_ROWS
-    dy = torch.randn(T, d, generator=gen).to(DEV, torch.bfloat16)
     grads = []
     for b in (block, ref):
         xg = x.clone().requires_grad_()

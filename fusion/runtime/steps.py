@@ -359,6 +359,7 @@ class FusedDgrad(_KernelStep):
         self.saved = next((r for r in step.reads if r.startswith("v")), None)
         self.postact = v(self.j) in step.writes
         self.dy_tokens = None if self.fp8 else tokens_grad(seq, plan, self.j)
+        self._gathers_dy: dict = {}
         self.origin = f"pattern {step.pattern} [{step.pattern_loc}] (backward), ops {list(step.ops)}"
         self._shared_bias = {}
         self._slots = self.spec.backward_slots(self.postact)
@@ -383,15 +384,20 @@ class FusedDgrad(_KernelStep):
 
     def gathers_dy(self, state: RunState) -> bool:
         """Whether this call's kernel can read the tokens' gradient through the routing index (the tile policy's
-        rule at the call's routed rows: kernels/tile_policy.py `gather_dy`)."""
+        rule at the call's routed rows: kernels/tile_policy.py `gather_dy`), kept per (routed rows, the tokens'
+        gradient's type and rank): this runs on every backward."""
         if self.dy_tokens is None:
             return False
-        from fusion.quant import QuantizedTensor
-
         tokens = state.env.get(self.dy_tokens)
-        G, N, _ = self.weight_shape()
-        return (tokens is not None and not isinstance(tokens, QuantizedTensor) and tokens.dim() == 2
-                and gather_dy(G, state.ctx.index.numel(), N))
+        key = (state.ctx.index.numel(), type(tokens), None if tokens is None else tokens.dim())
+        hit = self._gathers_dy.get(key)
+        if hit is None:
+            from fusion.quant import QuantizedTensor
+
+            G, N, _ = self.weight_shape()
+            hit = self._gathers_dy[key] = (tokens is not None and not isinstance(tokens, QuantizedTensor)
+                                           and tokens.dim() == 2 and gather_dy(G, key[0], N))
+        return hit
 
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize
