@@ -488,7 +488,10 @@ def choose_wgrad_config(Ma: int, Nb: int, G: int, gather_a: bool = False, gather
     there (`_wide_wgrad_tile`); where a group's rows make only a few k-steps (WGRAD_PINGPONG_ROWS, weights of
     several groups, no gathered operand), the epilogue of a 128x256 cooperative tile is exposed and 128x192
     pingpong tiles win.
-    Without a gathered operand, CTA pairs share B's tile by TMA multicast (cluster_m = 2)."""
+    CTA pairs share B's tile by TMA multicast (cluster_m = 2) where B comes by TMA: no gathered operand, or a
+    gathered A (an MoE FC2's dY). Measured for the gathered A on an H100 (bench/bench_wgrad.py --sweep, bench/
+    results/H100-2026-11-27b-wgrad-pair.*; ms at 128x256 cooperative, single CTAs -> pairs): Qwen3-30B-A3B's FC2
+    0.809 -> 0.756, OLMoE's 0.992 -> 0.958, DeepSeek-V3 EP8's 6.579 -> 6.336, moe-cute's 4.252 -> 3.784."""
     low, high = WGRAD_PINGPONG_ROWS
     # a gathered operand keeps the wide tile at every row count: without the CTA pair's shared tile the pingpong
     # tile lost to 128x256 cooperative on the four MoE FC1 gradients measured where 256 divides Nb
@@ -500,8 +503,7 @@ def choose_wgrad_config(Ma: int, Nb: int, G: int, gather_a: bool = False, gather
         cfg = WgradConfig(tile_n=192, stages=_max_stages_capped(192, 5), pingpong=True)
     else:
         cfg = _wide_wgrad_tile(Nb)
-    return dataclasses.replace(cfg, gather_a=gather_a, gather_b=gather_b,
-                               cluster_m=1 if gather_a or gather_b else 2)
+    return dataclasses.replace(cfg, gather_a=gather_a, gather_b=gather_b, cluster_m=1 if gather_b else 2)
 
 
 def wgrad_configs(Ma: int, Nb: int, G: int, gather_a: bool = False, gather_b: bool = False) -> list[WgradConfig]:

@@ -32,9 +32,13 @@ def test_policy_kernels_compile_to_wgmma_without_spills(Ma, Nb, gather):
     assert any(op.startswith("HGMMA") for op in ops)
     # the paired 8-byte stores of the epilogue (a quad writes whole 32-byte sectors), one shuffle per store
     assert ops["STG.E.64"] > 0 and ops["SHFL.BFLY"] == ops["STG.E.64"]
-    if gather:
-        # a gathered operand: cp.async rows through the index, no cluster; the other operand by TMA (no multicast)
-        # where only one is gathered, also by cp.async where both are
+    if gather == "a":
+        # A gathered (cp.async rows through the index), B by TMA multicast to the CTA pair
+        assert cfg.cluster_m == 2 and ops["LDGSTS.E.BYPASS.128"] + ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0
+        assert ops["UTMALDG.2D.MULTICAST"] > 0 and ops["UTMALDG.2D"] == 0
+    elif gather:
+        # a gathered B: cp.async rows through the index, no cluster; A by TMA (no multicast) where only B is
+        # gathered, by cp.async too where both are
         assert cfg.cluster_m == 1 and ops["LDGSTS.E.BYPASS.128"] + ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0
         assert not any(op.startswith("UTMALDG.2D.MULTICAST") for op in ops)
         assert (ops["UTMALDG.2D"] > 0) == (len(gather) == 1)
@@ -259,7 +263,7 @@ def test_fc2_weight_gradient_reads_dy_through_the_index_at_many_rows_per_group(m
     ctx = RunContext(group_sizes=torch.full((G,), WGRAD_GATHER_ROWS))
     wgrad_gemm.wgrad(op, h, dy_tokens, ctx, dy_index=index)
     ((cfg, a_shape, got_index),) = launched
-    assert cfg.gather_a and not cfg.gather_b and cfg.cluster_m == 1 and a_shape == (T, 512) and got_index is index
+    assert cfg.gather_a and not cfg.gather_b and cfg.cluster_m == 2 and a_shape == (T, 512) and got_index is index
     jobs = wgrad_gemm.kernel_jobs(op, "wgrad", torch.bfloat16, dy_gathered=True)
     assert loaded[0].key in {j.key for j in jobs}              # the kernel it launches is one compile() builds
     assert not [j for j in wgrad_gemm.kernel_jobs(op, "wgrad", torch.bfloat16) if WgradConfig(*j.config).gather_a]
