@@ -24,7 +24,9 @@ For ``dW[g] = dY_g.T @ X_g``: A = dY (Ma = out_features), B = X (Nb = in_feature
   0, i.e. zero-filled; the TMA operand's rows past the group's end are zeroed by the consumers as above. Thread t of the warpgroup copies chunk
   ``t % 8`` (8 elements) of every 64-column swizzle atom of rows ``t // 8 + 16 j``. One ``PipelineTmaAsync``
   ring whose full barriers expect ``1 + 128`` arrivals, as kernels/gather_producer.py's: warp 0's arrive with
-  the TMA bytes, and one ``cp.async.mbarrier.arrive.noinc`` per producer thread. Why not cp.async for both:
+  the TMA bytes, and one ``cp.async.mbarrier.arrive.noinc`` per producer thread. With A gathered (an MoE FC2's
+  dY) B still comes by TMA, so a CTA pair on neighbouring m-tiles shares it by multicast as above (each CTA
+  gathers its own A columns; a stage is released only when both CTAs' consumers are done). Why not cp.async for both:
   measured on an H100 that kernel was slower than regathering x and running the TMA kernel on 5 of 7 MoE FC1
   gradients (docs/benchmarks.md, "The weight-gradient kernel alone").
 - **Producer, both operands gathered: cp.async** for both, as the gathered operand above; the full barrier of
