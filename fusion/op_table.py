@@ -50,7 +50,7 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
     ("combine", "backward"): ("gather", "gather kernel of the tokens' gradients (fusion/kernels/gather_rows.py); "
                                         "skipped where the GEMM before the Combine reads them through the routing "
                                         "index in its fused dgrad and weight gradient (>= 1024 routed rows per "
-                                        "group)"),
+                                        "group, in_features <= 1024)"),
     ("quantize:fp8_block", "forward"): ("fp8_quantize", "FP8-block quantize kernel (fusion/kernels/fp8_quantize.py: "
                                                         "rowwise and per-group columnwise in one pass)"),
     ("gemm:fp8_block", "forward"): ("fp8_gemm", "FP8 block-scaled grouped GEMM (fusion/kernels/fp8_gemm.py), the "
@@ -68,7 +68,7 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
                                       "128x192 pingpong tiles at 192-1535 rows per group, wider ones elsewhere; "
                                       "after a Gather, at >= 1024 rows per group with in_features a multiple of "
                                       "256, X's rows read through the routing index, no regathered copy; before a "
-                                      "Combine, at >= 1024 rows per group, dY's rows through it)"),
+                                      "Combine, at >= 1024 rows per group with in_features <= 1024, dY's rows through it)"),
 }
 
 #: What a device method's kernel takes, by variant (the runtime module's `takes` checks the same at run time):

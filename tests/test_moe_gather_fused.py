@@ -371,7 +371,18 @@ def test_fc2_dgrad_alone_reads_through_the_index_when_its_weight_is_frozen(monke
         return Sequential(Gather(), GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D, bias=True),
                           Combine(), backend=backend).to(torch.float64)
 
-    monkeypatch.setattr(S, "_device_method", lambda op, part, device_kernels: None)
+    # the weight-gradient device method forced in and willing to gather: the trained bias alone keeps the copy
+    from fusion.grouped import linear_wgrad
+    from fusion.runtime import wgrad_gemm
+
+    device_method = S._device_method
+    monkeypatch.setattr(S, "_device_method", lambda op, part, device_kernels: wgrad_gemm
+                        if (op.spec.kind, part) == ("gemm", "wgrad") else device_method(op, part, device_kernels))
+    monkeypatch.setattr(wgrad_gemm, "takes", lambda op, x: True)
+    monkeypatch.setattr(wgrad_gemm, "gathers", lambda op, rows: False)
+    monkeypatch.setattr(wgrad_gemm, "gathers_dy", lambda op, rows: True)
+    monkeypatch.setattr(wgrad_gemm, "wgrad", lambda op, x, dy, ctx, index=None, dy_index=None:
+                        linear_wgrad(dy, x, op.weight, ctx.group_sizes, ctx.offsets))
     want = run(with_bias("reference"), x0, r, torch.float64)
     copies.clear()
     got = run(with_bias("emulate"), x0, r, torch.float64)
@@ -392,3 +403,28 @@ def test_compile_builds_the_fc2_dgrad_that_reads_through_the_index():
     configs = {j.variant: GemmConfig(*j.config) for j in dgrads}
     assert configs["backward_gather"].gather_a and configs["backward_gather"].b_major == "MN"
     assert not configs["backward"].gather_a
+
+
+def test_compile_builds_a_gathering_dgrad_only_where_the_rule_can_apply(monkeypatch):
+    """No "backward_gather" dgrad job where tile_policy.gather_dy never applies: f above DY_GATHER_MAX_F, the switch
+    off (FUSION_DY_GATHER=0); an fp8_block FC2 (no kernel reads dY through the index) compiles without either
+    gathering FC2 kernel."""
+    from fusion.kernels import tile_policy
+    from fusion.kernels.tile_policy import WgradConfig
+    from fusion.runtime.aot import plan_jobs
+
+    def variants(seq):
+        return sorted(j.variant for j in plan_jobs(seq, torch.bfloat16) if j.variant.startswith("backward"))
+
+    wide = tile_policy.DY_GATHER_MAX_F + 256
+    assert variants(Sequential(Gather(), GroupLinear(8, 512, 2 * wide), SwiGLU(), Scale(), GroupLinear(8, wide, 512),
+                               Combine())) == ["backward"]
+    monkeypatch.setattr(tile_policy, "DY_GATHER", False)
+    assert variants(Sequential(Gather(), GroupLinear(8, 512, 512), SwiGLU(), Scale(), GroupLinear(8, 256, 512),
+                               Combine())) == ["backward"]
+    monkeypatch.setattr(tile_policy, "DY_GATHER", True)
+    fp8 = Sequential(Gather(), GroupLinear(8, 512, 512, weight_format="fp8_block"), SwiGLU(), Scale(),
+                     GroupLinear(8, 256, 512, weight_format="fp8_block"), Combine())
+    jobs = plan_jobs(fp8, torch.bfloat16)
+    assert jobs and not any(j.variant == "backward_gather" for j in jobs)
+    assert not any(WgradConfig(*j.config).gather_a for j in jobs if j.mainloop == "varlen_k")

@@ -222,14 +222,18 @@ def test_explain_states_the_weight_gradient_rules_the_tile_policy_applies():
     low, high = WGRAD_PINGPONG_ROWS
     assert f"at {low}-{high - 1} rows per group" in text
     assert f"after a Gather, at >= {WGRAD_GATHER_ROWS} rows per group" in text
-    assert f"before a Combine, at >= {WGRAD_GATHER_ROWS} rows per group" in text      # tile_policy.gather_dy's
-    assert f">= {WGRAD_GATHER_ROWS} routed rows per group" in DEVICE_METHODS[("combine", "backward")][1]
+    from fusion.kernels.tile_policy import DY_GATHER_MAX_F
+
+    # tile_policy.gather_dy's
+    assert f"before a Combine, at >= {WGRAD_GATHER_ROWS} rows per group with in_features <= {DY_GATHER_MAX_F}" in text
+    assert (f">= {WGRAD_GATHER_ROWS} routed rows per group, in_features <= {DY_GATHER_MAX_F}"
+            in DEVICE_METHODS[("combine", "backward")][1])
 
 
 def test_fc2_weight_gradient_reads_dy_through_the_index_at_many_rows_per_group(monkeypatch):
     """kernels/tile_policy.py gather_dy: at >= WGRAD_GATHER_ROWS routed rows per group and several groups an MoE FC2's
     weight gradient reads the tokens' gradient through the index; the runtime then launches the kernel that gathers
-    A (dY's rows by cp.async, H by TMA, no cluster) with the index, and Sequential.compile() builds it for a
+    A (dY's rows by cp.async, H by TMA multicast to a CTA pair) with the index, and Sequential.compile() builds it for a
     GroupLinear before a Combine (launch mocked: no GPU)."""
     import torch
 

@@ -23,7 +23,7 @@ from fusion.codegen import slots
 from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forward_spec
 from fusion.dataflow import g, index_of, out_grad, v
-from fusion.kernels.tile_policy import gather_dy
+from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, gather_dy
 from fusion.grouped import linear_dgrad, linear_wgrad
 from fusion.op_table import op_device_method
 from fusion.ops.base import RunContext
@@ -372,8 +372,12 @@ class FusedDgrad(_KernelStep):
         return G, in_f, out_f
 
     def variants(self) -> tuple[str, ...]:
-        """The kernels this step may launch: "backward", and an MoE FC2's "backward_gather" (dY through the index)."""
-        return ("backward", "backward_gather") if self.dy_tokens is not None else ("backward",)
+        """The kernels this step may launch: "backward", and an MoE FC2's "backward_gather" (dY through the index)
+        where the tile policy's rule can apply at some row count."""
+        G, N, _ = self.weight_shape()
+        if self.dy_tokens is not None and gather_dy(G, WGRAD_GATHER_ROWS * G, N):
+            return ("backward", "backward_gather")
+        return ("backward",)
 
     def job(self, dtype: torch.dtype, variant: str = "backward", tiles: bool = True):
         G, N, K = self.weight_shape()
@@ -509,7 +513,8 @@ class GemmWgrad:
         self.tokens = (tokens if before is not None and before.spec.kind == "gather" and hasattr(self.device, "gathers")
                        and self.op.weight.dim() == 3 and v(self.index) in plan.recomputed and tokens in plan.saves
                        and tokens not in plan.recomputed else None)
-        self.dy_tokens = tokens_grad(seq, plan, self.index)
+        # (an fp8_block weight's gradient has no kernel that reads dY through the index)
+        self.dy_tokens = None if self.fp8 else tokens_grad(seq, plan, self.index)
         self._gathers: dict = {}
 
     def reads_input(self, state: RunState) -> bool:
