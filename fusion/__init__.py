@@ -37,7 +37,7 @@ def _map_source_checkout() -> None:
 _map_source_checkout()
 
 from fusion.errors import (CompileError, DeviceError, DTypeError, ExtraInputError, FallbackError, FusionError,
-                           GroupSizesError, OpArgumentError, PatternError, ShapeError)
+                           GroupSizesError, OpArgumentError, PatternError, SecondBackwardError, ShapeError)
 from fusion.ops import (Activation, Bias, Clamp, Combine, Gather, GeGLU, GroupLinear, Linear, QuantizeFP8Block,
                         QuantizeMXFP8, QuantizeNVFP4, Scale, SReLU, SwiGLU)
 from fusion.sequential import Sequential
@@ -55,4 +55,5 @@ def load_patterns(path):
 __all__ = ["Sequential", "GroupLinear", "Linear", "SwiGLU", "GeGLU", "SReLU", "Activation", "Clamp", "Scale",
            "Bias", "QuantizeMXFP8", "QuantizeNVFP4", "QuantizeFP8Block", "Gather", "Combine", "MoE", "moe",
            "load_patterns", "FusionError", "ShapeError", "DTypeError", "DeviceError", "ExtraInputError",
-           "GroupSizesError", "FallbackError", "PatternError", "CompileError", "OpArgumentError"]
+           "GroupSizesError", "FallbackError", "PatternError", "CompileError", "OpArgumentError",
+           "SecondBackwardError"]

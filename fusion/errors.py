@@ -41,6 +41,11 @@ class FallbackError(FusionError, RuntimeError):
     """backend="fused" was asked for but some op would run unfused; the message lists why."""
 
 
+class SecondBackwardError(FusionError, RuntimeError):
+    """A second backward through an eager fused block (retain_graph=True): the first backward freed the values its
+    forward saved, each after its last reader, to lower the step's peak memory."""
+
+
 class PatternError(FusionError, ValueError):
     """A .fpat file has a mistake; the message has file, line, column, the text and what was expected."""
 

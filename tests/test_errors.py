@@ -162,3 +162,28 @@ def test_routed_group_sizes_whose_int64_sum_wraps_are_rejected(host):
     assert int(sizes.sum()) == 4  # wraps to exactly the 4 routed rows: no row past the sum
     with pytest.raises((fusion.GroupSizesError, RuntimeError)):
         mlp.inputs.context(x, {"group_sizes": sizes, "index": index}, check_sum=host, host=host)
+
+
+def test_second_backward_through_an_eager_fused_block_names_the_problem():
+    """The first backward frees the block's saved intermediates after their last readers (a lower peak), so a second
+    backward through the same graph cannot run: a SecondBackwardError says so and what to do, instead of a
+    TypeError from inside the autograd node. The reference backend differentiates twice."""
+    import torch
+
+    import fusion
+    from fusion.errors import SecondBackwardError
+
+    def make(backend):
+        torch.manual_seed(0)
+        return fusion.Sequential(fusion.GroupLinear(4, 32, 64), fusion.SwiGLU(), fusion.Scale(),
+                                 fusion.GroupLinear(4, 32, 32), backend=backend).double()
+
+    sizes, scale = torch.tensor([10, 10, 10, 10]), torch.rand(40, dtype=torch.float64)
+    x = torch.randn(40, 32, dtype=torch.float64, requires_grad=True)
+    y = make("emulate")(x, group_sizes=sizes, scale=scale)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(SecondBackwardError, match="retain_graph"):
+        y.sum().backward()
+    y = make("reference")(x, group_sizes=sizes, scale=scale)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from fusion.errors import SecondBackwardError
 from fusion.quant import QuantizedTensor
 
 
@@ -35,6 +36,12 @@ class _BlockFunction(torch.autograd.Function):
     def backward(fctx, dy):
         if isinstance(dy, QuantizedTensor):
             dy = dy.dequantize()
+        if fctx.held is None:
+            raise SecondBackwardError(
+                "fusion: a second backward through a fused block (retain_graph=True, or autograd.grad twice over the "
+                "same graph): the first backward freed the block's saved intermediates as it went (each after its "
+                "last reader, for a lower peak). Run the forward again before each backward, or build the block "
+                "with backend='reference' where the graph must be differentiated twice")
         io, held = iter(fctx.saved_tensors), iter(fctx.held)
         saved = [None if k == "none" else next(held) if k == "held" else next(io) for k in fctx.kinds]
         fctx.held = None
