@@ -68,7 +68,8 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
                                       "128x192 pingpong tiles at 192-1535 rows per group, wider ones elsewhere; "
                                       "after a Gather, at >= 1024 rows per group with in_features a multiple of "
                                       "256, X's rows read through the routing index, no regathered copy; before a "
-                                      "Combine, at >= 1024 rows per group with in_features <= 1024, dY's rows through it)"),
+                                      "Combine, at >= 1024 rows per group with in_features <= 1024, dY's rows "
+                                      "through it)"),
 }
 
 #: What a device method's kernel takes, by variant (the runtime module's `takes` checks the same at run time):

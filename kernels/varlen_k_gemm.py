@@ -18,17 +18,17 @@ For ``dW[g] = dY_g.T @ X_g``: A = dY (Ma = out_features), B = X (Nb = in_feature
   multicast, each CTA loading half: a third less L2 traffic per FLOP at 128x256 (cuBLAS's weight gradient does
   the same; ncu: without it the kernel is L2-bound).
 - **Producer, one gathered operand: TMA and cp.async.** The operand read in order comes by TMA (warp 0, as
-  above, no multicast); the gathered one by 16-byte ``cp.async`` from the whole producer warpgroup: every row
-  of it is one contiguous run of a tile's columns, so a row read through an index costs what a plain one does.
-  Its rows past the group's end, padding rows (index -1) and columns past Ma / Nb are copied with source size
-  0, i.e. zero-filled; the TMA operand's rows past the group's end are zeroed by the consumers as above. Thread t of the warpgroup copies chunk
-  ``t % 8`` (8 elements) of every 64-column swizzle atom of rows ``t // 8 + 16 j``. One ``PipelineTmaAsync``
-  ring whose full barriers expect ``1 + 128`` arrivals, as kernels/gather_producer.py's: warp 0's arrive with
-  the TMA bytes, and one ``cp.async.mbarrier.arrive.noinc`` per producer thread. With A gathered (an MoE FC2's
-  dY) B still comes by TMA, so a CTA pair on neighbouring m-tiles shares it by multicast as above (each CTA
-  gathers its own A columns; a stage is released only when both CTAs' consumers are done). Why not cp.async for both:
-  measured on an H100 that kernel was slower than regathering x and running the TMA kernel on 5 of 7 MoE FC1
-  gradients (docs/benchmarks.md, "The weight-gradient kernel alone").
+  above); the gathered one by 16-byte ``cp.async`` from the whole producer warpgroup: every row of it is one
+  contiguous run of a tile's columns, so a row read through an index costs what a plain one does. Its rows past
+  the group's end, padding rows (index -1) and columns past Ma / Nb are copied with source size 0, i.e.
+  zero-filled; the TMA operand's rows past the group's end are zeroed by the consumers as above. Thread t of the
+  warpgroup copies chunk ``t % 8`` (8 elements) of every 64-column swizzle atom of rows ``t // 8 + 16 j``. One
+  ``PipelineTmaAsync`` ring whose full barriers expect ``1 + 128`` arrivals, as kernels/gather_producer.py's: warp
+  0's arrive with the TMA bytes, and one ``cp.async.mbarrier.arrive.noinc`` per producer thread. With A gathered
+  (an MoE FC2's dY) B still comes by TMA, so a CTA pair on neighbouring m-tiles shares it by multicast as above
+  (each CTA gathers its own A columns; a stage is released only when both CTAs' consumers are done); a gathered
+  B has no pair. Why not cp.async for both: measured on an H100 that kernel was slower than regathering x and
+  running the TMA kernel on 5 of 7 MoE FC1 gradients (docs/benchmarks.md, "The weight-gradient kernel alone").
 - **Producer, both operands gathered: cp.async** for both, as the gathered operand above; the full barrier of
   a stage counts one ``cp.async.mbarrier.arrive.noinc`` per thread.
 - **Operands are MN-major** (a row is a k-step, contiguous along Ma or Nb): the smem tiles use the MN-major

@@ -255,7 +255,8 @@ def test_fc1_weight_gradient_gather_rule_reads_the_routed_rows(monkeypatch):
     assert fc1_runner(Sequential(Gather(), Linear(d, 2 * f), SwiGLU(), Linear(f, d), Combine())).tokens is None
     gathered = [WgradConfig(*j.config) for j in plan_jobs(moe, torch.bfloat16) if j.mainloop == "varlen_k"]
     assert WgradConfig(tile_n=256, stages=4, gather_b=True, cluster_m=1) in gathered      # FC1's: x
-    assert WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True, cluster_m=2) in gathered   # FC2's: dY, B shared by the pair
+    # FC2's: dY, B (H) shared by the CTA pair
+    assert WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True, cluster_m=2) in gathered
 
 
 def test_a_bias_gradient_alone_needs_no_regathered_rows(monkeypatch):

@@ -63,7 +63,8 @@ class DevicePrologue:
 class RoutedPrologue:
     """The prologue kernel of a block that starts with a Gather (fusion.kernels.bounds.RoutedBoundsKernel): the
     call's buffer as DevicePrologue makes it, with the padding rows past sum(group_sizes) in the last group; the
-    routing index checked; and ctx's derived "gather_index" (the gathering kernels' int32 index, -1 at padding rows) and ctx.group_sizes (the sizes with the padding absorbed, for the ops that read sizes) set
+    routing index checked; and ctx's derived "gather_index" (the gathering kernels' int32 index, -1 at padding
+    rows) and ctx.group_sizes (the sizes with the padding absorbed, for the ops that read sizes) set
     from what it wrote."""
 
     def __init__(self, groups: int):
