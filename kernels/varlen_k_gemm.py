@@ -225,25 +225,7 @@ class VarlenKGemmKernel:
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
-        rank = Int32(0)
-        if const_expr(self.cluster_m > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
-        # a stage is released by every consumer warp that reads it, in each CTA its B tile was multicast to
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.cluster_m * self.mma_atoms_m * 4),
-            tx_count=self.tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
-            defer_sync=True,
-        )
-        pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
-        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
+        rank, ab_pipe, sA, sB = self.tma_ring(1, sA_layout, sB_layout)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
@@ -267,26 +249,9 @@ class VarlenKGemmKernel:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_in)
-        rank = Int32(0)
-        if const_expr(self.cluster_m > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
-        # a full barrier's arrivals: warp 0's arrive expecting the TMA bytes, and one cp.async arrive per
-        # producer thread; a stage is released by every consumer warp that reads it, in each CTA its B tile was
-        # multicast to
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + PRODUCER_THREADS),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_m * self.mma_atoms_m * 4),
-            tx_count=self.tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
-            defer_sync=True,
-        )
-        pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
-        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
+        # a full barrier's arrivals: warp 0's arrive expecting the TMA bytes, and one cp.async arrive per producer
+        # thread
+        rank, ab_pipe, sA, sB = self.tma_ring(1 + PRODUCER_THREADS, sA_layout, sB_layout)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
@@ -297,6 +262,30 @@ class VarlenKGemmKernel:
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self.consume(tiled_mma, sA, sB, mOffs, epi_tensors, ab_pipe, tidx, wg_idx, rank, bidx, grid)
+
+    @cute.jit
+    def tma_ring(self, producers: cutlass.Constexpr, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
+        """Trace time, the prologue of a kernel whose stages TMA fills (wholly, or beside cp.async: ``producers``
+        arrivals per full barrier): (this CTA's rank in its cluster, the ``PipelineTmaAsync`` ring, sA, sB). A stage
+        is released by every consumer warp that reads it, in each CTA its B tile was multicast to."""
+        rank = Int32(0)
+        if const_expr(self.cluster_m > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_m * self.mma_atoms_m * 4),
+            tx_count=self.tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
+        return rank, ab_pipe, sA, sB
 
     # ------------------------------------------------------------------ schedule
     def unit_coords(self, unit):
