@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_training_step as B  # noqa: E402
-from profiling import print_kernels  # noqa: E402
+from profiling import print_kernels, print_timeline  # noqa: E402
 
 
 def main(argv=None):
@@ -27,8 +27,9 @@ def main(argv=None):
     ap.add_argument("--phase", default="training_step", choices=["forward", "training_step"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--timeline", action="store_true", help="also one call's kernels in launch order")
     args = ap.parse_args(argv)
-    (block,) = [b for b in B.BLOCKS if b.model == args.model]
+    (block,) = [b for b in B.BLOCKS + B.HELD_OUT_BLOCKS if b.model == args.model]
     setup = B.setup_block(block)
     call, clear = B.phase_fn(setup.path(args.path), args.phase, setup.x, setup.dy)
     for _ in range(3):
@@ -36,6 +37,8 @@ def main(argv=None):
         call()
     torch.cuda.synchronize()
     print_kernels(call, clear, args.steps, args.top, f"{block.model} {args.path} {args.phase}")
+    if args.timeline:
+        print_timeline(call, clear, f"{block.model} {args.path} {args.phase}")
 
 
 if __name__ == "__main__":

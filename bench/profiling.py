@@ -29,6 +29,21 @@ def print_kernels(call, clear, calls: int, top: int, title: str) -> None:
         print(f"  {per / 1000:8.3f} ms {100 * per / total:5.1f}%  x{e.count // calls:<3d} {e.key[:110]}")
 
 
+def print_timeline(call, clear, title: str, warm: int = 2) -> None:
+    """The kernels of one call in launch order, each with its GPU time: which GEMM is which (our kernels share
+    one name) follows from the order the plan launches them in."""
+    _calls(call, clear, warm)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _calls(call, clear, 1)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.time_range.start)
+    print(f"== {title}: kernels of one call in launch order")
+    for e in kernels:
+        print(f"  {e.device_time_total / 1000:8.3f} ms  {e.name[:110]}")
+
+
 def print_host(call, clear, calls: int, top: int, title: str, keys=("tottime", "cumulative")) -> None:
     """cProfile over `calls` back-to-back calls (the GPU keeps up or not: only Python's time is attributed): the
     `top` functions by each of `keys`."""
