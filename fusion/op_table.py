@@ -18,9 +18,12 @@ OP_TABLE: dict[str, str] = {}
 
 #: Where a lone bf16/fp16 GroupLinear GEMM (forward, dgrad) runs our varlen-M kernel rather than torch._grouped_mm,
 #: per call: the GEMM has at least `min_groups` groups (one group is a dense GEMM: cuBLAS measured faster), the routed
-#: rows average at most `max_rows_per_group[part]` per group and the GEMM's output width is a multiple of one of
-#: `n_multiples` (whole n-tiles of the kernel's 128- or 192-column tile; measured: fusion/runtime/lone_gemm.py).
+#: rows average at most `max_rows_per_group[part]` per group, and at most `max_outputs_per_group[part]` / N unless the
+#: tile runs as dynamic CTA pairs (a group's output of rows x N elements: cuBLAS's kernels win on large groups of
+#: wide GEMMs), and the GEMM's output width is a multiple of one of `n_multiples` (whole n-tiles of the kernel's 128-
+#: or 192-column tile; measured: fusion/runtime/lone_gemm.py).
 LONE_GEMM_RULE = {"min_groups": 2, "max_rows_per_group": {"forward": 1024, "dgrad": 512}, "n_multiples": (128, 192),
+                  "max_outputs_per_group": {"forward": 2 ** 21, "dgrad": 3 * 2 ** 19},
                   # a one-group (dense) GEMM's dgrad: at >= this many rows, N a multiple of 256 (128x256 tiles)
                   "dense_dgrad_min_rows": 8192, "dense_dgrad_n_multiple": 256}
 
@@ -29,7 +32,8 @@ def _lone_rule_text(part: str) -> str:
     dense = (f"; one group: at >= {LONE_GEMM_RULE['dense_dgrad_min_rows']} rows with N a multiple of "
              f"{LONE_GEMM_RULE['dense_dgrad_n_multiple']}" if part == "dgrad" else "")
     return (f"where the GEMM has >= {LONE_GEMM_RULE['min_groups']} groups, rows per group average <= "
-            f"{LONE_GEMM_RULE['max_rows_per_group'][part]} and N is a multiple of "
+            f"{LONE_GEMM_RULE['max_rows_per_group'][part]} and <= {LONE_GEMM_RULE['max_outputs_per_group'][part]} / N "
+            f"(unless its tile runs as dynamic CTA pairs) and N is a multiple of "
             f"{' or '.join(str(m) for m in LONE_GEMM_RULE['n_multiples'])}{dense}, else "
             f"torch._grouped_mm (fusion/runtime/lone_gemm.py)")
 

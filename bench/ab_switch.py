@@ -1,0 +1,69 @@
+"""A/B of one runtime switch inside one process: the fused block's step with a module attribute on and off, rounds
+alternating, on the training-step bench's blocks (bench_training_step.py; its held-out blocks too).
+
+    python bench/ab_switch.py --switch fusion.runtime.lone_gemm:OUTPUT_BUDGET --models glm-4.5-air,hunyuan-a13b
+
+Why in one process: the switches are read at import (FUSION_* variables), so an A/B across processes pays each
+block's setup and reference check twice, and the machine's clocks move between processes by several per cent. A
+switch that the runtime reads per call (a module global) is flipped here between rounds instead. Prints, per block
+and phase, each round's back-to-back ms and the medians; with --baseline also the unfused_compiled path once.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_training_step as B  # noqa: E402
+from bench_common import measure  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--switch", required=True, help="module:attribute, set to True (A) and False (B)")
+    ap.add_argument("--models", required=True)
+    ap.add_argument("--phases", default="training_step")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--baseline", action="store_true", help="also time unfused_compiled once per block")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    module_name, attr = args.switch.split(":")
+    module = importlib.import_module(module_name)
+    original = getattr(module, attr)
+    blocks = {b.model: b for b in B.BLOCKS + B.HELD_OUT_BLOCKS}
+    results = []
+    for name in args.models.split(","):
+        block = blocks[name]
+        setup = B.setup_block(block)
+        fusion_path = B.make_path("fusion", setup.seq, setup.sizes, setup.offsets, setup.probs)
+        for phase in args.phases.split(","):
+            times = {True: [], False: []}
+            for _ in range(args.rounds):
+                for value in (True, False):
+                    setattr(module, attr, value)
+                    times[value].append(measure(*B.phase_fn(fusion_path, phase, setup.x, setup.dy))["b2b_ms"])
+            setattr(module, attr, original)
+            row = {"model": name, "phase": phase, "on_ms": times[True], "off_ms": times[False],
+                   "on_median": statistics.median(times[True]), "off_median": statistics.median(times[False])}
+            if args.baseline:
+                base = B.make_path("unfused_compiled", setup.seq, setup.sizes, setup.offsets, setup.probs)
+                row["unfused_compiled_ms"] = measure(*B.phase_fn(base, phase, setup.x, setup.dy))["b2b_ms"]
+            results.append(row)
+            print(f"{name:22s} {phase:13s} on {row['on_median']:8.3f} {times[True]}  off {row['off_median']:8.3f} "
+                  f"{times[False]}  change {100 * (row['on_median'] / row['off_median'] - 1):+.1f}%"
+                  + (f"  unfused_compiled {row['unfused_compiled_ms']:.3f}" if args.baseline else ""), flush=True)
+        del fusion_path, setup
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps({"switch": args.switch, "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
