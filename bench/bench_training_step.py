@@ -103,7 +103,7 @@ HELD_OUT_BLOCKS = [
     Block("qwen2-57b-a14b", 64, 8192, 8, 3584, 2560),
     Block("llama-4-scout", 16, 8192, 1, 5120, 8192),
     Block("dbrx", 16, 4096, 4, 6144, 10752),
-    Block("mistral-7b", 1, 8192, 1, 4096, 14336),
+    Block("mistral-7b", 1, 8192, 1, 4096, 14336),     # Llama-3-8B's weight shapes at half its rows
     Block("qwen2.5-7b-16k", 1, 16384, 1, 3584, 18944),
 ]
 PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "quack", "reference", "fusion_fp8", "fusion_fp8_fp8wgrad",
@@ -432,6 +432,20 @@ def gemm_rows(block: Block, out_rows, log) -> None:
             log(f"  gemm {gemm} (K={K}, N={N}) {path:26s} {row['ms']} ms  {row['tflops']} TFLOP/s")
 
 
+def select_blocks(models: str | None) -> list[Block]:
+    """The blocks `--models` names, in table order: all of BLOCKS by default; "held-out" stands for every held-out
+    block; an unknown name is an error (a typo must not run an empty benchmark)."""
+    if not models:
+        return list(BLOCKS)
+    names = set(models.split(","))
+    if "held-out" in names:
+        names |= {b.model for b in HELD_OUT_BLOCKS}
+    unknown = names - {b.model for b in BLOCKS + HELD_OUT_BLOCKS} - {"held-out"}
+    if unknown:
+        raise SystemExit(f"unknown --models {sorted(unknown)}; known: {[b.model for b in BLOCKS + HELD_OUT_BLOCKS]}")
+    return [b for b in BLOCKS + HELD_OUT_BLOCKS if b.model in names]
+
+
 def precompile(blocks, fp8: bool = True) -> None:
     """Compile every fused kernel these blocks' plans launch into FUSION_CACHE_DIR (no GPU needed); `fp8`: the
     FP8 twins' and phase gemm's too."""
@@ -468,10 +482,7 @@ def main(argv=None):
     ap.add_argument("--precompile", action="store_true")
     args = ap.parse_args(argv)
     SIGMA = args.sigma
-    names = set(args.models.split(",")) if args.models else None
-    if names and "held-out" in names:
-        names |= {b.model for b in HELD_OUT_BLOCKS}
-    blocks = [b for b in BLOCKS + HELD_OUT_BLOCKS if (b in BLOCKS if names is None else b.model in names)]
+    blocks = select_blocks(args.models)
     if args.precompile:
         return precompile(blocks, fp8=any("fp8" in p for p in args.paths.split(",")))
     paths = args.paths.split(",")

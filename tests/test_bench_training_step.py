@@ -1,0 +1,47 @@
+"""bench/bench_training_step.py's CPU parts: which blocks `--models` selects (the held-out ones among them) and the
+group sizes that `--sigma` spreads."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import bench_training_step as B  # noqa: E402
+import bench_wgrad  # noqa: E402
+
+
+def test_held_out_blocks_are_none_of_the_tuned_ones():
+    tuned = {b.model for b in B.BLOCKS}
+    held = {b.model for b in B.HELD_OUT_BLOCKS}
+    assert held and not tuned & held
+    # Mistral-7B has Llama-3-8B's weight shapes, at half its rows: no (shapes, rows) pair repeats
+    assert {(b.E, b.d, b.f, b.rows) for b in B.HELD_OUT_BLOCKS}.isdisjoint({(b.E, b.d, b.f, b.rows) for b in B.BLOCKS})
+
+
+def test_select_blocks():
+    assert B.select_blocks(None) == B.BLOCKS
+    assert B.select_blocks("held-out") == B.HELD_OUT_BLOCKS
+    assert [b.model for b in B.select_blocks("glm-4.5-air,qwen3-30b-a3b")] == ["qwen3-30b-a3b", "glm-4.5-air"]
+    with pytest.raises(SystemExit, match="unknown"):
+        B.select_blocks("qwen3-30b-a3b,no-such-model")
+
+
+def test_the_kernel_benches_hold_the_held_out_shapes():
+    for b in B.HELD_OUT_BLOCKS:
+        if b.moe:
+            assert bench_wgrad.SHAPES[b.model] == (b.E, b.d, b.f, b.tokens, b.top_k)
+
+
+@pytest.mark.parametrize("block", [b for b in B.BLOCKS + B.HELD_OUT_BLOCKS if b.moe], ids=lambda b: b.model)
+def test_group_sizes_route_every_row_and_sigma_spreads_them(block):
+    def sizes(**kw):   # the multinomial draw takes torch's global generator: setup_block seeds it
+        torch.manual_seed(0)
+        return B.group_sizes(block, **kw)
+
+    balanced, default, wide = sizes(sigma=0.0), sizes(), sizes(sigma=1.2)
+    for s in (balanced, default, wide):
+        assert s.shape == (block.E,) and int(s.sum()) == block.rows and int(s.min()) >= 0
+    assert (default == sizes(sigma=B.SIGMA)).all()      # the default is SIGMA
+    assert balanced.float().std() < default.float().std() < wide.float().std()
