@@ -75,6 +75,25 @@ def test_dgrad_threshold_is_lower(spy):
     assert rel(y, y_ref) < 1e-2 and rel(g["x"], g_ref["x"]) < 2e-2
 
 
+@pytest.mark.parametrize("E,rows_per_group,expect", [
+    (34, 400, {"run": 1, "dgrad": 0}),    # 34 groups (no dynamic pairs): 400 x 4096 outputs, over the dgrad's budget
+    (34, 600, {"run": 0, "dgrad": 0}),    # 600 x 4096: over the forward's budget too
+    (8, 1000, {"run": 1, "dgrad": 0}),    # 8 groups: dynamic CTA pairs, the forward's rows cap alone
+])
+def test_the_output_budget_sends_large_groups_of_wide_gemms_to_torch(spy, E, rows_per_group, expect):
+    """N = 4096 (FC2's output, FC1's input): a group's output over LONE_GEMM_RULE's budget runs torch, unless the tile
+    runs as dynamic CTA pairs; the spy tells which ran, and the block is correct either way."""
+    d, f = 4096, 256
+    M = rows_per_group * E
+    assert lone_gemm.chooses_kernel(M, E, d, "forward") is bool(expect["run"])
+    assert lone_gemm.chooses_kernel(M, E, d, "dgrad") is bool(expect["dgrad"])
+    block = _block(E, d, f)
+    x, extras = _inputs(E, M, d, torch.bfloat16)
+    (y, g), (y_ref, g_ref) = run_both(block, x, extras)
+    assert spy == expect, spy
+    assert rel(y, y_ref) < 1e-2 and rel(g["x"], g_ref["x"]) < 2e-2
+
+
 def test_widths_off_the_rule_run_torch(spy):
     """d = 2000: FC2's output and FC1's input width are no multiple of 128 or 192."""
     block = _block(4, 2000, 256)
