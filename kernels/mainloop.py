@@ -303,6 +303,26 @@ class WarpRoles:
         ab_pipe.consumer_release(rel_state)
         rel_state.advance()
 
+    @cute.jit
+    def tile_mainloops(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+                       ab_pipe, read_state, rel_state, num_k_blocks: cutlass.Constexpr, cwg, first, row0, row_end,
+                       wg_idx):
+        """The tile's mainloop: with short tiles, two whole :meth:`tile_mainloop` bodies chosen by
+        :meth:`short_tile`, not a branch per k-step (a branch between wgmma issue and wait makes ptxas serialize
+        every wgmma: an arrive and a wait around each HGMMA in the SASS); else the one body. Each body advances its
+        own copies of the ring's states, made inside its branch (a copy made outside and advanced in both branches
+        would be a value defined in one branch and used in the other: invalid IR)."""
+        if const_expr(self.short_tiles):
+            if self.short_tile(row0, row_end, wg_idx):
+                self.tile_mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read_state.clone(), rel_state.clone(),
+                                   num_k_blocks, cwg, first, True)
+            else:
+                self.tile_mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read_state.clone(), rel_state.clone(),
+                                   num_k_blocks, cwg, first, False)
+        else:
+            self.tile_mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read_state.clone(), rel_state.clone(),
+                               num_k_blocks, cwg, first, False)
+
     def mma_stage(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: int, first, short: bool):
         """Trace time: one smem stage's wgmma and its commit, :func:`mma_k_step` or for a short tile
         :func:`mma_k_step_first_rows`."""
@@ -362,19 +382,9 @@ class WarpRoles:
             acc.fill(0.0)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             # the mainloop advances copies of the ring's states (a @cute.jit callee's changes to its arguments do
-            # not reach the caller: passed the states themselves, the next tile restarted at this one's stages)
-            if const_expr(self.short_tiles):
-                # two whole mainloops, not a branch per k-step: a branch between wgmma issue and wait makes
-                # ptxas serialize every wgmma (an arrive and a wait around each HGMMA in the SASS)
-                if self.short_tile(row0, row_end, wg_idx):
-                    self.tile_mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read_state.clone(), rel_state.clone(),
-                                       num_k_blocks, cwg, first, True)
-                else:
-                    self.tile_mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read_state.clone(), rel_state.clone(),
-                                       num_k_blocks, cwg, first, False)
-            else:
-                self.tile_mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read_state.clone(), rel_state.clone(),
-                                   num_k_blocks, cwg, first, False)
+            # not reach the caller: the caller advances its own by k_tiles)
+            self.tile_mainloops(tiled_mma, acc, tCrA, tCrB, ab_pipe, read_state, rel_state, num_k_blocks, cwg, first,
+                                row0, row_end, wg_idx)
             read_state.advance(k_tiles)
             rel_state.advance(k_tiles)
 
