@@ -5,8 +5,10 @@ alternating, on the training-step bench's blocks (bench_training_step.py; its he
 
 Why in one process: the switches are read at import (FUSION_* variables), so an A/B across processes pays each
 block's setup and reference check twice, and the machine's clocks move between processes by several per cent. A
-switch that the runtime reads per call (a module global) is flipped here between rounds instead. Prints, per block
-and phase, each round's back-to-back ms and the medians; with --baseline also the unfused_compiled path once.
+switch that the runtime reads per call (a module global) is flipped here between rounds instead. Rounds alternate
+which setting goes first (on-off, off-on, ...) after a discarded warm-up round, so a drift of the clocks within a
+round favours neither. Prints, per block and phase, each round's back-to-back ms and the medians; with --baseline
+also the unfused_compiled path once.
 """
 from __future__ import annotations
 
@@ -22,7 +24,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_training_step as B  # noqa: E402
-from bench_common import measure  # noqa: E402
+from bench_common import measure, run_header  # noqa: E402
+
+
+def round_orders(rounds: int) -> list[tuple[bool, bool]]:
+    """The settings' order in each round: a warm-up round (not kept), then `rounds` rounds alternating which
+    setting goes first."""
+    return [(True, False) if r % 2 else (False, True) for r in range(rounds + 1)]
 
 
 def main(argv=None):
@@ -32,24 +40,29 @@ def main(argv=None):
     ap.add_argument("--phases", default="training_step")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", action="store_true", help="also time unfused_compiled once per block")
+    ap.add_argument("--sigma", type=float, default=B.SIGMA, help="spread of the experts' log-normal weights")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     module_name, attr = args.switch.split(":")
     module = importlib.import_module(module_name)
     original = getattr(module, attr)
-    blocks = {b.model: b for b in B.BLOCKS + B.HELD_OUT_BLOCKS}
+    B.SIGMA = args.sigma
     results = []
-    for name in args.models.split(","):
-        block = blocks[name]
+    for block in B.select_blocks(args.models):
+        name = block.model
         setup = B.setup_block(block)
         fusion_path = B.make_path("fusion", setup.seq, setup.sizes, setup.offsets, setup.probs)
         for phase in args.phases.split(","):
             times = {True: [], False: []}
-            for _ in range(args.rounds):
-                for value in (True, False):
-                    setattr(module, attr, value)
-                    times[value].append(measure(*B.phase_fn(fusion_path, phase, setup.x, setup.dy))["b2b_ms"])
-            setattr(module, attr, original)
+            try:
+                for r, order in enumerate(round_orders(args.rounds)):   # round 0: warm-up, not kept
+                    for value in order:
+                        setattr(module, attr, value)
+                        ms = measure(*B.phase_fn(fusion_path, phase, setup.x, setup.dy))["b2b_ms"]
+                        if r:
+                            times[value].append(ms)
+            finally:
+                setattr(module, attr, original)
             row = {"model": name, "phase": phase, "on_ms": times[True], "off_ms": times[False],
                    "on_median": statistics.median(times[True]), "off_median": statistics.median(times[False])}
             if args.baseline:
@@ -62,7 +75,8 @@ def main(argv=None):
         del fusion_path, setup
         torch.cuda.empty_cache()
     if args.out:
-        Path(args.out).write_text(json.dumps({"switch": args.switch, "rows": results}, indent=1))
+        Path(args.out).write_text(json.dumps({**run_header(), "switch": args.switch, "sigma": args.sigma,
+                                              "rounds": args.rounds, "rows": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -484,7 +484,8 @@ def main(argv=None):
     SIGMA = args.sigma
     blocks = select_blocks(args.models)
     if args.precompile:
-        return precompile(blocks, fp8=any("fp8" in p for p in args.paths.split(",")))
+        fp8 = any("fp8" in p for p in args.paths.split(",")) or "gemm" in args.phases.split(",")
+        return precompile(blocks, fp8=fp8)
     paths = args.paths.split(",")
     compiled_models = set(args.compiled_models.split(","))
     header = run_header()  # FUSION_COMMIT names the commit where a copied tree has no history

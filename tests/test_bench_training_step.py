@@ -1,5 +1,5 @@
 """bench/bench_training_step.py's CPU parts: which blocks `--models` selects (the held-out ones among them) and the
-group sizes that `--sigma` spreads."""
+group sizes that `--sigma` spreads; bench/ab_switch.py's round order."""
 import sys
 from pathlib import Path
 
@@ -8,6 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
+import ab_switch  # noqa: E402
 import bench_training_step as B  # noqa: E402
 import bench_wgrad  # noqa: E402
 
@@ -45,3 +46,10 @@ def test_group_sizes_route_every_row_and_sigma_spreads_them(block):
         assert s.shape == (block.E,) and int(s.sum()) == block.rows and int(s.min()) >= 0
     assert (default == sizes(sigma=B.SIGMA)).all()      # the default is SIGMA
     assert balanced.float().std() < default.float().std() < wide.float().std()
+
+
+def test_ab_rounds_alternate_after_a_warm_up():
+    orders = ab_switch.round_orders(4)
+    assert len(orders) == 5 and all(sorted(o) == [False, True] for o in orders)
+    kept = orders[1:]
+    assert [o[0] for o in kept] == [True, False, True, False]   # each setting goes first in half the kept rounds

@@ -53,14 +53,32 @@ OUTPUTS = LONE_GEMM_RULE["max_outputs_per_group"]
     (512, 128, 2880, "dgrad", True),       # GPT-OSS-120B's: ours measured faster
     (1024, 32, 7168, "forward", True),     # DeepSeek-V3's EP8 share: dynamic CTA pairs keep the rows cap alone
     (1024, 16, 4096, "forward", True),     # Phi-3.5-MoE: dynamic pairs
+    (512, 16, 5120, "forward", False),     # Llama-4-Scout: 16 groups, but 27 n-tiles at 192 do not pair
+    (1024, 32, 2880, "forward", False),    # GPT-OSS-20B: 32 groups, 15 n-tiles
 ])
-def test_output_budget(rows_per_group, groups, n, part, expect):
+def test_output_budget(monkeypatch, rows_per_group, groups, n, part, expect):
+    from fusion.kernels import tile_policy
+
+    monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", True)      # whatever FUSION_* the test run has
+    monkeypatch.setattr(tile_policy, "DYNAMIC_PAIRS", True)
     assert lone_gemm.chooses_kernel(rows_per_group * groups, groups, n, part) is expect
-    pairs = lone_gemm.runs_dynamic_pairs(n, groups)
-    assert expect is (rows_per_group * n <= OUTPUTS[part] or pairs)
+
+
+def test_dynamic_pairs_switch_reaches_the_rule(monkeypatch):
+    """FUSION_DYNAMIC_PAIRS=0 (tile_policy.DYNAMIC_PAIRS) puts DeepSeek-V3's forward under the budget: the pairs'
+    exemption follows the tile the kernel really gets (no stale cache)."""
+    from fusion.kernels import tile_policy
+
+    monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", True)
+    monkeypatch.setattr(tile_policy, "DYNAMIC_PAIRS", True)
+    assert lone_gemm.chooses_kernel(1024 * 32, 32, 7168)
+    monkeypatch.setattr(tile_policy, "DYNAMIC_PAIRS", False)
+    assert not lone_gemm.runs_dynamic_pairs(7168, 32)
+    assert not lone_gemm.chooses_kernel(1024 * 32, 32, 7168)
 
 
 def test_output_budget_switch(monkeypatch):
+    monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", True)
     assert not lone_gemm.chooses_kernel(1024 * 64, 64, 4096)
     monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", False)
     assert lone_gemm.chooses_kernel(1024 * 64, 64, 4096)

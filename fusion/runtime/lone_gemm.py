@@ -63,9 +63,10 @@ public configurations no rule was tuned on; H100, 2026-11-27, `bench/results/H10
 steps' kernel profiles (bench/profile_step.py --timeline) had our lone GEMMs behind torch's where the groups' outputs
 were large: Hunyuan-A13B's FC2 forward (1024 rows per expert, N = 4096) 2.965 ms against torch's 2.653, Qwen2-57B-
 A14B's (1024, N = 3584) 2.110 against 1.978, GLM-4.5-Air's FC1 dgrad (512, N = 4096) 2.963 against 2.869 (alone,
-bench_pair_gemm.py: 2.903 against 2.595), its FC2 forward (512, N = 4096) 1.377 against 1.347. Where ours won the
-groups' outputs were at most 2^21 elements (Qwen3-30B-A3B's FC2 forward, 1024 x 2048: 0.733 against 0.787;
-GPT-OSS-120B's, 512 x 2880; Qwen3-235B-A22B's, 256 x 4096; Qwen1.5-MoE's, 546 x 2048: 0.349 against 0.389) and
+bench_pair_gemm.py: 2.903 against 2.595); its FC2 forward (512, N = 4096: 2^21 outputs, the boundary, kept on our
+kernel) 1.377 against 1.347, a split result. Where ours won the groups' outputs were at most 2^21 elements
+(Qwen3-30B-A3B's FC2 forward, 1024 x 2048: 0.733 against 0.787; GPT-OSS-120B's, 512 x 2880; Qwen3-235B-A22B's,
+256 x 4096; Qwen1.5-MoE's, 546 x 2048: 0.349 against 0.389) and
 for dgrads at most 1.5 * 2^20 (GPT-OSS-120B's, 512 x 2880: 3.617 against 4.021; Qwen3-235B-A22B's 256 x 4096 tied).
 DeepSeek-V3's EP8 share (32 groups) runs dynamic pairs, which won at 1024 x 7168 (1.492 against 1.592), so pairs
 keep the rows cap alone. FUSION_LONE_GEMM_OUTPUTS=0 (read at import) drops the budget: the A/B switch.
@@ -80,8 +81,6 @@ import dataclasses
 import os
 
 import torch
-
-import functools
 
 from fusion.kernels.tile_policy import GemmConfig, choose_config, dense_dgrad_tile
 from fusion.op_table import LONE_GEMM_RULE, gemm_refusal
@@ -121,10 +120,11 @@ def chooses_kernel(rows: int, groups: int, n: int, part: str = "forward") -> boo
             or runs_dynamic_pairs(n, groups))
 
 
-@functools.lru_cache(maxsize=None)
 def runs_dynamic_pairs(n: int, groups: int) -> bool:
     """Whether the tile policy runs an `n`-wide GEMM of `groups` groups as dynamic CTA pairs (kernels/tile_policy.py
-    dynamic_pairs: 128x192 tiles, few groups), where the rows cap alone holds (cached: asked per call)."""
+    dynamic_pairs: 128x192 tiles, at most 32 groups, an even n-tile count), where the rows cap alone holds. Asked
+    per call, only past the budget (about 2 µs); not cached, so FUSION_DYNAMIC_PAIRS and a test's patch of
+    tile_policy hold."""
     config = choose_config(0, n, 0, groups)
     return config.dynamic and config.cluster_n == 2
 
