@@ -46,6 +46,9 @@ TILE_M_64 = {"on": False, "tiles": ((128, 8), (192, 6), (256, 5))}
 BANDS = {"values": ()}
 #: --short-ab: time the policy's configuration with and without short tiles instead of the schedule variants.
 SHORT_AB = {"on": False}
+#: --no-schedules: time the policy's configuration and the --tiles ones only, not its tile on the other schedules
+#: (static/dynamic x single/pairs, m-pairs): a sweep over many shapes that fits one device call.
+SCHEDULES = {"on": True}
 #: --gemms: time only these of plan_kernels' GEMMs.
 GEMMS = {"only": ()}
 #: --tiles N:S:pp|coop,...: also time the policy's configuration at these tile widths, stages and consumer schedules
@@ -86,12 +89,12 @@ def variants(job: KernelJob):
     if BANDS["values"]:
         out += [(f"band {b}", dataclasses.replace(base, band_m=b)) for b in BANDS["values"] if b != base.band_m]
         return _as_jobs(job, out)
-    for dynamic in (False, True):
+    for dynamic in ((False, True) if SCHEDULES["on"] else ()):
         for cn in ((1, 2) if pairs else (1,)):
             cfg = dataclasses.replace(base, dynamic=dynamic, cluster_n=cn, cluster_m=1)
             if cfg != base:
                 out.append((("dyn" if dynamic else "static") + (" c2" if cn > 1 else ""), cfg))
-    if not base.gather_a and job.step != "F1":   # F1: the gated FC1 (two B boxes per stage)
+    if SCHEDULES["on"] and not base.gather_a and job.step != "F1":   # F1: the gated FC1 (two B boxes per stage)
         # CTA pairs on neighbouring m-tiles multicasting B (cluster_m = 2), dynamic: what an odd n-tile count allows
         m2 = dataclasses.replace(base, dynamic=True, cluster_n=1, cluster_m=2)
         if m2 != base:
@@ -221,13 +224,15 @@ def main():
                                                                "static and dynamic, where its n-tiles pair up")
     ap.add_argument("--short-ab", action="store_true", help="time the policy's configuration with and without "
                                                              "short tiles (GemmConfig.short_tiles) only")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-schedules", action="store_true", help="only the policy's configuration and --tiles")
+    ap.add_argument("--out", default=None, help="JSON path, rewritten after every shape (a cut run keeps them)")
     args = ap.parse_args()
     SHORT_AB["on"] = args.short_ab
     TILE_M_64["on"] = args.tile_m_64
     BANDS["values"] = tuple(int(b) for b in args.bands.split(",") if b)
     GEMMS["only"] = tuple(g for g in args.gemms.split(",") if g)
     TILES["pairs"] = args.tile_pairs
+    SCHEDULES["on"] = not args.no_schedules
     TILES["extra"] = tuple((int(n), int(st), sched == "pp") for n, st, sched in
                            (t.split(":") for t in args.tiles.split(",") if t))
     names = args.shapes.split(",")
@@ -243,9 +248,9 @@ def main():
     for name in names:
         for skewed in ((False, True) if args.skewed else (False,)):
             out["results"].append({"name": name} | run_shape(name, skewed, gen))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(out, fh, indent=1)
+            if args.out:
+                with open(args.out, "w") as fh:
+                    json.dump(out, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -37,3 +37,13 @@ def test_every_timed_kernel_passes_the_config_check():
 
     for job in bench_pair_gemm.all_jobs(["qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3-ep8"]):
         check_config(GemmConfig(*job.config), _epilogue(job), job.dtype, job.N, job.K)
+
+
+def test_no_schedules_times_the_policy_and_the_listed_tiles_only(monkeypatch):
+    monkeypatch.setitem(bench_pair_gemm.SCHEDULES, "on", False)
+    monkeypatch.setitem(bench_pair_gemm.TILES, "extra", ((256, 4, False),))
+    monkeypatch.setitem(bench_pair_gemm.TILES, "pairs", True)
+    E, d, f, _, _ = bench_pair_gemm.SHAPES["glm-4.5-air"]
+    job = bench_pair_gemm.plan_kernels(E, d, f)["fc1_dgrad"]
+    labels = [label for label, _ in bench_pair_gemm.variants(job)]
+    assert labels == ["policy", "128x256 coop s4 dyn", "128x256 coop s4 static c2", "128x256 coop s4 dyn c2"]
