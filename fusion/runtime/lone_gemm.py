@@ -69,7 +69,8 @@ kernel) 1.377 against 1.347, a split result. Where ours won the groups' outputs 
 256 x 4096; Qwen1.5-MoE's, 546 x 2048: 0.349 against 0.389) and for dgrads at most 1.5 * 2^20 (GPT-OSS-120B's,
 512 x 2880: 3.617 against 4.021; Qwen3-235B-A22B's, 256 x 4096, tied). DeepSeek-V3's EP8 share (32 groups) runs
 dynamic pairs, which won at 1024 x 7168 (1.492 against 1.592), so pairs keep the rows cap alone. In the held-out
-steps the budget took 0.7-3.8% off four (GPT-OSS-20B read +3.9% in noisy rounds; bench/ab_switch.py, docs/benchmarks.md).
+steps the budget took 0.7-3.8% off four (GPT-OSS-20B read +3.9% in noisy rounds; bench/ab_switch.py,
+docs/benchmarks.md).
 FUSION_LONE_GEMM_OUTPUTS=0 (read at import) drops the budget: the A/B switch.
 
 torch._grouped_mm stays the reference (backend="emulate", the CPU) and explain() names both and the rule.
