@@ -53,7 +53,7 @@ SCHEDULES = {"on": True}
 GEMMS = {"only": ()}
 #: --tiles N:S:pp|coop,...: also time the policy's configuration at these tile widths, stages and consumer schedules
 #: (dynamic schedule, single CTAs), e.g. 192:5:pp for a width that divides N where 128 leaves a ragged n-tile.
-TILES = {"extra": (), "pairs": False}
+TILES = {"extra": (), "pairs": False, "m_pairs": False}
 
 
 def plan_kernels(E, d, f):
@@ -109,6 +109,10 @@ def variants(job: KernelJob):
             # the same tile as CTA pairs sharing A (cluster_n = 2), on either schedule
             out += [(f"{label} static c2", dataclasses.replace(cfg, dynamic=False, cluster_n=2)),
                     (f"{label} dyn c2", dataclasses.replace(cfg, cluster_n=2))]
+        if TILES["m_pairs"] and not base.gather_a and job.step != "F1":
+            # pairs on neighbouring m-tiles multicasting B (cluster_m = 2), dynamic: torch._grouped_mm's sm90 kernel
+            # for large groups is 128x256 cooperative with a 2x1 cluster (aten/src/ATen/native/cuda/GroupMM.cu)
+            out.append((f"{label} dyn m2", dataclasses.replace(cfg, cluster_m=2)))
     if TILE_M_64["on"]:
         for tile_n, stages in TILE_M_64["tiles"]:
             cfg = dataclasses.replace(base, tile_m=64, tile_n=tile_n, stages=stages, pingpong=True, dynamic=True,
@@ -220,6 +224,8 @@ def main():
     ap.add_argument("--gemms", default="", help="comma-separated GEMMs (fc1_fwd, fc2_fwd, ...): only those")
     ap.add_argument("--tiles", default="", help="comma-separated N:STAGES:pp|coop tiles to time as well "
                                                 "(dynamic schedule), e.g. 192:5:pp,256:4:coop")
+    ap.add_argument("--tile-m-pairs", action="store_true", help="with --tiles: also each tile as CTA pairs on "
+                    "neighbouring m-tiles (m2, B multicast), not for the gated FC1")
     ap.add_argument("--tile-pairs", action="store_true", help="with --tiles: also each tile as CTA pairs (c2), "
                                                                "static and dynamic, where its n-tiles pair up")
     ap.add_argument("--short-ab", action="store_true", help="time the policy's configuration with and without "
@@ -232,6 +238,7 @@ def main():
     BANDS["values"] = tuple(int(b) for b in args.bands.split(",") if b)
     GEMMS["only"] = tuple(g for g in args.gemms.split(",") if g)
     TILES["pairs"] = args.tile_pairs
+    TILES["m_pairs"] = args.tile_m_pairs
     SCHEDULES["on"] = not args.no_schedules
     TILES["extra"] = tuple((int(n), int(st), sched == "pp") for n, st, sched in
                            (t.split(":") for t in args.tiles.split(",") if t))

@@ -47,3 +47,9 @@ def test_no_schedules_times_the_policy_and_the_listed_tiles_only(monkeypatch):
     job = bench_pair_gemm.plan_kernels(E, d, f)["fc1_dgrad"]
     labels = [label for label, _ in bench_pair_gemm.variants(job)]
     assert labels == ["policy", "128x256 coop s4 dyn", "128x256 coop s4 static c2", "128x256 coop s4 dyn c2"]
+    monkeypatch.setitem(bench_pair_gemm.TILES, "m_pairs", True)   # torch._grouped_mm's sm90 tile: 128x256, 2x1
+    variants = dict(bench_pair_gemm.variants(job))
+    m2 = GemmConfig(*variants["128x256 coop s4 dyn m2"].config)
+    assert (m2.tile_n, m2.pingpong, m2.dynamic, m2.cluster_m, m2.cluster_n) == (256, False, True, 2, 1)
+    gated = bench_pair_gemm.plan_kernels(E, d, f)["fc1_fwd"]
+    assert not any(label.endswith("m2") for label, _ in bench_pair_gemm.variants(gated))
