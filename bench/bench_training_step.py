@@ -91,8 +91,8 @@ BLOCKS = [
     Block("qwen3-30b-a3b-small", 128, 512, 8, 2048, 768),
 ]
 # Blocks no tile rule was tuned on (public configs; none of them in BLOCKS): `--models held-out` runs them, a check
-# that the policy's rules carry over to shapes it has not seen (widths that are no multiple of 192 or of 256, E = 40 / 60,
-# top-1 and top-2 with large f).
+# that the policy's rules carry over to shapes it has not seen (widths that are no multiple of 192 or of 256,
+# E = 40 / 60, top-1 and top-2 with large f).
 HELD_OUT_BLOCKS = [
     Block("qwen1.5-moe-a2.7b", 60, 8192, 4, 2048, 1408),
     Block("granite-3.0-3b-a800m", 40, 8192, 8, 1536, 512),
