@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_moe import CONFIGS, Options, make_paths, phase_fn  # noqa: E402
+from bench_moe import ALL_CONFIGS, Options, make_paths, phase_fn  # noqa: E402
 from profiling import print_host, print_kernels, print_ops  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def setup(model: str, tokens: int, path_name: str, backend: str = "auto", torch_
     """bench_moe.run_config's layer, x and dy, and the named path (torch_compiled: variant `torch_variant`)."""
     import fusion
 
-    cfg = next(c for c in CONFIGS if c.model == model)
+    cfg = next(c for c in ALL_CONFIGS if c.model == model)
     torch.manual_seed(0)
     moe = fusion.MoE.swiglu(cfg.d, cfg.E, cfg.f, cfg.k, device="cuda", dtype=torch.bfloat16, backend=backend)
     for p in moe.parameters():

@@ -87,6 +87,15 @@ def test_selection_by_model_and_tokens():
         bench_moe.select(bench_moe.argparse.Namespace(dry_run=False, models="nope", tokens="8192"))
 
 
+def test_held_out_layers_are_selected_by_name_only():
+    default = bench_moe.select(bench_moe.argparse.Namespace(dry_run=False, models=None, tokens="16384"))
+    held = {c.model for c in bench_moe.HELD_OUT}
+    assert held and not held & {c.model for c, _ in default}
+    assert not held & {c.model for c in bench_moe.CONFIGS}
+    got = bench_moe.select(bench_moe.argparse.Namespace(dry_run=False, models="held-out,olmoe-1b-7b", tokens="16384"))
+    assert {c.model for c, _ in got} == held | {"olmoe-1b-7b"} and {t for _, t in got} == {16384}
+
+
 def test_graph_ratio_column_reads_graph_ms():
     """--graphs: the table's "in CUDA graphs" column is torch_compiled's graph_ms over fusion's, '-' without them
     (a CPU run captures nothing: bench_moe.graph_row gives no field there)."""

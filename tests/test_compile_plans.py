@@ -172,3 +172,25 @@ def test_held_out_blocks_compile_for_sm90a():
                 seen.add(k.key)
                 check_sass(k)
     assert len(seen) >= 60
+
+
+def test_held_out_moe_layers_compile_for_sm90a():
+    """The same for bench_moe.py's held-out MoE layers (Gather -> experts -> Combine): the gathering FC1 forward,
+    the dgrad and weight gradients that read through the routing index, at widths no rule was tuned on."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from bench_moe import HELD_OUT
+
+    seen = set()
+    for cfg in HELD_OUT:
+        with torch.device("meta"):
+            moe = fusion.MoE.swiglu(cfg.d, cfg.E, cfg.f, cfg.k, device="meta")
+        kernels = moe.experts.compile(dtype=torch.bfloat16, target="sm_90a")
+        # FC1's forward loads x's rows through the routing index
+        assert any(getattr(k.config, "gather_a", False) for k in kernels if k.name.startswith("fused_F1")), cfg.model
+        for k in kernels:
+            if k.key not in seen:
+                seen.add(k.key)
+                check_sass(k)
