@@ -48,6 +48,7 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout: `fusion` is this re
 sys.path.insert(0, str(HERE))
 
 from bench_common import graphed_ms, measure, phase_calls, rel_errors, run_header, synchronize  # noqa: E402
+from held_out import HELD_OUT as HELD_OUT_TABLE  # noqa: E402
 from moe_paths import (FusionLayer, SonicLayer, TorchLayer, rounded_moe, routing_agreement,  # noqa: E402
                        sonicmoe_status)
 
@@ -99,19 +100,9 @@ SONIC_CONFIGS = [
                         (4096, 512, 256, 16), (4096, 1024, 128, 8), (4096, 2048, 64, 4)]
 ]
 CONFIGS = MODELS + SONIC_CONFIGS
-# MoE layers no rule was tuned on (bench_training_step.py's held-out blocks, as whole layers; `--models held-out`,
-# not in the default run): public configs.json's (d, E, k, f); Llama-4-Scout's shared expert is not modelled.
-HELD_OUT = [
-    MoEConfig("qwen1.5-moe-a2.7b", 2048, 60, 4, 1408, source="Qwen1.5-MoE-A2.7B config.json"),
-    MoEConfig("granite-3.0-3b-a800m", 1536, 40, 8, 512, source="granite-3.0-3b-a800m config.json"),
-    MoEConfig("phi-3.5-moe", 4096, 16, 2, 6400, source="Phi-3.5-MoE-instruct config.json"),
-    MoEConfig("glm-4.5-air", 4096, 128, 8, 1408, source="GLM-4.5-Air config.json"),
-    MoEConfig("ernie-4.5-21b-a3b", 2560, 64, 6, 1536, source="ERNIE-4.5-21B-A3B config.json"),
-    MoEConfig("hunyuan-a13b", 4096, 64, 8, 3072, source="Hunyuan-A13B config.json"),
-    MoEConfig("qwen2-57b-a14b", 3584, 64, 8, 2560, source="Qwen2-57B-A14B config.json"),
-    MoEConfig("llama-4-scout", 5120, 16, 1, 8192, source="Llama-4-Scout config.json (routed experts only)"),
-    MoEConfig("dbrx", 6144, 16, 4, 10752, source="dbrx config.json"),
-]
+# bench/held_out.py's MoE configurations as whole layers (no rule was tuned on them; `--models held-out`, not in the
+# default run); Llama-4-Scout's shared expert is not modelled.
+HELD_OUT = [MoEConfig(h.model, h.d, h.E, h.top_k, h.f, source=h.source) for h in HELD_OUT_TABLE if h.moe]
 ALL_CONFIGS = CONFIGS + HELD_OUT
 # SonicMoE's published H100 TFLOP/s (forward, backward) per config, from arXiv 2512.14080. No copy reachable holds
 # them as text: they are bar heights read off the paper's Figure 14 ("Forward & backward TFLOPS for different MoE

@@ -54,6 +54,7 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout: `fusion` is this re
 sys.path.insert(0, str(HERE))         # and its sibling bench_common, also when imported from elsewhere
 
 from bench_common import measure, phase_calls, rel_errors, run_header  # noqa: E402  (re-exported: bench_moe imports them too)
+from held_out import HELD_OUT  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -90,22 +91,8 @@ BLOCKS = [
     Block("small-batch", 8, 2048, 2, 2048, 1024),
     Block("qwen3-30b-a3b-small", 128, 512, 8, 2048, 768),
 ]
-# Blocks no tile rule was tuned on (public configs; none of them in BLOCKS): `--models held-out` runs them, a check
-# that the policy's rules carry over to shapes it has not seen (widths that are no multiple of 192 or of 256,
-# E = 40 / 60, top-1 and top-2 with large f).
-HELD_OUT_BLOCKS = [
-    Block("qwen1.5-moe-a2.7b", 60, 8192, 4, 2048, 1408),
-    Block("granite-3.0-3b-a800m", 40, 8192, 8, 1536, 512),
-    Block("phi-3.5-moe", 16, 8192, 2, 4096, 6400),
-    Block("glm-4.5-air", 128, 8192, 8, 4096, 1408),
-    Block("ernie-4.5-21b-a3b", 64, 8192, 6, 2560, 1536),
-    Block("hunyuan-a13b", 64, 8192, 8, 4096, 3072),
-    Block("qwen2-57b-a14b", 64, 8192, 8, 3584, 2560),
-    Block("llama-4-scout", 16, 8192, 1, 5120, 8192),
-    Block("dbrx", 16, 4096, 4, 6144, 10752),
-    Block("mistral-7b", 1, 8192, 1, 4096, 14336),     # Llama-3-8B's weight shapes at half its rows
-    Block("qwen2.5-7b-16k", 1, 16384, 1, 3584, 18944),
-]
+# Blocks no tile rule was tuned on (bench/held_out.py; none of them in BLOCKS): `--models held-out` runs them.
+HELD_OUT_BLOCKS = [Block(h.model, h.E, h.tokens, h.top_k, h.d, h.f) for h in HELD_OUT]
 PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "quack", "reference", "fusion_fp8", "fusion_fp8_fp8wgrad",
          "fusion_fp8_direct", "unfused_fp8"]
 PHASES = ["forward", "training_step", "gemm"]

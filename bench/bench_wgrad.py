@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fusion
 
 from bench_common import median_ms  # noqa: E402
+from held_out import HELD_OUT  # noqa: E402
 from fusion.kernels.tile_policy import WgradConfig, choose_wgrad_config  # noqa: E402
 from fusion.runtime.compile import KernelJob  # noqa: E402
 
@@ -73,17 +74,9 @@ SHAPES = {  # name: (E, d, f, T, k)
     "qwen2.5-7b-dense": (1, 3584, 18944, 8192, 1),
     "llama-3-8b-T1024": (1, 4096, 14336, 1024, 1),
     "qwen2.5-7b-dense-T512": (1, 3584, 18944, 512, 1),
-    # bench_training_step.py's held-out blocks (public configs no rule was tuned on), at its token counts
-    "qwen1.5-moe-a2.7b": (60, 2048, 1408, 8192, 4),      # 546 rows per expert
-    "granite-3.0-3b-a800m": (40, 1536, 512, 8192, 8),    # 1638
-    "phi-3.5-moe": (16, 4096, 6400, 8192, 2),            # 1024
-    "glm-4.5-air": (128, 4096, 1408, 8192, 8),           # 512
-    "ernie-4.5-21b-a3b": (64, 2560, 1536, 8192, 6),      # 768
-    "hunyuan-a13b": (64, 4096, 3072, 8192, 8),           # 1024
-    "qwen2-57b-a14b": (64, 3584, 2560, 8192, 8),         # 1024
-    "llama-4-scout": (16, 5120, 8192, 8192, 1),          # 512
-    "dbrx": (16, 6144, 10752, 4096, 4),                  # 1024
 }
+# bench/held_out.py's MoE configurations (no rule was tuned on them), at the block benchmark's token counts
+SHAPES.update({h.model: (h.E, h.d, h.f, h.tokens, h.top_k) for h in HELD_OUT if h.moe})
 SWEEP = tuple(dataclasses.replace(c, cluster_m=m) for m in (2, 1) for c in (
     WgradConfig(tile_n=256, stages=4), WgradConfig(tile_n=192, stages=5, pingpong=True),
     WgradConfig(tile_n=128, stages=6, pingpong=True), WgradConfig(tile_n=128, stages=6)))
