@@ -84,7 +84,8 @@ import os
 
 import torch
 
-from fusion.kernels.tile_policy import GemmConfig, choose_config, dense_dgrad_tile
+from fusion.kernels import tile_policy
+from fusion.kernels.tile_policy import GemmConfig, dense_dgrad_tile
 from fusion.op_table import LONE_GEMM_RULE, gemm_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
@@ -125,10 +126,17 @@ def chooses_kernel(rows: int, groups: int, n: int, part: str = "forward") -> boo
 def runs_dynamic_pairs(n: int, groups: int) -> bool:
     """Whether the tile policy runs an `n`-wide GEMM of `groups` groups as dynamic CTA pairs (kernels/tile_policy.py
     dynamic_pairs: 128x192 tiles, at most 32 groups, an even n-tile count), where the rows cap alone holds. Asked
-    per call, only past the budget (about 2 µs); not cached, so FUSION_DYNAMIC_PAIRS and a test's patch of
-    tile_policy hold."""
-    config = choose_config(0, n, 0, groups)
-    return config.dynamic and config.cluster_n == 2
+    per call past the budget, so kept per (n, groups) and the policy's pair switches (FUSION_DYNAMIC_PAIRS, or a
+    test's patch of tile_policy, still reach it)."""
+    key = (n, groups, tile_policy.DYNAMIC_PAIRS, tile_policy.DYNAMIC_PAIRS_MAX_GROUPS)
+    hit = _PAIRS.get(key)
+    if hit is None:
+        config = tile_policy.choose_config(0, n, 0, groups)
+        hit = _PAIRS[key] = config.dynamic and config.cluster_n == 2
+    return hit
+
+
+_PAIRS: dict = {}
 
 
 def dense_dgrad(n: int) -> bool:
