@@ -62,6 +62,7 @@ def plan_kernels(E, d, f):
     from fusion import GroupLinear, Scale, SwiGLU
     from fusion.runtime.aot import plan_jobs
     from fusion.runtime.kernel import IDENTITY_SOURCE, make_job
+    from fusion.runtime.lone_gemm import with_lone_tile   # the lone GEMMs run the wide tile where the rule says
 
     with torch.device("meta"):
         seq = fusion.Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d))
@@ -69,10 +70,11 @@ def plan_kernels(E, d, f):
     return {
         "fc1_fwd": jobs[("F1", "train")],
         "fc1_fwd_inference": jobs[("F1", "inference")],
-        "fc2_fwd": make_job(IDENTITY_SOURCE, torch.bfloat16, d, f, E, False, "K", False, "fc2", "identity"),
+        "fc2_fwd": with_lone_tile(make_job(IDENTITY_SOURCE, torch.bfloat16, d, f, E, False, "K", False, "fc2",
+                                            "identity")),
         "fc2_dgrad": jobs[("B1", "backward")],
-        "fc1_dgrad": make_job(IDENTITY_SOURCE, torch.bfloat16, d, 2 * f, E, False, "MN", False, "fc1dgrad",
-                              "identity"),
+        "fc1_dgrad": with_lone_tile(make_job(IDENTITY_SOURCE, torch.bfloat16, d, 2 * f, E, False, "MN", False,
+                                              "fc1dgrad", "identity")),
     }
 
 

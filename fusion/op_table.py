@@ -24,18 +24,30 @@ OP_TABLE: dict[str, str] = {}
 #: or 192-column tile; measured: fusion/runtime/lone_gemm.py).
 LONE_GEMM_RULE = {"min_groups": 2, "max_rows_per_group": {"forward": 1024, "dgrad": 512}, "n_multiples": (128, 192),
                   "max_outputs_per_group": {"forward": 2 ** 21, "dgrad": 3 * 2 ** 19},
+                  # the wide tile (kernels/tile_policy.lone_tile: 128x256 dynamic CTA pairs) where its n-tiles pair
+                  # up and N >= min_n or K >= min_k: this rows cap alone, no output budget; the cap by the output
+                  # width, ((at N >=, rows per group), ...), first match
+                  "wide": {"min_n": 2560, "min_k": 1280,
+                           "max_rows_per_group": {"forward": ((0, 2048),), "dgrad": ((4096, 4096), (0, 512))}},
+                  # a forward of K >= this goes to torch (cuBLAS led at every tile measured)
+                  "max_k": {"forward": 6144, "dgrad": None},
                   # a one-group (dense) GEMM's dgrad: at >= this many rows, N a multiple of 256 (128x256 tiles)
                   "dense_dgrad_min_rows": 8192, "dense_dgrad_n_multiple": 256}
 
 
 def _lone_rule_text(part: str) -> str:
-    dense = (f"; one group: at >= {LONE_GEMM_RULE['dense_dgrad_min_rows']} rows with N a multiple of "
-             f"{LONE_GEMM_RULE['dense_dgrad_n_multiple']}" if part == "dgrad" else "")
-    return (f"where the GEMM has >= {LONE_GEMM_RULE['min_groups']} groups, rows per group average <= "
-            f"{LONE_GEMM_RULE['max_rows_per_group'][part]} and <= {LONE_GEMM_RULE['max_outputs_per_group'][part]} / N "
+    rule, wide = LONE_GEMM_RULE, LONE_GEMM_RULE["wide"]
+    dense = (f"; one group: at >= {rule['dense_dgrad_min_rows']} rows with N a multiple of "
+             f"{rule['dense_dgrad_n_multiple']}" if part == "dgrad" else "")
+    caps = ", else ".join(f"<= {cap} at N >= {min_n}" if min_n else f"<= {cap}"
+                          for min_n, cap in wide["max_rows_per_group"][part])
+    long_k = f"; never at K >= {rule['max_k'][part]}" if rule["max_k"][part] is not None else ""
+    return (f"where the GEMM has >= {rule['min_groups']} groups, rows per group average <= "
+            f"{rule['max_rows_per_group'][part]} and <= {rule['max_outputs_per_group'][part]} / N "
             f"(unless its tile runs as dynamic CTA pairs) and N is a multiple of "
-            f"{' or '.join(str(m) for m in LONE_GEMM_RULE['n_multiples'])}{dense}, else "
-            f"torch._grouped_mm (fusion/runtime/lone_gemm.py)")
+            f"{' or '.join(str(m) for m in rule['n_multiples'])}; or as 128x256 dynamic CTA pairs where those "
+            f"n-tiles pair up and N >= {wide['min_n']} or K >= {wide['min_k']}, rows per group average {caps}"
+            f"{long_k}{dense}, else torch._grouped_mm (fusion/runtime/lone_gemm.py)")
 
 #: Device kernels the fused runtime runs in place of an unfused op's reference, by (op variant, part): the runtime
 #: module (fusion/runtime/<name>.py: `takes(op, value)`, and `run(op, value, ctx)` for a forward or a backward

@@ -9,6 +9,7 @@ loading the DSL.
     pair_ctas(config, N)               the configuration as CTA pairs sharing the A tile, where it can be
     dynamic_pairs(config, N, G)        ... on the dynamic schedule, for weights of few groups
     dense_dgrad_tile(config)           a one-group GEMM's input gradient on our kernel (fusion/runtime/lone_gemm.py)
+    lone_tile(config, N)               a lone GEMM's (several groups, nothing fused) 128x256 dynamic CTA pairs
     m_pairs(config, N)                 ... as CTA pairs on neighbouring m-tiles sharing the B tile, where the
                                        n-tiles do not pair up
     n_tile_count(N, tile_n)            n-tiles per m-tile (gated or not)
@@ -207,6 +208,39 @@ def dense_dgrad_tile(config: GemmConfig) -> GemmConfig:
     Llama-3-70B at 2048 rows 2.830 / 2.739). The 128x192 pingpong tile was no faster than torch there."""
     return dataclasses.replace(config, tile_n=256, stages=_max_stages_capped(256, 4), pingpong=False, dynamic=True,
                                cluster_n=1, cluster_m=1)
+
+
+#: FUSION_LONE_WIDE=0 (read at import): lone GEMMs keep :func:`choose_config`'s tile (and fusion/runtime/lone_gemm.py
+#: its older rule); the A/B switch (lone_gemm.WIDE_TILE, flipped per call by bench/ab_switch.py).
+LONE_WIDE = os.environ.get("FUSION_LONE_WIDE", "1") != "0"
+#: The lone tile's width: its n-tiles must pair up (an even count) for the CTA pairs.
+LONE_TILE_N = 256
+
+
+def lone_pairs(N: int) -> bool:
+    """Whether a lone GEMM N wide takes :func:`lone_tile`: its 256-column n-tiles (a partial last one counts) pair
+    up."""
+    return n_tile_count(N, LONE_TILE_N) % 2 == 0
+
+
+def lone_tile(config: GemmConfig, N: int) -> GemmConfig:
+    """The tile of a lone GEMM of several groups (the identity epilogue: FC2's forward and FC1's input gradient,
+    fusion/runtime/lone_gemm.py): 128x256 cooperative on the dynamic schedule as CTA pairs sharing the A tile
+    (rank 0 takes the tile ids, kernels/scheduler.py), where the 256-column n-tiles pair up; else `config`.
+    torch._grouped_mm's own sm90 grouped kernel is 128x256 cooperative too (with pairs along m).
+
+    Measured on an H100 (bench/bench_pair_gemm.py --no-schedules --tiles 256:4:coop --tile-pairs --tile-m-pairs,
+    bench/results/H100-2026-11-27d-lone-tiles.json; ms, choose_config's tile / this tile / torch._grouped_mm): FC2
+    forward of Hunyuan-A13B (1024 rows per expert, N = 4096) 2.846 / 2.402 / 2.750, Qwen2-57B-A14B 2.350 / 1.915 /
+    1.984, GLM-4.5-Air 1.402 / 1.349 / 1.403, SonicMoE's (2048 rows) 3.684 / 3.480 / 3.754, GPT-OSS-120B (N = 2880:
+    a quarter-full last n-tile) 1.990 / 1.931 / 2.070; FC1 dgrad of GLM-4.5-Air 2.859 / 2.535 / 2.523, Qwen2-57B-
+    A14B 6.114 / 3.508 / 3.526, Qwen3-30B-A3B 1.561 / 1.369 / 1.397, SonicMoE's 7.332 / 6.510 / 6.864, DeepSeek-V3's
+    EP8 share 11.313 / 11.025 / 11.151, Hunyuan-A13B 6.053 / 4.927 / 4.803. The same tile as single CTAs was
+    slower on 14 of 16, as static pairs on 15 of 16."""
+    if config.gather_a or not lone_pairs(N):
+        return config
+    return dataclasses.replace(config, tile_n=LONE_TILE_N, stages=_max_stages_capped(LONE_TILE_N, 4), pingpong=False,
+                               dynamic=True, cluster_n=2, cluster_m=1)
 
 
 def n_tile_count(N: int, tile_n: int) -> int:

@@ -13,6 +13,21 @@ ROWS = LONE_GEMM_RULE["max_rows_per_group"]["forward"]
 DGRAD_ROWS = LONE_GEMM_RULE["max_rows_per_group"]["dgrad"]
 
 
+@pytest.fixture
+def narrow(monkeypatch):
+    """The rule without the wide tile (FUSION_LONE_WIDE=0), whatever FUSION_* the test run has."""
+    from fusion.kernels import tile_policy
+
+    monkeypatch.setattr(lone_gemm, "WIDE_TILE", False)
+    monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", True)
+    monkeypatch.setattr(tile_policy, "DYNAMIC_PAIRS", True)
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    monkeypatch.setattr(lone_gemm, "WIDE_TILE", True)
+
+
 @pytest.mark.parametrize("rows,groups,n,expect", [
     (32 * 128, 128, 2048, True),          # Qwen3-30B-A3B at 512 tokens: 32 rows per expert
     (256 * 128, 128, 4096, True),         # Qwen3-235B-A22B: 256
@@ -25,8 +40,8 @@ DGRAD_ROWS = LONE_GEMM_RULE["max_rows_per_group"]["dgrad"]
     (512, 1, 4096, False),                # one group: a dense GEMM, cuBLAS measured faster
     (512, 2, 4096, True),
 ])
-def test_rule(rows, groups, n, expect):
-    assert lone_gemm.chooses_kernel(rows, groups, n) is expect
+def test_rule(narrow, rows, groups, n, expect):
+    assert lone_gemm.chooses_kernel(rows, groups, n, 768) is expect
 
 
 @pytest.mark.parametrize("rows_per_group,expect", [
@@ -35,10 +50,10 @@ def test_rule(rows, groups, n, expect):
     (768, False),      # DeepSeek-V2-Lite: torch's dgrad measured faster
     (1024, False),     # Qwen3-30B-A3B at T = 16384: torch's dgrad measured faster on an H100
 ])
-def test_dgrad_rule_takes_fewer_rows(rows_per_group, expect):
+def test_dgrad_rule_takes_fewer_rows(narrow, rows_per_group, expect):
     assert DGRAD_ROWS < ROWS
-    assert lone_gemm.chooses_kernel(rows_per_group * 128, 128, 2048, "dgrad") is expect
-    assert lone_gemm.chooses_kernel(rows_per_group * 128, 128, 2048, "forward")   # the forward keeps 1024
+    assert lone_gemm.chooses_kernel(rows_per_group * 128, 128, 2048, 1536, "dgrad") is expect
+    assert lone_gemm.chooses_kernel(rows_per_group * 128, 128, 2048, 768, "forward")   # the forward keeps 1024
 
 
 OUTPUTS = LONE_GEMM_RULE["max_outputs_per_group"]
@@ -52,54 +67,94 @@ OUTPUTS = LONE_GEMM_RULE["max_outputs_per_group"]
     (256, 128, 4096, "dgrad", True),       # Qwen3-235B-A22B's (tied)
     (512, 128, 2880, "dgrad", True),       # GPT-OSS-120B's: ours measured faster
     (1024, 32, 7168, "forward", True),     # DeepSeek-V3's EP8 share: dynamic CTA pairs keep the rows cap alone
-    (1024, 16, 4096, "forward", True),     # Phi-3.5-MoE: dynamic pairs
+    (1024, 16, 4096, "forward", True),     # Phi-3.5-MoE's width: dynamic pairs
     (512, 16, 5120, "forward", False),     # Llama-4-Scout: 16 groups, but 27 n-tiles at 192 do not pair
     (1024, 32, 2880, "forward", False),    # GPT-OSS-20B: 32 groups, 15 n-tiles
 ])
-def test_output_budget(monkeypatch, rows_per_group, groups, n, part, expect):
-    from fusion.kernels import tile_policy
-
-    monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", True)      # whatever FUSION_* the test run has
-    monkeypatch.setattr(tile_policy, "DYNAMIC_PAIRS", True)
-    assert lone_gemm.chooses_kernel(rows_per_group * groups, groups, n, part) is expect
+def test_output_budget(narrow, rows_per_group, groups, n, part, expect):
+    assert lone_gemm.chooses_kernel(rows_per_group * groups, groups, n, 2048, part) is expect
 
 
-def test_dynamic_pairs_switch_reaches_the_rule(monkeypatch):
+def test_dynamic_pairs_switch_reaches_the_rule(narrow, monkeypatch):
     """FUSION_DYNAMIC_PAIRS=0 (tile_policy.DYNAMIC_PAIRS) puts DeepSeek-V3's forward under the budget: the pairs'
     exemption follows the tile the kernel really gets (no stale cache)."""
     from fusion.kernels import tile_policy
 
-    monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", True)
-    monkeypatch.setattr(tile_policy, "DYNAMIC_PAIRS", True)
-    assert lone_gemm.chooses_kernel(1024 * 32, 32, 7168)
+    assert lone_gemm.chooses_kernel(1024 * 32, 32, 7168, 2048)
     monkeypatch.setattr(tile_policy, "DYNAMIC_PAIRS", False)
     assert not lone_gemm.runs_dynamic_pairs(7168, 32)
-    assert not lone_gemm.chooses_kernel(1024 * 32, 32, 7168)
+    assert not lone_gemm.chooses_kernel(1024 * 32, 32, 7168, 2048)
 
 
-def test_output_budget_switch(monkeypatch):
-    monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", True)
-    assert not lone_gemm.chooses_kernel(1024 * 64, 64, 4096)
+def test_output_budget_switch(narrow, monkeypatch):
+    assert not lone_gemm.chooses_kernel(1024 * 64, 64, 4096, 3072)
     monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", False)
-    assert lone_gemm.chooses_kernel(1024 * 64, 64, 4096)
+    assert lone_gemm.chooses_kernel(1024 * 64, 64, 4096, 3072)
+
+
+@pytest.mark.parametrize("rows_per_group,groups,n,k,part,expect,runs_wide", [
+    (1024, 64, 4096, 3072, "forward", True, True),    # Hunyuan-A13B's FC2 forward: 2.402 ms against torch's 2.750
+    (1024, 64, 3584, 2560, "forward", True, True),    # Qwen2-57B-A14B's
+    (2048, 128, 4096, 1024, "forward", True, True),   # SonicMoE's (N >= 2560): 3.480 against 3.754
+    (2048, 128, 4096, 1024, "forward", True, True),
+    (2049, 128, 4096, 1024, "forward", False, True),  # past the wide forward's cap
+    (4096, 32, 7168, 2048, "forward", False, True),   # DeepSeek-V3's EP8 share: torch's (5.506 against 5.610)
+    (512, 128, 2880, 2880, "forward", True, True),    # GPT-OSS-120B: 12 n-tiles, the last a quarter full
+    (2048, 64, 2048, 1024, "forward", False, False),  # OLMoE's: N < 2560 and K < 1280, the narrow rule
+    (1024, 128, 2048, 768, "forward", True, False),   # Qwen3-30B-A3B's: the narrow rule, its 128x128 pair
+    (1024, 128, 2048, 1536, "dgrad", False, True),    # Qwen3-30B-A3B's FC1 dgrad: wide, but N < 4096 caps at 512
+    (512, 128, 4096, 2816, "dgrad", True, True),      # GLM-4.5-Air's: 2.535 against 2.859 (torch 2.523)
+    (2048, 128, 4096, 2048, "dgrad", True, True),     # SonicMoE's (N >= 4096: up to 4096 rows): 6.510 against 6.864
+    (4096, 32, 7168, 4096, "dgrad", True, True),      # DeepSeek-V3's EP8 share: 11.025 against 11.151
+    (1024, 16, 4096, 6400, "forward", False, True),   # Phi-3.5-MoE's forward: K >= 6144, torch's
+    (1024, 16, 4096, 12800, "dgrad", True, True),     # its dgrad: 2.484 against 2.553
+    (1638, 40, 1536, 512, "forward", False, False),   # Granite's: N < 2560, K < 1280
+    (512, 128, 4096, 2816, "forward", True, True),
+    (512, 60, 2816, 1408, "forward", True, False),    # 11 n-tiles at 256 do not pair: the narrow rule
+])
+def test_wide_rule(wide, rows_per_group, groups, n, k, part, expect, runs_wide):
+    assert lone_gemm.runs_wide_tile(n, k, groups) is runs_wide
+    assert lone_gemm.chooses_kernel(rows_per_group * groups, groups, n, k, part) is expect
+
+
+def test_a_forward_of_long_k_runs_torch_either_way(monkeypatch):
+    for wide_tile in (True, False):
+        monkeypatch.setattr(lone_gemm, "WIDE_TILE", wide_tile)
+        assert not lone_gemm.chooses_kernel(512 * 16, 16, 4096, LONE_GEMM_RULE["max_k"]["forward"])
+        assert lone_gemm.chooses_kernel(512 * 16, 16, 4096, LONE_GEMM_RULE["max_k"]["forward"] - 64)
+
+
+def test_the_wide_switch(monkeypatch):
+    monkeypatch.setattr(lone_gemm, "WIDE_TILE", True)
+    assert lone_gemm.chooses_kernel(1024 * 64, 64, 4096, 3072)
+    monkeypatch.setattr(lone_gemm, "WIDE_TILE", False)
+    monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", True)
+    assert not lone_gemm.runs_wide_tile(4096, 3072, 64)
+    assert not lone_gemm.chooses_kernel(1024 * 64, 64, 4096, 3072)
 
 
 def test_fusion_lone_gemm_torch_switches_the_kernel_off(monkeypatch):
     monkeypatch.setattr(lone_gemm, "ENABLED", False)
-    assert not lone_gemm.chooses_kernel(32 * 128, 128, 2048)
+    assert not lone_gemm.chooses_kernel(32 * 128, 128, 2048, 768)
+    assert not lone_gemm.chooses_kernel(512 * 128, 128, 4096, 2816)
 
 
 def test_the_rule_is_the_tables():
     assert (lone_gemm.MIN_GROUPS, lone_gemm.MAX_ROWS_PER_GROUP, lone_gemm.N_MULTIPLES,
-            lone_gemm.MAX_OUTPUTS_PER_GROUP) == (
+            lone_gemm.MAX_OUTPUTS_PER_GROUP, lone_gemm.WIDE, lone_gemm.MAX_K) == (
         LONE_GEMM_RULE["min_groups"], LONE_GEMM_RULE["max_rows_per_group"], LONE_GEMM_RULE["n_multiples"],
-        LONE_GEMM_RULE["max_outputs_per_group"])
+        LONE_GEMM_RULE["max_outputs_per_group"], LONE_GEMM_RULE["wide"], LONE_GEMM_RULE["max_k"])
+    wide = LONE_GEMM_RULE["wide"]
     for part, rows in (("forward", ROWS), ("dgrad", DGRAD_ROWS)):
         module, text = device_method("gemm", part)
         assert module == "lone_gemm"
         assert f"<= {rows} and" in text and "N is a multiple of 128 or 192" in text
         assert f"<= {OUTPUTS[part]} / N (unless its tile runs as dynamic CTA pairs)" in text
         assert f">= {LONE_GEMM_RULE['min_groups']} groups" in text
+        assert f"N >= {wide['min_n']} or K >= {wide['min_k']}" in text
+        for min_n, cap in wide["max_rows_per_group"][part]:
+            assert f"<= {cap}" in text
+    assert f"K >= {LONE_GEMM_RULE['max_k']['forward']}" in device_method("gemm", "forward")[1]
 
 
 def test_takes_nothing_off_a_gpu():
@@ -118,8 +173,9 @@ def test_kernel_jobs(part, N, K, b_major):
 
 
 @pytest.mark.parametrize("part", ["forward", "dgrad"])
-def test_gpt_oss_width_builds_whole_192_column_tiles(part):
-    """N = 2880 (GPT-OSS): the job's tile is 128x192 (15 whole n-tiles), not 128x128 (a half-empty last one)."""
+def test_gpt_oss_width_builds_whole_192_column_tiles(narrow, part):
+    """N = 2880 (GPT-OSS), without the wide tile: the job's tile is 128x192 (15 whole n-tiles), not 128x128 (a
+    half-empty last one)."""
     (job,) = lone_gemm.kernel_jobs(GroupLinear(8, 2880, 2880), part, torch.bfloat16)
     tile_n, dynamic, pingpong = job.config[1], job.config[7], job.config[9]
     assert (job.N, tile_n, dynamic, pingpong) == (2880, 192, True, True)
@@ -170,9 +226,9 @@ DENSE_ROWS = LONE_GEMM_RULE["dense_dgrad_min_rows"]
     (16384, 4096, "forward", False),            # a dense forward stays torch's (it split both ways)
 ])
 def test_a_dense_dgrad_at_many_rows_takes_the_kernel(rows, n, part, expect, monkeypatch):
-    assert lone_gemm.chooses_kernel(rows, 1, n, part) is expect
+    assert lone_gemm.chooses_kernel(rows, 1, n, 14336, part) is expect
     monkeypatch.setattr(lone_gemm, "DENSE_DGRAD", False)      # FUSION_DENSE_DGRAD=0
-    assert not lone_gemm.chooses_kernel(rows, 1, n, part)
+    assert not lone_gemm.chooses_kernel(rows, 1, n, 14336, part)
 
 
 def test_a_dense_dgrad_job_runs_128x256_cooperative_tiles():
@@ -185,3 +241,39 @@ def test_a_dense_dgrad_job_runs_128x256_cooperative_tiles():
     assert lone_gemm.kernel_jobs(GroupLinear(1, 2880, 5760), "dgrad", torch.bfloat16) == []
     text = device_method("gemm", "dgrad")[1]
     assert f"one group: at >= {DENSE_ROWS} rows with N a multiple of 256" in text
+
+
+@pytest.mark.parametrize("E,in_f,out_f,part,wide_tile", [
+    (128, 2880, 2880, "forward", True),     # GPT-OSS-120B's FC2: 12 n-tiles at 256 pair up
+    (128, 2880, 5760, "dgrad", True),       # its FC1 dgrad (N = 2880, K = 5760)
+    (64, 3072, 4096, "forward", True),      # Hunyuan-A13B's FC2
+    (128, 768, 2048, "forward", False),     # Qwen3-30B-A3B's FC2 forward: N < 2560, K < 1280
+    (128, 2048, 1536, "dgrad", True),       # its FC1 dgrad: K = 1536
+    (60, 1408, 2816, "forward", False),     # 11 n-tiles at 256
+])
+def test_kernel_jobs_take_the_wide_tile_where_the_rule_runs_it(wide, E, in_f, out_f, part, wide_tile):
+    """The job Sequential.compile() builds is the tile the call runs: 128x256 cooperative dynamic CTA pairs where
+    runs_wide_tile, else the tile policy's."""
+    from fusion.kernels.tile_policy import GemmConfig
+
+    op = GroupLinear(E, in_f, out_f)
+    (job,) = lone_gemm.kernel_jobs(op, part, torch.bfloat16)
+    cfg = GemmConfig(*job.config)
+    assert (job.N, job.K) == ((out_f, in_f) if part == "forward" else (in_f, out_f))
+    assert lone_gemm.runs_wide_tile(job.N, job.K, E) is wide_tile
+    got = (cfg.tile_n, cfg.pingpong, cfg.dynamic, cfg.cluster_n, cfg.cluster_m)
+    assert (got == (256, False, True, 2, 1)) is wide_tile
+
+
+def test_the_wide_switch_changes_the_job(monkeypatch):
+    op = GroupLinear(64, 3072, 4096)
+    monkeypatch.setattr(lone_gemm, "WIDE_TILE", True)
+    (wide_job,) = lone_gemm.kernel_jobs(op, "forward", torch.bfloat16)
+    monkeypatch.setattr(lone_gemm, "WIDE_TILE", False)
+    (narrow_job,) = lone_gemm.kernel_jobs(op, "forward", torch.bfloat16)
+    assert wide_job.config[1] == 256 and narrow_job.config[1] == 192 and wide_job.key != narrow_job.key
+
+
+def test_a_long_k_forward_builds_no_job():
+    assert lone_gemm.kernel_jobs(GroupLinear(16, 6400, 4096), "forward", torch.bfloat16) == []
+    assert lone_gemm.kernel_jobs(GroupLinear(16, 6400, 4096), "dgrad", torch.bfloat16) != []

@@ -42,7 +42,7 @@ def _inputs(E, M, d, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("E,d,f,M", [(8, 256, 256, 3000), (16, 512, 384, 4099), (4, 128, 256, 1),
-                                     (8, 2880, 256, 3001)])   # d = 2880 (GPT-OSS): the 128x192 tile
+                                     (8, 2880, 256, 3001)])   # d = 2880 (GPT-OSS): the wide tile, a partial last n-tile
 def test_few_rows_per_group_run_our_kernel(spy, E, d, f, M, dtype):
     """FC2's forward and FC1's dgrad on the varlen-M kernel (ragged groups, empty ones, unaligned M), the block's
     outputs and gradients as the reference's."""
@@ -50,6 +50,10 @@ def test_few_rows_per_group_run_our_kernel(spy, E, d, f, M, dtype):
     x, extras = _inputs(E, M, d, dtype)
     (y, g), (y_ref, g_ref) = run_both(block, x, extras)
     assert spy == {"run": 1, "dgrad": 1}, spy
+    if lone_gemm.WIDE_TILE and d == 2880:
+        for op, part in ((block[3], "forward"), (block[0], "dgrad")):
+            cfg = lone_gemm._kernel(op, part, dtype).config
+            assert (cfg.tile_n, cfg.cluster_n, cfg.dynamic) == (256, 2, True), (part, cfg)
     assert rel(y, y_ref) < 1e-2
     for name, ref in g_ref.items():
         assert ref is None or rel(g[name], ref) < 2e-2, name
@@ -75,22 +79,34 @@ def test_dgrad_threshold_is_lower(spy):
     assert rel(y, y_ref) < 1e-2 and rel(g["x"], g_ref["x"]) < 2e-2
 
 
-@pytest.mark.parametrize("E,rows_per_group,expect", [
-    (34, 400, {"run": 1, "dgrad": 0}),    # 34 groups (no dynamic pairs): 400 x 4096 outputs, over the dgrad's budget
-    (34, 600, {"run": 0, "dgrad": 0}),    # 600 x 4096: over the forward's budget too
-    (8, 1000, {"run": 1, "dgrad": 0}),    # 8 groups: dynamic CTA pairs, the forward's rows cap alone
+@pytest.mark.parametrize("wide_tile,E,rows_per_group,expect", [
+    (False, 34, 400, {"run": 1, "dgrad": 0}),    # 34 groups (no dynamic pairs): 400 x 4096 outputs, over the dgrad's budget
+    (False, 34, 600, {"run": 0, "dgrad": 0}),    # 600 x 4096: over the forward's budget too
+    (False, 8, 1000, {"run": 1, "dgrad": 0}),    # 8 groups: dynamic CTA pairs, the forward's rows cap alone
+    (True, 34, 400, {"run": 1, "dgrad": 1}),     # the wide tile (N >= 2560): its rows caps alone
+    (True, 34, 600, {"run": 1, "dgrad": 1}),
+    (True, 8, 1000, {"run": 1, "dgrad": 1}),
 ])
-def test_the_output_budget_sends_large_groups_of_wide_gemms_to_torch(spy, E, rows_per_group, expect):
-    """N = 4096 (FC2's output, FC1's input): a group's output over LONE_GEMM_RULE's budget runs torch, unless the tile
-    runs as dynamic CTA pairs; the spy tells which ran, and the block is correct either way."""
+def test_the_output_budget_sends_large_groups_of_wide_gemms_to_torch(spy, monkeypatch, wide_tile, E, rows_per_group,
+                                                                      expect):
+    """N = 4096 (FC2's output, FC1's input): without the wide tile a group's output over LONE_GEMM_RULE's budget runs
+    torch, unless the tile runs as dynamic CTA pairs; with it (FUSION_LONE_WIDE, on by default) the 128x256 pairs
+    take them. The spy tells which ran, and the block is correct either way."""
+    from fusion.kernels import tile_policy
+
+    monkeypatch.setattr(lone_gemm, "WIDE_TILE", wide_tile)
+    monkeypatch.setattr(lone_gemm, "OUTPUT_BUDGET", True)
+    monkeypatch.setattr(tile_policy, "DYNAMIC_PAIRS", True)
     d, f = 4096, 256
     M = rows_per_group * E
-    assert lone_gemm.chooses_kernel(M, E, d, "forward") is bool(expect["run"])
-    assert lone_gemm.chooses_kernel(M, E, d, "dgrad") is bool(expect["dgrad"])
+    assert lone_gemm.chooses_kernel(M, E, d, f, "forward") is bool(expect["run"])
+    assert lone_gemm.chooses_kernel(M, E, d, 2 * f, "dgrad") is bool(expect["dgrad"])
     block = _block(E, d, f)
     x, extras = _inputs(E, M, d, torch.bfloat16)
     (y, g), (y_ref, g_ref) = run_both(block, x, extras)
     assert spy == expect, spy
+    if expect["run"]:
+        assert (lone_gemm._kernel(block[3], "forward", torch.bfloat16).config.tile_n == 256) is wide_tile
     assert rel(y, y_ref) < 1e-2 and rel(g["x"], g_ref["x"]) < 2e-2
 
 
@@ -103,20 +119,25 @@ def test_widths_off_the_rule_run_torch(spy):
     assert rel(y, y_ref) < 1e-2
 
 
+@pytest.mark.parametrize("d_in,d_out", [(384, 640), (1408, 2560)])   # the second: the wide tile both ways
 @pytest.mark.parametrize("part", ["forward", "dgrad"])
-def test_the_kernel_is_the_grouped_gemm(part):
+def test_the_kernel_is_the_grouped_gemm(part, d_in, d_out):
     """The device method alone against a float64 per-group product, with empty groups and NaN-poisoned output
     rows past the groups' rows never read."""
     from fusion.run_context import RunContext
 
-    E, d_in, d_out, M = 8, 384, 640, 2500
+    E, M = 8, 2500
     op = GroupLinear(E, d_in, d_out).to("cuda", torch.bfloat16)
+    n, k = (d_out, d_in) if part == "forward" else (d_in, d_out)
+    wide = lone_gemm.runs_wide_tile(n, k, E)
+    assert wide is (lone_gemm.WIDE_TILE and d_out == 2560)
     sizes = ragged_sizes(E, M, seed=3).cuda()
     ctx = RunContext(group_sizes=sizes)
     a = torch.randn(M, d_in if part == "forward" else d_out, device="cuda", dtype=torch.bfloat16)
     assert lone_gemm.takes(op, a)
     out = lone_gemm.run(op, a, ctx) if part == "forward" else lone_gemm.dgrad(op, a, ctx)
     torch.cuda.synchronize()
+    assert (lone_gemm._kernel(op, part, torch.bfloat16).config.tile_n == 256) is wide
     w = op.weight.double()
     ref, r = [], 0
     for g, n in enumerate(sizes.tolist()):

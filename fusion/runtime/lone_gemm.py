@@ -9,10 +9,16 @@ dgrad). `takes(op, x)` decides per call from shapes the host already knows (no s
   per-shape choices were faster on 12 of the 14 dense GEMMs measured at 128x192 tiles, below; the one exception
   is a dense dgrad at ``>= DENSE_DGRAD_MIN_ROWS`` rows into a multiple of 256 columns, which runs 128x256
   cooperative tiles, kernels/tile_policy.dense_dgrad_tile, measured there and at the end of this docstring),
-* the routed rows per group are few: ``M <= MAX_ROWS_PER_GROUP[part] * G`` (1024 for a forward, 512 for a dgrad:
-  below), and a group's output is small: ``M * N <= MAX_OUTPUTS_PER_GROUP[part] * G`` (2^21 elements for a forward,
-  1.5 * 2^20 for a dgrad: the held-out blocks below), except where the tile runs as dynamic CTA pairs (few groups,
-  kernels/tile_policy.dynamic_pairs), and
+* a forward's K is below ``MAX_K["forward"]`` (6144: Phi-3.5-MoE's, DBRX's and Mixtral's FC2 forwards, and every
+  dense one, were cuBLAS's at every tile of ours measured; the wide tile below),
+* where the GEMM runs the wide tile (:func:`runs_wide_tile`: 128x256 cooperative dynamic CTA pairs,
+  kernels/tile_policy.lone_tile, where its n-tiles pair up and N >= 2560 or K >= 1280): the routed rows average at
+  most ``WIDE["max_rows_per_group"]`` per group (2048 for a forward; a dgrad 4096 at N >= 4096, else 512), and
+  nothing else (measured at the end of this docstring);
+* elsewhere, the routed rows per group are few: ``M <= MAX_ROWS_PER_GROUP[part] * G`` (1024 for a forward, 512 for a
+  dgrad: below), and a group's output is small: ``M * N <= MAX_OUTPUTS_PER_GROUP[part] * G`` (2^21 elements for a
+  forward, 1.5 * 2^20 for a dgrad: the held-out blocks below), except where the tile runs as dynamic CTA pairs (few
+  groups, kernels/tile_policy.dynamic_pairs), and
 * the GEMM's output width N is a multiple of 128 or of 192: whole n-tiles of the tile the policy gives it
   (kernels/tile_policy.py choose_config: 128x192 where 192 divides N and 128 does not, e.g. GPT-OSS's 2880). A
   partial last n-tile costs a full tile's work: at 128x128 tiles GPT-OSS-120B's GEMMs were slower than torch's
@@ -73,6 +79,25 @@ steps the budget took 0.7-3.8% off four (GPT-OSS-20B read +3.9% in noisy rounds;
 docs/benchmarks.md).
 FUSION_LONE_GEMM_OUTPUTS=0 (read at import) drops the budget: the A/B switch.
 
+The wide tile, from a sweep of both lone GEMMs of 25 MoE blocks at 128x256 cooperative tiles (single CTAs, static and
+dynamic pairs along n, dynamic pairs along m; H100, bench/bench_pair_gemm.py --no-schedules --tiles 256:4:coop
+--tile-pairs --tile-m-pairs, bench/results/H100-2026-11-27d-lone-tiles*.json). The dynamic pairs along n were the
+best of the four on most GEMMs; against the tile policy's own tile they won or tied where N >= 2560 or K >= 1280 (up
+to 43%: Qwen2-57B-A14B's FC1 dgrad 6.114 -> 3.508 ms) but on three GEMMs (DeepSeek-V3's FC2 forward, 32 groups, where
+the policy's 128x192 dynamic pairs were 1.4% and 3.3% faster; the small batch's FC1 dgrad, 8 groups of 512 rows,
+0.074 -> 0.082 ms, torch 0.088), and tied or lost below both (Granite's FC2 forward, N = 1536, K = 512: 0.178 ->
+0.196; the Qwen3 and OLMoE FC2 forwards, N = 2048, K <= 1024: +0..2.5%). Against torch._grouped_mm, ms
+ours / torch: forwards at <= 2048 rows per group won everywhere the rule takes them (Hunyuan-A13B 2.402 / 2.750,
+Qwen2-57B-A14B 1.915 / 1.984, SonicMoE's at 2048 rows 3.480 / 3.754, Qwen3-235B-A22B at 256 rows 0.828 / 0.927)
+and lost at 4096 rows (DeepSeek-V3's EP8 share 5.610 / 5.506) and at K >= 6144 (Phi-3.5-MoE 1.327 / 1.246, DBRX
+3.148 / 2.961; Mixtral 2.692 / 2.730 a tie); dgrads at <= 512 rows won or tied (GLM-4.5-Air 2.535 / 2.523, Llama-4-
+Scout 2.302 / 2.492, Qwen1.5-MoE 0.646 / 0.758); above 512 rows they split by N: at N >= 4096 ours won 4 of 6
+(SonicMoE's 6.510 / 6.864, Mixtral 5.265 / 5.729, Phi-3.5-MoE 2.484 / 2.553, DeepSeek-V3 11.025 / 11.151; Hunyuan-A13B
+4.927 / 4.803 and DBRX 6.409 / 6.271 lost), below it torch's won 2 of 5 by 3-8% (OLMoE at 2048 rows 1.690 / 1.567,
+DeepSeek-V2-Lite 0.907 / 0.883). Training steps, wide tile on / off, alternating in one process (bench/ab_switch.py
+--switch fusion.runtime.lone_gemm:WIDE_TILE, three rounds, medians; -lone-wide-ab.json): -0.8% (Mixtral) to -4.4%
+(GLM-4.5-Air) on all nine blocks measured. FUSION_LONE_WIDE=0 (read at import; WIDE_TILE per call) is the switch.
+
 torch._grouped_mm stays the reference (backend="emulate", the CPU) and explain() names both and the rule.
 Forward: ``Y[rows of g] = X @ W[g].T``, B = the weight K-major. Dgrad: ``dX[rows of g] = dY @ W[g]``, B = the weight
 as stored read MN-major. The kernel's tile comes from kernels/tile_policy.py like a fused kernel's.
@@ -85,7 +110,7 @@ import os
 import torch
 
 from fusion.kernels import tile_policy
-from fusion.kernels.tile_policy import GemmConfig, dense_dgrad_tile
+from fusion.kernels.tile_policy import GemmConfig, dense_dgrad_tile, lone_tile
 from fusion.op_table import LONE_GEMM_RULE, gemm_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
@@ -100,6 +125,8 @@ TILE_COUNTER = True
 MIN_GROUPS = LONE_GEMM_RULE["min_groups"]
 MAX_ROWS_PER_GROUP = LONE_GEMM_RULE["max_rows_per_group"]
 MAX_OUTPUTS_PER_GROUP = LONE_GEMM_RULE["max_outputs_per_group"]
+WIDE = LONE_GEMM_RULE["wide"]
+MAX_K = LONE_GEMM_RULE["max_k"]
 N_MULTIPLES = LONE_GEMM_RULE["n_multiples"]
 DENSE_DGRAD_MIN_ROWS = LONE_GEMM_RULE["dense_dgrad_min_rows"]
 DENSE_DGRAD_N_MULTIPLE = LONE_GEMM_RULE["dense_dgrad_n_multiple"]
@@ -108,16 +135,26 @@ DENSE_DGRAD_N_MULTIPLE = LONE_GEMM_RULE["dense_dgrad_n_multiple"]
 ENABLED = os.environ.get("FUSION_LONE_GEMM", "auto") != "torch"
 DENSE_DGRAD = os.environ.get("FUSION_DENSE_DGRAD", "1") != "0"
 OUTPUT_BUDGET = os.environ.get("FUSION_LONE_GEMM_OUTPUTS", "1") != "0"
+#: Several groups run kernels/tile_policy.lone_tile (128x256 dynamic CTA pairs) where its n-tiles pair up, under the
+#: wide rows cap alone (FUSION_LONE_WIDE=0: the tile policy's tile and the rule above; read per call, so
+#: bench/ab_switch.py flips it between rounds).
+WIDE_TILE = tile_policy.LONE_WIDE
 
 _COMPILED: dict = {}
 
 
-def chooses_kernel(rows: int, groups: int, n: int, part: str = "forward") -> bool:
-    """The measured rule: our kernel for `rows` routed rows over `groups` groups into `n` output columns, for a
-    "forward" or a "dgrad" (never with FUSION_LONE_GEMM=torch)."""
+def chooses_kernel(rows: int, groups: int, n: int, k: int, part: str = "forward") -> bool:
+    """The measured rule: our kernel for `rows` routed rows over `groups` groups of a GEMM from `k` into `n`
+    columns, for a "forward" or a "dgrad" (never with FUSION_LONE_GEMM=torch)."""
     if groups == 1:
         return ENABLED and part == "dgrad" and dense_dgrad(n) and rows >= DENSE_DGRAD_MIN_ROWS
-    if not (ENABLED and groups >= MIN_GROUPS and rows <= MAX_ROWS_PER_GROUP[part] * groups and whole_tiles(n)):
+    if not (ENABLED and groups >= MIN_GROUPS and whole_tiles(n)):
+        return False
+    if MAX_K[part] is not None and k >= MAX_K[part]:
+        return False
+    if runs_wide_tile(n, k, groups):
+        return rows <= wide_rows_cap(n, part) * groups
+    if rows > MAX_ROWS_PER_GROUP[part] * groups:
         return False
     return (not OUTPUT_BUDGET or rows * n <= MAX_OUTPUTS_PER_GROUP[part] * groups
             or runs_dynamic_pairs(n, groups))
@@ -137,6 +174,20 @@ def runs_dynamic_pairs(n: int, groups: int) -> bool:
 
 
 _PAIRS: dict = {}
+
+
+def wide_rows_cap(n: int, part: str) -> int:
+    """The most routed rows per group (on average) a `part` GEMM into `n` columns takes on the wide tile."""
+    return next(cap for min_n, cap in WIDE["max_rows_per_group"][part] if n >= min_n)
+
+
+def runs_wide_tile(n: int, k: int, groups: int) -> bool:
+    """Whether a GEMM of `groups` groups from `k` into `n` columns runs kernels/tile_policy.lone_tile (128x256
+    dynamic CTA pairs): several groups, WIDE_TILE on, 256-column n-tiles that pair up, and N >= WIDE["min_n"] or
+    K >= WIDE["min_k"] (below both the 128x128 pingpong pair was as fast or faster: the cooperative tile's store
+    is not hidden behind a second warpgroup's mainloop, and short K leaves it little to hide behind)."""
+    return (WIDE_TILE and groups >= MIN_GROUPS and tile_policy.lone_pairs(n)
+            and (n >= WIDE["min_n"] or k >= WIDE["min_k"]))
 
 
 def dense_dgrad(n: int) -> bool:
@@ -169,8 +220,8 @@ def _takes(op, x, part: str) -> bool:
         return False
     if gemm_refusal(op, str(x.dtype).removeprefix("torch.")) is not None:
         return False
-    n = op.out_features if part == "forward" else op.in_features
-    return chooses_kernel(x.shape[0], op.weight.shape[0], n, part)
+    n, k = (op.out_features, op.in_features) if part == "forward" else (op.in_features, op.out_features)
+    return chooses_kernel(x.shape[0], op.weight.shape[0], n, k, part)
 
 
 def _job(op, part: str, dtype: torch.dtype):
@@ -178,11 +229,20 @@ def _job(op, part: str, dtype: torch.dtype):
 
     G, out_f, in_f = op.weight.shape
     if part == "forward":
-        return make_job(IDENTITY_SOURCE, dtype, out_f, in_f, G, False, "K", False, "lone_fprop", "identity")
-    job = make_job(IDENTITY_SOURCE, dtype, in_f, out_f, G, False, "MN", False, "lone_dgrad", "identity")
+        return with_lone_tile(make_job(IDENTITY_SOURCE, dtype, out_f, in_f, G, False, "K", False, "lone_fprop",
+                                        "identity"))
+    job = with_lone_tile(make_job(IDENTITY_SOURCE, dtype, in_f, out_f, G, False, "MN", False, "lone_dgrad",
+                                   "identity"))
     if G == 1:   # a dense dgrad runs at its own tile
         job = dataclasses.replace(job, config=dataclasses.astuple(dense_dgrad_tile(GemmConfig(*job.config))))
     return job
+
+
+def with_lone_tile(job):
+    """`job` at kernels/tile_policy.lone_tile where :func:`runs_wide_tile`."""
+    if not runs_wide_tile(job.N, job.K, job.G):
+        return job
+    return dataclasses.replace(job, config=dataclasses.astuple(lone_tile(GemmConfig(*job.config), job.N)))
 
 
 def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
@@ -193,16 +253,18 @@ def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
         return []
     if gemm_refusal(op, str(dtype).removeprefix("torch.")) is not None:
         return []
-    n = op.out_features if part == "forward" else op.in_features
+    n, k = (op.out_features, op.in_features) if part == "forward" else (op.in_features, op.out_features)
     dense = op.weight.shape[0] == 1
     if (dense and not (part == "dgrad" and dense_dgrad(n))) or (not dense and not whole_tiles(n)):
         return []   # the rule never sends this GEMM to the kernel
+    if not dense and MAX_K[part] is not None and k >= MAX_K[part]:
+        return []
     return [_job(op, part, dtype)]
 
 
 def _kernel(op, part: str, dtype: torch.dtype):
     """The compiled kernel (memory, the disk cache, or compiled now), per weight shape, part and dtype."""
-    key = (tuple(op.weight.shape), part, dtype)
+    key = (tuple(op.weight.shape), part, dtype, WIDE_TILE)
     compiled = _COMPILED.get(key)
     if compiled is None:
         from fusion.runtime.compile import load_compiled
