@@ -235,8 +235,9 @@ def lone_tile(config: GemmConfig, N: int) -> GemmConfig:
     1.984, GLM-4.5-Air 1.402 / 1.349 / 1.403, SonicMoE's (2048 rows) 3.684 / 3.480 / 3.754, GPT-OSS-120B (N = 2880:
     a quarter-full last n-tile) 1.990 / 1.931 / 2.070; FC1 dgrad of GLM-4.5-Air 2.859 / 2.535 / 2.523, Qwen2-57B-
     A14B 6.114 / 3.508 / 3.526, Qwen3-30B-A3B 1.561 / 1.369 / 1.397, SonicMoE's 7.332 / 6.510 / 6.864, DeepSeek-V3's
-    EP8 share 11.313 / 11.025 / 11.151, Hunyuan-A13B 6.053 / 4.927 / 4.803. The same tile as single CTAs was
-    slower on 14 of 16, as static pairs on 15 of 16."""
+    EP8 share 11.313 / 11.025 / 11.151, Hunyuan-A13B 6.053 / 4.927 / 4.803. The same tile as single CTAs and as static
+    pairs was slower on all 16 (bench/results/H100-2026-11-27d-lone-tiles-2.json has 17 more blocks, and
+    fusion/runtime/lone_gemm.py the rule that reads them)."""
     if config.gather_a or not lone_pairs(N):
         return config
     return dataclasses.replace(config, tile_n=LONE_TILE_N, stages=_max_stages_capped(LONE_TILE_N, 4), pingpong=False,

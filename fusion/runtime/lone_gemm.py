@@ -184,8 +184,9 @@ def wide_rows_cap(n: int, part: str) -> int:
 def runs_wide_tile(n: int, k: int, groups: int) -> bool:
     """Whether a GEMM of `groups` groups from `k` into `n` columns runs kernels/tile_policy.lone_tile (128x256
     dynamic CTA pairs): several groups, WIDE_TILE on, 256-column n-tiles that pair up, and N >= WIDE["min_n"] or
-    K >= WIDE["min_k"] (below both the 128x128 pingpong pair was as fast or faster: the cooperative tile's store
-    is not hidden behind a second warpgroup's mainloop, and short K leaves it little to hide behind)."""
+    K >= WIDE["min_k"] (below both the 128x128 pingpong pair measured as fast or faster; likely because the
+    cooperative tile's store is not hidden behind a second warpgroup's mainloop, and a short K leaves the store a
+    larger share of each tile)."""
     return (WIDE_TILE and groups >= MIN_GROUPS and tile_policy.lone_pairs(n)
             and (n >= WIDE["min_n"] or k >= WIDE["min_k"]))
 
