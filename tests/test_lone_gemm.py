@@ -95,8 +95,7 @@ def test_output_budget_switch(narrow, monkeypatch):
 @pytest.mark.parametrize("rows_per_group,groups,n,k,part,expect,runs_wide", [
     (1024, 64, 4096, 3072, "forward", True, True),    # Hunyuan-A13B's FC2 forward: 2.402 ms against torch's 2.750
     (1024, 64, 3584, 2560, "forward", True, True),    # Qwen2-57B-A14B's
-    (2048, 128, 4096, 1024, "forward", True, True),   # SonicMoE's (N >= 2560): 3.480 against 3.754
-    (2048, 128, 4096, 1024, "forward", True, True),
+    (2048, 128, 4096, 1024, "forward", True, True),   # SonicMoE's (N >= 2560): 3.480 against 3.754, the cap itself
     (2049, 128, 4096, 1024, "forward", False, True),  # past the wide forward's cap
     (4096, 32, 7168, 2048, "forward", False, True),   # DeepSeek-V3's EP8 share: torch's (5.506 against 5.610)
     (512, 128, 2880, 2880, "forward", True, True),    # GPT-OSS-120B: 12 n-tiles, the last a quarter full
@@ -109,7 +108,8 @@ def test_output_budget_switch(narrow, monkeypatch):
     (1024, 16, 4096, 6400, "forward", False, True),   # Phi-3.5-MoE's forward: K >= 6144, torch's
     (1024, 16, 4096, 12800, "dgrad", True, True),     # its dgrad: 2.484 against 2.553
     (1638, 40, 1536, 512, "forward", False, False),   # Granite's: N < 2560, K < 1280
-    (512, 128, 4096, 2816, "forward", True, True),
+    (4097, 32, 7168, 4096, "dgrad", False, True),     # past the wide dgrad's cap at N >= 4096
+    (513, 128, 2880, 5760, "dgrad", False, True),     # past it below N = 4096 (GPT-OSS-120B's width)
     (512, 60, 2816, 1408, "forward", True, False),    # 11 n-tiles at 256 do not pair: the narrow rule
 ])
 def test_wide_rule(wide, rows_per_group, groups, n, k, part, expect, runs_wide):
