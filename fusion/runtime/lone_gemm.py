@@ -148,9 +148,7 @@ def chooses_kernel(rows: int, groups: int, n: int, k: int, part: str = "forward"
     columns, for a "forward" or a "dgrad" (never with FUSION_LONE_GEMM=torch)."""
     if groups == 1:
         return ENABLED and part == "dgrad" and dense_dgrad(n) and rows >= DENSE_DGRAD_MIN_ROWS
-    if not (ENABLED and groups >= MIN_GROUPS and whole_tiles(n)):
-        return False
-    if MAX_K[part] is not None and k >= MAX_K[part]:
+    if not (ENABLED and groups >= MIN_GROUPS and widths_fit(n, k, part)):
         return False
     if runs_wide_tile(n, k, groups):
         return rows <= wide_rows_cap(n, part) * groups
@@ -197,6 +195,17 @@ def dense_dgrad(n: int) -> bool:
     return DENSE_DGRAD and n % DENSE_DGRAD_N_MULTIPLE == 0
 
 
+def widths_fit(n: int, k: int, part: str) -> bool:
+    """The rule's part that the weight's widths alone decide, for several groups: whole n-tiles, and a K below the
+    part's MAX_K."""
+    return whole_tiles(n) and (MAX_K[part] is None or k < MAX_K[part])
+
+
+def _widths(op, part: str) -> tuple[int, int]:
+    """(N, K) of `op`'s `part` GEMM: (out, in) for a forward, (in, out) for a dgrad."""
+    return (op.out_features, op.in_features) if part == "forward" else (op.in_features, op.out_features)
+
+
 def whole_tiles(n: int) -> bool:
     """Whether an output `n` columns wide is whole n-tiles of a tile the kernel takes (LONE_GEMM_RULE)."""
     return any(n % m == 0 for m in N_MULTIPLES)
@@ -221,8 +230,7 @@ def _takes(op, x, part: str) -> bool:
         return False
     if gemm_refusal(op, str(x.dtype).removeprefix("torch.")) is not None:
         return False
-    n, k = (op.out_features, op.in_features) if part == "forward" else (op.in_features, op.out_features)
-    return chooses_kernel(x.shape[0], op.weight.shape[0], n, k, part)
+    return chooses_kernel(x.shape[0], op.weight.shape[0], *_widths(op, part), part)
 
 
 def _job(op, part: str, dtype: torch.dtype):
@@ -254,12 +262,10 @@ def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
         return []
     if gemm_refusal(op, str(dtype).removeprefix("torch.")) is not None:
         return []
-    n, k = (op.out_features, op.in_features) if part == "forward" else (op.in_features, op.out_features)
+    n, k = _widths(op, part)
     dense = op.weight.shape[0] == 1
-    if (dense and not (part == "dgrad" and dense_dgrad(n))) or (not dense and not whole_tiles(n)):
+    if (dense and not (part == "dgrad" and dense_dgrad(n))) or (not dense and not widths_fit(n, k, part)):
         return []   # the rule never sends this GEMM to the kernel
-    if not dense and MAX_K[part] is not None and k >= MAX_K[part]:
-        return []
     return [_job(op, part, dtype)]
 
 
