@@ -9,6 +9,10 @@ switch that the runtime reads per call (a module global) is flipped here between
 which setting goes first (on-off, off-on, ...) after a discarded warm-up round, so a drift of the clocks within a
 round favours neither. Prints, per block and phase, each round's back-to-back ms and the medians; with --baseline
 also the unfused_compiled path once.
+
+A switch read when a block's kernels are chosen (a tile policy's rule: tile_policy.GATED_PAIRS) rather than per call
+takes --plan: the B setting then runs a copy of the block (the same parameters) whose plan and kernels were made, and
+run once, with the attribute off; the rounds alternate the two blocks.
 """
 from __future__ import annotations
 
@@ -33,12 +37,51 @@ def round_orders(rounds: int) -> list[tuple[bool, bool]]:
     return [(True, False) if r % 2 else (False, True) for r in range(rounds + 1)]
 
 
+def fused_tiles(seq) -> dict:
+    """{step label: tile configuration} of the fused kernels the block's runs have made (to show that the two
+    settings really run different kernels)."""
+    from fusion.runtime import _RUNNERS
+
+    out = {}
+    for runner in _RUNNERS.get(seq, {}).values():
+        program = runner.program
+        for step in [] if program is None else program.forward_steps + program.backward_steps:
+            for (_, variant), kernel in getattr(step, "_kernels", {}).items():
+                out[f"{step.label} {variant}"] = tuple(kernel.job.config)[:10]
+    return out
+
+
+def plan_twin(setup, module, attr: str, phases: str):
+    """The fusion path of a copy of the block (sharing its parameters) planned, compiled and run once per phase
+    with `attr` False: its kernels keep that setting's tiles after the attribute is restored."""
+    import copy
+
+    from fusion.planner import clear_cache
+
+    original = getattr(module, attr)
+    try:
+        setattr(module, attr, False)
+        clear_cache()
+        twin = B.make_path("fusion", copy.copy(setup.seq), setup.sizes, setup.offsets, setup.probs)
+        for phase in phases.split(","):
+            call, clear = B.phase_fn(twin, phase, setup.x, setup.dy)
+            clear()
+            call()
+        torch.cuda.synchronize()
+    finally:
+        setattr(module, attr, original)
+        clear_cache()
+    return twin
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--switch", required=True, help="module:attribute, set to True (A) and False (B)")
     ap.add_argument("--models", required=True)
     ap.add_argument("--phases", default="training_step")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--plan", action="store_true",
+                    help="the switch is read when kernels are chosen: B runs a copy of the block planned with it off")
     ap.add_argument("--baseline", action="store_true", help="also time unfused_compiled once per block")
     ap.add_argument("--sigma", type=float, default=B.SIGMA, help="spread of the experts' log-normal weights")
     ap.add_argument("--out", default=None)
@@ -52,13 +95,22 @@ def main(argv=None):
         name = block.model
         setup = B.setup_block(block)
         fusion_path = B.make_path("fusion", setup.seq, setup.sizes, setup.offsets, setup.probs)
+        paths = {True: fusion_path, False: plan_twin(setup, module, attr, args.phases) if args.plan else fusion_path}
+        if args.plan:
+            for phase in args.phases.split(","):   # run once now, so that its tiles print next to the twin's
+                call, clear = B.phase_fn(fusion_path, phase, setup.x, setup.dy)
+                clear()
+                call()
+            print(f"{name}: tiles on {fused_tiles(paths[True].seq)}\n{'':{len(name)}}  tiles off "
+                  f"{fused_tiles(paths[False].seq)}", flush=True)
         for phase in args.phases.split(","):
             times = {True: [], False: []}
             try:
                 for r, order in enumerate(round_orders(args.rounds)):   # round 0: warm-up, not kept
                     for value in order:
-                        setattr(module, attr, value)
-                        ms = measure(*B.phase_fn(fusion_path, phase, setup.x, setup.dy))["b2b_ms"]
+                        if not args.plan:
+                            setattr(module, attr, value)
+                        ms = measure(*B.phase_fn(paths[value], phase, setup.x, setup.dy))["b2b_ms"]
                         if r:
                             times[value].append(ms)
             finally:
@@ -72,7 +124,7 @@ def main(argv=None):
             print(f"{name:22s} {phase:13s} on {row['on_median']:8.3f} {times[True]}  off {row['off_median']:8.3f} "
                   f"{times[False]}  change {100 * (row['on_median'] / row['off_median'] - 1):+.1f}%"
                   + (f"  unfused_compiled {row['unfused_compiled_ms']:.3f}" if args.baseline else ""), flush=True)
-        del fusion_path, setup
+        del fusion_path, paths, setup
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps({**run_header(), "switch": args.switch, "sigma": args.sigma,

@@ -13,6 +13,7 @@ loading the DSL.
     m_pairs(config, N)                 ... as CTA pairs on neighbouring m-tiles sharing the B tile, where the
                                        n-tiles do not pair up
     n_tile_count(N, tile_n)            n-tiles per m-tile (gated or not)
+    gated_tile(config, N, K)           the gated FC1 forward's CTA pairs (128x192, 128x176, 128x256 cooperative)
     tile_config(N, K, G, gated, b_major, reads_aux, gather)
                                        a fused kernel's configuration: the heuristic, except for an epilogue
                                        that reads a saved (M, n) tensor, and a gathered A
@@ -302,11 +303,13 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False) -> GemmConfig
                       cluster_n=2 if pair else 1)
 
 
-def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool, gather: bool = False) -> tuple:
+def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool, gather: bool = False,
+                col_block: int = 8) -> tuple:
     """The tile configuration of a fused kernel (as GemmConfig fields, KernelJob.config): the heuristic, with two
     overrides: an epilogue reading a saved (M, n) tensor (FC2's dgrad + d(act*scale)) takes :func:`aux_tile`
     (tests/test_compile_plans.py checks the SASS); a kernel that gathers A's rows through an index (`gather`) takes
-    :func:`gather_tile`'s width and :func:`for_gather`'s schedule."""
+    :func:`gather_tile`'s width and :func:`for_gather`'s schedule. A gated kernel otherwise takes :func:`gated_tile`;
+    `col_block`: the logical columns its outputs' blocks need whole in a tile (an MXFP8 output: 32)."""
     config = choose_config(ROWS_PER_GROUP * G, N, K, G, gated, b_major=b_major)
     if reads_aux:
         config = aux_tile(config, N)
@@ -319,7 +322,59 @@ def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bo
                                      pingpong=False)
     elif gather:
         config = gather_tile(for_gather(config), N)
+    elif gated:
+        config = gated_tile(config, N, K, col_block)
     return dataclasses.astuple(config)
+
+
+#: FUSION_GATED_PAIRS=0 (read at import): the gated FC1 forward keeps :func:`choose_config`'s tile (CTA pairs at
+#: most DYNAMIC_PAIRS_MAX_GROUPS groups only); the A/B switch of :func:`gated_tile` (it changes the jobs' keys, so
+#: both live in one kernel cache).
+GATED_PAIRS = os.environ.get("FUSION_GATED_PAIRS", "1") != "0"
+#: The shortest reduction (K, the block's hidden size) at which a gated tile whose 192-column n-tiles do not pair up
+#: takes 128x256 cooperative CTA pairs: the cooperative tile's exposed epilogue is amortized over K / 64 k-steps.
+GATED_WIDE_MIN_K = 3072
+#: The narrower pingpong tile of :func:`gated_tile` (88 logical columns): where the 192-column n-tiles of an
+#: expert width f = 1408 do not pair up (14.7 of them), 16 of these do, with no ragged last tile.
+GATED_NARROW_TILE = 176
+
+
+def gated_tile(config: GemmConfig, N: int, K: int, col_block: int = 8) -> GemmConfig:
+    """The tile of a gated kernel that loads A by TMA (FC1's forward: SwiGLU of the gate and up halves), given
+    :func:`choose_config`'s 128x192 pingpong dynamic tile, as dynamic CTA pairs sharing the A tile (cluster_n = 2),
+    whatever the group count, at the first width whose n-tiles pair up: 192; 176 where it tiles N exactly (an
+    expert width f of 1408 = 16 x 88: GLM-4.5-Air, DeepSeek-V2-Lite, Qwen1.5-MoE) and the outputs' blocks
+    (`col_block` logical columns) fit its 88; 128x256 cooperative where K >= GATED_WIDE_MIN_K. Else `config`.
+
+    Measured on H100s (bench/bench_pair_gemm.py --gemms fc1_fwd --tile-pairs, bench/results/H100-2026-11-27e-
+    fused-sweep.json and -fc1-sweep-{a,b}.json; ms, the single 128x192 tile -> this rule's): 192 as pairs:
+    GPT-OSS-120B (128 groups of 512 rows) 3.796 -> 3.625, Hunyuan-A13B 5.234 -> 4.774, ERNIE-4.5-21B-A3B 1.289 ->
+    1.231, Qwen3-235B-A22B at 1024 rows per expert 5.678 -> 5.024, Granite-3.0 0.385 -> 0.344: DYNAMIC_PAIRS_MAX_GROUPS,
+    from an H200 run of an older kernel (GPT-OSS-120B 14% slower as pairs), no longer holds for the gated kernel.
+    176 as pairs: GLM-4.5-Air 2.720 -> 2.646, DeepSeek-V2-Lite 0.983 -> 0.928, Qwen1.5-MoE 0.715 -> 0.692 (176 single
+    CTAs were slower than 192 on all three). 128x256 cooperative pairs: Qwen2-57B-A14B (K = 3584) 3.983 -> 3.755,
+    Phi-3.5-MoE 2.955 -> 2.645, SonicMoE's moe-cute 7.718 -> 6.529, Llama-3-70B at 8192 rows 12.826 -> 11.596 (but
+    2.684 -> 2.799 at 2048 rows), against OLMoE (K = 2048) 1.749 -> 1.796 and 0.921 -> 0.991 at 1024 rows per expert.
+    Training steps, on / off alternating in one process (bench/ab_switch.py --plan, -gated-ab.json): 1.1-4.2%
+    faster on eight blocks, Phi-3.5-MoE unchanged."""
+    if not GATED_PAIRS or config.gather_a or not config.dynamic or config.tile_n != 192:
+        return config
+    pairs = dict(cluster_n=2, cluster_m=1)
+    if n_tile_count(N, 192) % 2 == 0:
+        return dataclasses.replace(config, **pairs)
+    if N % GATED_NARROW_TILE == 0 and (N // GATED_NARROW_TILE) % 2 == 0 and (GATED_NARROW_TILE // 2) % col_block == 0:
+        return dataclasses.replace(config, tile_n=GATED_NARROW_TILE, stages=_max_stages_capped(GATED_NARROW_TILE, 5),
+                                   **pairs)
+    if K >= GATED_WIDE_MIN_K and n_tile_count(N, LONE_TILE_N) % 2 == 0:
+        return dataclasses.replace(config, tile_n=LONE_TILE_N, stages=_max_stages_capped(LONE_TILE_N, 4),
+                                   pingpong=False, **pairs)
+    return config
+    if n_tile_count(N, 192) % 2 == 0:
+        return dataclasses.replace(config, cluster_n=2, cluster_m=1)
+    if K >= GATED_WIDE_MIN_K and n_tile_count(N, LONE_TILE_N) % 2 == 0:
+        return dataclasses.replace(config, tile_n=LONE_TILE_N, stages=_max_stages_capped(LONE_TILE_N, 4),
+                                   pingpong=False, cluster_n=2, cluster_m=1)
+    return config
 
 
 def aux_tile(config: GemmConfig, N: int) -> GemmConfig:

@@ -177,3 +177,55 @@ def test_short_tiles_are_on_by_default_and_fusion_short_tiles_0_turns_them_off()
     env = dict(os.environ, FUSION_SHORT_TILES="0")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False", "False"]
+
+
+@pytest.mark.parametrize("N,K,G,col_block,want", [
+    (6144, 4096, 64, 8, (192, True, 2)),      # Hunyuan-A13B: 32 n-tiles at 192 pair up, at 64 groups
+    (5760, 2880, 128, 8, (192, True, 2)),     # GPT-OSS-120B: 30, at 128 groups
+    (1024, 1536, 40, 8, (192, True, 2)),      # Granite: 6 (one ragged) pair up
+    (2816, 4096, 128, 8, (176, True, 2)),     # f = 1408: 14.7 at 192, 16 at 176
+    (2816, 2048, 64, 8, (176, True, 2)),
+    (2816, 4096, 128, 32, (192, True, 1)),    # an MXFP8 output needs 32-column blocks: 88 is none
+    (5120, 3584, 64, 8, (256, False, 2)),     # Qwen2-57B-A14B: 27 at 192, 20 at 256, K >= 3072
+    (12800, 4096, 16, 8, (256, False, 2)),    # Phi-3.5-MoE
+    (2048, 4096, 128, 8, (256, False, 2)),    # SonicMoE's moe-cute
+    (2048, 2048, 64, 8, (192, True, 1)),      # OLMoE: K < 3072, no width pairs up: single 128x192
+    (2304, 2048, 8, 8, (192, True, 2)),       # 12 at 192 (a weight of few groups paired before, too)
+])
+def test_gated_tile_pairs_the_widest_tile_whose_n_tiles_pair_up(N, K, G, col_block, want, monkeypatch):
+    """The gated FC1 forward (tile_policy.gated_tile): dynamic CTA pairs at 192 columns where those n-tiles pair up,
+    at 176 where f = 1408 (and the outputs' blocks fit 88 logical columns), at 128x256 cooperative where K >= 3072;
+    else choose_config's single 128x192. FUSION_GATED_PAIRS=0 restores choose_config's tile; a gathered A (an MoE
+    layer's FC1) keeps its own tile."""
+    from fusion.kernels import tile_policy
+    from fusion.kernels.tile_policy import GemmConfig, n_tile_count, tile_config
+
+    cfg = GemmConfig(*tile_config(N, K, G, True, "K", False, col_block=col_block))
+    assert (cfg.tile_n, cfg.pingpong, cfg.cluster_n) == want
+    assert cfg.dynamic and cfg.cluster_m == 1 and n_tile_count(N, cfg.tile_n) % cfg.cluster_n == 0
+    gathered = GemmConfig(*tile_config(N, K, G, True, "K", False, gather=True, col_block=col_block))
+    assert gathered.cluster_n == 1 and gathered.gather_a and gathered.tile_n in (192, 256)
+    monkeypatch.setattr(tile_policy, "GATED_PAIRS", False)
+    off = GemmConfig(*tile_config(N, K, G, True, "K", False, col_block=col_block))
+    assert off == tile_policy.choose_config(0, N, K, G, gated=True)
+    assert off.tile_n == 192 and off.cluster_n == (2 if G <= 32 and n_tile_count(N, 192) % 2 == 0 else 1)
+
+
+def test_an_mxfp8_fc1_never_gets_the_176_column_tile():
+    """A block whose FC1 stores MXFP8 (32-column scale blocks) must not be planned at 128x176 (88 logical columns):
+    the kernel could not be built. The plan's job passes the output's block to the tile policy."""
+    import torch
+
+    import fusion
+    from fusion import GroupLinear, QuantizeMXFP8, Scale, SwiGLU
+    from fusion.kernels.tile_policy import GemmConfig
+    from fusion.runtime.aot import plan_jobs
+
+    with torch.device("meta"):
+        plain = fusion.Sequential(GroupLinear(64, 2048, 2816), SwiGLU(), Scale(), GroupLinear(64, 1408, 2048))
+        quant = fusion.Sequential(GroupLinear(64, 2048, 2816), SwiGLU(), Scale(), QuantizeMXFP8(),
+                                  GroupLinear(64, 1408, 2048))
+    f1 = {seq: [GemmConfig(*j.config) for j in plan_jobs(s, torch.bfloat16) if j.step == "F1"]
+          for seq, s in (("plain", plain), ("quant", quant))}
+    assert f1["plain"] and all(c.tile_n == 176 and c.cluster_n == 2 for c in f1["plain"])
+    assert f1["quant"] and all(c.tile_n == 192 for c in f1["quant"])

@@ -51,16 +51,18 @@ def _with_band(config):
 
 def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: bool, b_major: str,
              reads_aux: bool, step: str, variant: str, target: str = "sm_90a", tiles: bool = True,
-             gather: bool = False, mainloop: str = "bf16") -> KernelJob:
+             gather: bool = False, mainloop: str = "bf16", col_block: int = 8) -> KernelJob:
     """A kernel's job; `tiles=False` leaves the tile configuration out (the emulation needs none). `gather`: the
     kernel reads A's rows through an index (GemmConfig.gather_a; its run takes `index=`). `mainloop`
-    "fp8_block": the FP8 block-scaled kernel (its operands are BlockScaled; B K-major)."""
+    "fp8_block": the FP8 block-scaled kernel (its operands are BlockScaled; B K-major). `col_block`: the logical
+    columns the epilogue's block-wise outputs need whole in a tile (MXFP8: 32; tile_policy.gated_tile reads it)."""
     if not tiles:
         config = ()
     elif mainloop == "fp8_block":
         config = dataclasses.astuple(_with_band(choose_fp8_config(N, K, G, gated)))
     else:
-        config = dataclasses.astuple(_with_band(GemmConfig(*tile_config(N, K, G, gated, b_major, reads_aux, gather))))
+        config = dataclasses.astuple(_with_band(GemmConfig(*tile_config(N, K, G, gated, b_major, reads_aux, gather,
+                                                                         col_block))))
     return KernelJob(step=step, variant=variant, source=source, config=config,
                      dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target, mainloop=mainloop)
 

@@ -27,6 +27,7 @@ from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, gather_dy
 from fusion.grouped import linear_dgrad, linear_wgrad
 from fusion.op_table import op_device_method
 from fusion.ops.base import RunContext
+from fusion.quant.mxfp8 import MXFP8_BLOCK
 from fusion.runtime import fp8_gemm
 from fusion.runtime.gather import gather_index
 from fusion.runtime.kernel import make_job
@@ -182,7 +183,8 @@ class FusedForward(_KernelStep):
         G, N, K = self.weight_shape()
         return make_job(self.source(dtype, variant == "train"), dtype, N, K, G, self.spec.gated, "K", False,
                         self.label, variant, tiles=tiles, gather=self.gathers,
-                        mainloop="fp8_block" if self.fp8 else "bf16")
+                        mainloop="fp8_block" if self.fp8 else "bf16",
+                        col_block=MXFP8_BLOCK if self.spec.quantized else 8)
 
     def _inputs(self, ctx: RunContext, groups: int) -> dict:
         tensors = {}
