@@ -157,7 +157,8 @@ def choose_config(M_estimate: int, N: int, K: int, G: int, gated: bool = False, 
     (:func:`tile_config`; the static pair is 12-17% slower on Qwen3's and OLMoE's dgrad). Dynamic pairs
     (kernels/scheduler.py's mailbox) are chosen for 128x192 tiles of weights with few groups only
     (:func:`dynamic_pairs`): 4-6% faster on DeepSeek-V3's GEMMs and dense ones, 14% slower on GPT-OSS-120B's FC1
-    forward and 11% on OLMoE's dgrad.
+    forward and 11% on OLMoE's dgrad. A fused gated kernel (FC1's forward) then takes :func:`gated_tile`
+    (:func:`tile_config`): pairs whatever the group count, measured faster there since.
 
     CTA pairs along m (:func:`m_pairs`) are not chosen here: measured on an H100 for GPT-OSS-120B's lone GEMMs
     (N=2880: 15 n-tiles at 192), the FC2 forward was slower as m-pairs (1.981 -> 2.084 ms,
