@@ -18,7 +18,8 @@ only their wgmma);
 with --tile-m-64 also 64-row pingpong tiles (64x128 s8, 64x192 s6, 64x256 s5, dynamic schedule), which waste less
 of a group's last m-tile at few rows per group. TFLOP/s = 2*M*N*K / time (gated: N = 2f). Every kernel's output is
 checked against the policy kernel's (max relative difference; 0 where they are bitwise equal). Each row is timed in
-two rounds (the second in reverse order) and reports the lower median.
+two rounds (the second in reverse order) after the GPU has run them all for half a second, and reports the lower
+median.
 
 Usage (compiles on first use; FUSION_CACHE_DIR keeps the kernels between runs):
     python bench/bench_pair_gemm.py --precompile [--shapes ...] [--tile-m-64]
@@ -35,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fusion
 
-from bench_common import median_ms  # noqa: E402
+from bench_common import median_ms, warm_gpu  # noqa: E402
 from bench_wgrad import SHAPES, routed_shape  # noqa: E402
 from fusion.runtime.compile import KernelJob  # noqa: E402
 
@@ -202,7 +203,9 @@ def run_shape(name, skewed, gen, dev="cuda"):
             errors[key] = ((first - ref).abs().max() / scale).item()
             rows[key] = fn
         # two rounds, the second in reverse order, and each row's lower median: the first row timed after a GEMM
-        # change read high (up to 24%: Llama-3-70B's FC2 forward, bench/results/H100-2026-11-26i-tiles.log)
+        # change read high (up to 24%: Llama-3-70B's FC2 forward, bench/results/H100-2026-11-26i-tiles.log); the
+        # GPU is kept busy for a while first, or the first row reads low (bench_common.warm_gpu)
+        warm_gpu(rows.values())
         first = {key: median_ms(fn) for key, fn in rows.items()}
         second = {key: median_ms(rows[key]) for key in reversed(list(rows))}
         res = {}
