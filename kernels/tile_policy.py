@@ -14,9 +14,9 @@ loading the DSL.
                                        n-tiles do not pair up
     n_tile_count(N, tile_n)            n-tiles per m-tile (gated or not)
     gated_tile(config, N, K)           the gated FC1 forward's CTA pairs (128x192, 128x176, 128x256 cooperative)
-    tile_config(N, K, G, gated, b_major, reads_aux, gather)
+    tile_config(N, K, G, gated, b_major, reads_aux, gather, col_block)
                                        a fused kernel's configuration: the heuristic, except for an epilogue
-                                       that reads a saved (M, n) tensor, and a gathered A
+                                       that reads a saved (M, n) tensor, a gathered A, and a gated TMA kernel
     aux_tile(config, N)                the tile of an epilogue reading a saved (M, n) tensor (FC2's dgrad)
     for_gather(config)                 a configuration with A gathered through an index
     gather_tile(config, N)             the wider tile a gathering kernel takes (its A loads bound it)
@@ -369,12 +369,6 @@ def gated_tile(config: GemmConfig, N: int, K: int, col_block: int = 8) -> GemmCo
     if K >= GATED_WIDE_MIN_K and n_tile_count(N, LONE_TILE_N) % 2 == 0:
         return dataclasses.replace(config, tile_n=LONE_TILE_N, stages=_max_stages_capped(LONE_TILE_N, 4),
                                    pingpong=False, **pairs)
-    return config
-    if n_tile_count(N, 192) % 2 == 0:
-        return dataclasses.replace(config, cluster_n=2, cluster_m=1)
-    if K >= GATED_WIDE_MIN_K and n_tile_count(N, LONE_TILE_N) % 2 == 0:
-        return dataclasses.replace(config, tile_n=LONE_TILE_N, stages=_max_stages_capped(LONE_TILE_N, 4),
-                                   pingpong=False, cluster_n=2, cluster_m=1)
     return config
 
 
