@@ -166,7 +166,8 @@ def warm_gpu(fns, seconds: float = 0.5) -> None:
     """Run `fns` in turn, back to back, for at least `seconds` before a timed round, so that every row of a sweep is
     timed at the clocks a sustained load settles at. Without it the first row timed after a pause (a shape's setup)
     read up to 17% faster than the same kernel timed later in the round (bench/results/H100-2026-11-27e-fc1-sweep-b
-    .json: Mixtral's FC1 forward 5.189 ms first, 5.640-5.732 in the middle of the rounds; Granite's 0.344 / 0.368-0.404)."""
+    .json: Mixtral's FC1 forward 5.189 ms first, 5.640-5.732 in the middle of the rounds; Granite's 0.344 /
+    0.368-0.404)."""
     fns = list(fns)
     if not fns:
         return
