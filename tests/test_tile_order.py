@@ -7,6 +7,8 @@ import itertools
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fusion.kernels as K
 from fusion.errors import KernelConfigError
@@ -229,3 +231,23 @@ def test_an_mxfp8_fc1_never_gets_the_176_column_tile():
           for seq, s in (("plain", plain), ("quant", quant))}
     assert f1["plain"] and all(c.tile_n == 176 and c.cluster_n == 2 for c in f1["plain"])
     assert f1["quant"] and all(c.tile_n == 192 for c in f1["quant"])
+
+
+@given(half=st.integers(8, 8192).map(lambda n: 8 * n), K=st.integers(1, 128).map(lambda k: 64 * k),
+       G=st.integers(1, 256), mxfp8=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_every_gated_tile_can_be_built_and_its_pairs_pair_up(half, K, G, mxfp8):
+    """Whatever the gated FC1's shape: a tile the template builds for its epilogue (tile_n a multiple of 16 up to
+    256, an MXFP8 output's 32-column blocks whole in the logical tile: kernels/grouped_gemm.py asserts both), CTA
+    pairs only where the n-tiles pair up, and the same tile whatever the group count."""
+    from fusion.kernels.tile_policy import GemmConfig, n_tile_count, tile_config
+
+    N = 2 * half
+    col_block = 32 if mxfp8 else 8
+    cfg = GemmConfig(*tile_config(N, K, G, True, "K", False, col_block=col_block))
+    assert cfg.tile_n % 16 == 0 and cfg.tile_n <= 256 and (cfg.tile_n // 2) % col_block == 0
+    assert cfg.cluster_m == 1 and cfg.dynamic
+    if cfg.cluster_n == 2:
+        assert n_tile_count(N, cfg.tile_n) % 2 == 0
+    for other in (1, 256):
+        assert cfg == GemmConfig(*tile_config(N, K, other, True, "K", False, col_block=col_block))
