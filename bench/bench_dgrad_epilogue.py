@@ -34,7 +34,9 @@ SHAPES = [(8, 32768, 4096, 28672), (32, 65536, 2880, 5760), (128, 196608, 1536, 
           (128, 262144, 4096, 3072),   # SonicMoE's Qwen3-235B configuration (T = 32768, top-8)
           (64, 49152, 2048, 2816),     # DeepSeek-V2-Lite (f = 1408: 11 128-column n-tiles, 192 does not divide)
           (32, 131072, 7168, 4096),    # DeepSeek-V3 EP8 at 16384 tokens (bench/bench_moe.py's)
-          (128, 262144, 4096, 2048)]   # SonicMoE's moe-cute default (T = 32768, top-8, f = 1024)
+          (128, 262144, 4096, 2048),   # SonicMoE's moe-cute default (T = 32768, top-8, f = 1024)
+          # held-out blocks (bench/held_out.py) at 8192 tokens: Hunyuan-A13B, Qwen2-57B-A14B, GLM-4.5-Air, ERNIE-4.5
+          (64, 65536, 4096, 6144), (64, 65536, 3584, 5120), (128, 65536, 4096, 2816), (64, 49152, 2560, 3072)]
 
 
 def jobs(shape, only=None):

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import fusion.kernels as K  # noqa: E402
 from bench_common import median_ms  # noqa: E402
+from held_out import HELD_OUT  # noqa: E402
 from fusion.kernels.tile_policy import GemmConfig, candidates, tile_config  # noqa: E402
 
 SHAPES = {  # name: (E, d, f, T, k)
@@ -35,6 +36,8 @@ SHAPES = {  # name: (E, d, f, T, k)
     "gpt-oss-120b": (128, 2880, 2880, 16384, 4),
     "qwen3-235b-a22b": (128, 4096, 1536, 16384, 8),
     "deepseek-v3-ep8": (32, 7168, 2048, 8192, 8),
+    # bench/held_out.py's MoE configurations at bench_moe.py's 16384 tokens (no rule was tuned on them)
+    **{h.model: (h.E, h.d, h.f, 16384, h.top_k) for h in HELD_OUT if h.moe},
 }
 
 
@@ -45,7 +48,13 @@ def routing(T, E, k, gen, dev):
     return torch.bincount(experts, minlength=E).to(dev), (order // k).to(torch.int32).to(dev)
 
 
-def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False):
+def _label(cfg) -> str:
+    """A tile configuration in a few words: 128x192 pp dyn c2."""
+    return (f"{cfg.tile_m}x{cfg.tile_n} {'pp' if cfg.pingpong else 'coop'}{' dyn' if cfg.dynamic else ''}"
+            f"{' c2' if cfg.cluster_n > 1 else ''}{' m2' if cfg.cluster_m > 1 else ''}")
+
+
+def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=False):
     N, M = 2 * f, T * k
     x = torch.randn(T, d, generator=gen).to(dev, torch.bfloat16)
     W = (torch.randn(E, N, d, generator=gen) / d ** 0.5).to(dev, torch.bfloat16)
@@ -58,12 +67,13 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False):
     other_cfg = dataclasses.replace(gather_cfg, dynamic=not gather_cfg.dynamic)   # the other schedule
     kern = {
         "gather": K.compile_grouped_gemm(gather_cfg, epi, "bfloat16", N, d, E),
-        "gather-other": K.compile_grouped_gemm(other_cfg, epi, "bfloat16", N, d, E),
         "same": K.compile_grouped_gemm(dataclasses.replace(gather_cfg, gather_a=False), epi, "bfloat16", N, d, E),
-        "same-other": K.compile_grouped_gemm(dataclasses.replace(other_cfg, gather_a=False), epi, "bfloat16", N, d,
-                                             E),
         "runtime": K.compile_grouped_gemm(runtime_cfg, epi, "bfloat16", N, d, E),
     }
+    if not runtime_only:
+        kern["gather-other"] = K.compile_grouped_gemm(other_cfg, epi, "bfloat16", N, d, E)
+        kern["same-other"] = K.compile_grouped_gemm(dataclasses.replace(other_cfg, gather_a=False), epi, "bfloat16",
+                                                    N, d, E)
     sched = {True: "dynamic", False: "static"}
     out = torch.empty(M, f, dtype=torch.bfloat16, device=dev)
     xg = x.index_select(0, index)
@@ -78,13 +88,14 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False):
     rows = {
         f"gather-A kernel ({kern['gather'].config.tile_n} wide, {sched[gather_cfg.dynamic]})":
             lambda: run("gather", x, index),
-        f"gather-A kernel ({kern['gather-other'].config.tile_n} wide, {sched[other_cfg.dynamic]})":
-            lambda: run("gather-other", x, index),
         f"pre-gathered, same tile, {sched[gather_cfg.dynamic]}": lambda: run("same", xg),
-        f"pre-gathered, same tile, {sched[other_cfg.dynamic]}": lambda: run("same-other", xg),
-        f"pre-gathered, runtime ({'dynamic' if runtime_cfg.dynamic else 'static'})": lambda: run("runtime", xg),
+        f"pre-gathered, runtime ({_label(kern['runtime'].config)})": lambda: run("runtime", xg),
         "index_select + runtime kernel": lambda: run("runtime", x.index_select(0, index)),
     }
+    if not runtime_only:
+        rows[f"gather-A kernel ({kern['gather-other'].config.tile_n} wide, {sched[other_cfg.dynamic]})"] = \
+            lambda: run("gather-other", x, index)
+        rows[f"pre-gathered, same tile, {sched[other_cfg.dynamic]}"] = lambda: run("same-other", xg)
     if sweep:  # autotune mode's gather-A candidates, and the widths that leave a ragged last n-tile
         ragged = [dataclasses.replace(gather_cfg, tile_n=tn, stages=st, pingpong=pp)
                   for tn, st in ((128, 6), (192, 5), (256, 4)) for pp in (False, True) if N % tn]
@@ -117,13 +128,15 @@ def main():
     ap.add_argument("--shapes", default=None, help="comma-separated names of " + ",".join(SHAPES))
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--sweep", action="store_true", help="also time every gather-A tile candidate")
+    ap.add_argument("--runtime-only", action="store_true",
+                    help="only the runtime's gathering kernel and its kernel without the gather (three compiles)")
     args = ap.parse_args()
     names = args.shapes.split(",") if args.shapes else list(SHAPES)
     gen = torch.Generator().manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "shapes": {}}
     print(results["device"], flush=True)
     for name in names:
-        results["shapes"][name] = run_shape(name, *SHAPES[name], gen, sweep=args.sweep)
+        results["shapes"][name] = run_shape(name, *SHAPES[name], gen, sweep=args.sweep, runtime_only=args.runtime_only)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)
