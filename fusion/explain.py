@@ -14,6 +14,7 @@ import torch
 from fusion.dataflow import bytes_per_row, index_of, rows_of, saved_bytes
 from fusion.errors import OpArgumentError
 from fusion.graph import build_graph, op_nodes
+from fusion.kernels.tile_policy import FC1_COPY_MIN_N, gathers_in_kernel
 from fusion.matcher import dtype_name
 from fusion.plan import Plan, Step
 from fusion.planner import EMULATE_NOTE, plan_for
@@ -83,6 +84,21 @@ _ROWS_HEADER = {False: "ops (M = rows of x):",
 _ROLE = {"gemm": "mainloop", "gather": "A loads"}
 
 
+def _role(plan: Plan, step: Step, i: int, epilogue: set) -> str:
+    """What op i does inside a fused forward kernel: epilogue, mainloop or A loads; a Gather before a wide GEMM is a
+    copy the gather kernel writes first (the runtime's rule: kernels/tile_policy.py gathers_in_kernel)."""
+    if i in epilogue:
+        return "epilogue"
+    op = plan.ops[i]
+    if op.kind == "gather":
+        n = next((plan.ops[j].out_features for j in step.ops if plan.ops[j].kind == "gemm"), None)
+        if n is not None and not gathers_in_kernel(n):
+            return (f"copied by the gather kernel, then read by the GEMM's TMA loads: N = {n} >= {FC1_COPY_MIN_N}, "
+                    f"where the copy costs less than the CTA pairs save; fusion/kernels/tile_policy.py "
+                    f"gathers_in_kernel")
+    return _ROLE.get(op.kind, "in kernel")
+
+
 def _span(ops) -> str:
     ops = list(ops)
     if len(ops) == 1:
@@ -113,7 +129,7 @@ def _step_lines(n: int, tag: str, step: Step, plan: Plan) -> list[str]:
         width = max(len(plan.ops[i].description) for i in step.ops)
         if step.direction == "forward":
             for i in step.ops:
-                role = "epilogue" if i in epi else _ROLE.get(plan.ops[i].kind, "in kernel")
+                role = _role(plan, step, i, epi)
                 lines.append(f"         op {i}  {plan.ops[i].description:<{width}}  {labels.get(i, '')} ({role})")
             if step.epilogue:
                 lines.append("         epilogue: " + " -> ".join(f"{lab} (op {i})" for lab, i in step.epilogue))

@@ -424,6 +424,31 @@ def _max_stages_capped(tile_n: int, cap: int) -> int:
     return min(_max_stages(128, tile_n, 64), cap)
 
 
+#: The narrowest GEMM (output columns N; a gated FC1's 2f) whose Gather runs as a copy before it rather than in its
+#: A loads. Measured on an H100 (bench/bench_gather_gemm.py --runtime-only, T = 16384, balanced top-k, SwiGLU*scale;
+#: bench/results/H100-2026-11-27f-gather-fc1.{json,log}; ms, the gathering kernel -> the copy (the gather kernel,
+#: M x d, at the 0.2-1.1 ms that kernel measured for these sizes) + the TMA kernel with CTA pairs): DBRX (N = 21504)
+#: 31.11 -> 24.88 + ~0.5, Hunyuan-A13B (6144) 11.67 -> 9.41 + ~0.6, GPT-OSS-120B (5760) 4.03 -> 3.44 + 0.2,
+#: Llama-4-Scout (16384) 4.39 -> 4.11 + ~0.1, Phi-3.5-MoE (12800) 5.21 -> 4.89 + ~0.15; at N <= 5120 the gathering
+#: kernel tied or won: Qwen2-57B-A14B (5120) 7.27 -> 6.91 + ~0.5, DeepSeek-V3 EP8 (4096) 6.50 -> 5.95 + ~0.55,
+#: ERNIE-4.5 (3072) 2.57 -> 2.31 + ~0.3, GLM-4.5-Air (2816) 4.82 -> 4.62 + ~0.6, Qwen3-30B-A3B (1536) 1.40 ->
+#: 1.25 + 0.32. The copy costs M x d bytes twice whatever N; the CTA pair (which a cp.async-loaded A cannot share)
+#: saves a share of the GEMM's work, M x d x N.
+FC1_COPY_MIN_N = 5760
+#: FUSION_FC1_COPY=0 (read at import): an MoE FC1 always gathers in its A loads (the A/B switch of
+#: gathers_in_kernel; the kernel the plan builds follows it, so it changes the jobs' keys).
+FC1_COPY = os.environ.get("FUSION_FC1_COPY", "1") != "0"
+
+
+def gathers_in_kernel(N: int) -> bool:
+    """Whether a GEMM after a Gather (an MoE FC1: pattern gather_gemm_act) with N output columns loads its A rows
+    through the routing index itself (the gathering kernel: cp.async rows, single CTAs) rather than from a copy
+    that the gather kernel writes first (M x d, freed after the GEMM; then the TMA kernel with its CTA pairs):
+    below FC1_COPY_MIN_N, or with the switch off. A rule of the weight's shape alone, so the plan builds one
+    kernel."""
+    return not FC1_COPY or N < FC1_COPY_MIN_N
+
+
 def for_gather(config: GemmConfig) -> GemmConfig:
     """`config` with A gathered through an index: the same tile, stages and consumer schedule, the dynamic tile
     order (warp 0 takes the ids, the producer's other warps read them at a named barrier), single CTAs (a pair

@@ -54,6 +54,43 @@ def test_fused_gather_matches_reference(k, round_to, empty):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("round_to", [None, 8])
+def test_wide_fc1_copies_the_gathered_rows_first(monkeypatch, round_to):
+    """Where kernels/tile_policy.py gathers_in_kernel says so (an FC1 of N >= FC1_COPY_MIN_N columns; here the
+    threshold is lowered to this block's 2F), the Gather runs as a copy (the gather device method, padding rows
+    zero) and FC1 as the kernel that loads A by TMA: the same values as the reference, forward and every gradient;
+    the plan builds that kernel without gather_a, and explain() says so on the Gather's line."""
+    from fusion.explain import explain
+    from fusion.kernels import tile_policy
+    from fusion.kernels.tile_policy import GemmConfig
+    from fusion.runtime import gather as gather_method
+    from fusion.runtime.aot import plan_jobs
+
+    monkeypatch.setattr(tile_policy, "FC1_COPY_MIN_N", 2 * F)
+    copies = []
+    real_run = gather_method.run
+    monkeypatch.setattr(gather_method, "run", lambda op, x, ctx: copies.append(x.shape) or real_run(op, x, ctx))
+    T = 37
+    r = routing(T, 2, round_to)
+    x0 = torch.randn(T, D, dtype=torch.float64)
+    ref = run(block("reference"), x0, r, torch.float64)
+    LAUNCHES.reset()
+    got = run(block("emulate"), x0, r, torch.float64)
+    assert LAUNCHES.by_step.get("F1") == 1 and copies[0] == (T, D)   # the copy, then FC1's kernel
+    for name, a, b in zip(["y", "dx", "dprobs", "dW1", "dW2"], ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
+    seq = block("auto", dtype=torch.bfloat16)
+    fc1 = [GemmConfig(*j.config) for j in plan_jobs(seq, torch.bfloat16) if j.step == "F1"]
+    assert fc1 and not any(c.gather_a for c in fc1)
+    gather_line = next(ln for ln in explain(seq, dtype=torch.bfloat16, target="sm_90a").splitlines()
+                       if "op 0" in ln and "Gather()" in ln and "(" in ln and "F1" not in ln and "copied" in ln)
+    assert "gathers_in_kernel" in gather_line
+    monkeypatch.setattr(tile_policy, "FC1_COPY_MIN_N", 2 * F + 1)   # below the threshold: the gathering kernel
+    fc1 = [GemmConfig(*j.config) for j in plan_jobs(block("auto", dtype=torch.bfloat16), torch.bfloat16)
+           if j.step == "F1"]
+    assert fc1 and all(c.gather_a for c in fc1)
+
+
 def test_fused_gather_bf16_close_to_reference():
     T, k = 64, 2
     r = routing(T, k)

@@ -23,12 +23,13 @@ from fusion.codegen import slots
 from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forward_spec
 from fusion.dataflow import g, index_of, out_grad, v
-from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, gather_dy
+from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, gather_dy, gathers_in_kernel
 from fusion.grouped import linear_dgrad, linear_wgrad
 from fusion.op_table import op_device_method
 from fusion.ops.base import RunContext
 from fusion.quant.mxfp8 import MXFP8_BLOCK
 from fusion.runtime import fp8_gemm
+from fusion.runtime import gather as gather_method
 from fusion.runtime.gather import gather_index
 from fusion.runtime.kernel import make_job
 
@@ -145,11 +146,14 @@ class FusedForward(_KernelStep):
             raise Unsupported(f"pattern {step.pattern}: {lead} Gather ops before the GEMM; a kernel's A loads take "
                               f"one index")
         self.gathers = lead == 1
+        self.gather_op = ops[0] if self.gathers else None
         self.ops = ops[lead:]
         self.gemm = self.ops[0] if self.ops else None
         if self.gemm is None or self.gemm.spec.kind != "gemm":
             raise Unsupported(f"pattern {step.pattern}: ops {list(step.ops)} do not start with a GEMM (after an "
                               f"optional Gather); a forward kernel is a GEMM with an epilogue")
+        # a wide GEMM's Gather runs as a copy first, then the TMA kernel (kernels/tile_policy.py gathers_in_kernel)
+        self.copies_rows = self.gathers and not gathers_in_kernel(self.weight_shape()[1])
         self.fp8 = _is_fp8(self.gemm)
         if self.fp8 and self.gathers:
             raise Unsupported(f"pattern {step.pattern}: the FP8 kernel does not gather its A rows")
@@ -182,7 +186,7 @@ class FusedForward(_KernelStep):
     def job(self, dtype: torch.dtype, variant: str, tiles: bool = True):
         G, N, K = self.weight_shape()
         return make_job(self.source(dtype, variant == "train"), dtype, N, K, G, self.spec.gated, "K", False,
-                        self.label, variant, tiles=tiles, gather=self.gathers,
+                        self.label, variant, tiles=tiles, gather=self.gathers and not self.copies_rows,
                         mainloop="fp8_block" if self.fp8 else "bf16",
                         col_block=MXFP8_BLOCK if self.spec.quantized else 8)
 
@@ -208,7 +212,10 @@ class FusedForward(_KernelStep):
         variant = "train" if train and self.writes_saved else "inference"
         kernel = self.kernel(x.dtype, variant)
         weight = weight_of(self.gemm)
-        index = gather_index(state.ctx) if self.gathers else None
+        index = gather_index(state.ctx) if self.gathers and not self.copies_rows else None
+        if self.copies_rows:   # the routed rows copied by the gather kernel, read by TMA; freed after this step
+            a = x = gather_method.run(self.gather_op, x, state.ctx)
+            index = None
         M = x.shape[0] if index is None else index.shape[0]
         spec = self.spec
         tensors = self._inputs(state.ctx, weight.shape[0] if weight.dim() == 3 else 1)
