@@ -119,3 +119,16 @@ def test_rounded_path_routes_the_same_layer_with_round_to():
     r = rounded.route(torch.randn(20, 32))
     sizes = r.group_sizes.tolist()
     assert all(s % 8 == 0 or s == 20 for s in sizes)                        # multiples of 8, or capped at T
+
+
+def test_router_gradient_of_top_1_routing_is_reported_by_magnitude():
+    """With k = 1 the router's gradient is zero by construction: layer_errors reports both paths' largest |drouter|
+    (a relative error would divide by the reference's rounding noise) and the other tensors' relative errors as
+    before; with k = 2 every tensor keeps its relative error."""
+    want = {"y": torch.ones(4, 3), "drouter": torch.full((2, 3), 1e-7)}
+    got = {"y": torch.ones(4, 3) * 1.01, "drouter": torch.zeros(2, 3)}
+    errs = bench_moe.layer_errors(got, want, k=1)
+    assert errs["y"] == pytest.approx(0.01, rel=1e-3) and "drouter" not in errs
+    assert errs["drouter_max_abs"] == [0.0, pytest.approx(1e-7)]
+    assert bench_moe.layer_errors(got, want, k=2) == rel_errors(got, want)
+    assert rel_errors(got, want)["drouter"] == 1.0
