@@ -175,22 +175,30 @@ def test_held_out_blocks_compile_for_sm90a():
 
 
 def test_held_out_moe_layers_compile_for_sm90a():
-    """The same for bench_moe.py's held-out MoE layers (Gather -> experts -> Combine): the gathering FC1 forward,
-    the dgrad and weight gradients that read through the routing index, at widths no rule was tuned on."""
+    """The same for bench_moe.py's held-out MoE layers (Gather -> experts -> Combine): the gathering FC1 forward (or,
+    for a wide FC1, the TMA kernel that reads the Gather's copy), the dgrad and weight gradients that read through
+    the routing index, at widths no rule was tuned on."""
     import sys
     from pathlib import Path
+
+    from fusion.kernels.tile_policy import gathers_in_kernel
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from bench_moe import HELD_OUT
 
-    seen = set()
+    seen, fc1_gathers = set(), set()
     for cfg in HELD_OUT:
         with torch.device("meta"):
             moe = fusion.MoE.swiglu(cfg.d, cfg.E, cfg.f, cfg.k, device="meta")
         kernels = moe.experts.compile(dtype=torch.bfloat16, target="sm_90a")
-        # FC1's forward loads x's rows through the routing index
-        assert any(getattr(k.config, "gather_a", False) for k in kernels if k.name.startswith("fused_F1")), cfg.model
+        # FC1's forward loads x's rows through the routing index, except where tile_policy.gathers_in_kernel has the
+        # Gather copy them first (N = 2f >= FC1_COPY_MIN_N)
+        fc1 = [k for k in kernels if k.name.startswith("fused_F1")]
+        assert fc1 and all(bool(getattr(k.config, "gather_a", False)) == gathers_in_kernel(2 * cfg.f) for k in fc1), \
+            cfg.model
+        fc1_gathers.add(gathers_in_kernel(2 * cfg.f))
         for k in kernels:
             if k.key not in seen:
                 seen.add(k.key)
                 check_sass(k)
+    assert fc1_gathers == {True, False}   # both FC1 forms among them
