@@ -20,6 +20,7 @@ loading the DSL.
     aux_tile(config, N)                the tile of an epilogue reading a saved (M, n) tensor (FC2's dgrad)
     for_gather(config)                 a configuration with A gathered through an index
     gather_tile(config, N)             the wider tile a gathering kernel takes (its A loads bound it)
+    gathers_in_kernel(N)               whether an MoE FC1 gathers in its A loads or reads a copy (wide N)
     spill_fallback(config)             the configuration compile_grouped_gemm rebuilds a spilling kernel at
     band_for, resolved_band, one_band_limit, band_problem
                                        the tile order's bands (GemmConfig.band_m; kernels/scheduler.py)

@@ -58,3 +58,12 @@ def moe_block_case(seed: int, round_to=None, E: int = 4, d: int = 256, f: int = 
     r = route(logits, k, round_to=round_to)
     dy = torch.randn(T, d, generator=gen).to("cuda", torch.bfloat16)
     return block, ref, x, r, dy
+
+
+def launched_f1_config(block, dtype):
+    """The configuration the block's F1 (training) kernel was built at (after any spill fallback): what launched."""
+    from fusion.runtime import _RUNNERS
+
+    (runner,) = [r for r in _RUNNERS[block].values() if r.program is not None]
+    (step,) = [s for s in runner.program.forward_steps if getattr(s, "label", None) == "F1"]
+    return step._kernels[(dtype, "train")].compiled.config

@@ -6,20 +6,12 @@ import pytest
 import torch
 
 import fusion
+from conftest import launched_f1_config
 from fusion import GroupLinear, Scale, SwiGLU
 from test_fused_gpu import ragged_sizes, rel, run_both  # noqa: F401
 from test_fused_gpu import _hopper_and_poison  # noqa: F401  (its autouse fixture: Hopper + poison)
 
 pytestmark = pytest.mark.gpu
-
-
-def launched_f1_config(block, dtype):
-    """The configuration the block's F1 (training) kernel was built at."""
-    from fusion.runtime import _RUNNERS
-
-    (runner,) = [r for r in _RUNNERS[block].values() if r.program is not None]
-    step = runner.program.forward_steps[0]
-    return step._kernels[(dtype, "train")].compiled.config
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -154,6 +154,7 @@ class FusedForward(_KernelStep):
                               f"optional Gather); a forward kernel is a GEMM with an epilogue")
         # a wide GEMM's Gather runs as a copy first, then the TMA kernel (kernels/tile_policy.py gathers_in_kernel)
         self.copies_rows = self.gathers and not gathers_in_kernel(self.weight_shape()[1])
+        self.reads_index = self.gathers and not self.copies_rows   # the kernel's A loads go through the index
         self.fp8 = _is_fp8(self.gemm)
         if self.fp8 and self.gathers:
             raise Unsupported(f"pattern {step.pattern}: the FP8 kernel does not gather its A rows")
@@ -186,7 +187,7 @@ class FusedForward(_KernelStep):
     def job(self, dtype: torch.dtype, variant: str, tiles: bool = True):
         G, N, K = self.weight_shape()
         return make_job(self.source(dtype, variant == "train"), dtype, N, K, G, self.spec.gated, "K", False,
-                        self.label, variant, tiles=tiles, gather=self.gathers and not self.copies_rows,
+                        self.label, variant, tiles=tiles, gather=self.reads_index,
                         mainloop="fp8_block" if self.fp8 else "bf16",
                         col_block=MXFP8_BLOCK if self.spec.quantized else 8)
 
@@ -212,10 +213,9 @@ class FusedForward(_KernelStep):
         variant = "train" if train and self.writes_saved else "inference"
         kernel = self.kernel(x.dtype, variant)
         weight = weight_of(self.gemm)
-        index = gather_index(state.ctx) if self.gathers and not self.copies_rows else None
+        index = gather_index(state.ctx) if self.reads_index else None
         if self.copies_rows:   # the routed rows copied by the gather kernel, read by TMA; freed after this step
             a = x = gather_method.run(self.gather_op, x, state.ctx)
-            index = None
         M = x.shape[0] if index is None else index.shape[0]
         spec = self.spec
         tensors = self._inputs(state.ctx, weight.shape[0] if weight.dim() == 3 else 1)
