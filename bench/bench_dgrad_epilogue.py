@@ -12,7 +12,8 @@ cooperative (each warpgroup 64x256: the pingpong tile's registers) dynamic and i
 variant that spills is built at 128 columns (the label shows the tile built);
 outputs compared with the first variant's. "gather ..." variants read dY's rows through a routing index (an MoE
 FC2 before a Combine: the tokens' gradient (M/8, d), each token's row read by 8 routed rows; no copy of dY per
-routed row): the runtime's tile for them (tile_policy.tile_config with gather: gather_tile, no CTA pair) and
+routed row): the runtime's tile for them (tile_policy.tile_config with gather: gather_tile), the same as CTA pairs
+on neighbouring m-tiles sharing the weight's tile ("gather m-pairs": tile_policy.gather_pairs, which only FC1 takes), and
 others. The kernel is bound by L2 throughput (ncu, GPT-OSS-120B's shape on an
 H100: L2 87%, DRAM 56-65%): every n-tile reads dY's rows again and every m-tile the expert's weight, so wider
 tiles and pairs cut the bytes.
@@ -68,6 +69,7 @@ def jobs(shape, only=None):
         out[name] = dataclasses.replace(base, config=dataclasses.astuple(cfg))
     gathered = GemmConfig(*tile_config(f, d, E, False, "MN", True, gather=True))
     for name, kw in (("gather job()", {}),
+                     ("gather m-pairs", dict(cluster_m=2)),
                      ("gather pp128 dyn", dict(tile_n=128, stages=6, pingpong=True)),
                      ("gather pp192 dyn", dict(tile_n=192, stages=5, pingpong=True)),
                      ("gather co256 dyn", dict(tile_n=256, stages=4, pingpong=False))):

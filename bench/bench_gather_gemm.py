@@ -1,16 +1,23 @@
 """The MoE FC1 with its token gather fused: gather-A kernel against the gather written out first.
 
 Per shape (experts E, hidden d, expert width f, tokens T, top-k): routed rows M = T*k, sorted by expert; the FC1 is
-a gated GEMM (N = 2f, K = d) with the SwiGLU*scale epilogue.
+a gated GEMM (N = 2f, K = d) with the epilogue of the MoE layer plan's FC1 training job (SwiGLU*scale, also writing
+the pre-activation H for the backward): the kernel a training step launches, at these tile configurations:
 
-  gather-A kernel          run_grouped_gemm(..., index=): A = x (T, d), rows read through the index (one kernel),
-                           at the runtime's schedule and at the other one (static / dynamic tile order)
-  pre-gathered, same tile  the same tile configuration reading x[index] by TMA (kernel time only), both schedules
-  pre-gathered, runtime    the configuration the runtime uses without gathering (may be dynamic), kernel only
+  gather-A kernel          the kernel reads A = x (T, d) through the index (one kernel), at the policy's
+                           configuration (CTA pairs on neighbouring m-tiles sharing B: tile_policy.gather_pairs)
+                           and as single CTAs
+  pre-gathered, same tile  the same tile as single CTAs reading x[index] by TMA (kernel time only)
+  pre-gathered, runtime    the configuration the runtime uses without gathering (CTA pairs where they fit)
   index_select + kernel    what a block does without the fusion: x.index_select, then the runtime's kernel
   torch                    x.index_select + torch._grouped_mm (the GEMM alone, no epilogue)
 
-TFLOP/s counts 2*M*d*2f for every row. Usage: python bench/bench_gather_gemm.py [--shapes i,j] [--sweep] [--out file.json]
+Every kernel's output is compared with the single gathering CTA's (max |diff|: the same sums in the same order).
+TFLOP/s counts 2*M*d*2f for every row. The kernels load from the kernel cache, so they can be compiled elsewhere:
+
+    FUSION_CACHE_DIR=/tmp/kc CUTE_DSL_ARCH=sm_90a python bench/bench_gather_gemm.py --precompile [--shapes ...]
+    python bench/bench_gather_gemm.py [--shapes i,j] [--sweep] [--runtime-only] [--rounds 3] [--out file.json]
+
 (--sweep: every gather-A tile configuration autotune mode would try, kernels/tile_policy.py candidates, and the
 widths that leave a ragged last n-tile).
 """
@@ -54,72 +61,108 @@ def _label(cfg) -> str:
             f"{' c2' if cfg.cluster_n > 1 else ''}{' m2' if cfg.cluster_m > 1 else ''}")
 
 
-def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=False):
+def fc1_job(E, d, f, k):
+    """The MoE layer plan's FC1 training job (fusion.MoE.swiglu's experts block)."""
+    import fusion
+    from fusion.runtime.aot import plan_jobs
+
+    with torch.device("meta"):
+        moe = fusion.MoE.swiglu(d, E, f, k, device="meta")
+    return next(j for j in plan_jobs(moe.experts, torch.bfloat16) if j.step == "F1" and j.variant == "train")
+
+
+def shape_jobs(E, d, f, k, sweep=False, runtime_only=False) -> dict:
+    """The kernels timed for one shape, KernelJobs by name: "gather" (the policy's gathering configuration),
+    "runtime" (the policy's configuration without gathering), and unless `runtime_only` "single" (the gathering
+    tile as single CTAs) and "same" (that tile reading pre-gathered rows by TMA); with `sweep` the gathering
+    candidates, keyed by GemmConfig."""
+    N = 2 * f
+    base = fc1_job(E, d, f, k)
+    gather_cfg = GemmConfig(*tile_config(N, d, E, True, "K", False, gather=True))
+    single = dataclasses.replace(gather_cfg, cluster_m=1)
+    cfgs = {"gather": gather_cfg, "runtime": GemmConfig(*tile_config(N, d, E, True, "K", False))}
+    if not runtime_only:
+        cfgs["single"] = single
+        cfgs["same"] = dataclasses.replace(single, gather_a=False)
+    if sweep:  # autotune mode's gather-A candidates, and the widths that leave a ragged last n-tile
+        ragged = [dataclasses.replace(single, tile_n=tn, stages=st, pingpong=pp)
+                  for tn, st in ((128, 6), (192, 5), (256, 4)) for pp in (False, True) if N % tn]
+        cfgs.update({c: c for c in candidates(single, N)[1:] + ragged if c not in (single, gather_cfg)})
+    return {name: dataclasses.replace(base, config=dataclasses.astuple(cfg)) for name, cfg in cfgs.items()}
+
+
+def _slot_tensor(spec, M, f, dev, gen):
+    """A tensor for an epilogue slot: (M,) row vectors (the router scale: random, positive), else (M, f) or paired
+    (M, 2f), in the slot's dtype."""
+    dtype = getattr(torch, spec.dtype) if spec.dtype else torch.bfloat16
+    if isinstance(spec, K.RowVector):
+        return torch.rand(M, generator=gen).to(dev, dtype)
+    return torch.empty(M, 2 * f if spec.paired else f, dtype=dtype, device=dev)
+
+
+def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=False, rounds=1):
+    from fusion.runtime.compile import load_compiled
+
     N, M = 2 * f, T * k
     x = torch.randn(T, d, generator=gen).to(dev, torch.bfloat16)
     W = (torch.randn(E, N, d, generator=gen) / d ** 0.5).to(dev, torch.bfloat16)
     sizes, index = routing(T, E, k, gen, dev)
     offs = K.offsets_from_group_sizes(sizes)
-    scale = torch.rand(M, generator=gen).to(dev)
-    epi = K.SwiGLUScaleEpilogue()
-    gather_cfg = GemmConfig(*tile_config(N, d, E, True, "K", False, gather=True))
-    runtime_cfg = GemmConfig(*tile_config(N, d, E, True, "K", False))
-    other_cfg = dataclasses.replace(gather_cfg, dynamic=not gather_cfg.dynamic)   # the other schedule
-    kern = {
-        "gather": K.compile_grouped_gemm(gather_cfg, epi, "bfloat16", N, d, E),
-        "same": K.compile_grouped_gemm(dataclasses.replace(gather_cfg, gather_a=False), epi, "bfloat16", N, d, E),
-        "runtime": K.compile_grouped_gemm(runtime_cfg, epi, "bfloat16", N, d, E),
-    }
-    if not runtime_only:
-        kern["gather-other"] = K.compile_grouped_gemm(other_cfg, epi, "bfloat16", N, d, E)
-        kern["same-other"] = K.compile_grouped_gemm(dataclasses.replace(other_cfg, gather_a=False), epi, "bfloat16",
-                                                    N, d, E)
+    kern = {}
+    for key, job in shape_jobs(E, d, f, k, sweep, runtime_only).items():
+        try:
+            kern[key] = load_compiled(job)
+        except Exception as exc:  # noqa: BLE001 - a sweep candidate that does not build is reported, not fatal
+            if not isinstance(key, GemmConfig):
+                raise
+            print(f"  {key}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    epi = kern["gather"].epilogue
+    ins = {s.name: _slot_tensor(s, M, f, dev, gen) for s in epi.inputs}
+    outs = {s.name: _slot_tensor(s, M, f, dev, gen) for s in epi.outputs}
+    out = outs[epi.outputs[0].name]
     sched = {True: "dynamic", False: "static"}
-    out = torch.empty(M, f, dtype=torch.bfloat16, device=dev)
     xg = x.index_select(0, index)
 
     def run(key, a, idx=None):
-        K.run_grouped_gemm(kern[key], a, W, offs, {"out": out}, {"scale": scale}, index=idx)
+        K.run_grouped_gemm(kern[key], a, W, offs, outs, ins, index=idx)
 
-    run("gather", x, index)
-    fused = out.clone()
-    run("same", xg)
-    diff = (fused.float() - out.float()).abs().max().item()
-    rows = {
-        f"gather-A kernel ({kern['gather'].config.tile_n} wide, {sched[gather_cfg.dynamic]})":
-            lambda: run("gather", x, index),
-        f"pre-gathered, same tile, {sched[gather_cfg.dynamic]}": lambda: run("same", xg),
-        f"pre-gathered, runtime ({_label(kern['runtime'].config)})": lambda: run("runtime", xg),
-        "index_select + runtime kernel": lambda: run("runtime", x.index_select(0, index)),
-    }
+    rows = {f"gather-A kernel ({_label(kern['gather'].config)})": ("gather", x, index),
+            f"pre-gathered, runtime ({_label(kern['runtime'].config)})": ("runtime", xg, None)}
     if not runtime_only:
-        rows[f"gather-A kernel ({kern['gather-other'].config.tile_n} wide, {sched[other_cfg.dynamic]})"] = \
-            lambda: run("gather-other", x, index)
-        rows[f"pre-gathered, same tile, {sched[other_cfg.dynamic]}"] = lambda: run("same-other", xg)
-    if sweep:  # autotune mode's gather-A candidates, and the widths that leave a ragged last n-tile
-        ragged = [dataclasses.replace(gather_cfg, tile_n=tn, stages=st, pingpong=pp)
-                  for tn, st in ((128, 6), (192, 5), (256, 4)) for pp in (False, True) if N % tn]
-        for cfg in [c for c in candidates(gather_cfg, N)[1:] + ragged if c != gather_cfg]:
-            try:
-                kern[cfg] = K.compile_grouped_gemm(cfg, epi, "bfloat16", N, d, E)
-            except Exception as exc:  # noqa: BLE001 - a candidate that does not build is reported, not fatal
-                print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-                continue
-            label = (f"gather-A {cfg.tile_m}x{cfg.tile_n} {'pingpong' if cfg.pingpong else 'cooperative'} "
-                     f"s{cfg.stages} {sched[cfg.dynamic]}")
-            rows[label] = (lambda c: lambda: run(c, x, index))(cfg)
+        rows[f"gather-A kernel ({_label(kern['single'].config)})"] = ("single", x, index)
+        rows[f"pre-gathered, same tile ({_label(kern['same'].config)})"] = ("same", xg, None)
+    for cfg in [key for key in kern if isinstance(key, GemmConfig)]:
+        built = kern[cfg].config
+        rows[f"gather-A {built.tile_m}x{built.tile_n} {'pingpong' if built.pingpong else 'cooperative'} "
+             f"s{built.stages} {sched[built.dynamic]}"] = (cfg, x, index)
+    ref_key = "single" if "single" in kern else "gather"
+    run(ref_key, x, index)
+    ref = out.clone()
+    diffs = {}
+    for label, (key, a, idx) in rows.items():
+        out.fill_(float("nan"))
+        run(key, a, idx)
+        diffs[label] = (out.float() - ref.float()).abs().max().item()   # NaN where a row went unwritten
+    diff = float("nan") if any(v != v for v in diffs.values()) else max(diffs.values())
+    rows = {label: (lambda key=key, a=a, idx=idx: run(key, a, idx)) for label, (key, a, idx) in rows.items()}
+    rows["index_select + runtime kernel"] = lambda: run("runtime", x.index_select(0, index))
     if hasattr(torch, "_grouped_mm"):
         rows["torch index_select + _grouped_mm"] = lambda: torch._grouped_mm(
             x.index_select(0, index), W.transpose(-2, -1), offs=offs[1:])
     flops = 2.0 * M * d * N
-    result = {"shape": dict(E=E, d=d, f=f, T=T, k=k, M=M), "max_abs_diff_vs_pregathered": diff, "rows": {}}
-    print(f"{name}: E={E} d={d} f={f} T={T} k={k} (M={M}); gather vs pre-gathered max |diff| = {diff:.3g}",
-          flush=True)
-    for label, fn in rows.items():
-        ms = median_ms(fn)
+    result = {"shape": dict(E=E, d=d, f=f, T=T, k=k, M=M), "max_abs_diff_vs_single_gather": diff, "rows": {}}
+    print(f"{name}: E={E} d={d} f={f} T={T} k={k} (M={M}); every kernel vs the single gathering CTA: max |diff| = "
+          f"{diff:.3g} {'' if diff == diff else '(NaN: rows left unwritten!)'}", flush=True)
+    times = {label: [] for label in rows}
+    for r in range(rounds):   # every row once per round, the order reversed every other round (clock drift)
+        for label in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
+            times[label].append(median_ms(rows[label]))
+    for label, ms_all in times.items():
+        ms = sorted(ms_all)[len(ms_all) // 2]
         tf = flops / ms / 1e9
-        result["rows"][label] = {"ms": ms, "tflops": tf}
-        print(f"  {label:<42} {ms:8.3f} ms {tf:7.1f} TFLOP/s", flush=True)
+        result["rows"][label] = {"ms": ms, "tflops": tf, "rounds_ms": ms_all}
+        each = f"  rounds {' '.join(f'{t:.3f}' for t in ms_all)}" if rounds > 1 else ""
+        print(f"  {label:<42} {ms:8.3f} ms {tf:7.1f} TFLOP/s{each}", flush=True)
     return result
 
 
@@ -128,15 +171,27 @@ def main():
     ap.add_argument("--shapes", default=None, help="comma-separated names of " + ",".join(SHAPES))
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--sweep", action="store_true", help="also time every gather-A tile candidate")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every row this many times, in alternating order; report the median")
+    ap.add_argument("--precompile", action="store_true",
+                    help="only compile the kernels into FUSION_CACHE_DIR (no GPU needed)")
     ap.add_argument("--runtime-only", action="store_true",
                     help="only the runtime's gathering kernel and its kernel without the gather (three compiles)")
     args = ap.parse_args()
     names = args.shapes.split(",") if args.shapes else list(SHAPES)
+    if args.precompile:
+        from fusion.runtime.aot import compile_jobs
+
+        jobs = [j for n in names for j in shape_jobs(*(SHAPES[n][i] for i in (0, 1, 2, 4)), args.sweep,
+                                                     args.runtime_only).values()]
+        compile_jobs(jobs, parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "1")))
+        return
     gen = torch.Generator().manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "shapes": {}}
     print(results["device"], flush=True)
     for name in names:
-        results["shapes"][name] = run_shape(name, *SHAPES[name], gen, sweep=args.sweep, runtime_only=args.runtime_only)
+        results["shapes"][name] = run_shape(name, *SHAPES[name], gen, sweep=args.sweep, runtime_only=args.runtime_only,
+                                            rounds=args.rounds)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)

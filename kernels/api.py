@@ -237,12 +237,13 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
     elif config.cluster_m == 2:
         if config.cluster_n != 1:
             problems.append("cluster_m = 2 and cluster_n = 2: a CTA pair runs along m or along n; set one to 1")
-        if config.gather_a or not config.persistent:
-            problems.append("cluster_m = 2 multicasts a TMA-loaded B in a persistent kernel beside a TMA-loaded A: "
-                            "use gather_a=False, persistent=True")
-        if epilogue.gated:
-            problems.append("cluster_m = 2 multicasts one B box per stage; a gated epilogue loads two (gate, up): "
-                            "use cluster_m = 1 (or cluster_n = 2)")
+        if not config.persistent:
+            problems.append("cluster_m = 2 multicasts B in a persistent kernel: use persistent=True")
+        box_rows = config.tile_n // 2 if epilogue.gated else config.tile_n
+        if box_rows % 16:
+            problems.append(f"cluster_m = 2 splits each B box ({box_rows} rows at tile_n = {config.tile_n}"
+                            f"{', gated' if epilogue.gated else ''}) between the pair in whole 8-row swizzle "
+                            f"atoms: pick a tile_n whose boxes are a multiple of 16 rows, or cluster_m = 1")
     if (why := band_problem(config)) is not None:
         problems.append(why)
     if config.cluster_n not in (1, 2):

@@ -69,9 +69,12 @@ class GatherProducer:
     @cute.jit
     def produce_gather(self, mA: cute.Tensor, mIdx: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                        mOffs: cute.Tensor, mCounter: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe,
-                       sched_pipe, sTile: cute.Tensor, ptid: Int32, warp_idx: Int32, bidx: Int32, grid: Int32):
+                       sched_pipe, sTile: cute.Tensor, ptid: Int32, warp_idx: Int32, bidx: Int32, grid: Int32,
+                       rank=0):
         """The producer warpgroup's loop (``ptid`` = thread in the warpgroup, ``warp_idx`` its warp); ``mCounter``,
-        ``sched_pipe``, ``sTile``: the dynamic scheduler's counter, tile-id pipeline and slots (unused static)."""
+        ``sched_pipe``, ``sTile``: the dynamic scheduler's counter, tile-id pipeline and slots (unused static).
+        With ``cluster_m = 2`` (``bidx`` / ``grid``: the pair's index and count, ``rank``: this CTA's in it) warp 0
+        loads its half of each B box and multicasts it to the pair; each CTA gathers its own m-tile's A rows."""
         chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
         tiled_copy = self.gather_copy()
         thr_copy = tiled_copy.get_slice(ptid)
@@ -80,6 +83,10 @@ class GatherProducer:
         rows = cute.size(tAcA, mode=[1])
         chunks = cute.size(tAcA, mode=[2])
         k_tail = const_expr(self.K % self.tile_k != 0)
+        b_mask = None
+        if const_expr(self.cluster_m > 1):
+            b_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)), (rank, 0, 0), mode=0)
+        sent = Int32(0)   # tile ids through the pair's mailbox so far
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         tile_id = bidx
         if const_expr(self.dynamic):
@@ -87,7 +94,7 @@ class GatherProducer:
             sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx)
         g, base, cnt = self.sched.start(mOffs, tile_id)
         while g < self.G:
-            m_idx, n_idx = self.sched.coords(tile_id, base, cnt)
+            m_idx, n_idx = self.sched.coords(tile_id, base, cnt, rank)
             row_end = mOffs[g + 1]
             row0 = mOffs[g] + m_idx * self.tile_m
             # this thread's rows of the tile: their tokens (read once per tile), as rows of A cut into chunks
@@ -106,13 +113,13 @@ class GatherProducer:
                     token[m] = Int32(0)
             gRows = [cute.tiled_divide(cute.append_ones(mA[token[m], None], up_to_rank=2), (chunk, 1))
                      for m in range(rows)]
-            b_parts = self.b_tile(tma_b, mB, sB, g, n_idx)
+            b_parts = self.b_tile(tma_b, mB, sB, g, n_idx, rank)
             for kt in cutlass.range(self.k_tiles, unroll=1):
                 stage = prod_state.index
                 bar = ab_pipe.producer_get_barrier(prod_state)
                 if warp_idx == 0:
                     ab_pipe.producer_acquire(prod_state)       # empty wait + arrive expecting B's bytes
-                    self.load_b(tma_b, b_parts, kt, stage, bar)
+                    self.load_b(tma_b, b_parts, kt, stage, bar, b_mask)
                 else:
                     ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
                 for c in cutlass.range_constexpr(chunks):
@@ -126,7 +133,9 @@ class GatherProducer:
                 prod_state.advance()
             if const_expr(self.dynamic):
                 slot = sched_state.index
-                sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx, mCounter, grid)
+                sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx, mCounter, grid,
+                                              rank, sent)
+                sent = sent + 1
                 cute.arch.barrier(barrier_id=GATHER_BARRIER, number_of_threads=GATHER_THREADS)
                 tile_id = sTile[slot]
             else:
@@ -139,18 +148,22 @@ class GatherProducer:
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         if warp_idx == 0:
+            if const_expr(self.dynamic and self.cluster_size > 1):
+                self.mailbox.drain(sent, rank)
             ab_pipe.producer_tail(prod_state)
 
     @cute.jit
     def publish_id(self, sched_pipe, state, sTile: cute.Tensor, tile_id: Int32, warp_idx: Int32, mCounter=None,
-                   grid=None):
+                   grid=None, rank=0, sent=0):
         """Every producer thread: warp 0 publishes a tile id to the consumers (dynamic scheduler): ``tile_id``, or
-        with ``mCounter`` the next one it takes from the counter (only warp 0 takes one). All advance the same
-        state (each thread its copy), so after the next :data:`GATHER_BARRIER` every thread knows the slot."""
+        with ``mCounter`` the next one it takes from the counter (only warp 0 takes one; in a CTA pair rank 0's
+        takes it and sends it to rank 1's as message ``sent`` of the pair's mailbox). All advance the same state (each
+        thread its copy), so after the next :data:`GATHER_BARRIER` every thread knows the slot."""
         if warp_idx == 0:
             nxt = tile_id
             if const_expr(mCounter is not None):
-                nxt = self.sched.producer_next(mCounter, tile_id, grid)
+                mailbox = self.mailbox if const_expr(self.cluster_size > 1) else None
+                nxt = self.sched.producer_next(mCounter, tile_id, grid, mailbox, rank, sent)
             self.sched.fill_slot(sched_pipe, state, sTile, nxt)
         state.advance()
         return state

@@ -19,9 +19,10 @@ D[rows of g] = epilogue(A[rows of g] @ B[g].T)
   B tiles differ per CTA). TMA-loaded A, an even number of n-tiles; with the dynamic schedule rank 0's producer
   takes the tile ids and sends them to rank 1's (kernels/scheduler.py).
 - ``cluster_m = 2``: CTA pairs work on neighbouring m-tiles of one group and n-tile; each loads half of the B
-  tile (the weight's, the same for both) and multicasts it, so B crosses L2 once per pair. For a GEMM whose
-  n-tiles do not pair up (an odd count: GPT-OSS's 2880 at 128x192), B not gated, A by TMA. A group with an odd
-  m-tile count leaves rank 1 of its last pair a tile past the group's rows (masked: nothing stored).
+  tile (the weight's, the same for both: half of each box, gate and up, when gated) and multicasts it, so B
+  crosses L2 once per pair; A is each CTA's own, by TMA or gathered. For a GEMM whose n-tiles do not pair up
+  (an odd count: GPT-OSS's 2880 at 128x192), and for a gathering kernel (its A cannot be multicast). A group
+  with an odd m-tile count leaves rank 1 of its last pair a tile past the group's rows (masked: nothing stored).
 - rows of a tile past the group's end are computed (TMA of A reads the next group's rows) but never
   stored: the epilogue masks every store by the group's row range.
 
@@ -87,8 +88,11 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         self.short_tiles = bool(getattr(config, "short_tiles", False)) and self.tile_m == 128
         assert self.cluster_n in (1, 2) and self.cluster_m in (1, 2), "cluster_n and cluster_m are 1 or 2"
         assert self.cluster_size <= 2, "a CTA pair along m or along n, not both"
-        assert self.cluster_size == 1 or not self.gather_a, "a CTA pair's multicast needs TMA loads of A and B"
-        assert self.cluster_m == 1 or not epilogue.gated, "cluster_m multicasts one B box: not a gated B"
+        assert self.cluster_n == 1 or not self.gather_a, "a CTA pair along n multicasts a TMA-loaded A: not gathered"
+        # cluster_m: each rank loads half of every B box (both halves of a gated tile), so a box's rows split
+        # into two halves of whole 8-row swizzle atoms
+        assert self.cluster_m == 1 or (self.tile_n // (2 if epilogue.gated else 1)) % 16 == 0, \
+            "cluster_m splits each B box in two: its rows must be a multiple of 16"
         self.peer_ids = self.dynamic and self.cluster_size > 1   # rank 0 sends the tile ids it takes to rank 1
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.gather_a]
         assert self.b_major in ("K", "MN"), "b_major is 'K' or 'MN'"
@@ -253,7 +257,7 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             if const_expr(self.gather_a):
                 self.produce_gather(mA, mIdx, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
-                                    tidx, warp_idx, bidx, grid)
+                                    tidx, warp_idx, bidx, grid, rank=rank)
             elif warp_idx == 0:
                 self.produce(tma_a, mA, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
                              bidx, grid, rank=rank)

@@ -101,7 +101,7 @@ class WarpRoles:
     #: the A tile and multicasting it to both (the bf16 and the FP8 kernel)
     cluster_n = 1
     #: CTAs per cluster along m: 2 = a CTA pair works on neighbouring m-tiles of one group and n-tile, each loading
-    #: half of the B tile (the weight's) and multicasting it to both (the bf16 kernel, B not gated)
+    #: half of the B tile (the weight's; half of each box when gated) and multicasting it to both (the bf16 kernel)
     cluster_m = 1
     #: a 128-row tile whose rows end within its first 64 issues only their wgmma (:meth:`short_tile`;
     #: GemmConfig.short_tiles: the bf16 kernel here, the FP8 kernel in kernels/fp8_mainloop.py)

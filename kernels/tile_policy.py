@@ -20,6 +20,7 @@ loading the DSL.
     aux_tile(config, N)                the tile of an epilogue reading a saved (M, n) tensor (FC2's dgrad)
     for_gather(config)                 a configuration with A gathered through an index
     gather_tile(config, N)             the wider tile a gathering kernel takes (its A loads bound it)
+    gather_pairs(config, gated)        ... as CTA pairs on neighbouring m-tiles sharing the weight's tile (FC1)
     gathers_in_kernel(N)               whether an MoE FC1 gathers in its A loads or reads a copy (wide N)
     spill_fallback(config)             the configuration compile_grouped_gemm rebuilds a spilling kernel at
     band_for, resolved_band, one_band_limit, band_problem
@@ -324,6 +325,8 @@ def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bo
                                      pingpong=False)
     elif gather:
         config = gather_tile(for_gather(config), N)
+        if gated:
+            config = gather_pairs(config, gated)
     elif gated:
         config = gated_tile(config, N, K, col_block)
     return dataclasses.astuple(config)
@@ -458,6 +461,35 @@ def for_gather(config: GemmConfig) -> GemmConfig:
     3.25 ms, Qwen3-235B-A22B's 5.43 -> 4.86, Qwen3-30B-A3B's 1.33 -> 1.18, DeepSeek-V3's 5.87 -> 5.28, OLMoE's
     1.72 -> 1.72; on an H100 the static kernel had taken 7.12 ms on GPT-OSS-120B (docs/benchmarks.md)."""
     return dataclasses.replace(config, gather_a=True, dynamic=True, cluster_n=1, cluster_m=1)
+
+
+#: FUSION_GATHER_PAIRS=0 (read at import): gathering kernels run single CTAs (the A/B switch of :func:`gather_pairs`;
+#: it changes the jobs' keys, so both live in one kernel cache).
+GATHER_PAIRS = os.environ.get("FUSION_GATHER_PAIRS", "1") != "0"
+
+
+def gather_pairs(config: GemmConfig, gated: bool) -> GemmConfig:
+    """A gathering kernel's configuration as CTA pairs on neighbouring m-tiles (cluster_m = 2): each CTA gathers
+    its own A rows and loads half of the weight's B tile (half of each of the gate and up boxes when gated),
+    multicast to both, so B crosses L2 once per pair. B is the larger operand of a wide tile (128x256: 32 KB of B
+    per k-step against 16 KB of A), and the pair along n that the TMA kernel uses shares A, which a cp.async-loaded
+    A cannot. Where each B box splits into whole 8-row swizzle atoms (kernels/api.py check_config).
+
+    :func:`tile_config` gives it to the gated FC1 forward only. Measured on an H100 (bench/bench_gather_gemm.py
+    --rounds 3, T = 16384, the FC1 training job; bench/results/H100-2026-11-27g-gather-pairs-ab.{json,log}), ms,
+    median of three alternating rounds (the fastest round), pairs against single CTAs: OLMoE 1.897 (1.719) against
+    2.009 (1.984), ERNIE-4.5 2.882 against 3.016, Qwen1.5-MoE 1.405 (1.290) against 1.447 (1.424), Qwen3-30B-A3B
+    1.647 (1.459) against 1.691 (1.626), DeepSeek-V3 EP8 6.295 (5.831) against 6.392 (6.284), Qwen2-57B-A14B 7.862
+    against 7.942, GLM-4.5-Air 5.146 (4.689) against 5.172 (5.076); Qwen3-235B-A22B 5.980 against 5.900 (the
+    fastest round 5.529 against 5.862). This kernel's rounds spread by 10-30% on the lent machines, so the gain
+    (0.5-5.6% by medians on seven of eight, 1-13% by the fastest rounds) is within one run's noise on some shapes;
+    in the MoE layer the forward measured level to 4.8% faster (DeepSeek-V3 EP8), the step within its noise. FC2's dgrad reading
+    dY through the index keeps single CTAs: as pairs it measured 8% and 15% slower on DeepSeek-V3 and GLM in one
+    call, 11% and 3% faster in another (bench/bench_dgrad_epilogue.py, `-dgrad-pairs-*.log`)."""
+    box_rows = config.tile_n // 2 if gated else config.tile_n
+    if not GATHER_PAIRS or box_rows % 16 or not config.persistent:
+        return config
+    return dataclasses.replace(config, cluster_m=2, cluster_n=1)
 
 
 def spill_fallback(config: GemmConfig) -> GemmConfig | None:

@@ -101,8 +101,8 @@ def test_policy_pairs_the_static_schedule_where_n_tiles_are_even():
     (PAIR, 384, True, "even number of n-tiles (3"),     # gated: 192 logical columns in 64-column tiles
     (dataclasses.replace(PAIR, cluster_n=4), 1024, False, "use 1, or 2"),
     (dataclasses.replace(PAIR, cluster_m=2), 1024, False, "along m or along n"),
-    (dataclasses.replace(PAIR, cluster_m=2, cluster_n=1), 1024, True, "gated epilogue loads two"),
-    (dataclasses.replace(PAIR, cluster_m=2, cluster_n=1, gather_a=True), 1024, False, "TMA-loaded B"),
+    (dataclasses.replace(PAIR, cluster_m=2, cluster_n=1, tile_n=176), 1024, True, r"each B box (88 rows"),
+    (dataclasses.replace(PAIR, cluster_m=2, cluster_n=1, persistent=False), 1024, False, "persistent=True"),
     (dataclasses.replace(PAIR, cluster_m=4, cluster_n=1), 1024, False, "use 1, or 2 (a CTA pair on neighbouring m"),
 ])
 def test_config_errors_name_the_constraint(cfg, N, gated, msg):

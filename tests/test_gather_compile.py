@@ -1,5 +1,6 @@
 """CPU-only: the gather-A grouped GEMM (A's rows read through an int32 index by cp.async) compiles for sm_90a
 without spills, at the tile configurations the runtime asks for; its configuration and host checks."""
+import collections
 import dataclasses
 import importlib
 import os
@@ -13,7 +14,8 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import fusion.kernels as K  # noqa: E402
 from fusion.errors import DTypeError, KernelConfigError, ShapeError  # noqa: E402
 from fusion.kernels.mainloop import REGISTER_SPLIT  # noqa: E402
-from fusion.kernels.tile_policy import candidates, for_gather, gather_tile, spill_fallback, tile_config  # noqa: E402
+from fusion.kernels.tile_policy import (candidates, for_gather, gather_pairs, gather_tile, spill_fallback,  # noqa: E402
+                                        tile_config)
 from conftest import sass_or_skip  # noqa: E402
 
 # the FC1 of an MoE block: (experts, d, f) -> a gated GEMM with N = 2f, K = d
@@ -64,10 +66,11 @@ def test_gated_fc1_gather_compiles_without_spills(model):
     comp = _gather_compile(K.SwiGLUScaleEpilogue(), 2 * f, d, E)
     _check_gather_sass(comp)
     assert comp.config.gather_a and comp.config.dynamic
-    assert comp.name.endswith("_gA") and "_dyn" in comp.name
-    # built at gather_tile's tile (the widest that divides N), not a spill fallback
-    want = gather_tile(for_gather(K.GemmConfig(*tile_config(2 * f, d, E, True, "K", False))), 2 * f)
-    assert comp.config == want
+    assert comp.name.endswith("_gA_cm2") and "_dyn" in comp.name
+    # built at gather_tile's tile (the widest that divides N) as CTA pairs along m, not a spill fallback
+    want = gather_pairs(gather_tile(for_gather(K.GemmConfig(*tile_config(2 * f, d, E, True, "K", False))), 2 * f),
+                        gated=True)
+    assert comp.config == want and comp.config.cluster_m == 2
     assert comp.config.tile_n == (192 if 2 * f % 192 == 0 else 256 if 2 * f % 256 == 0 else 128)
 
 
@@ -123,8 +126,10 @@ def test_tile_policy_gives_gather_a_the_dynamic_schedule():
     for gated, N in ((True, 28672), (True, 1536), (False, 4096)):
         base = K.GemmConfig(*tile_config(N, 4096, 8, gated, "K", False))
         gath = K.GemmConfig(*tile_config(N, 4096, 8, gated, "K", False, gather=True))
-        assert gath == gather_tile(dataclasses.replace(base, gather_a=True, dynamic=True, cluster_n=1), N)
+        tile = gather_tile(dataclasses.replace(base, gather_a=True, dynamic=True, cluster_n=1, cluster_m=1), N)
+        assert gath == (gather_pairs(tile, gated) if gated else tile)
         assert gath.gather_a and gath.dynamic and gath.cluster_n == 1   # a gathered A is never multicast
+        assert gath.cluster_m == (2 if gated else 1)                    # the FC1 forward's pairs share B
         # the widest tile that divides N: every n-tile gathers its A rows again
         assert (gath.tile_n, gath.pingpong) == {28672: (256, False), 1536: (192, True), 4096: (256, False)}[N]
     assert gather_tile(for_gather(K.GemmConfig(tile_n=128)), 1000) == for_gather(K.GemmConfig(tile_n=128))
@@ -142,13 +147,43 @@ def test_runtime_job_carries_gather():
     assert not K.GemmConfig(*plain.config).gather_a and plain.key != job.key
 
 
-@pytest.mark.parametrize("cfg,match", [
-    (dict(gather_a=True, cluster_n=2), "multicasts a TMA-loaded A"),
-    (dict(gather_a=True, cluster_m=2), "beside a TMA-loaded A"),
+@pytest.mark.parametrize("cfg,epi,match", [
+    (dict(gather_a=True, cluster_n=2), K.IdentityEpilogue(), "multicasts a TMA-loaded A"),
+    (dict(gather_a=True, cluster_m=2, persistent=False), K.IdentityEpilogue(), "persistent=True"),
+    (dict(gather_a=True, cluster_m=2, tile_n=176), K.SwiGLUScaleEpilogue(), r"each B box \(88 rows"),
 ])
-def test_gather_configs_the_kernel_cannot_build_are_rejected(cfg, match):
+def test_gather_configs_the_kernel_cannot_build_are_rejected(cfg, epi, match):
     with pytest.raises(KernelConfigError, match=match):
-        K.compile_grouped_gemm(K.GemmConfig(**cfg), K.IdentityEpilogue(), "bfloat16", N=1024, K=512, G=8)
+        K.compile_grouped_gemm(K.GemmConfig(**cfg), epi, "bfloat16", N=1024, K=512, G=8)
+
+
+def test_gathering_m_pairs_multicast_b():
+    """The FC1 forward's gathering kernel as CTA pairs on neighbouring m-tiles (tile_policy.gather_pairs): both
+    halves of the gated B tile (gate and up boxes) are loaded half per CTA and multicast, A is still each CTA's own
+    cp.async rows, a cluster barrier guards the pipeline's start, and the dynamic pair's tile ids go from rank 0
+    to rank 1 through the mailbox (st.async into the peer's smem); no spills."""
+    config = K.GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True))
+    assert config.cluster_m == 2 and config.dynamic
+    comp = K.compile_grouped_gemm(config, K.SwiGLUScaleEpilogue(), "bfloat16", 1536, 2048, 128)
+    ops = collections.Counter(_check_gather_sass(comp))
+    assert ops["UTMALDG.3D.MULTICAST"] == 2 and ops["UTMALDG.3D"] == 0, "the gate and up boxes, multicast"
+    assert ops["UCGABAR_WAIT"] > 0
+    assert "st.async" in comp.ptx, "the dynamic pair's mailbox"
+    assert comp.name.endswith("_gA_cm2")
+
+
+def test_gather_pairs_rule(monkeypatch):
+    """gather_pairs: m-pairs where every B box splits into whole 8-row swizzle atoms; FUSION_GATHER_PAIRS=0 (the
+    module's GATHER_PAIRS) keeps single CTAs; FC2's dgrad reading dY through the index keeps them too."""
+    from fusion.kernels import tile_policy
+
+    gated = K.GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True))
+    assert gated.cluster_m == 2
+    assert gather_pairs(dataclasses.replace(gated, cluster_m=1, tile_n=176), gated=True).cluster_m == 1  # 88 rows
+    assert gather_pairs(dataclasses.replace(gated, cluster_m=1, tile_n=176), gated=False).cluster_m == 2
+    assert K.GemmConfig(*tile_config(768, 2048, 128, False, "MN", True, gather=True)).cluster_m == 1
+    monkeypatch.setattr(tile_policy, "GATHER_PAIRS", False)
+    assert K.GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True)).cluster_m == 1
 
 
 def test_gather_needs_k_multiple_of_8():

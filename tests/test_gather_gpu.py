@@ -59,7 +59,7 @@ def _close(x, ref, tol=1e-2):
     assert ((x - ref).norm() / ref.norm()).item() < tol / 2
 
 
-def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True):
+def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True, cluster_m=1):
     gen = torch.Generator().manual_seed(1234 + N + Kd)
     x = torch.randn(T, Kd, generator=gen).to(DEV, torch.bfloat16)
     W = (torch.randn(G, N, Kd, generator=gen) / Kd ** 0.5).to(DEV, torch.bfloat16)
@@ -69,8 +69,9 @@ def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True):
     rows = int(sizes.sum())
     offs = K.offsets_from_group_sizes(sizes)
     config = K.GemmConfig(*tile_config(N, Kd, G, epi.gated, "K", False, gather=True))
-    comp = K.compile_grouped_gemm(dataclasses.replace(config, dynamic=dynamic), epi, "bfloat16", N, Kd, G)
-    assert comp.config.gather_a and comp.config.dynamic == dynamic
+    comp = K.compile_grouped_gemm(dataclasses.replace(config, dynamic=dynamic, cluster_m=cluster_m), epi, "bfloat16",
+                                  N, Kd, G)
+    assert comp.config.gather_a and comp.config.dynamic == dynamic and comp.config.cluster_m == cluster_m
     n_out = N // 2 if epi.gated else N
     out = torch.full((M, n_out), POISON, dtype=torch.bfloat16, device=DEV)
     extras = extras_fn(M, gen)
@@ -81,28 +82,34 @@ def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True):
 
 
 SCHEDULES = pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+#: single CTAs, and CTA pairs on neighbouring m-tiles sharing B's tile by multicast (each gathers its own A rows;
+#: a group with an odd m-tile count leaves rank 1 a tile past its rows, which must store nothing)
+CLUSTERS = pytest.mark.parametrize("cluster_m", [1, 2], ids=["single", "m-pairs"])
 
 
 @SCHEDULES
+@CLUSTERS
 @pytest.mark.parametrize("N,Kd,T", [(384, 512, 700), (200, 520, 700), (384, 256, 9000)])
-def test_gather_identity(N, Kd, T, dynamic):
+def test_gather_identity(N, Kd, T, dynamic, cluster_m):
     """Plain grouped GEMM on gathered rows; (200, 520): partial n-tile and a ragged last k-tile (zero fill);
     T = 9000: 27000 routed rows, many more tiles than CTAs (each CTA walks several, from the counter when
     dynamic)."""
     out, ref, _, _ = _run(K.IdentityEpilogue(), T=T, G=12, N=N, Kd=Kd, topk=3, pad=77,
-                          extras_fn=lambda M, gen: None, dynamic=dynamic)
+                          extras_fn=lambda M, gen: None, dynamic=dynamic, cluster_m=cluster_m)
     _close(out, ref)
 
 
 @SCHEDULES
+@CLUSTERS
 @pytest.mark.parametrize("N,Kd", [(512, 1024), (4096, 256)])
-def test_gather_swiglu_scale(N, Kd, dynamic):
-    """Gated FC1 on gathered rows: silu(gate) * up * scale[r] per routed row ((4096, 256): the 128x192 tile)."""
+def test_gather_swiglu_scale(N, Kd, dynamic, cluster_m):
+    """Gated FC1 on gathered rows: silu(gate) * up * scale[r] per routed row ((4096, 256): the 128x192 tile); as
+    m-pairs each CTA multicasts half of both the gate and the up box."""
     def extras(M, gen):
         return {"scale": torch.rand(M, generator=gen).to(DEV)}
 
     out, ref, ext, rows = _run(K.SwiGLUScaleEpilogue(), T=600, G=10, N=N, Kd=Kd, topk=2, pad=33,
-                               extras_fn=extras, dynamic=dynamic)
+                               extras_fn=extras, dynamic=dynamic, cluster_m=cluster_m)
     gate, up = ref[:, :N // 2], ref[:, N // 2:]
     expect = gate * torch.sigmoid(gate) * up * ext["scale"][:rows].double()[:, None]
     _close(out, expect)
