@@ -61,3 +61,58 @@ def test_compile_in_workers_from_stdin(tmp_path):
 def test_compile_in_one_process_leaves_the_working_directory_clean(tmp_path):
     stdout = run_user_program(tmp_path, parallel=1, stdin=True)
     assert "COMPILED-IN-THIS-PROCESS 4" in stdout
+
+
+def _fake_rounds(monkeypatch, rounds):
+    """compile_worker._run_workers replaced by `rounds` (one result per call); returns the calls' job lists."""
+    from fusion.runtime import compile_worker
+
+    calls = []
+
+    def fake(jobs, workers, cache_dir, done):
+        calls.append([job.name for job in jobs])
+        return rounds[len(calls) - 1](jobs)
+
+    monkeypatch.setattr(compile_worker, "_run_workers", fake)
+    return calls
+
+
+def _jobs():
+    from fusion.runtime.compile import KernelJob
+
+    return [KernelJob(step=f"F{i}", variant="train", source="", config=(), dtype="bfloat16", N=128, K=128, G=1,
+                      target="sm_90a") for i in range(3)]
+
+
+def test_jobs_of_a_killed_worker_compile_once_more(monkeypatch, tmp_path):
+    """A worker killed by a signal before it reported its jobs: they run again in one fresh worker, with a
+    warning naming them; killed again, a CompileError names them."""
+    from fusion.errors import CompileError
+    from fusion.runtime.compile_worker import compile_in_workers
+
+    jobs = _jobs()
+    killed_then_fine = [lambda js: ([], js[1:], "", 9), lambda js: ([], [], "", 0)]
+    calls = _fake_rounds(monkeypatch, killed_then_fine)
+    with pytest.warns(RuntimeWarning, match=r"killed \(signal 9\) before it finished fused_F1_train.*compiling them"):
+        compile_in_workers(jobs, 2, tmp_path, lambda key: None)
+    assert calls == [[j.name for j in jobs], [j.name for j in jobs[1:]]]
+
+    calls = _fake_rounds(monkeypatch, [lambda js: ([], js, "", 9), lambda js: ([], js[:1], "", 9)])
+    with pytest.warns(RuntimeWarning), pytest.raises(CompileError, match="exited before it finished fused_F0_train"):
+        compile_in_workers(jobs, 2, tmp_path, lambda key: None)
+    assert len(calls) == 2
+
+
+def test_a_worker_that_failed_without_a_signal_is_not_retried(monkeypatch, tmp_path):
+    """A worker that exited with an error (a traceback in its stderr) or a kernel that failed to compile is an
+    error at once: compiling it again would fail the same way."""
+    from fusion.errors import CompileError
+    from fusion.runtime.compile_worker import compile_in_workers
+
+    calls = _fake_rounds(monkeypatch, [lambda js: ([], js, "Traceback: ImportError\n", 0)])
+    with pytest.raises(CompileError, match="its stderr ends with:\nTraceback: ImportError"):
+        compile_in_workers(_jobs(), 2, tmp_path, lambda key: None)
+    calls = _fake_rounds(monkeypatch, [lambda js: (["fused_F0_train: DSLError: no"], js[:1], "", 9)])
+    with pytest.raises(CompileError, match="DSLError"):
+        compile_in_workers(_jobs(), 2, tmp_path, lambda key: None)
+    assert len(calls) == 1

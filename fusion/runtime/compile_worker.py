@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -77,7 +78,25 @@ def _worker_env(cache_dir: Path) -> dict:
 
 def compile_in_workers(jobs: list, workers: int, cache_dir: Path, done: Callable[[str], None]) -> None:
     """Compile `jobs` into `cache_dir` in `workers` worker programs; `done(key)` is called as each finishes.
-    Raises CompileError naming each kernel that failed (with the worker's stderr when it died)."""
+    Raises CompileError naming each kernel that failed (with the worker's stderr when it died). The jobs of a
+    worker killed by a signal before it reported them (the kernel's OOM killer, a stray kill: seen once on the
+    2-core CI machine, a worker gone without a word) are compiled once more in a fresh worker, with a warning;
+    lost twice, they are an error."""
+    errors, lost, tails, killed = _run_workers(jobs, workers, cache_dir, done)
+    if lost and killed and not errors:
+        warnings.warn(f"fusion: a compile worker was killed (signal {killed}) before it finished "
+                      f"{', '.join(job.name for job in lost)}; compiling them again", RuntimeWarning, stacklevel=3)
+        errors, lost, tails, _ = _run_workers(lost, 1, cache_dir, done)
+    if lost:
+        errors.append(f"a compile worker exited before it finished {', '.join(job.name for job in lost)}"
+                      + (f"; its stderr ends with:\n{tails}" if tails else ""))
+    if errors:
+        raise CompileError("fused kernels failed to compile:\n  " + "\n  ".join(errors))
+
+
+def _run_workers(jobs: list, workers: int, cache_dir: Path, done: Callable[[str], None]):
+    """One round of worker programs over `jobs`: (the kernels' compile errors, the jobs no worker reported, the
+    stderr tails of the workers that failed, the signal that killed a worker or 0)."""
     chunks = [c for c in (jobs[i::workers] for i in range(workers)) if c]
     names = {job.key: job.name for job in jobs}
     lock = threading.Lock()
@@ -126,13 +145,10 @@ def compile_in_workers(jobs: list, workers: int, cache_dir: Path, done: Callable
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    lost = [job.name for job in jobs if job.key not in finished]
-    if lost:
-        tails = "".join("".join(stderr[-20:]) for proc, stderr, _ in runs if proc.returncode)
-        errors.append(f"a compile worker exited before it finished {', '.join(lost)}"
-                      + (f"; its stderr ends with:\n{tails}" if tails else ""))
-    if errors:
-        raise CompileError("fused kernels failed to compile:\n  " + "\n  ".join(errors))
+    lost = [job for job in jobs if job.key not in finished]
+    tails = "".join("".join(stderr[-20:]) for proc, stderr, _ in runs if proc.returncode)
+    killed = next((-proc.returncode for proc, _, _ in runs if proc.returncode < 0), 0)
+    return errors, lost, tails, killed
 
 
 if __name__ == "__main__":
