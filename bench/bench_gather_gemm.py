@@ -16,7 +16,7 @@ Every kernel's output is compared with the single gathering CTA's (max |diff|: t
 TFLOP/s counts 2*M*d*2f for every row. The kernels load from the kernel cache, so they can be compiled elsewhere:
 
     FUSION_CACHE_DIR=/tmp/kc CUTE_DSL_ARCH=sm_90a python bench/bench_gather_gemm.py --precompile [--shapes ...]
-    python bench/bench_gather_gemm.py [--shapes i,j] [--sweep] [--runtime-only] [--rounds 3] [--out file.json]
+    python bench/bench_gather_gemm.py [--shapes i,j] [--sweep] [--runtime-only] [--static] [--rounds 3] [--out file.json]
 
 (--sweep: every gather-A tile configuration autotune mode would try, kernels/tile_policy.py candidates, and the
 widths that leave a ragged last n-tile).
@@ -71,11 +71,12 @@ def fc1_job(E, d, f, k):
     return next(j for j in plan_jobs(moe.experts, torch.bfloat16) if j.step == "F1" and j.variant == "train")
 
 
-def shape_jobs(E, d, f, k, sweep=False, runtime_only=False) -> dict:
+def shape_jobs(E, d, f, k, sweep=False, runtime_only=False, static=False) -> dict:
     """The kernels timed for one shape, KernelJobs by name: "gather" (the policy's gathering configuration),
     "runtime" (the policy's configuration without gathering), and unless `runtime_only` "single" (the gathering
-    tile as single CTAs) and "same" (that tile reading pre-gathered rows by TMA); with `sweep` the gathering
-    candidates, keyed by GemmConfig."""
+    tile as single CTAs) and "same" (that tile reading pre-gathered rows by TMA); with `static` "static" (the
+    policy's gathering configuration on the static tile order: quack's and SonicMoE's choice); with `sweep` the
+    gathering candidates, keyed by GemmConfig."""
     N = 2 * f
     base = fc1_job(E, d, f, k)
     gather_cfg = GemmConfig(*tile_config(N, d, E, True, "K", False, gather=True))
@@ -84,6 +85,8 @@ def shape_jobs(E, d, f, k, sweep=False, runtime_only=False) -> dict:
     if not runtime_only:
         cfgs["single"] = single
         cfgs["same"] = dataclasses.replace(single, gather_a=False)
+    if static:
+        cfgs["static"] = dataclasses.replace(gather_cfg, dynamic=False)
     if sweep:  # autotune mode's gather-A candidates, and the widths that leave a ragged last n-tile
         ragged = [dataclasses.replace(single, tile_n=tn, stages=st, pingpong=pp)
                   for tn, st in ((128, 6), (192, 5), (256, 4)) for pp in (False, True) if N % tn]
@@ -100,7 +103,7 @@ def _slot_tensor(spec, M, f, dev, gen):
     return torch.empty(M, 2 * f if spec.paired else f, dtype=dtype, device=dev)
 
 
-def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=False, rounds=1):
+def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=False, rounds=1, static=False):
     from fusion.runtime.compile import load_compiled
 
     N, M = 2 * f, T * k
@@ -109,7 +112,7 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=Fa
     sizes, index = routing(T, E, k, gen, dev)
     offs = K.offsets_from_group_sizes(sizes)
     kern = {}
-    for key, job in shape_jobs(E, d, f, k, sweep, runtime_only).items():
+    for key, job in shape_jobs(E, d, f, k, sweep, runtime_only, static).items():
         try:
             kern[key] = load_compiled(job)
         except Exception as exc:  # noqa: BLE001 - a sweep candidate that does not build is reported, not fatal
@@ -131,6 +134,8 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=Fa
     if not runtime_only:
         rows[f"gather-A kernel ({_label(kern['single'].config)})"] = ("single", x, index)
         rows[f"pre-gathered, same tile ({_label(kern['same'].config)})"] = ("same", xg, None)
+    if "static" in kern:
+        rows[f"gather-A kernel ({_label(kern['static'].config)}, static)"] = ("static", x, index)
     for cfg in [key for key in kern if isinstance(key, GemmConfig)]:
         built = kern[cfg].config
         rows[f"gather-A {built.tile_m}x{built.tile_n} {'pingpong' if built.pingpong else 'cooperative'} "
@@ -171,6 +176,8 @@ def main():
     ap.add_argument("--shapes", default=None, help="comma-separated names of " + ",".join(SHAPES))
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--sweep", action="store_true", help="also time every gather-A tile candidate")
+    ap.add_argument("--static", action="store_true",
+                    help="also the policy's gathering configuration on the static tile order")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every row this many times, in alternating order; report the median")
     ap.add_argument("--precompile", action="store_true",
@@ -183,7 +190,7 @@ def main():
         from fusion.runtime.aot import compile_jobs
 
         jobs = [j for n in names for j in shape_jobs(*(SHAPES[n][i] for i in (0, 1, 2, 4)), args.sweep,
-                                                     args.runtime_only).values()]
+                                                     args.runtime_only, args.static).values()]
         compile_jobs(jobs, parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "1")))
         return
     gen = torch.Generator().manual_seed(0)
@@ -191,7 +198,7 @@ def main():
     print(results["device"], flush=True)
     for name in names:
         results["shapes"][name] = run_shape(name, *SHAPES[name], gen, sweep=args.sweep, runtime_only=args.runtime_only,
-                                            rounds=args.rounds)
+                                            rounds=args.rounds, static=args.static)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -36,3 +36,11 @@ def test_the_timed_kernels_are_the_plans_fc1_at_each_configuration(name):
 def test_runtime_only_times_the_two_kernels_the_runtime_chooses_between():
     E, d, f, _, k = bench_gather_gemm.SHAPES["olmoe"]
     assert set(bench_gather_gemm.shape_jobs(E, d, f, k, runtime_only=True)) == {"gather", "runtime"}
+
+
+def test_static_adds_the_policy_configuration_on_the_static_order():
+    E, d, f, _, k = bench_gather_gemm.SHAPES["qwen3-30b-a3b"]
+    jobs = bench_gather_gemm.shape_jobs(E, d, f, k, static=True)
+    gather, static = (GemmConfig(*jobs[n].config) for n in ("gather", "static"))
+    assert gather.dynamic and not static.dynamic and static.cluster_m == gather.cluster_m == 2
+    assert GemmConfig(**{**static.__dict__, "dynamic": True}) == gather
