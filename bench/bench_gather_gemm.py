@@ -16,7 +16,7 @@ Every kernel's output is compared with the single gathering CTA's (max |diff|: t
 TFLOP/s counts 2*M*d*2f for every row. The kernels load from the kernel cache, so they can be compiled elsewhere:
 
     FUSION_CACHE_DIR=/tmp/kc CUTE_DSL_ARCH=sm_90a python bench/bench_gather_gemm.py --precompile [--shapes ...]
-    python bench/bench_gather_gemm.py [--shapes i,j] [--sweep] [--runtime-only] [--static] [--rounds 3] [--out file.json]
+    python bench/bench_gather_gemm.py [--shapes i,j] [--sweep] [--runtime-only] [--static] [--rounds 3] [--out f.json]
 
 (--sweep: every gather-A tile configuration autotune mode would try, kernels/tile_policy.py candidates, and the
 widths that leave a ragged last n-tile).

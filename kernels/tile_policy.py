@@ -463,7 +463,7 @@ def for_gather(config: GemmConfig) -> GemmConfig:
     return dataclasses.replace(config, gather_a=True, dynamic=True, cluster_n=1, cluster_m=1)
 
 
-#: FUSION_GATHER_PAIRS=0 (read at import): gathering kernels run single CTAs (the A/B switch of :func:`gather_pairs`;
+#: FUSION_GATHER_PAIRS=0 (read at import): the gathering FC1 runs single CTAs (the A/B switch of :func:`gather_pairs`;
 #: it changes the jobs' keys, so both live in one kernel cache).
 GATHER_PAIRS = os.environ.get("FUSION_GATHER_PAIRS", "1") != "0"
 
@@ -482,10 +482,11 @@ def gather_pairs(config: GemmConfig, gated: bool) -> GemmConfig:
     1.647 (1.459) against 1.691 (1.626), DeepSeek-V3 EP8 6.295 (5.831) against 6.392 (6.284), Qwen2-57B-A14B 7.862
     against 7.942, GLM-4.5-Air 5.146 (4.689) against 5.172 (5.076); Qwen3-235B-A22B 5.980 against 5.900 (the
     fastest round 5.529 against 5.862). This kernel's rounds spread by 10-30% on the lent machines, so the gain
-    (0.5-5.6% by medians on seven of eight, 1-13% by the fastest rounds) is within one run's noise on some shapes;
-    in the MoE layer the forward measured level to 4.8% faster (DeepSeek-V3 EP8), the step within its noise. FC2's dgrad reading
-    dY through the index keeps single CTAs: as pairs it measured 8% and 15% slower on DeepSeek-V3 and GLM in one
-    call, 11% and 3% faster in another (bench/bench_dgrad_epilogue.py, `-dgrad-pairs-*.log`)."""
+    (0.5-5.6% by medians on seven of eight, 1-13% by the fastest rounds on seven) is within one run's noise on
+    some shapes; in the MoE layer the forward measured level to 4.8% faster (DeepSeek-V3 EP8), the training step
+    within its noise. FC2's dgrad reading dY through the index keeps single CTAs: as pairs it measured 8% and 15%
+    slower on DeepSeek-V3 and GLM in one call, 11% and 3% faster in another (bench/bench_dgrad_epilogue.py,
+    `-dgrad-pairs-*.log`)."""
     box_rows = config.tile_n // 2 if gated else config.tile_n
     if not GATHER_PAIRS or box_rows % 16 or not config.persistent:
         return config
