@@ -13,6 +13,11 @@ also the unfused_compiled path once.
 A switch read when a block's kernels are chosen (a tile policy's rule: tile_policy.GATED_PAIRS) rather than per call
 takes --plan: the B setting then runs a copy of the block (the same parameters) whose plan and kernels were made, and
 run once, with the attribute off; the rounds alternate the two blocks.
+
+--moe: the whole MoE layers of bench_moe.py instead (its configurations, --tokens, phases moe_forward and
+moe_training_step; with --plan the copy is moe_paths.twin_layer, the same parameters and a distinct experts block):
+
+    python bench/ab_switch.py --moe --plan --switch fusion.kernels.tile_policy:GATHER_PAIRS --models qwen3-30b-a3b
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import importlib
 import json
 import statistics
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -74,11 +80,70 @@ def plan_twin(setup, module, attr: str, phases: str):
     return twin
 
 
+def block_subject(block, module, attr: str, plan: bool, phases: str):
+    """A training-step block as an A/B subject: its name, the paths by setting ({True: ..., False: ...}), `call(path,
+    phase)` -> (call, clear), the fused Sequential of each setting, and `baseline()`: its unfused_compiled path."""
+    setup = B.setup_block(block)
+    fusion_path = B.make_path("fusion", setup.seq, setup.sizes, setup.offsets, setup.probs)
+    paths = {True: fusion_path, False: plan_twin(setup, module, attr, phases) if plan else fusion_path}
+    return types.SimpleNamespace(
+        name=block.model, paths=paths, call=lambda path, phase: B.phase_fn(path, phase, setup.x, setup.dy),
+        seqs={v: paths[v].seq for v in paths},
+        baseline=lambda: B.make_path("unfused_compiled", setup.seq, setup.sizes, setup.offsets, setup.probs))
+
+
+def moe_subject(cfg, tokens: int, module, attr: str, plan: bool, phases: str):
+    """The same for a whole MoE layer of bench_moe.py (with `plan`: its twin's experts block planned, compiled and run
+    once per phase with `attr` False)."""
+    import bench_moe as M
+    from fusion.planner import clear_cache
+    from moe_paths import FusionLayer, twin_layer
+
+    moe, x, dy = M.make_layer(cfg, tokens, M.Options())
+    paths = {True: FusionLayer(moe)}
+    paths[False] = paths[True]
+    if plan:
+        original = getattr(module, attr)
+        try:
+            setattr(module, attr, False)
+            clear_cache()
+            paths[False] = FusionLayer(twin_layer(moe))
+            for phase in phases.split(","):
+                call, clear = M.phase_fn(paths[False], phase, x, dy)
+                clear()
+                call()
+            torch.cuda.synchronize()
+        finally:
+            setattr(module, attr, original)
+            clear_cache()
+    return types.SimpleNamespace(name=f"{cfg.model} T={tokens}", paths=paths,
+                                 call=lambda path, phase: M.phase_fn(path, phase, x, dy),
+                                 seqs={v: paths[v].call.experts for v in paths}, baseline=None)
+
+
+def subjects(args, module, attr: str):
+    """The blocks (or with --moe the MoE layers) --models names, one subject at a time (each built when reached)."""
+    if args.moe:
+        import bench_moe as M
+
+        names = set(args.models.split(","))
+        chosen = [c for c in M.ALL_CONFIGS if c.model in names]
+        if len(chosen) != len(names):
+            raise SystemExit(f"--moe: unknown models {sorted(names - {c.model for c in chosen})}")
+        for cfg in chosen:
+            yield moe_subject(cfg, args.tokens, module, attr, args.plan, args.phases)
+    else:
+        for block in B.select_blocks(args.models):
+            yield block_subject(block, module, attr, args.plan, args.phases)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--switch", required=True, help="module:attribute, set to True (A) and False (B)")
     ap.add_argument("--models", required=True)
-    ap.add_argument("--phases", default="training_step")
+    ap.add_argument("--phases", default=None, help="default: training_step (--moe: moe_training_step)")
+    ap.add_argument("--moe", action="store_true", help="--models are bench_moe.py's MoE layers, at --tokens")
+    ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--plan", action="store_true",
                     help="the switch is read when kernels are chosen: B runs a copy of the block planned with it off")
@@ -90,19 +155,19 @@ def main(argv=None):
     module = importlib.import_module(module_name)
     original = getattr(module, attr)
     B.SIGMA = args.sigma
+    args.phases = args.phases or ("moe_training_step" if args.moe else "training_step")
+    if args.baseline and args.moe:
+        ap.error("--baseline times the blocks' unfused_compiled path; bench_moe.py times the layers' torch_compiled")
     results = []
-    for block in B.select_blocks(args.models):
-        name = block.model
-        setup = B.setup_block(block)
-        fusion_path = B.make_path("fusion", setup.seq, setup.sizes, setup.offsets, setup.probs)
-        paths = {True: fusion_path, False: plan_twin(setup, module, attr, args.phases) if args.plan else fusion_path}
+    for subject in subjects(args, module, attr):
+        name, paths, phase_call, seqs = subject.name, subject.paths, subject.call, subject.seqs
         if args.plan:
             for phase in args.phases.split(","):   # run once now, so that its tiles print next to the twin's
-                call, clear = B.phase_fn(fusion_path, phase, setup.x, setup.dy)
+                call, clear = phase_call(paths[True], phase)
                 clear()
                 call()
-            print(f"{name}: tiles on {fused_tiles(paths[True].seq)}\n{'':{len(name)}}  tiles off "
-                  f"{fused_tiles(paths[False].seq)}", flush=True)
+            print(f"{name}: tiles on {fused_tiles(seqs[True])}\n{'':{len(name)}}  tiles off "
+                  f"{fused_tiles(seqs[False])}", flush=True)
         for phase in args.phases.split(","):
             times = {True: [], False: []}
             try:
@@ -110,7 +175,7 @@ def main(argv=None):
                     for value in order:
                         if not args.plan:
                             setattr(module, attr, value)
-                        ms = measure(*B.phase_fn(paths[value], phase, setup.x, setup.dy))["b2b_ms"]
+                        ms = measure(*phase_call(paths[value], phase))["b2b_ms"]
                         if r:
                             times[value].append(ms)
             finally:
@@ -118,17 +183,17 @@ def main(argv=None):
             row = {"model": name, "phase": phase, "on_ms": times[True], "off_ms": times[False],
                    "on_median": statistics.median(times[True]), "off_median": statistics.median(times[False])}
             if args.baseline:
-                base = B.make_path("unfused_compiled", setup.seq, setup.sizes, setup.offsets, setup.probs)
-                row["unfused_compiled_ms"] = measure(*B.phase_fn(base, phase, setup.x, setup.dy))["b2b_ms"]
+                row["unfused_compiled_ms"] = measure(*phase_call(subject.baseline(), phase))["b2b_ms"]
             results.append(row)
             print(f"{name:22s} {phase:13s} on {row['on_median']:8.3f} {times[True]}  off {row['off_median']:8.3f} "
                   f"{times[False]}  change {100 * (row['on_median'] / row['off_median'] - 1):+.1f}%"
                   + (f"  unfused_compiled {row['unfused_compiled_ms']:.3f}" if args.baseline else ""), flush=True)
-        del fusion_path, paths, setup
+        del subject, paths, phase_call, seqs
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps({**run_header(), "switch": args.switch, "sigma": args.sigma,
-                                              "rounds": args.rounds, "rows": results}, indent=1))
+                                              "rounds": args.rounds, "moe_tokens": args.tokens if args.moe else None,
+                                              "rows": results}, indent=1))
 
 
 if __name__ == "__main__":

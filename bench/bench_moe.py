@@ -272,7 +272,8 @@ def run_path(name, moe, cfg, tokens, x, dy, want, phases, opts, log) -> list[dic
     return rows
 
 
-def run_config(cfg: MoEConfig, tokens: int, paths, phases, opts: Options, log) -> list[dict]:
+def make_layer(cfg: MoEConfig, tokens: int, opts: Options):
+    """(the fusion.MoE layer, x, dy) of a configuration, seeded: every path and every script times the same."""
     import fusion
 
     torch.manual_seed(0)
@@ -282,6 +283,11 @@ def run_config(cfg: MoEConfig, tokens: int, paths, phases, opts: Options, log) -
         torch.nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[-1]))
     x = torch.randn(tokens, cfg.d, device=dev, dtype=dt)
     dy = torch.randn(tokens, cfg.d, device=dev, dtype=dt)
+    return moe, x, dy
+
+
+def run_config(cfg: MoEConfig, tokens: int, paths, phases, opts: Options, log) -> list[dict]:
+    moe, x, dy = make_layer(cfg, tokens, opts)
     key = {"model": cfg.model, "tokens": tokens, "d": cfg.d, "f": cfg.f, "f2": 2 * cfg.f, "E": cfg.E, "k": cfg.k,
            "rows": tokens * cfg.k}
     log(f"{cfg.model}: T={tokens} d={cfg.d} f={cfg.f} E={cfg.E} k={cfg.k}")

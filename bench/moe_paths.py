@@ -53,6 +53,17 @@ def rounded_moe(moe, round_to: int):
     return rounded
 
 
+def twin_layer(moe):
+    """A copy of the layer sharing every parameter whose experts block is a distinct Sequential, so that it gets its
+    own plan and kernels (bench/ab_switch.py --moe --plan builds them with a tile-policy switch off)."""
+    import copy
+
+    twin = copy.copy(moe)
+    twin._modules = dict(moe._modules)
+    twin._modules["experts"] = copy.copy(moe.experts)
+    return twin
+
+
 class FusionLayer(LayerPath):
     def __init__(self, moe, compiled=False, compile_backend="inductor"):
         w1, w2 = expert_weights(moe)

@@ -1,0 +1,37 @@
+"""bench/ab_switch.py's MoE subjects on the CPU: the twin layer of --moe --plan shares every parameter with the
+layer but runs its own experts block (its own plan and kernels), leaving the layer as it was; unknown --moe models are
+an error before anything is built."""
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import ab_switch  # noqa: E402
+from moe_paths import twin_layer  # noqa: E402
+
+
+def test_twin_layer_shares_the_parameters_not_the_experts_block():
+    import fusion
+
+    torch.manual_seed(0)
+    moe = fusion.MoE.swiglu(16, 4, 8, 2, backend="reference")
+    experts = moe.experts
+    twin = twin_layer(moe)
+    assert twin.experts is not experts and moe.experts is experts          # the layer keeps its own block
+    assert twin.router is moe.router
+    assert [p.data_ptr() for p in twin.parameters()] == [p.data_ptr() for p in moe.parameters()]
+    assert list(twin.experts.ops) == list(experts.ops)                       # the same ops, so the same weights
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(twin(x), moe(x), rtol=0, atol=0)
+
+
+def test_unknown_moe_models_stop_before_anything_is_built():
+    args = types.SimpleNamespace(moe=True, models="qwen3-30b-a3b,no-such-model", tokens=1024, plan=False,
+                                 phases="moe_training_step")
+    with pytest.raises(SystemExit, match="no-such-model"):
+        next(ab_switch.subjects(args, None, "X"))
