@@ -57,22 +57,21 @@ def fused_tiles(seq) -> dict:
     return out
 
 
-def plan_twin(setup, module, attr: str, phases: str):
-    """The fusion path of a copy of the block (sharing its parameters) planned, compiled and run once per phase
-    with `attr` False: its kernels keep that setting's tiles after the attribute is restored."""
-    import copy
-
+def planned_off(module, attr: str, make_twin, call, phases: str):
+    """`make_twin()` (a path over a copy of the block or layer, sharing its parameters) planned, compiled and run
+    once per phase (`call(path, phase)` -> (call, clear)) with `attr` False: its kernels keep that setting's tiles
+    after the attribute is restored."""
     from fusion.planner import clear_cache
 
     original = getattr(module, attr)
     try:
         setattr(module, attr, False)
         clear_cache()
-        twin = B.make_path("fusion", copy.copy(setup.seq), setup.sizes, setup.offsets, setup.probs)
+        twin = make_twin()
         for phase in phases.split(","):
-            call, clear = B.phase_fn(twin, phase, setup.x, setup.dy)
+            run, clear = call(twin, phase)
             clear()
-            call()
+            run()
         torch.cuda.synchronize()
     finally:
         setattr(module, attr, original)
@@ -83,12 +82,20 @@ def plan_twin(setup, module, attr: str, phases: str):
 def block_subject(block, module, attr: str, plan: bool, phases: str):
     """A training-step block as an A/B subject: its name, the paths by setting ({True: ..., False: ...}), `call(path,
     phase)` -> (call, clear), the fused Sequential of each setting, and `baseline()`: its unfused_compiled path."""
+    import copy
+
     setup = B.setup_block(block)
-    fusion_path = B.make_path("fusion", setup.seq, setup.sizes, setup.offsets, setup.probs)
-    paths = {True: fusion_path, False: plan_twin(setup, module, attr, phases) if plan else fusion_path}
+
+    def call(path, phase):
+        return B.phase_fn(path, phase, setup.x, setup.dy)
+
+    paths = {True: B.make_path("fusion", setup.seq, setup.sizes, setup.offsets, setup.probs)}
+    paths[False] = paths[True]
+    if plan:
+        paths[False] = planned_off(module, attr, lambda: B.make_path("fusion", copy.copy(setup.seq), setup.sizes,
+                                                                     setup.offsets, setup.probs), call, phases)
     return types.SimpleNamespace(
-        name=block.model, paths=paths, call=lambda path, phase: B.phase_fn(path, phase, setup.x, setup.dy),
-        seqs={v: paths[v].seq for v in paths},
+        name=block.model, paths=paths, call=call, seqs={v: paths[v].seq for v in paths},
         baseline=lambda: B.make_path("unfused_compiled", setup.seq, setup.sizes, setup.offsets, setup.probs))
 
 
@@ -96,28 +103,17 @@ def moe_subject(cfg, tokens: int, module, attr: str, plan: bool, phases: str):
     """The same for a whole MoE layer of bench_moe.py (with `plan`: its twin's experts block planned, compiled and run
     once per phase with `attr` False)."""
     import bench_moe as M
-    from fusion.planner import clear_cache
     from moe_paths import FusionLayer, twin_layer
 
     moe, x, dy = M.make_layer(cfg, tokens, M.Options())
+
+    def call(path, phase):
+        return M.phase_fn(path, phase, x, dy)
+
     paths = {True: FusionLayer(moe)}
-    paths[False] = paths[True]
-    if plan:
-        original = getattr(module, attr)
-        try:
-            setattr(module, attr, False)
-            clear_cache()
-            paths[False] = FusionLayer(twin_layer(moe))
-            for phase in phases.split(","):
-                call, clear = M.phase_fn(paths[False], phase, x, dy)
-                clear()
-                call()
-            torch.cuda.synchronize()
-        finally:
-            setattr(module, attr, original)
-            clear_cache()
-    return types.SimpleNamespace(name=f"{cfg.model} T={tokens}", paths=paths,
-                                 call=lambda path, phase: M.phase_fn(path, phase, x, dy),
+    paths[False] = planned_off(module, attr, lambda: FusionLayer(twin_layer(moe)), call, phases) if plan \
+        else paths[True]
+    return types.SimpleNamespace(name=f"{cfg.model} T={tokens}", paths=paths, call=call,
                                  seqs={v: paths[v].call.experts for v in paths}, baseline=None)
 
 
