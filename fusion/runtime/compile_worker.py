@@ -79,9 +79,9 @@ def _worker_env(cache_dir: Path) -> dict:
 def compile_in_workers(jobs: list, workers: int, cache_dir: Path, done: Callable[[str], None]) -> None:
     """Compile `jobs` into `cache_dir` in `workers` worker programs; `done(key)` is called as each finishes.
     Raises CompileError naming each kernel that failed (with the worker's stderr when it died). The jobs of a
-    worker killed by a signal before it reported them (the kernel's OOM killer, a stray kill: seen once on the
-    2-core CI machine, a worker gone without a word) are compiled once more in a fresh worker, with a warning;
-    lost twice, they are an error."""
+    worker killed by a signal before it reported them (the kernel's OOM killer, a stray kill: seen once in a full
+    test run on the 2-core development machine, a worker gone without a word) are compiled once more in a fresh
+    worker, with a warning; lost twice, they are an error."""
     errors, lost, tails, killed = _run_workers(jobs, workers, cache_dir, done)
     if lost and killed and not errors:
         warnings.warn(f"fusion: a compile worker was killed (signal {killed}) before it finished "
