@@ -13,8 +13,8 @@ variant that spills is built at 128 columns (the label shows the tile built);
 outputs compared with the first variant's. "gather ..." variants read dY's rows through a routing index (an MoE
 FC2 before a Combine: the tokens' gradient (M/8, d), each token's row read by 8 routed rows; no copy of dY per
 routed row): the runtime's tile for them (tile_policy.tile_config with gather: gather_tile), the same as CTA pairs
-on neighbouring m-tiles sharing the weight's tile ("gather m-pairs": tile_policy.gather_pairs, which only FC1 takes), and
-others. The kernel is bound by L2 throughput (ncu, GPT-OSS-120B's shape on an
+on neighbouring m-tiles sharing the weight's tile ("gather m-pairs": tile_policy.gather_pairs, which only FC1
+takes), and others. The kernel is bound by L2 throughput (ncu, GPT-OSS-120B's shape on an
 H100: L2 87%, DRAM 56-65%): every n-tile reads dY's rows again and every m-tile the expert's weight, so wider
 tiles and pairs cut the bytes.
 Anchor: torch._grouped_mm of the same dgrad.

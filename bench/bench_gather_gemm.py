@@ -123,7 +123,6 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=Fa
     ins = {s.name: _slot_tensor(s, M, f, dev, gen) for s in epi.inputs}
     outs = {s.name: _slot_tensor(s, M, f, dev, gen) for s in epi.outputs}
     out = outs[epi.outputs[0].name]
-    sched = {True: "dynamic", False: "static"}
     xg = x.index_select(0, index)
 
     def run(key, a, idx=None):
@@ -136,10 +135,9 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=Fa
         rows[f"pre-gathered, same tile ({_label(kern['same'].config)})"] = ("same", xg, None)
     if "static" in kern:
         rows[f"gather-A kernel ({_label(kern['static'].config)}, static)"] = ("static", x, index)
-    for cfg in [key for key in kern if isinstance(key, GemmConfig)]:
+    for cfg in [key for key in kern if isinstance(key, GemmConfig)]:   # the sweep's, by the tile they were built at
         built = kern[cfg].config
-        rows[f"gather-A {built.tile_m}x{built.tile_n} {'pingpong' if built.pingpong else 'cooperative'} "
-             f"s{built.stages} {sched[built.dynamic]}"] = (cfg, x, index)
+        rows[f"gather-A {_label(built)} s{built.stages}{'' if built.dynamic else ' static'}"] = (cfg, x, index)
     ref_key = "single" if "single" in kern else "gather"
     run(ref_key, x, index)
     ref = out.clone()

@@ -17,7 +17,8 @@ def test_wide_fc1_copies_the_gathered_rows_first(monkeypatch, copy):
     monkeypatch.setattr(tile_policy, "FC1_COPY", copy)
     copies = []
     real_gather = gather_method.run
-    monkeypatch.setattr(gather_method, "run", lambda op, x, ctx: copies.append(tuple(x.shape)) or real_gather(op, x, ctx))
+    monkeypatch.setattr(gather_method, "run",
+                        lambda op, x, ctx: copies.append(tuple(x.shape)) or real_gather(op, x, ctx))
     f = tile_policy.FC1_COPY_MIN_N // 2
     block, ref, x, r, dy = moe_block_case(7, round_to=128, f=f)   # the routing test_dy_gather_gpu.py pads
     assert int((r.index < 0).sum()) > 0
