@@ -463,9 +463,9 @@ def for_gather(config: GemmConfig) -> GemmConfig:
     return dataclasses.replace(config, gather_a=True, dynamic=True, cluster_n=1, cluster_m=1)
 
 
-#: FUSION_GATHER_PAIRS=0 (read at import): the gathering FC1 runs single CTAs (the A/B switch of :func:`gather_pairs`;
-#: it changes the jobs' keys, so both live in one kernel cache).
-GATHER_PAIRS = os.environ.get("FUSION_GATHER_PAIRS", "1") != "0"
+#: FUSION_GATHER_PAIRS=1 (read at import): the gathering FC1 runs as CTA pairs along m (:func:`gather_pairs`; off by
+#: default since the in-process layer A/B below; it changes the jobs' keys, so both live in one kernel cache).
+GATHER_PAIRS = os.environ.get("FUSION_GATHER_PAIRS", "0") == "1"
 
 
 def gather_pairs(config: GemmConfig, gated: bool) -> GemmConfig:
@@ -486,7 +486,14 @@ def gather_pairs(config: GemmConfig, gated: bool) -> GemmConfig:
     some shapes; in the MoE layer the forward measured level to 4.8% faster (DeepSeek-V3 EP8), the training step
     within its noise. FC2's dgrad reading dY through the index keeps single CTAs: as pairs it measured 8% and 15%
     slower on DeepSeek-V3 and GLM in one call, 11% and 3% faster in another (bench/bench_dgrad_epilogue.py,
-    `-dgrad-pairs-*.log`)."""
+    `-dgrad-pairs-*.log`).
+
+    Off by default since an in-process A/B on whole MoE layers (bench/ab_switch.py --moe --plan, three alternating
+    rounds, T = 16384; bench/results/H100-2026-11-27h-ab-gather-pairs-moe.{json,log}): pairs on against off, medians,
+    Qwen3-30B-A3B forward +2.2%, training step +3.0% (every round slower: 7.86-7.98 ms against 7.71-7.75), OLMoE
+    -1.1% / -0.2%, DeepSeek-V3 EP8 -2.5% / +0.2%. The kernel alone in the same call (`-gather-static-pairs.log`)
+    had pairs 1.7-2.9% faster on four FC1s and 0.4-3.9% slower on four (ERNIE-4.5 2.853 against 2.747 ms): no
+    consistent gain, and a loss on the flagship layer's step."""
     box_rows = config.tile_n // 2 if gated else config.tile_n
     if not GATHER_PAIRS or box_rows % 16 or not config.persistent:
         return config

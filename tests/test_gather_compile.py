@@ -60,17 +60,22 @@ def _check_gather_sass(comp):
     return ops
 
 
+@pytest.mark.parametrize("pairs", [False, True], ids=["single", "m-pairs"])
 @pytest.mark.parametrize("model", sorted(MOE_FC1))
-def test_gated_fc1_gather_compiles_without_spills(model):
+def test_gated_fc1_gather_compiles_without_spills(model, pairs, monkeypatch):
+    """The policy's gathering FC1 of each MoE model, as single CTAs (the default) and as CTA pairs along m
+    (FUSION_GATHER_PAIRS=1): spill-free at gather_tile's tile (the widest that divides N), not a spill fallback."""
+    from fusion.kernels import tile_policy
+
+    monkeypatch.setattr(tile_policy, "GATHER_PAIRS", pairs)
     E, d, f = MOE_FC1[model]
     comp = _gather_compile(K.SwiGLUScaleEpilogue(), 2 * f, d, E)
     _check_gather_sass(comp)
     assert comp.config.gather_a and comp.config.dynamic
-    assert comp.name.endswith("_gA_cm2") and "_dyn" in comp.name
-    # built at gather_tile's tile (the widest that divides N) as CTA pairs along m, not a spill fallback
+    assert comp.name.endswith("_gA_cm2" if pairs else "_gA") and "_dyn" in comp.name
     want = gather_pairs(gather_tile(for_gather(K.GemmConfig(*tile_config(2 * f, d, E, True, "K", False))), 2 * f),
                         gated=True)
-    assert comp.config == want and comp.config.cluster_m == 2
+    assert comp.config == want and comp.config.cluster_m == (2 if pairs else 1)
     assert comp.config.tile_n == (192 if 2 * f % 192 == 0 else 256 if 2 * f % 256 == 0 else 128)
 
 
@@ -129,7 +134,7 @@ def test_tile_policy_gives_gather_a_the_dynamic_schedule():
         tile = gather_tile(dataclasses.replace(base, gather_a=True, dynamic=True, cluster_n=1, cluster_m=1), N)
         assert gath == (gather_pairs(tile, gated) if gated else tile)
         assert gath.gather_a and gath.dynamic and gath.cluster_n == 1   # a gathered A is never multicast
-        assert gath.cluster_m == (2 if gated else 1)                    # the FC1 forward's pairs share B
+        assert gath.cluster_m == 1                                      # m-pairs only when asked (gather_pairs)
         # the widest tile that divides N: every n-tile gathers its A rows again
         assert (gath.tile_n, gath.pingpong) == {28672: (256, False), 1536: (192, True), 4096: (256, False)}[N]
     assert gather_tile(for_gather(K.GemmConfig(tile_n=128)), 1000) == for_gather(K.GemmConfig(tile_n=128))
@@ -157,11 +162,14 @@ def test_gather_configs_the_kernel_cannot_build_are_rejected(cfg, epi, match):
         K.compile_grouped_gemm(K.GemmConfig(**cfg), epi, "bfloat16", N=1024, K=512, G=8)
 
 
-def test_gathering_m_pairs_multicast_b():
+def test_gathering_m_pairs_multicast_b(monkeypatch):
     """The FC1 forward's gathering kernel as CTA pairs on neighbouring m-tiles (tile_policy.gather_pairs): both
     halves of the gated B tile (gate and up boxes) are loaded half per CTA and multicast, A is still each CTA's own
     cp.async rows, a cluster barrier guards the pipeline's start, and the dynamic pair's tile ids go from rank 0
     to rank 1 through the mailbox (st.async into the peer's smem); no spills."""
+    from fusion.kernels import tile_policy
+
+    monkeypatch.setattr(tile_policy, "GATHER_PAIRS", True)
     config = K.GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True))
     assert config.cluster_m == 2 and config.dynamic
     comp = K.compile_grouped_gemm(config, K.SwiGLUScaleEpilogue(), "bfloat16", 1536, 2048, 128)
@@ -173,10 +181,12 @@ def test_gathering_m_pairs_multicast_b():
 
 
 def test_gather_pairs_rule(monkeypatch):
-    """gather_pairs: m-pairs where every B box splits into whole 8-row swizzle atoms; FUSION_GATHER_PAIRS=0 (the
-    module's GATHER_PAIRS) keeps single CTAs; FC2's dgrad reading dY through the index keeps them too."""
+    """gather_pairs: single CTAs by default; with FUSION_GATHER_PAIRS=1 (the module's GATHER_PAIRS) m-pairs where
+    every B box splits into whole 8-row swizzle atoms; FC2's dgrad reading dY through the index keeps single CTAs."""
     from fusion.kernels import tile_policy
 
+    assert K.GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True)).cluster_m == 1
+    monkeypatch.setattr(tile_policy, "GATHER_PAIRS", True)
     gated = K.GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True))
     assert gated.cluster_m == 2
     assert gather_pairs(dataclasses.replace(gated, cluster_m=1, tile_n=176), gated=True).cluster_m == 1  # 88 rows
