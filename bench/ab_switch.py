@@ -18,10 +18,17 @@ run once, with the attribute off; the rounds alternate the two blocks.
 moe_training_step; with --plan the copy is moe_paths.twin_layer, the same parameters and a distinct experts block):
 
     python bench/ab_switch.py --moe --plan --switch fusion.kernels.tile_policy:GATHER_PAIRS --models qwen3-30b-a3b
+
+--on / --off: the two settings when they are not True and False (Python literals), e.g. a threshold:
+
+    python bench/ab_switch.py --moe --plan --switch fusion.kernels.tile_policy:FC1_COPY_MIN_N --on 0 --off 5760 ...
+
+--precompile (no GPU): compile the kernels both settings' plans launch into FUSION_CACHE_DIR, for the device run.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import json
 import statistics
@@ -57,15 +64,15 @@ def fused_tiles(seq) -> dict:
     return out
 
 
-def planned_off(module, attr: str, make_twin, call, phases: str):
+def planned_off(module, attr: str, make_twin, call, phases: str, off=False):
     """`make_twin()` (a path over a copy of the block or layer, sharing its parameters) planned, compiled and run
-    once per phase (`call(path, phase)` -> (call, clear)) with `attr` False: its kernels keep that setting's tiles
-    after the attribute is restored."""
+    once per phase (`call(path, phase)` -> (call, clear)) with `attr` set to `off`: its kernels keep that setting's
+    tiles after the attribute is restored."""
     from fusion.planner import clear_cache
 
     original = getattr(module, attr)
     try:
-        setattr(module, attr, False)
+        setattr(module, attr, off)
         clear_cache()
         twin = make_twin()
         for phase in phases.split(","):
@@ -79,7 +86,7 @@ def planned_off(module, attr: str, make_twin, call, phases: str):
     return twin
 
 
-def block_subject(block, module, attr: str, plan: bool, phases: str):
+def block_subject(block, module, attr: str, plan: bool, phases: str, off=False):
     """A training-step block as an A/B subject: its name, the paths by setting ({True: ..., False: ...}), `call(path,
     phase)` -> (call, clear), the fused Sequential of each setting, and `baseline()`: its unfused_compiled path."""
     import copy
@@ -93,13 +100,13 @@ def block_subject(block, module, attr: str, plan: bool, phases: str):
     paths[False] = paths[True]
     if plan:
         paths[False] = planned_off(module, attr, lambda: B.make_path("fusion", copy.copy(setup.seq), setup.sizes,
-                                                                     setup.offsets, setup.probs), call, phases)
+                                                                     setup.offsets, setup.probs), call, phases, off)
     return types.SimpleNamespace(
         name=block.model, paths=paths, call=call, seqs={v: paths[v].seq for v in paths},
         baseline=lambda: B.make_path("unfused_compiled", setup.seq, setup.sizes, setup.offsets, setup.probs))
 
 
-def moe_subject(cfg, tokens: int, module, attr: str, plan: bool, phases: str):
+def moe_subject(cfg, tokens: int, module, attr: str, plan: bool, phases: str, off=False):
     """The same for a whole MoE layer of bench_moe.py (with `plan`: its twin's experts block planned, compiled and run
     once per phase with `attr` False)."""
     import bench_moe as M
@@ -111,31 +118,63 @@ def moe_subject(cfg, tokens: int, module, attr: str, plan: bool, phases: str):
         return M.phase_fn(path, phase, x, dy)
 
     paths = {True: FusionLayer(moe)}
-    paths[False] = planned_off(module, attr, lambda: FusionLayer(twin_layer(moe)), call, phases) if plan \
+    paths[False] = planned_off(module, attr, lambda: FusionLayer(twin_layer(moe)), call, phases, off) if plan \
         else paths[True]
     return types.SimpleNamespace(name=f"{cfg.model} T={tokens}", paths=paths, call=call,
                                  seqs={v: paths[v].call.experts for v in paths}, baseline=None)
 
 
+def moe_configs(args) -> list:
+    """bench_moe.py's configurations that --models names (an unknown name stops the run before anything is built)."""
+    import bench_moe as M
+
+    names = set(args.models.split(","))
+    chosen = [c for c in M.ALL_CONFIGS if c.model in names]
+    if len(chosen) != len(names):
+        raise SystemExit(f"--moe: unknown models {sorted(names - {c.model for c in chosen})}")
+    return chosen
+
+
 def subjects(args, module, attr: str):
     """The blocks (or with --moe the MoE layers) --models names, one subject at a time (each built when reached)."""
+    off = getattr(args, "off", False)
     if args.moe:
-        import bench_moe as M
-
-        names = set(args.models.split(","))
-        chosen = [c for c in M.ALL_CONFIGS if c.model in names]
-        if len(chosen) != len(names):
-            raise SystemExit(f"--moe: unknown models {sorted(names - {c.model for c in chosen})}")
-        for cfg in chosen:
-            yield moe_subject(cfg, args.tokens, module, attr, args.plan, args.phases)
+        for cfg in moe_configs(args):
+            yield moe_subject(cfg, args.tokens, module, attr, args.plan, args.phases, off)
     else:
         for block in B.select_blocks(args.models):
-            yield block_subject(block, module, attr, args.plan, args.phases)
+            yield block_subject(block, module, attr, args.plan, args.phases, off)
+
+
+def precompile(args, module, attr: str) -> None:
+    """Compile into FUSION_CACHE_DIR the kernels the subjects' plans launch with the attribute at --on and at --off
+    (no GPU needed)."""
+    from fusion.planner import clear_cache
+
+    original = getattr(module, attr)
+    try:
+        for value in (args.on, args.off):
+            setattr(module, attr, value)
+            clear_cache()
+            print(f"{attr} = {value!r}:", flush=True)
+            if args.moe:
+                import bench_moe as M
+
+                M.precompile([(cfg, args.tokens) for cfg in moe_configs(args)])
+            else:
+                B.precompile(B.select_blocks(args.models), fp8=False)
+    finally:
+        setattr(module, attr, original)
+        clear_cache()
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", required=True, help="module:attribute, set to True (A) and False (B)")
+    ap.add_argument("--switch", required=True, help="module:attribute, set to --on (A) and --off (B)")
+    ap.add_argument("--on", type=ast.literal_eval, default=True, help="setting A, a Python literal (default True)")
+    ap.add_argument("--off", type=ast.literal_eval, default=False, help="setting B (default False)")
+    ap.add_argument("--precompile", action="store_true",
+                    help="no GPU: compile both settings' kernels into FUSION_CACHE_DIR, then stop")
     ap.add_argument("--models", required=True)
     ap.add_argument("--phases", default=None, help="default: training_step (--moe: moe_training_step)")
     ap.add_argument("--moe", action="store_true", help="--models are bench_moe.py's MoE layers, at --tokens")
@@ -154,6 +193,20 @@ def main(argv=None):
     args.phases = args.phases or ("moe_training_step" if args.moe else "training_step")
     if args.baseline and args.moe:
         ap.error("--baseline times the blocks' unfused_compiled path; bench_moe.py times the layers' torch_compiled")
+    if args.precompile:
+        return precompile(args, module, attr)
+    setting = {True: args.on, False: args.off}
+    # --plan: every layer's own path is planned (when first run) at --on, its twin at --off (planned_off)
+    resting = args.on if args.plan else original
+    setattr(module, attr, resting)
+    try:
+        return _rounds(args, module, attr, setting, resting)
+    finally:
+        setattr(module, attr, original)
+
+
+def _rounds(args, module, attr: str, setting: dict, resting) -> None:
+    """Every subject's alternating rounds (the attribute at `resting` between them); prints and writes the rows."""
     results = []
     for subject in subjects(args, module, attr):
         name, paths, phase_call, seqs = subject.name, subject.paths, subject.call, subject.seqs
@@ -170,13 +223,14 @@ def main(argv=None):
                 for r, order in enumerate(round_orders(args.rounds)):   # round 0: warm-up, not kept
                     for value in order:
                         if not args.plan:
-                            setattr(module, attr, value)
+                            setattr(module, attr, setting[value])
                         ms = measure(*phase_call(paths[value], phase))["b2b_ms"]
                         if r:
                             times[value].append(ms)
             finally:
-                setattr(module, attr, original)
-            row = {"model": name, "phase": phase, "on_ms": times[True], "off_ms": times[False],
+                setattr(module, attr, resting)
+            row = {"model": name, "phase": phase, "on": args.on, "off": args.off, "on_ms": times[True],
+                   "off_ms": times[False],
                    "on_median": statistics.median(times[True]), "off_median": statistics.median(times[False])}
             if args.baseline:
                 row["unfused_compiled_ms"] = measure(*phase_call(subject.baseline(), phase))["b2b_ms"]

@@ -35,3 +35,24 @@ def test_unknown_moe_models_stop_before_anything_is_built():
                                  phases="moe_training_step")
     with pytest.raises(SystemExit, match="no-such-model"):
         next(ab_switch.subjects(args, None, "X"))
+
+
+def test_precompile_builds_both_settings_plans(monkeypatch):
+    """--precompile with --on / --off values (a threshold, not a bool, parsed as literals): the MoE layer's plan is
+    made at each value, so the kernels of both settings reach the cache (the FC1 of Qwen3-30B-A3B loads a copy by
+    TMA at 0 and gathers in its A loads at 5760), and the attribute is restored afterwards."""
+    import fusion.kernels.api as K
+    import fusion.kernels.tile_policy as tile_policy
+    import fusion.runtime.aot as aot
+
+    seen = []
+    monkeypatch.setattr(aot, "compile_jobs", lambda jobs, parallel=1: seen.append(list(jobs)))
+    original = tile_policy.FC1_COPY_MIN_N
+    ab_switch.main(["--switch", "fusion.kernels.tile_policy:FC1_COPY_MIN_N", "--on", "0", "--off", "5760", "--moe",
+                    "--plan", "--models", "qwen3-30b-a3b", "--precompile"])
+    assert tile_policy.FC1_COPY_MIN_N == original and len(seen) == 2
+
+    def fc1_gathers(jobs):
+        return {K.GemmConfig(*j.config).gather_a for j in jobs if j.mainloop == "bf16" and "F1" in j.step}
+
+    assert fc1_gathers(seen[0]) == {False} and fc1_gathers(seen[1]) == {True}
