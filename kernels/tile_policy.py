@@ -429,16 +429,18 @@ def _max_stages_capped(tile_n: int, cap: int) -> int:
 
 
 #: The narrowest GEMM (output columns N; a gated FC1's 2f) whose Gather runs as a copy before it rather than in its
-#: A loads. Measured on an H100 (bench/bench_gather_gemm.py --runtime-only, T = 16384, balanced top-k, SwiGLU*scale;
-#: bench/results/H100-2026-11-27f-gather-fc1.{json,log}; ms, the gathering kernel -> the copy (the gather kernel,
-#: M x d, at the 0.2-1.1 ms that kernel measured for these sizes) + the TMA kernel with CTA pairs): DBRX (N = 21504)
-#: 31.11 -> 24.88 + ~0.5, Hunyuan-A13B (6144) 11.67 -> 9.41 + ~0.6, GPT-OSS-120B (5760) 4.03 -> 3.44 + 0.2,
-#: Llama-4-Scout (16384) 4.39 -> 4.11 + ~0.1, Phi-3.5-MoE (12800) 5.21 -> 4.89 + ~0.15; at N <= 5120 the gathering
-#: kernel tied or won: Qwen2-57B-A14B (5120) 7.27 -> 6.91 + ~0.5, DeepSeek-V3 EP8 (4096) 6.50 -> 5.95 + ~0.55,
-#: ERNIE-4.5 (3072) 2.57 -> 2.31 + ~0.3, GLM-4.5-Air (2816) 4.82 -> 4.62 + ~0.6, Qwen3-30B-A3B (1536) 1.40 ->
-#: 1.25 + 0.32. The copy costs M x d bytes twice whatever N; the CTA pair (which a cp.async-loaded A cannot share)
-#: saves a share of the GEMM's work, M x d x N.
-FC1_COPY_MIN_N = 5760
+#: A loads. The copy costs M x d bytes twice whatever N; the TMA kernel's CTA pairs along n (which a cp.async-loaded
+#: A cannot share) save a share of the GEMM's work, M x d x N: so a threshold on N. Measured on whole MoE layers
+#: with the two settings alternating in one process (bench/ab_switch.py --moe --plan --switch
+#: fusion.kernels.tile_policy:FC1_COPY_MIN_N, T = 16384, three rounds, medians; H100, bench/results/
+#: H100-2026-11-27h-ab-fc1-copy{,3072}-moe.{json,log}), copy against the gathering kernel, forward / training step:
+#: at N >= 3072 the copy won or tied, ERNIE-4.5 (N = 3072) -4.3% / -1.6% and, on another machine, -3.0% / -2.1%,
+#: Qwen3-235B-A22B (3072) -2.1% / -1.4%, Qwen2-57B-A14B (5120) -1.5% / -0.8%, DeepSeek-V3 EP8 (4096, d = 7168)
+#: +1.1% / 0.0%; at N <= 2816 it lost, GLM-4.5-Air (2816) +3.1% / +0.2%, Qwen1.5-MoE (2816) +4.4% / +0.4%, OLMoE
+#: (2048) +13.9% / +2.6%, Qwen3-30B-A3B (1536) +4.9% / +0.4%. Wider FC1s (N >= 5760: GPT-OSS-120B, Hunyuan-A13B,
+#: Phi-3.5-MoE, DBRX, Llama-4-Scout) took the copy since an earlier A/B in two processes (their layers' forward
+#: 3.6-12.1% faster; docs/benchmarks.md).
+FC1_COPY_MIN_N = 3072
 #: FUSION_FC1_COPY=0 (read at import): an MoE FC1 always gathers in its A loads (the A/B switch of
 #: gathers_in_kernel; the kernel the plan builds follows it, so it changes the jobs' keys).
 FC1_COPY = os.environ.get("FUSION_FC1_COPY", "1") != "0"
