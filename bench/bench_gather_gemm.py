@@ -5,8 +5,8 @@ a gated GEMM (N = 2f, K = d) with the epilogue of the MoE layer plan's FC1 train
 the pre-activation H for the backward): the kernel a training step launches, at these tile configurations:
 
   gather-A kernel          the kernel reads A = x (T, d) through the index (one kernel), at the policy's
-                           configuration (CTA pairs on neighbouring m-tiles sharing B: tile_policy.gather_pairs)
-                           and as single CTAs
+                           configuration, and the same tile as single CTAs or as CTA pairs on neighbouring m-tiles
+                           sharing B (tile_policy.gather_pairs), whichever the policy is not
   pre-gathered, same tile  the same tile as single CTAs reading x[index] by TMA (kernel time only)
   pre-gathered, runtime    the configuration the runtime uses without gathering (CTA pairs where they fit)
   index_select + kernel    what a block does without the fusion: x.index_select, then the runtime's kernel
@@ -20,6 +20,12 @@ TFLOP/s counts 2*M*d*2f for every row. The kernels load from the kernel cache, s
 
 (--sweep: every gather-A tile configuration autotune mode would try, kernels/tile_policy.py candidates, and the
 widths that leave a ragged last n-tile).
+
+--profile: instead of timing, launch each row's kernel once between cudaProfilerStart and cudaProfilerStop, for
+Nsight Compute (the lent machine needs --clock-control none):
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        python bench/bench_gather_gemm.py --profile --shapes qwen3-30b-a3b
 """
 import argparse
 import dataclasses
@@ -34,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import fusion.kernels as K  # noqa: E402
 from bench_common import median_ms  # noqa: E402
 from held_out import HELD_OUT  # noqa: E402
+from fusion.errors import KernelConfigError  # noqa: E402
 from fusion.kernels.tile_policy import GemmConfig, candidates, tile_config  # noqa: E402
 
 SHAPES = {  # name: (E, d, f, T, k)
@@ -73,17 +80,23 @@ def fc1_job(E, d, f, k):
 
 def shape_jobs(E, d, f, k, sweep=False, runtime_only=False, static=False) -> dict:
     """The kernels timed for one shape, KernelJobs by name: "gather" (the policy's gathering configuration),
-    "runtime" (the policy's configuration without gathering), and unless `runtime_only` "single" (the gathering
-    tile as single CTAs) and "same" (that tile reading pre-gathered rows by TMA); with `static` "static" (the
-    policy's gathering configuration on the static tile order: quack's and SonicMoE's choice); with `sweep` the
-    gathering candidates, keyed by GemmConfig."""
+    "runtime" (the policy's configuration without gathering), and unless `runtime_only` the policy's gathering tile
+    as "single" CTAs and as CTA "pairs" along m (each where it is not the policy's own and the template builds it),
+    and "same" (that tile as single CTAs reading pre-gathered rows by TMA); with `static` "static" (the policy's
+    gathering configuration on the static tile order: quack's and SonicMoE's choice); with `sweep` the gathering
+    candidates, keyed by GemmConfig."""
     N = 2 * f
     base = fc1_job(E, d, f, k)
     gather_cfg = GemmConfig(*tile_config(N, d, E, True, "K", False, gather=True))
     single = dataclasses.replace(gather_cfg, cluster_m=1)
     cfgs = {"gather": gather_cfg, "runtime": GemmConfig(*tile_config(N, d, E, True, "K", False))}
     if not runtime_only:
-        cfgs["single"] = single
+        pairs = dataclasses.replace(single, cluster_m=2)
+        try:
+            K.check_config(pairs, K.SwiGLUScaleEpilogue(), "bfloat16", N, d)
+        except KernelConfigError:
+            pairs = gather_cfg   # not buildable: left out below
+        cfgs.update({name: cfg for name, cfg in (("single", single), ("pairs", pairs)) if cfg != gather_cfg})
         cfgs["same"] = dataclasses.replace(single, gather_a=False)
     if static:
         cfgs["static"] = dataclasses.replace(gather_cfg, dynamic=False)
@@ -103,7 +116,8 @@ def _slot_tensor(spec, M, f, dev, gen):
     return torch.empty(M, 2 * f if spec.paired else f, dtype=dtype, device=dev)
 
 
-def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=False, rounds=1, static=False):
+def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=False, rounds=1, static=False,
+              profile=False):
     from fusion.runtime.compile import load_compiled
 
     N, M = 2 * f, T * k
@@ -130,8 +144,10 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=Fa
 
     rows = {f"gather-A kernel ({_label(kern['gather'].config)})": ("gather", x, index),
             f"pre-gathered, runtime ({_label(kern['runtime'].config)})": ("runtime", xg, None)}
-    if not runtime_only:
-        rows[f"gather-A kernel ({_label(kern['single'].config)})"] = ("single", x, index)
+    for key in ("single", "pairs"):
+        if key in kern:
+            rows[f"gather-A kernel ({_label(kern[key].config)})"] = (key, x, index)
+    if "same" in kern:
         rows[f"pre-gathered, same tile ({_label(kern['same'].config)})"] = ("same", xg, None)
     if "static" in kern:
         rows[f"gather-A kernel ({_label(kern['static'].config)}, static)"] = ("static", x, index)
@@ -148,6 +164,15 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=Fa
         diffs[label] = (out.float() - ref.float()).abs().max().item()   # NaN where a row went unwritten
     diff = float("nan") if any(v != v for v in diffs.values()) else max(diffs.values())
     rows = {label: (lambda key=key, a=a, idx=idx: run(key, a, idx)) for label, (key, a, idx) in rows.items()}
+    if profile:   # each kernel once, in the profiler's window, in the printed order
+        for n, (label, call) in enumerate(rows.items()):
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            call()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            print(f"  profiled kernel {n}: {label}", flush=True)
+        return {"shape": dict(E=E, d=d, f=f, T=T, k=k, M=M), "profiled": list(rows)}
     rows["index_select + runtime kernel"] = lambda: run("runtime", x.index_select(0, index))
     if hasattr(torch, "_grouped_mm"):
         rows["torch index_select + _grouped_mm"] = lambda: torch._grouped_mm(
@@ -180,6 +205,8 @@ def main():
                     help="time every row this many times, in alternating order; report the median")
     ap.add_argument("--precompile", action="store_true",
                     help="only compile the kernels into FUSION_CACHE_DIR (no GPU needed)")
+    ap.add_argument("--profile", action="store_true",
+                    help="launch each kernel once inside cudaProfilerStart/Stop (run under ncu); no timing")
     ap.add_argument("--runtime-only", action="store_true",
                     help="only the runtime's gathering kernel and its kernel without the gather (three compiles)")
     args = ap.parse_args()
@@ -196,7 +223,7 @@ def main():
     print(results["device"], flush=True)
     for name in names:
         results["shapes"][name] = run_shape(name, *SHAPES[name], gen, sweep=args.sweep, runtime_only=args.runtime_only,
-                                            rounds=args.rounds, static=args.static)
+                                            rounds=args.rounds, static=args.static, profile=args.profile)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)
