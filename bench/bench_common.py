@@ -135,11 +135,24 @@ def rel_errors(got: dict, want: dict) -> dict:
 
 def run_header(device="cuda") -> dict:
     """gpu (or "cpu"), date and commit of a run. FUSION_COMMIT names the commit where a copied tree has no
-    history (the lent GPU machine)."""
+    history (the lent GPU machine). Otherwise git's HEAD, marked "+modified" where tracked files differ from it:
+    the lent machine's copy of the tree can carry a .git older than the files (its HEAD then names a commit the
+    run did not measure)."""
     gpu = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
-    commit = os.environ.get("FUSION_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip() or "unknown"
-    return {"gpu": gpu, "date": datetime.date.today().isoformat(), "commit": commit}
+    return {"gpu": gpu, "date": datetime.date.today().isoformat(), "commit": os.environ.get("FUSION_COMMIT") or
+            git_commit()}
+
+
+def git_commit(cwd=HERE) -> str:
+    """The short HEAD of the checkout at `cwd`, with "+modified" where its tracked files differ from HEAD;
+    "unknown" without git history."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=cwd).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return "unknown"
+    return head + ("+modified" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def median_ms(fn) -> float:
