@@ -178,6 +178,7 @@ class CompiledGroupedGemm(CompiledArtifact):
                     ("_dyn" if config.dynamic else "") + ("_pp" if getattr(config, "pingpong", False) else "") + \
                     ("_bmn" if getattr(config, "b_major", "K") == "MN" else "") + \
                     ("_gA" if getattr(config, "gather_a", False) else "") + \
+                    ("T" if getattr(config, "gather_tma", False) else "") + \
                     ("_c2" if getattr(config, "cluster_n", 1) > 1 else "") + \
                     ("_cm2" if getattr(config, "cluster_m", 1) > 1 else "")
         self.slots = [(s.name, isinstance(s, MXFP8Output)) for s in epilogue.inputs + epilogue.outputs]
@@ -246,6 +247,16 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
                             f"atoms: pick a tile_n whose boxes are a multiple of 16 rows, or cluster_m = 1")
     if (why := band_problem(config)) is not None:
         problems.append(why)
+    if getattr(config, "gather_tma", False):
+        if not config.gather_a:
+            problems.append("gather_tma loads a gathered A by one TMA box per row: set gather_a=True too")
+        if config.cluster_m != 1 or config.cluster_n != 1:
+            problems.append("gather_tma runs single CTAs for now: use cluster_m = cluster_n = 1")
+        if config.tile_m != 128:
+            problems.append(f"gather_tma: tile_m = {config.tile_m}: the producer's four warps issue 32 rows each, "
+                            "use tile_m = 128")
+        if config.tile_k * (2 if dtype in ("bfloat16", "float16") else 1) != 128:
+            problems.append(f"gather_tma: tile_k = {config.tile_k} must span one 128-byte swizzle row (64)")
     if config.cluster_n not in (1, 2):
         problems.append(f"cluster_n = {config.cluster_n}: use 1, or 2 (a CTA pair multicasting A)")
     elif config.cluster_n == 2:

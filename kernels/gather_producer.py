@@ -70,11 +70,17 @@ class GatherProducer:
     def produce_gather(self, mA: cute.Tensor, mIdx: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                        mOffs: cute.Tensor, mCounter: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, ab_pipe,
                        sched_pipe, sTile: cute.Tensor, ptid: Int32, warp_idx: Int32, bidx: Int32, grid: Int32,
-                       rank=0):
+                       rank=0, tma_a=None):
         """The producer warpgroup's loop (``ptid`` = thread in the warpgroup, ``warp_idx`` its warp); ``mCounter``,
         ``sched_pipe``, ``sTile``: the dynamic scheduler's counter, tile-id pipeline and slots (unused static).
         With ``cluster_m = 2`` (``bidx`` / ``grid``: the pair's index and count, ``rank``: this CTA's in it) warp 0
-        loads its half of each B box and multicasts it to the pair; each CTA gathers its own m-tile's A rows."""
+        loads its half of each B box and multicasts it to the pair; each CTA gathers its own m-tile's A rows.
+        With ``gather_tma`` (``tma_a``: the one-row box's atom, ``mA`` its coordinate tensor) every warp issues one
+        TMA box per row of its 32 rows instead of cp.async (:meth:`tma_rows`)."""
+        if const_expr(self.gather_tma):
+            self.produce_gather_tma(tma_a, mA, mIdx, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
+                                    ptid, warp_idx, bidx, grid)
+            return
         chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
         tiled_copy = self.gather_copy()
         thr_copy = tiled_copy.get_slice(ptid)
@@ -150,6 +156,62 @@ class GatherProducer:
         if warp_idx == 0:
             if const_expr(self.dynamic and self.cluster_size > 1):
                 self.mailbox.drain(sent, rank)
+            ab_pipe.producer_tail(prod_state)
+
+    @cute.jit
+    def produce_gather_tma(self, tma_a: cute.CopyAtom, mA: cute.Tensor, mIdx: cute.Tensor, tma_b: cute.CopyAtom,
+                           mB: cute.Tensor, mOffs: cute.Tensor, mCounter: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
+                           ab_pipe, sched_pipe, sTile: cute.Tensor, ptid: Int32, warp_idx: Int32, bidx: Int32,
+                           grid: Int32):
+        """:meth:`produce_gather` with A's rows by TMA, single CTAs: thread ``ptid`` reads the token of the tile's row
+        ``ptid`` once per tile (-1 past the group's end, as at a padding row: the box then reads out of bounds, which
+        TMA fills with zeros while still counting its bytes; bench/probes/tma_row_probe.cu); per k-step warp 0
+        arrives on the stage's full barrier expecting A's and B's bytes and loads B, every warp waits for the stage
+        to be empty and issues one box per row of its 32 (the token moved to the whole warp by a shuffle, since a
+        TMA instruction takes uniform coordinates). The barrier completes on bytes alone."""
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        lane = ptid % 32
+        first = warp_idx * 32                          # this warp's rows of the tile
+        tile_id = bidx
+        if const_expr(self.dynamic):
+            sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
+            sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx)
+        g, base, cnt = self.sched.start(mOffs, tile_id)
+        while g < self.G:
+            m_idx, n_idx = self.sched.coords(tile_id, base, cnt, 0)
+            row_end = mOffs[g + 1]
+            r = mOffs[g] + m_idx * self.tile_m + ptid
+            token = Int32(-1)
+            if r < row_end:
+                token = mIdx[r]
+            b_parts = self.b_tile(tma_b, mB, sB, g, n_idx, 0)
+            for kt in cutlass.range(self.k_tiles, unroll=1):
+                stage = prod_state.index
+                bar = ab_pipe.producer_get_barrier(prod_state)
+                if warp_idx == 0:
+                    ab_pipe.producer_acquire(prod_state)       # empty wait + arrive expecting A's and B's bytes
+                    self.load_b(tma_b, b_parts, kt, stage, bar, None)
+                else:
+                    ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
+                for j in cutlass.range_constexpr(32):
+                    row_token = cute.arch.shuffle_sync(token, j)
+                    gRow = cute.local_tile(mA, (1, self.tile_k), (row_token, None))        # (1, tile_k, k_tiles)
+                    sRow = cute.local_tile(sA, (1, self.tile_k), (first + j, 0, None))    # (1, tile_k, stages)
+                    tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sRow, 0, 2),
+                                                       cute.group_modes(gRow, 0, 2))
+                    cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, stage)], tma_bar_ptr=bar)
+                prod_state.advance()
+            if const_expr(self.dynamic):
+                slot = sched_state.index
+                sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx, mCounter, grid)
+                cute.arch.barrier(barrier_id=GATHER_BARRIER, number_of_threads=GATHER_THREADS)
+                tile_id = sTile[slot]
+            else:
+                tile_id = tile_id + grid
+            g, base, cnt = self.sched.seek(mOffs, tile_id, g, base, cnt)
+        if const_expr(self.dynamic and self.pingpong):
+            sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx)
+        if warp_idx == 0:
             ab_pipe.producer_tail(prod_state)
 
     @cute.jit

@@ -81,6 +81,8 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         self.gated = epilogue.gated
         self.b_major = getattr(config, "b_major", "K")
         self.gather_a = bool(getattr(config, "gather_a", False))
+        # gather_a with A's rows by one TMA box per row (kernels/gather_producer.py), not cp.async
+        self.gather_tma = self.gather_a and bool(getattr(config, "gather_tma", False))
         self.cluster_n = int(getattr(config, "cluster_n", 1))
         self.cluster_m = int(getattr(config, "cluster_m", 1))
         self.band_m = resolved_band(config)    # the tile order's band (kernels/scheduler.py)
@@ -180,7 +182,14 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_m > 1) else \
             cpasync.CopyBulkTensorTileG2SOp()
         tma_b, tma_tB = cpasync.make_tiled_tma_atom(b_op, mB, sB_box, b_box, num_multicast=self.cluster_m)
-        if const_expr(self.gather_a):
+        if const_expr(self.gather_tma):
+            # A through the index, one row per TMA box: the box is one 128-byte swizzle row (1 x tile_k), written at
+            # the row's unswizzled start; the hardware swizzles by address, as one tile_m-row box would
+            sA_row = cute.make_composed_layout(self.sA_layout.inner, 0,
+                                               cute.make_layout((1, self.tile_k), stride=(self.tile_k, 1)))
+            tma_a, tma_tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, sA_row,
+                                                        (1, self.tile_k))
+        elif const_expr(self.gather_a):
             # A is read through the index by cp.async (kernels/gather_producer.py): no TMA descriptor of A;
             # the kernel's A slots take B's atom (never used as A) and the plain (a_rows, K) tensor
             tma_a, tma_tA = tma_b, mA
@@ -190,9 +199,9 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             tma_a, tma_tA = cpasync.make_tiled_tma_atom(
                 a_op, mA, sA_one, (self.tile_m, self.tile_k), num_multicast=self.cluster_n
             )
-        # bytes a stage's TMA loads bring (gather_a: B only; A comes by cp.async, counted as arrivals)
+        # bytes a stage's TMA loads bring (gather_a by cp.async: B only; A's copies are counted as arrivals)
         self.tx_bytes = cute.size_in_bytes(self.ab_dtype, sB_one)
-        if const_expr(not self.gather_a):
+        if const_expr(not self.gather_a or self.gather_tma):
             self.tx_bytes += cute.size_in_bytes(self.ab_dtype, sA_one)
 
         @cute.struct
@@ -238,7 +247,7 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
 
         if warp_idx == 0:
-            if const_expr(not self.gather_a):
+            if const_expr(not self.gather_a or self.gather_tma):
                 cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
@@ -257,7 +266,7 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             if const_expr(self.gather_a):
                 self.produce_gather(mA, mIdx, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
-                                    tidx, warp_idx, bidx, grid, rank=rank)
+                                    tidx, warp_idx, bidx, grid, rank=rank, tma_a=tma_a)
             elif warp_idx == 0:
                 self.produce(tma_a, mA, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
                              bidx, grid, rank=rank)

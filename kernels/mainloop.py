@@ -97,6 +97,8 @@ class WarpRoles:
 
     #: A loaded through an index by the producer warpgroup (kernels/gather_producer.py); the FP8 kernel never is
     gather_a = False
+    #: ... by one TMA box per row instead of cp.async (GemmConfig.gather_tma)
+    gather_tma = False
     #: CTAs per cluster along n: 2 = a CTA pair works on neighbouring n-tiles of one m-tile, each loading half of
     #: the A tile and multicasting it to both (the bf16 and the FP8 kernel)
     cluster_n = 1
@@ -123,7 +125,7 @@ class WarpRoles:
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         # a full barrier's arrivals: the TMA warp's expect-tx arrive, and with gather_a one cp.async arrive per
         # producer thread (kernels/gather_producer.py)
-        producers = 1 + (GATHER_THREADS if self.gather_a else 0)
+        producers = 1 + (GATHER_THREADS if self.gather_a and not self.gather_tma else 0)
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,

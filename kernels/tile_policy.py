@@ -70,6 +70,8 @@ class GemmConfig:
                              # 1: m fastest over the whole group
     short_tiles: bool = SHORT_TILES  # a 128-row tile whose rows end within its first 64 (a group's short last
                                      # m-tile) issues the wgmma of those 64 rows only (kernels/mainloop.py)
+    gather_tma: bool = False  # with gather_a: A's rows by one TMA box per row (1 x tile_k, the 128-byte swizzle)
+                              # instead of cp.async (kernels/gather_producer.py; opt-in, not in any policy)
 
     @property
     def b_shape_order(self) -> str:

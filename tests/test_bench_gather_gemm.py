@@ -20,7 +20,7 @@ from fusion.kernels.tile_policy import GemmConfig  # noqa: E402
 def test_the_timed_kernels_are_the_plans_fc1_at_each_configuration(name):
     E, d, f, _, k = bench_gather_gemm.SHAPES[name]
     jobs = bench_gather_gemm.shape_jobs(E, d, f, k)
-    assert set(jobs) == {"gather", "runtime", "pairs", "same"}
+    assert set(jobs) == {"gather", "runtime", "pairs", "tma_rows", "same"}
     base = bench_gather_gemm.fc1_job(E, d, f, k)
     assert (base.step, base.variant) == ("F1", "train")
     assert all(job.source == base.source and (job.N, job.K, job.G) == (2 * f, d, E) for job in jobs.values())
@@ -29,6 +29,7 @@ def test_the_timed_kernels_are_the_plans_fc1_at_each_configuration(name):
     assert cfg["pairs"] == GemmConfig(**{**cfg["gather"].__dict__, "cluster_m": 2})
     assert not cfg["same"].gather_a and cfg["same"].cluster_m == 1 and cfg["same"].tile_n == cfg["gather"].tile_n
     assert not cfg["runtime"].gather_a
+    assert cfg["tma_rows"] == GemmConfig(**{**cfg["gather"].__dict__, "gather_tma": True})
     epi = K.SwiGLUScaleEpilogue()
     for c in cfg.values():
         K.check_config(c, epi, "bfloat16", 2 * f, d)
@@ -65,4 +66,5 @@ def test_pairs_left_out_where_the_template_cannot_build_them(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(tile_policy, "GATHER_PAIRS", True)
     jobs = bench_gather_gemm.shape_jobs(E, d, f, k)
-    assert set(jobs) == {"gather", "runtime", "single", "same"} and GemmConfig(*jobs["gather"].config).cluster_m == 2
+    assert set(jobs) == {"gather", "runtime", "single", "tma_rows", "same"}
+    assert GemmConfig(*jobs["gather"].config).cluster_m == 2

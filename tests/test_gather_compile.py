@@ -220,3 +220,25 @@ def test_run_checks_the_index():
     assert not in_order.name.endswith("_gA")
     with pytest.raises(ShapeError, match="gather_a=True"):
         K.run_grouped_gemm(in_order, A, B, offs, out, index=torch.zeros(16, dtype=torch.int32))
+
+
+def test_gather_tma_rows_compile_to_one_box_per_row():
+    """GemmConfig.gather_tma (opt-in, in no policy): the gathering kernel loads A's rows by one TMA box each (32 per
+    producer warp and k-step, issued from uniform registers), B by its two gated boxes, no cp.async, no spills."""
+    config = dataclasses.replace(K.GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True)),
+                                 gather_tma=True)
+    comp = K.compile_grouped_gemm(config, K.SwiGLUScaleEpilogue(), "bfloat16", 1536, 2048, 128)
+    ops = collections.Counter(_ops(sass_or_skip(lambda: comp.sass)))
+    assert ops["UTMALDG.2D"] == 32 and ops["UTMALDG.3D"] == 2 and ops["LDGSTS.E.BYPASS.128"] == 0
+    assert not any(o.startswith(("STL", "LDL")) for o in ops) and any(o.startswith("HGMMA") for o in ops)
+    assert comp.name.endswith("_gAT") and comp.config.gather_tma
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (dict(gather_tma=True), "set gather_a=True"),
+    (dict(gather_a=True, gather_tma=True, cluster_m=2, persistent=True), "single CTAs"),
+    (dict(gather_a=True, gather_tma=True, tile_m=64), "tile_m = 128"),
+])
+def test_gather_tma_configs_it_cannot_build_are_rejected(cfg, match):
+    with pytest.raises(KernelConfigError, match=match):
+        K.check_config(K.GemmConfig(**cfg), K.IdentityEpilogue(), "bfloat16", 1024, 512)

@@ -59,7 +59,7 @@ def _close(x, ref, tol=1e-2):
     assert ((x - ref).norm() / ref.norm()).item() < tol / 2
 
 
-def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True, cluster_m=1):
+def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True, cluster_m=1, gather_tma=False):
     gen = torch.Generator().manual_seed(1234 + N + Kd)
     x = torch.randn(T, Kd, generator=gen).to(DEV, torch.bfloat16)
     W = (torch.randn(G, N, Kd, generator=gen) / Kd ** 0.5).to(DEV, torch.bfloat16)
@@ -69,9 +69,10 @@ def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True, cluster_m=1):
     rows = int(sizes.sum())
     offs = K.offsets_from_group_sizes(sizes)
     config = K.GemmConfig(*tile_config(N, Kd, G, epi.gated, "K", False, gather=True))
-    comp = K.compile_grouped_gemm(dataclasses.replace(config, dynamic=dynamic, cluster_m=cluster_m), epi, "bfloat16",
-                                  N, Kd, G)
+    comp = K.compile_grouped_gemm(dataclasses.replace(config, dynamic=dynamic, cluster_m=cluster_m,
+                                                      gather_tma=gather_tma), epi, "bfloat16", N, Kd, G)
     assert comp.config.gather_a and comp.config.dynamic == dynamic and comp.config.cluster_m == cluster_m
+    assert comp.config.gather_tma == gather_tma
     n_out = N // 2 if epi.gated else N
     out = torch.full((M, n_out), POISON, dtype=torch.bfloat16, device=DEV)
     extras = extras_fn(M, gen)
@@ -83,33 +84,37 @@ def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True, cluster_m=1):
 
 SCHEDULES = pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 #: single CTAs, and CTA pairs on neighbouring m-tiles sharing B's tile by multicast (each gathers its own A rows;
-#: a group with an odd m-tile count leaves rank 1 a tile past its rows, which must store nothing)
-CLUSTERS = pytest.mark.parametrize("cluster_m", [1, 2], ids=["single", "m-pairs"])
+#: a group with an odd m-tile count leaves rank 1 a tile past its rows, which must store nothing); and single CTAs
+#: loading A's rows by one TMA box each (GemmConfig.gather_tma: padding rows and rows past the group by an
+#: out-of-bounds row, which TMA zero-fills)
+CLUSTERS = pytest.mark.parametrize("cluster_m,gather_tma", [(1, False), (2, False), (1, True)],
+                                   ids=["single", "m-pairs", "tma-rows"])
 
 
 @SCHEDULES
 @CLUSTERS
 @pytest.mark.parametrize("N,Kd,T", [(384, 512, 700), (200, 520, 700), (384, 256, 9000)])
-def test_gather_identity(N, Kd, T, dynamic, cluster_m):
+def test_gather_identity(N, Kd, T, dynamic, cluster_m, gather_tma):
     """Plain grouped GEMM on gathered rows; (200, 520): partial n-tile and a ragged last k-tile (zero fill);
     T = 9000: 27000 routed rows, many more tiles than CTAs (each CTA walks several, from the counter when
     dynamic)."""
     out, ref, _, _ = _run(K.IdentityEpilogue(), T=T, G=12, N=N, Kd=Kd, topk=3, pad=77,
-                          extras_fn=lambda M, gen: None, dynamic=dynamic, cluster_m=cluster_m)
+                          extras_fn=lambda M, gen: None, dynamic=dynamic, cluster_m=cluster_m,
+                          gather_tma=gather_tma)
     _close(out, ref)
 
 
 @SCHEDULES
 @CLUSTERS
 @pytest.mark.parametrize("N,Kd", [(512, 1024), (4096, 256)])
-def test_gather_swiglu_scale(N, Kd, dynamic, cluster_m):
+def test_gather_swiglu_scale(N, Kd, dynamic, cluster_m, gather_tma):
     """Gated FC1 on gathered rows: silu(gate) * up * scale[r] per routed row ((4096, 256): the 128x192 tile); as
     m-pairs each CTA multicasts half of both the gate and the up box."""
     def extras(M, gen):
         return {"scale": torch.rand(M, generator=gen).to(DEV)}
 
     out, ref, ext, rows = _run(K.SwiGLUScaleEpilogue(), T=600, G=10, N=N, Kd=Kd, topk=2, pad=33,
-                               extras_fn=extras, dynamic=dynamic, cluster_m=cluster_m)
+                               extras_fn=extras, dynamic=dynamic, cluster_m=cluster_m, gather_tma=gather_tma)
     gate, up = ref[:, :N // 2], ref[:, N // 2:]
     expect = gate * torch.sigmoid(gate) * up * ext["scale"][:rows].double()[:, None]
     _close(out, expect)
@@ -134,3 +139,32 @@ def test_gather_matches_the_kernel_on_a_pregathered_a():
     K.run_grouped_gemm(in_order, x[index.long()].contiguous(), W, offs, {"out": b})
     torch.cuda.synchronize()
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("N,Kd,pad", [(384, 512, 0), (200, 520, 41), (4096, 256, 17)])
+def test_gather_tma_rows_match_cp_async_bitwise(N, Kd, pad):
+    """A's rows by one TMA box each (gather_tma) against the cp.async gathering kernel at the same tile: the same
+    bits on every row (the same products in the same order), with padding rows (-1) inside the last group and a
+    ragged last k-tile: the TMA kernel's out-of-bounds rows read zeros as cp.async's zero-filled ones do."""
+    gen = torch.Generator().manual_seed(11 + N)
+    T, G = 700, 9
+    gated = N == 4096
+    epi = K.SwiGLUScaleEpilogue() if gated else K.IdentityEpilogue()
+    x = torch.randn(T, Kd, generator=gen).to(DEV, torch.bfloat16)
+    W = (torch.randn(G, N, Kd, generator=gen) / Kd ** 0.5).to(DEV, torch.bfloat16)
+    sizes, index = _routing(T, G, 3, pad, gen)
+    sizes[-1] += pad                     # the padding rows (-1) inside the last group, as token rounding leaves them
+    offs = K.offsets_from_group_sizes(sizes.to(DEV))
+    index = index.to(DEV)
+    extras = {"scale": torch.rand(index.numel(), generator=gen).to(DEV)} if gated else None
+    config = dataclasses.replace(K.GemmConfig(*tile_config(N, Kd, G, gated, "K", False, gather=True)), cluster_m=1)
+    outs = []
+    for tma in (False, True):
+        comp = K.compile_grouped_gemm(dataclasses.replace(config, gather_tma=tma), epi, "bfloat16", N, Kd, G)
+        out = torch.full((index.numel(), N // 2 if gated else N), POISON, dtype=torch.bfloat16, device=DEV)
+        K.run_grouped_gemm(comp, x, W, offs, {"out": out}, extras, index=index)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])
+    if pad:
+        assert (outs[1][-pad:] == 0).all(), "a padding row reads zeros"
