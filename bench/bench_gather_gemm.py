@@ -7,7 +7,8 @@ the pre-activation H for the backward): the kernel a training step launches, at 
   gather-A kernel          the kernel reads A = x (T, d) through the index (one kernel), at the policy's
                            configuration, and the same tile as single CTAs or as CTA pairs on neighbouring m-tiles
                            sharing B (tile_policy.gather_pairs), whichever the policy is not; and the single CTA
-                           loading A's rows by one TMA box each (GemmConfig.gather_tma)
+                           loading A's rows by one TMA box each (GemmConfig.gather_tma), alone and as a CTA pair
+                           along n sharing them (each CTA loads half the rows, multicast to both)
   pre-gathered, same tile  the same tile as single CTAs reading x[index] by TMA (kernel time only)
   pre-gathered, runtime    the configuration the runtime uses without gathering (CTA pairs where they fit)
   index_select + kernel    what a block does without the fusion: x.index_select, then the runtime's kernel
@@ -42,7 +43,7 @@ import fusion.kernels as K  # noqa: E402
 from bench_common import median_ms  # noqa: E402
 from held_out import HELD_OUT  # noqa: E402
 from fusion.errors import KernelConfigError  # noqa: E402
-from fusion.kernels.tile_policy import GemmConfig, candidates, tile_config  # noqa: E402
+from fusion.kernels.tile_policy import GemmConfig, candidates, n_tile_count, tile_config  # noqa: E402
 
 SHAPES = {  # name: (E, d, f, T, k)
     "qwen3-30b-a3b": (128, 2048, 768, 16384, 8),
@@ -83,7 +84,8 @@ def shape_jobs(E, d, f, k, sweep=False, runtime_only=False, static=False) -> dic
     """The kernels timed for one shape, KernelJobs by name: "gather" (the policy's gathering configuration),
     "runtime" (the policy's configuration without gathering), and unless `runtime_only` the policy's gathering tile
     as "single" CTAs and as CTA "pairs" along m (each where it is not the policy's own and the template builds it),
-    "tma_rows" (that tile as single CTAs loading A's rows by one TMA box each: GemmConfig.gather_tma), and "same"
+    "tma_rows" (that tile as single CTAs loading A's rows by one TMA box each: GemmConfig.gather_tma) and "tma_pairs"
+    (the same as a CTA pair along n, where the n-tiles pair up), and "same"
     (that tile as single CTAs reading pre-gathered rows by TMA); with `static` "static" (the policy's
     gathering configuration on the static tile order: quack's and SonicMoE's choice); with `sweep` the gathering
     candidates, keyed by GemmConfig."""
@@ -100,6 +102,8 @@ def shape_jobs(E, d, f, k, sweep=False, runtime_only=False, static=False) -> dic
             pairs = gather_cfg   # not buildable: left out below
         cfgs.update({name: cfg for name, cfg in (("single", single), ("pairs", pairs)) if cfg != gather_cfg})
         cfgs["tma_rows"] = dataclasses.replace(single, gather_tma=True)   # A's rows by one TMA box each
+        if n_tile_count(N, single.tile_n) % 2 == 0:                         # ... as a pair along n sharing them
+            cfgs["tma_pairs"] = dataclasses.replace(single, gather_tma=True, cluster_n=2)
         cfgs["same"] = dataclasses.replace(single, gather_a=False)
     if static:
         cfgs["static"] = dataclasses.replace(gather_cfg, dynamic=False)
@@ -150,8 +154,9 @@ def run_shape(name, E, d, f, T, k, gen, dev="cuda", sweep=False, runtime_only=Fa
     for key in ("single", "pairs"):
         if key in kern:
             rows[f"gather-A kernel ({_label(kern[key].config)})"] = (key, x, index)
-    if "tma_rows" in kern:
-        rows[f"gather-A by TMA rows ({_label(kern['tma_rows'].config)})"] = ("tma_rows", x, index)
+    for key in ("tma_rows", "tma_pairs"):
+        if key in kern:
+            rows[f"gather-A by TMA rows ({_label(kern[key].config)})"] = (key, x, index)
     if "same" in kern:
         rows[f"pre-gathered, same tile ({_label(kern['same'].config)})"] = ("same", xg, None)
     if "static" in kern:

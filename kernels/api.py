@@ -250,8 +250,8 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
     if getattr(config, "gather_tma", False):
         if not config.gather_a:
             problems.append("gather_tma loads a gathered A by one TMA box per row: set gather_a=True too")
-        if config.cluster_m != 1 or config.cluster_n != 1:
-            problems.append("gather_tma runs single CTAs for now: use cluster_m = cluster_n = 1")
+        if config.cluster_m != 1:
+            problems.append("gather_tma shares a gathered A tile along n: use cluster_m = 1 (cluster_n = 1 or 2)")
         if config.tile_m != 128:
             problems.append(f"gather_tma: tile_m = {config.tile_m}: the producer's four warps issue 32 rows each, "
                             "use tile_m = 128")
@@ -261,9 +261,9 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
         problems.append(f"cluster_n = {config.cluster_n}: use 1, or 2 (a CTA pair multicasting A)")
     elif config.cluster_n == 2:
         n_tiles = n_tile_count(N, config.tile_n)
-        if config.gather_a or not config.persistent:
-            problems.append("cluster_n = 2 multicasts a TMA-loaded A in a persistent kernel: use gather_a=False, "
-                            "persistent=True")
+        if (config.gather_a and not getattr(config, "gather_tma", False)) or not config.persistent:
+            problems.append("cluster_n = 2 multicasts a TMA-loaded A in a persistent kernel: use gather_a=False (or "
+                            "gather_tma=True), persistent=True")
         if n_tiles % 2:
             problems.append(f"cluster_n = 2 needs an even number of n-tiles ({n_tiles} at tile_n = {config.tile_n}): "
                             "pick a tile_n that splits N into an even count, or cluster_n = 1")

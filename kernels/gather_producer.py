@@ -79,7 +79,7 @@ class GatherProducer:
         TMA box per row of its 32 rows instead of cp.async (:meth:`tma_rows`)."""
         if const_expr(self.gather_tma):
             self.produce_gather_tma(tma_a, mA, mIdx, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
-                                    ptid, warp_idx, bidx, grid)
+                                    ptid, warp_idx, bidx, grid, rank)
             return
         chunk = CHUNK_BYTES * 8 // self.ab_dtype.width
         tiled_copy = self.gather_copy()
@@ -162,27 +162,36 @@ class GatherProducer:
     def produce_gather_tma(self, tma_a: cute.CopyAtom, mA: cute.Tensor, mIdx: cute.Tensor, tma_b: cute.CopyAtom,
                            mB: cute.Tensor, mOffs: cute.Tensor, mCounter: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
                            ab_pipe, sched_pipe, sTile: cute.Tensor, ptid: Int32, warp_idx: Int32, bidx: Int32,
-                           grid: Int32):
-        """:meth:`produce_gather` with A's rows by TMA, single CTAs: thread ``ptid`` reads the token of the tile's row
-        ``ptid`` once per tile (-1 past the group's end, as at a padding row: the box then reads out of bounds, which
-        TMA fills with zeros while still counting its bytes; bench/probes/tma_row_probe.cu); per k-step warp 0
-        arrives on the stage's full barrier expecting A's and B's bytes and loads B, every warp waits for the stage
-        to be empty and issues one box per row of its 32 (the token moved to the whole warp by a shuffle, since a
-        TMA instruction takes uniform coordinates). The barrier completes on bytes alone."""
-        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                           grid: Int32, rank=0):
+        """:meth:`produce_gather` with A's rows by TMA: each producer warp issues one box per row of its share of
+        the tile (32 rows; as a CTA pair along n, ``cluster_n = 2``, this CTA's half of the m-tile's rows, 16 per
+        warp, each box multicast to both CTAs, which work on neighbouring n-tiles of that m-tile). Lane ``j`` of a
+        warp reads the token of its ``j``-th row once per tile (-1 past the group's end, as at a padding row: the
+        box then reads out of bounds, which TMA fills with zeros while still counting its bytes;
+        bench/probes/tma_row_probe.cu). Per k-step warp 0 arrives on the stage's full barrier expecting the whole
+        A tile's and this CTA's B bytes and loads B; every warp waits for the stage to be empty (in a pair, released
+        by both CTAs' consumers) and issues its boxes, the token moved to the whole warp by a shuffle (a TMA
+        instruction takes uniform coordinates). The barrier completes on bytes alone. A pair's dynamic tile ids go
+        from rank 0 to rank 1 through the mailbox, as :meth:`produce_gather`'s."""
+        rows_per_warp = self.tile_m // (4 * self.cluster_n)
+        first = rank * (self.tile_m // self.cluster_n) + warp_idx * rows_per_warp   # this warp's rows of the tile
         lane = ptid % 32
-        first = warp_idx * 32                          # this warp's rows of the tile
+        a_mask = None
+        if const_expr(self.cluster_n > 1):
+            a_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_n, 1, 1)), (rank, 0, 0), mode=0)
+        sent = Int32(0)   # tile ids through the pair's mailbox so far
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         tile_id = bidx
         if const_expr(self.dynamic):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
             sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx)
         g, base, cnt = self.sched.start(mOffs, tile_id)
         while g < self.G:
-            m_idx, n_idx = self.sched.coords(tile_id, base, cnt, 0)
+            m_idx, n_idx = self.sched.coords(tile_id, base, cnt, rank)
             row_end = mOffs[g + 1]
-            r = mOffs[g] + m_idx * self.tile_m + ptid
+            r = mOffs[g] + m_idx * self.tile_m + first + lane
             token = Int32(-1)
-            if r < row_end:
+            if lane < rows_per_warp and r < row_end:
                 token = mIdx[r]
             b_parts = self.b_tile(tma_b, mB, sB, g, n_idx, 0)
             for kt in cutlass.range(self.k_tiles, unroll=1):
@@ -193,17 +202,19 @@ class GatherProducer:
                     self.load_b(tma_b, b_parts, kt, stage, bar, None)
                 else:
                     ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
-                for j in cutlass.range_constexpr(32):
+                for j in cutlass.range_constexpr(rows_per_warp):
                     row_token = cute.arch.shuffle_sync(token, j)
                     gRow = cute.local_tile(mA, (1, self.tile_k), (row_token, None))        # (1, tile_k, k_tiles)
                     sRow = cute.local_tile(sA, (1, self.tile_k), (first + j, 0, None))    # (1, tile_k, stages)
                     tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sRow, 0, 2),
                                                        cute.group_modes(gRow, 0, 2))
-                    cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, stage)], tma_bar_ptr=bar)
+                    cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, stage)], tma_bar_ptr=bar, mcast_mask=a_mask)
                 prod_state.advance()
             if const_expr(self.dynamic):
                 slot = sched_state.index
-                sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx, mCounter, grid)
+                sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx, mCounter, grid,
+                                              rank, sent)
+                sent = sent + 1
                 cute.arch.barrier(barrier_id=GATHER_BARRIER, number_of_threads=GATHER_THREADS)
                 tile_id = sTile[slot]
             else:
@@ -212,6 +223,8 @@ class GatherProducer:
         if const_expr(self.dynamic and self.pingpong):
             sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx)
         if warp_idx == 0:
+            if const_expr(self.dynamic and self.cluster_size > 1):
+                self.mailbox.drain(sent, rank)
             ab_pipe.producer_tail(prod_state)
 
     @cute.jit

@@ -90,7 +90,8 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
         self.short_tiles = bool(getattr(config, "short_tiles", False)) and self.tile_m == 128
         assert self.cluster_n in (1, 2) and self.cluster_m in (1, 2), "cluster_n and cluster_m are 1 or 2"
         assert self.cluster_size <= 2, "a CTA pair along m or along n, not both"
-        assert self.cluster_n == 1 or not self.gather_a, "a CTA pair along n multicasts a TMA-loaded A: not gathered"
+        assert self.cluster_n == 1 or not self.gather_a or self.gather_tma, \
+            "a CTA pair along n multicasts a TMA-loaded A: gathered only by TMA rows (gather_tma)"
         # cluster_m: each rank loads half of every B box (both halves of a gated tile), so a box's rows split
         # into two halves of whole 8-row swizzle atoms
         assert self.cluster_m == 1 or (self.tile_n // (2 if epilogue.gated else 1)) % 16 == 0, \
@@ -187,8 +188,10 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             # the row's unswizzled start; the hardware swizzles by address, as one tile_m-row box would
             sA_row = cute.make_composed_layout(self.sA_layout.inner, 0,
                                                cute.make_layout((1, self.tile_k), stride=(self.tile_k, 1)))
-            tma_a, tma_tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, sA_row,
-                                                        (1, self.tile_k))
+            row_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_n > 1) else \
+                cpasync.CopyBulkTensorTileG2SOp()
+            tma_a, tma_tA = cpasync.make_tiled_tma_atom(row_op, mA, sA_row, (1, self.tile_k),
+                                                        num_multicast=self.cluster_n)
         elif const_expr(self.gather_a):
             # A is read through the index by cp.async (kernels/gather_producer.py): no TMA descriptor of A;
             # the kernel's A slots take B's atom (never used as A) and the plain (a_rows, K) tensor

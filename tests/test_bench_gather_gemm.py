@@ -13,14 +13,15 @@ sys.path.insert(0, str(BENCH))
 
 import bench_gather_gemm  # noqa: E402
 import fusion.kernels as K  # noqa: E402
-from fusion.kernels.tile_policy import GemmConfig  # noqa: E402
+from fusion.kernels.tile_policy import GemmConfig, n_tile_count  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air"])
 def test_the_timed_kernels_are_the_plans_fc1_at_each_configuration(name):
     E, d, f, _, k = bench_gather_gemm.SHAPES[name]
     jobs = bench_gather_gemm.shape_jobs(E, d, f, k)
-    assert set(jobs) == {"gather", "runtime", "pairs", "tma_rows", "same"}
+    pairs_up = n_tile_count(2 * f, GemmConfig(*jobs["gather"].config).tile_n) % 2 == 0   # a TMA-rows pair along n
+    assert set(jobs) == {"gather", "runtime", "pairs", "tma_rows", "same"} | ({"tma_pairs"} if pairs_up else set())
     base = bench_gather_gemm.fc1_job(E, d, f, k)
     assert (base.step, base.variant) == ("F1", "train")
     assert all(job.source == base.source and (job.N, job.K, job.G) == (2 * f, d, E) for job in jobs.values())
@@ -30,6 +31,8 @@ def test_the_timed_kernels_are_the_plans_fc1_at_each_configuration(name):
     assert not cfg["same"].gather_a and cfg["same"].cluster_m == 1 and cfg["same"].tile_n == cfg["gather"].tile_n
     assert not cfg["runtime"].gather_a
     assert cfg["tma_rows"] == GemmConfig(**{**cfg["gather"].__dict__, "gather_tma": True})
+    if pairs_up:
+        assert cfg["tma_pairs"] == GemmConfig(**{**cfg["gather"].__dict__, "gather_tma": True, "cluster_n": 2})
     epi = K.SwiGLUScaleEpilogue()
     for c in cfg.values():
         K.check_config(c, epi, "bfloat16", 2 * f, d)
@@ -66,5 +69,5 @@ def test_pairs_left_out_where_the_template_cannot_build_them(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(tile_policy, "GATHER_PAIRS", True)
     jobs = bench_gather_gemm.shape_jobs(E, d, f, k)
-    assert set(jobs) == {"gather", "runtime", "single", "tma_rows", "same"}
+    assert set(jobs) == {"gather", "runtime", "single", "tma_rows", "same"}   # 11 n-tiles of 256: no TMA-rows pair
     assert GemmConfig(*jobs["gather"].config).cluster_m == 2

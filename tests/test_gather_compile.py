@@ -222,21 +222,26 @@ def test_run_checks_the_index():
         K.run_grouped_gemm(in_order, A, B, offs, out, index=torch.zeros(16, dtype=torch.int32))
 
 
-def test_gather_tma_rows_compile_to_one_box_per_row():
+@pytest.mark.parametrize("cluster_n", [1, 2], ids=["single", "n-pairs"])
+def test_gather_tma_rows_compile_to_one_box_per_row(cluster_n):
     """GemmConfig.gather_tma (opt-in, in no policy): the gathering kernel loads A's rows by one TMA box each (32 per
-    producer warp and k-step, issued from uniform registers), B by its two gated boxes, no cp.async, no spills."""
+    producer warp and k-step, issued from uniform registers; as a pair along n 16, each multicast to both CTAs, the
+    pair's tile ids through the mailbox), B by its two gated boxes, no cp.async, no spills."""
     config = dataclasses.replace(K.GemmConfig(*tile_config(1536, 2048, 128, True, "K", False, gather=True)),
-                                 gather_tma=True)
+                                 gather_tma=True, cluster_n=cluster_n)
     comp = K.compile_grouped_gemm(config, K.SwiGLUScaleEpilogue(), "bfloat16", 1536, 2048, 128)
+    assert comp.config == config, "built as asked, not a spill fallback"
     ops = collections.Counter(_ops(sass_or_skip(lambda: comp.sass)))
-    assert ops["UTMALDG.2D"] == 32 and ops["UTMALDG.3D"] == 2 and ops["LDGSTS.E.BYPASS.128"] == 0
+    row_boxes = "UTMALDG.2D.MULTICAST" if cluster_n == 2 else "UTMALDG.2D"
+    assert ops[row_boxes] == 32 // cluster_n and ops["UTMALDG.3D"] == 2 and ops["LDGSTS.E.BYPASS.128"] == 0
     assert not any(o.startswith(("STL", "LDL")) for o in ops) and any(o.startswith("HGMMA") for o in ops)
-    assert comp.name.endswith("_gAT") and comp.config.gather_tma
+    assert comp.name.endswith("_gAT" + ("_c2" if cluster_n == 2 else "")) and comp.config.gather_tma
+    assert ("st.async" in comp.ptx) == (cluster_n == 2), "a dynamic pair's mailbox"
 
 
 @pytest.mark.parametrize("cfg,match", [
     (dict(gather_tma=True), "set gather_a=True"),
-    (dict(gather_a=True, gather_tma=True, cluster_m=2, persistent=True), "single CTAs"),
+    (dict(gather_a=True, gather_tma=True, cluster_m=2, persistent=True), "use cluster_m = 1"),
     (dict(gather_a=True, gather_tma=True, tile_m=64), "tile_m = 128"),
 ])
 def test_gather_tma_configs_it_cannot_build_are_rejected(cfg, match):

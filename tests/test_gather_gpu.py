@@ -17,7 +17,7 @@ if not hopper_available():
     pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
 
 import fusion.kernels as K  # noqa: E402
-from fusion.kernels.tile_policy import tile_config  # noqa: E402
+from fusion.kernels.tile_policy import n_tile_count, tile_config  # noqa: E402
 
 DEV = "cuda"
 POISON = 12345.0  # no result of these inputs comes near it (exact in bf16)
@@ -59,7 +59,7 @@ def _close(x, ref, tol=1e-2):
     assert ((x - ref).norm() / ref.norm()).item() < tol / 2
 
 
-def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True, cluster_m=1, gather_tma=False):
+def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True, cluster_m=1, gather_tma=False, cluster_n=1):
     gen = torch.Generator().manual_seed(1234 + N + Kd)
     x = torch.randn(T, Kd, generator=gen).to(DEV, torch.bfloat16)
     W = (torch.randn(G, N, Kd, generator=gen) / Kd ** 0.5).to(DEV, torch.bfloat16)
@@ -69,10 +69,13 @@ def _run(epi, T, G, N, Kd, topk, pad, extras_fn, dynamic=True, cluster_m=1, gath
     rows = int(sizes.sum())
     offs = K.offsets_from_group_sizes(sizes)
     config = K.GemmConfig(*tile_config(N, Kd, G, epi.gated, "K", False, gather=True))
-    comp = K.compile_grouped_gemm(dataclasses.replace(config, dynamic=dynamic, cluster_m=cluster_m,
-                                                      gather_tma=gather_tma), epi, "bfloat16", N, Kd, G)
+    config = dataclasses.replace(config, dynamic=dynamic, cluster_m=cluster_m, cluster_n=cluster_n,
+                                 gather_tma=gather_tma)
+    if cluster_n == 2 and n_tile_count(N, config.tile_n) % 2:
+        pytest.skip("a pair along n needs an even n-tile count")
+    comp = K.compile_grouped_gemm(config, epi, "bfloat16", N, Kd, G)
     assert comp.config.gather_a and comp.config.dynamic == dynamic and comp.config.cluster_m == cluster_m
-    assert comp.config.gather_tma == gather_tma
+    assert comp.config.gather_tma == gather_tma and comp.config.cluster_n == cluster_n
     n_out = N // 2 if epi.gated else N
     out = torch.full((M, n_out), POISON, dtype=torch.bfloat16, device=DEV)
     extras = extras_fn(M, gen)
@@ -86,35 +89,38 @@ SCHEDULES = pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dy
 #: single CTAs, and CTA pairs on neighbouring m-tiles sharing B's tile by multicast (each gathers its own A rows;
 #: a group with an odd m-tile count leaves rank 1 a tile past its rows, which must store nothing); and single CTAs
 #: loading A's rows by one TMA box each (GemmConfig.gather_tma: padding rows and rows past the group by an
-#: out-of-bounds row, which TMA zero-fills)
-CLUSTERS = pytest.mark.parametrize("cluster_m,gather_tma", [(1, False), (2, False), (1, True)],
-                                   ids=["single", "m-pairs", "tma-rows"])
+#: out-of-bounds row, which TMA zero-fills), alone and as CTA pairs along n, each CTA loading half the rows
+#: multicast to both
+CLUSTERS = pytest.mark.parametrize("cluster_m,gather_tma,cluster_n", [(1, False, 1), (2, False, 1), (1, True, 1),
+                                                                      (1, True, 2)],
+                                   ids=["single", "m-pairs", "tma-rows", "tma-rows-n-pairs"])
 
 
 @SCHEDULES
 @CLUSTERS
 @pytest.mark.parametrize("N,Kd,T", [(384, 512, 700), (200, 520, 700), (384, 256, 9000)])
-def test_gather_identity(N, Kd, T, dynamic, cluster_m, gather_tma):
+def test_gather_identity(N, Kd, T, dynamic, cluster_m, gather_tma, cluster_n):
     """Plain grouped GEMM on gathered rows; (200, 520): partial n-tile and a ragged last k-tile (zero fill);
     T = 9000: 27000 routed rows, many more tiles than CTAs (each CTA walks several, from the counter when
     dynamic)."""
     out, ref, _, _ = _run(K.IdentityEpilogue(), T=T, G=12, N=N, Kd=Kd, topk=3, pad=77,
                           extras_fn=lambda M, gen: None, dynamic=dynamic, cluster_m=cluster_m,
-                          gather_tma=gather_tma)
+                          gather_tma=gather_tma, cluster_n=cluster_n)
     _close(out, ref)
 
 
 @SCHEDULES
 @CLUSTERS
 @pytest.mark.parametrize("N,Kd", [(512, 1024), (4096, 256)])
-def test_gather_swiglu_scale(N, Kd, dynamic, cluster_m, gather_tma):
+def test_gather_swiglu_scale(N, Kd, dynamic, cluster_m, gather_tma, cluster_n):
     """Gated FC1 on gathered rows: silu(gate) * up * scale[r] per routed row ((4096, 256): the 128x192 tile); as
     m-pairs each CTA multicasts half of both the gate and the up box."""
     def extras(M, gen):
         return {"scale": torch.rand(M, generator=gen).to(DEV)}
 
     out, ref, ext, rows = _run(K.SwiGLUScaleEpilogue(), T=600, G=10, N=N, Kd=Kd, topk=2, pad=33,
-                               extras_fn=extras, dynamic=dynamic, cluster_m=cluster_m, gather_tma=gather_tma)
+                               extras_fn=extras, dynamic=dynamic, cluster_m=cluster_m, gather_tma=gather_tma,
+                               cluster_n=cluster_n)
     gate, up = ref[:, :N // 2], ref[:, N // 2:]
     expect = gate * torch.sigmoid(gate) * up * ext["scale"][:rows].double()[:, None]
     _close(out, expect)
@@ -141,10 +147,11 @@ def test_gather_matches_the_kernel_on_a_pregathered_a():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("N,Kd,pad", [(384, 512, 0), (200, 520, 41), (4096, 256, 17)])
-def test_gather_tma_rows_match_cp_async_bitwise(N, Kd, pad):
-    """A's rows by one TMA box each (gather_tma) against the cp.async gathering kernel at the same tile: the same
-    bits on every row (the same products in the same order), with padding rows (-1) inside the last group and a
+@pytest.mark.parametrize("cluster_n", [1, 2], ids=["single", "n-pairs"])
+@pytest.mark.parametrize("N,Kd,pad", [(384, 512, 0), (512, 520, 41), (4096, 256, 17)])
+def test_gather_tma_rows_match_cp_async_bitwise(N, Kd, pad, cluster_n):
+    """A's rows by one TMA box each (gather_tma; alone and as a pair along n) against the cp.async gathering kernel
+    at the same tile: the same bits on every row (the same products in the same order), with padding rows (-1) inside the last group and a
     ragged last k-tile: the TMA kernel's out-of-bounds rows read zeros as cp.async's zero-filled ones do."""
     gen = torch.Generator().manual_seed(11 + N)
     T, G = 700, 9
@@ -159,8 +166,11 @@ def test_gather_tma_rows_match_cp_async_bitwise(N, Kd, pad):
     extras = {"scale": torch.rand(index.numel(), generator=gen).to(DEV)} if gated else None
     config = dataclasses.replace(K.GemmConfig(*tile_config(N, Kd, G, gated, "K", False, gather=True)), cluster_m=1)
     outs = []
+    if cluster_n == 2 and n_tile_count(N, config.tile_n) % 2:
+        pytest.skip("a pair along n needs an even n-tile count")
     for tma in (False, True):
-        comp = K.compile_grouped_gemm(dataclasses.replace(config, gather_tma=tma), epi, "bfloat16", N, Kd, G)
+        variant = dataclasses.replace(config, gather_tma=tma, cluster_n=cluster_n if tma else 1)
+        comp = K.compile_grouped_gemm(variant, epi, "bfloat16", N, Kd, G)
         out = torch.full((index.numel(), N // 2 if gated else N), POISON, dtype=torch.bfloat16, device=DEV)
         K.run_grouped_gemm(comp, x, W, offs, {"out": out}, extras, index=index)
         outs.append(out)
