@@ -191,7 +191,7 @@ class GatherProducer:
             row_end = mOffs[g + 1]
             r = mOffs[g] + m_idx * self.tile_m + first + lane
             token = Int32(-1)
-            if lane < rows_per_warp and r < row_end:
+            if (lane < rows_per_warp) & (r < row_end):
                 token = mIdx[r]
             b_parts = self.b_tile(tma_b, mB, sB, g, n_idx, 0)
             for kt in cutlass.range(self.k_tiles, unroll=1):
