@@ -75,8 +75,8 @@ class GatherProducer:
         ``sched_pipe``, ``sTile``: the dynamic scheduler's counter, tile-id pipeline and slots (unused static).
         With ``cluster_m = 2`` (``bidx`` / ``grid``: the pair's index and count, ``rank``: this CTA's in it) warp 0
         loads its half of each B box and multicasts it to the pair; each CTA gathers its own m-tile's A rows.
-        With ``gather_tma`` (``tma_a``: the one-row box's atom, ``mA`` its coordinate tensor) every warp issues one
-        TMA box per row of its 32 rows instead of cp.async (:meth:`tma_rows`)."""
+        With ``gather_tma`` (``tma_a``: the one-row box's atom, ``mA`` its coordinate tensor) the warps issue one TMA
+        box per row instead of cp.async (:meth:`produce_gather_tma`; also as a CTA pair along n)."""
         if const_expr(self.gather_tma):
             self.produce_gather_tma(tma_a, mA, mIdx, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
                                     ptid, warp_idx, bidx, grid, rank)
