@@ -52,6 +52,14 @@ GATHER_BARRIER = 10
 CHUNK_BYTES = 16
 
 
+def multicast_mask(ctas: int, rank):
+    """The TMA multicast mask of a box that CTA ``rank`` of a ``ctas``-CTA cluster loads for all of them (None for one
+    CTA: no multicast)."""
+    if const_expr(ctas == 1):
+        return None
+    return cute.make_layout_image_mask(cute.make_layout((ctas, 1, 1)), (rank, 0, 0), mode=0)
+
+
 class GatherProducer:
     """Mixin of :class:`kernels.grouped_gemm.GroupedGemmKernel` (reads its trace-time attributes: tile shape,
     ``stages``, ``k_tiles``, ``K``, ``sched``, ``ab_dtype``; uses :meth:`WarpRoles.b_tile` / ``load_b``)."""
@@ -89,16 +97,9 @@ class GatherProducer:
         rows = cute.size(tAcA, mode=[1])
         chunks = cute.size(tAcA, mode=[2])
         k_tail = const_expr(self.K % self.tile_k != 0)
-        b_mask = None
-        if const_expr(self.cluster_m > 1):
-            b_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)), (rank, 0, 0), mode=0)
+        b_mask = multicast_mask(self.cluster_m, rank)
         sent = Int32(0)   # tile ids through the pair's mailbox so far
-        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        tile_id = bidx
-        if const_expr(self.dynamic):
-            sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
-            sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx)
-        g, base, cnt = self.sched.start(mOffs, tile_id)
+        prod_state, sched_state, tile_id, g, base, cnt = self.first_tile(sched_pipe, sTile, mOffs, warp_idx, bidx)
         while g < self.G:
             m_idx, n_idx = self.sched.coords(tile_id, base, cnt, rank)
             row_end = mOffs[g + 1]
@@ -121,13 +122,7 @@ class GatherProducer:
                      for m in range(rows)]
             b_parts = self.b_tile(tma_b, mB, sB, g, n_idx, rank)
             for kt in cutlass.range(self.k_tiles, unroll=1):
-                stage = prod_state.index
-                bar = ab_pipe.producer_get_barrier(prod_state)
-                if warp_idx == 0:
-                    ab_pipe.producer_acquire(prod_state)       # empty wait + arrive expecting B's bytes
-                    self.load_b(tma_b, b_parts, kt, stage, bar, b_mask)
-                else:
-                    ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
+                stage, bar = self.acquire_stage(ab_pipe, prod_state, warp_idx, tma_b, b_parts, kt, b_mask)
                 for c in cutlass.range_constexpr(chunks):
                     col = kt * self.tile_k + tAcA[0, 0, c][1]
                     for m in cutlass.range_constexpr(rows):
@@ -137,26 +132,10 @@ class GatherProducer:
                             cute.copy(tiled_copy, gRows[m][None, col // chunk, 0], tAsA[None, m, c, stage], pred=ok)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                 prod_state.advance()
-            if const_expr(self.dynamic):
-                slot = sched_state.index
-                sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx, mCounter, grid,
-                                              rank, sent)
-                sent = sent + 1
-                cute.arch.barrier(barrier_id=GATHER_BARRIER, number_of_threads=GATHER_THREADS)
-                tile_id = sTile[slot]
-            else:
-                tile_id = tile_id + grid
-            g, base, cnt = self.sched.seek(mOffs, tile_id, g, base, cnt)
-        if const_expr(self.dynamic and self.pingpong):
-            # the second end-of-work entry of a pingpong pair (as TileScheduler's TMA producer publishes)
-            sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx)
-        # leave no copy in flight behind an exiting thread (warp 0's tail also waits for the consumers)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        if warp_idx == 0:
-            if const_expr(self.dynamic and self.cluster_size > 1):
-                self.mailbox.drain(sent, rank)
-            ab_pipe.producer_tail(prod_state)
+            sched_state, tile_id, sent, g, base, cnt = self.next_tile(sched_pipe, sched_state, sTile, mOffs, mCounter,
+                                                                      warp_idx, grid, rank, tile_id, sent, g, base, cnt)
+        self.last_tile(ab_pipe, prod_state, sched_pipe, sched_state, sTile, warp_idx, tile_id, rank, sent,
+                       cp_async=True)
 
     @cute.jit
     def produce_gather_tma(self, tma_a: cute.CopyAtom, mA: cute.Tensor, mIdx: cute.Tensor, tma_b: cute.CopyAtom,
@@ -176,16 +155,9 @@ class GatherProducer:
         rows_per_warp = self.tile_m // (4 * self.cluster_n)
         first = rank * (self.tile_m // self.cluster_n) + warp_idx * rows_per_warp   # this warp's rows of the tile
         lane = ptid % 32
-        a_mask = None
-        if const_expr(self.cluster_n > 1):
-            a_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_n, 1, 1)), (rank, 0, 0), mode=0)
+        a_mask = multicast_mask(self.cluster_n, rank)
         sent = Int32(0)   # tile ids through the pair's mailbox so far
-        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        tile_id = bidx
-        if const_expr(self.dynamic):
-            sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
-            sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx)
-        g, base, cnt = self.sched.start(mOffs, tile_id)
+        prod_state, sched_state, tile_id, g, base, cnt = self.first_tile(sched_pipe, sTile, mOffs, warp_idx, bidx)
         while g < self.G:
             m_idx, n_idx = self.sched.coords(tile_id, base, cnt, rank)
             row_end = mOffs[g + 1]
@@ -195,13 +167,7 @@ class GatherProducer:
                 token = mIdx[r]
             b_parts = self.b_tile(tma_b, mB, sB, g, n_idx, 0)
             for kt in cutlass.range(self.k_tiles, unroll=1):
-                stage = prod_state.index
-                bar = ab_pipe.producer_get_barrier(prod_state)
-                if warp_idx == 0:
-                    ab_pipe.producer_acquire(prod_state)       # empty wait + arrive expecting A's and B's bytes
-                    self.load_b(tma_b, b_parts, kt, stage, bar, None)
-                else:
-                    ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
+                stage, bar = self.acquire_stage(ab_pipe, prod_state, warp_idx, tma_b, b_parts, kt, None)
                 for j in cutlass.range_constexpr(rows_per_warp):
                     row_token = cute.arch.shuffle_sync(token, j)
                     gRow = cute.local_tile(mA, (1, self.tile_k), (row_token, None))        # (1, tile_k, k_tiles)
@@ -210,18 +176,67 @@ class GatherProducer:
                                                        cute.group_modes(gRow, 0, 2))
                     cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, stage)], tma_bar_ptr=bar, mcast_mask=a_mask)
                 prod_state.advance()
-            if const_expr(self.dynamic):
-                slot = sched_state.index
-                sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx, mCounter, grid,
-                                              rank, sent)
-                sent = sent + 1
-                cute.arch.barrier(barrier_id=GATHER_BARRIER, number_of_threads=GATHER_THREADS)
-                tile_id = sTile[slot]
-            else:
-                tile_id = tile_id + grid
-            g, base, cnt = self.sched.seek(mOffs, tile_id, g, base, cnt)
+            sched_state, tile_id, sent, g, base, cnt = self.next_tile(sched_pipe, sched_state, sTile, mOffs, mCounter,
+                                                                      warp_idx, grid, rank, tile_id, sent, g, base, cnt)
+        self.last_tile(ab_pipe, prod_state, sched_pipe, sched_state, sTile, warp_idx, tile_id, rank, sent)
+
+    @cute.jit
+    def acquire_stage(self, ab_pipe, prod_state, warp_idx: Int32, tma_b: cute.CopyAtom, b_parts, kt, b_mask):
+        """Every producer thread, per k-step: (the stage, its full barrier) once the stage is empty; warp 0 waits,
+        arrives expecting the stage's TMA bytes (B's, and with gather_tma A's too) and loads k-tile ``kt`` of B
+        (multicast with ``b_mask``); warps 1-3 wait on the empty barrier themselves (producer_acquire would arrive
+        a second time)."""
+        stage = prod_state.index
+        bar = ab_pipe.producer_get_barrier(prod_state)
+        if warp_idx == 0:
+            ab_pipe.producer_acquire(prod_state)
+            self.load_b(tma_b, b_parts, kt, stage, bar, b_mask)
+        else:
+            ab_pipe.sync_object_empty.wait(stage, prod_state.phase)
+        return stage, bar
+
+    @cute.jit
+    def first_tile(self, sched_pipe, sTile: cute.Tensor, mOffs: cute.Tensor, warp_idx: Int32, bidx: Int32):
+        """Every producer thread, before its loop: (the smem ring's producer state, the tile-id pipeline's (None
+        static), the first tile id ``bidx``, published to the consumers by the dynamic scheduler, and its group
+        ``g``, ``base``, ``cnt``)."""
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        sched_state = None
+        if const_expr(self.dynamic):
+            sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
+            sched_state = self.publish_id(sched_pipe, sched_state, sTile, bidx, warp_idx)
+        g, base, cnt = self.sched.start(mOffs, bidx)
+        return prod_state, sched_state, bidx, g, base, cnt
+
+    @cute.jit
+    def next_tile(self, sched_pipe, sched_state, sTile: cute.Tensor, mOffs: cute.Tensor, mCounter: cute.Tensor,
+                  warp_idx: Int32, grid: Int32, rank, tile_id: Int32, sent: Int32, g, base, cnt):
+        """Every producer thread, after a tile: the next tile (static: ``grid`` further; dynamic: warp 0 takes it
+        and publishes it, in a pair rank 0's sent to rank 1 as message ``sent``, and every thread reads it from the
+        slot after the warpgroup's named barrier), with its group: (sched_state, tile_id, sent, g, base, cnt)."""
+        if const_expr(self.dynamic):
+            slot = sched_state.index
+            sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx, mCounter, grid, rank,
+                                          sent)
+            sent = sent + 1
+            cute.arch.barrier(barrier_id=GATHER_BARRIER, number_of_threads=GATHER_THREADS)
+            tile_id = sTile[slot]
+        else:
+            tile_id = tile_id + grid
+        g, base, cnt = self.sched.seek(mOffs, tile_id, g, base, cnt)
+        return sched_state, tile_id, sent, g, base, cnt
+
+    @cute.jit
+    def last_tile(self, ab_pipe, prod_state, sched_pipe, sched_state, sTile: cute.Tensor, warp_idx: Int32,
+                  tile_id: Int32, rank, sent: Int32, cp_async: cutlass.Constexpr = False):
+        """Every producer thread, after its loop: a pingpong pair's second end-of-work entry (as TileScheduler's TMA
+        producer publishes); with ``cp_async``, no copy left in flight behind an exiting thread; then warp 0 drains a
+        pair's mailbox and waits for the consumers to release the ring."""
         if const_expr(self.dynamic and self.pingpong):
             sched_state = self.publish_id(sched_pipe, sched_state, sTile, tile_id, warp_idx)
+        if const_expr(cp_async):
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
         if warp_idx == 0:
             if const_expr(self.dynamic and self.cluster_size > 1):
                 self.mailbox.drain(sent, rank)
