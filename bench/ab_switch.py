@@ -108,7 +108,7 @@ def block_subject(block, module, attr: str, plan: bool, phases: str, off=False):
 
 def moe_subject(cfg, tokens: int, module, attr: str, plan: bool, phases: str, off=False):
     """The same for a whole MoE layer of bench_moe.py (with `plan`: its twin's experts block planned, compiled and run
-    once per phase with `attr` False)."""
+    once per phase with `attr` at `off`)."""
     import bench_moe as M
     from moe_paths import FusionLayer, twin_layer
 
