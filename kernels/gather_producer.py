@@ -43,6 +43,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Boolean, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from .scheduler import multicast_mask
+
 #: Threads of the producer warpgroup, all of which load A.
 GATHER_THREADS = 128
 #: Named barrier of the producer warpgroup's 128 threads (dynamic schedule: the next tile id is in its slot);
@@ -50,14 +52,6 @@ GATHER_THREADS = 128
 GATHER_BARRIER = 10
 #: Bytes one cp.async moves: 8 bf16/fp16 elements, the unit of the 128-byte swizzle.
 CHUNK_BYTES = 16
-
-
-def multicast_mask(ctas: int, rank):
-    """The TMA multicast mask of a box that CTA ``rank`` of a ``ctas``-CTA cluster loads for all of them (None for one
-    CTA: no multicast)."""
-    if const_expr(ctas == 1):
-        return None
-    return cute.make_layout_image_mask(cute.make_layout((ctas, 1, 1)), (rank, 0, 0), mode=0)
 
 
 class GatherProducer:

@@ -29,7 +29,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .gather_producer import GATHER_THREADS
-from .scheduler import PEER_SLOTS, PeerMailbox
+from .scheduler import PEER_SLOTS, PeerMailbox, multicast_mask
 
 PINGPONG_BARRIER = 8  # named barriers 8, 9: pingpong mainloop order (consumer warpgroup 0, 1)
 
@@ -221,11 +221,7 @@ class WarpRoles:
         """Warp 0. ``bidx`` / ``grid``: the CTA's (or with clusters the cluster's) index and count; ``rank``: the
         CTA's rank in its cluster (it loads that half of the A tile, or with ``cluster_m`` of the B tile, and
         multicasts it to the pair)."""
-        a_mask = b_mask = None
-        if const_expr(self.cluster_n > 1):
-            a_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_n, 1, 1)), (rank, 0, 0), mode=0)
-        if const_expr(self.cluster_m > 1):
-            b_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)), (rank, 0, 0), mode=0)
+        a_mask, b_mask = multicast_mask(self.cluster_n, rank), multicast_mask(self.cluster_m, rank)
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         mailbox = self.mailbox if const_expr(self.dynamic and self.cluster_size > 1) else None
         sent = Int32(0)   # tile ids through the mailbox so far

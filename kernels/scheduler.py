@@ -35,6 +35,14 @@ PEER_SLOTS = 4       # the CTA pair's mailbox depth (rank 0 runs at most this ma
 ID_BYTES = 4
 
 
+
+def multicast_mask(ctas: int, rank):
+    """The TMA multicast mask of a box that CTA ``rank`` of a ``ctas``-CTA cluster (a CTA pair) loads for all of them;
+    None for one CTA (no multicast)."""
+    if cutlass.const_expr(ctas == 1):
+        return None
+    return cute.make_layout_image_mask(cute.make_layout((ctas, 1, 1)), (rank, 0, 0), mode=0)
+
 class PeerMailbox:
     """Rank 0's producer warp hands tile ids to rank 1's (a dynamic CTA pair). Message k goes to slot
     ``k % PEER_SLOTS``; ``full[i]`` (armed by rank 1 with the 4 bytes it expects, completed by rank 0's

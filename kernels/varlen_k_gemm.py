@@ -65,6 +65,7 @@ from .dtypes import cutlass_dtype
 from .epilogue import IdentityEpilogue
 from .fragment_io import row_addr, store4_swapped
 from .mainloop import PINGPONG_BARRIER, REGISTER_SPLIT, consumer_ids, end_mainloop, mma_k_step
+from .scheduler import multicast_mask
 from .tile_epilogue import TileEpilogue
 
 __all__ = ["VarlenKGemmKernel", "PRODUCER_THREADS"]
@@ -332,9 +333,7 @@ class VarlenKGemmKernel:
         rows = cute.size(tAcA, mode=[2])        # the same rows of a k-step for both operands
         total = self.G * self.group_units
         clusters = grid // self.cluster_m
-        b_mask = None
-        if const_expr(self.cluster_m > 1):
-            b_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)), (rank, 0, 0), mode=0)
+        b_mask = multicast_mask(self.cluster_m, rank)
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         tile_id = bidx // self.cluster_m
         while tile_id < total:
@@ -417,9 +416,7 @@ class VarlenKGemmKernel:
                     grid: Int32):
         """Warp 0: the TMA loads of the CTA's tiles (A its own m-tile; B half of the n-tile, multicast to the
         cluster's CTAs)."""
-        b_mask = None
-        if const_expr(self.cluster_m > 1):
-            b_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)), (rank, 0, 0), mode=0)
+        b_mask = multicast_mask(self.cluster_m, rank)
         total = self.G * self.group_units
         clusters = grid // self.cluster_m
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
