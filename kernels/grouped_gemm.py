@@ -190,8 +190,10 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
                                                cute.make_layout((1, self.tile_k), stride=(self.tile_k, 1)))
             row_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_n > 1) else \
                 cpasync.CopyBulkTensorTileG2SOp()
-            tma_a, tma_tA = cpasync.make_tiled_tma_atom(row_op, mA, sA_row, (1, self.tile_k),
-                                                        num_multicast=self.cluster_n)
+            # num_multicast=1 even for a pair: the pair splits the m-tile's rows by hand, each box still one whole
+            # row; an atom built for 2 CTAs cuts its box in two (half a row, 64 bytes), so a stage's full barrier
+            # would wait forever for the bytes it expects
+            tma_a, tma_tA = cpasync.make_tiled_tma_atom(row_op, mA, sA_row, (1, self.tile_k), num_multicast=1)
         elif const_expr(self.gather_a):
             # A is read through the index by cp.async (kernels/gather_producer.py): no TMA descriptor of A;
             # the kernel's A slots take B's atom (never used as A) and the plain (a_rows, K) tensor
