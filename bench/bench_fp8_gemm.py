@@ -8,6 +8,12 @@ TFLOP/s counts 2*M*N*K. Timing: CUDA events around each call, median over the re
 quantized once, outside the timed region. Progress goes to stderr, one JSON document to stdout.
 
 Usage (from the repository root): python3 bench/bench_fp8_gemm.py [--shapes 0,2] [--rows M] [--reps 50]
+
+--profile: instead of timing, launch our kernel and torch._scaled_grouped_mm once each between cudaProfilerStart
+and cudaProfilerStop (after a warm-up), for Nsight Compute, e.g. issue 9's target shape:
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section ComputeWorkloadAnalysis \
+        python bench/bench_fp8_gemm.py --profile --shapes 2 --rows 262144
 """
 import argparse
 import json
@@ -64,7 +70,7 @@ def _try(fn, reps):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
-def bench_shape(E, Kd, N, M, reps, gen):
+def bench_shape(E, Kd, N, M, reps, gen, profile=False):
     dev = "cuda"
     flop = 2.0 * M * N * Kd
     tf = (lambda ms: None if ms is None else round(flop / ms / 1e9, 1))
@@ -90,6 +96,24 @@ def bench_shape(E, Kd, N, M, reps, gen):
             counter.zero_()
         K.run_fp8_grouped_gemm(comp, a_data, a_scale, wq.data, wq.scale, offsets, {"out": out},
                                counter_ptr=counter.data_ptr())
+
+    if profile:   # each kernel once, in the profiler's window: ours, then torch's FP8 grouped GEMM
+        a8, b8 = a_data.view(torch.float8_e4m3fn), wq.data.view(torch.float8_e4m3fn)
+        sa, sb = torch.ones(M, dtype=torch.float32, device=dev), torch.ones(E, N, dtype=torch.float32, device=dev)
+        kernels = [("ours " + comp.name, ours)]
+        if hasattr(torch, "_scaled_grouped_mm"):
+            kernels.append(("torch._scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
+                a8, b8.transpose(-2, -1), sa, sb, offs=offsets[1:], out_dtype=torch.bfloat16, use_fast_accum=True)))
+        for label, fn in kernels:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            log(f"  profiled: {label}")
+        return dict(row, profiled=[label for label, _ in kernels])
 
     ms, err = _try(ours, reps)
     row.update(ours_ms=ms, ours_tflops=tf(ms), ours_error=err, config=comp.name, registers=comp.registers,
@@ -142,6 +166,8 @@ def main():
     ap.add_argument("--shapes", default=None, help="indices into SHAPES, e.g. 0,2")
     ap.add_argument("--rows", type=int, default=None, help="routed rows M for every shape")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--profile", action="store_true",
+                    help="launch each kernel once inside cudaProfilerStart/Stop (run under ncu); no timing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
@@ -153,7 +179,7 @@ def main():
         E, Kd, N, M = SHAPES[i]
         M = args.rows or M
         try:
-            results.append(bench_shape(E, Kd, N, M, args.reps, gen))
+            results.append(bench_shape(E, Kd, N, M, args.reps, gen, profile=args.profile))
         except Exception as e:
             results.append(dict(E=E, K=Kd, N=N, M=M, error=f"{type(e).__name__}: {e}"))
             log(f"E={E} K={Kd} N={N} M={M}: {type(e).__name__}: {e}")
