@@ -80,10 +80,9 @@ def jobs(tile_64: bool = False):
 
 
 def measure(reps: int, tile_64: bool = False) -> dict:
-    from bench_fp8_gemm import balanced_sizes, time_ms
+    from bench_fp8_gemm import balanced_sizes, quantize_rows_chunked, time_ms
     from fusion.kernels import run_fp8_grouped_gemm
     from fusion.kernels.api import offsets_from_group_sizes
-    from fusion.quant.fp8_block import fp8_block_quantize_2d
     from fusion.quant.fp8_weight import quantize_weight_fp8_block
     from fusion.runtime.compile import load_compiled
 
@@ -105,11 +104,7 @@ def measure(reps: int, tile_64: bool = False) -> dict:
                              "bf16_grouped_mm_tflops": 2 * M * N * K / bf16_ms / 1e9, "configs": []}
             print(f"{name:16s} bf16 torch._grouped_mm {bf16_ms:7.3f} ms "
                   f"{results[name]['bf16_grouped_mm_tflops']:6.0f} TFLOP/s", file=sys.stderr, flush=True)
-            # the reference quantizer's temporaries are several times A: quantize 32768 rows at a time
-            parts = [fp8_block_quantize_2d(a[r:r + 32768]) for r in range(0, M, 32768)]
-            a_data = torch.cat([p[0] for p in parts])
-            a_scale = torch.cat([p[1] for p in parts], dim=1).contiguous()
-            del parts
+            a_data, a_scale = quantize_rows_chunked(a)
             wq = quantize_weight_fp8_block(b)
             operands[name] = (a_data, a_scale, wq.data, wq.scale, offsets,
                               torch.empty(M, N, device="cuda", dtype=torch.bfloat16))
