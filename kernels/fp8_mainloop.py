@@ -133,13 +133,15 @@ class Fp8WarpRoles(WarpRoles):
         slot_scales = [sSB[(self.box_shift(base + kt), s, stage)] for s, base in enumerate(sb_rows)]
         return row_scales, slot_scales
 
-    def fold_k_tile(self, acc, frag, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state):
-        """Fold k-tile ``kt``'s finished ``frag`` into ``acc``: read its stage's scales (the stage just behind
-        ``read_state``: the last one read), release the stage, promote."""
-        stage = (read_state.index + (self.stages - 1)) % self.stages
-        row_scales, slot_scales = self.read_scales(sSA, sSB, rows, coords, kt, stage)
+    def issued_stage(self, read_state):
+        """The stage of the k-tile just issued: the one behind ``read_state`` (issue_k_tile advanced it)."""
+        return (read_state.index + (self.stages - 1)) % self.stages
+
+    def fold_k_tile(self, acc, frag, scales, stage, bounds, ab_pipe):
+        """Fold a k-tile's finished ``frag`` into ``acc`` with its ``scales`` (read from ``stage`` while its
+        wgmma ran): release the stage, promote."""
         ab_pipe.consumer_release(_StageRef(stage))
-        self.promote(acc, frag, row_scales, slot_scales, bounds)
+        self.promote(acc, frag, *scales, bounds)
 
     @cute.jit
     def consume_fp8(self, tiled_mma: cute.TiledMma, tiled_mma_log: cute.TiledMma, sA: cute.Tensor,
@@ -181,8 +183,11 @@ class Fp8WarpRoles(WarpRoles):
                 mma_tiles = cutlass.select_(self.short_tile(row0, row_end, wg_idx), Int32(0), Int32(self.k_tiles))
             for kt in cutlass.range(mma_tiles, unroll=1):
                 tiled_mma, read_state = self.issue_k_tile(tiled_mma, part, tCrA, tCrB, ab_pipe, read_state)
+                # the scales' shared-memory loads go out before the wait, their latency under the wgmma's
+                stage = self.issued_stage(read_state)
+                scales = self.read_scales(sSA, sSB, rows, coords, kt, stage)
                 warpgroup.wait_group(0)
-                self.fold_k_tile(acc, part, sSA, sSB, rows, bounds, coords, kt, ab_pipe, read_state)
+                self.fold_k_tile(acc, part, scales, stage, bounds, ab_pipe)
             for kt in cutlass.range(self.k_tiles - mma_tiles, unroll=1):
                 ab_pipe.consumer_wait(read_state)
                 ab_pipe.consumer_release(read_state)
