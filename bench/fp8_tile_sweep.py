@@ -1,10 +1,10 @@
 """Tile configurations of the FP8 block-scaled grouped GEMM on MoE shapes: which one the tile policy should pick.
 
 For each shape (the GEMMs of an expert MLP's forward and dgrads: FC1, FC2, FC2's dgrad, FC1's dgrad, of eight
-MoE blocks, and issue 9's 32 x 8192-row target shape) and each candidate configuration (tile_n 128 / 192, static
-or dynamic schedule, single CTAs or CTA pairs sharing the A tile, as many stages as fit; ``--tile-64`` adds
-64-column tiles), the kernel with the identity epilogue, timed with CUDA events (median of --reps calls) on
-balanced random group sizes, beside bf16 torch._grouped_mm on the same (unquantized) operands. The kernels are KernelJobs (fusion/runtime/compile.py), so they compile here without a GPU into
+MoE blocks, and issue 9's 32 x 8192-row target shape) and each candidate configuration (tiles 128 x 128 / 192 and
+256 x 128, static or dynamic schedule, single CTAs or CTA pairs sharing the A tile, as many stages as fit;
+``--tile-64`` adds 64-column tiles), the kernel with the identity epilogue, timed with CUDA events (median of
+--reps calls) on balanced random group sizes, beside bf16 torch._grouped_mm on the same (unquantized) operands. The kernels are KernelJobs (fusion/runtime/compile.py), so they compile here without a GPU into
 FUSION_CACHE_DIR and load on the GPU machine:
 
     FUSION_CACHE_DIR=/tmp/kc python bench/fp8_tile_sweep.py --precompile     # no GPU needed
@@ -49,19 +49,20 @@ BANDS: list = []
 
 
 def candidates(N: int, K: int, G: int, tile_64: bool = False):
-    """The tile policy's choice first, then tile_n (64,) 128 / 192 x static / dynamic x single / paired CTAs
-    (pairs where the n-tile count is even; stages: as many as fit, <= 8); with BANDS, the policy's choice at
-    each band instead."""
+    """The tile policy's choice first, then tiles 128 x (64,) 128 / 192 and 256 x 128 (two 64-row waves per
+    warpgroup) x static / dynamic x single / paired CTAs (pairs where the n-tile count is even; stages: as many
+    as fit, <= 8); with BANDS, the policy's choice at each band instead."""
     out = [choose_fp8_config(N, K, G)]
     if BANDS:
         return out + [dataclasses.replace(out[0], band_m=b) for b in BANDS if b != out[0].band_m]
-    for tile_n in ((64,) if tile_64 else ()) + (128, 192):
-        stages = min(8, FP8_SMEM // (fp8_stage_bytes(128, tile_n, 2 if tile_n % 128 else 1) + 16))
+    tiles = [(128, n) for n in ((64,) if tile_64 else ()) + (128, 192)] + [(256, 128)]
+    for tile_m, tile_n in tiles:
+        stages = min(8, FP8_SMEM // (fp8_stage_bytes(tile_m, tile_n, 2 if tile_n % 128 else 1) + 16))
         for cluster_n in (1, 2):
             if cluster_n == 2 and n_tile_count(N, tile_n) % 2:
                 continue
             for dynamic in (False, True):
-                cfg = dataclasses.replace(out[0], tile_n=tile_n, stages=stages, dynamic=dynamic,
+                cfg = dataclasses.replace(out[0], tile_m=tile_m, tile_n=tile_n, stages=stages, dynamic=dynamic,
                                           cluster_n=cluster_n)
                 if cfg not in out:
                     out.append(cfg)
@@ -115,10 +116,10 @@ def measure(reps: int, tile_64: bool = False) -> dict:
                                                   {"out": out}), warmup=5, reps=reps)
         tflops = 2 * M * N * K / ms / 1e9
         row = results[name]
-        row["configs"].append({"tile_n": cfg.tile_n, "stages": cfg.stages, "dynamic": cfg.dynamic,
+        row["configs"].append({"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages, "dynamic": cfg.dynamic,
                                "cluster_n": cfg.cluster_n, "band_m": cfg.band_m, "ms": ms, "tflops": tflops,
                                "vs_bf16": row["bf16_grouped_mm_ms"] / ms, "policy": len(row["configs"]) == 0})
-        print(f"{name:16s} tile_n={cfg.tile_n:3d} stages={cfg.stages} dynamic={cfg.dynamic!s:5s} "
+        print(f"{name:16s} tile={cfg.tile_m}x{cfg.tile_n:<3d} stages={cfg.stages} dynamic={cfg.dynamic!s:5s} "
               f"pair={cfg.cluster_n == 2!s:5s} band={cfg.band_m:2d} {ms:7.3f} ms {tflops:6.0f} TFLOP/s "
               f"{row['bf16_grouped_mm_ms'] / ms:4.2f}x bf16" + ("  (policy)" if len(row["configs"]) == 1 else ""),
               file=sys.stderr, flush=True)

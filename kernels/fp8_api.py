@@ -43,9 +43,12 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
         problems.append(f"target {target!r}: only sm_90a is supported")
     if out_dtype not in _OUT_DTYPES:
         problems.append(f"out_dtype {out_dtype}: the epilogue works in bfloat16 or float16")
-    if config.tile_m != 128 or config.tile_k != SCALE_BLOCK:
+    if config.tile_m not in (128, 256) or config.tile_k != SCALE_BLOCK:
         problems.append(f"tile {config.tile_m}x{config.tile_n}x{config.tile_k}: the FP8 kernel uses tile_m = 128 "
-                        f"and tile_k = {SCALE_BLOCK} (one scale block per k-tile)")
+                        f"or 256 and tile_k = {SCALE_BLOCK} (one scale block per k-tile)")
+    if config.tile_m == 256 and config.tile_n > 128:
+        problems.append(f"tile 256x{config.tile_n}: a 256-row tile holds two waves' accumulators and one scratch "
+                        "fragment, 3 x tile_n / 2 registers a thread: use tile_n <= 128")
     if config.tile_n % 16 or not 16 <= config.tile_n <= _MAX_TILE_N:
         problems.append(f"tile_n = {config.tile_n}: a multiple of 16 up to {_MAX_TILE_N} (a consumer thread holds "
                         "the accumulator and the promotion's scratch fragment, tile_n registers in all: 256 "

@@ -44,7 +44,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .epilogue import Epilogue
 from .fp8_mainloop import Fp8WarpRoles
 from .mainloop import REGISTER_SPLIT
-from .fp8_scales import SA_BOX, SA_STAGE_FLOATS, SB_BOX, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments
+from .fp8_scales import SB_BOX, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments, sa_box, sa_stage_floats
 from .scheduler import PEER_SLOTS, TileScheduler
 from .tile_policy import one_band_limit, resolved_band
 from .tile_epilogue import TileEpilogue
@@ -78,7 +78,12 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.ab_dtype = FP8
         self.acc_dtype = Float32
         self.tile_m, self.tile_n, self.tile_k = config.tile_m, config.tile_n, config.tile_k
-        assert self.tile_m == 128 and self.tile_k == SCALE_BLOCK, "FP8 tiles are 128 x tile_n x 128"
+        assert self.tile_m in (128, 256) and self.tile_k == SCALE_BLOCK, "FP8 tiles are 128 or 256 x tile_n x 128"
+        # a 256-row tile: each consumer warpgroup walks its 128 rows as two 64-row waves, one after the other,
+        # through one scratch fragment (kernels/fp8_mainloop.py), so its registers hold 2 x 64 x tile_n / 128
+        # accumulator floats and 64 x tile_n / 128 scratch ones per thread (DeepGEMM's BLOCK_M = 256 on sm90)
+        self.waves = self.tile_m // 128
+        self.sa_box, self.sa_stage_floats = sa_box(self.tile_m), sa_stage_floats(self.tile_m)
         assert self.tile_n % 16 == 0 and self.tile_n <= 256
         self.pingpong = False            # cooperative: the accumulator and the scratch fragment both fit
         self.num_mma_wg = 2
@@ -93,7 +98,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.cluster_n = int(getattr(config, "cluster_n", 1))
         self.band_m = resolved_band(config)    # the tile order's band (kernels/scheduler.py)
         # a tile whose rows end within its first 64: the second warpgroup issues no wgmma (kernels/fp8_mainloop.py)
-        self.short_tiles = bool(getattr(config, "short_tiles", False))
+        self.short_tiles = bool(getattr(config, "short_tiles", False)) and self.waves == 1
         assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
         self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
@@ -152,7 +157,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         )
         self.sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
         self.sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
-        self.sSA_layout = cute.make_layout((SA_BOX, self.stages), stride=(1, SA_STAGE_FLOATS))
+        self.sSA_layout = cute.make_layout((self.sa_box, self.stages), stride=(1, self.sa_stage_floats))
         self.sSB_layout = cute.make_layout((SB_BOX, self.slots, self.stages),
                                            stride=(1, SB_SLOT_FLOATS, SB_SLOT_FLOATS * self.slots))
         sA_one = cute.slice_(self.sA_layout, (None, None, 0))
@@ -168,7 +173,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         sB_box = cute.tile_to_shape(atom, b_box, order=(0, 1)) if const_expr(self.gated) else sB_one
         tma_b, tma_tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_box, b_box)
         tma_sa, tma_tSA = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mSA, cute.make_layout((SA_BOX,)), (SA_BOX,)
+            cpasync.CopyBulkTensorTileG2SOp(), mSA, cute.make_layout((self.sa_box,)), (self.sa_box,)
         )
         tma_sb, tma_tSB = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mSB, cute.make_layout((SB_BOX,)), (SB_BOX,)
@@ -176,7 +181,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # out-of-bounds box elements are zero-filled and still counted by the transaction
         self.tx_bytes = cute.size_in_bytes(FP8, sA_one) + cute.size_in_bytes(FP8, sB_one)
         if const_expr(self.debug.scales != "off"):
-            self.tx_bytes += 4 * (SA_BOX + SB_BOX * self.slots)
+            self.tx_bytes += 4 * (self.sa_box + SB_BOX * self.slots)
 
         @cute.struct
         class SharedStorage:

@@ -8,12 +8,15 @@ wgmma consumers that promote every k-tile's partial sums into an fp32 accumulato
   traps on an unaligned start); the consumers read ``box_shift`` floats into it. They land in the stage's
   scale buffers under the stage's mbarrier, so a consumer that waited for the stage reads them from shared
   memory.
-- consumers (warpgroups 1..2, 64 rows of the 128-row tile each), per k-tile: wgmma into a scratch fp32
-  fragment ``part`` (zeroed by the first wgmma: ACCUMULATE off), read the row and block scales of the
-  stage while it runs, wait, release the stage, then ``acc = part * (sa[row] * sb[slot]) + acc`` (one FFMA
-  per element; the slot of an accumulator column is known at trace time, or, for a segment that straddles a
-  128-row boundary, chosen per 8-column chunk against a boundary computed once per tile). The two warpgroups
-  drift apart, so one's promotion overlaps the other's wgmma. Then the bf16 kernel's epilogue.
+- consumers (warpgroups 1..2, 64 rows of each 128-row wave of the tile: one wave in a 128-row tile, two in a
+  256-row one), per k-tile and wave: wgmma into a scratch fp32 fragment ``part`` (zeroed by the first wgmma:
+  ACCUMULATE off), read the row and block scales of the stage while it runs, wait, (after the last wave)
+  release the stage, then ``acc[wave] = part * (sa[row] * sb[slot]) + acc[wave]`` (one FFMA per element; the
+  slot of an accumulator column is known at trace time, or, for a segment that straddles a 128-row boundary,
+  chosen per 8-column chunk against a boundary computed once per tile). The two warpgroups drift apart, so
+  one's promotion overlaps the other's wgmma. Then the bf16 kernel's epilogue. The waves of a 256-row tile
+  share one scratch fragment, so the tile costs 64 more accumulator registers per thread, not 128: A and B
+  cross L2 and shared memory once per 256 x tile_n of output instead of 128 x tile_n.
 
   No "overlapped" fold (a second scratch fragment, k-tile t folded while k-tile t + 1's wgmma runs): an earlier
   build had one, and on an H200 it gave wrong results under load (launches on 7 CTAs, 2-26 of 60 wrong against
@@ -28,16 +31,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .fp8_scales import SA_BOX, SB_BOX, SCALE_BLOCK, box_shift, box_start, segment_of
+from .fp8_scales import SB_BOX, SCALE_BLOCK, box_shift, box_start, segment_of
 from .mainloop import WarpRoles
-
-
-class _StageRef:
-    """What ``PipelineTmaAsync.consumer_release`` reads of a pipeline state: the stage index (a fold
-    releases the stage behind the read state, which has advanced past it)."""
-
-    def __init__(self, index):
-        self.index = index
 
 
 class Fp8WarpRoles(WarpRoles):
@@ -74,7 +69,7 @@ class Fp8WarpRoles(WarpRoles):
         tma_sa, mSA, tma_sb, mSB, sSA, sSB, M = extras
         row0, sb_rows = tile_extra
         one = cute.make_layout(1)
-        gSA = cute.local_tile(cute.domain_offset((self.box_start(kt * M + row0),), mSA), (SA_BOX,), (0,))
+        gSA = cute.local_tile(cute.domain_offset((self.box_start(kt * M + row0),), mSA), (self.sa_box,), (0,))
         tSAs, tSAg = cpasync.tma_partition(tma_sa, 0, one, cute.group_modes(sSA, 0, 1),
                                            cute.group_modes(gSA, 0, 1))
         cute.copy(tma_sa, tSAg, tSAs[(None, stage)], tma_bar_ptr=bar)
@@ -90,11 +85,12 @@ class Fp8WarpRoles(WarpRoles):
         return {seg.slot: SCALE_BLOCK - seg.first_row(n_idx) % SCALE_BLOCK
                 for seg in self.segments if seg.split}
 
-    def promote(self, acc, part, row_scales, slot_scales, bounds):
-        """``acc += part * sa[row] * sb[slot of the column]`` over the thread's fragment (trace-time loops).
-        The fragment is ``((2 columns, 2 row halves, tile_n / 8 chunks), 1, 1)``; chunk ``c`` covers tile
-        columns ``[8c, 8c + 8)``, so its segment, hence its slot, is known here."""
-        n_v, n_h, n_c = acc.shape[0]
+    def promote(self, acc, wave, part, row_scales, slot_scales, bounds):
+        """``acc[wave] += part * sa[row] * sb[slot of the column]`` over the thread's fragment (trace-time loops).
+        ``part`` is one wave's fragment ``((2 columns, 2 row halves, tile_n / 8 chunks), 1, 1)``, ``acc`` the
+        tile's, ``(..., waves, 1)``; chunk ``c`` covers tile columns ``[8c, 8c + 8)``, so its segment, hence its
+        slot, is known here."""
+        n_v, n_h, n_c = part.shape[0]
         scale = [[ra * sb for sb in slot_scales] for ra in row_scales]
         for h in range(n_h):
             for c in range(n_c):
@@ -104,23 +100,20 @@ class Fp8WarpRoles(WarpRoles):
                     lo_side = Int32(8 * c - seg.col0) < bounds[seg.slot]
                     s = cutlass.select_(lo_side, s, scale[h][seg.slot + 1])
                 for v in range(n_v):
-                    i = ((v, h, c), 0, 0)
-                    acc[i] = part[i] * s + acc[i]   # ptxas fuses this into one FFMA
+                    i = ((v, h, c), wave, 0)
+                    acc[i] = part[((v, h, c), 0, 0)] * s + acc[i]   # ptxas fuses this into one FFMA
 
-    def issue_k_tile(self, tiled_mma, frag, tCrA, tCrB, ab_pipe, read_state):
-        """Wait for the next stage and issue its k-tile's wgmma into ``frag`` (the first one overwrites it:
-        ACCUMULATE off), one commit group. Returns the MMA (its ACCUMULATE field is a traced value: callers
-        rebind it, so that loops carry it) and the advanced read state."""
-        ab_pipe.consumer_wait(read_state)
-        stage = read_state.index
+    def issue_wave(self, tiled_mma, frag, tCrA, tCrB, stage):
+        """Issue one wave's k-tile of wgmma (A: that wave's 128-row slice of the stage) into ``frag`` (the
+        first one overwrites it: ACCUMULATE off), one commit group. Returns the MMA (its ACCUMULATE field is a
+        traced value: callers rebind it, so that loops carry it)."""
         warpgroup.fence()
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         for kb in range(cute.size(tCrA, mode=[2])):
             cute.gemm(tiled_mma, frag, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], frag)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
-        read_state.advance()
-        return tiled_mma, read_state
+        return tiled_mma
 
     def read_scales(self, sSA, sSB, rows, coords, kt, stage):
         """k-tile ``kt``'s scales from ``stage``: the thread's row scales and every slot's weight scale (1
@@ -133,16 +126,6 @@ class Fp8WarpRoles(WarpRoles):
         slot_scales = [sSB[(self.box_shift(base + kt), s, stage)] for s, base in enumerate(sb_rows)]
         return row_scales, slot_scales
 
-    def issued_stage(self, read_state):
-        """The stage of the k-tile just issued: the one behind ``read_state`` (issue_k_tile advanced it)."""
-        return (read_state.index + (self.stages - 1)) % self.stages
-
-    def fold_k_tile(self, acc, frag, scales, stage, bounds, ab_pipe):
-        """Fold a k-tile's finished ``frag`` into ``acc`` with its ``scales`` (read from ``stage`` while its
-        wgmma ran): release the stage, promote."""
-        ab_pipe.consumer_release(_StageRef(stage))
-        self.promote(acc, frag, *scales, bounds)
-
     @cute.jit
     def consume_fp8(self, tiled_mma: cute.TiledMma, tiled_mma_log: cute.TiledMma, sA: cute.Tensor,
                     sB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple,
@@ -151,14 +134,22 @@ class Fp8WarpRoles(WarpRoles):
         """The consumer warpgroups (``bidx``, ``grid``, ``rank`` as for :meth:`WarpRoles.produce`)."""
         ctid = tidx - 128
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-        thr_mma, tCrA, tCrB, tCcC = self.mma_operands(tiled_mma, tiled_mma_log, sA, sB, ctid)
+        thr_mma = tiled_mma.get_slice(ctid)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        # per wave, the operands over its 128-row slice of the A ring (a 1024-byte multiple: the swizzle holds)
+        tCrA = [tiled_mma.make_fragment_A(thr_mma.partition_A(
+            cute.local_tile(sA, (128, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.waves)]
+        tCcC = tiled_mma_log.get_slice(ctid).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n_log)))
         tCcP = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        tCcW = thr_mma.partition_C(cute.make_identity_tensor((128, self.tile_n)))   # one wave
         acc = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
-        part = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
-        n_h = cute.size(tCcP.shape[0][1])
-        assert cute.size(tCcP.shape[1]) == 1 and cute.size(tCcP.shape[2]) == 1, \
-            "one wgmma atom per warpgroup: 64 rows x tile_n"
-        rows = [tCcP[((0, h, 0), 0, 0)][0] for h in range(n_h)]   # the thread's tile rows
+        part = cute.make_rmem_tensor(tCcW.shape, self.acc_dtype)
+        n_h = cute.size(tCcW.shape[0][1])
+        assert cute.size(tCcW.shape[1]) == 1 and cute.size(tCcW.shape[2]) == 1, \
+            "one wgmma atom per warpgroup and wave: 64 rows x tile_n"
+        assert cute.size(tCcP.shape[1]) == self.waves and cute.size(tCcP.shape[2]) == 1
+        # the thread's tile rows, per wave (wave w holds the tile's rows [128 w, 128 w + 128))
+        rows = [[128 * w + tCcW[((0, h, 0), 0, 0)][0] for h in range(n_h)] for w in range(self.waves)]
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         if const_expr(self.dynamic):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
@@ -182,12 +173,17 @@ class Fp8WarpRoles(WarpRoles):
             if const_expr(self.short_tiles):
                 mma_tiles = cutlass.select_(self.short_tile(row0, row_end, wg_idx), Int32(0), Int32(self.k_tiles))
             for kt in cutlass.range(mma_tiles, unroll=1):
-                tiled_mma, read_state = self.issue_k_tile(tiled_mma, part, tCrA, tCrB, ab_pipe, read_state)
-                # the scales' shared-memory loads go out before the wait, their latency under the wgmma's
-                stage = self.issued_stage(read_state)
-                scales = self.read_scales(sSA, sSB, rows, coords, kt, stage)
-                warpgroup.wait_group(0)
-                self.fold_k_tile(acc, part, scales, stage, bounds, ab_pipe)
+                ab_pipe.consumer_wait(read_state)
+                stage = read_state.index
+                for w in cutlass.range_constexpr(self.waves):
+                    tiled_mma = self.issue_wave(tiled_mma, part, tCrA[w], tCrB, stage)
+                    # the scales' shared-memory loads go out before the wait, their latency under the wgmma's
+                    scales = self.read_scales(sSA, sSB, rows[w], coords, kt, stage)
+                    warpgroup.wait_group(0)
+                    if const_expr(w == self.waves - 1):
+                        ab_pipe.consumer_release(read_state)
+                    self.promote(acc, w, part, *scales, bounds)
+                read_state.advance()
             for kt in cutlass.range(self.k_tiles - mma_tiles, unroll=1):
                 ab_pipe.consumer_wait(read_state)
                 ab_pipe.consumer_release(read_state)

@@ -34,6 +34,10 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
     "pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(cluster_n=2, dynamic=False)),   # A multicast to 2 CTAs
     "pair-dynamic": (K.IdentityEpilogue(), 1536, 2048, 128, dict(cluster_n=2)),        # tile ids sent to rank 1
     "pair-gated": (K.SwiGLUScaleEpilogue(), 3072, 2048, 128, dict(cluster_n=2, dynamic=False)),
+    # 256-row tiles: each warpgroup walks two 64-row waves through one scratch fragment
+    "waves": (K.IdentityEpilogue(), 1024, 528, 8, dict(tile_m=256, stages=4)),
+    "waves-pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(tile_m=256, stages=4, cluster_n=2)),
+    "waves-gated-split": (K.SwiGLUScaleEpilogue(), 2 * 2888, 1024, 8, dict(tile_m=256, stages=4)),
 }
 
 
@@ -88,15 +92,36 @@ def test_promotion_folds_each_k_tile_after_its_wgmma(name):
 def test_every_stage_expects_data_and_scales(name):
     """One mbarrier transaction per stage covers the A and B tiles, tile_m + 4 activation scales (a box from
     an aligned start) and one 16-byte box per weight-scale slot; the producer issues one 1-D TMA per scale
-    box."""
+    box (two for a 256-row tile's activation scales)."""
     epi, N, K_, G, over = CASES[name]
     comp = _compile(name)
     cfg = comp.config
     slots = num_slots(plan_segments(cfg.tile_n, N, epi.gated))
     tx = (cfg.tile_m + cfg.tile_n) * cfg.tile_k + 4 * (cfg.tile_m + 4) + 16 * slots
     assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s+mbarrier\.arrive\.expect_tx", comp.ptx), tx
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d", comp.ptx)) == 1 + slots
+    # (a TMA box dimension holds at most 256 elements: a 256-row tile's 260 activation scales go as two copies)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d", comp.ptx)) == -(-(cfg.tile_m + 4) // 256) + slots
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d", comp.ptx)) == (2 if epi.gated else 1)
+
+
+@pytest.mark.parametrize("name", ["waves", "waves-pair", "waves-gated-split"])
+def test_a_256_row_tile_folds_two_waves_per_k_tile(name):
+    """A 256-row tile: per k-tile each consumer warpgroup issues its first wave's wgmma, waits, folds it, then the
+    second's (two wgmma commit groups in the k-loop, each waited for), through one 64 x tile_n scratch fragment:
+    a second wave's FFMAs, no spills (the stage's bytes: test_every_stage_expects_data_and_scales)."""
+    comp = _compile(name)
+    one_wave = K.compile_fp8_grouped_gemm(replace(comp.config, tile_m=128, stages=6), *_args(name))
+    sass, sass_one = sass_or_skip(lambda: comp.sass), one_wave.sass
+    assert sass.count("WARPGROUP.ARRIVE") == 2 * sass_one.count("WARPGROUP.ARRIVE") == 2
+    assert sass.count("WARPGROUP.DEPBAR") == 2 * sass_one.count("WARPGROUP.DEPBAR")
+    ffma = [sum(o.startswith("FFMA") for o in _ops(x)) for x in (sass, sass_one)]
+    assert ffma[0] >= ffma[1] + comp.config.tile_n // 2, ffma   # a second wave's 64 x tile_n / 128 folds
+    assert comp.frame_size == 0 and not any(o.startswith(("LDL", "STL")) for o in _ops(sass))
+
+
+def _args(name):
+    epi, N, K_, G, _ = CASES[name]
+    return epi, N, K_, G
 
 
 # ---- the weight-scale slots of an n-tile
@@ -217,6 +242,7 @@ def test_unknown_scale_mode_is_rejected():
     (K.IdentityEpilogue(), dict(tile_n=256, stages=4), 1024, 512, "256 spills"),
     (K.IdentityEpilogue(), dict(tile_k=64), 1024, 512, "tile_k = 128"),
     (K.IdentityEpilogue(), dict(tile_m=64), 1024, 512, "tile_m = 128"),
+    (K.IdentityEpilogue(), dict(tile_m=256, tile_n=192, stages=3), 1024, 512, "tile_n <= 128"),
     (K.IdentityEpilogue(), dict(b_major="MN"), 1024, 512, "K-major"),
     (K.IdentityEpilogue(), {}, 1020, 512, "multiple of 8"),
     (K.IdentityEpilogue(), dict(tile_n=176), 4096, 512, "three"),

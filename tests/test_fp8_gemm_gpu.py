@@ -296,3 +296,43 @@ def test_pairs_identity_bitwise_equal_to_single_ctas(case, num_ctas, dynamic):
 def test_pairs_gated_swiglu_scale(N, dynamic):
     """FC1 + SwiGLU * router prob as CTA pairs on either schedule: gate and up B boxes per CTA, the A tile shared."""
     _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, cluster_n=2, dynamic=dynamic), seed=12)
+
+
+# ------------------------------------------------------------------ 256-row tiles (two 64-row waves per warpgroup)
+# ragged groups with empty ones (many partial 256-row tiles), a partial n-tile and weight block, many groups,
+# issue 9's target widths
+WAVE_CASES = [(8, 3001, 1024, 512), (4, 1000, 1000, 640), (130, 5000, 512, 384), (32, 8192, 4096, 7168)]
+
+
+@pytest.mark.parametrize("over", [dict(), dict(num_ctas=7), dict(dynamic=False)], ids=["", "7-ctas", "static"])
+@pytest.mark.parametrize("cluster_n", [1, 2])
+@pytest.mark.parametrize("case", WAVE_CASES, ids=lambda c: "G{}-M{}-N{}-K{}".format(*c))
+def test_256_row_tiles_bitwise_equal_to_128_row_tiles(case, cluster_n, over):
+    """A 256-row tile's wave is the 128-row tile's wgmma on the same 64 rows, folded in the same k order through
+    the same scratch arithmetic: bitwise the 128-row kernel's output, and within the FP8 tolerance of the float64
+    product. Rows past a group's end (a partial tile) are computed and masked, never stored."""
+    if over and case != WAVE_CASES[0]:
+        pytest.skip("the launch and schedule variants run on the first case")
+    G, M, N, Kd = case
+    over = dict(over)
+    num_ctas = over.pop("num_ctas", None)
+    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=13)
+    cfg = _config(N, Kd, G, cluster_n=cluster_n, **over)
+    rows_128 = _nan(M, N)
+    K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.IdentityEpilogue(), N, Kd, G), *args, {"out": rows_128})
+    comp = K.compile_fp8_grouped_gemm(replace(cfg, tile_m=256, stages=4), K.IdentityEpilogue(), N, Kd, G)
+    assert "_256x" in comp.name
+    rows_256 = _nan(M, N)
+    K.run_fp8_grouped_gemm(comp, *args, {"out": rows_256}, num_ctas=num_ctas)
+    torch.cuda.synchronize()
+    ref, mag = _reference(a_dq, b_dq, sizes)
+    _check(rows_256, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name)
+    assert torch.equal(rows_256, rows_128)
+
+
+@pytest.mark.parametrize("N", [2 * 1536, 2 * 2888])
+@pytest.mark.parametrize("cluster_n", [1, 2])
+def test_256_row_tiles_gated_swiglu_scale(N, cluster_n):
+    """FC1 + SwiGLU * router prob on 256-row tiles (N/2 = 2888: up-half segments straddle weight blocks)."""
+    _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, tile_m=256, stages=4, cluster_n=cluster_n),
+                 seed=14)
