@@ -16,9 +16,10 @@ Each k-tile's wgmma partial sum goes to a scratch fp32 fragment, which the consu
 accumulator with the scales applied (``acc += part * sa * sb``): the promotion that keeps the tensor cores'
 limited-precision FP8 accumulation to 128 products (kernels/fp8_mainloop.py).
 
-Scales travel with the data: besides the A and B tiles, the producer's TMA loads ``tile_m + 4`` consecutive
-floats of ``sa`` (a 1-D view of the whole tensor, so M needs no alignment) and one 16-byte box of ``sb``
-per scale slot (kernels/fp8_scales.py) into each stage, under the same mbarrier. A TMA box must start on a
+Scales travel with the data: besides the A and B tiles, the producer's TMA loads ``128 + 4`` consecutive
+floats of ``sa`` per 128 rows of the tile (a 1-D view of the whole tensor, so M needs no alignment; one box
+per 128-row wave, as a box dimension holds at most 256 elements) and one 16-byte box of ``sb`` per scale slot
+(kernels/fp8_scales.py) into each stage, under the same mbarrier. A TMA box must start on a
 16-byte boundary of its innermost dimension (an unaligned start traps: "illegal instruction"), so every
 scale box starts at the wanted float rounded down to a multiple of 4 and the consumers read ``shift =
 coordinate % 4`` floats into it (:class:`Fp8DebugKnobs` keeps the unaligned start, for the bisect only).
@@ -44,7 +45,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .epilogue import Epilogue
 from .fp8_mainloop import Fp8WarpRoles
 from .mainloop import REGISTER_SPLIT
-from .fp8_scales import SB_BOX, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments, sa_box, sa_stage_floats
+from .fp8_scales import SA_BOX, SA_STAGE_FLOATS, SB_BOX, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments
 from .scheduler import PEER_SLOTS, TileScheduler
 from .tile_policy import one_band_limit, resolved_band
 from .tile_epilogue import TileEpilogue
@@ -83,7 +84,6 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # through one scratch fragment (kernels/fp8_mainloop.py), so its registers hold 2 x 64 x tile_n / 128
         # accumulator floats and 64 x tile_n / 128 scratch ones per thread (DeepGEMM's BLOCK_M = 256 on sm90)
         self.waves = self.tile_m // 128
-        self.sa_box, self.sa_stage_floats = sa_box(self.tile_m), sa_stage_floats(self.tile_m)
         assert self.tile_n % 16 == 0 and self.tile_n <= 256
         self.pingpong = False            # cooperative: the accumulator and the scratch fragment both fit
         self.num_mma_wg = 2
@@ -157,7 +157,8 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         )
         self.sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
         self.sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
-        self.sSA_layout = cute.make_layout((self.sa_box, self.stages), stride=(1, self.sa_stage_floats))
+        self.sSA_layout = cute.make_layout((SA_BOX, self.waves, self.stages),
+                                           stride=(1, SA_STAGE_FLOATS, SA_STAGE_FLOATS * self.waves))
         self.sSB_layout = cute.make_layout((SB_BOX, self.slots, self.stages),
                                            stride=(1, SB_SLOT_FLOATS, SB_SLOT_FLOATS * self.slots))
         sA_one = cute.slice_(self.sA_layout, (None, None, 0))
@@ -173,7 +174,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         sB_box = cute.tile_to_shape(atom, b_box, order=(0, 1)) if const_expr(self.gated) else sB_one
         tma_b, tma_tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_box, b_box)
         tma_sa, tma_tSA = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mSA, cute.make_layout((self.sa_box,)), (self.sa_box,)
+            cpasync.CopyBulkTensorTileG2SOp(), mSA, cute.make_layout((SA_BOX,)), (SA_BOX,)
         )
         tma_sb, tma_tSB = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mSB, cute.make_layout((SB_BOX,)), (SB_BOX,)
@@ -181,7 +182,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # out-of-bounds box elements are zero-filled and still counted by the transaction
         self.tx_bytes = cute.size_in_bytes(FP8, sA_one) + cute.size_in_bytes(FP8, sB_one)
         if const_expr(self.debug.scales != "off"):
-            self.tx_bytes += 4 * (self.sa_box + SB_BOX * self.slots)
+            self.tx_bytes += 4 * (SA_BOX * self.waves + SB_BOX * self.slots)
 
         @cute.struct
         class SharedStorage:

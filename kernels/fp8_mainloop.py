@@ -31,7 +31,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .fp8_scales import SB_BOX, SCALE_BLOCK, box_shift, box_start, segment_of
+from .fp8_scales import SA_BOX, SB_BOX, SCALE_BLOCK, box_shift, box_start, segment_of
 from .mainloop import WarpRoles
 
 
@@ -61,18 +61,20 @@ class Fp8WarpRoles(WarpRoles):
         return 0 if self.debug.scales == "unaligned" else box_shift(coord)
 
     def stage_extra_loads(self, extras, tile_extra, kt, stage, bar):
-        """k-tile ``kt``'s scales into ``stage``: the box holding ``sa[kt, row0 : row0 + tile_m]`` and, per
-        slot, the one holding ``sb[g, block, kt]`` (floats past the tensor read zeros; they only reach
-        masked outputs)."""
+        """k-tile ``kt``'s scales into ``stage``: per 128-row wave the box holding ``sa[kt, row0 + 128 w :
+        + 128]`` and, per slot, the one holding ``sb[g, block, kt]`` (floats past the tensor read zeros; they
+        only reach masked outputs)."""
         if self.debug.scales == "off":
             return
         tma_sa, mSA, tma_sb, mSB, sSA, sSB, M = extras
         row0, sb_rows = tile_extra
         one = cute.make_layout(1)
-        gSA = cute.local_tile(cute.domain_offset((self.box_start(kt * M + row0),), mSA), (self.sa_box,), (0,))
-        tSAs, tSAg = cpasync.tma_partition(tma_sa, 0, one, cute.group_modes(sSA, 0, 1),
-                                           cute.group_modes(gSA, 0, 1))
-        cute.copy(tma_sa, tSAg, tSAs[(None, stage)], tma_bar_ptr=bar)
+        for w in range(self.waves):
+            gSA = cute.local_tile(cute.domain_offset((self.box_start(kt * M + row0 + 128 * w),), mSA), (SA_BOX,),
+                                  (0,))
+            tSAs, tSAg = cpasync.tma_partition(tma_sa, 0, one, cute.group_modes(sSA, 0, 1),
+                                               cute.group_modes(gSA, 0, 1))
+            cute.copy(tma_sa, tSAg, tSAs[(None, w, stage)], tma_bar_ptr=bar)
         for slot, base in enumerate(sb_rows):
             gSB = cute.local_tile(cute.domain_offset((self.box_start(base + kt),), mSB), (SB_BOX,), (0,))
             tSBs, tSBg = cpasync.tma_partition(tma_sb, 0, one, cute.group_modes(sSB, 0, 1),
@@ -115,14 +117,14 @@ class Fp8WarpRoles(WarpRoles):
         warpgroup.commit_group()
         return tiled_mma
 
-    def read_scales(self, sSA, sSB, rows, coords, kt, stage):
-        """k-tile ``kt``'s scales from ``stage``: the thread's row scales and every slot's weight scale (1
-        when the scales are off)."""
+    def read_scales(self, sSA, sSB, rows, coords, kt, stage, wave):
+        """k-tile ``kt``'s scales from ``stage``: the thread's row scales in wave ``wave`` (``rows``: its rows
+        of the wave) and every slot's weight scale (1 when the scales are off)."""
         if self.debug.scales == "off":
             return [Float32(1.0) for _ in rows], [Float32(1.0) for _ in range(self.slots)]
         row0, sb_rows, M = coords
-        sa_shift = self.box_shift(kt * M + row0)
-        row_scales = [sSA[(r + sa_shift, stage)] for r in rows]
+        sa_shift = self.box_shift(kt * M + row0 + 128 * wave)
+        row_scales = [sSA[(r + sa_shift, wave, stage)] for r in rows]
         slot_scales = [sSB[(self.box_shift(base + kt), s, stage)] for s, base in enumerate(sb_rows)]
         return row_scales, slot_scales
 
@@ -148,8 +150,8 @@ class Fp8WarpRoles(WarpRoles):
         assert cute.size(tCcW.shape[1]) == 1 and cute.size(tCcW.shape[2]) == 1, \
             "one wgmma atom per warpgroup and wave: 64 rows x tile_n"
         assert cute.size(tCcP.shape[1]) == self.waves and cute.size(tCcP.shape[2]) == 1
-        # the thread's tile rows, per wave (wave w holds the tile's rows [128 w, 128 w + 128))
-        rows = [[128 * w + tCcW[((0, h, 0), 0, 0)][0] for h in range(n_h)] for w in range(self.waves)]
+        # the thread's rows of a wave (wave w holds the tile's rows [128 w, 128 w + 128))
+        rows = [tCcW[((0, h, 0), 0, 0)][0] for h in range(n_h)]
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         if const_expr(self.dynamic):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
@@ -178,7 +180,7 @@ class Fp8WarpRoles(WarpRoles):
                 for w in cutlass.range_constexpr(self.waves):
                     tiled_mma = self.issue_wave(tiled_mma, part, tCrA[w], tCrB, stage)
                     # the scales' shared-memory loads go out before the wait, their latency under the wgmma's
-                    scales = self.read_scales(sSA, sSB, rows[w], coords, kt, stage)
+                    scales = self.read_scales(sSA, sSB, rows, coords, kt, stage, w)
                     warpgroup.wait_group(0)
                     if const_expr(w == self.waves - 1):
                         ab_pipe.consumer_release(read_state)

@@ -26,19 +26,10 @@ SCALE_ALIGN = 4                   # floats per 16 bytes
 SB_BOX = SCALE_ALIGN              # floats per box of weight scales: the aligned group holding the wanted one
 SB_SLOT_FLOATS = 32               # each slot's smem box starts on a 128-byte boundary
 
-
-def sa_box(tile_m: int) -> int:
-    """Floats per box of activation scales: a ``tile_m``-row tile's, from an aligned start."""
-    return tile_m + SCALE_ALIGN
-
-
-def sa_stage_floats(tile_m: int) -> int:
-    """Floats per stage of the activation scales' smem buffer: each stage's box starts on a 128-byte boundary."""
-    return -(-sa_box(tile_m) // 32) * 32
-
-
-SA_BOX = sa_box(128)                    # the 128-row tile's (132 floats)
-SA_STAGE_FLOATS = sa_stage_floats(128)  # 160
+# floats per box of activation scales: a 128-row wave's from an aligned start (a 256-row tile loads one box per
+# wave: a TMA box dimension holds at most 256 elements, and a longer box would be split at an unaligned point)
+SA_BOX = 128 + SCALE_ALIGN
+SA_STAGE_FLOATS = 160             # each wave's box in a stage starts on a 128-byte boundary
 
 
 def box_start(coord):

@@ -38,7 +38,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from .fp8_scales import SB_SLOT_FLOATS, SCALE_BLOCK, sa_stage_floats
+from .fp8_scales import SA_STAGE_FLOATS, SB_SLOT_FLOATS, SCALE_BLOCK
 
 
 #: FUSION_SHORT_TILES=0 (read at import): every tile issues the wgmma of all its rows (the kernels before
@@ -283,9 +283,9 @@ FP8_SMEM = 227 * 1024 - 1024
 
 def fp8_stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
     """Shared memory of one FP8 pipeline stage: A and B tiles (one byte per element, tile_k = 128), the tile's
-    activation scales (one aligned box, padded to 128 bytes) and one 128-byte box per weight-scale slot
+    activation scales (one aligned box per 128 rows, padded to 128 bytes) and one 128-byte box per weight-scale slot
     (kernels/fp8_scales.py)."""
-    return (tile_m + tile_n) * SCALE_BLOCK + 4 * sa_stage_floats(tile_m) + 4 * SB_SLOT_FLOATS * slots
+    return (tile_m + tile_n) * SCALE_BLOCK + 4 * SA_STAGE_FLOATS * (tile_m // 128) + 4 * SB_SLOT_FLOATS * slots
 
 
 def choose_fp8_config(N: int, K: int, G: int, gated: bool = False) -> GemmConfig:

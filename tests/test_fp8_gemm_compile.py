@@ -90,17 +90,18 @@ def test_promotion_folds_each_k_tile_after_its_wgmma(name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_stage_expects_data_and_scales(name):
-    """One mbarrier transaction per stage covers the A and B tiles, tile_m + 4 activation scales (a box from
-    an aligned start) and one 16-byte box per weight-scale slot; the producer issues one 1-D TMA per scale
-    box (two for a 256-row tile's activation scales)."""
+    """One mbarrier transaction per stage covers the A and B tiles, 132 activation scales per 128 rows (a box
+    from an aligned start, one per wave: a 256-row tile's 260 in one box exceed TMA's 256 elements per box
+    dimension; built so, the DSL issued it as two copies and the kernel trapped, "illegal instruction", on the H100)
+    and one 16-byte box per weight-scale slot; the producer issues one 1-D TMA per scale box."""
     epi, N, K_, G, over = CASES[name]
     comp = _compile(name)
     cfg = comp.config
     slots = num_slots(plan_segments(cfg.tile_n, N, epi.gated))
-    tx = (cfg.tile_m + cfg.tile_n) * cfg.tile_k + 4 * (cfg.tile_m + 4) + 16 * slots
+    waves = cfg.tile_m // 128
+    tx = (cfg.tile_m + cfg.tile_n) * cfg.tile_k + 4 * 132 * waves + 16 * slots
     assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s+mbarrier\.arrive\.expect_tx", comp.ptx), tx
-    # (a TMA box dimension holds at most 256 elements: a 256-row tile's 260 activation scales go as two copies)
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d", comp.ptx)) == -(-(cfg.tile_m + 4) // 256) + slots
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d", comp.ptx)) == waves + slots
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d", comp.ptx)) == (2 if epi.gated else 1)
 
 
