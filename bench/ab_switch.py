@@ -23,6 +23,11 @@ moe_training_step; with --plan the copy is moe_paths.twin_layer, the same parame
 
     python bench/ab_switch.py --moe --plan --switch fusion.kernels.tile_policy:FC1_COPY_MIN_N --on 0 --off 5760 ...
 
+--path fusion_fp8: the blocks' FP8 path instead of the bf16 one, e.g. the FP8 kernel's tile rows:
+
+    python bench/ab_switch.py --plan --path fusion_fp8 --switch fusion.kernels.tile_policy:FP8_TILE_M --on 256 \
+        --off 128 --models qwen3-30b-a3b,deepseek-v3-ep8
+
 --precompile (no GPU): compile the kernels both settings' plans launch into FUSION_CACHE_DIR, for the device run.
 """
 from __future__ import annotations
@@ -86,9 +91,10 @@ def planned_off(module, attr: str, make_twin, call, phases: str, off=False):
     return twin
 
 
-def block_subject(block, module, attr: str, plan: bool, phases: str, off=False):
+def block_subject(block, module, attr: str, plan: bool, phases: str, off=False, fused="fusion"):
     """A training-step block as an A/B subject: its name, the paths by setting ({True: ..., False: ...}), `call(path,
-    phase)` -> (call, clear), the fused Sequential of each setting, and `baseline()`: its unfused_compiled path."""
+    phase)` -> (call, clear), the fused Sequential of each setting, and `baseline()`: its unfused_compiled path.
+    `fused`: the fused path of bench_training_step.py to time (fusion, or an FP8 one: fusion_fp8, ...)."""
     import copy
 
     setup = B.setup_block(block)
@@ -96,10 +102,10 @@ def block_subject(block, module, attr: str, plan: bool, phases: str, off=False):
     def call(path, phase):
         return B.phase_fn(path, phase, setup.x, setup.dy)
 
-    paths = {True: B.make_path("fusion", setup.seq, setup.sizes, setup.offsets, setup.probs)}
+    paths = {True: B.make_path(fused, setup.seq, setup.sizes, setup.offsets, setup.probs)}
     paths[False] = paths[True]
     if plan:
-        paths[False] = planned_off(module, attr, lambda: B.make_path("fusion", copy.copy(setup.seq), setup.sizes,
+        paths[False] = planned_off(module, attr, lambda: B.make_path(fused, copy.copy(setup.seq), setup.sizes,
                                                                      setup.offsets, setup.probs), call, phases, off)
     return types.SimpleNamespace(
         name=block.model, paths=paths, call=call, seqs={v: paths[v].seq for v in paths},
@@ -143,7 +149,7 @@ def subjects(args, module, attr: str):
             yield moe_subject(cfg, args.tokens, module, attr, args.plan, args.phases, off)
     else:
         for block in B.select_blocks(args.models):
-            yield block_subject(block, module, attr, args.plan, args.phases, off)
+            yield block_subject(block, module, attr, args.plan, args.phases, off, getattr(args, "path", "fusion"))
 
 
 def precompile(args, module, attr: str) -> None:
@@ -162,7 +168,7 @@ def precompile(args, module, attr: str) -> None:
 
                 M.precompile([(cfg, args.tokens) for cfg in moe_configs(args)])
             else:
-                B.precompile(B.select_blocks(args.models), fp8=False)
+                B.precompile(B.select_blocks(args.models), fp8=getattr(args, "path", "fusion") != "fusion")
     finally:
         setattr(module, attr, original)
         clear_cache()
@@ -178,6 +184,8 @@ def main(argv=None):
     ap.add_argument("--models", required=True)
     ap.add_argument("--phases", default=None, help="default: training_step (--moe: moe_training_step)")
     ap.add_argument("--moe", action="store_true", help="--models are bench_moe.py's MoE layers, at --tokens")
+    ap.add_argument("--path", default="fusion", choices=["fusion", "fusion_fp8", "fusion_fp8_direct"],
+                    help="the blocks' fused path to time (not with --moe)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--plan", action="store_true",

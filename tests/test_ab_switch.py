@@ -56,3 +56,24 @@ def test_precompile_builds_both_settings_plans(monkeypatch):
         return {K.GemmConfig(*j.config).gather_a for j in jobs if j.mainloop == "bf16" and "F1" in j.step}
 
     assert fc1_gathers(seen[0]) == {False} and fc1_gathers(seen[1]) == {True}
+
+
+def test_precompile_of_the_fp8_path_plans_both_tile_rows(monkeypatch):
+    """--path fusion_fp8 with the FP8 kernel's tile rows as the switch (FP8_TILE_M, 256 against 128): the FP8
+    block's plan is made at each value, so the FP8 kernels of both reach the cache, and the attribute is
+    restored."""
+    import fusion.kernels.api as K
+    import fusion.kernels.tile_policy as tile_policy
+    import fusion.runtime.aot as aot
+
+    seen = []
+    monkeypatch.setattr(aot, "compile_jobs", lambda jobs, parallel=1: seen.append(list(jobs)))
+    original = tile_policy.FP8_TILE_M
+    ab_switch.main(["--switch", "fusion.kernels.tile_policy:FP8_TILE_M", "--on", "256", "--off", "128", "--plan",
+                    "--path", "fusion_fp8", "--models", "qwen3-30b-a3b", "--precompile"])
+    assert tile_policy.FP8_TILE_M == original and len(seen) == 2
+
+    def fp8_rows(jobs):
+        return {K.GemmConfig(*j.config).tile_m for j in jobs if j.mainloop == "fp8_block"}
+
+    assert fp8_rows(seen[0]) == {256} and fp8_rows(seen[1]) == {128}
