@@ -288,35 +288,41 @@ def fp8_stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
     return (tile_m + tile_n) * SCALE_BLOCK + 4 * SA_STAGE_FLOATS * (tile_m // 128) + 4 * SB_SLOT_FLOATS * slots
 
 
-#: The FP8 kernel's tile rows (FUSION_FP8_TILE_M, read at import; 128 or 256): :func:`choose_fp8_config`.
+#: The FP8 kernel's tile rows where its n-tiles pair up (FUSION_FP8_TILE_M, read at import; 128 or 256):
+#: :func:`choose_fp8_config`.
 FP8_TILE_M = int(os.environ.get("FUSION_FP8_TILE_M", "256"))
 
 
 def choose_fp8_config(N: int, K: int, G: int, gated: bool = False) -> GemmConfig:
-    """The FP8 block-scaled kernel's tile (kernels/fp8_gemm.py): 256x128x128 (one weight-scale block per n-tile;
-    each consumer warpgroup walks its 128 rows as two 64-row waves through one scratch fragment, so a thread holds
-    2 x 64 accumulator and 64 scratch floats), cooperative, as many stages as fit, the dynamic scheduler, CTA
-    pairs (cluster_n = 2) where the n-tile count is even. A gated tile reads two weight-scale slots (gate and up
-    rows). ``FP8_TILE_M = 128`` gives the 128x128 tile (one wave).
+    """The FP8 block-scaled kernel's tile (kernels/fp8_gemm.py): 128 columns (one weight-scale block per n-tile),
+    cooperative, as many stages as fit, the dynamic scheduler; where the n-tile count is even, CTA pairs
+    (cluster_n = 2) on 256-row tiles (:data:`FP8_TILE_M`: each consumer warpgroup walks its 128 rows as two 64-row
+    waves through one scratch fragment, so a thread holds 2 x 64 accumulator and 64 scratch floats), else single
+    CTAs on 128-row tiles. A gated tile reads two weight-scale slots (gate and up rows).
 
     256 rows, measured on an H100 (bench/fp8_tile_sweep.py, one call, the identity epilogue on balanced groups;
-    bench/results/H100-2026-11-27i-fp8-sweep-256.{json,log}), against the 128-row tile of the same schedule and
-    pairing, TFLOP/s: ahead or level on all sixteen GEMMs, e.g. DeepSeek-V3 EP8's FC1 1136 against 1051, FC2 1040
-    against 959, OLMoE's FC1 1035 against 946, Qwen3-30B-A3B's FC1 898 against 869, GPT-OSS-120B's FC1 927 against
-    876 (single CTAs: 45 n-tiles), Qwen3-235B-A22B's FC2 775 against 775; issue 9's target (32 x 8192 rows,
-    K = 7168, N = 4096) 1056 as pairs against 985 (1107 as single CTAs there, 1096 against 1136 at 32 x 1024 rows).
+    bench/results/H100-2026-11-27i-fp8-sweep-256.{json,log}), TFLOP/s against the 128-row tile, both dynamic CTA
+    pairs: ahead or level on all thirteen GEMMs whose n-tiles pair, e.g. DeepSeek-V3 EP8's FC1 1136 against 1051,
+    FC2 1040 against 959, OLMoE's FC1 1035 against 946, Qwen3-30B-A3B's FC1 898 against 869, Qwen3-235B-A22B's
+    FC2 775 against 775; issue 9's target (32 x 8192 rows, K = 7168, N = 4096) 1056 against 985 (1107 as single
+    CTAs). On FP8 blocks in one process (bench/ab_switch.py --plan --path fusion_fp8, three rounds;
+    bench/results/H100-2026-11-27i-ab-fp8-tile-m.log), 256 against 128 rows, forward / training step:
+    DeepSeek-V3 EP8 -1.7% / -1.9%, Qwen3-30B-A3B -1.5% / -0.6%, OLMoE -3.5% / -1.0%; but GPT-OSS-120B's
+    forward, whose n-tiles do not pair (45 and 23), +2.4% (its identity GEMMs alone: 927 against 876 TFLOP/s as
+    single CTAs), so single CTAs keep 128 rows.
 
     128 rows, measured on an H100 (bench/fp8_tile_sweep.py, bench/results/H100-2026-11-24-fp8-tile-sweep.json;
     the expert GEMMs of Qwen3-30B-A3B, OLMoE and DeepSeek-V3's EP8 share): 128 columns beat 64 (by 11-33%) and
     192 (by 1-14%) everywhere; the dynamic schedule beats the static one by 0.5-5.6% on the fine-grained shapes
     and 3% on DeepSeek-V3's FC2, and loses 1.3% on its FC1."""
     slots = 2 if gated else 1
-    stages = min(8, FP8_SMEM // (fp8_stage_bytes(FP8_TILE_M, 128, slots) + 16))
     # CTA pairs sharing the A tile where the n-tiles pair up; measured on an H200 (bench/fp8_tile_sweep.py,
     # bench/results/H200-2026-11-26-fp8-sweep*.json): within -2..+1% of single CTAs on the GEMMs of eight MoE
     # blocks at 16k tokens, and 8% faster (867 against 803 TFLOP/s) on DeepSeek-V3's FC1 at 32 x 8192 rows
     pair = n_tile_count(N, 128) % 2 == 0
-    return GemmConfig(tile_m=FP8_TILE_M, tile_n=128, tile_k=SCALE_BLOCK, stages=stages, pingpong=False, dynamic=True,
+    tile_m = FP8_TILE_M if pair else 128
+    stages = min(8, FP8_SMEM // (fp8_stage_bytes(tile_m, 128, slots) + 16))
+    return GemmConfig(tile_m=tile_m, tile_n=128, tile_k=SCALE_BLOCK, stages=stages, pingpong=False, dynamic=True,
                       cluster_n=2 if pair else 1)
 
 

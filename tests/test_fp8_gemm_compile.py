@@ -25,7 +25,7 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
     "plain": (K.IdentityEpilogue(), 1024, 512, 8, {}),
     "k-tail": (K.IdentityEpilogue(), 1024, 528, 8, {}),                 # K % 128 != 0: a partial k-block
     "wide-dynamic": (K.IdentityEpilogue(), 4096, 7168, 32, {}),
-    "split-192": (K.IdentityEpilogue(), 4096, 2048, 8, dict(tile_n=192, stages=5)),  # two weight-scale slots
+    "split-192": (K.IdentityEpilogue(), 4096, 2048, 8, dict(tile_m=128, tile_n=192, stages=5)),  # two slots
     "fp16-out": (K.IdentityEpilogue(out_dtype="float16"), 1536, 2048, 128, {}),
     "gated-swiglu": (K.SwiGLUScaleEpilogue(), 5760, 2880, 32, {}),
     "gated-mxfp8": (K.SwiGLUScaleMXFP8Epilogue(), 2048, 1024, 8, {}),
@@ -220,13 +220,15 @@ def test_debug_knobs_build_what_they_say(knobs):
     """bench/fp8_bisect.py's variants: no scale TMA (the transaction counts A and B only), the original box
     starts, no setmaxnreg. Each is its own cached kernel, named for its knobs."""
     N, K_, G = 1024, 512, 8
-    comp = K.compile_fp8_grouped_gemm(_cfg(N, K_, G), K.IdentityEpilogue(), N, K_, G, debug=knobs)
+    comp = K.compile_fp8_grouped_gemm(_cfg(N, K_, G, tile_m=128, stages=6), K.IdentityEpilogue(), N, K_, G,
+                                      debug=knobs)
     off = knobs.scales == "off"
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d", comp.ptx)) == (0 if off else 2)
     tx = 256 * 128 + (0 if off else 4 * SA_BOX + 4 * SB_BOX)
     assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s+mbarrier\.arrive\.expect_tx", comp.ptx), tx
     assert ("setmaxnreg" in comp.ptx) == knobs.reg_realloc
-    assert comp is not _compile("plain") and comp.name != _compile("plain").name
+    plain = K.compile_fp8_grouped_gemm(_cfg(N, K_, G, tile_m=128, stages=6), K.IdentityEpilogue(), N, K_, G)
+    assert comp is not plain and comp.name != plain.name
     assert comp.frame_size == 0 or not knobs.reg_realloc
 
 
@@ -246,7 +248,7 @@ def test_unknown_scale_mode_is_rejected():
     (K.IdentityEpilogue(), dict(tile_m=256, tile_n=192, stages=3), 1024, 512, "tile_n <= 128"),
     (K.IdentityEpilogue(), dict(b_major="MN"), 1024, 512, "K-major"),
     (K.IdentityEpilogue(), {}, 1020, 512, "multiple of 8"),
-    (K.IdentityEpilogue(), dict(tile_n=176), 4096, 512, "three"),
+    (K.IdentityEpilogue(), dict(tile_m=128, tile_n=176), 4096, 512, "three"),
     (K.IdentityEpilogue(), dict(stages=9), 1024, 512, "shared memory"),
     (K.IdentityEpilogue(), dict(stages=1), 1024, 512, "at least 2"),
     (K.SwiGLUScaleEpilogue(), {}, 1000, 512, "multiple of 16"),
@@ -304,7 +306,9 @@ def test_run_with_no_rows_launches_nothing():
 @pytest.mark.parametrize("N,gated,pair", [(4096, False, True), (1536, False, True), (2880, False, False),
                                           (5760, True, False), (3072, True, True), (1032, False, False)])
 def test_policy_pairs_ctas_where_the_n_tiles_pair_up(N, gated, pair):
-    """CTA pairs (dynamic schedule) where the 128-column n-tiles come in pairs; single CTAs elsewhere (GPT-OSS's
-    2880 columns: 23 n-tiles)."""
+    """CTA pairs (dynamic schedule) on 256-row tiles where the 128-column n-tiles come in pairs; single CTAs on
+    128-row tiles elsewhere (GPT-OSS's 2880 columns: 23 n-tiles); stages as many as fit, and the tile compiles
+    (kernels/api.py check_fp8_config)."""
     cfg = K.choose_fp8_config(N, 2048, 32, gated)
     assert cfg.cluster_n == (2 if pair else 1) and cfg.dynamic and cfg.tile_n == 128
+    assert cfg.tile_m == (256 if pair else 128) and cfg.stages == (4 if pair else 6)

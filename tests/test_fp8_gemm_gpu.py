@@ -121,9 +121,9 @@ CASES = [
     (1, 777, 256, 256, {}),
     (4, 1000, 1032, 640, {}),                              # a partial last n-tile and weight block
     (130, 5000, 512, 384, dict(dynamic=True)),             # many groups, dynamic scheduler
-    (8, 4099, 4096, 1024, dict(tile_n=192, stages=5)),     # n-tiles straddling two weight blocks
+    (8, 4099, 4096, 1024, dict(tile_m=128, tile_n=192, stages=5)),  # n-tiles straddling two weight blocks
     (32, 8192, 4096, 7168, {}),                            # wide N (dynamic by default), long K
-    (16, 2500, 768, 1024, dict(tile_n=64)),
+    (16, 2500, 768, 1024, dict(tile_m=128, tile_n=64, stages=6)),
     (8, 1000, 512, 64, {}),                                # one k-tile
     # launched on 7 CTAs, 20 times: many tiles per CTA, the producer stages ahead of the consumers (a removed
     # overlapped fold went wrong in 2-26 of 60 such launches at K = 512; kernels/fp8_mainloop.py)
@@ -236,8 +236,8 @@ def _check_gated(N, cfg, seed):
 def test_gated_swiglu_scale(N, tile_n, cluster_n):
     """FC1 + SwiGLU * router prob, single CTAs and CTA pairs. N/2 = 2888: the up half starts 8 rows into a 64-row
     step, so its 64-row segments straddle weight blocks (a run-time boundary per tile)."""
-    _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, tile_n=tile_n, cluster_n=cluster_n,
-                                             **(dict(stages=5) if tile_n > 128 else {})), seed=3)
+    _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, tile_m=128, tile_n=tile_n, cluster_n=cluster_n,
+                                             stages=5 if tile_n > 128 else 6), seed=3)
 
 
 def test_mxfp8_output_is_the_quantized_bf16_output():
@@ -317,7 +317,7 @@ def test_256_row_tiles_bitwise_equal_to_128_row_tiles(case, cluster_n, over):
     over = dict(over)
     num_ctas = over.pop("num_ctas", None)
     sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=13)
-    cfg = _config(N, Kd, G, cluster_n=cluster_n, **over)
+    cfg = _config(N, Kd, G, cluster_n=cluster_n, tile_m=128, stages=6, **over)
     rows_128 = _nan(M, N)
     K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.IdentityEpilogue(), N, Kd, G), *args, {"out": rows_128})
     comp = K.compile_fp8_grouped_gemm(replace(cfg, tile_m=256, stages=4), K.IdentityEpilogue(), N, Kd, G)
