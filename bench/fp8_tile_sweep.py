@@ -4,8 +4,9 @@ For each shape (the GEMMs of an expert MLP's forward and dgrads: FC1, FC2, FC2's
 MoE blocks, and issue 9's 32 x 8192-row target shape) and each candidate configuration (tiles 128 x 128 / 192 and
 256 x 128, static or dynamic schedule, single CTAs or CTA pairs sharing the A tile, as many stages as fit;
 ``--tile-64`` adds 64-column tiles), the kernel with the identity epilogue, timed with CUDA events (median of
---reps calls) on balanced random group sizes, beside bf16 torch._grouped_mm on the same (unquantized) operands. The kernels are KernelJobs (fusion/runtime/compile.py), so they compile here without a GPU into
-FUSION_CACHE_DIR and load on the GPU machine:
+--reps calls) on balanced random group sizes, beside bf16 torch._grouped_mm on the same (unquantized) operands.
+The kernels are KernelJobs (fusion/runtime/compile.py), so they compile here without a GPU into FUSION_CACHE_DIR
+and load on the GPU machine:
 
     FUSION_CACHE_DIR=/tmp/kc python bench/fp8_tile_sweep.py --precompile     # no GPU needed
     FUSION_CACHE_DIR=/tmp/kc python bench/fp8_tile_sweep.py > sweep.json     # on the GPU
