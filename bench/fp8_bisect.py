@@ -79,7 +79,7 @@ VARIANTS = [
     Variant("odd-k-tail", "5 k-tiles (K % 128 = 16): odd tail, partial last k-block", 8, 2000, 1024, 528),
     Variant("dynamic", "dynamic scheduler, 130 groups", 130, 5000, 512, 384, over=dict(dynamic=True)),
     Variant("split-192", "tile_n = 192: tiles straddle weight blocks (two slots)", 8, 4099, 4096, 1024,
-            over=dict(tile_n=192, stages=5)),
+            over=dict(tile_m=128, tile_n=192, stages=5)),
     Variant("gated", "SwiGLU on [gate; up]: half boxes of B, two slots, up half straddling (N/2 = 2888)",
             8, 3000, 2 * 2888, 1024, gated=True),
 ]
