@@ -7,6 +7,11 @@ consecutive tests (neighbouring tests share kernels, which a process compiles on
 each writing its own log; it prints every shard's summary line and exits non-zero when any shard failed or ran out
 of time. Needs no plugin (pytest-xdist is not on the GPU machine).
 
+Shards share one GPU's memory: a test with large operands can run out of it beside another shard's (the FP8 GEMM
+tests at 32 x 8192 rows did, 2026-11-27). A shard whose only failures are `torch.OutOfMemoryError`s does not fail
+the run by itself: those tests run again afterwards, alone in one process (`--retry-timeout`), and the run fails if
+any of them fails there.
+
     python tests/gpu_shards.py --shards 12 --timeout 540 --logs $OUT/gpu-tests [tests/test_kernels_gpu.py ...]
 """
 from __future__ import annotations
@@ -51,12 +56,44 @@ def summary(log: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+OUT_OF_MEMORY = "OutOfMemoryError"
+#: pytest's short summary: failures and errors with their messages (rerun them) and skips with their reasons
+REPORT = "-rfEs"
+#: the shards' environment: a wide "terminal", else pytest drops a failure's message where the test id is long
+ENV = {**os.environ, "COLUMNS": "1000"}
+
+
+def failures(log: str) -> list[tuple[str, str]]:
+    """(node id, message) of every test pytest's short summary reports FAILED or ERROR in a shard's log."""
+    out = []
+    for line in log.splitlines():
+        for tag in ("FAILED ", "ERROR "):
+            if line.startswith(tag) and "::" in line:
+                node, _, message = line[len(tag):].partition(" - ")
+                out.append((node.strip(), message))
+    return out
+
+
+def retry_alone(rc, log: str) -> list[str] | None:
+    """The tests of a finished shard to run again alone: those that ran out of GPU memory, where they are all of
+    its failures; [] for a shard that passed; None where the shard failed otherwise (an assertion, a crash, a
+    timeout: no rerun clears it)."""
+    if rc == 0:
+        return []
+    found = failures(log)
+    if rc == "timeout" or not found or any(OUT_OF_MEMORY not in message for _, message in found):
+        return None
+    return [node for node, _ in found]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="*", default=["tests"])
     ap.add_argument("--shards", type=int, default=12)
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds each shard may run")
     ap.add_argument("--logs", default="gpu-test-logs", help="folder for the shards' logs")
+    ap.add_argument("--retry-timeout", type=float, default=300.0,
+                    help="seconds for the rerun, alone, of the tests that ran out of GPU memory beside other shards")
     args = ap.parse_args(argv)
     ids = collect(args.paths)
     if not ids:
@@ -66,11 +103,11 @@ def main(argv=None) -> int:
     procs = []
     for i, shard in enumerate(consecutive_shards(ids, args.shards)):
         log = open(os.path.join(args.logs, f"shard{i:02d}.log"), "w")
-        procs.append((i, shard, log, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rs", "-p",
+        procs.append((i, shard, log, subprocess.Popen([sys.executable, "-m", "pytest", "-q", REPORT, "-p",
                                                        "no:cacheprovider", *shard],
-                                                      stdout=log, stderr=subprocess.STDOUT)))
+                                                      stdout=log, stderr=subprocess.STDOUT, env=ENV)))
     print(f"gpu_shards: {len(ids)} tests in {len(procs)} shards", flush=True)
-    deadline, failed = time.monotonic() + args.timeout, False
+    deadline, failed, again = time.monotonic() + args.timeout, False, []
     for i, shard, log, proc in procs:
         try:
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -80,11 +117,30 @@ def main(argv=None) -> int:
         log.close()
         with open(log.name) as fh:
             text = fh.read()
-        failed |= rc != 0
+        retry = retry_alone(rc, text)
+        failed |= retry is None
+        again += retry or []
         print(f"shard {i:2d} ({len(shard)} tests of {', '.join(files_of(shard))}): rc {rc}: {summary(text)}")
         for line in text.splitlines():
-            if line.startswith(("FAILED", "ERROR", "SKIPPED")):   # skips with their reasons (-rs)
-                print(f"  {line}")
+            if line.startswith(("FAILED", "ERROR", "SKIPPED")):   # skips with their reasons
+                print(f"  {line[:300]}")
+    if again:
+        log_name = os.path.join(args.logs, "out-of-memory-rerun.log")
+        with open(log_name, "w") as log:
+            try:
+                rc = subprocess.run([sys.executable, "-m", "pytest", "-q", REPORT, "-p", "no:cacheprovider", *again],
+                                    stdout=log, stderr=subprocess.STDOUT, env=ENV,
+                                    timeout=args.retry_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        with open(log_name) as fh:
+            text = fh.read()
+        failed |= rc != 0
+        print(f"rerun alone of the {len(again)} tests that ran out of GPU memory beside other shards: rc {rc}: "
+              f"{summary(text)}")
+        for line in text.splitlines():
+            if line.startswith(("FAILED", "ERROR")):
+                print(f"  {line[:300]}")
     return 1 if failed else 0
 
 
