@@ -194,6 +194,8 @@ def main(argv=None):
     ap.add_argument("--sigma", type=float, default=B.SIGMA, help="spread of the experts' log-normal weights")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.moe and args.path != "fusion":
+        ap.error("--path chooses a block's fused path; --moe times bench_moe.py's fusion layers")
     module_name, attr = args.switch.split(":")
     module = importlib.import_module(module_name)
     original = getattr(module, attr)
