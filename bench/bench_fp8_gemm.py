@@ -77,6 +77,16 @@ def _try(fn, reps):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
+def _scaled_grouped_mm_call(a_data, b_data, offsets):
+    """torch._scaled_grouped_mm of the E4M3 codes A (M, K) and B (E, N, K) with unit rowwise scales (one per row of
+    A, one per column of B), bf16 out: the call, ready to time."""
+    a8, b8 = a_data.view(torch.float8_e4m3fn), b_data.view(torch.float8_e4m3fn)   # B^T: column-major
+    sa = torch.ones(a8.shape[0], dtype=torch.float32, device=a8.device)
+    sb = torch.ones(b8.shape[0], b8.shape[1], dtype=torch.float32, device=a8.device)
+    return lambda: torch._scaled_grouped_mm(a8, b8.transpose(-2, -1), sa, sb, offs=offsets[1:],
+                                            out_dtype=torch.bfloat16, use_fast_accum=True)
+
+
 def bench_shape(E, Kd, N, M, reps, gen, profile=False):
     dev = "cuda"
     flop = 2.0 * M * N * Kd
@@ -104,13 +114,11 @@ def bench_shape(E, Kd, N, M, reps, gen, profile=False):
         K.run_fp8_grouped_gemm(comp, a_data, a_scale, wq.data, wq.scale, offsets, {"out": out},
                                counter_ptr=counter.data_ptr())
 
+    # torch._scaled_grouped_mm, rowwise scales (per row of A, per column of B); None where torch lacks it
+    scaled = _scaled_grouped_mm_call(a_data, wq.data, offsets) if hasattr(torch, "_scaled_grouped_mm") else None
+
     if profile:   # each kernel once, in the profiler's window: ours, then torch's FP8 grouped GEMM
-        a8, b8 = a_data.view(torch.float8_e4m3fn), wq.data.view(torch.float8_e4m3fn)
-        sa, sb = torch.ones(M, dtype=torch.float32, device=dev), torch.ones(E, N, dtype=torch.float32, device=dev)
-        kernels = [("ours " + comp.name, ours)]
-        if hasattr(torch, "_scaled_grouped_mm"):
-            kernels.append(("torch._scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
-                a8, b8.transpose(-2, -1), sa, sb, offs=offsets[1:], out_dtype=torch.bfloat16, use_fast_accum=True)))
+        kernels = [("ours " + comp.name, ours)] + ([("torch._scaled_grouped_mm", scaled)] if scaled else [])
         for label, fn in kernels:
             for _ in range(3):
                 fn()
@@ -140,16 +148,7 @@ def bench_shape(E, Kd, N, M, reps, gen, profile=False):
     row.update(bf16_ms=ms, bf16_tflops=tf(ms), bf16_error=err)
     log(f"  torch._grouped_mm bf16: {ms} ms ({tf(ms)} TFLOP/s)" + (f" {err}" if err else ""))
 
-    # torch._scaled_grouped_mm, rowwise scales (per row of A, per column of B)
-    if hasattr(torch, "_scaled_grouped_mm"):
-        a8 = a_data.view(torch.float8_e4m3fn)
-        b8 = wq.data.view(torch.float8_e4m3fn)                 # (E, N, K): its transpose is column-major
-        sa = torch.ones(M, dtype=torch.float32, device=dev)
-        sb = torch.ones(E, N, dtype=torch.float32, device=dev)
-
-        def scaled():
-            return torch._scaled_grouped_mm(a8, b8.transpose(-2, -1), sa, sb, offs=offsets[1:],
-                                            out_dtype=torch.bfloat16, use_fast_accum=True)
+    if scaled is not None:
         ms, err = _try(scaled, reps)
     else:
         ms, err = None, "torch._scaled_grouped_mm not available"
