@@ -11,6 +11,14 @@ and load on the GPU machine:
     FUSION_CACHE_DIR=/tmp/kc python bench/fp8_tile_sweep.py --precompile     # no GPU needed
     FUSION_CACHE_DIR=/tmp/kc python bench/fp8_tile_sweep.py > sweep.json     # on the GPU
 
+``--rows-per-group R1,R2,...`` runs each selected shape at E x R rows instead, with ``--pair-vs-single`` only the
+256 x 128 dynamic tile as single CTAs and as CTA pairs (at each ``--bands`` value): where, by rows per group, a
+pair stops paying for its lockstep (issue 9's target shape: the pair 1056 against single 1107 TFLOP/s at 8192
+rows per group, 1136 against 1096 at DeepSeek-V3's 1024):
+
+    python bench/fp8_tile_sweep.py --shapes "dsv3 fc1,olmoe fc1" --rows-per-group 1024,4096,8192 \
+        --pair-vs-single --bands 4,8,16
+
 One JSON document to stdout (per shape: TFLOP/s of each configuration), a table to stderr.
 """
 from __future__ import annotations
@@ -47,6 +55,8 @@ SHAPES = [
 #: --bands B1,B2,...: the policy's configuration with each band of the tile order (GemmConfig.band_m), instead of
 #: the tile and schedule candidates.
 BANDS: list = []
+#: --pair-vs-single: only the 256 x 128 dynamic tile, single CTAs and (where the n-tiles pair) CTA pairs.
+PAIR_VS_SINGLE: list = []
 
 
 def candidates(N: int, K: int, G: int, tile_64: bool = False):
@@ -54,6 +64,16 @@ def candidates(N: int, K: int, G: int, tile_64: bool = False):
     warpgroup) x static / dynamic x single / paired CTAs (pairs where the n-tile count is even; stages: as many
     as fit, <= 8); with BANDS, the policy's choice at each band instead."""
     out = [choose_fp8_config(N, K, G)]
+    if PAIR_VS_SINGLE:
+        base = dataclasses.replace(out[0], tile_m=256, tile_n=128, dynamic=True,
+                                   stages=min(8, FP8_SMEM // (fp8_stage_bytes(256, 128, 1) + 16)))
+        pairs = (1, 2) if n_tile_count(N, 128) % 2 == 0 else (1,)
+        for band in BANDS or [0]:
+            for cluster_n in pairs:
+                cfg = dataclasses.replace(base, cluster_n=cluster_n, band_m=band)
+                if cfg not in out:
+                    out.append(cfg)
+        return out
     if BANDS:
         return out + [dataclasses.replace(out[0], band_m=b) for b in BANDS if b != out[0].band_m]
     tiles = [(128, n) for n in ((64,) if tile_64 else ()) + (128, 192)] + [(256, 128)]
@@ -134,11 +154,20 @@ def main(argv=None):
     ap.add_argument("--tile-64", action="store_true", help="also 64-column tiles (they lost by 11-33%% on an H100)")
     ap.add_argument("--shapes", help="comma-separated substrings of the shape names to run (default: all)")
     ap.add_argument("--bands", default="", help="comma-separated band_m values: the policy's tile at each band")
+    ap.add_argument("--rows-per-group", default="",
+                    help="comma-separated rows per group: each selected shape at E x R rows (balanced groups)")
+    ap.add_argument("--pair-vs-single", action="store_true",
+                    help="only the 256 x 128 dynamic tile, single CTAs and CTA pairs (at each --bands value)")
     args = ap.parse_args(argv)
     BANDS[:] = [int(b) for b in args.bands.split(",") if b]
+    PAIR_VS_SINGLE[:] = [True] if args.pair_vs_single else []
     if args.shapes:
         keep = args.shapes.split(",")
         SHAPES[:] = [s for s in SHAPES if any(k in s[0] for k in keep)]
+    if args.rows_per_group:
+        shapes = {(f"{name.split(' 32x')[0]} {E}x{r}", E, K, N, E * r): None  # issue 9's shape is dsv3 fc1's
+                  for name, E, K, N, _ in SHAPES for r in (int(v) for v in args.rows_per_group.split(","))}
+        SHAPES[:] = list(shapes)
     if args.precompile:
         from fusion.runtime.aot import compile_jobs
 

@@ -1,6 +1,7 @@
 """Host (CPU) microseconds per call of the fused block, forward and training step, on a Hopper GPU.
 
     python bench/host_overhead.py
+    FUSION_CACHE_DIR=/tmp/kc python bench/host_overhead.py --precompile   # no GPU: its kernels, for the device run
 
 Host time is measured with time.perf_counter over back-to-back calls that the GPU cannot keep up with
 (a large enough block), one sync at the end of each batch; the GPU time per call is reported beside it, so a
@@ -81,11 +82,22 @@ def breakdown(block, x, sizes, probs):
             print(f"{name:<44} {host_us(fn, calls=200)[0]:9.1f}")
 
 
+E, d, f, M = 8, 2048, 2048, 4096
+
+
+def blocks():
+    """The measured block and its FC1 alone."""
+    return (Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d)),
+            Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale()))
+
+
 def main():
+    if "--precompile" in sys.argv[1:]:
+        for seq in blocks():
+            seq.compile()
+        return
     torch.manual_seed(0)
-    E, d, f, M = 8, 2048, 2048, 4096
-    block = Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d)).cuda().bfloat16()
-    fc1 = Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale()).cuda().bfloat16()
+    block, fc1 = (seq.cuda().bfloat16() for seq in blocks())
     x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
     sizes = torch.full((E,), M // E, device="cuda", dtype=torch.int32)
     probs = torch.rand(M, device="cuda", dtype=torch.bfloat16)
