@@ -55,6 +55,28 @@ def time_ms(fn, warmup=10, reps=50):
     return times[len(times) // 2]
 
 
+def interleaved_ms(fns, warmup=5, reps=20):
+    """Median milliseconds of each of ``fns``, timed in rounds (one call of each per round, each between two CUDA
+    events) rather than one after another: a long FP8 launch heats the card, and the SM clock it then runs at
+    (power-bound) would otherwise favour whichever configuration ran first."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+              for _ in fns]
+    for r in range(reps):
+        for fn, evs in zip(fns, events):
+            evs[r][0].record()
+            fn()
+            evs[r][1].record()
+    torch.cuda.synchronize()
+    out = []
+    for evs in events:
+        times = sorted(s.elapsed_time(e) for s, e in evs)
+        out.append(times[len(times) // 2])
+    return out
+
+
 def balanced_sizes(E, M, gen, align=16):
     """Random sizes within +-20 % of M / E, multiples of ``align``, summing to M (M a multiple of align)."""
     w = 1.0 + 0.4 * (torch.rand(E, generator=gen) - 0.5)

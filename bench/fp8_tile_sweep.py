@@ -4,7 +4,8 @@ For each shape (the GEMMs of an expert MLP's forward and dgrads: FC1, FC2, FC2's
 MoE blocks, and issue 9's 32 x 8192-row target shape) and each candidate configuration (tiles 128 x 128 / 192 and
 256 x 128, static or dynamic schedule, single CTAs or CTA pairs sharing the A tile, as many stages as fit;
 ``--tile-64`` adds 64-column tiles), the kernel with the identity epilogue, timed with CUDA events (median of
---reps calls) on balanced random group sizes, beside bf16 torch._grouped_mm on the same (unquantized) operands.
+--reps calls, in rounds that interleave the configurations: bench_fp8_gemm `interleaved_ms`) on balanced random
+group sizes, beside bf16 torch._grouped_mm on the same (unquantized) operands.
 The kernels are KernelJobs (fusion/runtime/compile.py), so they compile here without a GPU into FUSION_CACHE_DIR
 and load on the GPU machine:
 
@@ -101,49 +102,53 @@ def jobs(tile_64: bool = False):
                 dtype="bfloat16", N=N, K=K, G=E, target="sm_90a", mainloop="fp8_block")
 
 
-def measure(reps: int, tile_64: bool = False) -> dict:
-    from bench_fp8_gemm import balanced_sizes, quantize_rows_chunked, time_ms
+def measure(reps: int, tile_64: bool = False, interleave: bool = True) -> dict:
+    """Per shape, bf16 torch._grouped_mm and every candidate, timed in interleaved rounds (bench_fp8_gemm
+    `interleaved_ms`; `interleave=False`: one configuration after another, the order before 2026-11-27j, which
+    favoured the first-timed configuration, the policy's, on long launches)."""
+    from bench_fp8_gemm import balanced_sizes, interleaved_ms, quantize_rows_chunked, time_ms
     from fusion.kernels import run_fp8_grouped_gemm
     from fusion.kernels.api import offsets_from_group_sizes
     from fusion.quant.fp8_weight import quantize_weight_fp8_block
     from fusion.runtime.compile import load_compiled
 
-    results: dict = {}
-    operands: dict = {}
-    gen = torch.Generator().manual_seed(0)
+    by_shape: dict = {}
     for (name, E, K, N, M, cfg), job in jobs(tile_64):
-        if name not in operands:
-            operands.clear()
-            torch.cuda.empty_cache()
-            sizes = balanced_sizes(E, M, gen)
-            a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            b = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-            offsets = offsets_from_group_sizes(sizes.cuda())
-            # bf16 torch._grouped_mm of the same operands: the issue's ">= 1.6x bf16" baseline
-            ends = offsets[1:]
-            bf16_ms = time_ms(lambda: torch._grouped_mm(a, b.transpose(-2, -1), offs=ends), warmup=5, reps=reps)
-            results[name] = {"E": E, "K": K, "N": N, "M": M, "bf16_grouped_mm_ms": bf16_ms,
-                             "bf16_grouped_mm_tflops": 2 * M * N * K / bf16_ms / 1e9, "configs": []}
-            print(f"{name:16s} bf16 torch._grouped_mm {bf16_ms:7.3f} ms "
-                  f"{results[name]['bf16_grouped_mm_tflops']:6.0f} TFLOP/s", file=sys.stderr, flush=True)
-            a_data, a_scale = quantize_rows_chunked(a)
-            wq = quantize_weight_fp8_block(b)
-            operands[name] = (a_data, a_scale, wq.data, wq.scale, offsets,
-                              torch.empty(M, N, device="cuda", dtype=torch.bfloat16))
-            del a, b
-        a_data, a_scale, b_data, b_scale, offsets, out = operands[name]
-        compiled = load_compiled(job)
-        ms = time_ms(lambda: run_fp8_grouped_gemm(compiled, a_data, a_scale, b_data, b_scale, offsets,
-                                                  {"out": out}), warmup=5, reps=reps)
-        tflops = 2 * M * N * K / ms / 1e9
-        row = results[name]
-        row["configs"].append({"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages, "dynamic": cfg.dynamic,
-                               "cluster_n": cfg.cluster_n, "band_m": cfg.band_m, "ms": ms, "tflops": tflops,
-                               "vs_bf16": row["bf16_grouped_mm_ms"] / ms, "policy": len(row["configs"]) == 0})
-        print(f"{name:16s} tile={cfg.tile_m}x{cfg.tile_n:<3d} stages={cfg.stages} dynamic={cfg.dynamic!s:5s} "
-              f"pair={cfg.cluster_n == 2!s:5s} band={cfg.band_m:2d} {ms:7.3f} ms {tflops:6.0f} TFLOP/s "
-              f"{row['bf16_grouped_mm_ms'] / ms:4.2f}x bf16" + ("  (policy)" if len(row["configs"]) == 1 else ""),
+        by_shape.setdefault((name, E, K, N, M), []).append((cfg, job))
+    results: dict = {}
+    gen = torch.Generator().manual_seed(0)
+    for (name, E, K, N, M), candidates_ in by_shape.items():
+        torch.cuda.empty_cache()
+        sizes = balanced_sizes(E, M, gen)
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+        offsets = offsets_from_group_sizes(sizes.cuda())
+        # bf16 torch._grouped_mm of the same operands: the issue's ">= 1.6x bf16" baseline
+        bf16_ms = time_ms(lambda: torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets[1:]), warmup=5, reps=reps)
+        row = results[name] = {"E": E, "K": K, "N": N, "M": M, "bf16_grouped_mm_ms": bf16_ms,
+                               "bf16_grouped_mm_tflops": 2 * M * N * K / bf16_ms / 1e9, "interleaved": interleave,
+                               "configs": []}
+        print(f"{name:16s} bf16 torch._grouped_mm {bf16_ms:7.3f} ms {row['bf16_grouped_mm_tflops']:6.0f} TFLOP/s",
               file=sys.stderr, flush=True)
+        a_data, a_scale = quantize_rows_chunked(a)
+        wq = quantize_weight_fp8_block(b)
+        del a, b
+        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+
+        def launch(compiled):
+            return lambda: run_fp8_grouped_gemm(compiled, a_data, a_scale, wq.data, wq.scale, offsets, {"out": out})
+
+        fns = [launch(load_compiled(job)) for _, job in candidates_]
+        times = (interleaved_ms(fns, reps=reps) if interleave
+                 else [time_ms(fn, warmup=5, reps=reps) for fn in fns])
+        for i, ((cfg, _), ms) in enumerate(zip(candidates_, times)):
+            tflops = 2 * M * N * K / ms / 1e9
+            row["configs"].append({"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages,
+                                   "dynamic": cfg.dynamic, "cluster_n": cfg.cluster_n, "band_m": cfg.band_m,
+                                   "ms": ms, "tflops": tflops, "vs_bf16": bf16_ms / ms, "policy": i == 0})
+            print(f"{name:16s} tile={cfg.tile_m}x{cfg.tile_n:<3d} stages={cfg.stages} dynamic={cfg.dynamic!s:5s} "
+                  f"pair={cfg.cluster_n == 2!s:5s} band={cfg.band_m:2d} {ms:7.3f} ms {tflops:6.0f} TFLOP/s "
+                  f"{bf16_ms / ms:4.2f}x bf16" + ("  (policy)" if i == 0 else ""), file=sys.stderr, flush=True)
     return results
 
 
@@ -156,6 +161,8 @@ def main(argv=None):
     ap.add_argument("--bands", default="", help="comma-separated band_m values: the policy's tile at each band")
     ap.add_argument("--rows-per-group", default="",
                     help="comma-separated rows per group: each selected shape at E x R rows (balanced groups)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="time the configurations one after another (the order before 2026-11-27j), not interleaved")
     ap.add_argument("--pair-vs-single", action="store_true",
                     help="only the 256 x 128 dynamic tile, single CTAs and CTA pairs (at each --bands value)")
     args = ap.parse_args(argv)
@@ -175,7 +182,7 @@ def main(argv=None):
         compile_jobs(todo, parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "2")))
         return
     device = torch.cuda.get_device_name()
-    print(json.dumps({"device": device, "torch": torch.__version__, "shapes": measure(args.reps, args.tile_64)}, indent=1))
+    print(json.dumps({"device": device, "torch": torch.__version__, "shapes": measure(args.reps, args.tile_64, not args.sequential)}, indent=1))
 
 
 if __name__ == "__main__":
