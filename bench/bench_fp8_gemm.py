@@ -4,10 +4,12 @@ Columns, all on the same routed rows (balanced random group sizes, multiples of 
   ours       fusion.kernels.run_fp8_grouped_gemm: E4M3 A (1x128 scales) x E4M3 B (128x128 scales) -> bf16
   scaled     torch._scaled_grouped_mm, rowwise scales (one per row of A, one per column of B), -> bf16
   bf16       torch._grouped_mm on bf16 operands
-TFLOP/s counts 2*M*N*K. Timing: CUDA events around each call, median over the repetitions. Operands are
+TFLOP/s counts 2*M*N*K. Timing: CUDA events around each call, median over the repetitions, the three columns in
+interleaved rounds (`interleaved_ms`: the card is power-bound on these launches). Operands are
 quantized once, outside the timed region. Progress goes to stderr, one JSON document to stdout.
 
 Usage (from the repository root): python3 bench/bench_fp8_gemm.py [--shapes 0,2] [--rows M] [--reps 50]
+(--precompile, no GPU: our kernels for those shapes and rows into FUSION_CACHE_DIR)
 
 --profile: instead of timing, launch our kernel and torch._scaled_grouped_mm once each between cudaProfilerStart
 and cudaProfilerStop (after a warm-up), for Nsight Compute, e.g. issue 9's target shape:
@@ -92,13 +94,6 @@ def quantize_rows_chunked(a, chunk=32768):
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts], dim=1).contiguous()
 
 
-def _try(fn, reps):
-    try:
-        return time_ms(fn, reps=reps), None
-    except Exception as e:  # an op missing or refusing this build / device: reported, not fatal
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-
-
 def _scaled_grouped_mm_call(a_data, b_data, offsets):
     """torch._scaled_grouped_mm of the E4M3 codes A (M, K) and B (E, N, K) with unit rowwise scales (one per row of
     A, one per column of B), bf16 out: the call, ready to time."""
@@ -121,11 +116,12 @@ def bench_shape(E, Kd, N, M, reps, gen, profile=False):
     wq = quantize_weight_fp8_block(w)
     row = dict(E=E, K=Kd, N=N, M=M)
 
-    # the kernel the runtime launches for a lone FP8 GEMM (from FUSION_CACHE_DIR when precompiled)
+    # the kernel the runtime launches for a lone FP8 GEMM over these rows (from FUSION_CACHE_DIR when precompiled)
     from fusion.runtime.compile import load_compiled
     from fusion.runtime.fp8_gemm import identity_job
+    from fusion.runtime.kernel import for_rows
 
-    comp = load_compiled(identity_job(N, Kd, E, torch.bfloat16))
+    comp = load_compiled(for_rows(identity_job(N, Kd, E, torch.bfloat16), M))
     cfg = comp.config
     out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -152,30 +148,27 @@ def bench_shape(E, Kd, N, M, reps, gen, profile=False):
             log(f"  profiled: {label}")
         return dict(row, profiled=[label for label, _ in kernels])
 
-    ms, err = _try(ours, reps)
-    row.update(ours_ms=ms, ours_tflops=tf(ms), ours_error=err, config=comp.name, registers=comp.registers,
-               smem=comp.shared_memory_bytes)
-    log(f"E={E} K={Kd} N={N} M={M}: ours {ms} ms ({tf(ms)} TFLOP/s) {comp.name}" + (f" {err}" if err else ""))
-
     # torch._grouped_mm in bf16: B is (E, K, N), a transposed view of the (E, N, K) weight
-    bf_out = None
-    if hasattr(torch, "_grouped_mm"):
-        def bf16():
-            return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])
-        ms, err = _try(bf16, reps)
-        if err is None:
-            bf_out = bf16()
-    else:
-        ms, err = None, "torch._grouped_mm not available"
-    row.update(bf16_ms=ms, bf16_tflops=tf(ms), bf16_error=err)
-    log(f"  torch._grouped_mm bf16: {ms} ms ({tf(ms)} TFLOP/s)" + (f" {err}" if err else ""))
-
-    if scaled is not None:
-        ms, err = _try(scaled, reps)
-    else:
-        ms, err = None, "torch._scaled_grouped_mm not available"
-    row.update(scaled_ms=ms, scaled_tflops=tf(ms), scaled_error=err)
-    log(f"  torch._scaled_grouped_mm rowwise: {ms} ms ({tf(ms)} TFLOP/s)" + (f" {err}" if err else ""))
+    bf16 = (lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])) if hasattr(torch, "_grouped_mm") \
+        else None
+    # the three timed in interleaved rounds (the card is power-bound: timed one after another, the first ran faster)
+    fns = {"ours": ours, "bf16": bf16, "scaled": scaled}
+    errors = {name: (None if fn else "torch lacks it") for name, fn in fns.items()}
+    for name, fn in fns.items():
+        if fn is not None:
+            try:
+                fn()
+            except Exception as e:  # an op missing or refusing this build / device: reported, not fatal
+                errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    timed = [name for name in fns if errors[name] is None]
+    times = dict(zip(timed, interleaved_ms([fns[n] for n in timed], reps=reps)))
+    for name in fns:
+        row.update({f"{name}_ms": times.get(name), f"{name}_tflops": tf(times.get(name)), f"{name}_error": errors[name]})
+    row.update(config=comp.name, registers=comp.registers, smem=comp.shared_memory_bytes)
+    log(f"E={E} K={Kd} N={N} M={M}: ours {row['ours_ms']} ms ({row['ours_tflops']} TFLOP/s) {comp.name}; "
+        f"torch._grouped_mm bf16 {row['bf16_ms']} ms ({row['bf16_tflops']}); torch._scaled_grouped_mm rowwise "
+        f"{row['scaled_ms']} ms ({row['scaled_tflops']})" + "".join(f" [{n}: {e}]" for n, e in errors.items() if e))
+    bf_out = bf16() if times.get("bf16") is not None else None
 
     if row["ours_ms"] is not None:
         for other in ("bf16", "scaled"):
@@ -196,11 +189,20 @@ def main():
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--profile", action="store_true",
                     help="launch each kernel once inside cudaProfilerStart/Stop (run under ncu); no timing")
+    ap.add_argument("--precompile", action="store_true", help="compile our kernels into FUSION_CACHE_DIR (no GPU)")
     args = ap.parse_args()
+    idx = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(SHAPES))
+    if args.precompile:
+        from fusion.runtime.aot import compile_jobs
+        from fusion.runtime.fp8_gemm import identity_job
+        from fusion.runtime.kernel import for_rows
+
+        compile_jobs([for_rows(identity_job(SHAPES[i][2], SHAPES[i][1], SHAPES[i][0], torch.bfloat16),
+                               args.rows or SHAPES[i][3]) for i in idx])
+        return 0
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
         return 1
-    idx = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(SHAPES))
     gen = torch.Generator().manual_seed(0)
     results = []
     for i in idx:

@@ -35,6 +35,7 @@ kernels (no spills, wgmma).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -291,14 +292,48 @@ def fp8_stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
 #: The FP8 kernel's tile rows where its n-tiles pair up (FUSION_FP8_TILE_M, read at import; 128 or 256):
 #: :func:`choose_fp8_config`.
 FP8_TILE_M = int(os.environ.get("FUSION_FP8_TILE_M", "256"))
+#: Average rows per group (a call's rows / G: host-known, no sync) from which a 256-row FP8 tile runs as single
+#: CTAs instead of CTA pairs (FUSION_FP8_SINGLE_ROWS, read at import; the runtime reads this attribute per call):
+#: :func:`fp8_for_rows`.
+FP8_SINGLE_ROWS = int(os.environ.get("FUSION_FP8_SINGLE_ROWS", "4096"))
 
 
-def choose_fp8_config(N: int, K: int, G: int, gated: bool = False) -> GemmConfig:
+def fp8_for_rows(config: GemmConfig, rows: int | None, G: int) -> GemmConfig:
+    """The FP8 kernel's configuration for a call over `rows` routed rows (None: not known, `config` as is): a
+    256-row tile's CTA pairs become single CTAs from :data:`FP8_SINGLE_ROWS` rows per group on average.
+
+    Measured on an H100 (bench/fp8_tile_sweep.py --pair-vs-single, the configurations timed in interleaved rounds:
+    the card is power-bound on these launches, its SM clock falling from 1980 to 1140-1425 MHz at 650-700 W, so
+    timed one after another the first configuration ran up to 20% faster; bench/results/H100-2026-11-27j-fp8-
+    pair-single-*), TFLOP/s single against pair, balanced groups: DeepSeek-V3's FC1 (K 7168, N 4096, 32 groups)
+    at 8192 rows per group (issue 9's target) 1128 / 1083, at 4096 1122 / 1094, at 1024 1049 / 1060; its FC2
+    (K 2048, N 7168) and Qwen3-235B's FC1 (K 4096, N 3072, 128 groups) within 0.3% of each other from 4096 rows
+    per group, the pair 0.5-1% ahead at 1024 (and on the blocks' 256-1024 rows per group: session i's A/B)."""
+    if rows is None or config.cluster_n != 2 or config.tile_m != 256 or rows < FP8_SINGLE_ROWS * G:
+        return config
+    return _single_ctas(config)
+
+
+@functools.lru_cache(maxsize=None)
+def _single_ctas(config: GemmConfig) -> GemmConfig:
+    """`config` as single CTAs (made once per configuration: a call's host path asks for it)."""
+    return dataclasses.replace(config, cluster_n=1)
+
+
+def fp8_row_configs(config: GemmConfig, G: int) -> list[GemmConfig]:
+    """Every configuration :func:`fp8_for_rows` can make of `config` (what Sequential.compile builds ahead)."""
+    out = [config]
+    by_rows = fp8_for_rows(config, FP8_SINGLE_ROWS * G, G)
+    return out if by_rows == config else out + [by_rows]
+
+
+def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | None = None) -> GemmConfig:
     """The FP8 block-scaled kernel's tile (kernels/fp8_gemm.py): 128 columns (one weight-scale block per n-tile),
     cooperative, as many stages as fit, the dynamic scheduler; where the n-tile count is even, CTA pairs
     (cluster_n = 2) on 256-row tiles (:data:`FP8_TILE_M`: each consumer warpgroup walks its 128 rows as two 64-row
     waves through one scratch fragment, so a thread holds 2 x 64 accumulator and 64 scratch floats), else single
-    CTAs on 128-row tiles. A gated tile reads two weight-scale slots (gate and up rows).
+    CTAs on 128-row tiles. A gated tile reads two weight-scale slots (gate and up rows). `rows`: a call's routed
+    rows, where known (:func:`fp8_for_rows`: single CTAs at many rows per group).
 
     256 rows, measured on an H100 (bench/fp8_tile_sweep.py, one call, the identity epilogue on balanced groups;
     bench/results/H100-2026-11-27i-fp8-sweep-256.{json,log}), TFLOP/s against the 128-row tile, both dynamic CTA
@@ -322,8 +357,8 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False) -> GemmConfig
     pair = n_tile_count(N, 128) % 2 == 0
     tile_m = FP8_TILE_M if pair else 128
     stages = min(8, FP8_SMEM // (fp8_stage_bytes(tile_m, 128, slots) + 16))
-    return GemmConfig(tile_m=tile_m, tile_n=128, tile_k=SCALE_BLOCK, stages=stages, pingpong=False, dynamic=True,
-                      cluster_n=2 if pair else 1)
+    return fp8_for_rows(GemmConfig(tile_m=tile_m, tile_n=128, tile_k=SCALE_BLOCK, stages=stages, pingpong=False,
+                                   dynamic=True, cluster_n=2 if pair else 1), rows, G)
 
 
 def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool, gather: bool = False,

@@ -230,3 +230,32 @@ def test_lone_fp8_gemms_take_their_tile_counter_from_the_calls_buffer(monkeypatc
     _assert_kernels_match_recipe(seq, x, sizes, probs, dy, no_reference_recipe)
     assert given and all(p is not None for p in given), given
     assert len(set(given)) == len(given), "every FP8 launch of the step its own counter"
+
+
+def test_many_rows_per_group_run_single_ctas_with_the_same_bits(monkeypatch):
+    """From tile_policy.FP8_SINGLE_ROWS rows per group a call's FP8 kernels (fused and lone) run the 256-row tile
+    as single CTAs instead of pairs: the same tiles and k order, so the output and every gradient are bitwise the
+    pairs' (and those match the recipe: test_grouped_block_matches_the_recipe)."""
+    import fusion.kernels.fp8_api as fp8_api
+    from fusion.kernels import tile_policy
+
+    real, launched = fp8_api.launch_grid, []
+
+    def spy(compiled, M, dev, offsets, num_ctas=None, counter_ptr=None):
+        launched.append((compiled.config.tile_m, compiled.config.cluster_n))
+        return real(compiled, M, dev, offsets, num_ctas, counter_ptr)
+
+    monkeypatch.setattr(fp8_api, "launch_grid", spy)
+    E, sizes, d, f = CASES[1]   # 8 x 1024 rows; every width here pairs its n-tiles
+    sizes = torch.tensor(sizes, device=DEV)
+    seq = _block(E, d, f)
+    x, dy, probs = _inputs(E, int(sizes.sum()), d, sizes)
+    monkeypatch.setattr(tile_policy, "FP8_SINGLE_ROWS", 1 << 30)
+    pairs = _step(seq, x, sizes, probs, dy)
+    assert launched and set(launched) == {(256, 2)}, launched
+    launched.clear()
+    monkeypatch.setattr(tile_policy, "FP8_SINGLE_ROWS", 1024)
+    single = _step(seq, x, sizes, probs, dy)
+    assert launched and set(launched) == {(256, 1)}, launched
+    for name, value in pairs.items():
+        assert torch.equal(single[name], value), name

@@ -259,12 +259,17 @@ def test_sequential_compile_builds_every_fp8_kernel_the_plan_launches():
     and both GEMMs' bf16 weight gradients on the varlen-K kernel; a bf16 block has no FP8 job."""
     from fusion.runtime.aot import plan_jobs
 
+    from fusion.kernels.tile_policy import GemmConfig
+
     jobs = plan_jobs(block(E=4, d=256, f=256, backend="auto").to("meta", torch.bfloat16), torch.bfloat16)
     fp8 = [j for j in jobs if j.mainloop == "fp8_block"]
-    assert [(j.step, j.variant, j.N, j.K) for j in fp8] == [
-        ("F1", "train", 512, 256), ("F1", "inference", 512, 256), ("B1", "backward", 256, 256),
-        ("fp8_fprop", "identity", 256, 256), ("fp8_dgrad", "identity", 256, 512)]
-    assert len({j.key for j in fp8}) == 5
+    # each at the tile policy's CTA pairs and at the single CTAs of calls with many rows per group
+    # (tile_policy.fp8_for_rows): every one of these widths pairs up its 128-column n-tiles
+    assert [(j.step, j.variant, j.N, j.K, GemmConfig(*j.config).cluster_n) for j in fp8] == [
+        (step, variant, N, K, pair) for step, variant, N, K in [
+            ("F1", "train", 512, 256), ("F1", "inference", 512, 256), ("B1", "backward", 256, 256),
+            ("fp8_fprop", "identity", 256, 256), ("fp8_dgrad", "identity", 256, 512)] for pair in (2, 1)]
+    assert len({j.key for j in fp8}) == 10
     # the weight gradients dW (E, out, in): FC2's (256, 256) and FC1's (512, 256) (N = in, K = out)
     assert sorted((j.N, j.K) for j in jobs if j.mainloop == "varlen_k") == [(256, 256), (256, 512)]
     assert {j.mainloop for j in jobs} == {"fp8_block", "varlen_k"}

@@ -107,3 +107,53 @@ def test_lone_fp8_gemm_steps_hold_tile_counter_slots_of_the_calls_buffer():
     state = S.RunState(ctx=RunContext(counters=torch.zeros(5 + program.counters, dtype=torch.int32), groups=4))
     assert fwd["OpForward"]._counter(state) == {
         "counter": state.ctx.counters.data_ptr() + 4 * (5 + fwd["OpForward"].slot)}
+
+
+def test_many_rows_per_group_take_single_ctas(monkeypatch):
+    """tile_policy.fp8_for_rows: a 256-row tile's CTA pairs become single CTAs from FP8_SINGLE_ROWS rows per
+    group on average (read per call); unknown rows, fewer rows, and 128-row single tiles keep their configuration;
+    fp8_row_configs lists both (Sequential.compile builds both)."""
+    from fusion.kernels import tile_policy as P
+
+    monkeypatch.setattr(P, "FP8_SINGLE_ROWS", 4096)
+    pair = P.choose_fp8_config(4096, 7168, 32)
+    assert (pair.tile_m, pair.cluster_n) == (256, 2)
+    assert P.fp8_for_rows(pair, None, 32) is pair and P.fp8_for_rows(pair, 32 * 4096 - 1, 32) is pair
+    single = P.fp8_for_rows(pair, 32 * 4096, 32)
+    assert single.cluster_n == 1 and single == P.choose_fp8_config(4096, 7168, 32, rows=32 * 4096)
+    assert single == pair.__class__(**{**pair.__dict__, "cluster_n": 1})   # nothing else changes
+    odd = P.choose_fp8_config(5760, 2880, 32)   # 45 n-tiles: single 128-row CTAs whatever the rows
+    assert P.fp8_for_rows(odd, 10 ** 8, 32) is odd and P.fp8_row_configs(odd, 32) == [odd]
+    assert P.fp8_row_configs(pair, 32) == [pair, single]
+    monkeypatch.setattr(P, "FP8_SINGLE_ROWS", 512)   # the attribute is read at each call (bench/ab_switch.py)
+    assert P.fp8_for_rows(pair, 32 * 512, 32) == single
+
+
+def test_a_fused_fp8_kernel_launches_the_configuration_of_the_calls_rows(monkeypatch):
+    """CuteKernel (fusion/runtime/kernel.py) of an FP8 job loads and launches, per call, the kernel for A's rows:
+    the pair below FP8_SINGLE_ROWS rows per group, the single-CTA job from there (each loaded once); the lone FP8
+    GEMMs (fp8_gemm._kernel) choose the same way."""
+    from fusion.kernels import tile_policy as P
+    from fusion.runtime import compile as C, kernel as Kr
+    from fusion.runtime.kernel import BlockScaled, CuteKernel
+
+    monkeypatch.setattr(P, "FP8_SINGLE_ROWS", 1024)
+    loads, launched = [], []
+    monkeypatch.setattr(C, "load_compiled", lambda job: loads.append(job) or job.config)
+    fake = type("K", (), {"run_fp8_grouped_gemm": staticmethod(lambda compiled, *a, **k: launched.append(compiled)),
+                          "run_grouped_gemm": None})
+    monkeypatch.setattr(Kr, "_kernels", lambda: fake)
+    job = fp8_gemm.identity_job(256, 512, 4, torch.bfloat16)
+    kernel = CuteKernel(job)
+    operand = lambda rows: BlockScaled(torch.empty(rows, 512, dtype=torch.uint8), None)   # noqa: E731
+    for rows in (4 * 1024 - 1, 4 * 1024, 4 * 5000, 100):
+        kernel.run(operand(rows), operand(1), None, {})
+    pair, single = P.GemmConfig(*job.config), P.fp8_for_rows(P.GemmConfig(*job.config), 10 ** 9, 4)
+    assert [P.GemmConfig(*c).cluster_n for c in launched] == [2, 1, 1, 2]
+    assert [j.config for j in loads] == [job.config, Kr.dataclasses.astuple(single)]   # each loaded once
+    assert pair.cluster_n == 2
+    loads.clear()
+    monkeypatch.setattr(fp8_gemm, "_COMPILED", {})
+    fp8_gemm._kernel(256, 512, 4, torch.bfloat16, "fprop", 4 * 1024)
+    fp8_gemm._kernel(256, 512, 4, torch.bfloat16, "fprop", 4 * 1023)
+    assert [P.GemmConfig(*j.config).cluster_n for j in loads] == [1, 2]

@@ -20,6 +20,7 @@ from fusion.codegen.cache import writable_cache_dir
 from fusion.planner import plan_for
 from fusion.runtime.compile import CompiledKernel, KernelJob, artifact, compile_to_disk, is_cached
 from fusion.runtime.compile_worker import compile_in_workers
+from fusion.runtime.kernel import row_variants
 from fusion.runtime.program import BlockProgram
 from fusion.runtime.steps import FusedForward
 from fusion.targets import kernel_target
@@ -35,18 +36,24 @@ def plan_jobs(seq, dtype: torch.dtype, target: str = "sm_90a") -> list[KernelJob
     """One job per fused kernel the block's plan can launch: a forward step's training variant (which also
     writes the value the backward reads) and inference variant, each fused backward step's kernel, and the
     kernels of unfused steps whose device method has cached kernels (an fp8_block GEMM's fprop and dgrad:
-    fusion/runtime/fp8_gemm.py `kernel_jobs`). The plan honours the block's backend: a backend="reference"
+    fusion/runtime/fp8_gemm.py `kernel_jobs`); an FP8 kernel at each configuration a call's rows may pick
+    (fusion/runtime/kernel.py `row_variants`). The plan honours the block's backend: a backend="reference"
     block launches no kernel, so it has no job."""
     plan = plan_for(seq, dtype=dtype, target=target, backend=getattr(seq, "backend", None))
     program = BlockProgram(seq, plan, "cute")
+    on_device = getattr(seq, "backend", "auto") in ("auto", "fused")
     jobs = []
     for runner in program.fused_runners():
         if isinstance(runner, FusedForward):
             variants = ("train", "inference") if runner.writes_saved else ("inference",)
         else:
             variants = runner.variants()
-        jobs.extend(runner.job(dtype, variant) for variant in variants)
-    if getattr(seq, "backend", "auto") not in ("auto", "fused"):
+        # (on the device an FP8 kernel also at the configuration a call with many rows per group takes:
+        # kernel.row_variants)
+        for variant in variants:
+            job = runner.job(dtype, variant)
+            jobs.extend(row_variants(job) if on_device else [job])
+    if not on_device:
         return jobs  # device methods run under these backends only (fusion/runtime/__init__.py, BlockRunner)
     for runner in program.forward_steps + program.backward_steps:
         device = getattr(runner, "device", None)

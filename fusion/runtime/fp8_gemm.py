@@ -61,14 +61,18 @@ def identity_job(N: int, K: int, G: int, dtype: torch.dtype, what: str = "fprop"
                     mainloop="fp8_block")
 
 
-def _kernel(N: int, K: int, G: int, dtype: torch.dtype, what: str):
-    """The compiled FP8 GEMM (memory, the disk cache, or compiled now), per shape (`what` only names it)."""
-    key = (N, K, G, dtype)
+def _kernel(N: int, K: int, G: int, dtype: torch.dtype, what: str, rows: int):
+    """The compiled FP8 GEMM (memory, the disk cache, or compiled now), per shape and per the configuration a call
+    over `rows` rows takes (fusion/runtime/kernel.py `for_rows`; `what` only names it)."""
+    from fusion.kernels.tile_policy import FP8_SINGLE_ROWS
+
+    key = (N, K, G, dtype, rows >= FP8_SINGLE_ROWS * G)
     hit = _COMPILED.get(key)
     if hit is None:
         from fusion.runtime.compile import load_compiled
+        from fusion.runtime.kernel import for_rows
 
-        hit = _COMPILED[key] = load_compiled(identity_job(N, K, G, dtype, what))
+        hit = _COMPILED[key] = load_compiled(for_rows(identity_job(N, K, G, dtype, what), rows))
     return hit
 
 
@@ -84,11 +88,13 @@ def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
         from fusion.runtime import wgrad_gemm
 
         return wgrad_gemm.kernel_jobs(op, part, dtype)
+    from fusion.runtime.kernel import row_variants
+
     G, N, K = tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
     if part == "forward":
-        return [identity_job(N, K, G, dtype, "fprop")]
+        return row_variants(identity_job(N, K, G, dtype, "fprop"))
     if part == "dgrad":
-        return [identity_job(K, N, G, dtype, "dgrad")]
+        return row_variants(identity_job(K, N, G, dtype, "dgrad"))
     return []
 
 
@@ -117,7 +123,7 @@ def _gemm(a, b, bounds, dtype, what: str, counter=None):
     from fusion.kernels.fp8_api import run_fp8_grouped_gemm
 
     G, N, K = b.data.shape
-    compiled = _kernel(N, K, G, dtype, what)
+    compiled = _kernel(N, K, G, dtype, what, a.data.shape[0])
     out = torch.empty(a.data.shape[0], N, dtype=dtype, device=a.data.device)
     run_fp8_grouped_gemm(compiled, a.data, a.scale, b.data, b.scale, bounds, {"out": out}, counter_ptr=counter)
     return out

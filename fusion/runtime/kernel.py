@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from fusion.kernels.tile_policy import GemmConfig, choose_fp8_config, choose_wgrad_config, tile_config
+from fusion.kernels.tile_policy import (GemmConfig, choose_fp8_config, choose_wgrad_config, fp8_for_rows,
+                                        fp8_row_configs, tile_config)
 from fusion.runtime.compile import KernelJob
 
 
@@ -54,8 +55,9 @@ def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: boo
              gather: bool = False, mainloop: str = "bf16", col_block: int = 8) -> KernelJob:
     """A kernel's job; `tiles=False` leaves the tile configuration out (the emulation needs none). `gather`: the
     kernel reads A's rows through an index (GemmConfig.gather_a; its run takes `index=`). `mainloop`
-    "fp8_block": the FP8 block-scaled kernel (its operands are BlockScaled; B K-major). `col_block`: the logical
-    columns the epilogue's block-wise outputs need whole in a tile (MXFP8: 32; tile_policy.gated_tile reads it)."""
+    "fp8_block": the FP8 block-scaled kernel (its operands are BlockScaled; B K-major; its configuration for a
+    call's rows: :func:`for_rows`). `col_block`: the logical columns the epilogue's block-wise outputs need whole
+    in a tile (MXFP8: 32; tile_policy.gated_tile reads it)."""
     if not tiles:
         config = ()
     elif mainloop == "fp8_block":
@@ -65,6 +67,24 @@ def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: boo
                                                                          col_block))))
     return KernelJob(step=step, variant=variant, source=source, config=config,
                      dtype=str(dtype).removeprefix("torch."), N=N, K=K, G=G, target=target, mainloop=mainloop)
+
+
+def for_rows(job: KernelJob, rows: int) -> KernelJob:
+    """An FP8 job at its configuration for a call over `rows` routed rows (tile_policy.fp8_for_rows: single CTAs
+    at many rows per group), `job` itself where that is its own (and for every other mainloop)."""
+    if job.mainloop != "fp8_block" or not job.config:
+        return job
+    config = GemmConfig(*job.config)
+    by_rows = fp8_for_rows(config, rows, job.G)
+    return job if by_rows is config else dataclasses.replace(job, config=dataclasses.astuple(by_rows))
+
+
+def row_variants(job: KernelJob) -> list[KernelJob]:
+    """`job` and every job :func:`for_rows` can make of it: what Sequential.compile builds ahead of time."""
+    if job.mainloop != "fp8_block" or not job.config:
+        return [job]
+    return [dataclasses.replace(job, config=dataclasses.astuple(c)) for c in fp8_row_configs(GemmConfig(*job.config),
+                                                                                              job.G)]
 
 
 def make_wgrad_job(dtype: torch.dtype, out_features: int, in_features: int, G: int, gather: str, step: str,
@@ -90,22 +110,35 @@ class CuteKernel:
         self.job = job
         self.fp8 = job.mainloop == "fp8_block"
         # autotune times the bf16 template's candidates; the FP8 kernel has one tile (tile_policy.choose_fp8_config)
+        # and, where a call's rows per group change it, another (for_rows)
         self.compiled = None if autotune.enabled() and not self.fp8 else load_compiled(job)
+        self._config = GemmConfig(*job.config) if self.fp8 else None
+        self._by_rows: dict = {self._config: self.compiled}
         self._run = _kernels().run_grouped_gemm
 
     def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None, index=None) -> None:
         """`counter_ptr`: a zeroed int32 for a dynamic schedule's tile counter (RunState.counter_ptr). `index`: a
         gathering kernel's int32 (M,) token row of every routed row (A is then the (T, K) tokens). A "fp8_block"
-        job's A and B are BlockScaled."""
+        job's A and B are BlockScaled; its kernel is the one for A's rows (for_rows)."""
         if self.fp8:
-            _kernels().run_fp8_grouped_gemm(self.compiled, A.data, A.scale, B.data, B.scale, bounds, tensors,
-                                            tensors, counter_ptr=counter_ptr)
+            _kernels().run_fp8_grouped_gemm(self._for_rows(A.data.shape[0]), A.data, A.scale, B.data, B.scale,
+                                            bounds, tensors, tensors, counter_ptr=counter_ptr)
             LAUNCHES.count(self.job)
             return
         if self.compiled is None:
             self.compiled = self._tuned(A, B, bounds, tensors, index)
         self._run(self.compiled, A, B, bounds, tensors, tensors, counter_ptr=counter_ptr, index=index)
         LAUNCHES.count(self.job)
+
+    def _for_rows(self, rows: int):
+        """The compiled FP8 kernel for a call over `rows` rows (for_rows; loaded on first use)."""
+        config = fp8_for_rows(self._config, rows, self.job.G)
+        compiled = self._by_rows.get(config)
+        if compiled is None:
+            from fusion.runtime.compile import load_compiled
+
+            compiled = self._by_rows[config] = load_compiled(for_rows(self.job, rows))
+        return compiled
 
     def _tuned(self, A, B, bounds, tensors, index=None):
         from fusion.runtime import autotune
