@@ -293,25 +293,39 @@ def fp8_stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
 #: :func:`choose_fp8_config`.
 FP8_TILE_M = int(os.environ.get("FUSION_FP8_TILE_M", "256"))
 #: Average rows per group (a call's rows / G: host-known, no sync) from which a 256-row FP8 tile runs as single
-#: CTAs instead of CTA pairs (FUSION_FP8_SINGLE_ROWS, read at import; the runtime reads this attribute per call):
-#: :func:`fp8_for_rows`.
-FP8_SINGLE_ROWS = int(os.environ.get("FUSION_FP8_SINGLE_ROWS", "4096"))
+#: CTAs instead of CTA pairs; 0 (the default): never (FUSION_FP8_SINGLE_ROWS, read at import; the runtime reads this
+#: attribute per call): :func:`fp8_for_rows`.
+FP8_SINGLE_ROWS = int(os.environ.get("FUSION_FP8_SINGLE_ROWS", "0"))
+
+
+def fp8_single_at(rows: int | None, G: int) -> bool:
+    """Whether a call over `rows` routed rows in G groups runs a 256-row FP8 tile as single CTAs."""
+    return bool(FP8_SINGLE_ROWS) and rows is not None and rows >= FP8_SINGLE_ROWS * G
 
 
 def fp8_for_rows(config: GemmConfig, rows: int | None, G: int) -> GemmConfig:
-    """The FP8 kernel's configuration for a call over `rows` routed rows (None: not known, `config` as is): a
-    256-row tile's CTA pairs become single CTAs from :data:`FP8_SINGLE_ROWS` rows per group on average.
+    """The FP8 kernel's configuration for a call over `rows` routed rows (None: not known, `config` as is): with
+    :data:`FP8_SINGLE_ROWS` set, a 256-row tile's CTA pairs become single CTAs from that many rows per group.
 
-    Measured on an H100 (bench/fp8_tile_sweep.py --pair-vs-single, the configurations timed in interleaved rounds:
-    the card is power-bound on these launches, its SM clock falling from 1980 to 1140-1425 MHz at 650-700 W, so
-    timed one after another the first configuration ran up to 20% faster; bench/results/H100-2026-11-27j-fp8-
-    pair-single-*), TFLOP/s single against pair, balanced groups: DeepSeek-V3's FC1 (K 7168, N 4096, 32 groups)
-    at 8192 rows per group (issue 9's target) 1128 / 1083, at 4096 1122 / 1094, at 1024 1049 / 1060; its FC2
-    (K 2048, N 7168) and Qwen3-235B's FC1 (K 4096, N 3072, 128 groups) within 0.3% of each other from 4096 rows
-    per group, the pair 0.5-1% ahead at 1024 (and on the blocks' 256-1024 rows per group: session i's A/B)."""
-    if rows is None or config.cluster_n != 2 or config.tile_m != 256 or rows < FP8_SINGLE_ROWS * G:
+    Off by default: it wins on one GEMM family and loses on another. Measured on an H100 with the configurations
+    timed in interleaved rounds (bench/fp8_tile_sweep.py --pair-vs-single; the card is power-bound on these
+    launches, its SM clock falling from 1980 to 1140-1425 MHz at 650-700 W, so timed one after another the first
+    configuration ran up to 20% faster; bench/results/H100-2026-11-27j-fp8-pair-single-*), TFLOP/s single against
+    pair, balanced groups: DeepSeek-V3's FC1 (K 7168, N 4096, 32 groups) at 8192 rows per group (issue 9's target)
+    1128 / 1083, at 4096 1122 / 1094, at 1024 1049 / 1060; its FC2 (K 2048, N 7168) and Qwen3-235B's FC1 (K 4096,
+    N 3072, 128 groups) within 0.3% from 4096 rows per group, the pair 0.5-1% ahead at 1024. On FP8 blocks in one
+    process (bench/ab_switch.py --path fusion_fp8, at 4096 against off, three rounds; -ab-fp8-single-rows.log):
+    Llama-3-70B (one group, 8192 rows) forward +1.9%, training step +5.6% slower with single CTAs; Llama-3-8B (16384
+    rows) within 0.6%; DeepSeek-V3 EP8 (1024 rows per group: unchanged kernels) within 0.8%."""
+    if config.cluster_n != 2 or config.tile_m != 256 or not fp8_single_at(rows, G):
         return config
     return _single_ctas(config)
+
+
+def fp8_row_configs(config: GemmConfig, G: int) -> list[GemmConfig]:
+    """Every configuration :func:`fp8_for_rows` can make of `config` (what Sequential.compile builds ahead)."""
+    by_rows = fp8_for_rows(config, FP8_SINGLE_ROWS * G, G)
+    return [config] if by_rows == config else [config, by_rows]
 
 
 @functools.lru_cache(maxsize=None)

@@ -253,23 +253,30 @@ def test_explain_says_why_the_fp8_kernel_does_not_take_a_gemm():
     assert "its kernel runs bfloat16/float16, the dtype is float32" in text
 
 
-def test_sequential_compile_builds_every_fp8_kernel_the_plan_launches():
+def test_sequential_compile_builds_every_fp8_kernel_the_plan_launches(monkeypatch):
     """Sequential.compile()'s jobs (fusion/runtime/aot.py): the fused FP8 kernels (training and inference FC1,
     FC2's dgrad), the lone FP8 GEMMs of the device method (FC2's fprop, FC1's dgrad), all on the FP8 mainloop,
     and both GEMMs' bf16 weight gradients on the varlen-K kernel; a bf16 block has no FP8 job."""
     from fusion.runtime.aot import plan_jobs
 
+    from fusion.kernels import tile_policy
     from fusion.kernels.tile_policy import GemmConfig
 
     jobs = plan_jobs(block(E=4, d=256, f=256, backend="auto").to("meta", torch.bfloat16), torch.bfloat16)
     fp8 = [j for j in jobs if j.mainloop == "fp8_block"]
-    # each at the tile policy's CTA pairs and at the single CTAs of calls with many rows per group
-    # (tile_policy.fp8_for_rows): every one of these widths pairs up its 128-column n-tiles
-    assert [(j.step, j.variant, j.N, j.K, GemmConfig(*j.config).cluster_n) for j in fp8] == [
-        (step, variant, N, K, pair) for step, variant, N, K in [
-            ("F1", "train", 512, 256), ("F1", "inference", 512, 256), ("B1", "backward", 256, 256),
-            ("fp8_fprop", "identity", 256, 256), ("fp8_dgrad", "identity", 256, 512)] for pair in (2, 1)]
-    assert len({j.key for j in fp8}) == 10
+    expected = [("F1", "train", 512, 256), ("F1", "inference", 512, 256), ("B1", "backward", 256, 256),
+                ("fp8_fprop", "identity", 256, 256), ("fp8_dgrad", "identity", 256, 512)]
+    assert [(j.step, j.variant, j.N, j.K) for j in fp8] == expected
+    assert len({j.key for j in fp8}) == 5
+    # with single CTAs from FP8_SINGLE_ROWS rows per group (tile_policy.fp8_for_rows), each also at those: every
+    # one of these widths pairs up its 128-column n-tiles
+    monkeypatch.setattr(tile_policy, "FP8_SINGLE_ROWS", 4096)
+    by_rows = [j for j in plan_jobs(block(E=4, d=256, f=256, backend="auto").to("meta", torch.bfloat16),
+                                    torch.bfloat16) if j.mainloop == "fp8_block"]
+    assert [(j.step, j.variant, j.N, j.K, GemmConfig(*j.config).cluster_n) for j in by_rows] == [
+        (*e, pair) for e in expected for pair in (2, 1)]
+    assert len({j.key for j in by_rows}) == 10
+    monkeypatch.undo()
     # the weight gradients dW (E, out, in): FC2's (256, 256) and FC1's (512, 256) (N = in, K = out)
     assert sorted((j.N, j.K) for j in jobs if j.mainloop == "varlen_k") == [(256, 256), (256, 512)]
     assert {j.mainloop for j in jobs} == {"fp8_block", "varlen_k"}

@@ -110,14 +110,16 @@ def test_lone_fp8_gemm_steps_hold_tile_counter_slots_of_the_calls_buffer():
 
 
 def test_many_rows_per_group_take_single_ctas(monkeypatch):
-    """tile_policy.fp8_for_rows: a 256-row tile's CTA pairs become single CTAs from FP8_SINGLE_ROWS rows per
-    group on average (read per call); unknown rows, fewer rows, and 128-row single tiles keep their configuration;
-    fp8_row_configs lists both (Sequential.compile builds both)."""
+    """tile_policy.fp8_for_rows: where FP8_SINGLE_ROWS is set (0, the default: never), a 256-row tile's CTA pairs
+    become single CTAs from that many rows per group on average (read per call); unknown rows, fewer rows, and
+    128-row single tiles keep their configuration; fp8_row_configs lists both (Sequential.compile builds both)."""
     from fusion.kernels import tile_policy as P
 
-    monkeypatch.setattr(P, "FP8_SINGLE_ROWS", 4096)
     pair = P.choose_fp8_config(4096, 7168, 32)
     assert (pair.tile_m, pair.cluster_n) == (256, 2)
+    monkeypatch.setattr(P, "FP8_SINGLE_ROWS", 0)   # the default: off
+    assert P.fp8_for_rows(pair, 10 ** 9, 32) is pair and P.fp8_row_configs(pair, 32) == [pair]
+    monkeypatch.setattr(P, "FP8_SINGLE_ROWS", 4096)
     assert P.fp8_for_rows(pair, None, 32) is pair and P.fp8_for_rows(pair, 32 * 4096 - 1, 32) is pair
     single = P.fp8_for_rows(pair, 32 * 4096, 32)
     assert single.cluster_n == 1 and single == P.choose_fp8_config(4096, 7168, 32, rows=32 * 4096)
