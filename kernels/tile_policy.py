@@ -292,10 +292,14 @@ def fp8_stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
 #: The FP8 kernel's tile rows where its n-tiles pair up (FUSION_FP8_TILE_M, read at import; 128 or 256):
 #: :func:`choose_fp8_config`.
 FP8_TILE_M = int(os.environ.get("FUSION_FP8_TILE_M", "256"))
-#: FUSION_FP8_WIDE_ODD=1 (read at import): where the FP8 kernel's 128-column n-tiles do not pair up (GPT-OSS's
-#: widths 5760 and 2880: 45 and 23 of them), :func:`choose_fp8_config` takes 128 x 192 tiles, as CTA pairs where
-#: those pair up (5760: 30), instead of single 128 x 128 CTAs.
-FP8_WIDE_ODD = os.environ.get("FUSION_FP8_WIDE_ODD", "0") != "0"
+#: Where the FP8 kernel's 128-column n-tiles do not pair up but 192-column ones do (GPT-OSS's FC1, 2f = 5760: 45
+#: and 30 of them), :func:`choose_fp8_config` takes 128 x 192 CTA pairs instead of single 128 x 128 CTAs
+#: (FUSION_FP8_WIDE_ODD=0, read at import, turns it off). Measured on an H100 (bench/results/H100-2026-11-27j-fp8-
+#: wide-odd*): GPT-OSS-120B's FC1 GEMM alone 904 against 835 TFLOP/s (interleaved rounds; 128 x 192 single CTAs
+#: 848); the FP8 blocks' forward 4.0-4.1% faster (GPT-OSS-20B, -120B; bench/ab_switch.py --plan --path fusion_fp8,
+#: three rounds). Where the 192-column tiles do not pair either (2880: 15) single 128 x 192 CTAs lost: FC2's GEMM
+#: 771 against 791, and those steps' backward, so they keep 128 x 128.
+FP8_WIDE_ODD = os.environ.get("FUSION_FP8_WIDE_ODD", "1") != "0"
 #: Average rows per group (a call's rows / G: host-known, no sync) from which a 256-row FP8 tile runs as single
 #: CTAs instead of CTA pairs; 0 (the default): never (FUSION_FP8_SINGLE_ROWS, read at import; the runtime reads this
 #: attribute per call): :func:`fp8_for_rows`.
@@ -373,13 +377,12 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     # bench/results/H200-2026-11-26-fp8-sweep*.json): within -2..+1% of single CTAs on the GEMMs of eight MoE
     # blocks at 16k tokens, and 8% faster (867 against 803 TFLOP/s) on DeepSeek-V3's FC1 at 32 x 8192 rows
     pair = n_tile_count(N, 128) % 2 == 0
-    if not pair and FP8_WIDE_ODD:
-        # 192 columns (a tile's columns, or each gated half's, in at most two weight-scale blocks: two slots per
-        # half), CTA pairs where those n-tiles pair up
-        wide_pair = n_tile_count(N, 192) % 2 == 0
+    if not pair and FP8_WIDE_ODD and n_tile_count(N, 192) % 2 == 0:
+        # 128 x 192 CTA pairs (a tile's columns, or each gated half's, in at most two weight-scale blocks: two slots
+        # per half)
         stages = min(8, FP8_SMEM // (fp8_stage_bytes(128, 192, 2 * slots) + 16))
         return GemmConfig(tile_m=128, tile_n=192, tile_k=SCALE_BLOCK, stages=stages, pingpong=False, dynamic=True,
-                          cluster_n=2 if wide_pair else 1)
+                          cluster_n=2)
     tile_m = FP8_TILE_M if pair else 128
     stages = min(8, FP8_SMEM // (fp8_stage_bytes(tile_m, 128, slots) + 16))
     return fp8_for_rows(GemmConfig(tile_m=tile_m, tile_n=128, tile_k=SCALE_BLOCK, stages=stages, pingpong=False,

@@ -253,7 +253,7 @@ def test_unknown_scale_mode_is_rejected():
     (K.IdentityEpilogue(), dict(stages=1), 1024, 512, "at least 2"),
     (K.SwiGLUScaleEpilogue(), {}, 1000, 512, "multiple of 16"),
     (K.SwiGLUScaleMXFP8Epilogue(), dict(tile_n=32), 1024, 512, "32-column"),
-    (K.IdentityEpilogue(), dict(cluster_n=2), 1152, 512, "even number of n-tiles"),   # 9 n-tiles
+    (K.IdentityEpilogue(), dict(tile_n=128, cluster_n=2), 1152, 512, "even number of n-tiles"),   # 9 n-tiles
     (K.IdentityEpilogue(), dict(cluster_n=4), 1024, 512, "cluster_n = 4"),
     (K.IdentityEpilogue(), dict(cluster_m=2), 1024, 512, "along n only"),
 ])
@@ -303,12 +303,13 @@ def test_run_with_no_rows_launches_nothing():
         is None
 
 
-@pytest.mark.parametrize("N,gated,pair", [(4096, False, True), (1536, False, True), (2880, False, False),
-                                          (5760, True, False), (3072, True, True), (1032, False, False)])
-def test_policy_pairs_ctas_where_the_n_tiles_pair_up(N, gated, pair):
-    """CTA pairs (dynamic schedule) on 256-row tiles where the 128-column n-tiles come in pairs; single CTAs on
-    128-row tiles elsewhere (GPT-OSS's 2880 columns: 23 n-tiles); stages as many as fit, and the tile compiles
-    (kernels/api.py check_fp8_config)."""
+@pytest.mark.parametrize("N,gated,tile", [(4096, False, (256, 128, 2, 4)), (1536, False, (256, 128, 2, 4)),
+                                          (2880, False, (128, 128, 1, 6)), (5760, True, (128, 192, 2, 5)),
+                                          (3072, True, (256, 128, 2, 4)), (1032, False, (128, 192, 2, 5))])
+def test_policy_pairs_ctas_where_the_n_tiles_pair_up(N, gated, tile):
+    """(tile_m, tile_n, cluster_n, stages), dynamic schedule: CTA pairs on 256-row tiles where the 128-column
+    n-tiles come in pairs; else 128 x 192 pairs where those pair up (GPT-OSS's FC1, 2f = 5760: 45 and 30 n-tiles;
+    1032: 9 and 6; tile_policy.FP8_WIDE_ODD); single 128 x 128 CTAs elsewhere (GPT-OSS's 2880 columns: 23 and
+    15); stages as many as fit."""
     cfg = K.choose_fp8_config(N, 2048, 32, gated)
-    assert cfg.cluster_n == (2 if pair else 1) and cfg.dynamic and cfg.tile_n == 128
-    assert cfg.tile_m == (256 if pair else 128) and cfg.stages == (4 if pair else 6)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.stages) == tile and cfg.dynamic

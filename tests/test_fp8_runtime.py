@@ -159,3 +159,20 @@ def test_a_fused_fp8_kernel_launches_the_configuration_of_the_calls_rows(monkeyp
     fp8_gemm._kernel(256, 512, 4, torch.bfloat16, "fprop", 4 * 1024)
     fp8_gemm._kernel(256, 512, 4, torch.bfloat16, "fprop", 4 * 1023)
     assert [P.GemmConfig(*j.config).cluster_n for j in loads] == [1, 2]
+
+
+def test_odd_128_column_tiles_take_192_column_pairs_where_those_pair(monkeypatch):
+    """tile_policy.FP8_WIDE_ODD: GPT-OSS's FC1 (2f = 5760: 45 tiles of 128 columns, 30 of 192) runs 128 x 192 CTA
+    pairs; where 192 columns do not pair either (2880: 23 and 15) single 128 x 128 CTAs stay, as do widths whose
+    128-column tiles pair (256-row pairs); off, every odd count keeps single 128 x 128 CTAs."""
+    from fusion.kernels import tile_policy as P
+
+    def tile(N, gated=False):
+        c = P.choose_fp8_config(N, 2880, 32, gated)
+        return c.tile_m, c.tile_n, c.cluster_n
+
+    monkeypatch.setattr(P, "FP8_WIDE_ODD", True)
+    assert tile(5760, gated=True) == tile(5760) == (128, 192, 2)
+    assert tile(2880) == (128, 128, 1) and tile(4096, gated=True) == (256, 128, 2)
+    monkeypatch.setattr(P, "FP8_WIDE_ODD", False)
+    assert tile(5760, gated=True) == (128, 128, 1)
