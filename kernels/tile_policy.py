@@ -293,12 +293,14 @@ def fp8_stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
 #: :func:`choose_fp8_config`.
 FP8_TILE_M = int(os.environ.get("FUSION_FP8_TILE_M", "256"))
 #: Where the FP8 kernel's 128-column n-tiles do not pair up but 192-column ones do (GPT-OSS's FC1, 2f = 5760: 45
-#: and 30 of them), :func:`choose_fp8_config` takes 128 x 192 CTA pairs instead of single 128 x 128 CTAs
-#: (FUSION_FP8_WIDE_ODD=0, read at import, turns it off). Measured on an H100 (bench/results/H100-2026-11-27j-fp8-
-#: wide-odd*): GPT-OSS-120B's FC1 GEMM alone 904 against 835 TFLOP/s (interleaved rounds; 128 x 192 single CTAs
-#: 848); the FP8 blocks' forward 4.0-4.1% faster (GPT-OSS-20B, -120B; bench/ab_switch.py --plan --path fusion_fp8,
-#: three rounds). Where the 192-column tiles do not pair either (2880: 15) single 128 x 192 CTAs lost: FC2's GEMM
-#: 771 against 791, and those steps' backward, so they keep 128 x 128.
+#: and 30 of them), :func:`choose_fp8_config` takes 128 x 192 CTA pairs instead of single 128 x 128 CTAs, for the
+#: GEMM alone and a forward's inference kernel, not a training step's (FUSION_FP8_WIDE_ODD=0, read at import, turns
+#: it off). Measured on an H100 (bench/results/H100-2026-11-27j-fp8-wide-odd*): GPT-OSS-120B's FC1 GEMM alone 904
+#: against 835 TFLOP/s (interleaved rounds; 128 x 192 single CTAs 848); on the FP8 blocks (bench/ab_switch.py
+#: --plan --path fusion_fp8, three rounds) the forward 4.5% / 4.1% faster (GPT-OSS-20B / -120B), the training step,
+#: whose FC1 kernel also writes the saved pre-activation, +1.3% / -0.3%: so a training step keeps 128 x 128. Where the
+#: 192-column tiles do not pair either (2880: 15) single 128 x 192 CTAs lost (FC2's GEMM 771 against 791; with
+#: them the GPT-OSS steps' backward was slower), so those keep 128 x 128.
 FP8_WIDE_ODD = os.environ.get("FUSION_FP8_WIDE_ODD", "1") != "0"
 #: Average rows per group (a call's rows / G: host-known, no sync) from which a 256-row FP8 tile runs as single
 #: CTAs instead of CTA pairs; 0 (the default): never (FUSION_FP8_SINGLE_ROWS, read at import; the runtime reads this
@@ -349,13 +351,16 @@ def fp8_row_configs(config: GemmConfig, G: int) -> list[GemmConfig]:
     return out if by_rows == config else out + [by_rows]
 
 
-def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | None = None) -> GemmConfig:
+def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | None = None,
+                      wide_odd: bool | None = None) -> GemmConfig:
     """The FP8 block-scaled kernel's tile (kernels/fp8_gemm.py): 128 columns (one weight-scale block per n-tile),
     cooperative, as many stages as fit, the dynamic scheduler; where the n-tile count is even, CTA pairs
     (cluster_n = 2) on 256-row tiles (:data:`FP8_TILE_M`: each consumer warpgroup walks its 128 rows as two 64-row
     waves through one scratch fragment, so a thread holds 2 x 64 accumulator and 64 scratch floats), else single
     CTAs on 128-row tiles. A gated tile reads two weight-scale slots (gate and up rows). `rows`: a call's routed
-    rows, where known (:func:`fp8_for_rows`: single CTAs at many rows per group).
+    rows, where known (:func:`fp8_for_rows`: single CTAs at many rows per group). `wide_odd`: whether 128 x 192
+    pairs may replace single CTAs where the 128-column n-tiles do not pair up (None: :data:`FP8_WIDE_ODD`; the
+    runtime passes False for the kernels of a training step, fusion/runtime/kernel.py `make_job`).
 
     256 rows, measured on an H100 (bench/fp8_tile_sweep.py, one call, the identity epilogue on balanced groups;
     bench/results/H100-2026-11-27i-fp8-sweep-256.{json,log}), TFLOP/s against the 128-row tile, both dynamic CTA
@@ -377,7 +382,7 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     # bench/results/H200-2026-11-26-fp8-sweep*.json): within -2..+1% of single CTAs on the GEMMs of eight MoE
     # blocks at 16k tokens, and 8% faster (867 against 803 TFLOP/s) on DeepSeek-V3's FC1 at 32 x 8192 rows
     pair = n_tile_count(N, 128) % 2 == 0
-    if not pair and FP8_WIDE_ODD and n_tile_count(N, 192) % 2 == 0:
+    if not pair and (FP8_WIDE_ODD if wide_odd is None else wide_odd) and n_tile_count(N, 192) % 2 == 0:
         # 128 x 192 CTA pairs (a tile's columns, or each gated half's, in at most two weight-scale blocks: two slots
         # per half)
         stages = min(8, FP8_SMEM // (fp8_stage_bytes(128, 192, 2 * slots) + 16))

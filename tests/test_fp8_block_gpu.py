@@ -262,19 +262,24 @@ def test_many_rows_per_group_run_single_ctas_with_the_same_bits(monkeypatch):
 
 
 def test_gated_fc1_on_192_column_pairs_matches_the_recipe(no_reference_recipe):
-    """2f = 384: three 128-column n-tiles (no pairs), two of 192 columns: FC1's fused kernel runs 128 x 192 CTA
-    pairs (tile_policy.FP8_WIDE_ODD), each gated half of a tile straddling two weight-scale blocks."""
+    """2f = 384: three 128-column n-tiles (no pairs), two of 192 columns: FC1's inference kernel runs 128 x 192 CTA
+    pairs (tile_policy.FP8_WIDE_ODD), each gated half of a tile straddling two weight-scale blocks; a training
+    step's FC1 kernel keeps single 128 x 128 CTAs. Both match the recipe."""
     from fusion.kernels import tile_policy
+    from fusion.kernels.tile_policy import GemmConfig
+    from fusion.runtime import runner_for
 
     assert tile_policy.FP8_WIDE_ODD
     E, d, f = 8, 256, 192
     sizes = torch.tensor([300, 0, 129, 517, 1, 0, 1000, 77], device=DEV)
     seq = _block(E, d, f)
     x, dy, probs = _inputs(E, int(sizes.sum()), d, sizes)
+    with torch.no_grad():
+        want = _reference(seq, "emulate")(x, group_sizes=sizes, scale=probs)
+        got = seq(x, group_sizes=sizes, scale=probs)
+    assert torch.isfinite(got).all() and _rel(got, want) < 1e-2, _rel(got, want)
     _assert_kernels_match_recipe(seq, x, sizes, probs, dy, no_reference_recipe)
-    from fusion.kernels.tile_policy import GemmConfig
-    from fusion.runtime import runner_for
-
     (f1,) = [s for s in runner_for(seq, x).program.forward_steps if getattr(s, "label", None) == "F1"]
-    configs = {GemmConfig(*k.job.config) for k in f1._kernels.values()}
-    assert {(c.tile_m, c.tile_n, c.cluster_n) for c in configs} == {(128, 192, 2)}, configs
+    tiles = {variant: (c.tile_m, c.tile_n, c.cluster_n) for (_, variant), k in f1._kernels.items()
+             for c in [GemmConfig(*k.job.config)]}
+    assert tiles == {"inference": (128, 192, 2), "train": (128, 128, 1)}, tiles

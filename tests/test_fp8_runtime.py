@@ -174,5 +174,22 @@ def test_odd_128_column_tiles_take_192_column_pairs_where_those_pair(monkeypatch
     monkeypatch.setattr(P, "FP8_WIDE_ODD", True)
     assert tile(5760, gated=True) == tile(5760) == (128, 192, 2)
     assert tile(2880) == (128, 128, 1) and tile(4096, gated=True) == (256, 128, 2)
+    assert P.choose_fp8_config(5760, 2880, 32, True, wide_odd=False).tile_n == 128
     monkeypatch.setattr(P, "FP8_WIDE_ODD", False)
     assert tile(5760, gated=True) == (128, 128, 1)
+
+
+def test_a_training_steps_fp8_kernels_keep_128_column_single_ctas():
+    """The jobs of an FP8 block whose FC1 width (2f = 384) pairs only at 192 columns: FC1's inference kernel on
+    128 x 192 CTA pairs, its training kernel (which also writes the saved pre-activation) on single 128 x 128 CTAs,
+    as the FP8_WIDE_ODD A/B measured (fusion/runtime/kernel.py make_job)."""
+    from fusion import Scale, Sequential, SwiGLU
+    from fusion.kernels.tile_policy import GemmConfig
+    from fusion.runtime.aot import plan_jobs
+
+    block = Sequential(GroupLinear(8, 256, 384, weight_format="fp8_block"), SwiGLU(), Scale(),
+                       GroupLinear(8, 192, 256, weight_format="fp8_block")).to("meta", torch.bfloat16)
+    tiles = {(j.step, j.variant): (c.tile_m, c.tile_n, c.cluster_n)
+             for j in plan_jobs(block, torch.bfloat16) if j.mainloop == "fp8_block" and j.step == "F1"
+             for c in [GemmConfig(*j.config)]}
+    assert tiles == {("F1", "inference"): (128, 192, 2), ("F1", "train"): (128, 128, 1)}, tiles

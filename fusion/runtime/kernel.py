@@ -61,7 +61,10 @@ def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: boo
     if not tiles:
         config = ()
     elif mainloop == "fp8_block":
-        config = dataclasses.astuple(_with_band(choose_fp8_config(N, K, G, gated)))
+        # (a training step's kernels keep single CTAs where 128 x 192 pairs would replace them: tile_policy
+        # FP8_WIDE_ODD; variants "train" and "backward")
+        wide_odd = None if variant in ("inference", "identity") else False
+        config = dataclasses.astuple(_with_band(choose_fp8_config(N, K, G, gated, wide_odd=wide_odd)))
     else:
         config = dataclasses.astuple(_with_band(GemmConfig(*tile_config(N, K, G, gated, b_major, reads_aux, gather,
                                                                          col_block))))
