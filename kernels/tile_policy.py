@@ -293,9 +293,9 @@ def fp8_stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
 #: :func:`choose_fp8_config`.
 FP8_TILE_M = int(os.environ.get("FUSION_FP8_TILE_M", "256"))
 #: Where the FP8 kernel's 128-column n-tiles do not pair up but 192-column ones do (GPT-OSS's FC1, 2f = 5760: 45
-#: and 30 of them), :func:`choose_fp8_config` takes 128 x 192 CTA pairs instead of single 128 x 128 CTAs, for the
-#: GEMM alone and a forward's inference kernel, not a training step's (FUSION_FP8_WIDE_ODD=0, read at import, turns
-#: it off). Measured on an H100 (bench/results/H100-2026-11-27j-fp8-wide-odd*): GPT-OSS-120B's FC1 GEMM alone 904
+#: and 30 of them), :func:`choose_fp8_config` takes 128 x 192 CTA pairs instead of single 128 x 128 CTAs, for a
+#: GEMM alone (the lone FP8 GEMMs' identity epilogue) and a forward's inference kernel, not the fused kernels of a
+#: training step (FUSION_FP8_WIDE_ODD=0, read at import, turns it off). Measured on an H100 (bench/results/H100-2026-11-27j-fp8-wide-odd*): GPT-OSS-120B's FC1 GEMM alone 904
 #: against 835 TFLOP/s (interleaved rounds; 128 x 192 single CTAs 848); on the FP8 blocks (bench/ab_switch.py
 #: --plan --path fusion_fp8, three rounds) the forward 4.5% / 4.1% faster (GPT-OSS-20B / -120B), the training step,
 #: whose FC1 kernel also writes the saved pre-activation, +1.3% / -0.3%: so a training step keeps 128 x 128. Where the
@@ -344,13 +344,6 @@ def _single_ctas(config: GemmConfig) -> GemmConfig:
     return dataclasses.replace(config, cluster_n=1)
 
 
-def fp8_row_configs(config: GemmConfig, G: int) -> list[GemmConfig]:
-    """Every configuration :func:`fp8_for_rows` can make of `config` (what Sequential.compile builds ahead)."""
-    out = [config]
-    by_rows = fp8_for_rows(config, FP8_SINGLE_ROWS * G, G)
-    return out if by_rows == config else out + [by_rows]
-
-
 def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | None = None,
                       wide_odd: bool | None = None) -> GemmConfig:
     """The FP8 block-scaled kernel's tile (kernels/fp8_gemm.py): 128 columns (one weight-scale block per n-tile),
@@ -360,7 +353,7 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     CTAs on 128-row tiles. A gated tile reads two weight-scale slots (gate and up rows). `rows`: a call's routed
     rows, where known (:func:`fp8_for_rows`: single CTAs at many rows per group). `wide_odd`: whether 128 x 192
     pairs may replace single CTAs where the 128-column n-tiles do not pair up (None: :data:`FP8_WIDE_ODD`; the
-    runtime passes False for the kernels of a training step, fusion/runtime/kernel.py `make_job`).
+    runtime passes False for the fused kernels of a training step, fusion/runtime/kernel.py `make_job`).
 
     256 rows, measured on an H100 (bench/fp8_tile_sweep.py, one call, the identity epilogue on balanced groups;
     bench/results/H100-2026-11-27i-fp8-sweep-256.{json,log}), TFLOP/s against the 128-row tile, both dynamic CTA

@@ -61,8 +61,8 @@ def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: boo
     if not tiles:
         config = ()
     elif mainloop == "fp8_block":
-        # (a training step's kernels keep single CTAs where 128 x 192 pairs would replace them: tile_policy
-        # FP8_WIDE_ODD; variants "train" and "backward")
+        # (the fused kernels of a training step, variants "train" and "backward", keep single CTAs where 128 x 192
+        # pairs would replace them: tile_policy.FP8_WIDE_ODD; a lone GEMM's "identity" and an "inference" take them)
         wide_odd = None if variant in ("inference", "identity") else False
         config = dataclasses.astuple(_with_band(choose_fp8_config(N, K, G, gated, wide_odd=wide_odd)))
     else:
