@@ -124,7 +124,7 @@ def test_many_rows_per_group_take_single_ctas(monkeypatch):
     single = P.fp8_for_rows(pair, 32 * 4096, 32)
     assert single.cluster_n == 1 and single == P.choose_fp8_config(4096, 7168, 32, rows=32 * 4096)
     assert single == pair.__class__(**{**pair.__dict__, "cluster_n": 1})   # nothing else changes
-    odd = P.choose_fp8_config(5760, 2880, 32)   # 45 n-tiles: single 128-row CTAs whatever the rows
+    odd = P.choose_fp8_config(2880, 2880, 32)   # 23 n-tiles (15 of 192): single 128-row CTAs whatever the rows
     assert P.fp8_for_rows(odd, 10 ** 8, 32) is odd and P.fp8_row_configs(odd, 32) == [odd]
     assert P.fp8_row_configs(pair, 32) == [pair, single]
     monkeypatch.setattr(P, "FP8_SINGLE_ROWS", 512)   # the attribute is read at each call (bench/ab_switch.py)
