@@ -1,16 +1,17 @@
 """The FP8 paths of the training-step benchmark (bench/bench_training_step.py), issue 9.
 
-- fusion_fp8   the block with weight_format="fp8_block" on both GroupLinears and QuantizeFP8Block before FC2
-               (FC1 -> SwiGLU -> Scale -> QuantizeFP8Block -> FC2), backend="auto": the plan of patterns/fp8.fpat
-               (FC1 + SwiGLU·scale on the FP8 kernel, FC2's FP8 dgrad + d(SwiGLU·scale)), the FP8 kernel alone
-               for FC2's fprop and FC1's dgrad (fusion/runtime/fp8_gemm.py), the quantize kernel, torch's wgrads.
+- fusion_fp8   the block with weight_format="fp8_block" on both GroupLinears and QuantizeFP8Block(columnwise=False)
+               before FC2 (FC1 -> SwiGLU -> Scale -> QuantizeFP8Block -> FC2), backend="auto": the plan of
+               patterns/fp8.fpat (FC1 + SwiGLU·scale + the FP8-block store on the FP8 kernel, FC2's FP8 dgrad +
+               d(SwiGLU·scale)), the FP8 kernel alone for FC2's fprop and FC1's dgrad (fusion/runtime/fp8_gemm.py).
                Weight gradients by the default recipe (fusion.quant.fp8_linear.WGRAD_IN_BF16 = True: bf16 GEMMs
                of the high-precision dY and X).
 - fusion_fp8_direct  the same without the QuantizeFP8Block: FC2 quantizes its bf16 input itself (rowwise only),
                and its bf16 weight gradient reads that input as FC2's fused dgrad recomputes it (nothing
                quantized is kept for the backward, nothing is dequantized for it).
 - fusion_fp8_fp8wgrad  the same as fusion_fp8 with WGRAD_IN_BF16 = False (the weight gradients from the recipe's FP8
-               columnwise operands); the switch is set when a path is made and kept until the next is made.
+               columnwise operands, so QuantizeFP8Block(columnwise=True): the quantize kernel after FC1); the switch
+               is set when a path is made and kept until the next is made.
 - unfused_fp8  what a user writes with torch's FP8 grouped GEMM: torch._scaled_grouped_mm with row-wise scales
                (one per row of A, one per output column of B) for FC1, FC2 and both dgrads; a torch.compile'd
                act·scale and a torch.compile'd row-wise quantization; bf16 torch._grouped_mm weight gradients;
@@ -36,7 +37,9 @@ def fusion_fp8_block(seq, probs, wgrad_bf16=True, quantize=True):
     E = fc1.num_groups
     ops = [GroupLinear(E, fc1.in_features, fc1.out_features, weight_format="fp8_block"), SwiGLU()]
     ops += [Scale()] if probs is not None else []
-    ops += [QuantizeFP8Block()] if quantize else []
+    # the columnwise copy only feeds FP8 weight gradients: with bf16 ones FC2's input is quantized rowwise, which
+    # FC1's epilogue writes (patterns/fp8.fpat)
+    ops += [QuantizeFP8Block(columnwise=not wgrad_bf16)] if quantize else []
     ops += [GroupLinear(E, fc2.in_features, fc2.out_features, weight_format="fp8_block")]
     w = fc1.weight
     fp8 = Sequential(*ops).to(w.device, w.dtype)

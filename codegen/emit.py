@@ -41,7 +41,7 @@ def _outputs(spec: EpilogueSpec, out_slots, backward: bool) -> list:
         return exprs
     out = forward_math(spec)
     for slot in out_slots:
-        if isinstance(slot, (slots.Out, slots.Quantized, slots.HighPrecision)):
+        if isinstance(slot, (slots.Out, slots.Quantized, slots.QuantizedFP8Block, slots.HighPrecision)):
             exprs.append(out)
         elif isinstance(slot, slots.SavedOut):
             exprs += list(saved_math(spec))

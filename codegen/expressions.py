@@ -20,7 +20,7 @@ from fusion.codegen.spec import EpilogueSpec, Stage
 from fusion.patterns.registry import get_activation
 
 #: Stages with no elementwise math: quantization happens in the kernel's store and passes gradients through.
-PASS_THROUGH = ("quant_mxfp8", "quant_pass")
+PASS_THROUGH = ("quant_mxfp8", "quant_fp8_block", "quant_pass")
 
 
 def _activation(stage: Stage):

@@ -1,7 +1,7 @@
 """Typed epilogue operands: what a generated kernel reads besides the accumulator, and what it writes.
 
 Each slot knows three things: the name the kernel's Epilogue class declares for it (`kernel_name`), how it is
-declared (`declaration`: one of the kernel protocol's RowVector / GroupVector / AuxInput / Output / MXFP8Output /
+declared (`declaration`: one of the kernel protocol's RowVector / GroupVector / AuxInput / Output / MXFP8Output / FP8BlockOutput /
 RowSumOutput), and the names `apply` receives or returns for it (`values`: two for a paired (gate, up) slot).
 The runtime binds tensors to slots by type (the step runners of fusion/runtime/steps.py), so no string is ever
 parsed back.
@@ -93,6 +93,19 @@ class Quantized:
 
     def declaration(self, dtype: str) -> str:
         return '_epi.MXFP8Output("out")'
+
+    values = ("out",)
+
+
+@dataclass(frozen=True)
+class QuantizedFP8Block:
+    """The chain's output quantized to FP8-block rowwise by the kernel's store: e4m3 codes, float32 scales per
+    1x128 block (k-block-major), the tensor's finite amax (kernels/fp8_block_store.py)."""
+
+    kernel_name = "out"
+
+    def declaration(self, dtype: str) -> str:
+        return '_epi.FP8BlockOutput("out")'
 
     values = ("out",)
 

@@ -31,7 +31,8 @@ class Stage:
     """One epilogue stage.
 
     kind: gemm_bias (the GEMM's own bias) | bias (a Bias op) | act | clamp | scale_row | scale_const |
-    quant_mxfp8 (forward: the kernel's store quantizes) | quant_pass (backward: straight through).
+    quant_mxfp8, quant_fp8_block (forward: the kernel's store quantizes) | quant_pass (backward: straight
+    through).
     position: the op's position in the step's op list (0 = the GEMM of a forward step).
     args: kind-specific data (the activation name and parameters, clamp bounds, the scale's input name...).
     """
@@ -66,7 +67,17 @@ class EpilogueSpec:
     @property
     def quantized(self) -> bool:
         """The kernel stores its output quantized (forward)."""
-        return any(s.kind == "quant_mxfp8" for s in self.stages)
+        return self.quant_format is not None
+
+    @property
+    def quant_format(self) -> str | None:
+        """The format the forward kernel's store quantizes to ("mxfp8", "fp8_block"), None when it does not."""
+        return next((fmt for fmt, kind in _QUANT_STAGES.items() for s in self.stages if s.kind == kind), None)
+
+    @property
+    def col_block(self) -> int:
+        """The logical columns the kernel's block-wise output needs whole in a tile (8: none)."""
+        return {"mxfp8": 32, "fp8_block": 128}.get(self.quant_format, 8)
 
     @property
     def has_quantize(self) -> bool:
@@ -108,8 +119,12 @@ class EpilogueSpec:
     def forward_slots(self, train: bool) -> tuple[tuple, tuple]:
         """(inputs, outputs) of the forward kernel. Training adds the saved value as an output."""
         inputs = self.group_biases() + self.row_scales()
-        if self.quantized:
-            outputs: tuple = (slots.Quantized(), slots.HighPrecision())
+        if self.quant_format == "fp8_block":
+            # rowwise codes, scales and the amax from the kernel; nothing in high precision (the pattern fuses
+            # QuantizeFP8Block(columnwise=False) only)
+            outputs: tuple = (slots.QuantizedFP8Block(),)
+        elif self.quantized:
+            outputs = (slots.Quantized(), slots.HighPrecision())
         else:
             outputs = (slots.Out(),)
         if train and self.saved is not None:
@@ -134,7 +149,9 @@ class EpilogueSpec:
         return inputs, outputs
 
 
-_QUANT_STAGES = {"mxfp8": "quant_mxfp8"}
+#: The formats a forward kernel's store quantizes to, and their stage kinds: MXFP8 on the bf16 kernel
+#: (patterns/moe.fpat), FP8-block rowwise on the FP8 kernel's 128-column logical tile (patterns/fp8.fpat).
+_QUANT_STAGES = {"mxfp8": "quant_mxfp8", "fp8_block": "quant_fp8_block"}
 
 
 def _elementwise_stage(op, position: int, backward: bool = False) -> Stage:
@@ -155,7 +172,7 @@ def _elementwise_stage(op, position: int, backward: bool = False) -> Stage:
     if spec.kind == "quantize":
         kind = _QUANT_STAGES.get(spec.attrs["format"])
         if kind is None:
-            raise Unsupported(f"{op.describe()}: the sm_90 epilogue quantizes to MXFP8 only")
+            raise Unsupported(f"{op.describe()}: the sm_90 epilogue quantizes to MXFP8 or FP8-block only")
         return Stage(kind, position, (spec.attrs["columnwise"],))
     raise Unsupported(f"{op.describe()}: no epilogue stage for a {spec.kind} op")
 
@@ -169,7 +186,7 @@ def _spec(stages: list[Stage], ops, width: int, gated: bool, saved: int | None) 
                 raise Unsupported(f"{op.describe()}: only a bias may come before the activation in the epilogue")
             seen_act = True
             feats = op.output_features(feats)
-        elif stage.kind in ("quant_mxfp8", "quant_pass") and stage is not stages[-1]:
+        elif stage.kind.startswith("quant") and stage is not stages[-1]:
             raise Unsupported(f"{op.describe()}: quantization must be the last epilogue stage")
     if gated and feats % 8:
         raise Unsupported(f"gated output width {feats} is not a multiple of 8 (16-byte aligned halves)")

@@ -13,12 +13,12 @@ _os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 #: Each public name -> the module of this package that defines it.
 _EXPORTS = {
-    **dict.fromkeys(("Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output", "RowSumOutput",
+    **dict.fromkeys(("Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output", "FP8BlockOutput", "RowSumOutput",
                      "IdentityEpilogue",
                      "SwiGLUScaleEpilogue", "DSwiGLUEpilogue", "SwiGLUScaleMXFP8Epilogue"), "epilogue"),
     **dict.fromkeys(("CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
                      "check_config", "offsets_from_group_sizes", "sass_text", "sass_opcodes"), "api"),
-    **dict.fromkeys(("GemmConfig", "choose_config"), "tile_policy"),
+    **dict.fromkeys(("GemmConfig", "choose_config", "fp8_block_output_tile"), "tile_policy"),
     **dict.fromkeys(("CompiledFp8GroupedGemm", "choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm",
                      "run_fp8_grouped_gemm", "fp8_grouped_gemm"), "fp8_api"),
 }

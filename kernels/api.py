@@ -26,7 +26,7 @@ from cutlass.cute.runtime import make_ptr
 
 from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
 
-from .epilogue import Epilogue, MXFP8Output, RowSumOutput
+from .epilogue import Epilogue, FP8BlockOutput, MXFP8Output, RowSumOutput, extra_tensors
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
 from .tile_policy import (GemmConfig, band_problem, choose_config, for_gather, n_tile_count, resolved_band,
                           spill_fallback)
@@ -181,7 +181,7 @@ class CompiledGroupedGemm(CompiledArtifact):
                     ("T" if getattr(config, "gather_tma", False) else "") + \
                     ("_c2" if getattr(config, "cluster_n", 1) > 1 else "") + \
                     ("_cm2" if getattr(config, "cluster_m", 1) > 1 else "")
-        self.slots = [(s.name, isinstance(s, MXFP8Output)) for s in epilogue.inputs + epilogue.outputs]
+        self.slots = [(s.name, tuple(sfx for sfx, _ in extra_tensors(s))) for s in epilogue.inputs + epilogue.outputs]
         self.b_shape = (G, N, K) if config.b_major == "K" else (G, K, N)
         self.n_tiles = n_tile_count(N, config.tile_n)  # per m-tile row (a gated tile holds both halves)
 
@@ -198,15 +198,14 @@ def _fake_ptr(dt_name, align=16):
 
 
 def _slot_dtypes(epilogue: Epilogue, dtype: str):
-    """dtype names of the epilogue's tensor slots: inputs..., outputs... (MXFP8: data, scale)."""
+    """dtype names of the epilogue's tensor slots: inputs..., outputs... (a quantized output: data, then its
+    extra tensors: scales, amax)."""
     out = []
     for s in epilogue.inputs:
         out.append(s.dtype if getattr(s, "dtype", None) is not None else dtype)
     for s in epilogue.outputs:
-        if isinstance(s, MXFP8Output):
-            out += ["float8_e4m3fn", "uint8"]
-        else:
-            out.append(s.dtype if s.dtype is not None else dtype)
+        out.append(s.dtype if s.dtype is not None else dtype)
+        out += [dt for _, dt in extra_tensors(s)]
     return out
 
 
@@ -216,6 +215,9 @@ def output_problems(epilogue: Epilogue, tile_log: int) -> list[str]:
     problems = []
     if any(isinstance(s, MXFP8Output) for s in epilogue.outputs) and tile_log % 32:
         problems.append(f"MXFP8 output: the logical tile ({tile_log} columns) must hold whole 32-column blocks")
+    if any(isinstance(s, FP8BlockOutput) for s in epilogue.outputs) and tile_log != FP8BlockOutput.block:
+        problems.append(f"FP8-block output: the logical tile ({tile_log} columns) must be one 128-column block "
+                        f"(a gated FP8 tile 128 x 256, a plain one 128 columns wide)")
     for s in epilogue.outputs:
         if isinstance(s, RowSumOutput) and (tile_log % s.block or s.block % 8):
             problems.append(f"row-sum output {s.name!r}: its blocks ({s.block} columns) must be whole 8-column "
@@ -433,15 +435,16 @@ def _gather_index(compiled, A: torch.Tensor, index: Optional[torch.Tensor]) -> i
 
 
 def epilogue_pointers(compiled, outputs: dict, extras: dict) -> tuple:
-    """The addresses of the epilogue's tensors in its slot order (an MXFP8 output: data, then scales)."""
+    """The addresses of the epilogue's tensors in its slot order (a quantized output: data, then its extra
+    tensors: scales, amax)."""
     ptrs = []
-    for name, mx in compiled.slots:
+    for name, suffixes in compiled.slots:
         t = extras[name] if extras is not None and name in extras else outputs[name]
         if not t.is_contiguous():
             raise ShapeError(f"grouped GEMM {compiled.name}: epilogue tensor {name!r} must be contiguous")
         ptrs.append(t.data_ptr())
-        if mx:
-            ptrs.append(outputs[name + "_scale"].data_ptr())
+        for sfx in suffixes:
+            ptrs.append(outputs[name + sfx].data_ptr())
     return tuple(ptrs)
 
 
@@ -502,11 +505,21 @@ def allocate_outputs(epilogue: Epilogue, M: int, N: int, dtype: str, device) -> 
         if isinstance(s, MXFP8Output):
             outs[s.name] = torch.empty(M, w, dtype=torch.float8_e4m3fn, device=device)
             outs[s.scale_name] = torch.empty(M, w // 32, dtype=torch.uint8, device=device)
+        elif isinstance(s, FP8BlockOutput):
+            outs.update(fp8_block_outputs(s, M, w, device))
         elif isinstance(s, RowSumOutput):
             outs[s.name] = torch.empty(M, s.parts(n_log), dtype=torch.float32, device=device)
         else:
             outs[s.name] = torch.empty(M, w, dtype=_TORCH_DT[s.dtype or dtype], device=device)
     return outs
+
+
+def fp8_block_outputs(spec: FP8BlockOutput, M: int, n: int, device) -> dict:
+    """An FP8-block output's tensors: e4m3 data (M, n), float32 scales (ceil(n / 128), M) k-block-major, and the
+    zeroed int32 the kernel's atomic max of the finite amax bits lands in."""
+    return {spec.name: torch.empty(M, n, dtype=torch.float8_e4m3fn, device=device),
+            spec.scale_name: torch.empty(-(-n // spec.block), M, dtype=torch.float32, device=device),
+            spec.amax_name: torch.zeros((), dtype=torch.int32, device=device)}
 
 
 from .epilogue import IdentityEpilogue as _IE  # noqa: E402

@@ -7,7 +7,8 @@ An epilogue is a plain Python object the kernel calls *at trace time*, once per 
                  [N/2, N); ``apply`` receives ``(gate, up)`` of one logical column and the logical output
                  width is N/2.  When False ``apply`` receives ``(acc,)`` and the logical width is N.
 - ``inputs``  : tuple of :class:`RowVector`, :class:`GroupVector`, :class:`AuxInput` (in call order).
-- ``outputs`` : tuple of :class:`Output` / :class:`MXFP8Output` / :class:`RowSumOutput` (at least one).
+- ``outputs`` : tuple of :class:`Output` / :class:`MXFP8Output` / :class:`FP8BlockOutput` / :class:`RowSumOutput`
+                 (at least one).
 
 and a method ``apply(self, *values)``: positional arguments are the accumulator value(s) followed by
 one value per unpaired input and two values (gate-half, up-half) per ``paired`` input, in declaration
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = [
-    "Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output", "RowSumOutput",
-    "IdentityEpilogue", "SwiGLUScaleEpilogue", "DSwiGLUEpilogue", "SwiGLUScaleMXFP8Epilogue",
+    "Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output", "FP8BlockOutput", "RowSumOutput",
+    "extra_tensors", "IdentityEpilogue", "SwiGLUScaleEpilogue", "DSwiGLUEpilogue", "SwiGLUScaleMXFP8Epilogue",
 ]
 
 
@@ -75,10 +76,39 @@ class MXFP8Output:
     name: str
     paired = False
     dtype: str = "float8_e4m3fn"
+    #: the tensors besides the data, by name suffix and dtype (kernels/api.py passes their addresses after it)
+    extras = (("_scale", "uint8"),)
 
     @property
     def scale_name(self) -> str:
         return self.name + "_scale"
+
+
+@dataclass(frozen=True)
+class FP8BlockOutput:
+    """An FP8-block-quantized (M, n) output (docs/quantization.md, "FP8-block"): e4m3 values, one float32
+    power-of-two scale per row and 128 consecutive logical columns (the last block partial), k-block-major:
+    scales (ceil(n / 128), M); and the tensor's finite amax as float32 bits, one int32 the caller zeroes (atomic
+    max per warp). The logical tile must be one 128-column block wide: a row's block is whole in one thread quad.
+    Rowwise only: the columnwise copy is not written (the pattern fuses ``QuantizeFP8Block(columnwise=False)``)."""
+    name: str
+    paired = False
+    dtype: str = "float8_e4m3fn"
+    block = 128
+    extras = (("_scale", "float32"), ("_amax", "int32"))
+
+    @property
+    def scale_name(self) -> str:
+        return self.name + "_scale"
+
+    @property
+    def amax_name(self) -> str:
+        return self.name + "_amax"
+
+
+def extra_tensors(spec) -> tuple:
+    """``(suffix, dtype)`` of the tensors an output spec has besides its data (a quantized output's scales...)."""
+    return getattr(spec, "extras", ())
 
 
 @dataclass(frozen=True)

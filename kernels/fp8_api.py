@@ -21,7 +21,7 @@ from .api import (CompiledGroupedGemm, compile_kernel, GemmConfig, _dtype_name, 
                   allocate_outputs, current_stream, epilogue_pointers, launch_grid, offsets_from_group_sizes,
                   output_problems)
 from .epilogue import Epilogue, IdentityEpilogue
-from .fp8_gemm import SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
+from .fp8_gemm import N_WAVE_TILE, SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
 from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
 from .tile_policy import (FP8_SMEM, band_problem, choose_fp8_config, fp8_stage_bytes, n_tile_count,
                           resolved_band)
@@ -49,10 +49,12 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
     if config.tile_m == 256 and config.tile_n > 128:
         problems.append(f"tile 256x{config.tile_n}: a 256-row tile holds two waves' accumulators and one scratch "
                         "fragment, 3 x tile_n / 2 registers a thread: use tile_n <= 128")
-    if config.tile_n % 16 or not 16 <= config.tile_n <= _MAX_TILE_N:
+    gated_waves = epilogue.gated and config.tile_m == 128 and config.tile_n == N_WAVE_TILE
+    if config.tile_n % 16 or not (16 <= config.tile_n <= _MAX_TILE_N or gated_waves):
         problems.append(f"tile_n = {config.tile_n}: a multiple of 16 up to {_MAX_TILE_N} (a consumer thread holds "
                         "the accumulator and the promotion's scratch fragment, tile_n registers in all: 256 "
-                        "spills)")
+                        f"spills), or {N_WAVE_TILE} for a gated 128-row tile (its gate and up halves as two "
+                        "n-waves through one scratch fragment)")
     if config.pingpong:
         problems.append("pingpong: the FP8 kernel is cooperative (each warpgroup holds an accumulator and the "
                         "promotion's scratch fragment); use pingpong=False")

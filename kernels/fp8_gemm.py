@@ -50,10 +50,12 @@ from .scheduler import PEER_SLOTS, TileScheduler
 from .tile_policy import one_band_limit, resolved_band
 from .tile_epilogue import TileEpilogue
 
-__all__ = ["Fp8GroupedGemmKernel", "Fp8DebugKnobs"]
+__all__ = ["Fp8GroupedGemmKernel", "Fp8DebugKnobs", "N_WAVE_TILE"]
 
 FP8 = cutlass.Float8E4M3FN
 SCALE_MODES = ("tma", "unaligned", "off")
+#: The gated tile width walked as two n-waves (gate half, up half) of 128 columns each.
+N_WAVE_TILE = 256
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,14 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # accumulator floats and 64 x tile_n / 128 scratch ones per thread (DeepGEMM's BLOCK_M = 256 on sm90)
         self.waves = self.tile_m // 128
         assert self.tile_n % 16 == 0 and self.tile_n <= 256
+        self.gated = epilogue.gated
+        # a gated 128 x 256 tile: each consumer warpgroup walks the gate half and then the up half of its 64 rows
+        # (two 128-column n-waves, one wgmma of 64 x 128 each) through one scratch fragment, the same registers
+        # as the 256-row tile's m-waves; its 128 logical columns hold a whole 1 x 128 block of FC2's FP8 input,
+        # so the epilogue can quantize it (kernels/fp8_block_store.py)
+        self.n_waves = 2 if self.gated and self.tile_n == N_WAVE_TILE else 1
+        assert self.n_waves == 1 or self.tile_m == 128, "n-waves take a 128-row tile"
+        self.wave_n = self.tile_n // self.n_waves
         self.pingpong = False            # cooperative: the accumulator and the scratch fragment both fit
         self.num_mma_wg = 2
         self.mma_atoms_m = 2
@@ -92,7 +102,6 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.sched_stages = 2
         self.stages = config.stages
         self.dynamic = config.dynamic
-        self.gated = epilogue.gated
         # CTA pairs along n share the A tile by TMA multicast, as in the bf16 kernel (kernels/grouped_gemm.py);
         # each CTA loads its own scales (the activation scales are the pair's, but a few hundred bytes)
         self.cluster_n = int(getattr(config, "cluster_n", 1))
@@ -144,7 +153,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
 
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            self.acc_dtype, (self.mma_atoms_m, 1, 1), tiler_mn=(64, self.tile_n),
+            self.acc_dtype, (self.mma_atoms_m, 1, 1), tiler_mn=(64, self.wave_n),
         )
         # the logical tile's accumulator layout: coordinates for the epilogue only (never issues wgmma)
         self.tiled_mma_log = sm90_utils.make_trivial_tiled_mma(

@@ -89,20 +89,23 @@ class Fp8WarpRoles(WarpRoles):
 
     def promote(self, acc, wave, part, row_scales, slot_scales, bounds):
         """``acc[wave] += part * sa[row] * sb[slot of the column]`` over the thread's fragment (trace-time loops).
-        ``part`` is one wave's fragment ``((2 columns, 2 row halves, tile_n / 8 chunks), 1, 1)``, ``acc`` the
-        tile's, ``(..., waves, 1)``; chunk ``c`` covers tile columns ``[8c, 8c + 8)``, so its segment, hence its
-        slot, is known here."""
+        ``part`` is one wave's fragment ``((2 columns, 2 row halves, wave_n / 8 chunks), 1, 1)``; ``acc`` the
+        tile's: ``(..., waves, 1)`` for m-waves, ``((2, 2, tile_n / 8), 1, 1)`` for n-waves (wave ``w``'s chunk
+        ``c`` is the tile's chunk ``c + w * wave_n / 8``, so the gate half's chunks come before the up half's, as
+        one 64 x tile_n wgmma would lay them out); chunk ``c`` covers tile columns ``[8c, 8c + 8)``, so its
+        segment, hence its slot, is known here."""
         n_v, n_h, n_c = part.shape[0]
         scale = [[ra * sb for sb in slot_scales] for ra in row_scales]
+        c_off = wave * n_c if self.n_waves > 1 else 0
         for h in range(n_h):
             for c in range(n_c):
-                seg = segment_of(self.segments, 8 * c)
+                seg = segment_of(self.segments, 8 * (c + c_off))
                 s = scale[h][seg.slot]
                 if seg.split:
-                    lo_side = Int32(8 * c - seg.col0) < bounds[seg.slot]
+                    lo_side = Int32(8 * (c + c_off) - seg.col0) < bounds[seg.slot]
                     s = cutlass.select_(lo_side, s, scale[h][seg.slot + 1])
                 for v in range(n_v):
-                    i = ((v, h, c), wave, 0)
+                    i = ((v, h, c + c_off), 0, 0) if self.n_waves > 1 else ((v, h, c), wave, 0)
                     acc[i] = part[((v, h, c), 0, 0)] * s + acc[i]   # ptxas fuses this into one FFMA
 
     def issue_wave(self, tiled_mma, frag, tCrA, tCrB, stage):
@@ -137,19 +140,26 @@ class Fp8WarpRoles(WarpRoles):
         ctid = tidx - 128
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma = tiled_mma.get_slice(ctid)
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        # per wave, the operands over its 128-row slice of the A ring (a 1024-byte multiple: the swizzle holds)
+        # per m-wave, the operands over its 128-row slice of the A ring; per n-wave, over its wave_n-row slice of
+        # the B ring (both 1024-byte multiples: the swizzle holds)
+        tCrB = [tiled_mma.make_fragment_B(thr_mma.partition_B(
+            cute.local_tile(sB, (self.wave_n, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.n_waves)]
         tCrA = [tiled_mma.make_fragment_A(thr_mma.partition_A(
             cute.local_tile(sA, (128, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.waves)]
         tCcC = tiled_mma_log.get_slice(ctid).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n_log)))
-        tCcP = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        tCcW = thr_mma.partition_C(cute.make_identity_tensor((128, self.tile_n)))   # one wave
-        acc = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
+        tCcW = thr_mma.partition_C(cute.make_identity_tensor((128, self.wave_n)))   # one wave
+        if const_expr(self.n_waves > 1):
+            # the tile's accumulator as one 64 x tile_n wgmma would hold it: the gate chunks, then the up chunks
+            n_vw, n_hw, n_cw = tCcW.shape[0]
+            acc = cute.make_rmem_tensor(((n_vw, n_hw, n_cw * self.n_waves), 1, 1), self.acc_dtype)
+        else:
+            tCcP = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            assert cute.size(tCcP.shape[1]) == self.waves and cute.size(tCcP.shape[2]) == 1
+            acc = cute.make_rmem_tensor(tCcP.shape, self.acc_dtype)
         part = cute.make_rmem_tensor(tCcW.shape, self.acc_dtype)
         n_h = cute.size(tCcW.shape[0][1])
         assert cute.size(tCcW.shape[1]) == 1 and cute.size(tCcW.shape[2]) == 1, \
-            "one wgmma atom per warpgroup and wave: 64 rows x tile_n"
-        assert cute.size(tCcP.shape[1]) == self.waves and cute.size(tCcP.shape[2]) == 1
+            "one wgmma atom per warpgroup and wave: 64 rows x wave_n"
         # the thread's rows of a wave (wave w holds the tile's rows [128 w, 128 w + 128))
         rows = [tCcW[((0, h, 0), 0, 0)][0] for h in range(n_h)]
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -177,12 +187,14 @@ class Fp8WarpRoles(WarpRoles):
             for kt in cutlass.range(mma_tiles, unroll=1):
                 ab_pipe.consumer_wait(read_state)
                 stage = read_state.index
-                for w in cutlass.range_constexpr(self.waves):
-                    tiled_mma = self.issue_wave(tiled_mma, part, tCrA[w], tCrB, stage)
+                for w in cutlass.range_constexpr(self.waves * self.n_waves):
+                    wa = w if self.waves > 1 else 0      # the A slice (m-waves) and the B slice (n-waves)
+                    wb = w if self.n_waves > 1 else 0
+                    tiled_mma = self.issue_wave(tiled_mma, part, tCrA[wa], tCrB[wb], stage)
                     # the scales' shared-memory loads go out before the wait, their latency under the wgmma's
-                    scales = self.read_scales(sSA, sSB, rows, coords, kt, stage, w)
+                    scales = self.read_scales(sSA, sSB, rows, coords, kt, stage, wa)
                     warpgroup.wait_group(0)
-                    if const_expr(w == self.waves - 1):
+                    if const_expr(w == self.waves * self.n_waves - 1):
                         ab_pipe.consumer_release(read_state)
                     self.promote(acc, w, part, *scales, bounds)
                 read_state.advance()

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from .dtypes import cutlass_dtype
-from .epilogue import AuxInput, Epilogue, GroupVector, MXFP8Output, RowSumOutput, RowVector
+from .epilogue import AuxInput, Epilogue, FP8BlockOutput, GroupVector, MXFP8Output, RowSumOutput, RowVector, \
+    extra_tensors
+from .fp8_block_store import store_block_scale, store_fp8_block_row, warp_amax_to
 from .fragment_io import load1, load2, load_word, quad_sum, row_addr, store2, store4_swapped, store_f32, unpack2
 from .mxfp8_store import store_mxfp8
 
@@ -74,6 +76,10 @@ class TileEpilogue:
             tensors.append(cute.make_tensor(next(it), cute.make_layout((M, w), stride=(w, 1))))
             if isinstance(spec, MXFP8Output):
                 tensors.append(cute.make_tensor(next(it), cute.make_layout((M, w // 32), stride=(w // 32, 1))))
+            if isinstance(spec, FP8BlockOutput):   # scales (ceil(w / 128), M) k-block-major; the amax's int32
+                nb = -(-w // spec.block)
+                tensors.append(cute.make_tensor(next(it), cute.make_layout((nb, M), stride=(M, 1))))
+                tensors.append(cute.make_tensor(next(it), cute.make_layout((1,))))
         return tensors
 
     @staticmethod
@@ -154,7 +160,16 @@ class TileEpilogue:
         out_tensors = epi_tensors[n_in:]
         in_dtypes, out_dtypes = self.in_dtypes, self.out_dtypes
         has_mx = any(isinstance(s, MXFP8Output) for s in epi.outputs)
+        # an FP8-block output quantizes a row's whole 128-column block at once: its values wait across the row's
+        # batches (the other outputs store theirs batch by batch) and are quantized after the last one
+        fp8b = [oi for oi, s in enumerate(epi.outputs) if isinstance(s, FP8BlockOutput)]
+        if fp8b:
+            assert self.tile_n_log == FP8BlockOutput.block and 8 * n_c == self.tile_n_log and n_nn == 1, \
+                "FP8-block output: the logical tile must be one 128-column block, one wgmma atom wide"
+            lane = cute.arch.lane_idx()
+            amax_run = {oi: Int32(0) for oi in fp8b}   # the thread's running max of the blocks' amax bits
         batch = self.batch if n_c % self.batch == 0 else n_c
+        has_mx = has_mx or bool(fp8b)
         # (not beside an MXFP8 output: its quantization holds a batch's values, and with the swaps besides, the
         # "gemm-mxfp8" epilogue spilled: tests/test_compile_plans.py)
         quad = [not has_mx and not isinstance(epi.outputs[oi], RowSumOutput)
@@ -166,10 +181,10 @@ class TileEpilogue:
         if row_sums:
             assert n_nn == 1, "a row-sum output needs the accumulator one wgmma atom wide"
             lane = cute.arch.lane_idx()
-        out_slot, ot = {}, 0    # output -> its first tensor (an MXFP8 output has two: data, scales)
+        out_slot, ot = {}, 0    # output -> its first tensor (a quantized output's extra tensors follow its data)
         for oi, spec in enumerate(epi.outputs):
             out_slot[oi] = ot
-            ot += 2 if isinstance(spec, MXFP8Output) else 1
+            ot += 1 + len(extra_tensors(spec))
         odd = (cute.arch.lane_idx() & 1) == 1 if any(quad) else None   # the lane's parity in its quad
         if has_mx:
             assert n_c % 4 == 0 and batch % 4 == 0
@@ -202,9 +217,10 @@ class TileEpilogue:
                     out_base = {}
                     ot = 0
                     for oi, spec in enumerate(epi.outputs):
-                        if not isinstance(spec, (MXFP8Output, RowSumOutput)):
+                        if not isinstance(spec, (MXFP8Output, FP8BlockOutput, RowSumOutput)):
                             out_base[oi] = row_addr(out_tensors[ot], grow, lc0, out_dtypes[oi])
-                        ot += 2 if isinstance(spec, MXFP8Output) else 1
+                        ot += 1 + len(extra_tensors(spec))
+                    pending = {oi: ([], [], []) for oi in fp8b}   # the row's (values, columns, oks) so far
                     for c0 in range(0, n_c, batch):
                         cs = list(range(c0, c0 + batch))
                         # results[oi][k][v] for chunk cs[k]
@@ -288,6 +304,11 @@ class TileEpilogue:
                                 store_mxfp8(results[oi], lcols, oks, t, out_tensors[ot + 1], grow, self.ab_dtype)
                                 ot += 2
                                 continue
+                            if isinstance(spec, FP8BlockOutput):
+                                for part, got in zip(pending[oi], (results[oi], lcols, oks)):
+                                    part.extend(got)
+                                ot += 3
+                                continue
                             if quad[oi]:
                                 # 4 columns per lane and store, whole 32-byte sectors (fragment_io.store4_swapped)
                                 for k in range(0, len(cs), 2):
@@ -309,6 +330,14 @@ class TileEpilogue:
                                     else:
                                         store2(out_base[oi] + 8 * c * eb, rk[0], rk[1], dt, oks[k])
                             ot += 1
+                    for oi in fp8b:
+                        vals, cols, col_oks = pending[oi]
+                        t = out_tensors[out_slot[oi]]
+                        scale_bits, amax_bits = store_fp8_block_row(vals, cols, col_oks, t, grow, self.ab_dtype)
+                        # lane 0 of the quad writes the row's scale of block cols[0] // 128 (= n_idx)
+                        store_block_scale(out_tensors[out_slot[oi] + 1], cols[0] // FP8BlockOutput.block, grow,
+                                          scale_bits, row_ok & (lane % 4 == 0))
+                        amax_run[oi] = cutlass.max(amax_run[oi], amax_bits)
                 # the row's sums: over the quad, then lane (block % 4) of it stores block's partial
                 for oi in row_sums:
                     spec = epi.outputs[oi]
@@ -318,3 +347,6 @@ class TileEpilogue:
                         blk = n_idx * per_tile + b
                         ok = row_ok & (lane % 4 == b % 4) & (blk < spec.parts(n_log))
                         store_f32(out_tensors[out_slot[oi]], grow, blk, total, ok)
+        # the tensor's finite amax: the thread's blocks, the warp, one atomic max per warp and tile
+        for oi in fp8b:
+            warp_amax_to(out_tensors[out_slot[oi] + 2], amax_run[oi], lane)

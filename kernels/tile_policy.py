@@ -344,8 +344,28 @@ def _single_ctas(config: GemmConfig) -> GemmConfig:
     return dataclasses.replace(config, cluster_n=1)
 
 
+#: The logical columns of an FP8-block output's scale block (a row's 1 x 128 block must be whole in a tile).
+FP8_BLOCK_COLUMNS = 128
+
+
+def fp8_block_output_tile(N: int, gated: bool = True) -> GemmConfig:
+    """The FP8 kernel's tile when its epilogue quantizes to FP8-block (FC1 -> SwiGLU -> Scale -> QuantizeFP8Block):
+    128 logical columns, so a row's 1 x 128 block is whole in the tile. Gated: 128 x 256, the gate and up halves
+    walked as two n-waves through one scratch fragment (kernels/fp8_gemm.py); plain: 128 x 128 (a 256-row tile's
+    two m-waves with the quantizing store's 16-chunk batch spilled). 128 rows either way: a thread holds at most 128
+    accumulator and 64 scratch floats. Dynamic CTA pairs sharing the A tile where the n-tiles pair up, else single
+    CTAs; as many stages as fit (a gated stage holds three weight-scale slots at most: the gate half's block and
+    the up half's one or two)."""
+    n_log = N // 2 if gated else N
+    pair = n_tile_count(n_log, FP8_BLOCK_COLUMNS) % 2 == 0
+    tile_n, slots = (2 * FP8_BLOCK_COLUMNS, 3) if gated else (FP8_BLOCK_COLUMNS, 2)
+    stages = min(8, FP8_SMEM // (fp8_stage_bytes(128, tile_n, slots) + 16))
+    return GemmConfig(tile_m=128, tile_n=tile_n, tile_k=SCALE_BLOCK, stages=stages, pingpong=False,
+                      dynamic=True, cluster_n=2 if pair else 1)
+
+
 def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | None = None,
-                      wide_odd: bool | None = None) -> GemmConfig:
+                      wide_odd: bool | None = None, col_block: int = 8) -> GemmConfig:
     """The FP8 block-scaled kernel's tile (kernels/fp8_gemm.py): 128 columns (one weight-scale block per n-tile),
     cooperative, as many stages as fit, the dynamic scheduler; where the n-tile count is even, CTA pairs
     (cluster_n = 2) on 256-row tiles (:data:`FP8_TILE_M`: each consumer warpgroup walks its 128 rows as two 64-row
@@ -354,6 +374,9 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     rows, where known (:func:`fp8_for_rows`: single CTAs at many rows per group). `wide_odd`: whether 128 x 192
     pairs may replace single CTAs where the 128-column n-tiles do not pair up (None: :data:`FP8_WIDE_ODD`; the
     runtime passes False for the fused kernels of a training step, fusion/runtime/kernel.py `make_job`).
+    `col_block`: the logical columns the epilogue's block-wise output needs whole in a tile (an FP8-block output:
+    128, a row's whole 1 x 128 block): a gated kernel then takes :func:`fp8_block_output_tile` (128 x 256, two
+    n-waves), a plain one keeps 128 columns.
 
     256 rows, measured on an H100 (bench/fp8_tile_sweep.py, one call, the identity epilogue on balanced groups;
     bench/results/H100-2026-11-27i-fp8-sweep-256.{json,log}), TFLOP/s against the 128-row tile, both dynamic CTA
@@ -370,6 +393,8 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     the expert GEMMs of Qwen3-30B-A3B, OLMoE and DeepSeek-V3's EP8 share): 128 columns beat 64 (by 11-33%) and
     192 (by 1-14%) everywhere; the dynamic schedule beats the static one by 0.5-5.6% on the fine-grained shapes
     and 3% on DeepSeek-V3's FC2, and loses 1.3% on its FC1."""
+    if col_block == FP8_BLOCK_COLUMNS:
+        return fp8_block_output_tile(N, gated)
     slots = 2 if gated else 1
     # CTA pairs sharing the A tile where the n-tiles pair up; measured on an H200 (bench/fp8_tile_sweep.py,
     # bench/results/H200-2026-11-26-fp8-sweep*.json): within -2..+1% of single CTAs on the GEMMs of eight MoE

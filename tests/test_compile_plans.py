@@ -95,6 +95,16 @@ def epilogue_matrix():
                                    QuantizeFP8Block(), GroupLinear(E, f, d, weight_format="fp8_block")],
         "fp8-dense-gelu-clamp": [Linear(d, f, weight_format="fp8_block"), Activation("gelu_tanh"), Clamp(-4.0, 4.0),
                                  Linear(f, d, weight_format="fp8_block")],
+        # FC1's epilogue writes FC2's FP8 input (rowwise): the gated 128 x 256 tile as two n-waves; f = 320 ends
+        # on a partial 1 x 128 block and its up half's segments straddle two weight blocks
+        "fp8-swiglu-scale-fp8store": [GroupLinear(E, d, 2 * f, weight_format="fp8_block"), SwiGLU(), Scale(),
+                                      QuantizeFP8Block(columnwise=False),
+                                      GroupLinear(E, f, d, weight_format="fp8_block")],
+        "fp8-swiglu-fp8store-f320": [GroupLinear(E, d, 640, weight_format="fp8_block"), SwiGLU(),
+                                     QuantizeFP8Block(columnwise=False),
+                                     GroupLinear(E, 320, d, weight_format="fp8_block")],
+        "fp8-gelu-fp8store": [GroupLinear(E, d, f, weight_format="fp8_block"), Activation("gelu_tanh"),
+                              QuantizeFP8Block(columnwise=False), GroupLinear(E, f, d, weight_format="fp8_block")],
     }
     for name in ("gptoss_swiglu", "reglu", "geglu_erf", "silu", "relu", "xielu"):
         gated = get_activation(name).gated
@@ -109,6 +119,9 @@ def test_epilogue_matrix_compiles(case):
     assert kernels
     # the FP8 cases on the FP8 kernel (weight gradients: the bf16 varlen-K kernel in both)
     assert all(("_fp8_" in k.name) == case.startswith("fp8") for k in kernels if not k.name.startswith("wgrad_"))
+    if "fp8store" in case:   # F1's training and inference kernels quantize: gated ones on the 128 x 256 tile
+        f1 = [k for k in kernels if k.name.split("_")[1] == "F1"]
+        assert len(f1) == 2 and all(k.config.tile_n == (256 if "swiglu" in case else 128) for k in f1), f1
     for k in kernels:
         check_sass(k)
 

@@ -20,13 +20,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 DEV = "cuda"
 
 
-def _block(E, d, f, dense=False, quant=True, backend="auto"):
+def _block(E, d, f, dense=False, quant=True, backend="auto", columnwise=True):
     torch.manual_seed(0)
     if dense:
         ops = [Linear(d, 2 * f, weight_format="fp8_block"), SwiGLU()]
     else:
         ops = [GroupLinear(E, d, 2 * f, weight_format="fp8_block"), SwiGLU(), Scale()]
-    ops += [QuantizeFP8Block()] if quant else []
+    ops += [QuantizeFP8Block(columnwise=columnwise)] if quant else []
     ops += [Linear(f, d, weight_format="fp8_block") if dense else GroupLinear(E, f, d, weight_format="fp8_block")]
     seq = Sequential(*ops, backend=backend).to(DEV, torch.bfloat16)
     for p in seq.parameters():
@@ -130,6 +130,28 @@ def test_grouped_block_matches_the_recipe(case, wgrad_bf16, monkeypatch, no_refe
     seq = _block(E, d, f)
     x, dy, probs = _inputs(E, M, d, sizes)
     _assert_kernels_match_recipe(seq, x, sizes, probs, dy, no_reference_recipe)
+
+
+@pytest.mark.parametrize("f", [256, 320], ids=["f256", "f320-partial-block"])
+def test_fc1_quantizes_fc2s_input_in_its_epilogue(f, no_reference_recipe):
+    """QuantizeFP8Block(columnwise=False) after FC1 -> SwiGLU -> Scale is FC1's store (patterns/fp8.fpat): F1 is
+    the one forward kernel before FC2 (no quantize kernel runs), forward and every gradient as the emulated plan,
+    in a training step and in an inference forward. f = 320: the last 1 x 128 block is partial."""
+    from fusion.runtime.kernel import LAUNCHES
+
+    E, sizes, d = 8, [300, 0, 129, 517, 1, 0, 1000, 77], 256
+    seq = _block(E, d, f, columnwise=False)
+    plan = seq.plan(dtype=torch.bfloat16)
+    assert [step.ops for step in plan.forward if step.fused] == [(0, 1, 2, 3)], plan.forward
+    sizes = torch.tensor(sizes, device=DEV)
+    x, dy, probs = _inputs(E, int(sizes.sum()), d, sizes)
+    _assert_kernels_match_recipe(seq, x, sizes, probs, dy, no_reference_recipe)
+    with torch.no_grad():
+        want = _reference(seq, "emulate")(x, group_sizes=sizes, scale=probs)
+        LAUNCHES.reset()
+        got = seq(x, group_sizes=sizes, scale=probs)
+    assert sorted(LAUNCHES.by_step) == ["F1"], LAUNCHES.by_step
+    assert _rel(got, want) < 1e-2
 
 
 def test_dense_linear_block(no_reference_recipe):

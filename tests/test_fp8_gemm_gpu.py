@@ -240,6 +240,66 @@ def test_gated_swiglu_scale(N, tile_n, cluster_n):
                                              stages=5 if tile_n > 128 else 6), seed=3)
 
 
+@pytest.mark.parametrize("N,cluster_n", [(2 * 1536, 1), (2 * 1536, 2), (2 * 2888, 1), (2 * 2880, 1)])
+def test_gated_swiglu_scale_as_two_n_waves(N, cluster_n):
+    """The gated 128 x 256 tile (gate half, then up half, through one scratch fragment: kernels/fp8_gemm.py
+    n-waves), single CTAs and pairs. N/2 = 2888 and 2880: the up half's 128-row segments straddle two weight
+    blocks, and the last n-tile is partial."""
+    _check_gated(N, lambda N, Kd, G: replace(K.fp8_block_output_tile(N), cluster_n=cluster_n), seed=5)
+
+
+class _SwiGLUScaleFP8Block(K.SwiGLUScaleEpilogue):
+    outputs = (K.FP8BlockOutput("out"),)
+
+
+def _adversarial_rows(x):
+    """Rows of ``x`` that make adversarial FC1 outputs: all-zero rows (zero blocks, scale 1), a row 2^60 times
+    larger (bf16 outputs past e4m3's range, some overflowing to Inf), a tiny row (subnormal scales) and a NaN."""
+    x = x.clone()
+    x[5] = 0
+    x[700:760] = 0
+    x[11] *= 2.0 ** 60
+    x[12] *= 2.0 ** -60
+    x[13, 17] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("N", [2 * 2048, 2 * 2888])
+def test_fp8_block_output_is_the_quantized_bf16_output(N):
+    """The FP8-block epilogue store (a row's 1 x 128 block whole in the 128 x 256 gated tile) rounds to bf16 and
+    quantizes exactly: codes, k-block-major scales and the finite amax equal fusion.quant's quantizer applied to
+    the bf16 epilogue output of the same kernel configuration (the same accumulators), with zero, huge, tiny and
+    NaN rows, empty groups, unaligned group starts and (N/2 = 2888) a partial last block."""
+    G, M, Kd = 8, 2100, 1024
+    gen = torch.Generator().manual_seed(6)
+    sizes = _sizes(G, M, gen)
+    x = _adversarial_rows(_blocky((M, Kd), gen)).to(DEV)
+    w = (_blocky((G, N, Kd), gen, spread=4) / Kd ** 0.5).to(DEV)
+    a_data, a_scale = fp8_block_quantize_2d(x)
+    wq = quantize_weight_fp8_block(w)
+    args = (a_data, a_scale, wq.data, wq.scale, K.offsets_from_group_sizes(sizes.to(DEV)))
+    scale = torch.rand(M, device=DEV)
+    cfg = K.fp8_block_output_tile(N)
+    hp = _nan(M, N // 2)
+    K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.SwiGLUScaleEpilogue(), N, Kd, G), *args,
+                           {"out": hp}, extras={"scale": scale})
+    epi = _SwiGLUScaleFP8Block()
+    from fusion.kernels.api import fp8_block_outputs
+    outs = fp8_block_outputs(epi.outputs[0], M, N // 2, DEV)
+    outs["out"].view(torch.uint8).fill_(0x7E)
+    outs["out_scale"].fill_(float("nan"))
+    K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, epi, N, Kd, G), *args, outs, extras={"scale": scale})
+    torch.cuda.synchronize()
+    assert torch.isinf(hp[11]).any() and hp[5].eq(0).all() and torch.isnan(hp[13]).any(), \
+        "the adversarial rows did not reach the output"
+    ref_data, ref_scale = fp8_block_quantize_2d(hp)
+    assert torch.equal(outs["out_scale"].view(torch.int32), ref_scale.view(torch.int32)), "scales differ"
+    n_diff = (outs["out"].view(torch.uint8) != ref_data).sum().item()
+    assert n_diff == 0, f"{n_diff} E4M3 bytes differ"
+    from fusion.quant._common import finite_amax
+    assert outs["out_amax"].item() == finite_amax(hp).view(torch.int32).item(), "amax differs"
+
+
 def test_mxfp8_output_is_the_quantized_bf16_output():
     """The MXFP8 epilogue rounds to bf16 first and quantizes exactly: byte-equal to quantizing the bf16
     epilogue's output of the same kernel configuration (same accumulators)."""

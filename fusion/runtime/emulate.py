@@ -102,6 +102,8 @@ class EmulatedKernel:
                 value = torch.cat(parts, -1) if slot.paired else parts[0]
                 if isinstance(slot, _kernel_protocol().MXFP8Output):
                     self._store_mxfp8(value.to(out_dtype), tensors, slot, start, end)
+                elif isinstance(slot, _kernel_protocol().FP8BlockOutput):
+                    self._store_fp8_block(value.to(out_dtype), tensors, slot, start, end)
                 elif row_sum:
                     tensors[slot.name][start:end] = self._block_sums(value, slot.block).to(tensors[slot.name].dtype)
                 else:
@@ -116,6 +118,19 @@ class EmulatedKernel:
         if pad:
             value = torch.cat([value, value.new_zeros(rows, pad)], -1)
         return value.view(rows, -1, block).sum(-1)
+
+    @staticmethod
+    def _store_fp8_block(value: torch.Tensor, tensors: dict, slot, start: int, end: int) -> None:
+        """The FP8 kernel's FP8-block store: 1 x 128 rowwise blocks of the value rounded to the GEMM dtype, their
+        scales k-block-major, and the running finite amax (float32 bits in the int32 the kernel's atomics use)."""
+        from fusion.quant._common import finite_amax
+        from fusion.quant.fp8_block import fp8_block_quantize_2d
+
+        data, scale = fp8_block_quantize_2d(value)
+        tensors[slot.name][start:end] = data.view(torch.float8_e4m3fn)
+        tensors[slot.scale_name][:, start:end] = scale
+        amax = tensors[slot.amax_name]
+        amax.copy_(torch.maximum(amax, finite_amax(value).view(torch.int32)))
 
     @staticmethod
     def _store_mxfp8(value: torch.Tensor, tensors: dict, slot, start: int, end: int) -> None:

@@ -57,14 +57,15 @@ def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: boo
     kernel reads A's rows through an index (GemmConfig.gather_a; its run takes `index=`). `mainloop`
     "fp8_block": the FP8 block-scaled kernel (its operands are BlockScaled; B K-major; its configuration for a
     call's rows: :func:`for_rows`). `col_block`: the logical columns the epilogue's block-wise outputs need whole
-    in a tile (MXFP8: 32; tile_policy.gated_tile reads it)."""
+    in a tile (MXFP8: 32, FP8-block: 128; tile_policy.gated_tile and choose_fp8_config read it)."""
     if not tiles:
         config = ()
     elif mainloop == "fp8_block":
         # (the fused kernels of a training step, variants "train" and "backward", keep single CTAs where 128 x 192
         # pairs would replace them: tile_policy.FP8_WIDE_ODD; a lone GEMM's "identity" and an "inference" take them)
         wide_odd = None if variant in ("inference", "identity") else False
-        config = dataclasses.astuple(_with_band(choose_fp8_config(N, K, G, gated, wide_odd=wide_odd)))
+        config = dataclasses.astuple(_with_band(choose_fp8_config(N, K, G, gated, wide_odd=wide_odd,
+                                                                  col_block=col_block)))
     else:
         config = dataclasses.astuple(_with_band(GemmConfig(*tile_config(N, K, G, gated, b_major, reads_aux, gather,
                                                                          col_block))))

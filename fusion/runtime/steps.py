@@ -27,7 +27,6 @@ from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, gather_dy, gathers_in_
 from fusion.grouped import linear_dgrad, linear_wgrad
 from fusion.op_table import op_device_method
 from fusion.ops.base import RunContext
-from fusion.quant.mxfp8 import MXFP8_BLOCK
 from fusion.runtime import fp8_gemm
 from fusion.runtime import gather as gather_method
 from fusion.runtime.gather import gather_index
@@ -189,7 +188,7 @@ class FusedForward(_KernelStep):
         return make_job(self.source(dtype, variant == "train"), dtype, N, K, G, self.spec.gated, "K", False,
                         self.label, variant, tiles=tiles, gather=self.reads_index,
                         mainloop="fp8_block" if self.fp8 else "bf16",
-                        col_block=MXFP8_BLOCK if self.spec.quantized else 8)
+                        col_block=self.spec.col_block)
 
     def _inputs(self, ctx: RunContext, groups: int) -> dict:
         tensors = {}
@@ -225,6 +224,11 @@ class FusedForward(_KernelStep):
             if isinstance(slot, slots.Quantized):
                 outs["out"] = torch.empty(M, out_w, dtype=torch.float8_e4m3fn, device=x.device)
                 outs["out_scale"] = torch.empty(M, out_w // 32, dtype=torch.uint8, device=x.device)
+            elif isinstance(slot, slots.QuantizedFP8Block):
+                from fusion.kernels.api import fp8_block_outputs
+                from fusion.kernels.epilogue import FP8BlockOutput
+
+                outs.update(fp8_block_outputs(FP8BlockOutput("out"), M, out_w, x.device))
             elif isinstance(slot, slots.SavedOut):
                 outs["saved"] = torch.empty(M, self._saved_width, dtype=x.dtype, device=x.device)
             else:
@@ -233,7 +237,9 @@ class FusedForward(_KernelStep):
         tensors.update(outs)
         b = fp8_gemm.weight_operand(self.gemm) if self.fp8 else _weight_as_b(weight)
         kernel.run(a, b, state.ctx.counters, tensors, state.counter_ptr(self.slot), index=index)
-        if spec.quantized:
+        if spec.quant_format == "fp8_block":
+            state.env[self.output] = _fp8_block_quantized(outs, M, out_w, x.dtype)
+        elif spec.quantized:
             state.env[self.output] = _quantized(self.ops[-1], outs, state.ctx)
         else:
             state.env[self.output] = outs["out"]
@@ -253,14 +259,24 @@ def _quantized(op, outs: dict, ctx: RunContext):
                            group_sizes=ref.group_sizes)
 
 
+def _fp8_block_quantized(outs: dict, M: int, width: int, dtype: torch.dtype):
+    """The fused step's FP8-block output as QuantizeFP8Block(columnwise=False)'s reference returns it, all from the
+    kernel: the rowwise codes, the k-block-major scales and the finite amax (its float32 bits)."""
+    from fusion.quant import QuantizedTensor
+
+    return QuantizedTensor("fp8_block", outs["out"].view(torch.uint8), outs["out_scale"],
+                           outs["out_amax"].view(torch.float32), (M, width), dtype)
+
+
 #: Tests set it: fill kernel outputs with NaN before each launch, so an unwritten element shows up.
 POISON = {"on": False}
 
 
 def _poison(outs: dict) -> None:
     if POISON["on"]:
-        for t in outs.values():
-            t.view(torch.uint8).fill_(0xFF)
+        for name, t in outs.items():
+            if not name.endswith("_amax"):   # an atomic max's zero, not an output to overwrite
+                t.view(torch.uint8).fill_(0xFF)
 
 
 def _device_method(op, part: str, device_kernels: bool):
