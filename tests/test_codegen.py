@@ -142,7 +142,7 @@ def test_source_and_key_are_deterministic():
 def test_unsupported_epilogues_say_which_op():
     from fusion import QuantizeNVFP4
 
-    with pytest.raises(Unsupported, match="QuantizeNVFP4.*MXFP8 only"):
+    with pytest.raises(Unsupported, match="QuantizeNVFP4.*MXFP8 or FP8-block only"):
         forward_spec([GroupLinear(2, 8, 32), QuantizeNVFP4()])
     with pytest.raises(Unsupported, match="only a bias may come before the activation"):
         forward_spec([GroupLinear(2, 8, 16), Scale(), SwiGLU()])

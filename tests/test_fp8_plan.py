@@ -292,3 +292,59 @@ def test_sequential_compile_builds_every_fp8_kernel_the_plan_launches(monkeypatc
     # backend "emulate" launches no device method: only the fused kernels' jobs
     emulated = plan_jobs(block(E=4, d=256, f=256, backend="emulate").to("meta", torch.bfloat16), torch.bfloat16)
     assert [j.step for j in emulated] == ["F1", "F1", "B1"]
+
+
+def _fc1_chain(quant, f=320):
+    from fusion import Scale
+
+    torch.manual_seed(0)
+    fc1 = GroupLinear(E, D, 2 * f, weight_format="fp8_block")
+    ops = [fc1, SwiGLU(), Scale()] + ([QuantizeFP8Block(columnwise=False)] if quant else [])
+    return ops
+
+
+def test_quantize_fp8_block_without_columnwise_is_fc1s_store():
+    """QuantizeFP8Block(columnwise=False) after FC1 -> SwiGLU -> Scale joins F1 (patterns/fp8.fpat), whose kernel
+    job is the gated 128 x 256 tile (a row's 1 x 128 block whole in it) writing the FP8-block output and nothing in
+    high precision; with columnwise=True it runs alone, and explain() names the predicate."""
+    from fusion.runtime.aot import plan_jobs
+
+    ops = _fc1_chain(True) + [GroupLinear(E, 320, D, weight_format="fp8_block")]
+    seq = Sequential(*ops).to(torch.bfloat16)
+    fused = [s.ops for s in seq.plan().forward if s.fused]
+    assert fused == [(0, 1, 2, 3)]
+    jobs = [j for j in plan_jobs(seq, torch.bfloat16) if j.step == "F1"]
+    assert {j.variant for j in jobs} == {"train", "inference"}
+    for j in jobs:
+        config = fusion.kernels.GemmConfig(*j.config)
+        assert (config.tile_m, config.tile_n) == (128, 256), config
+        assert "FP8BlockOutput" in j.source and '_epi.Output("hp")' not in j.source
+    ops[3] = QuantizeFP8Block(columnwise=True)
+    seq = Sequential(*ops).to(torch.bfloat16)
+    assert [s.ops for s in seq.plan().forward if s.fused] == [(0, 1, 2)]
+    assert "predicate `not columnwise` is false" in seq.explain()
+
+
+def test_emulated_fp8_block_store_is_the_quantized_epilogue_output():
+    """backend="emulate" runs F1 with its FP8-block store: the QuantizedTensor it returns is, bit for bit, fusion.quant's
+    quantization of the same plan's high-precision F1 output (the chain without the QuantizeFP8Block); f = 320 ends
+    on a partial block; amax included."""
+    from fusion.quant import quantize
+
+    sizes = torch.tensor([100, 0, 37])
+    M = int(sizes.sum())
+    q = Sequential(*_fc1_chain(True), backend="emulate").to(torch.bfloat16)
+    hp_chain = Sequential(*_fc1_chain(False), backend="emulate").to(torch.bfloat16)
+    hp_chain[0].weight.data.copy_(q[0].weight.data)
+    torch.manual_seed(2)
+    x = torch.randn(M, D, dtype=torch.bfloat16)
+    x[3] = 0                      # a zero row: scale 1
+    x[7] *= 2.0 ** 40             # a huge one
+    probs = torch.rand(M, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = q(x, group_sizes=sizes, scale=probs)
+        hp = hp_chain(x, group_sizes=sizes, scale=probs)
+    want = quantize(hp, "fp8_block", columnwise=False)
+    assert got.format == "fp8_block" and got.columnwise_data is None
+    assert torch.equal(got._data, want._data) and torch.equal(got.scale, want.scale)
+    assert got.amax.item() == want.amax.item()
