@@ -16,7 +16,11 @@ wgmma consumers that promote every k-tile's partial sums into an fp32 accumulato
   chosen per 8-column chunk against a boundary computed once per tile). The two warpgroups drift apart, so
   one's promotion overlaps the other's wgmma. Then the bf16 kernel's epilogue. The waves of a 256-row tile
   share one scratch fragment, so the tile costs 64 more accumulator registers per thread, not 128: A and B
-  cross L2 and shared memory once per 256 x tile_n of output instead of 128 x tile_n.
+  cross L2 and shared memory once per 256 x tile_n of output instead of 128 x tile_n. A gated 128 x 256 tile walks
+  *n-waves* the same way: per k-tile the gate half's 64 x 128 wgmma (B rows [0, 128) of the stage), promoted into
+  the accumulator's first 16 chunks, then the up half's into the next 16 (the layout one 64 x 256 wgmma would
+  give, which the gated epilogue reads), so each accumulator row is 128 whole logical columns: the FP8-block
+  store's 1x128 block (kernels/fp8_block_store.py).
 
   No "overlapped" fold (a second scratch fragment, k-tile t folded while k-tile t + 1's wgmma runs): an earlier
   build had one, and on an H200 it gave wrong results under load (launches on 7 CTAs, 2-26 of 60 wrong against
