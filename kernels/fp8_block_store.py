@@ -8,13 +8,15 @@ bits (exact), NaN and ``±Inf`` -> ``0x7F`` (kernels/pow2_quant.py, the pieces t
 
 Where a row's block lies: the logical tile is 128 columns wide (a gated FP8 tile of 128 x 256, walked as two
 n-waves, or a plain 128-column one), so one accumulator row of the tile is the whole block, spread over the four
-lanes of a quad (2 values per 8-column chunk per lane): the block amax is a 2-step butterfly over the quad.
+lanes of a quad (2 values per 8-column chunk per lane): the block amax is a 2-step butterfly over the quad. The
+codes leave in whole 32-byte sectors: per group of four chunks, two more butterflies give each lane of the quad one
+whole chunk, stored as 8 bytes (2-byte stores per chunk measured 12-15% off the kernel's bf16 store on an H100).
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 
 from .fragment_io import bits_f32, store2_rc
 from .pow2_quant import finite_abs_bits, fp8_block_scale_bits, scaled_or_nan
@@ -42,10 +44,68 @@ def store_fp8_block_row(res, lcols, oks, t, grow, ab_dtype):
     amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 1))
     amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 2))
     scale_bits, inv_scale = fp8_block_scale_bits(amax_bits)
-    for c in range(len(res)):
-        q = [scaled_or_nan(y, fin, inv_scale) for y, fin in ys[c]]
-        store2_rc(t, grow, lcols[c], q[0], q[1], FP8, oks[c])
+    codes = [[scaled_or_nan(y, fin, inv_scale) for y, fin in ys[c]] for c in range(len(res))]
+    if len(res) % 4:
+        for c in range(len(res)):
+            store2_rc(t, grow, lcols[c], codes[c][0], codes[c][1], FP8, oks[c])
+    else:
+        quad = cute.arch.lane_idx() & 3
+        for g in range(len(res) // 4):
+            _store_chunk_group(t, grow, lcols[4 * g], codes[4 * g: 4 * g + 4], oks[4 * g: 4 * g + 4], quad)
     return scale_bits, amax_bits
+
+
+def _pack4(v0, v1, v2, v3) -> Int32:
+    """Four fp32 values as one word of E4M3 codes (v0 in the low byte; the conversion is the MXFP8 store's)."""
+    frag = cute.make_rmem_tensor((4,), FP8)
+    for i, v in enumerate((v0, v1, v2, v3)):
+        frag[i] = v.to(FP8)
+    return cute.recast_tensor(frag, Int32)[0]
+
+
+def _lo(w):
+    return w & 0xFFFF
+
+
+def _hi(w):
+    return (w >> 16) & 0xFFFF
+
+
+def _store_chunk_group(t, grow, lcol0, codes, oks, quad):
+    """The codes of four consecutive 8-column chunks of one row (``codes[j]``: this lane's 2 columns of chunk j,
+    ``lcol0`` its first column in chunk 0) moved within the quad by two butterflies so that lane ``q`` holds all
+    8 bytes of chunk ``q``, then one 8-byte store per lane: the quad writes the group's 32 bytes, a whole sector,
+    where 2-byte stores per chunk would write each sector in four pieces. Every lane of the warp must call it."""
+    a = (quad & 1) == 1
+    b = (quad & 2) == 2
+    w0 = _pack4(codes[0][0], codes[0][1], codes[1][0], codes[1][1])   # chunks 0, 1: this lane's 16-bit pairs
+    w1 = _pack4(codes[2][0], codes[2][1], codes[3][0], codes[3][1])   # chunks 2, 3
+    # butterfly 1 (lanes q, q ^ 2): lane q keeps the chunk pair 2b, 2b + 1 of its own and of lane q ^ 2; x holds
+    # lane (q & 1)'s pair, y lane (q & 1) + 2's
+    got = cute.arch.shuffle_sync_bfly(cutlass.select_(b, w0, w1), 2)
+    x = cutlass.select_(b, got, w0)
+    y = cutlass.select_(b, w1, got)
+    # butterfly 2 (lanes q, q ^ 1): lane q keeps chunk 2b + a of x and y and gets the same chunk of its neighbour's
+    mine_x = cutlass.select_(a, _hi(x), _lo(x))
+    mine_y = cutlass.select_(a, _hi(y), _lo(y))
+    send = cutlass.select_(a, _lo(x) | (_lo(y) << 16), _hi(x) | (_hi(y) << 16))
+    got = cute.arch.shuffle_sync_bfly(send, 1)
+    words = cute.make_rmem_tensor((2,), Int32)   # chunk q's columns 0-3 (lanes 0, 1) and 4-7 (lanes 2, 3)
+    words[0] = cutlass.select_(a, _lo(got) | (mine_x << 16), mine_x | (_lo(got) << 16))
+    words[1] = cutlass.select_(a, _hi(got) | (mine_y << 16), mine_y | (_hi(got) << 16))
+    ok = cutlass.select_(quad == 0, oks[0], cutlass.select_(quad == 1, oks[1],
+                                                            cutlass.select_(quad == 2, oks[2], oks[3])))
+    # chunk q starts 8 q columns after chunk 0, whose first column is 2 q before this lane's lcol0
+    _store8(t, grow, lcol0 + 6 * quad, words, ok)
+
+
+@cute.jit
+def _store8(t: cute.Tensor, row: Int32, col: Int32, words: cute.Tensor, ok: cutlass.Boolean):
+    """8 bytes (two words) at ``t[row, col]`` of a row-major one-byte tensor (8-byte aligned), where ok."""
+    if ok:
+        off = Int64(row) * t.layout.stride[0] + Int64(col)
+        p = cute.make_ptr(Int32, t.iterator.toint() + off, cute.AddressSpace.gmem, assumed_align=8)
+        cute.autovec_copy(words, cute.make_tensor(p, cute.make_layout((2,))))
 
 
 @cute.jit

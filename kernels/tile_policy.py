@@ -302,6 +302,14 @@ FP8_TILE_M = int(os.environ.get("FUSION_FP8_TILE_M", "256"))
 #: 192-column tiles do not pair either (2880: 15) single 128 x 192 CTAs lost (FC2's GEMM 771 against 791; with
 #: them the GPT-OSS steps' backward was slower), so those keep 128 x 128.
 FP8_WIDE_ODD = os.environ.get("FUSION_FP8_WIDE_ODD", "1") != "0"
+#: Every gated FP8 kernel (FC1 + SwiGLU, with or without the FP8-block store) on the 128 x 256 tile walked as gate
+#: and up n-waves (:func:`fp8_block_output_tile`) instead of :func:`choose_fp8_config`'s tiles (FUSION_FP8_GATED_WAVES=0,
+#: read at import, turns it off; the policy reads this attribute per job, so bench/ab_switch.py can flip it).
+#: Measured on an H100 (bench/fp8_gated_tiles.py, the SwiGLU·scale kernel alone, interleaved rounds;
+#: bench/results/H100-2026-11-27k-gated-tiles*), TFLOP/s n-waves against the old policy's tile: DeepSeek-V3 EP8 1289 /
+#: 1186, Qwen3-30B-A3B 1054 / 932, OLMoE 1150 / 1068, DeepSeek-V2-Lite 1120 / 1021, Qwen3-235B-A22B 920 / 744,
+#: Mixtral 1203 / 1124, GPT-OSS-20B 1052 / 1058 (its 128-column n-tiles do not pair: single CTAs).
+FP8_GATED_WAVES = os.environ.get("FUSION_FP8_GATED_WAVES", "1") != "0"
 #: Average rows per group (a call's rows / G: host-known, no sync) from which a 256-row FP8 tile runs as single
 #: CTAs instead of CTA pairs; 0 (the default): never (FUSION_FP8_SINGLE_ROWS, read at import; the runtime reads this
 #: attribute per call): :func:`fp8_for_rows`.
@@ -393,7 +401,7 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     the expert GEMMs of Qwen3-30B-A3B, OLMoE and DeepSeek-V3's EP8 share): 128 columns beat 64 (by 11-33%) and
     192 (by 1-14%) everywhere; the dynamic schedule beats the static one by 0.5-5.6% on the fine-grained shapes
     and 3% on DeepSeek-V3's FC2, and loses 1.3% on its FC1."""
-    if col_block == FP8_BLOCK_COLUMNS:
+    if col_block == FP8_BLOCK_COLUMNS or (gated and FP8_GATED_WAVES):
         return fp8_block_output_tile(N, gated)
     slots = 2 if gated else 1
     # CTA pairs sharing the A tile where the n-tiles pair up; measured on an H200 (bench/fp8_tile_sweep.py,

@@ -394,5 +394,5 @@ def test_256_row_tiles_bitwise_equal_to_128_row_tiles(case, cluster_n, over):
 @pytest.mark.parametrize("cluster_n", [1, 2])
 def test_256_row_tiles_gated_swiglu_scale(N, cluster_n):
     """FC1 + SwiGLU * router prob on 256-row tiles (N/2 = 2888: up-half segments straddle weight blocks)."""
-    _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, tile_m=256, stages=4, cluster_n=cluster_n),
+    _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, tile_m=256, tile_n=128, stages=4, cluster_n=cluster_n),
                  seed=14)

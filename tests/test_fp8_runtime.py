@@ -171,6 +171,7 @@ def test_odd_128_column_tiles_take_192_column_pairs_where_those_pair(monkeypatch
         c = P.choose_fp8_config(N, 2880, 32, gated)
         return c.tile_m, c.tile_n, c.cluster_n
 
+    monkeypatch.setattr(P, "FP8_GATED_WAVES", False)   # (on: a gated kernel takes the n-waves, test below)
     monkeypatch.setattr(P, "FP8_WIDE_ODD", True)
     assert tile(5760, gated=True) == tile(5760) == (128, 192, 2)
     assert tile(2880) == (128, 128, 1) and tile(4096, gated=True) == (256, 128, 2)
@@ -179,13 +180,32 @@ def test_odd_128_column_tiles_take_192_column_pairs_where_those_pair(monkeypatch
     assert tile(5760, gated=True) == (128, 128, 1)
 
 
-def test_a_training_steps_fp8_kernels_keep_128_column_single_ctas():
-    """The jobs of an FP8 block whose FC1 width (2f = 384) pairs only at 192 columns: FC1's inference kernel on
-    128 x 192 CTA pairs, its training kernel (which also writes the saved pre-activation) on single 128 x 128 CTAs,
-    as the FP8_WIDE_ODD A/B measured (fusion/runtime/kernel.py make_job)."""
+def test_gated_fp8_kernels_take_the_n_waves(monkeypatch):
+    """tile_policy.FP8_GATED_WAVES (on): FC1's gated FP8 kernels, training and inference, on the 128 x 256 tile walked
+    as gate and up n-waves, as CTA pairs where the 128-column n-tiles of f pair up, else single; off, the old
+    policy's tiles."""
+    from fusion.kernels import tile_policy as P
+
+    def tile(N):
+        c = P.choose_fp8_config(N, 2048, 32, True)
+        return c.tile_m, c.tile_n, c.cluster_n
+
+    assert tile(4096) == (128, 256, 2) and tile(5760) == (128, 256, 1) and tile(2816) == (128, 256, 1)
+    assert P.choose_fp8_config(4096, 2048, 32, False).tile_n == 128   # not gated: unchanged
+    monkeypatch.setattr(P, "FP8_GATED_WAVES", False)
+    assert tile(4096) == (256, 128, 2)
+
+
+def test_a_training_steps_fp8_kernels_keep_128_column_single_ctas(monkeypatch):
+    """With FP8_GATED_WAVES off, the jobs of an FP8 block whose FC1 width (2f = 384) pairs only at 192 columns:
+    FC1's inference kernel on 128 x 192 CTA pairs, its training kernel (which also writes the saved pre-activation)
+    on single 128 x 128 CTAs, as the FP8_WIDE_ODD A/B measured (fusion/runtime/kernel.py make_job)."""
     from fusion import Scale, Sequential, SwiGLU
+    from fusion.kernels import tile_policy
     from fusion.kernels.tile_policy import GemmConfig
     from fusion.runtime.aot import plan_jobs
+
+    monkeypatch.setattr(tile_policy, "FP8_GATED_WAVES", False)
 
     block = Sequential(GroupLinear(8, 256, 384, weight_format="fp8_block"), SwiGLU(), Scale(),
                        GroupLinear(8, 192, 256, weight_format="fp8_block")).to("meta", torch.bfloat16)
