@@ -258,9 +258,12 @@ def test_lone_fp8_gemms_take_their_tile_counter_from_the_calls_buffer(monkeypatc
 def test_many_rows_per_group_run_single_ctas_with_the_same_bits(monkeypatch):
     """From tile_policy.FP8_SINGLE_ROWS rows per group a call's FP8 kernels (fused and lone) run the 256-row tile
     as single CTAs instead of pairs: the same tiles and k order, so the output and every gradient are bitwise the
-    pairs' (and those match the recipe: test_grouped_block_matches_the_recipe)."""
+    pairs' (and those match the recipe: test_grouped_block_matches_the_recipe). FC1's gated kernel on the old
+    policy's 256-row tile too (FP8_GATED_WAVES off: its 128 x 256 n-waves have no single-CTA variant)."""
     import fusion.kernels.fp8_api as fp8_api
     from fusion.kernels import tile_policy
+
+    monkeypatch.setattr(tile_policy, "FP8_GATED_WAVES", False)
 
     real, launched = fp8_api.launch_grid, []
 
@@ -284,13 +287,15 @@ def test_many_rows_per_group_run_single_ctas_with_the_same_bits(monkeypatch):
         assert torch.equal(single[name], value), name
 
 
-def test_gated_fc1_on_192_column_pairs_matches_the_recipe(no_reference_recipe):
-    """2f = 384: three 128-column n-tiles (no pairs), two of 192 columns: FC1's inference kernel runs 128 x 192 CTA
-    pairs (tile_policy.FP8_WIDE_ODD), each gated half of a tile straddling two weight-scale blocks; a training
-    step's FC1 kernel keeps single 128 x 128 CTAs. Both match the recipe."""
+def test_gated_fc1_on_192_column_pairs_matches_the_recipe(no_reference_recipe, monkeypatch):
+    """With FP8_GATED_WAVES off, 2f = 384: three 128-column n-tiles (no pairs), two of 192 columns: FC1's inference
+    kernel runs 128 x 192 CTA pairs (tile_policy.FP8_WIDE_ODD), each gated half of a tile straddling two
+    weight-scale blocks; a training step's FC1 kernel keeps single 128 x 128 CTAs. Both match the recipe."""
     from fusion.kernels import tile_policy
     from fusion.kernels.tile_policy import GemmConfig
     from fusion.runtime import runner_for
+
+    monkeypatch.setattr(tile_policy, "FP8_GATED_WAVES", False)
 
     assert tile_policy.FP8_WIDE_ODD
     E, d, f = 8, 256, 192
