@@ -4,13 +4,15 @@ For each FC1 shape (E experts, K = d, N = 2f, M routed rows, balanced groups), i
 (bench_fp8_gemm.interleaved_ms: the card is power-bound on FP8 launches), the FP8 kernel with the SwiGLU·scale
 epilogue:
 
-- ``policy``   the tile policy's gated tile (tile_policy.choose_fp8_config: 256 x 128 pairs where the 128-column
-               n-tiles pair up, 128 x 192 pairs where only those do, else 128 x 128), bf16 output;
+- ``policy``   the tile policy's gated tile before the n-waves (tile_policy.choose_fp8_config with FP8_GATED_WAVES
+               off: 256 x 128 pairs where the 128-column n-tiles pair up, 128 x 192 pairs where only those do, else
+               128 x 128), bf16 output (the first run of this script, session k, timed the policy of then; the
+               second, after FP8_GATED_WAVES became the default, timed the n-waves twice: fixed since);
 - ``n-waves``  the 128 x 256 tile walked as gate and up n-waves (tile_policy.fp8_block_output_tile), bf16 output;
 - ``n-waves + store``  the same tile writing FC2's FP8-block input (codes, scales, amax) instead of bf16: what
                FC1 runs with QuantizeFP8Block(columnwise=False) after it;
-- ``policy + quantize kernel``  the policy's bf16 output then the FP8-block quantize kernel (rowwise): what ran
-               before the store.
+- ``policy + quantize kernel``  that bf16 output then the FP8-block quantize kernel (rowwise): what ran before
+               the store.
 
 TFLOP/s on 2 M K N. The kernels compile on the GPU machine (in memory). One JSON document to stdout, a table to
 stderr.
@@ -61,7 +63,14 @@ def bench_shape(E, Kd, N, M, reps, gen):
     wq = quantize_weight_fp8_block(torch.randn(E, N, Kd, device="cuda") / Kd ** 0.5)
     probs = torch.rand(M, device="cuda")
     args = (a_data, a_scale, wq.data, wq.scale, offs)
-    policy, waves = K.choose_fp8_config(N, Kd, E, True, wide_odd=True), K.fp8_block_output_tile(N)
+    from fusion.kernels import tile_policy
+
+    saved, tile_policy.FP8_GATED_WAVES = tile_policy.FP8_GATED_WAVES, False
+    try:
+        policy = K.choose_fp8_config(N, Kd, E, True, wide_odd=True)
+    finally:
+        tile_policy.FP8_GATED_WAVES = saved
+    waves = K.fp8_block_output_tile(N)
     hp = torch.empty(M, N // 2, dtype=torch.bfloat16, device="cuda")
     store = fp8_block_outputs(Store.outputs[0], M, N // 2, "cuda")
     kp = K.compile_fp8_grouped_gemm(policy, K.SwiGLUScaleEpilogue(), N, Kd, E)
