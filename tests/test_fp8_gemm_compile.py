@@ -37,7 +37,7 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
     # 256-row tiles: each warpgroup walks two 64-row waves through one scratch fragment
     "waves": (K.IdentityEpilogue(), 1024, 528, 8, dict(tile_m=256, stages=4)),
     "waves-pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(tile_m=256, stages=4, cluster_n=2)),
-    "waves-gated-split": (K.SwiGLUScaleEpilogue(), 2 * 2888, 1024, 8, dict(tile_m=256, stages=4)),
+    "waves-gated-split": (K.SwiGLUScaleEpilogue(), 2 * 2888, 1024, 8, dict(tile_m=256, tile_n=128, stages=4)),
 }
 
 
@@ -66,7 +66,9 @@ def test_compile_sass(name):
     gmma = re.findall(r"\b([HQ]GMMA\.[\w.]+)", sass)
     assert gmma and all(re.fullmatch(r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3", g) for g in gmma), \
         f"{comp.name}: expected only FP8 E4M3 wgmma, got {sorted(set(gmma))}"
-    assert f"x{comp.config.tile_n}x32" in gmma[0]
+    # a gated 128 x 256 tile issues 64 x 128 wgmmas, its gate and up halves as two n-waves (kernels/fp8_gemm.py)
+    n_waves = epi.gated and (comp.config.tile_m, comp.config.tile_n) == (128, 256)
+    assert f"x{comp.config.tile_n // (2 if n_waves else 1)}x32" in gmma[0]
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local-memory spills"
     tma = {o for o in ops if o.startswith("UTMALDG")}
     assert {"UTMALDG.1D", "UTMALDG.3D"} <= tma, tma   # scales (1-D), B (3-D)
@@ -304,12 +306,13 @@ def test_run_with_no_rows_launches_nothing():
 
 
 @pytest.mark.parametrize("N,gated,tile", [(4096, False, (256, 128, 2, 4)), (1536, False, (256, 128, 2, 4)),
-                                          (2880, False, (128, 128, 1, 6)), (5760, True, (128, 192, 2, 5)),
-                                          (3072, True, (256, 128, 2, 4)), (1032, False, (128, 192, 2, 5))])
+                                          (2880, False, (128, 128, 1, 6)), (5760, True, (128, 256, 1, 4)),
+                                          (3072, True, (128, 256, 2, 4)), (1032, False, (128, 192, 2, 5))])
 def test_policy_pairs_ctas_where_the_n_tiles_pair_up(N, gated, tile):
     """(tile_m, tile_n, cluster_n, stages), dynamic schedule: CTA pairs on 256-row tiles where the 128-column
-    n-tiles come in pairs; else 128 x 192 pairs where those pair up (GPT-OSS's FC1, 2f = 5760: 45 and 30 n-tiles;
-    1032: 9 and 6; tile_policy.FP8_WIDE_ODD); single 128 x 128 CTAs elsewhere (GPT-OSS's 2880 columns: 23 and
-    15); stages as many as fit."""
+    n-tiles come in pairs; else 128 x 192 pairs where those pair up (1032: 9 and 6; tile_policy.FP8_WIDE_ODD);
+    single 128 x 128 CTAs elsewhere (GPT-OSS's 2880 columns: 23 and 15); stages as many as fit. A gated kernel
+    takes the 128 x 256 n-waves (tile_policy.FP8_GATED_WAVES), pairs where its 128 logical columns pair up (3072:
+    12 n-tiles; GPT-OSS's FC1, 2f = 5760: 23, single)."""
     cfg = K.choose_fp8_config(N, 2048, 32, gated)
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.stages) == tile and cfg.dynamic
