@@ -44,6 +44,20 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
+def tiles(N, Kd, E):
+    """(the gated tile of the policy before the n-waves, the n-waves' tile) of FC1 with 2f = N: the first with
+    FP8_GATED_WAVES off (the policy reads it per call), whatever the default."""
+    import fusion.kernels as K
+    from fusion.kernels import tile_policy
+
+    saved, tile_policy.FP8_GATED_WAVES = tile_policy.FP8_GATED_WAVES, False
+    try:
+        policy = K.choose_fp8_config(N, Kd, E, True, wide_odd=True)
+    finally:
+        tile_policy.FP8_GATED_WAVES = saved
+    return policy, K.fp8_block_output_tile(N)
+
+
 def bench_shape(E, Kd, N, M, reps, gen):
     import fusion.kernels as K
     from bench_fp8_gemm import balanced_sizes, interleaved_ms
@@ -63,14 +77,7 @@ def bench_shape(E, Kd, N, M, reps, gen):
     wq = quantize_weight_fp8_block(torch.randn(E, N, Kd, device="cuda") / Kd ** 0.5)
     probs = torch.rand(M, device="cuda")
     args = (a_data, a_scale, wq.data, wq.scale, offs)
-    from fusion.kernels import tile_policy
-
-    saved, tile_policy.FP8_GATED_WAVES = tile_policy.FP8_GATED_WAVES, False
-    try:
-        policy = K.choose_fp8_config(N, Kd, E, True, wide_odd=True)
-    finally:
-        tile_policy.FP8_GATED_WAVES = saved
-    waves = K.fp8_block_output_tile(N)
+    policy, waves = tiles(N, Kd, E)
     hp = torch.empty(M, N // 2, dtype=torch.bfloat16, device="cuda")
     store = fp8_block_outputs(Store.outputs[0], M, N // 2, "cuda")
     kp = K.compile_fp8_grouped_gemm(policy, K.SwiGLUScaleEpilogue(), N, Kd, E)
