@@ -18,7 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .fragment_io import bits_f32, store2_rc
+from .fragment_io import bits_f32
 from .pow2_quant import finite_abs_bits, fp8_block_scale_bits, scaled_or_nan
 
 __all__ = ["store_fp8_block_row", "store_block_scale", "warp_amax_to"]
@@ -45,13 +45,10 @@ def store_fp8_block_row(res, lcols, oks, t, grow, ab_dtype):
     amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 2))
     scale_bits, inv_scale = fp8_block_scale_bits(amax_bits)
     codes = [[scaled_or_nan(y, fin, inv_scale) for y, fin in ys[c]] for c in range(len(res))]
-    if len(res) % 4:
-        for c in range(len(res)):
-            store2_rc(t, grow, lcols[c], codes[c][0], codes[c][1], FP8, oks[c])
-    else:
-        quad = cute.arch.lane_idx() & 3
-        for g in range(len(res) // 4):
-            _store_chunk_group(t, grow, lcols[4 * g], codes[4 * g: 4 * g + 4], oks[4 * g: 4 * g + 4], quad)
+    assert len(res) % 4 == 0, "the codes leave in groups of four chunks"
+    quad = cute.arch.lane_idx() & 3
+    for g in range(len(res) // 4):
+        _store_chunk_group(t, grow, lcols[4 * g], codes[4 * g: 4 * g + 4], oks[4 * g: 4 * g + 4], quad)
     return scale_bits, amax_bits
 
 
