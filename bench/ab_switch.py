@@ -184,7 +184,7 @@ def main(argv=None):
     ap.add_argument("--models", required=True)
     ap.add_argument("--phases", default=None, help="default: training_step (--moe: moe_training_step)")
     ap.add_argument("--moe", action="store_true", help="--models are bench_moe.py's MoE layers, at --tokens")
-    ap.add_argument("--path", default="fusion", choices=["fusion", "fusion_fp8", "fusion_fp8_direct"],
+    ap.add_argument("--path", default="fusion", choices=["fusion", "fusion_compiled", "fusion_fp8", "fusion_fp8_direct"],
                     help="the blocks' fused path to time (not with --moe)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--rounds", type=int, default=3)

@@ -80,13 +80,26 @@ def measure(call, clear, calls: int, title: str) -> None:
     report(title, calls, total)
 
 
-def block_step(model: str, calls: int) -> None:
+def instrument_custom_ops() -> None:
+    """The torch.compile custom ops' implementations (fusion/runtime/custom_ops.py): what runs inside them, and
+    (by difference from the step) what torch's custom-op and compiled-graph wrappers cost around them."""
+    from fusion.runtime import custom_ops
+
+    for name in ("_context", "_as_promised", "_program"):
+        setattr(custom_ops, name, timed(f"custom_ops.{name}", getattr(custom_ops, name)))
+    for op in (custom_ops.block_forward, custom_ops.block_backward):
+        # torch's backend_impl looks its implementation up per call, so a wrapped entry is what runs
+        for key, fn in op._backend_fns.items():
+            op._backend_fns[key] = timed(f"custom op {op._name} (implementation)", fn)
+
+
+def block_step(model: str, calls: int, path_name: str = "fusion") -> None:
     from bench_training_step import BLOCKS, phase_fn, setup_block
     from fusion.runtime import runner_for
 
     block = next(b for b in BLOCKS if b.model == model)
     setup = setup_block(block)
-    path = setup.path("fusion")
+    path = setup.path(path_name)
     for phase in ("forward", "training_step"):
         call, clear = phase_fn(path, phase, setup.x, setup.dy)
         call()
@@ -94,8 +107,10 @@ def block_step(model: str, calls: int) -> None:
             runner = runner_for(path.seq, setup.x)
             instrument_program(runner.program)
             instrument_autograd()
+            if path_name == "fusion_compiled":
+                instrument_custom_ops()
             type(runner).check = timed("runner.check", type(runner).check)
-        measure(call, clear, calls, f"{model} fusion {phase}")
+        measure(call, clear, calls, f"{model} {path_name} {phase}")
 
 
 def moe_step(model: str, tokens: int, calls: int) -> None:
@@ -127,9 +142,11 @@ def main(argv=None):
     ap.add_argument("--moe", default=None, help="an MoE config of bench_moe.py")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--path", default="fusion", choices=["fusion", "fusion_compiled"],
+                    help="--model's path: eager, or inside torch.compile (the custom ops)")
     args = ap.parse_args(argv)
     if args.model:
-        block_step(args.model, args.calls)
+        block_step(args.model, args.calls, args.path)
     if args.moe:
         moe_step(args.moe, args.tokens, args.calls)
 

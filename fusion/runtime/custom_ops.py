@@ -31,6 +31,10 @@ from fusion.runtime.program import BlockProgram
 _BLOCKS: dict[int, weakref.ref] = {}
 _KEYS = itertools.count(1)
 
+#: The ops make a call's row bounds as the eager call does, by the program's device prologue (one launch) where
+#: it has one, instead of torch ops (a cumsum and a pad per op call). Read per call: bench/ab_switch.py's A/B.
+DEVICE_BOUNDS = True
+
 
 def register(seq) -> int:
     """A fresh key for `seq` (a Sequential); the ops find the block by it."""
@@ -156,25 +160,48 @@ def _kept(program) -> list[str]:
     return [n for n in program.plan.saves if n not in program.plan.recomputed and n != "v0"]
 
 
-def _context(seq, x, group_sizes, index, floats):
-    """The RunContext of one call from the op's inputs (already checked outside, on the traced side)."""
+def _context(seq, x, group_sizes, index, floats, device_checked: bool = False):
+    """The RunContext of one call from the op's inputs (already checked outside, on the traced side).
+    `device_checked` (the runner's: a program with a device prologue, fusion/runtime/bounds.py): the offsets, and
+    after a Gather the padding absorbed into the last group, are left to that one launch, as in the eager call
+    (torch ops here cost 50-100 µs of host per call: a cumsum, a pad); an MoE call with no routed rows has
+    nothing for the routed prologue to launch on, so torch ops make them."""
     ctx = RunContext(extra=dict(zip(seq.inputs.floats, floats)))
     if index is not None:
         ctx.index, ctx.tokens = index, x.shape[0]
+        device_checked = device_checked and index.numel() > 0
     if group_sizes is not None:
         ctx.group_sizes = ctx.routed_group_sizes = group_sizes
-        if index is not None:
-            ctx.group_sizes = _absorb_padding(group_sizes, index.shape[0])
-        ctx.offsets = group_offsets(ctx.group_sizes)
+        if not device_checked:
+            if index is not None:
+                ctx.group_sizes = _absorb_padding(group_sizes, index.shape[0])
+            ctx.offsets = group_offsets(ctx.group_sizes)
     return ctx
 
 
-def _program(seq, x):
+def _saved_group_sizes(seq, names: list[str], ctx, index: Optional[torch.Tensor]):
+    """The group sizes the saved values `names` are rebuilt with (a QuantizedTensor's per-group columnwise blocks
+    count the sizes the forward's ops saw): ctx's, except where a routed prologue will absorb the padding rows into
+    the last group only when the backward runs (ctx.offsets still unset after a Gather): then absorbed here, by
+    torch ops, if a saved value needs them at all (None otherwise)."""
+    if index is None or ctx.group_sizes is None or ctx.offsets is not None:
+        return ctx.group_sizes
+    if not any(_quantize_op_of(seq, n) is not None for n in names):
+        return None
+    return _absorb_padding(ctx.routed_group_sizes, index.shape[0])
+
+
+def _runner(seq, x):
+    """The block's runner for x, with a program: a plan with nothing fused gets one that runs its unfused steps."""
     runner = runner_for(seq, x)
     if runner.program is None:  # a plan with nothing fused: the same executor runs its unfused steps
         runner.program = BlockProgram(seq, runner.plan, "emulate")
         runner.program_unfused = True
-    return runner.program
+    return runner
+
+
+def _program(seq, x):
+    return _runner(seq, x).program
 
 
 # -- the ops -----------------------------------------------------------------------------------------------------------
@@ -182,8 +209,9 @@ def _program(seq, x):
 def block_forward(key: int, x: torch.Tensor, params: list[torch.Tensor], group_sizes: Optional[torch.Tensor],
                   index: Optional[torch.Tensor], floats: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
     seq = _block(key)
-    program = _program(seq, x)
-    ctx = _context(seq, x, group_sizes, index, floats)
+    runner = _runner(seq, x)
+    program = runner.program
+    ctx = _context(seq, x, group_sizes, index, floats, DEVICE_BOUNDS and runner.device_checked)
     with torch.no_grad():
         y, saved = program.forward(x, ctx, train)
     values = dict(zip(program.plan.saves, saved))
@@ -216,15 +244,17 @@ def block_backward(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: tor
                    group_sizes: Optional[torch.Tensor], index: Optional[torch.Tensor], floats: list[torch.Tensor],
                    needs: list[bool]) -> list[torch.Tensor]:
     seq = _block(key)
-    program = _program(seq, x)
+    runner = _runner(seq, x)
+    program = runner.program
     x_rows = x.shape[0]
-    ctx = _context(seq, x, group_sizes, index, floats)
+    ctx = _context(seq, x, group_sizes, index, floats, DEVICE_BOUNDS and runner.device_checked)
     names = _kept(program)
     values, rest = {"v0": x}, list(saved)
+    sizes = _saved_group_sizes(seq, names, ctx, index)
     for name in names:
         i = int(name[1:])
         values[name], rest = _unflatten(seq, name, rest, _rows(seq, i, x_rows, index), seq.features[i], dy.dtype,
-                                        ctx.group_sizes)
+                                        sizes)
     saved_values = [values.get(n) for n in program.plan.saves]
     tensors = [*params, *floats]
     with torch.no_grad():

@@ -1,0 +1,127 @@
+"""The torch.compile custom ops make a call's row bounds as the eager call does: by the program's device prologue
+(one launch) where the runner has one, not by torch ops (fusion/runtime/custom_ops.py `_context`, DEVICE_BOUNDS).
+
+The prologue exists only on a Hopper GPU; here a stand-in with the DevicePrologue's contract (the (G+1+counters,)
+int32 buffer from ctx.group_sizes) takes its place on an emulated block, so the branch the GPU takes runs on the
+CPU, and must give what the eager block gives."""
+import pytest
+import torch
+
+import fusion
+from fusion import Gather, GroupLinear, QuantizeMXFP8, Scale, Sequential, SwiGLU
+from fusion.run_context import RunContext
+from fusion.runtime import custom_ops, runner_for
+
+E, D, F, ROWS = 4, 32, 64, 48
+
+
+class StandInPrologue:
+    """DevicePrologue's contract in torch ops: [0, o_1..o_G | zeroed counters]; records its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, ctx, rows, device, counters):
+        self.calls += 1
+        offsets = torch.cumsum(ctx.group_sizes, 0, dtype=torch.int32)
+        return torch.nn.functional.pad(offsets, (1, counters))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _block():
+    torch.manual_seed(0)
+    return Sequential(GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D), backend="emulate")
+
+
+def _inputs():
+    x = torch.randn(ROWS, D, requires_grad=True)
+    sizes = torch.tensor([10, 0, 30, ROWS - 40])
+    probs = torch.rand(ROWS, requires_grad=True)
+    return x, sizes, probs
+
+
+def _step(call, seq, x, sizes, probs):
+    y = call(x, group_sizes=sizes, scale=probs)
+    y.backward(torch.ones_like(y))
+    out = [y.detach(), x.grad, probs.grad, *(p.grad for p in seq.parameters())]
+    x.grad = probs.grad = None
+    for p in seq.parameters():
+        p.grad = None
+    return out
+
+
+@pytest.mark.parametrize("device_bounds", [True, False])
+def test_compiled_block_takes_the_programs_prologue(monkeypatch, device_bounds):
+    seq = _block()
+    x, sizes, probs = _inputs()
+    want = _step(seq, seq, x, sizes, probs)   # eager, the emulated plan with torch bounds
+    runner = runner_for(seq, x)
+    stand_in = StandInPrologue()
+    monkeypatch.setattr(runner.program, "prologue", stand_in)
+    monkeypatch.setattr(runner, "device_checked", True)
+    monkeypatch.setattr(custom_ops, "DEVICE_BOUNDS", device_bounds)
+    cumsums = []
+    real = custom_ops.group_offsets
+    monkeypatch.setattr(custom_ops, "group_offsets", lambda s: cumsums.append(s) or real(s))
+    got = _step(torch.compile(seq, fullgraph=True), seq, x, sizes, probs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    if device_bounds:   # forward and backward op each launch the prologue once; no torch offsets
+        assert stand_in.calls == 2 and cumsums == []
+    else:               # the torch ops make the offsets; the program then pads them (no prologue)
+        assert stand_in.calls == 0 and len(cumsums) == 2
+
+
+def test_context_leaves_bounds_to_the_prologue():
+    seq = _block()
+    x, sizes, probs = _inputs()
+    ctx = custom_ops._context(seq, x, sizes, None, [probs], device_checked=True)
+    assert ctx.offsets is None and ctx.group_sizes is sizes and ctx.extra == {"scale": probs}
+    ctx = custom_ops._context(seq, x, sizes, None, [probs], device_checked=False)
+    assert ctx.offsets.tolist() == [10, 10, 40, 48]
+
+
+def _moe_block(quantize: bool):
+    ops = [Gather(), GroupLinear(E, D, 2 * F), SwiGLU(), Scale()]
+    ops += [QuantizeMXFP8()] if quantize else []
+    return Sequential(*ops, GroupLinear(E, F, D), backend="emulate")
+
+
+def test_context_after_a_gather():
+    """The routed prologue absorbs the padding rows (index -1 past the sizes' sum) into the last group; an empty
+    routing has nothing for it to launch on, so torch ops do it."""
+    seq = _moe_block(False)
+    tokens = torch.randn(8, D)
+    index = torch.tensor([0, 1, 2, 3, 4, 5, -1, -1])
+    sizes = torch.tensor([2, 0, 3, 1])   # 6 of 8 routed rows; two padding rows
+    probs = torch.rand(8)
+    ctx = custom_ops._context(seq, tokens, sizes, index, [probs], device_checked=True)
+    assert ctx.offsets is None and ctx.group_sizes is sizes and ctx.routed_group_sizes is sizes
+    ctx = custom_ops._context(seq, tokens, sizes, index, [probs], device_checked=False)
+    assert ctx.group_sizes.tolist() == [2, 0, 3, 3] and ctx.offsets.tolist() == [2, 2, 5, 8]
+    empty = torch.empty(0, dtype=torch.long)
+    ctx = custom_ops._context(seq, tokens, torch.zeros(E, dtype=torch.long), empty, [torch.rand(0)],
+                              device_checked=True)
+    assert ctx.offsets is not None and ctx.offsets.tolist() == [0, 0, 0, 0]
+
+
+def test_saved_quantized_values_see_the_absorbed_sizes():
+    """A saved QuantizedTensor's columnwise blocks are per group of the sizes its forward saw (padding absorbed):
+    the backward op rebuilds it with those, before the routed prologue has run; without a quantized saved value it
+    computes nothing."""
+    index = torch.tensor([0, 1, 2, -1])
+    sizes = torch.tensor([1, 0, 2, 0])
+    ctx = RunContext(group_sizes=sizes, routed_group_sizes=sizes, index=index)
+    seq = _moe_block(True)
+    quantized = [f"v{i + 1}" for i, op in enumerate(seq.ops) if op.spec.kind == "quantize"]
+    assert custom_ops._saved_group_sizes(seq, quantized, ctx, index).tolist() == [1, 0, 2, 1]
+    assert custom_ops._saved_group_sizes(seq, ["v2"], ctx, index) is None
+    ctx.offsets = torch.tensor([1, 1, 3, 4], dtype=torch.int32)   # torch ops made them: ctx's sizes as they are
+    assert custom_ops._saved_group_sizes(seq, quantized, ctx, index) is sizes
+    assert custom_ops._saved_group_sizes(seq, quantized, ctx, None) is sizes
