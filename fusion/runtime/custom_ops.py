@@ -164,8 +164,8 @@ def _context(seq, x, group_sizes, index, floats, device_checked: bool = False):
     """The RunContext of one call from the op's inputs (already checked outside, on the traced side).
     `device_checked` (the runner's: a program with a device prologue, fusion/runtime/bounds.py): the offsets, and
     after a Gather the padding absorbed into the last group, are left to that one launch, as in the eager call
-    (torch ops here cost 50-100 µs of host per call: a cumsum, a pad); an MoE call with no routed rows has
-    nothing for the routed prologue to launch on, so torch ops make them."""
+    (the torch path costs 50-100 µs of host per op call: a cumsum here, then a pad in the program's bounds); an
+    MoE call with no routed rows has nothing for the routed prologue to launch on, so torch ops make them."""
     ctx = RunContext(extra=dict(zip(seq.inputs.floats, floats)))
     if index is not None:
         ctx.index, ctx.tokens = index, x.shape[0]
