@@ -2,7 +2,7 @@
 
 Each slot knows three things: the name the kernel's Epilogue class declares for it (`kernel_name`), how it is
 declared (`declaration`: one of the kernel protocol's RowVector / GroupVector / AuxInput / Output / MXFP8Output / FP8BlockOutput /
-RowSumOutput), and the names `apply` receives or returns for it (`values`: two for a paired (gate, up) slot).
+FP8BlockDequantOutput / RowSumOutput), and the names `apply` receives or returns for it (`values`: two for a paired (gate, up) slot).
 The runtime binds tensors to slots by type (the step runners of fusion/runtime/steps.py), so no string is ever
 parsed back.
 
@@ -181,11 +181,17 @@ class DScale:
 @dataclass(frozen=True)
 class PostAct:
     """The chain's output recomputed from the saved value (the next GEMM's weight-gradient input), so the
-    forward need not keep it."""
+    forward need not keep it. `dequantized` ("fp8_block"): the chain ends in a quantize op, and what the next
+    GEMM's weight gradient reads is its output dequantized: the kernel quantizes the recomputed value 1 x 128
+    rowwise and writes it back dequantized (kernels.epilogue.FP8BlockDequantOutput)."""
 
+    dequantized: str | None = None
     kernel_name = "postact"
 
     def declaration(self, dtype: str) -> str:
+        if self.dequantized == "fp8_block":
+            return '_epi.FP8BlockDequantOutput("postact")'
+        assert self.dequantized is None, self.dequantized
         return '_epi.Output("postact")'
 
     values = ("postact",)

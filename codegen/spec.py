@@ -80,6 +80,11 @@ class EpilogueSpec:
         return {"mxfp8": 32, "fp8_block": 128}.get(self.quant_format, 8)
 
     @property
+    def passed_format(self) -> str | None:
+        """The format of the quantize op a backward chain passes its gradient through (None: none)."""
+        return next((s.args[0] for s in self.stages if s.kind == "quant_pass"), None)
+
+    @property
     def has_quantize(self) -> bool:
         """A quantize op lies in the chain (forward: quantized store; backward: passed straight through)."""
         return any(s.kind.startswith("quant") for s in self.stages)
@@ -135,7 +140,8 @@ class EpilogueSpec:
         """(inputs, outputs) of the dgrad kernel: reads the saved value (when a stage needs it), the row
         scales and, to recompute the output, the biases after the saved stage; writes the input gradient,
         each row scale's gradient as per-block row sums of its terms (slots.DScale), and optionally the
-        recomputed output."""
+        recomputed output (after a quantize op in the chain: its output dequantized, as the next GEMM's weight
+        gradient reads it)."""
         inputs: tuple = ()
         if self.saved is not None:
             inputs += (slots.SavedIn(self.saved_paired),)
@@ -145,7 +151,11 @@ class EpilogueSpec:
         outputs: tuple = (slots.DInput(self.gated),)
         outputs += tuple(slots.DScale(s.name) for s in self.row_scales())
         if postact:
-            outputs += (slots.PostAct(),)
+            fmt = self.passed_format
+            if fmt not in (None, "fp8_block"):
+                raise Unsupported(f"the dgrad epilogue recomputes a quantize op's output only dequantized from "
+                                  f"FP8-block, not {fmt}")
+            outputs += (slots.PostAct(dequantized=fmt),)
         return inputs, outputs
 
 

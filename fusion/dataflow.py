@@ -8,7 +8,8 @@ gradient of its first op's input:
 
     fused dgrad (ops a..j):  reads g<j+1>, v<k> (k: the first op whose gradient reads its input)
                              writes g<a>, and v<j> (the next GEMM's wgrad input, recomputed from v<k> by the
-                             kernel) when no quantize op lies between
+                             kernel) when no quantize op lies between, or one whose output the kernel
+                             template recomputes dequantized (`recomputes_dequantized`)
     GEMM j dgrad:            reads g<j+1>                  writes g<j>
     GEMM j wgrad:            reads g<j+1>, v<j>            writes the weight (and bias) gradient
     op k backward:           reads g<k+1> (+ v<k> when its gradient reads its input)   writes g<k>
@@ -28,6 +29,8 @@ back; `row_symbols` names the rows of each value so sizes can be given per token
 from __future__ import annotations
 
 import dataclasses
+
+from fusion.kernel_templates import TEMPLATES  # a data table: what each kernel template can write
 
 
 def v(i: int) -> str:
@@ -70,7 +73,28 @@ def forward_io(infos, step, train: bool = True) -> tuple[tuple[str, ...], tuple[
     return (v(first),), tuple(writes)
 
 
-def backward_io(infos, step) -> tuple[tuple[str, ...], tuple[str, ...]]:
+#: The plan dtypes in which a dgrad kernel recomputes a quantize op's output dequantized. In bfloat16 (float32's
+#: exponent range) the kernel's value is, bit for bit, what the next GEMM's bf16 weight gradient reads of the saved
+#: quantized tensor (fusion/runtime/fp8_gemm.py `_dequantize_rowwise`), and what the FP8 weight gradient
+#: requantizes differs only in blocks whose amax is below about 2^-116 (their dequantized values are under bf16's
+#: subnormals). In float16 a block whose amax is below about 0.007 has dequantized values that are not float16
+#: numbers: the forward keeps the quantized tensor there.
+DEQUANTIZED_RECOMPUTE_DTYPES = ("bfloat16",)
+
+
+def recomputes_dequantized(infos, step, dtype: str) -> bool:
+    """Whether fused backward `step` recomputes its chain's output after the quantize op that ends the chain's
+    elementwise ops, dequantized: the kernel template can (KernelTemplate.dequantizes), the op writes no
+    columnwise copy (a different quantization, which the value's rowwise blocks cannot give), and `dtype` holds
+    the dequantized values (:data:`DEQUANTIZED_RECOMPUTE_DTYPES`)."""
+    quantizes = [infos[i] for i in step.ops[:-1] if infos[i].kind == "quantize"]
+    template = TEMPLATES.get(step.kernel)
+    return (len(quantizes) == 1 and quantizes[0].index == step.ops[-2] and template is not None
+            and quantizes[0].format in template.dequantizes and not quantizes[0].columnwise
+            and dtype in DEQUANTIZED_RECOMPUTE_DTYPES)
+
+
+def backward_io(infos, step, dtype: str = "bfloat16") -> tuple[tuple[str, ...], tuple[str, ...]]:
     if step.fused:
         ops = step.ops
         j = ops[-1]
@@ -80,7 +104,8 @@ def backward_io(infos, step) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if k is not None:
             reads.append(v(k))
         writes = [g(ops[0])]
-        if k is not None and not any(infos[i].kind == "quantize" for i in elementwise):
+        if k is not None and (not any(infos[i].kind == "quantize" for i in elementwise)
+                              or recomputes_dequantized(infos, step, dtype)):
             writes.append(v(j))
         return tuple(reads), tuple(writes)
     (i, part) = step.parts[0]
@@ -95,12 +120,13 @@ def backward_io(infos, step) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return reads, (g(i),)
 
 
-def annotate(infos, forward, backward, train: bool = True):
+def annotate(infos, forward, backward, train: bool = True, dtype: str = "bfloat16"):
     """(forward steps, backward steps) with reads/writes filled in, the saved values in first-use order, and the
     values the backward needs that the forward does not produce (recomputed)."""
     forward = [dataclasses.replace(s, **dict(zip(("reads", "writes"), forward_io(infos, s, train))))
                for s in forward]
-    backward = [dataclasses.replace(s, **dict(zip(("reads", "writes"), backward_io(infos, s)))) for s in backward]
+    backward = [dataclasses.replace(s, **dict(zip(("reads", "writes"), backward_io(infos, s, dtype))))
+                for s in backward]
     produced = {name for s in forward for name in s.writes} | {v(0)}
     written: set[str] = set()
     saves: list[str] = []

@@ -147,6 +147,13 @@ def _step_lines(n: int, tag: str, step: Step, plan: Plan) -> list[str]:
                                                                     for i in passthrough))
             if step.epilogue:
                 lines.append("         epilogue: " + " -> ".join(f"{lab} (op {i})" for lab, i in step.epilogue))
+            for name in step.writes[1:]:
+                i = index_of(name)
+                src = plan.ops[i - 1]
+                what = (f"op {i - 1} {_short(src)}'s output dequantized: the kernel quantizes the recomputed value "
+                        f"as the op does and writes it back" if src.kind == "quantize" else f"op {i - 1}'s output")
+                lines.append(f"         recomputes {name} ({what}) for op {i}'s weight gradient: the forward does "
+                             f"not keep it")
     else:
         i, part = step.parts[0]
         what = "" if part == "forward" else f" {part}"

@@ -23,6 +23,10 @@ class KernelTemplate:
     #: `save` may name (patterns/fusion_semantics.py checks it when the file loads). The grouped GEMM's epilogue
     #: has one such output (codegen/slots.py: SavedOut); a dgrad kernel writes none, it reads.
     saves: int = 1
+    #: a dgrad template: the quantize formats (rowwise, columnwise=False) whose output its epilogue can recompute
+    #: dequantized, so that the next GEMM's weight gradient reads it without the forward keeping the quantized
+    #: tensor (fusion/dataflow.py; kernels.epilogue.FP8BlockDequantOutput)
+    dequantizes: tuple[str, ...] = ()
 
 
 TEMPLATES: dict[str, KernelTemplate] = {
@@ -44,7 +48,9 @@ TEMPLATES: dict[str, KernelTemplate] = {
         KernelTemplate("grouped_gemm_fp8_dgrad", "backward", True,
                        "the FP8 block-scaled grouped GEMM computing a dgrad (dY quantized 1x128 rowwise, E4M3, times "
                        "the weight's transposed 128x128 blocks) whose generated epilogue applies the backward of the "
-                       "elementwise ops before the GEMM", weight_formats=("fp8_block",), saves=0),
+                       "elementwise ops before the GEMM; after a QuantizeFP8Block(columnwise=False) it also "
+                       "recomputes that op's output, dequantized, for the next GEMM's weight gradient",
+                       weight_formats=("fp8_block",), saves=0, dequantizes=("fp8_block",)),
         KernelTemplate("grouped_gemm_combine", "forward", False,
                        "the grouped GEMM summing each token's routed rows in its epilogue (an MoE block's Combine)",
                        "no kernel on this target fuses a combine into the GEMM's epilogue yet (a token's rows lie "

@@ -27,6 +27,8 @@ class OpInfo:
     weight_format: str | None = None
     #: quantize ops: the format they write ("mxfp8" | "nvfp4" | "fp8_block"); None for other ops
     format: str | None = None
+    #: quantize ops: whether they also write the columnwise copy
+    columnwise: bool = False
     #: what one row of its input / output is: "M" (the rows of x; in an MoE block the routed rows) or "T"
     #: (tokens: an MoE block's rows before its Gather and after its Combine) (fusion/dataflow.py)
     in_rows: str = "M"

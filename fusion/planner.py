@@ -149,7 +149,8 @@ def _ops_info(g, dtype: str = "bfloat16") -> tuple[OpInfo, ...]:
         out.append(OpInfo(d["index"], spec.name, spec.kind, d["label"], d["in_features"], d["out_features"],
                           grad_reads_input=spec.grad_reads_input, in_bytes=elem,
                           out_bytes=_out_bytes(spec, elem), weight_format=fmt, in_rows=rows[k],
-                          out_rows=rows[k + 1], format=spec.attrs.get("format") if spec.kind == "quantize" else None))
+                          out_rows=rows[k + 1], format=spec.attrs.get("format") if spec.kind == "quantize" else None,
+                          columnwise=spec.kind == "quantize" and bool(spec.attrs.get("columnwise"))))
     return tuple(out)
 
 
@@ -171,7 +172,7 @@ def build_plan(seq, dtype: str, target: str | None, patterns: tuple, note: str |
         losses = loss_f + loss_b
     forward = _forward_steps(infos, chosen_f, dtype, target)
     backward = _backward_steps(infos, chosen_b, dtype, target)
-    forward, backward, saves, recomputed = annotate(infos, forward, backward)
+    forward, backward, saves, recomputed = annotate(infos, forward, backward, dtype=dtype)
     per_op = _per_op_attempts(infos, patterns, attempts, chosen_f + chosen_b, losses)
     fallbacks = _fallbacks(infos, forward, backward, per_op, patterns, reason, target, dtype)
     return Plan(target=target, dtype=dtype, ops=infos, forward=tuple(forward), backward=tuple(backward),

@@ -14,7 +14,7 @@ _os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 #: Each public name -> the module of this package that defines it.
 _EXPORTS = {
     **dict.fromkeys(("Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output", "FP8BlockOutput", "RowSumOutput",
-                     "IdentityEpilogue",
+                     "FP8BlockDequantOutput", "IdentityEpilogue",
                      "SwiGLUScaleEpilogue", "DSwiGLUEpilogue", "SwiGLUScaleMXFP8Epilogue"), "epilogue"),
     **dict.fromkeys(("CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
                      "check_config", "offsets_from_group_sizes", "sass_text", "sass_opcodes"), "api"),

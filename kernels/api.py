@@ -26,7 +26,7 @@ from cutlass.cute.runtime import make_ptr
 
 from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
 
-from .epilogue import Epilogue, FP8BlockOutput, MXFP8Output, RowSumOutput, extra_tensors
+from .epilogue import Epilogue, FP8BlockOutput, MXFP8Output, RowSumOutput, extra_tensors, is_fp8_block
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
 from .tile_policy import (GemmConfig, band_problem, choose_config, for_gather, n_tile_count, resolved_band,
                           spill_fallback)
@@ -215,7 +215,7 @@ def output_problems(epilogue: Epilogue, tile_log: int) -> list[str]:
     problems = []
     if any(isinstance(s, MXFP8Output) for s in epilogue.outputs) and tile_log % 32:
         problems.append(f"MXFP8 output: the logical tile ({tile_log} columns) must hold whole 32-column blocks")
-    if any(isinstance(s, FP8BlockOutput) for s in epilogue.outputs) and tile_log != FP8BlockOutput.block:
+    if any(is_fp8_block(s) for s in epilogue.outputs) and tile_log != FP8BlockOutput.block:
         problems.append(f"FP8-block output: the logical tile ({tile_log} columns) must be one 128-column block "
                         f"(a gated FP8 tile 128 x 256, a plain one 128 columns wide)")
     for s in epilogue.outputs:

@@ -7,8 +7,8 @@ An epilogue is a plain Python object the kernel calls *at trace time*, once per 
                  [N/2, N); ``apply`` receives ``(gate, up)`` of one logical column and the logical output
                  width is N/2.  When False ``apply`` receives ``(acc,)`` and the logical width is N.
 - ``inputs``  : tuple of :class:`RowVector`, :class:`GroupVector`, :class:`AuxInput` (in call order).
-- ``outputs`` : tuple of :class:`Output` / :class:`MXFP8Output` / :class:`FP8BlockOutput` / :class:`RowSumOutput`
-                 (at least one).
+- ``outputs`` : tuple of :class:`Output` / :class:`MXFP8Output` / :class:`FP8BlockOutput` /
+                 :class:`FP8BlockDequantOutput` / :class:`RowSumOutput` (at least one).
 
 and a method ``apply(self, *values)``: positional arguments are the accumulator value(s) followed by
 one value per unpaired input and two values (gate-half, up-half) per ``paired`` input, in declaration
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = [
-    "Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output", "FP8BlockOutput", "RowSumOutput",
+    "Epilogue", "RowVector", "GroupVector", "AuxInput", "Output", "MXFP8Output", "FP8BlockOutput",
+    "FP8BlockDequantOutput", "RowSumOutput",
     "extra_tensors", "IdentityEpilogue", "SwiGLUScaleEpilogue", "DSwiGLUEpilogue", "SwiGLUScaleMXFP8Epilogue",
 ]
 
@@ -104,6 +105,22 @@ class FP8BlockOutput:
     @property
     def amax_name(self) -> str:
         return self.name + "_amax"
+
+
+@dataclass(frozen=True)
+class FP8BlockDequantOutput(Output):
+    """An (M, n) output in the GEMM dtype holding the value FP8-block quantized 1 x 128 rowwise and dequantized
+    again: ``dequantize(fp8_block_quantize(x))`` of the value rounded to the GEMM dtype, bit for bit what a
+    QuantizedTensor's dequantize into that dtype gives. For a consumer that reads a quantized tensor's dequantized
+    value (FC2's bf16 weight gradient after a QuantizeFP8Block(columnwise=False)): the FP8 dgrad recomputes it from
+    the saved pre-activation, so the forward need not keep the codes. The logical tile must be one 128-column
+    block wide, as for :class:`FP8BlockOutput` (a row's block amax is a reduction over one thread quad)."""
+    block = 128
+
+
+def is_fp8_block(spec) -> bool:
+    """Whether an output quantizes 1 x 128 rowwise blocks in the epilogue (its logical tile must be one block)."""
+    return isinstance(spec, (FP8BlockOutput, FP8BlockDequantOutput))
 
 
 def extra_tensors(spec) -> tuple:

@@ -18,19 +18,17 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .fragment_io import bits_f32
+from .fragment_io import bits_f32, f32_bits, store2
 from .pow2_quant import finite_abs_bits, fp8_block_scale_bits, scaled_or_nan
 
-__all__ = ["store_fp8_block_row", "store_block_scale", "warp_amax_to"]
+__all__ = ["store_fp8_block_row", "store_fp8_block_dequantized_row", "store_block_scale", "warp_amax_to", "decode_e4m3"]
 
 FP8 = cutlass.Float8E4M3FN
 
 
-def store_fp8_block_row(res, lcols, oks, t, grow, ab_dtype):
-    """Trace time. ``res[c][v]``: fp32 values of logical columns ``lcols[c] + v`` of row ``grow``, every chunk of
-    the row's 128-column block (16 chunks), ``oks[c]`` whether chunk ``c`` is stored (row and columns in range;
-    a masked chunk adds nothing to the amax). Writes the e4m3 codes to ``t``; returns ``(scale bits, amax bits)``
-    of the block, the same in the four lanes of the quad."""
+def _row_block(res, oks, ab_dtype):
+    """The row's block, shared by both stores: ``(ys, scale bits, 2^-e, amax bits)`` where ``ys[c][v]`` is
+    ``(value rounded to the GEMM dtype, finite?)``; the amax is over the quad's stored (``oks``) finite values."""
     ys = []
     amax_bits = Int32(0)
     for c in range(len(res)):
@@ -44,12 +42,52 @@ def store_fp8_block_row(res, lcols, oks, t, grow, ab_dtype):
     amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 1))
     amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 2))
     scale_bits, inv_scale = fp8_block_scale_bits(amax_bits)
+    return ys, scale_bits, inv_scale, amax_bits
+
+
+def store_fp8_block_row(res, lcols, oks, t, grow, ab_dtype):
+    """Trace time. ``res[c][v]``: fp32 values of logical columns ``lcols[c] + v`` of row ``grow``, every chunk of
+    the row's 128-column block (16 chunks), ``oks[c]`` whether chunk ``c`` is stored (row and columns in range;
+    a masked chunk adds nothing to the amax). Writes the e4m3 codes to ``t``; returns ``(scale bits, amax bits)``
+    of the block, the same in the four lanes of the quad."""
+    ys, scale_bits, inv_scale, amax_bits = _row_block(res, oks, ab_dtype)
     codes = [[scaled_or_nan(y, fin, inv_scale) for y, fin in ys[c]] for c in range(len(res))]
     assert len(res) % 4 == 0, "the codes leave in groups of four chunks"
     quad = cute.arch.lane_idx() & 3
     for g in range(len(res) // 4):
         _store_chunk_group(t, grow, lcols[4 * g], codes[4 * g: 4 * g + 4], oks[4 * g: 4 * g + 4], quad)
     return scale_bits, amax_bits
+
+
+def store_fp8_block_dequantized_row(res, oks, addr, ab_dtype):
+    """Trace time. The row's block as :func:`store_fp8_block_row` quantizes it, decoded again and multiplied by its
+    scale (exact in float32, as ``fusion.quant``'s dequantize), stored in the GEMM dtype: ``addr`` is the byte
+    address of this lane's pair in chunk 0; chunk ``c`` lies 8 c columns further (2-column stores, as an
+    ``Output``'s plain store)."""
+    ys, scale_bits, inv_scale, _ = _row_block(res, oks, ab_dtype)
+    scale = bits_f32(scale_bits)
+    eb = ab_dtype.width // 8
+    for c in range(len(res)):
+        word = _pack2_e4m3(*(scaled_or_nan(y, fin, inv_scale) for y, fin in ys[c]))
+        store2(addr + 8 * c * eb, decode_e4m3(word & 0xFF) * scale, decode_e4m3((word >> 8) & 0xFF) * scale,
+               ab_dtype, oks[c])
+
+
+def _pack2_e4m3(v0, v1) -> Int32:
+    """Two fp32 values as E4M3 codes in the low 16 bits of a word (v0 in the low byte)."""
+    return _pack4(v0, v1, Float32(0.0), Float32(0.0)) & 0xFFFF
+
+
+def decode_e4m3(code):
+    """The fp32 value of an E4M3 (fn) code held in an Int32 (0..255), exact: sign, then ``(1 + m/8) 2^(e-7)``
+    (e > 0), ``m 2^-9`` (e = 0, signed zero included), NaN for 0x7F / 0xFF (E4M3fn has no infinities)."""
+    sign = (code & 0x80) << 24
+    e = (code >> 3) & 0xF
+    m = code & 0x7
+    normal = sign | ((e + 120) << 23) | (m << 20)
+    subnormal = sign | f32_bits(Float32(m) * Float32(2.0 ** -9))
+    bits = cutlass.select_(e == 0, subnormal, normal)
+    return bits_f32(cutlass.select_((code & 0x7F) == 0x7F, Int32(0x7FC00000), bits))
 
 
 def _pack4(v0, v1, v2, v3) -> Int32:

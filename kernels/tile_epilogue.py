@@ -21,9 +21,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .dtypes import cutlass_dtype
-from .epilogue import AuxInput, Epilogue, FP8BlockOutput, GroupVector, MXFP8Output, RowSumOutput, RowVector, \
-    extra_tensors
-from .fp8_block_store import store_block_scale, store_fp8_block_row, warp_amax_to
+from .epilogue import AuxInput, Epilogue, FP8BlockDequantOutput, FP8BlockOutput, GroupVector, MXFP8Output, \
+    RowSumOutput, RowVector, extra_tensors, is_fp8_block
+from .fp8_block_store import store_block_scale, store_fp8_block_dequantized_row, store_fp8_block_row, warp_amax_to
 from .fragment_io import load1, load2, load_word, quad_sum, row_addr, store2, store4_swapped, store_f32, unpack2
 from .mxfp8_store import store_mxfp8
 
@@ -163,10 +163,13 @@ class TileEpilogue:
         # an FP8-block output quantizes a row's whole 128-column block at once: its values wait across the row's
         # batches (the other outputs store theirs batch by batch) and are quantized after the last one
         fp8b = [oi for oi, s in enumerate(epi.outputs) if isinstance(s, FP8BlockOutput)]
-        if fp8b:
+        # ... as does a dequantized FP8-block output (the round trip's values in the GEMM dtype)
+        fp8d = [oi for oi, s in enumerate(epi.outputs) if isinstance(s, FP8BlockDequantOutput)]
+        if fp8b or fp8d:
             assert self.tile_n_log == FP8BlockOutput.block and 8 * n_c == self.tile_n_log and n_nn == 1, \
                 "FP8-block output: the logical tile must be one 128-column block, one wgmma atom wide"
             lane = cute.arch.lane_idx()
+        if fp8b:
             amax_run = {oi: Int32(0) for oi in fp8b}   # the thread's running max of the blocks' amax bits
         batch = self.batch if n_c % self.batch == 0 else n_c
         has_mx = has_mx or bool(fp8b)
@@ -220,7 +223,7 @@ class TileEpilogue:
                         if not isinstance(spec, (MXFP8Output, FP8BlockOutput, RowSumOutput)):
                             out_base[oi] = row_addr(out_tensors[ot], grow, lc0, out_dtypes[oi])
                         ot += 1 + len(extra_tensors(spec))
-                    pending = {oi: ([], [], []) for oi in fp8b}   # the row's (values, columns, oks) so far
+                    pending = {oi: ([], [], []) for oi in fp8b + fp8d}   # the row's (values, columns, oks) so far
                     for c0 in range(0, n_c, batch):
                         cs = list(range(c0, c0 + batch))
                         # results[oi][k][v] for chunk cs[k]
@@ -304,10 +307,10 @@ class TileEpilogue:
                                 store_mxfp8(results[oi], lcols, oks, t, out_tensors[ot + 1], grow, self.ab_dtype)
                                 ot += 2
                                 continue
-                            if isinstance(spec, FP8BlockOutput):
+                            if is_fp8_block(spec):
                                 for part, got in zip(pending[oi], (results[oi], lcols, oks)):
                                     part.extend(got)
-                                ot += 3
+                                ot += 1 + len(extra_tensors(spec))
                                 continue
                             if quad[oi]:
                                 # 4 columns per lane and store, whole 32-byte sectors (fragment_io.store4_swapped)
@@ -338,6 +341,9 @@ class TileEpilogue:
                         store_block_scale(out_tensors[out_slot[oi] + 1], cols[0] // FP8BlockOutput.block, grow,
                                           scale_bits, row_ok & (lane % 4 == 0))
                         amax_run[oi] = cutlass.max(amax_run[oi], amax_bits)
+                    for oi in fp8d:
+                        vals, _, col_oks = pending[oi]
+                        store_fp8_block_dequantized_row(vals, col_oks, out_base[oi], self.ab_dtype)
                 # the row's sums: over the quad, then lane (block % 4) of it stores block's partial
                 for oi in row_sums:
                     spec = epi.outputs[oi]

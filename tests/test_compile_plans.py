@@ -122,6 +122,10 @@ def test_epilogue_matrix_compiles(case):
     if "fp8store" in case:   # F1's training and inference kernels quantize: gated ones on the 128 x 256 tile
         f1 = [k for k in kernels if k.name.split("_")[1] == "F1"]
         assert len(f1) == 2 and all(k.config.tile_n == (256 if "swiglu" in case else 128) for k in f1), f1
+        # ... and B1, which recomputes FC2's input dequantized (tests/test_fp8_dequant_recompute.py), is 128 columns
+        # wide: a row's 1 x 128 block whole in a thread quad
+        (b1,) = [k for k in kernels if k.name.split("_")[1] == "B1"]
+        assert b1.config.tile_n == 128, b1.config
     for k in kernels:
         check_sass(k)
 

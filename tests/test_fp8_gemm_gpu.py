@@ -300,6 +300,56 @@ def test_fp8_block_output_is_the_quantized_bf16_output(N):
     assert outs["out_amax"].item() == finite_amax(hp).view(torch.int32).item(), "amax differs"
 
 
+class _RowScaled(K.Epilogue):
+    """acc * scale[row] in bf16: the value the dequantized FP8-block store below round-trips."""
+    gated = False
+    inputs = (K.RowVector("scale"),)
+    outputs = (K.Output("out"),)
+
+    def apply(self, acc, scale):
+        return acc * scale
+
+
+class _RowScaledDequant(_RowScaled):
+    outputs = (K.FP8BlockDequantOutput("out"),)
+
+
+@pytest.mark.parametrize("tile", ["policy", "128x128"])
+@pytest.mark.parametrize("N", [1024, 1000], ids=["N1024", "N1000-partial-block"])
+def test_fp8_block_dequantized_output_is_the_round_trip_of_the_bf16_output(N, tile):
+    """The dequantized FP8-block store (what the FP8 dgrad writes for FC2's weight gradient after a
+    QuantizeFP8Block(columnwise=False)) equals, bit for bit, fusion.quant's quantize-then-dequantize of the bf16 output
+    of the same kernel configuration, with zero, huge (Inf in bf16: NaN after the round trip, as the codes say), tiny
+    and NaN rows, empty groups, unaligned group starts, a partial last block (N = 1000), on the dgrad's policy tile
+    (256 x 128 CTA pairs: two m-waves) and on 128 x 128 ones."""
+    from fusion.quant.fp8_block import fp8_block_dequantize_2d
+
+    G, M, Kd = 8, 2100, 1024
+    gen = torch.Generator().manual_seed(7)
+    sizes = _sizes(G, M, gen)
+    x = _adversarial_rows(_blocky((M, Kd), gen)).to(DEV)
+    w = (_blocky((G, N, Kd), gen, spread=4) / Kd ** 0.5).to(DEV)
+    a_data, a_scale = fp8_block_quantize_2d(x)
+    wq = quantize_weight_fp8_block(w)
+    args = (a_data, a_scale, wq.data, wq.scale, K.offsets_from_group_sizes(sizes.to(DEV)))
+    scale = torch.rand(M, device=DEV)
+    cfg = _config(N, Kd, G) if tile == "policy" else K.fp8_block_output_tile(N, gated=False)
+    hp, got = _nan(M, N), _nan(M, N)
+    for epi, out in ((_RowScaled(), hp), (_RowScaledDequant(), got)):
+        K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, epi, N, Kd, G), *args, {"out": out},
+                               extras={"scale": scale})
+    torch.cuda.synchronize()
+    assert torch.isinf(hp[11]).any() and hp[5].eq(0).all() and torch.isnan(hp[13]).any(), \
+        "the adversarial rows did not reach the output"
+    assert hp[12].ne(0).any() and hp[12].abs().max() < 2.0 ** -40, "the tiny row is not tiny"
+    want = fp8_block_dequantize_2d(*fp8_block_quantize_2d(hp), dtype=torch.bfloat16)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), "NaN where the round trip has none, or the other way"
+    n_diff = (got[~nan].view(torch.int16) != want[~nan].view(torch.int16)).sum().item()
+    assert n_diff == 0, f"{n_diff} of {int((~nan).sum())} bf16 values differ from the round trip"
+    assert not torch.equal(got[~nan], hp[~nan]), "the store wrote the value without its FP8 round trip"
+
+
 def test_mxfp8_output_is_the_quantized_bf16_output():
     """The MXFP8 epilogue rounds to bf16 first and quantizes exactly: byte-equal to quantizing the bf16
     epilogue's output of the same kernel configuration (same accumulators)."""

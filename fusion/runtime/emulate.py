@@ -3,10 +3,10 @@
 Only the mainloop is replaced: each group's GEMM is one torch matmul in the compute dtype (float32, float64 for
 float64 blocks; the tensor cores accumulate bf16/fp16 products in fp32). Everything else is the kernel's: the
 same generated Epilogue class (its source executed with fusion.runtime.torch_math as `em`), the same operand
-protocol (RowVector / GroupVector / AuxInput inputs, Output / MXFP8Output / RowSumOutput outputs, canonical
-(gate, up) halves for paired tensors and gated accumulators), the same B layouts (K-major (G, N, K) or MN-major
-(G, K, N)), rows written only inside the groups' ranges, MXFP8 stores on the value rounded to the GEMM dtype,
-row sums as per-block partials.
+protocol (RowVector / GroupVector / AuxInput inputs, Output / MXFP8Output / FP8BlockOutput / FP8BlockDequantOutput
+/ RowSumOutput outputs, canonical (gate, up) halves for paired tensors and gated accumulators), the same B layouts
+(K-major (G, N, K) or MN-major (G, K, N)), rows written only inside the groups' ranges, quantized stores on the
+value rounded to the GEMM dtype, row sums as per-block partials.
 
 Reading the group bounds takes one host copy per launch: emulate is for tests and CPUs, not for speed.
 """
@@ -104,6 +104,8 @@ class EmulatedKernel:
                     self._store_mxfp8(value.to(out_dtype), tensors, slot, start, end)
                 elif isinstance(slot, _kernel_protocol().FP8BlockOutput):
                     self._store_fp8_block(value.to(out_dtype), tensors, slot, start, end)
+                elif isinstance(slot, _kernel_protocol().FP8BlockDequantOutput):
+                    tensors[slot.name][start:end] = self._fp8_block_round_trip(value.to(out_dtype))
                 elif row_sum:
                     tensors[slot.name][start:end] = self._block_sums(value, slot.block).to(tensors[slot.name].dtype)
                 else:
@@ -131,6 +133,14 @@ class EmulatedKernel:
         tensors[slot.scale_name][:, start:end] = scale
         amax = tensors[slot.amax_name]
         amax.copy_(torch.maximum(amax, finite_amax(value).view(torch.int32)))
+
+    @staticmethod
+    def _fp8_block_round_trip(value: torch.Tensor) -> torch.Tensor:
+        """The kernel's dequantized FP8-block output: the value (rounded to the GEMM dtype) quantized 1 x 128
+        rowwise and dequantized again in float32, in its dtype (what QuantizedTensor.dequantize gives)."""
+        from fusion.quant.fp8_block import fp8_block_dequantize_2d, fp8_block_quantize_2d
+
+        return fp8_block_dequantize_2d(*fp8_block_quantize_2d(value), dtype=value.dtype)
 
     @staticmethod
     def _store_mxfp8(value: torch.Tensor, tensors: dict, slot, start: int, end: int) -> None:
