@@ -84,6 +84,10 @@ class EpilogueSpec:
         """The format of the quantize op a backward chain passes its gradient through (None: none)."""
         return next((s.args[0] for s in self.stages if s.kind == "quant_pass"), None)
 
+    def dequantizes(self, postact: bool) -> bool:
+        """Whether the dgrad kernel writes the recomputed output FP8-block dequantized (a 1 x 128 block per row)."""
+        return postact and self.passed_format == "fp8_block"
+
     @property
     def has_quantize(self) -> bool:
         """A quantize op lies in the chain (forward: quantized store; backward: passed straight through)."""

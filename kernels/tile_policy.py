@@ -310,6 +310,11 @@ FP8_WIDE_ODD = os.environ.get("FUSION_FP8_WIDE_ODD", "1") != "0"
 #: 1186, Qwen3-30B-A3B 1054 / 932, OLMoE 1150 / 1068, DeepSeek-V2-Lite 1120 / 1021, Qwen3-235B-A22B 920 / 744,
 #: Mixtral 1203 / 1124, GPT-OSS-20B 1052 / 1058 (its 128-column n-tiles do not pair: single CTAs).
 FP8_GATED_WAVES = os.environ.get("FUSION_FP8_GATED_WAVES", "1") != "0"
+#: The FP8 dgrad whose epilogue also writes its chain's output FP8-block dequantized (after a
+#: QuantizeFP8Block(columnwise=False): kernels.epilogue.FP8BlockDequantOutput) on 128-row tiles (:func:`fp8_block_output_tile`)
+#: rather than the policy's 256-row pairs (FUSION_FP8_DEQUANT_128=0, read at import, keeps the policy's; the runtime
+#: reads this attribute per job, so bench/ab_switch.py --plan can flip it).
+FP8_DEQUANT_128 = os.environ.get("FUSION_FP8_DEQUANT_128", "1") != "0"
 #: Average rows per group (a call's rows / G: host-known, no sync) from which a 256-row FP8 tile runs as single
 #: CTAs instead of CTA pairs; 0 (the default): never (FUSION_FP8_SINGLE_ROWS, read at import; the runtime reads this
 #: attribute per call): :func:`fp8_for_rows`.

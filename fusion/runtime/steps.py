@@ -23,6 +23,7 @@ from fusion.codegen import slots
 from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forward_spec
 from fusion.dataflow import g, index_of, out_grad, v
+from fusion.kernels import tile_policy
 from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, gather_dy, gathers_in_kernel
 from fusion.grouped import linear_dgrad, linear_wgrad
 from fusion.op_table import op_device_method
@@ -406,10 +407,13 @@ class FusedDgrad(_KernelStep):
 
     def job(self, dtype: torch.dtype, variant: str = "backward", tiles: bool = True):
         G, N, K = self.weight_shape()
+        # a dequantized FP8-block output: 128 logical columns (any FP8 dgrad tile), on 128 rows where the policy says
+        col_block = 128 if self.spec.dequantizes(self.postact) and tile_policy.FP8_DEQUANT_128 else 8
         source = epilogue_source(self.spec, str(dtype).removeprefix("torch."), backward=True, postact=self.postact,
                                  origin=self.origin)
         return make_job(source, dtype, N, K, G, False, self.b_major, self.spec.saved is not None, self.label, variant,
-                        tiles=tiles, gather=variant == "backward_gather", mainloop="fp8_block" if self.fp8 else "bf16")
+                        tiles=tiles, gather=variant == "backward_gather", mainloop="fp8_block" if self.fp8 else "bf16",
+                        col_block=col_block)
 
     def gathers_dy(self, state: RunState) -> bool:
         """Whether this call's kernel can read the tokens' gradient through the routing index (the tile policy's
