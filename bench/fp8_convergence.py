@@ -4,6 +4,7 @@
     python bench/fp8_convergence.py                         # GPU: the gpu preset, the issue's model (d=512)
     python bench/fp8_convergence.py --batch 32 --seq 512    # any Config field as a flag, over the preset
     python bench/fp8_convergence.py --data markov           # synthetic data instead of the byte-level corpus
+    python bench/fp8_convergence.py --quantize rowwise      # QuantizeFP8Block(columnwise=False) before FC2
 
 Model: byte-level decoder-only LM. Token + learned position embeddings, `--layers` blocks of (RMSNorm, causal
 self-attention through scaled_dot_product_attention, RMSNorm, `fusion.MoE` with `--experts` experts, top-`--k`,
@@ -79,6 +80,9 @@ class Config:
     vocab: int = 256         # markov only; text is bytes (256)
     backend: str = "auto"    # the experts' Sequential backend
     wgrad: str = "bf16"      # the FP8 run's weight gradients: "bf16" (the recipe's default) or "fp8" operands
+    # the FP8 run's QuantizeFP8Block before FC2: "columnwise" (its default, the copy an FP8 wgrad reads) or "rowwise"
+    # (columnwise=False: FC1's epilogue writes FC2's FP8 input, FC2's dgrad recomputes it dequantized for the bf16 wgrad)
+    quantize: str = "columnwise"
     eval_batches: int = 8
 
 
@@ -152,9 +156,11 @@ def experts_block(cfg: Config, fp8: bool) -> Sequential:
     if not fp8:
         return Sequential(Gather(), GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d), Combine(),
                           backend=cfg.backend)
+    if cfg.quantize not in ("columnwise", "rowwise"):
+        raise SystemExit(f"--quantize {cfg.quantize!r}: columnwise or rowwise")
     return Sequential(Gather(), GroupLinear(E, d, 2 * f, weight_format="fp8_block"), SwiGLU(), Scale(),
-                      QuantizeFP8Block(), GroupLinear(E, f, d, weight_format="fp8_block"), Combine(),
-                      backend=cfg.backend)
+                      QuantizeFP8Block(columnwise=cfg.quantize == "columnwise"),
+                      GroupLinear(E, f, d, weight_format="fp8_block"), Combine(), backend=cfg.backend)
 
 
 class Block(torch.nn.Module):
