@@ -216,13 +216,16 @@ def test_explain_names_the_kernel():
     assert fusion is not None
 
 
-def test_fp8_block_inside_torch_compile_runs_the_fused_fp8_kernels():
+@pytest.mark.parametrize("columnwise", [True, False], ids=["columnwise", "fc1-store"])
+def test_fp8_block_inside_torch_compile_runs_the_fused_fp8_kernels(columnwise):
     """torch.compile(fullgraph=True) of an FP8 block: the program runs as the block's custom op, on the same fused
-    FP8 kernels (counted) as eager, with the same results."""
+    FP8 kernels (counted) as eager, with the same results; with QuantizeFP8Block(columnwise=False) F1 quantizes and
+    B1 recomputes FC2's input dequantized (nothing quantized is saved across the op's forward and backward)."""
     from fusion.runtime.kernel import LAUNCHES
 
     sizes = torch.tensor([300, 0, 129, 517, 1, 0, 1000, 77], device=DEV)
-    seq = _block(8, 256, 256)
+    seq = _block(8, 256, 256, columnwise=columnwise)
+    assert ("v4" in seq.plan(dtype=torch.bfloat16).saves) == columnwise
     x, dy, probs = _inputs(8, int(sizes.sum()), 256, sizes)
     want = _step(seq, x, sizes, probs, dy)
     compiled = torch.compile(seq, fullgraph=True)
