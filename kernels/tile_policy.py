@@ -313,7 +313,10 @@ FP8_GATED_WAVES = os.environ.get("FUSION_FP8_GATED_WAVES", "1") != "0"
 #: The FP8 dgrad whose epilogue also writes its chain's output FP8-block dequantized (after a
 #: QuantizeFP8Block(columnwise=False): kernels.epilogue.FP8BlockDequantOutput) on 128-row tiles (:func:`fp8_block_output_tile`)
 #: rather than the policy's 256-row pairs (FUSION_FP8_DEQUANT_128=0, read at import, keeps the policy's; the runtime
-#: reads this attribute per job, so bench/ab_switch.py --plan can flip it).
+#: reads this attribute per job, so bench/ab_switch.py --plan can flip it). Measured on an H200 (bench/ab_switch.py
+#: against keeping the quantized tensor, bench/results/H200-2026-11-28m-dequant-*): with the 256-row pairs the
+#: dequantizing epilogue cost more than the dequantize passes it saves (Qwen3-30B-A3B's training step +6.2%, OLMoE
+#: +1.3%); on 128 x 128 tiles the same steps -7.6% and -4.4%.
 FP8_DEQUANT_128 = os.environ.get("FUSION_FP8_DEQUANT_128", "1") != "0"
 #: Average rows per group (a call's rows / G: host-known, no sync) from which a 256-row FP8 tile runs as single
 #: CTAs instead of CTA pairs; 0 (the default): never (FUSION_FP8_SINGLE_ROWS, read at import; the runtime reads this
