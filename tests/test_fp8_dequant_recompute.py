@@ -46,7 +46,7 @@ def test_the_plan_recomputes_fc2s_input_dequantized_instead_of_saving_it():
     assert "v4" not in plan.saves and plan.saves == ("v1", "v0"), plan.saves
     text = block().explain(dtype=torch.bfloat16, target="sm_90")
     assert "recomputes v4 (op 3 QuantizeFP8Block's output dequantized" in text, text
-    # the saved bytes per row drop by FC2's quantized input (F codes and F / 128 float32 scales)
+    # with the columnwise copy (another quantization) the forward keeps FC2's quantized input
     kept = plan_for(block(QuantizeFP8Block(columnwise=True)), dtype=torch.bfloat16, target="sm_90")
     assert kept.saves == ("v1", "v4", "v0"), kept.saves
 
