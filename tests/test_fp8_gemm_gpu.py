@@ -264,6 +264,19 @@ def _adversarial_rows(x):
     return x
 
 
+def _adversarial_problem(G, M, N, Kd, seed):
+    """The kernel's operands (A and B quantized, the group offsets) for ragged groups whose A has the adversarial
+    rows of :func:`_adversarial_rows`, and a random row scale: ``(args, scale)``."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = _sizes(G, M, gen)
+    x = _adversarial_rows(_blocky((M, Kd), gen)).to(DEV)
+    w = (_blocky((G, N, Kd), gen, spread=4) / Kd ** 0.5).to(DEV)
+    a_data, a_scale = fp8_block_quantize_2d(x)
+    wq = quantize_weight_fp8_block(w)
+    args = (a_data, a_scale, wq.data, wq.scale, K.offsets_from_group_sizes(sizes.to(DEV)))
+    return args, torch.rand(M, device=DEV)
+
+
 @pytest.mark.parametrize("N", [2 * 2048, 2 * 2888])
 def test_fp8_block_output_is_the_quantized_bf16_output(N):
     """The FP8-block epilogue store (a row's 1 x 128 block whole in the 128 x 256 gated tile) rounds to bf16 and
@@ -271,14 +284,7 @@ def test_fp8_block_output_is_the_quantized_bf16_output(N):
     the bf16 epilogue output of the same kernel configuration (the same accumulators), with zero, huge, tiny and
     NaN rows, empty groups, unaligned group starts and (N/2 = 2888) a partial last block."""
     G, M, Kd = 8, 2100, 1024
-    gen = torch.Generator().manual_seed(6)
-    sizes = _sizes(G, M, gen)
-    x = _adversarial_rows(_blocky((M, Kd), gen)).to(DEV)
-    w = (_blocky((G, N, Kd), gen, spread=4) / Kd ** 0.5).to(DEV)
-    a_data, a_scale = fp8_block_quantize_2d(x)
-    wq = quantize_weight_fp8_block(w)
-    args = (a_data, a_scale, wq.data, wq.scale, K.offsets_from_group_sizes(sizes.to(DEV)))
-    scale = torch.rand(M, device=DEV)
+    args, scale = _adversarial_problem(G, M, N, Kd, seed=6)
     cfg = K.fp8_block_output_tile(N)
     hp = _nan(M, N // 2)
     K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.SwiGLUScaleEpilogue(), N, Kd, G), *args,
@@ -325,14 +331,7 @@ def test_fp8_block_dequantized_output_is_the_round_trip_of_the_bf16_output(N, ti
     from fusion.quant.fp8_block import fp8_block_dequantize_2d
 
     G, M, Kd = 8, 2100, 1024
-    gen = torch.Generator().manual_seed(7)
-    sizes = _sizes(G, M, gen)
-    x = _adversarial_rows(_blocky((M, Kd), gen)).to(DEV)
-    w = (_blocky((G, N, Kd), gen, spread=4) / Kd ** 0.5).to(DEV)
-    a_data, a_scale = fp8_block_quantize_2d(x)
-    wq = quantize_weight_fp8_block(w)
-    args = (a_data, a_scale, wq.data, wq.scale, K.offsets_from_group_sizes(sizes.to(DEV)))
-    scale = torch.rand(M, device=DEV)
+    args, scale = _adversarial_problem(G, M, N, Kd, seed=7)
     scale[11] = 2.0 ** 100   # the huge row overflows: Inf in float32 and bf16
     cfg = _config(N, Kd, G) if tile == "policy" else K.fp8_block_output_tile(N, gated=False)
     hp, got = _nan(M, N), _nan(M, N)
