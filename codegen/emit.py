@@ -32,7 +32,7 @@ def _outputs(spec: EpilogueSpec, out_slots, backward: bool) -> list:
     if backward:
         dinput, terms = backward_math(spec)
         for slot in out_slots:
-            if isinstance(slot, slots.DInput):
+            if isinstance(slot, (slots.DInput, slots.QuantizedDInput)):   # the same value, stored twice
                 exprs += list(dinput)
             elif isinstance(slot, slots.DScale):
                 exprs.append(terms[slot.name])
@@ -50,11 +50,12 @@ def _outputs(spec: EpilogueSpec, out_slots, backward: bool) -> list:
 
 def epilogue_source(spec: EpilogueSpec, dtype: str, backward: bool = False, train: bool = True,
                     postact: bool = False, origin: str = "a fusion plan",
-                    class_name: str = "GeneratedEpilogue") -> str:
+                    class_name: str = "GeneratedEpilogue", quantized_dinput: str | None = None) -> str:
     """Python source of one Epilogue subclass computing the spec's forward (training: also the saved value) or
-    its backward (postact: also the chain's output recomputed from the saved value). `dtype`: the block's."""
+    its backward (postact: also the chain's output recomputed from the saved value; quantized_dinput: also the
+    input gradient quantized to that format). `dtype`: the block's."""
     if backward:
-        in_slots, out_slots = spec.backward_slots(postact)
+        in_slots, out_slots = spec.backward_slots(postact, quantized_dinput)
         acc_args = ["dy"]
     else:
         in_slots, out_slots = spec.forward_slots(train)

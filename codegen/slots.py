@@ -154,6 +154,23 @@ class DInput:
 
 
 @dataclass(frozen=True)
+class QuantizedDInput:
+    """The gradient of the chain's input also quantized FP8-block 1 x 128 rowwise (e4m3 codes, float32 scales
+    k-block-major, the finite amax; kernels.epilogue.FP8BlockOutput): the operand of the FP8 dgrad of the GEMM before
+    the chain, which then runs no quantize pass. Paired like :class:`DInput`, each half's blocks on their own."""
+
+    paired: bool
+    kernel_name = "dinput_q"
+
+    def declaration(self, dtype: str) -> str:
+        return f'_epi.FP8BlockOutput("dinput_q", paired={self.paired})'
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        return _pair("dinput_q", self.paired)
+
+
+@dataclass(frozen=True)
 class DScale:
     """A row scale's gradient, d scale = sum_j dy_j * y_j: the epilogue returns each term and the kernel sums them
     per row, as float32 partials per `block` columns (kernels.epilogue.RowSumOutput); the runtime adds the

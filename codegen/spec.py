@@ -26,6 +26,10 @@ class Unsupported(CompileError):
     """The kernel template cannot run this epilogue; the message says which op and why."""
 
 
+#: Columns of an FP8-block output's rowwise block (docs/quantization.md): whole in the kernel's logical tile.
+FP8_BLOCK = 128
+
+
 @dataclass(frozen=True)
 class Stage:
     """One epilogue stage.
@@ -77,7 +81,7 @@ class EpilogueSpec:
     @property
     def col_block(self) -> int:
         """The logical columns the kernel's block-wise output needs whole in a tile (8: none)."""
-        return {"mxfp8": 32, "fp8_block": 128}.get(self.quant_format, 8)
+        return {"mxfp8": 32, "fp8_block": FP8_BLOCK}.get(self.quant_format, 8)
 
     @property
     def passed_format(self) -> str | None:
@@ -140,12 +144,20 @@ class EpilogueSpec:
             outputs += (slots.SavedOut(self.saved_paired),)
         return inputs, outputs
 
-    def backward_slots(self, postact: bool) -> tuple[tuple, tuple]:
+    def quantizable_dinput(self, fmt: str) -> bool:
+        """Whether the dgrad kernel can write the input gradient quantized to `fmt` as a GEMM's FP8 dgrad reads
+        it: FP8-block's 1 x 128 rowwise blocks of the (in_features)-wide gradient, whole in the kernel's
+        128-column logical tile; gated, each half a whole number of blocks (no block straddles gate and up)."""
+        half = self.in_features // 2 if self.gated else self.in_features
+        return fmt == "fp8_block" and (not self.gated or half % FP8_BLOCK == 0)
+
+    def backward_slots(self, postact: bool, quantized_dinput: str | None = None) -> tuple[tuple, tuple]:
         """(inputs, outputs) of the dgrad kernel: reads the saved value (when a stage needs it), the row
         scales and, to recompute the output, the biases after the saved stage; writes the input gradient,
-        each row scale's gradient as per-block row sums of its terms (slots.DScale), and optionally the
-        recomputed output (after a quantize op in the chain: its output dequantized, as the next GEMM's weight
-        gradient reads it)."""
+        optionally also quantized to `quantized_dinput` ("fp8_block": the FP8 dgrad operand of the GEMM before
+        the chain), each row scale's gradient as per-block row sums of its terms (slots.DScale), and optionally
+        the recomputed output (after a quantize op in the chain: its output dequantized, as the next GEMM's
+        weight gradient reads it)."""
         inputs: tuple = ()
         if self.saved is not None:
             inputs += (slots.SavedIn(self.saved_paired),)
@@ -153,6 +165,12 @@ class EpilogueSpec:
                 inputs += self.group_biases(self.stages[self.saved:])
         inputs += self.row_scales()
         outputs: tuple = (slots.DInput(self.gated),)
+        if quantized_dinput is not None:
+            if not self.quantizable_dinput(quantized_dinput):
+                raise Unsupported(f"the dgrad epilogue writes its input gradient quantized to FP8-block only, each "
+                                  f"gated half a multiple of {FP8_BLOCK} columns; not {quantized_dinput} at "
+                                  f"{self.in_features} columns")
+            outputs += (slots.QuantizedDInput(self.gated),)
         outputs += tuple(slots.DScale(s.name) for s in self.row_scales())
         if postact:
             fmt = self.passed_format

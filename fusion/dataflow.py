@@ -9,8 +9,11 @@ gradient of its first op's input:
     fused dgrad (ops a..j):  reads g<j+1>, v<k> (k: the first op whose gradient reads its input)
                              writes g<a>, and v<j> (the next GEMM's wgrad input, recomputed from v<k> by the
                              kernel) when no quantize op lies between, or one whose output the kernel
-                             template recomputes dequantized (`recomputes_dequantized`)
+                             template recomputes dequantized (`recomputes_dequantized`); and qg<a>, g<a>
+                             quantized as the FP8 dgrad of the GEMM before the chain reads it
+                             (`quantizes_dgrad_operand`)
     GEMM j dgrad:            reads g<j+1>                  writes g<j>
+                             (and qg<j+1> where a fused step wrote it: its FP8 operand, no quantize pass)
     GEMM j wgrad:            reads g<j+1>, v<j>            writes the weight (and bias) gradient
     op k backward:           reads g<k+1> (+ v<k> when its gradient reads its input)   writes g<k>
                              (a GEMM run by its reference, e.g. fp8_block weights: also its weight gradient)
@@ -94,6 +97,38 @@ def recomputes_dequantized(infos, step, dtype: str) -> bool:
             and dtype in DEQUANTIZED_RECOMPUTE_DTYPES)
 
 
+def qg(i: int) -> str:
+    """The name of g<i> quantized as an FP8 GEMM's dgrad reads it (a fused dgrad's second copy of its output)."""
+    return f"qg{i}"
+
+
+#: Whether a fused dgrad whose template can (KernelTemplate.quantizes_dinput) also writes its input gradient
+#: quantized for the FP8 dgrad of the GEMM before its chain (read when a block is planned; bench/ab_switch.py --plan
+#: flips it).
+QUANTIZES_DGRAD_OPERAND = True
+
+
+def quantizes_dgrad_operand(infos, step) -> int | None:
+    """The GEMM whose dgrad reads fused backward `step`'s input gradient g<a> quantized by the step's epilogue, or
+    None: the GEMM before the chain (past straight-through quantize ops) has a weight format the template quantizes
+    for (KernelTemplate.quantizes_dinput: fp8_block, whose dgrad reads its dY 1x128 rowwise), and the blocks fit the
+    kernel's 128-column logical tile (a gated chain: each half a multiple of 128, so no block straddles gate and
+    up; codegen/spec.py `quantizable_dinput`)."""
+    template = TEMPLATES.get(step.kernel)
+    a = step.ops[0]
+    p = a - 1
+    while p >= 0 and infos[p].kind == "quantize":
+        p -= 1
+    if not QUANTIZES_DGRAD_OPERAND or template is None or p < 0 or infos[p].kind != "gemm":
+        return None
+    if infos[p].weight_format not in template.quantizes_dinput or infos[a].in_features is None:
+        return None
+    gated = any(infos[i].gated for i in step.ops[:-1])
+    if gated and (infos[a].in_features // 2) % 128:
+        return None
+    return p
+
+
 def backward_io(infos, step, dtype: str = "bfloat16") -> tuple[tuple[str, ...], tuple[str, ...]]:
     if step.fused:
         ops = step.ops
@@ -127,6 +162,7 @@ def annotate(infos, forward, backward, train: bool = True, dtype: str = "bfloat1
                for s in forward]
     backward = [dataclasses.replace(s, **dict(zip(("reads", "writes"), backward_io(infos, s, dtype))))
                 for s in backward]
+    backward = _link_quantized_operands(infos, backward)
     produced = {name for s in forward for name in s.writes} | {v(0)}
     written: set[str] = set()
     saves: list[str] = []
@@ -141,6 +177,24 @@ def annotate(infos, forward, backward, train: bool = True, dtype: str = "bfloat1
         if base not in saves:
             saves.append(base)
     return forward, backward, tuple(saves), recomputed
+
+
+def _link_quantized_operands(infos, backward):
+    """The fused dgrads that also write their input gradient quantized (`quantizes_dgrad_operand`), each where the
+    GEMM's own dgrad step follows and reads it: the fused step writes qg<a> and the dgrad reads it too."""
+    backward = list(backward)
+    for n, step in enumerate(backward):
+        p = quantizes_dgrad_operand(infos, step) if step.fused else None
+        if p is None:
+            continue
+        grad = g(step.ops[0])
+        reader = next((k for k in range(n + 1, len(backward)) if backward[k].parts == ((p, "dgrad"),)
+                       and backward[k].reads == (grad,)), None)
+        if reader is None:
+            continue
+        backward[n] = dataclasses.replace(step, writes=step.writes + (qg(step.ops[0]),))
+        backward[reader] = dataclasses.replace(backward[reader], reads=(grad, qg(step.ops[0])))
+    return backward
 
 
 def bytes_per_row(infos, name: str) -> float | None:

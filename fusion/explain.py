@@ -148,6 +148,12 @@ def _step_lines(n: int, tag: str, step: Step, plan: Plan) -> list[str]:
             if step.epilogue:
                 lines.append("         epilogue: " + " -> ".join(f"{lab} (op {i})" for lab, i in step.epilogue))
             for name in step.writes[1:]:
+                if name.startswith("qg"):   # the input gradient quantized for the FP8 dgrad after (dataflow.py)
+                    reader = next((r for r in plan.backward if name in r.reads), None)
+                    gemm = "the next" if reader is None else f"op {reader.parts[0][0]}'s"
+                    lines.append(f"         also writes {name} ({name[1:]} quantized 1x128 rowwise: E4M3 codes and "
+                                 f"scales) as {gemm} FP8 dgrad reads it: that dgrad runs no quantize pass")
+                    continue
                 i = index_of(name)
                 src = plan.ops[i - 1]
                 what = (f"op {i - 1} {_short(src)}'s output dequantized: the kernel quantizes the recomputed value "

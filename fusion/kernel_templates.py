@@ -27,6 +27,10 @@ class KernelTemplate:
     #: dequantized, so that the next GEMM's weight gradient reads it without the forward keeping the quantized
     #: tensor (fusion/dataflow.py; kernels.epilogue.FP8BlockDequantOutput)
     dequantizes: tuple[str, ...] = ()
+    #: a dgrad template: the weight formats of a GEMM before its chain whose dgrad operand (the gradient of the
+    #: chain's input, quantized as that GEMM's dgrad reads it) its epilogue can write besides the gradient itself,
+    #: so that dgrad runs no quantize pass (fusion/dataflow.py `quantizes_dgrad_operand`)
+    quantizes_dinput: tuple[str, ...] = ()
 
 
 TEMPLATES: dict[str, KernelTemplate] = {
@@ -49,8 +53,11 @@ TEMPLATES: dict[str, KernelTemplate] = {
                        "the FP8 block-scaled grouped GEMM computing a dgrad (dY quantized 1x128 rowwise, E4M3, times "
                        "the weight's transposed 128x128 blocks) whose generated epilogue applies the backward of the "
                        "elementwise ops before the GEMM; after a QuantizeFP8Block(columnwise=False) it also "
-                       "recomputes that op's output, dequantized, for the next GEMM's weight gradient",
-                       weight_formats=("fp8_block",), saves=0, dequantizes=("fp8_block",)),
+                       "recomputes that op's output, dequantized, for the next GEMM's weight gradient; before an "
+                       "fp8_block GEMM it also writes the gradient quantized 1x128 rowwise, that GEMM's FP8 dgrad "
+                       "operand",
+                       weight_formats=("fp8_block",), saves=0, dequantizes=("fp8_block",),
+                       quantizes_dinput=("fp8_block",)),
         KernelTemplate("grouped_gemm_combine", "forward", False,
                        "the grouped GEMM summing each token's routed rows in its epilogue (an MoE block's Combine)",
                        "no kernel on this target fuses a combine into the GEMM's epilogue yet (a token's rows lie "

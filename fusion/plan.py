@@ -29,6 +29,8 @@ class OpInfo:
     format: str | None = None
     #: quantize ops: whether they also write the columnwise copy
     columnwise: bool = False
+    #: activations: whether gated (the input is the gate and up halves, twice the output's width)
+    gated: bool = False
     #: what one row of its input / output is: "M" (the rows of x; in an MoE block the routed rows) or "T"
     #: (tokens: an MoE block's rows before its Gather and after its Combine) (fusion/dataflow.py)
     in_rows: str = "M"

@@ -150,7 +150,8 @@ def _ops_info(g, dtype: str = "bfloat16") -> tuple[OpInfo, ...]:
                           grad_reads_input=spec.grad_reads_input, in_bytes=elem,
                           out_bytes=_out_bytes(spec, elem), weight_format=fmt, in_rows=rows[k],
                           out_rows=rows[k + 1], format=spec.attrs.get("format") if spec.kind == "quantize" else None,
-                          columnwise=spec.kind == "quantize" and bool(spec.attrs.get("columnwise"))))
+                          columnwise=spec.kind == "quantize" and bool(spec.attrs.get("columnwise")),
+                          gated=spec.kind == "activation" and bool(spec.attrs.get("gated"))))
     return tuple(out)
 
 

@@ -91,9 +91,13 @@ class FP8BlockOutput:
     power-of-two scale per row and 128 consecutive logical columns (the last block partial), k-block-major:
     scales (ceil(n / 128), M); and the tensor's finite amax as float32 bits, one int32 the caller zeroes (atomic
     max per warp). The logical tile must be one 128-column block wide: a row's block is whole in one thread quad.
-    Rowwise only: the columnwise copy is not written (the pattern fuses ``QuantizeFP8Block(columnwise=False)``)."""
+    Rowwise only: the columnwise copy is not written (the pattern fuses ``QuantizeFP8Block(columnwise=False)``).
+    ``paired``: (M, 2n), gate half [0, n), up half [n, 2n), each half's 128-column blocks quantized on their own
+    (scales (ceil(2n / 128), M): the up half's block b at n / 128 + b). That is the 2n-wide tensor's own 1 x 128
+    quantization when n % 128 == 0, which the caller must see to (a dgrad writing d(gate, up) for FC1's FP8 dgrad:
+    codegen/spec.py)."""
     name: str
-    paired = False
+    paired: bool = False
     dtype: str = "float8_e4m3fn"
     block = 128
     extras = (("_scale", "float32"), ("_amax", "int32"))

@@ -18,58 +18,93 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .fragment_io import bits_f32, f32_bits, store2
+from .fragment_io import bits_f32, f32_bits, store2, unpack2
 from .pow2_quant import finite_abs_bits, fp8_block_scale_bits, scaled_or_nan
 
-__all__ = ["store_fp8_block_row", "store_fp8_block_dequantized_row", "store_block_scale", "warp_amax_to", "decode_e4m3"]
+__all__ = ["lane_amax", "store_fp8_block_row", "store_fp8_block_halves", "store_fp8_block_dequantized_row",
+           "store_block_scale", "warp_amax_to", "decode_e4m3"]
 
 FP8 = cutlass.Float8E4M3FN
 
 
-def _row_block(res, oks, ab_dtype):
-    """The row's block, shared by both stores: ``(ys, scale bits, 2^-e, amax bits)`` where ``ys[c][v]`` is
-    ``(value rounded to the GEMM dtype, finite?)``; the amax is over the quad's stored (``oks``) finite values."""
-    ys = []
-    amax_bits = Int32(0)
-    for c in range(len(res)):
-        pair = []
-        for v in range(2):
-            y = Float32(Float32(res[c][v]).to(ab_dtype))       # round to the GEMM dtype and back
-            bits, fin = finite_abs_bits(y)
-            pair.append((y, fin))
+def lane_amax(words, oks, ab_dtype, amax_bits=None):
+    """The running max of the finite ``|value|`` bits of this lane's stored (``oks``) values: ``words[c]``, chunk c's
+    two values in the GEMM dtype, packed (fragment_io.pack2). A caller that has a row's chunks batch by batch folds
+    each batch in as it comes (``amax_bits``: the max so far), so the block's reduction needs no second pass over
+    the row (a dgrad writing a quantized and a dequantized row spilled with one)."""
+    amax_bits = Int32(0) if amax_bits is None else amax_bits
+    for c, word in enumerate(words):
+        for y in unpack2(word, ab_dtype):
+            bits, _ = finite_abs_bits(y)
             amax_bits = cutlass.max(amax_bits, cutlass.select_(oks[c], bits, Int32(0)))
-        ys.append(pair)
+    return amax_bits
+
+
+def _block_scale(words, oks, ab_dtype, amax_bits=None):
+    """``(scale bits, 2^-e, amax bits)`` of the row's block: the amax over the quad's stored finite values, from
+    this lane's :func:`lane_amax` (``amax_bits``; None: computed here from ``words``) by a butterfly."""
+    amax_bits = lane_amax(words, oks, ab_dtype) if amax_bits is None else amax_bits
     amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 1))
     amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 2))
     scale_bits, inv_scale = fp8_block_scale_bits(amax_bits)
-    return ys, scale_bits, inv_scale, amax_bits
+    return scale_bits, inv_scale, amax_bits
 
 
-def store_fp8_block_row(res, lcols, oks, t, grow, ab_dtype):
-    """Trace time. ``res[c][v]``: fp32 values of logical columns ``lcols[c] + v`` of row ``grow``, every chunk of
-    the row's 128-column block (16 chunks), ``oks[c]`` whether chunk ``c`` is stored (row and columns in range;
-    a masked chunk adds nothing to the amax). Writes the e4m3 codes to ``t``; returns ``(scale bits, amax bits)``
-    of the block, the same in the four lanes of the quad."""
-    ys, scale_bits, inv_scale, amax_bits = _row_block(res, oks, ab_dtype)
-    codes = [[scaled_or_nan(y, fin, inv_scale) for y, fin in ys[c]] for c in range(len(res))]
-    assert len(res) % 4 == 0, "the codes leave in groups of four chunks"
+def _scaled(word, inv_scale, ab_dtype):
+    """A chunk's two values times ``2^-e`` (NaN for a non-finite one): what converts to their E4M3 codes."""
+    out = []
+    for y in unpack2(word, ab_dtype):
+        _, fin = finite_abs_bits(y)
+        out.append(scaled_or_nan(y, fin, inv_scale))
+    return out
+
+
+def store_fp8_block_row(words, lcols, oks, t, grow, ab_dtype, amax_bits=None):
+    """Trace time. ``words[c]``: logical columns ``lcols[c]``, ``lcols[c] + 1`` of row ``grow`` in the GEMM dtype,
+    packed, every chunk of the row's 128-column block (16 chunks), ``oks[c]`` whether chunk ``c`` is stored (row and
+    columns in range; a masked chunk adds nothing to the amax); ``amax_bits``: this lane's :func:`lane_amax` of them
+    where the caller kept it. Writes the e4m3 codes to ``t``; returns ``(scale bits, amax bits)`` of the block, the
+    same in the four lanes of the quad."""
+    scale_bits, inv_scale, amax_bits = _block_scale(words, oks, ab_dtype, amax_bits)
+    assert len(words) % 4 == 0, "the codes leave in groups of four chunks"
     quad = cute.arch.lane_idx() & 3
-    for g in range(len(res) // 4):
-        _store_chunk_group(t, grow, lcols[4 * g], codes[4 * g: 4 * g + 4], oks[4 * g: 4 * g + 4], quad)
+    for g in range(len(words) // 4):
+        codes = [_scaled(words[c], inv_scale, ab_dtype) for c in range(4 * g, 4 * g + 4)]
+        _store_chunk_group(t, grow, lcols[4 * g], codes, oks[4 * g: 4 * g + 4], quad)
     return scale_bits, amax_bits
 
 
-def store_fp8_block_dequantized_row(res, oks, addr, ab_dtype):
-    """Trace time. The row's block as :func:`store_fp8_block_row` quantizes it, decoded again and multiplied by its
-    scale (exact in float32, as ``fusion.quant``'s dequantize), stored in the GEMM dtype: ``addr`` is the byte
-    address of this lane's pair in chunk 0; chunk ``c`` lies 8 c columns further (2-column stores, as an
-    ``Output``'s plain store)."""
-    ys, scale_bits, inv_scale, _ = _row_block(res, oks, ab_dtype)
+@cute.jit
+def store_fp8_block_halves(gate: list, up: list, lcols: list, oks: list, t: cute.Tensor, ts: cute.Tensor,
+                           grow: Int32, scale_ok: cutlass.Boolean, n_log: Int32, amax_bits: list, amax_run: Int32,
+                           ab_dtype: cutlass.Constexpr) -> Int32:
+    """Trace time. A paired row's two blocks (``gate`` and ``up``: packed words of each half, as for
+    :func:`store_fp8_block_row`; the up half ``n_log`` columns further; ``amax_bits``: this lane's :func:`lane_amax`
+    of each), one after the other in a loop the compiler does not unroll, so one half's scaled values are live at a
+    time (both at once, scheduled together, spilled); each block's scale into the k-block-major ``ts`` where
+    ``scale_ok`` (lane 0 of the quad, the row in range). Returns ``amax_run`` raised by both blocks' amax."""
+    for k in cutlass.range(2, unroll=1):
+        second = k == 1
+        words = [cutlass.select_(second, u, g) for g, u in zip(gate, up)]
+        off = cutlass.select_(second, n_log, Int32(0))
+        scale_bits, block_amax = store_fp8_block_row(words, [c + off for c in lcols], oks, t, grow, ab_dtype,
+                                                     cutlass.select_(second, amax_bits[1], amax_bits[0]))
+        store_block_scale(ts, (off + lcols[0]) // 128, grow, scale_bits, scale_ok)
+        amax_run = cutlass.max(amax_run, block_amax)
+    return amax_run
+
+
+def store_fp8_block_dequantized_row(words, oks, addr, ab_dtype, amax_bits=None):
+    """Trace time. The row's block (``words`` as for :func:`store_fp8_block_row`) quantized as that function does,
+    decoded again and multiplied by its scale (exact in float32, as ``fusion.quant``'s dequantize), stored in the
+    GEMM dtype: ``addr`` is the byte address of this lane's pair in chunk 0; chunk ``c`` lies 8 c columns further
+    (2-column stores, as an ``Output``'s plain store)."""
+    scale_bits, inv_scale, _ = _block_scale(words, oks, ab_dtype, amax_bits)
     scale = bits_f32(scale_bits)
     eb = ab_dtype.width // 8
-    for c in range(len(res)):
-        word = _pack2_e4m3(*(scaled_or_nan(y, fin, inv_scale) for y, fin in ys[c]))
-        store2(addr + 8 * c * eb, decode_e4m3(word & 0xFF) * scale, decode_e4m3((word >> 8) & 0xFF) * scale,
+    for c, word in enumerate(words):
+        code = _pack2_e4m3(*_scaled(word, inv_scale, ab_dtype))
+        store2(addr + 8 * c * eb, decode_e4m3(code & 0xFF) * scale, decode_e4m3((code >> 8) & 0xFF) * scale,
                ab_dtype, oks[c])
 
 

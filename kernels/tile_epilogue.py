@@ -23,8 +23,10 @@ from cutlass import Float32, Int32
 from .dtypes import cutlass_dtype
 from .epilogue import AuxInput, Epilogue, FP8BlockDequantOutput, FP8BlockOutput, GroupVector, MXFP8Output, \
     RowSumOutput, RowVector, extra_tensors, is_fp8_block
-from .fp8_block_store import store_block_scale, store_fp8_block_dequantized_row, store_fp8_block_row, warp_amax_to
-from .fragment_io import load1, load2, load_word, quad_sum, row_addr, store2, store4_swapped, store_f32, unpack2
+from .fp8_block_store import lane_amax, store_block_scale, store_fp8_block_dequantized_row, store_fp8_block_halves, \
+    store_fp8_block_row, warp_amax_to
+from .fragment_io import load1, load2, load_word, pack2, quad_sum, row_addr, store2, store4_swapped, store_f32, \
+    unpack2
 from .mxfp8_store import store_mxfp8
 
 _EPI_BATCH = 8  # 8-column chunks per epilogue batch (see TileEpilogue.run)
@@ -88,6 +90,14 @@ class TileEpilogue:
         chunks (n_log % 8 == 0, so a 4-column run is valid or not as a whole and rows stay 8-byte aligned) and
         chunk pairs within a batch."""
         return dt.width == 16 and n_log % 8 == 0 and batch % 2 == 0
+
+    def _packed(self, chunks, paired: bool) -> list:
+        """A batch's results of one output (``chunks[k][v]``, a (gate, up) pair when paired) as one word per chunk
+        (per half): the chunk's two values rounded to the GEMM dtype and packed (fragment_io.pack2)."""
+        assert self.ab_dtype.width == 16, "an FP8-block output packs its pending values two to a 32-bit register"
+        if paired:
+            return [tuple(pack2(r[0][k], r[1][k], self.ab_dtype) for k in range(2)) for r in chunks]
+        return [pack2(r[0], r[1], self.ab_dtype) for r in chunks]
 
     def _first_col(self, tCcC, col0, mm, h, nn):
         """The thread's first logical column of fragment (mm, h, nn); chunk c is 8*c columns further."""
@@ -223,7 +233,12 @@ class TileEpilogue:
                         if not isinstance(spec, (MXFP8Output, FP8BlockOutput, RowSumOutput)):
                             out_base[oi] = row_addr(out_tensors[ot], grow, lc0, out_dtypes[oi])
                         ot += 1 + len(extra_tensors(spec))
-                    pending = {oi: ([], [], []) for oi in fp8b + fp8d}   # the row's (values, columns, oks) so far
+                    # the row's (values, columns, oks) so far, the values rounded to the GEMM dtype (what the blocks
+                    # quantize) and packed two to a register, and this lane's running amax bits of each half, folded
+                    # in batch by batch (lane_amax): a dgrad holding its input gradient's quantized row and FC2's
+                    # input's dequantized one spilled with float32 values and a second pass for the amax
+                    pending = {oi: ([], [], []) for oi in fp8b + fp8d}
+                    lane_max = {oi: [None, None] for oi in fp8b + fp8d}
                     for c0 in range(0, n_c, batch):
                         cs = list(range(c0, c0 + batch))
                         # results[oi][k][v] for chunk cs[k]
@@ -308,8 +323,12 @@ class TileEpilogue:
                                 ot += 2
                                 continue
                             if is_fp8_block(spec):
-                                for part, got in zip(pending[oi], (results[oi], lcols, oks)):
+                                words = self._packed(results[oi], spec.paired)
+                                for part, got in zip(pending[oi], (words, lcols, oks)):
                                     part.extend(got)
+                                for k in range(2 if spec.paired else 1):
+                                    half = [w[k] for w in words] if spec.paired else words
+                                    lane_max[oi][k] = lane_amax(half, oks, self.ab_dtype, lane_max[oi][k])
                                 ot += 1 + len(extra_tensors(spec))
                                 continue
                             if quad[oi]:
@@ -334,16 +353,26 @@ class TileEpilogue:
                                         store2(out_base[oi] + 8 * c * eb, rk[0], rk[1], dt, oks[k])
                             ot += 1
                     for oi in fp8b:
-                        vals, cols, col_oks = pending[oi]
+                        words, cols, col_oks = pending[oi]
                         t = out_tensors[out_slot[oi]]
-                        scale_bits, amax_bits = store_fp8_block_row(vals, cols, col_oks, t, grow, self.ab_dtype)
-                        # lane 0 of the quad writes the row's scale of block cols[0] // 128 (= n_idx)
-                        store_block_scale(out_tensors[out_slot[oi] + 1], cols[0] // FP8BlockOutput.block, grow,
-                                          scale_bits, row_ok & (lane % 4 == 0))
-                        amax_run[oi] = cutlass.max(amax_run[oi], amax_bits)
+                        scale_ok = row_ok & (lane % 4 == 0)   # lane 0 of the quad writes the row's scales
+                        if epi.outputs[oi].paired:
+                            # the gate half's block, then the up half's n_log columns further, each quantized on its
+                            # own (FP8BlockOutput: the caller sees to n_log % 128 == 0), one at a time
+                            amax_run[oi] = store_fp8_block_halves(
+                                [w[0] for w in words], [w[1] for w in words], cols, col_oks, t,
+                                out_tensors[out_slot[oi] + 1], grow, scale_ok, Int32(n_log), lane_max[oi],
+                                amax_run[oi], self.ab_dtype)
+                        else:
+                            scale_bits, amax_bits = store_fp8_block_row(words, cols, col_oks, t, grow, self.ab_dtype,
+                                                                        lane_max[oi][0])
+                            # the row's scale of block cols[0] // 128 (= n_idx)
+                            store_block_scale(out_tensors[out_slot[oi] + 1], cols[0] // FP8BlockOutput.block, grow,
+                                              scale_bits, scale_ok)
+                            amax_run[oi] = cutlass.max(amax_run[oi], amax_bits)
                     for oi in fp8d:
-                        vals, _, col_oks = pending[oi]
-                        store_fp8_block_dequantized_row(vals, col_oks, out_base[oi], self.ab_dtype)
+                        words, _, col_oks = pending[oi]
+                        store_fp8_block_dequantized_row(words, col_oks, out_base[oi], self.ab_dtype, lane_max[oi][0])
                 # the row's sums: over the quad, then lane (block % 4) of it stores block's partial
                 for oi in row_sums:
                     spec = epi.outputs[oi]

@@ -147,10 +147,11 @@ class _FP8BlockLinearFunction(torch.autograd.Function):
         return (dx, dw) + (None,) * 10
 
 
-def _dgrad(dy2d, w_data_t, w_scale_t, group_sizes, dtype) -> torch.Tensor:
-    """``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3), the weight's transposed blocks."""
+def _dgrad(dy2d, w_data_t, w_scale_t, group_sizes, dtype, quantized=None) -> torch.Tensor:
+    """``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3), the weight's transposed blocks. `quantized`:
+    (codes, scales) of that quantization already made (by a fused dgrad's epilogue), else made here."""
     cdt = _compute_dtype(dtype)
-    dy_data, dy_scale = fp8_block_quantize_2d(dy2d.to(torch.float32))
+    dy_data, dy_scale = fp8_block_quantize_2d(dy2d.to(torch.float32)) if quantized is None else quantized
     dyq = fp8_block_dequantize_2d(dy_data, dy_scale).to(cdt)
     return _rows_times(dyq, _dequantize_blocks(w_data_t, w_scale_t).to(cdt), group_sizes).to(dtype)
 
@@ -168,10 +169,14 @@ def _wgrad(dy2d, hp, cw_data, cw_scale, group_sizes, w_shape, dtype) -> torch.Te
     return _group_outer(dyc, xc, group_sizes, groups).reshape(w_shape)
 
 
-def fp8_block_dgrad(dy: torch.Tensor, quantized_weight: FP8BlockWeight, group_sizes=None) -> torch.Tensor:
+def fp8_block_dgrad(dy: torch.Tensor, quantized_weight: FP8BlockWeight, group_sizes=None,
+                    quantized=None) -> torch.Tensor:
     """The recipe's input gradient of ``x @ W[g].T`` for a 2-D ``dy`` (M, N), in dy's dtype: what the backward
-    of :func:`fp8_block_linear` computes, for a runtime that runs the GEMM's dgrad as its own step."""
-    return _dgrad(dy, quantized_weight.data_t, quantized_weight.scale_t, group_sizes, dy.dtype)
+    of :func:`fp8_block_linear` computes, for a runtime that runs the GEMM's dgrad as its own step. `quantized`:
+    ``(codes, scales)`` of dY's 1x128 rowwise quantization where a fused dgrad's epilogue already made it (the
+    recipe's own, bit for bit: fusion/dataflow.py `quantizes_dgrad_operand`)."""
+    q = None if quantized is None else tuple(quantized)
+    return _dgrad(dy, quantized_weight.data_t, quantized_weight.scale_t, group_sizes, dy.dtype, q)
 
 
 def fp8_block_wgrad(dy: torch.Tensor, x, weight: torch.Tensor, group_sizes=None) -> torch.Tensor:

@@ -161,9 +161,11 @@ def run(op, x, ctx: RunContext, counter: int | None = None) -> torch.Tensor:
                  counter)
 
 
-def dgrad(op, dy: torch.Tensor, ctx: RunContext, counter: int | None = None) -> torch.Tensor:
-    """``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3) times the weight's transposed blocks."""
-    return _gemm(operand(dy), weight_operand(op, transposed=True), row_bounds(op, dy.shape[0], ctx, dy.device),
+def dgrad(op, dy: torch.Tensor, ctx: RunContext, counter: int | None = None, quantized=None) -> torch.Tensor:
+    """``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3) times the weight's transposed blocks. `quantized`:
+    dY's quantization already made (a BlockScaled: the fused dgrad before wrote it), else this quantizes dY."""
+    a = operand(dy) if quantized is None else quantized
+    return _gemm(a, weight_operand(op, transposed=True), row_bounds(op, dy.shape[0], ctx, dy.device),
                  dy.dtype, "dgrad", counter)
 
 

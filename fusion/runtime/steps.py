@@ -22,7 +22,7 @@ import torch
 from fusion.codegen import slots
 from fusion.codegen.emit import epilogue_source
 from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forward_spec
-from fusion.dataflow import g, index_of, out_grad, v
+from fusion.dataflow import g, index_of, out_grad, qg, v
 from fusion.kernels import tile_policy
 from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, gather_dy, gathers_in_kernel
 from fusion.grouped import linear_dgrad, linear_wgrad
@@ -384,11 +384,14 @@ class FusedDgrad(_KernelStep):
         self.grad_in = out_grad(plan.ops, self.j)
         self.saved = next((r for r in step.reads if r.startswith("v")), None)
         self.postact = v(self.j) in step.writes
+        # the input gradient also quantized 1x128 rowwise: the FP8 dgrad operand of the GEMM before the chain
+        self.quantized_dinput = qg(self.first) if qg(self.first) in step.writes else None
         self.dy_tokens = None if self.fp8 else tokens_grad(seq, plan, self.j)
         self._gathers_dy: dict = {}
         self.origin = f"pattern {step.pattern} [{step.pattern_loc}] (backward), ops {list(step.ops)}"
         self._shared_bias = {}
-        self._slots = self.spec.backward_slots(self.postact)
+        self._quantized_format = "fp8_block" if self.quantized_dinput else None
+        self._slots = self.spec.backward_slots(self.postact, self._quantized_format)
         self._biases = [op for op in self.elementwise if op.spec.name == "Bias"]  # (op.spec costs us per call)
 
     def weight_shape(self) -> tuple[int, int, int]:
@@ -407,10 +410,12 @@ class FusedDgrad(_KernelStep):
 
     def job(self, dtype: torch.dtype, variant: str = "backward", tiles: bool = True):
         G, N, K = self.weight_shape()
-        # a dequantized FP8-block output: 128 logical columns (any FP8 dgrad tile), on 128 rows where the policy says
-        col_block = 128 if self.spec.dequantizes(self.postact) and tile_policy.FP8_DEQUANT_128 else 8
+        # a dequantized FP8-block output: 128 logical columns (any FP8 dgrad tile), on 128 rows where the policy
+        # says; a quantized input gradient: a 128-column block of each half whole in the tile, so 128 x 128
+        block_output = (self.spec.dequantizes(self.postact) and tile_policy.FP8_DEQUANT_128) or self.quantized_dinput
+        col_block = 128 if block_output else 8
         source = epilogue_source(self.spec, str(dtype).removeprefix("torch."), backward=True, postact=self.postact,
-                                 origin=self.origin)
+                                 origin=self.origin, quantized_dinput=self._quantized_format)
         return make_job(source, dtype, N, K, G, False, self.b_major, self.spec.saved is not None, self.label, variant,
                         tiles=tiles, gather=variant == "backward_gather", mainloop="fp8_block" if self.fp8 else "bf16",
                         col_block=col_block)
@@ -461,6 +466,13 @@ class FusedDgrad(_KernelStep):
                 outs[slot.kernel_name] = torch.empty(M, slot.parts(spec.out_features), dtype=partial_dtype,
                                                      device=dy.device)
                 continue
+            if isinstance(slot, slots.QuantizedDInput):   # codes, k-block-major scales, the amax's zeroed int32
+                from fusion.kernels.api import fp8_block_outputs
+                from fusion.kernels.epilogue import FP8BlockOutput
+
+                outs.update(fp8_block_outputs(FP8BlockOutput(slot.kernel_name, slot.paired), M, spec.in_features,
+                                              dy.device))
+                continue
             width = spec.in_features if isinstance(slot, slots.DInput) else spec.out_features
             outs[slot.kernel_name] = torch.empty(M, width, dtype=dy.dtype, device=dy.device)
         _poison(outs)
@@ -472,6 +484,10 @@ class FusedDgrad(_KernelStep):
         kernel.run(a, b, state.ctx.counters, tensors, state.counter_ptr(self.slot), index=index)
         dinput = outs["dinput"]
         state.env[f"g{self.first}"] = dinput
+        if self.quantized_dinput is not None:
+            from fusion.runtime.kernel import BlockScaled
+
+            state.env[self.quantized_dinput] = BlockScaled(outs["dinput_q"].view(torch.uint8), outs["dinput_q_scale"])
         for slot in out_slots:
             if isinstance(slot, slots.DScale):
                 # the kernel's float32 partial row sums, added in a fixed order, then cast to the scale's dtype
@@ -495,6 +511,8 @@ class GemmDgrad(_DeviceMethodStep):
         self.op = seq[self.index]
         self.grad_in = out_grad(plan.ops, self.index)
         self.fp8 = _is_fp8(self.op)
+        # dY already quantized as the FP8 dgrad reads it, by the fused dgrad before (fusion/dataflow.py)
+        self.quantized_in = next((r for r in step.reads if r.startswith("qg")), None)
         self.device = _device_method(self.op, "dgrad", device_kernels)
         # a device method whose dgrad rule differs from its forward's says so with takes_dgrad (fusion.op_table)
         self.takes = None if self.device is None else getattr(self.device, "takes_dgrad", self.device.takes)
@@ -506,14 +524,15 @@ class GemmDgrad(_DeviceMethodStep):
         ctx, op = state.ctx, self.op
         dy = dequantize(state.env[self.grad_in])
         dy = dy if dy.is_contiguous() else dy.contiguous()
+        quantized = {} if self.quantized_in is None else {"quantized": state.env[self.quantized_in]}
         if self.takes is not None and self.takes(op, dy):
-            dx = self.device.dgrad(op, dy, ctx, **self._counter(state))
+            dx = self.device.dgrad(op, dy, ctx, **self._counter(state), **quantized)
         elif not self.fp8:
             dx = linear_dgrad(dy, weight_of(op), ctx.group_sizes, ctx.offsets)
         else:
             from fusion.quant.fp8_linear import fp8_block_dgrad
 
-            dx = fp8_block_dgrad(dy, op.quantized_weight(), _groups(op, ctx))
+            dx = fp8_block_dgrad(dy, op.quantized_weight(), _groups(op, ctx), **quantized)
         state.env[f"g{self.index}"] = dx
 
 
