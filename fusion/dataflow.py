@@ -32,6 +32,7 @@ back; `row_symbols` names the rows of each value so sizes can be given per token
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from fusion.kernel_templates import TEMPLATES  # a data table: what each kernel template can write
 
@@ -104,8 +105,12 @@ def qg(i: int) -> str:
 
 #: Whether a fused dgrad whose template can (KernelTemplate.quantizes_dinput) also writes its input gradient
 #: quantized for the FP8 dgrad of the GEMM before its chain (read when a block is planned; bench/ab_switch.py --plan
-#: flips it).
-QUANTIZES_DGRAD_OPERAND = True
+#: flips it). Off by default (FUSION_QUANTIZED_DGRAD_OPERAND=1, read at import, turns it on): measured on an H200
+#: (bench/ab_switch.py --plan, three rounds; docs/benchmarks.md "FC1's dgrad operand from FC2's dgrad"), the
+#: dgrad's epilogue, which does not overlap its mainloop, spent more on the quantization than the quantize kernel it
+#: replaces: Qwen3-30B-A3B's FC2 dgrad +0.111 ms against the 0.089 ms kernel, DeepSeek-V2-Lite's +0.174 against
+#: 0.120; training steps -0.3..+2.5% with QuantizeFP8Block(columnwise=False), -0.0..+3.9% without it.
+QUANTIZES_DGRAD_OPERAND = os.environ.get("FUSION_QUANTIZED_DGRAD_OPERAND", "0") == "1"
 
 
 def quantizes_dgrad_operand(infos, step) -> int | None:

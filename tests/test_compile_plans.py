@@ -130,6 +130,30 @@ def test_epilogue_matrix_compiles(case):
         check_sass(k)
 
 
+@pytest.mark.parametrize("case", ["fp8-swiglu-scale-fp8store", "fp8-swiglu-scale-quant", "fp8-gelu-fp8store"])
+def test_fp8_dgrad_writing_fc1s_operand_compiles(case, monkeypatch):
+    """With FUSION_QUANTIZED_DGRAD_OPERAND's rule on (off by default), B1 also writes FC1's FP8 dgrad operand
+    (tests/test_fp8_quantized_dgrad_operand.py) on 128 x 128 tiles: beside the dequantized recompute, a columnwise
+    op's plain gradient and a plain activation. The gated ones spilled 35-87 registers before the row's two blocks
+    were quantized in a loop the compiler does not unroll (kernels/fp8_block_store.py store_fp8_block_halves)."""
+    from fusion import dataflow
+    from fusion.planner import clear_cache
+    from fusion.runtime.aot import plan_jobs
+
+    monkeypatch.setattr(dataflow, "QUANTIZES_DGRAD_OPERAND", True)
+    clear_cache()
+    try:
+        block = Sequential(*epilogue_matrix()[case]).to("meta")
+        (job,) = [j for j in plan_jobs(block, torch.bfloat16) if j.step == "B1"]
+        kernels = block.compile(dtype=torch.bfloat16, target="sm_90a")
+    finally:
+        clear_cache()
+    assert '_epi.FP8BlockOutput("dinput_q"' in job.source, job.source
+    (b1,) = [k for k in kernels if k.name.split("_")[1] == "B1"]
+    assert b1.key == job.key and (b1.config.tile_m, b1.config.tile_n) == (128, 128), b1.config
+    check_sass(b1)
+
+
 def test_regenerating_a_plan_gives_the_same_cache_key():
     from fusion.runtime.aot import plan_jobs
 

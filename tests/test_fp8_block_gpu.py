@@ -262,11 +262,16 @@ def test_many_rows_per_group_run_single_ctas_with_the_same_bits(monkeypatch):
     """From tile_policy.FP8_SINGLE_ROWS rows per group a call's FP8 kernels (fused and lone) run the 256-row tile
     as single CTAs instead of pairs: the same tiles and k order, so the output and every gradient are bitwise the
     pairs' (and those match the recipe: test_grouped_block_matches_the_recipe). FC1's gated kernel on the old
-    policy's 256-row tile too (FP8_GATED_WAVES off: its 128 x 256 n-waves have no single-CTA variant)."""
+    policy's 256-row tile too (FP8_GATED_WAVES off: its 128 x 256 n-waves have no single-CTA variant), and FC2's dgrad
+    without writing FC1's dgrad operand (which takes 128 x 128 tiles: tests/test_fp8_quantized_dgrad_operand_gpu.py)."""
     import fusion.kernels.fp8_api as fp8_api
+    from fusion import dataflow
     from fusion.kernels import tile_policy
+    from fusion.planner import clear_cache
 
     monkeypatch.setattr(tile_policy, "FP8_GATED_WAVES", False)
+    monkeypatch.setattr(dataflow, "QUANTIZES_DGRAD_OPERAND", False)
+    clear_cache()
 
     real, launched = fp8_api.launch_grid, []
 

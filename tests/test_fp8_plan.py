@@ -270,15 +270,14 @@ def test_sequential_compile_builds_every_fp8_kernel_the_plan_launches(monkeypatc
     assert len({j.key for j in fp8}) == 5
     # with single CTAs from FP8_SINGLE_ROWS rows per group (tile_policy.fp8_for_rows), each 256-row tile also at
     # those: every one of these widths pairs up its 128-column n-tiles; FC1's gated kernels are 128 x 256 n-waves
-    # (tile_policy.FP8_GATED_WAVES), and B1, which also writes FC1's dgrad operand quantized 1 x 128
-    # (tests/test_fp8_quantized_dgrad_operand.py), 128 x 128: neither has a single-CTA variant by rows
+    # (tile_policy.FP8_GATED_WAVES), which have no single-CTA variant by rows
     monkeypatch.setattr(tile_policy, "FP8_SINGLE_ROWS", 4096)
     by_rows = [j for j in plan_jobs(block(E=4, d=256, f=256, backend="auto").to("meta", torch.bfloat16),
                                     torch.bfloat16) if j.mainloop == "fp8_block"]
     assert [(j.step, j.variant, j.N, j.K, GemmConfig(*j.config).cluster_n) for j in by_rows] == [
-        (*e, pair) for e in expected for pair in ((2,) if e[0] in ("F1", "B1") else (2, 1))]
+        (*e, pair) for e in expected for pair in ((2,) if e[0] == "F1" else (2, 1))]
     assert all(GemmConfig(*j.config).tile_n == 256 for j in by_rows if j.step == "F1")
-    assert len({j.key for j in by_rows}) == 7
+    assert len({j.key for j in by_rows}) == 8
     monkeypatch.undo()
     # the weight gradients dW (E, out, in): FC2's (256, 256) and FC1's (512, 256) (N = in, K = out)
     assert sorted((j.N, j.K) for j in jobs if j.mainloop == "varlen_k") == [(256, 256), (256, 512)]

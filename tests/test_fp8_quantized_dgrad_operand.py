@@ -1,5 +1,6 @@
 """FC2's fused FP8 dgrad (B1) also writes d(pre-activation) quantized 1x128 rowwise, the operand FC1's FP8 dgrad
-reads, so that dgrad runs no quantize pass (fusion/dataflow.py `quantizes_dgrad_operand`; the output is
+reads, so that dgrad runs no quantize pass, where the rule is on (FUSION_QUANTIZED_DGRAD_OPERAND=1: off by default,
+measured slower; fusion/dataflow.py `quantizes_dgrad_operand`; the output is
 kernels.epilogue.FP8BlockOutput, paired: each gated half's blocks on their own). The plan says so, the generated
 epilogue declares it, and the emulated program's FC1 dgrad reads the kernel's codes (corrupting them moves dX) and
 gives, bit for bit, what quantizing B1's gradient again gave. Where a gated half is not whole 128-column blocks (a
@@ -15,13 +16,31 @@ E, D = 3, 64
 
 
 @pytest.fixture(autouse=True)
-def _fresh_plans():
+def _fresh_plans(monkeypatch):
+    """Fresh plans with the rule on (off by default: measured slower, test_it_is_off_by_default)."""
     from fusion.patterns.registry import reset_to_builtins
 
     reset_to_builtins()
+    monkeypatch.setattr(dataflow, "QUANTIZES_DGRAD_OPERAND", True)
     clear_cache()
     yield
     clear_cache()
+
+
+def test_it_is_off_by_default():
+    """On an H200 the dgrad's epilogue spent more on the quantization than the quantize kernel it replaces
+    (docs/benchmarks.md), so a plan takes it only with FUSION_QUANTIZED_DGRAD_OPERAND=1 (read at import)."""
+    import os
+    import subprocess
+    import sys
+
+    def setting(**env):
+        code = "import fusion.dataflow as d; print(d.QUANTIZES_DGRAD_OPERAND)"
+        base = {k: v for k, v in os.environ.items() if k != "FUSION_QUANTIZED_DGRAD_OPERAND"}
+        return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert setting() == "False" and setting(FUSION_QUANTIZED_DGRAD_OPERAND="1") == "True"
 
 
 def block(f=256, quant=True, fmt1="fp8_block", act=None, backend="auto", dtype=torch.float32):

@@ -1,5 +1,5 @@
-"""On the GPU, FC2's fused FP8 dgrad (B1) writes d(pre-activation) quantized 1x128 rowwise for FC1's FP8 dgrad
-(fusion/dataflow.py `quantizes_dgrad_operand`; kernels.epilogue.FP8BlockOutput, paired): the codes and scales are,
+"""On the GPU, FC2's fused FP8 dgrad (B1) writes d(pre-activation) quantized 1x128 rowwise for FC1's FP8 dgrad where
+the rule is on (FUSION_QUANTIZED_DGRAD_OPERAND=1; fusion/dataflow.py `quantizes_dgrad_operand`; kernels.epilogue.FP8BlockOutput, paired): the codes and scales are,
 bit for bit, fusion.quant's quantization of the gradient B1 writes in bf16, with a zero row, huge and tiny rows,
 partial tiles and empty groups, f = 384 (three blocks a half); FC1's dgrad reads them (no quantize kernel runs for
 it) and the training step's every gradient equals, bit for bit, the same step with the switch off."""
@@ -64,6 +64,8 @@ def test_b1_writes_fc1s_operand_bit_for_bit(f, quant, monkeypatch):
         return dgrad(op, dy, ctx, counter, quantized)
 
     monkeypatch.setattr(fp8_gemm, "dgrad", spy)
+    monkeypatch.setattr(dataflow, "QUANTIZES_DGRAD_OPERAND", True)   # (off by default: measured slower)
+    clear_cache()
     x, sizes, probs, dy = _inputs()
     seq = _block(f, quant)
     assert "qg1" in next(s for s in seq.plan(dtype=torch.bfloat16).backward if s.fused).writes
