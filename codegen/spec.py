@@ -18,16 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fusion.errors import CompileError
+from fusion.quant.fp8_block import FP8_BLOCK   # a rowwise block's columns: whole in the kernel's logical tile
 
 from fusion.codegen import slots
 
 
 class Unsupported(CompileError):
     """The kernel template cannot run this epilogue; the message says which op and why."""
-
-
-#: Columns of an FP8-block output's rowwise block (docs/quantization.md): whole in the kernel's logical tile.
-FP8_BLOCK = 128
 
 
 @dataclass(frozen=True)

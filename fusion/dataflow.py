@@ -35,6 +35,7 @@ import dataclasses
 import os
 
 from fusion.kernel_templates import TEMPLATES  # a data table: what each kernel template can write
+from fusion.quant.fp8_block import FP8_BLOCK     # the 1 x 128 rowwise block a quantized gradient's rows hold
 
 
 def v(i: int) -> str:
@@ -129,7 +130,7 @@ def quantizes_dgrad_operand(infos, step) -> int | None:
     if infos[p].weight_format not in template.quantizes_dinput or infos[a].in_features is None:
         return None
     gated = any(infos[i].gated for i in step.ops[:-1])
-    if gated and (infos[a].in_features // 2) % 128:
+    if gated and (infos[a].in_features // 2) % FP8_BLOCK:
         return None
     return p
 

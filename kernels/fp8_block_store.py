@@ -18,6 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from .epilogue import FP8BlockOutput
 from .fragment_io import bits_f32, f32_bits, store2, unpack2
 from .pow2_quant import finite_abs_bits, fp8_block_scale_bits, scaled_or_nan
 
@@ -89,7 +90,7 @@ def store_fp8_block_halves(gate: list, up: list, lcols: list, oks: list, t: cute
         off = cutlass.select_(second, n_log, Int32(0))
         scale_bits, block_amax = store_fp8_block_row(words, [c + off for c in lcols], oks, t, grow, ab_dtype,
                                                      cutlass.select_(second, amax_bits[1], amax_bits[0]))
-        store_block_scale(ts, (off + lcols[0]) // 128, grow, scale_bits, scale_ok)
+        store_block_scale(ts, (off + lcols[0]) // FP8BlockOutput.block, grow, scale_bits, scale_ok)
         amax_run = cutlass.max(amax_run, block_amax)
     return amax_run
 
