@@ -22,55 +22,68 @@ from .epilogue import FP8BlockOutput
 from .fragment_io import bits_f32, f32_bits, store2, unpack2
 from .pow2_quant import finite_abs_bits, fp8_block_scale_bits, scaled_or_nan
 
-__all__ = ["lane_amax", "store_fp8_block_row", "store_fp8_block_halves", "store_fp8_block_dequantized_row",
+__all__ = ["lane_amax", "rounded", "store_fp8_block_row", "store_fp8_block_halves", "store_fp8_block_dequantized_row",
            "store_block_scale", "warp_amax_to", "decode_e4m3"]
 
 FP8 = cutlass.Float8E4M3FN
 
 
-def lane_amax(words, oks, ab_dtype, amax_bits=None):
-    """The running max of the finite ``|value|`` bits of this lane's stored (``oks``) values: ``words[c]``, chunk c's
-    two values in the GEMM dtype, packed (fragment_io.pack2). A caller that has a row's chunks batch by batch folds
+def _in_gemm_dtype(item, ab_dtype) -> list:
+    """A chunk's two values in the GEMM dtype, as float32: an item is a packed word (fragment_io.pack2) or a pair
+    already rounded (:func:`rounded`)."""
+    return list(item) if isinstance(item, (list, tuple)) else list(unpack2(item, ab_dtype))
+
+
+def rounded(pairs, ab_dtype) -> list:
+    """A row's float32 results (``pairs[c]``: chunk c's two) rounded to the GEMM dtype, once: the items of a caller
+    that keeps its row in float32 (FC1's store: packing there cost its kernel 248 more instructions, 3248 against
+    3000, the unpacking done twice)."""
+    return [[Float32(Float32(v).to(ab_dtype)) for v in pair] for pair in pairs]
+
+
+def lane_amax(items, oks, ab_dtype, amax_bits=None):
+    """The running max of the finite ``|value|`` bits of this lane's stored (``oks``) values: ``items[c]``, chunk c's
+    two values in the GEMM dtype (:func:`_in_gemm_dtype`). A caller that has a row's chunks batch by batch folds
     each batch in as it comes (``amax_bits``: the max so far), so the block's reduction needs no second pass over
     the row (a dgrad writing a quantized and a dequantized row spilled with one)."""
     amax_bits = Int32(0) if amax_bits is None else amax_bits
-    for c, word in enumerate(words):
-        for y in unpack2(word, ab_dtype):
+    for c, item in enumerate(items):
+        for y in _in_gemm_dtype(item, ab_dtype):
             bits, _ = finite_abs_bits(y)
             amax_bits = cutlass.max(amax_bits, cutlass.select_(oks[c], bits, Int32(0)))
     return amax_bits
 
 
-def _block_scale(words, oks, ab_dtype, amax_bits=None):
+def _block_scale(items, oks, ab_dtype, amax_bits=None):
     """``(scale bits, 2^-e, amax bits)`` of the row's block: the amax over the quad's stored finite values, from
-    this lane's :func:`lane_amax` (``amax_bits``; None: computed here from ``words``) by a butterfly."""
-    amax_bits = lane_amax(words, oks, ab_dtype) if amax_bits is None else amax_bits
+    this lane's :func:`lane_amax` (``amax_bits``; None: computed here from ``items``) by a butterfly."""
+    amax_bits = lane_amax(items, oks, ab_dtype) if amax_bits is None else amax_bits
     amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 1))
     amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 2))
     scale_bits, inv_scale = fp8_block_scale_bits(amax_bits)
     return scale_bits, inv_scale, amax_bits
 
 
-def _scaled(word, inv_scale, ab_dtype):
+def _scaled(item, inv_scale, ab_dtype):
     """A chunk's two values times ``2^-e`` (NaN for a non-finite one): what converts to their E4M3 codes."""
     out = []
-    for y in unpack2(word, ab_dtype):
+    for y in _in_gemm_dtype(item, ab_dtype):
         _, fin = finite_abs_bits(y)
         out.append(scaled_or_nan(y, fin, inv_scale))
     return out
 
 
-def store_fp8_block_row(words, lcols, oks, t, grow, ab_dtype, amax_bits=None):
-    """Trace time. ``words[c]``: logical columns ``lcols[c]``, ``lcols[c] + 1`` of row ``grow`` in the GEMM dtype,
-    packed, every chunk of the row's 128-column block (16 chunks), ``oks[c]`` whether chunk ``c`` is stored (row and
-    columns in range; a masked chunk adds nothing to the amax); ``amax_bits``: this lane's :func:`lane_amax` of them
-    where the caller kept it. Writes the e4m3 codes to ``t``; returns ``(scale bits, amax bits)`` of the block, the
-    same in the four lanes of the quad."""
-    scale_bits, inv_scale, amax_bits = _block_scale(words, oks, ab_dtype, amax_bits)
-    assert len(words) % 4 == 0, "the codes leave in groups of four chunks"
+def store_fp8_block_row(items, lcols, oks, t, grow, ab_dtype, amax_bits=None):
+    """Trace time. ``items[c]``: logical columns ``lcols[c]``, ``lcols[c] + 1`` of row ``grow`` in the GEMM dtype
+    (packed words, or :func:`rounded` pairs), every chunk of the row's 128-column block (16 chunks), ``oks[c]``
+    whether chunk ``c`` is stored (row and columns in range; a masked chunk adds nothing to the amax);
+    ``amax_bits``: this lane's :func:`lane_amax` of them where the caller kept it. Writes the e4m3 codes to ``t``;
+    returns ``(scale bits, amax bits)`` of the block, the same in the four lanes of the quad."""
+    scale_bits, inv_scale, amax_bits = _block_scale(items, oks, ab_dtype, amax_bits)
+    assert len(items) % 4 == 0, "the codes leave in groups of four chunks"
     quad = cute.arch.lane_idx() & 3
-    for g in range(len(words) // 4):
-        codes = [_scaled(words[c], inv_scale, ab_dtype) for c in range(4 * g, 4 * g + 4)]
+    for g in range(len(items) // 4):
+        codes = [_scaled(items[c], inv_scale, ab_dtype) for c in range(4 * g, 4 * g + 4)]
         _store_chunk_group(t, grow, lcols[4 * g], codes, oks[4 * g: 4 * g + 4], quad)
     return scale_bits, amax_bits
 

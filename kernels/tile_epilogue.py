@@ -23,8 +23,8 @@ from cutlass import Float32, Int32
 from .dtypes import cutlass_dtype
 from .epilogue import AuxInput, Epilogue, FP8BlockDequantOutput, FP8BlockOutput, GroupVector, MXFP8Output, \
     RowSumOutput, RowVector, extra_tensors, is_fp8_block
-from .fp8_block_store import lane_amax, store_block_scale, store_fp8_block_dequantized_row, store_fp8_block_halves, \
-    store_fp8_block_row, warp_amax_to
+from .fp8_block_store import lane_amax, rounded, store_block_scale, store_fp8_block_dequantized_row, \
+    store_fp8_block_halves, store_fp8_block_row, warp_amax_to
 from .fragment_io import load1, load2, load_word, pack2, quad_sum, row_addr, store2, store4_swapped, store_f32, \
     unpack2
 from .mxfp8_store import store_mxfp8
@@ -179,6 +179,9 @@ class TileEpilogue:
             assert self.tile_n_log == FP8BlockOutput.block and 8 * n_c == self.tile_n_log and n_nn == 1, \
                 "FP8-block output: the logical tile must be one 128-column block, one wgmma atom wide"
             lane = cute.arch.lane_idx()
+        # a row's block values wait packed where the row holds more than one block: a dequantized output (B1's), a
+        # paired one or several
+        packs = bool(fp8d) or len(fp8b) > 1 or any(epi.outputs[oi].paired for oi in fp8b)
         if fp8b:
             amax_run = {oi: Int32(0) for oi in fp8b}   # the thread's running max of the blocks' amax bits
         batch = self.batch if n_c % self.batch == 0 else n_c
@@ -233,10 +236,12 @@ class TileEpilogue:
                         if not isinstance(spec, (MXFP8Output, FP8BlockOutput, RowSumOutput)):
                             out_base[oi] = row_addr(out_tensors[ot], grow, lc0, out_dtypes[oi])
                         ot += 1 + len(extra_tensors(spec))
-                    # the row's (values, columns, oks) so far, the values rounded to the GEMM dtype (what the blocks
-                    # quantize) and packed two to a register, and this lane's running amax bits of each half, folded
-                    # in batch by batch (lane_amax): a dgrad holding its input gradient's quantized row and FC2's
-                    # input's dequantized one spilled with float32 values and a second pass for the amax
+                    # the row's (values, columns, oks) so far; where `packs`, the values rounded to the GEMM dtype
+                    # (what the blocks quantize) and packed two to a register, and this lane's running amax bits of
+                    # each half, folded in batch by batch (lane_amax): a dgrad holding its input gradient's quantized
+                    # row and FC2's input's dequantized one spilled with float32 values and a second pass for the
+                    # amax. A lone unpaired block output (FC1's store) keeps float32 values, rounded at the row's end
+                    # (fp8_block_store.rounded: packed, its kernel ran 248 more instructions)
                     pending = {oi: ([], [], []) for oi in fp8b + fp8d}
                     lane_max = {oi: [None, None] for oi in fp8b + fp8d}
                     for c0 in range(0, n_c, batch):
@@ -323,12 +328,13 @@ class TileEpilogue:
                                 ot += 2
                                 continue
                             if is_fp8_block(spec):
-                                words = self._packed(results[oi], spec.paired)
-                                for part, got in zip(pending[oi], (words, lcols, oks)):
+                                items = self._packed(results[oi], spec.paired) if packs else results[oi]
+                                for part, got in zip(pending[oi], (items, lcols, oks)):
                                     part.extend(got)
                                 for k in range(2 if spec.paired else 1):
-                                    half = [w[k] for w in words] if spec.paired else words
-                                    lane_max[oi][k] = lane_amax(half, oks, self.ab_dtype, lane_max[oi][k])
+                                    if packs:
+                                        half = [w[k] for w in items] if spec.paired else items
+                                        lane_max[oi][k] = lane_amax(half, oks, self.ab_dtype, lane_max[oi][k])
                                 ot += 1 + len(extra_tensors(spec))
                                 continue
                             if quad[oi]:
@@ -364,7 +370,8 @@ class TileEpilogue:
                                 out_tensors[out_slot[oi] + 1], grow, scale_ok, Int32(n_log), lane_max[oi],
                                 amax_run[oi], self.ab_dtype)
                         else:
-                            scale_bits, amax_bits = store_fp8_block_row(words, cols, col_oks, t, grow, self.ab_dtype,
+                            items = words if packs else rounded(words, self.ab_dtype)
+                            scale_bits, amax_bits = store_fp8_block_row(items, cols, col_oks, t, grow, self.ab_dtype,
                                                                         lane_max[oi][0])
                             # the row's scale of block cols[0] // 128 (= n_idx)
                             store_block_scale(out_tensors[out_slot[oi] + 1], cols[0] // FP8BlockOutput.block, grow,
