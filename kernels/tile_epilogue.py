@@ -359,18 +359,18 @@ class TileEpilogue:
                                         store2(out_base[oi] + 8 * c * eb, rk[0], rk[1], dt, oks[k])
                             ot += 1
                     for oi in fp8b:
-                        words, cols, col_oks = pending[oi]
+                        row_items, cols, col_oks = pending[oi]   # packed words, or float32 pairs (`packs`)
                         t = out_tensors[out_slot[oi]]
                         scale_ok = row_ok & (lane % 4 == 0)   # lane 0 of the quad writes the row's scales
                         if epi.outputs[oi].paired:
                             # the gate half's block, then the up half's n_log columns further, each quantized on its
                             # own (FP8BlockOutput: the caller sees to n_log % 128 == 0), one at a time
                             amax_run[oi] = store_fp8_block_halves(
-                                [w[0] for w in words], [w[1] for w in words], cols, col_oks, t,
+                                [w[0] for w in row_items], [w[1] for w in row_items], cols, col_oks, t,
                                 out_tensors[out_slot[oi] + 1], grow, scale_ok, Int32(n_log), lane_max[oi],
                                 amax_run[oi], self.ab_dtype)
                         else:
-                            items = words if packs else rounded(words, self.ab_dtype)
+                            items = row_items if packs else rounded(row_items, self.ab_dtype)
                             scale_bits, amax_bits = store_fp8_block_row(items, cols, col_oks, t, grow, self.ab_dtype,
                                                                         lane_max[oi][0])
                             # the row's scale of block cols[0] // 128 (= n_idx)
