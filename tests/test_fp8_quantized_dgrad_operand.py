@@ -11,8 +11,7 @@ import torch
 from fusion import Activation, GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
 from fusion import dataflow
 from fusion.planner import clear_cache, plan_for
-
-E, D = 3, 64
+from test_fp8_dequant_recompute import D, E, _inputs, _run   # the same block widths, inputs and step
 
 
 @pytest.fixture(autouse=True)
@@ -103,21 +102,6 @@ def test_the_generated_epilogue_declares_the_quantized_gradient():
     job = b1.job(torch.bfloat16)
     assert '_epi.FP8BlockOutput("dinput_q", paired=True)' in job.source, job.source
     assert job.config[:2] == (128, 128), job.config   # (tile_m, tile_n): a row's block whole in the tile
-
-
-def _run(seq, x, sizes, probs):
-    x = x.clone().requires_grad_()
-    probs = probs.clone().requires_grad_()
-    y = seq(x, group_sizes=sizes, scale=probs)
-    (y.double() * torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view(y.shape)).sum().backward()
-    return [y.detach(), x.grad, probs.grad] + [p.grad for p in seq.parameters()]
-
-
-def _inputs(dtype):
-    torch.manual_seed(1)
-    sizes = torch.tensor([100, 0, 157])   # an empty group; partial 128-row tiles
-    x = torch.randn(257, D, dtype=dtype) * torch.logspace(-2, 2, D, dtype=dtype)
-    return x, sizes, torch.rand(257, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
