@@ -301,7 +301,7 @@ def make_path(name: str, seq, sizes, offsets, probs):
         return QuackPath(seq, offsets, probs)
     if name in ("fusion_fp8", "fusion_fp8_fp8wgrad", "fusion_fp8_direct"):
         from fp8_paths import fusion_fp8_block
-        block = fusion_fp8_block(seq, probs, wgrad_bf16=name != "fusion_fp8_fp8wgrad",
+        block = fusion_fp8_block(seq, probs, wgrad_bf16=False if name == "fusion_fp8_fp8wgrad" else "auto",
                                  quantize=name != "fusion_fp8_direct")
         return FusionPath(block, sizes, probs)
     if name == "unfused_fp8":
@@ -436,18 +436,31 @@ def select_blocks(models: str | None) -> list[Block]:
 def precompile(blocks, fp8: bool = True) -> None:
     """Compile every fused kernel these blocks' plans launch into FUSION_CACHE_DIR (no GPU needed); `fp8`: the
     FP8 twins' and phase gemm's too."""
+    from fusion.planner import clear_cache
+    from fusion.quant import fp8_linear
     from fusion.runtime.aot import compile_jobs, plan_jobs
     from fusion.runtime.fp8_gemm import identity_job
 
     from fp8_paths import fusion_fp8_block
 
     jobs = []
+    default_wgrad = fp8_linear.WGRAD_IN_BF16
     for block in blocks:
         with torch.device("meta"):
             seq = fusion_block(block, "meta")
             probs = True if block.moe else None
-            twins = [fusion_fp8_block(seq, probs, quantize=q) for q in (True, False)] if fp8 else []
-        jobs += plan_jobs(seq, torch.bfloat16) + [job for twin in twins for job in plan_jobs(twin, torch.bfloat16)]
+            jobs += plan_jobs(seq, torch.bfloat16)
+            # the FP8 twins with and without the QuantizeFP8Block, under both weight-gradient recipes (the bf16
+            # varlen-K kernel's jobs, or the FP8 one's: fusion_fp8_fp8wgrad, an A/B of WGRAD_IN_BF16)
+            try:
+                for wgrad_bf16 in ("auto", False) if fp8 else ():
+                    fp8_linear.WGRAD_IN_BF16 = wgrad_bf16
+                    clear_cache()
+                    jobs += [job for q in (True, False) for job in plan_jobs(fusion_fp8_block(seq, probs, quantize=q),
+                                                                             torch.bfloat16)]
+            finally:
+                fp8_linear.WGRAD_IN_BF16 = default_wgrad
+                clear_cache()
         if fp8:
             jobs += [identity_job(N, K, block.E, torch.bfloat16) for _, K, N in _gemm_shapes(block)]  # phase gemm
     print(f"{len(jobs)} kernels ({len({j.key for j in jobs})} distinct)", flush=True)

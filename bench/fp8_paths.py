@@ -4,14 +4,17 @@
                before FC2 (FC1 -> SwiGLU -> Scale -> QuantizeFP8Block -> FC2), backend="auto": the plan of
                patterns/fp8.fpat (FC1 + SwiGLU·scale + the FP8-block store on the FP8 kernel, FC2's FP8 dgrad +
                d(SwiGLU·scale)), the FP8 kernel alone for FC2's fprop and FC1's dgrad (fusion/runtime/fp8_gemm.py).
-               Weight gradients by the default recipe (fusion.quant.fp8_linear.WGRAD_IN_BF16 = True: bf16 GEMMs
-               of the high-precision dY and X).
+               Weight gradients by the default recipe (fusion.quant.fp8_linear.WGRAD_IN_BF16 = "auto": per GEMM
+               and call, FP8 columnwise copies on the FP8 varlen-K kernel where the GEMM is wide and its groups
+               long, else bf16 GEMMs of the high-precision dY and X: fp8_linear.wgrad_in_bf16).
 - fusion_fp8_direct  the same without the QuantizeFP8Block: FC2 quantizes its bf16 input itself (rowwise only),
                and its bf16 weight gradient reads that input as FC2's fused dgrad recomputes it (nothing
                quantized is kept for the backward, nothing is dequantized for it).
-- fusion_fp8_fp8wgrad  the same as fusion_fp8 with WGRAD_IN_BF16 = False (the weight gradients from the recipe's FP8
-               columnwise operands, so QuantizeFP8Block(columnwise=True): the quantize kernel after FC1); the switch
-               is set when a path is made and kept until the next is made.
+- fusion_fp8_fp8wgrad  the same as fusion_fp8 with WGRAD_IN_BF16 = False: the weight gradients from the recipe's FP8
+               columnwise operands, dY and X each quantized by the quantize kernel into the slot layout and
+               multiplied by the FP8 varlen-K kernel (kernels/fp8_wgrad.py); FC2's input stays the rowwise copy
+               FC1's epilogue writes (QuantizeFP8Block(columnwise=False)), so its weight gradient quantizes it
+               columnwise from its value. The switch is set when a path is made and kept until the next is made.
 - unfused_fp8  what a user writes with torch's FP8 grouped GEMM: torch._scaled_grouped_mm with row-wise scales
                (one per row of A, one per output column of B) for FC1, FC2 and both dgrads; a torch.compile'd
                act·scale and a torch.compile'd row-wise quantization; bf16 torch._grouped_mm weight gradients;
@@ -25,21 +28,24 @@ import torch
 _E4M3_MAX = 448.0
 
 
-def fusion_fp8_block(seq, probs, wgrad_bf16=True, quantize=True):
-    """The bf16 block's FP8 twin, with its weights; the process-wide wgrad choice set as asked. `quantize`: a
-    QuantizeFP8Block before FC2 (without it FC2's device method or fused step quantizes its input itself)."""
+def fusion_fp8_block(seq, probs, wgrad_bf16=None, quantize=True):
+    """The bf16 block's FP8 twin, with its weights; the process-wide wgrad choice set as asked (None: left as it is,
+    as a precompile or an A/B of the switch wants). `quantize`: a QuantizeFP8Block before FC2 (without it FC2's
+    device method or fused step quantizes its input itself)."""
     from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
     from fusion.quant import fp8_linear
 
-    fp8_linear.WGRAD_IN_BF16 = wgrad_bf16
+    if wgrad_bf16 is not None:
+        fp8_linear.WGRAD_IN_BF16 = wgrad_bf16
 
     fc1, fc2 = seq[0], seq[len(seq) - 1]
     E = fc1.num_groups
     ops = [GroupLinear(E, fc1.in_features, fc1.out_features, weight_format="fp8_block"), SwiGLU()]
     ops += [Scale()] if probs is not None else []
-    # the columnwise copy only feeds FP8 weight gradients: with bf16 ones FC2's input is quantized rowwise, which
-    # FC1's epilogue writes (patterns/fp8.fpat)
-    ops += [QuantizeFP8Block(columnwise=not wgrad_bf16)] if quantize else []
+    # rowwise only: FC1's epilogue writes it (patterns/fp8.fpat); an FP8 weight gradient quantizes FC2's input
+    # columnwise from its value in the backward (fusion/runtime/fp8_gemm.py), cheaper than a quantize kernel
+    # writing both copies in the forward in place of the fused store
+    ops += [QuantizeFP8Block(columnwise=False)] if quantize else []
     ops += [GroupLinear(E, fc2.in_features, fc2.out_features, weight_format="fp8_block")]
     w = fc1.weight
     fp8 = Sequential(*ops).to(w.device, w.dtype)

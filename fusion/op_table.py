@@ -73,9 +73,11 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
                                                 "input quantized 1x128 unless it already is"),
     ("gemm:fp8_block", "dgrad"): ("fp8_gemm", "FP8 block-scaled grouped GEMM of dY (quantized 1x128) and the "
                                               "weight's transposed blocks (fusion/kernels/fp8_gemm.py)"),
-    ("gemm:fp8_block", "wgrad"): ("fp8_gemm", "varlen-K grouped GEMM of the high-precision dY and X (fp8_linear."
-                                              "WGRAD_IN_BF16; a Linear: torch's matmul; otherwise torch._grouped_mm"
-                                              " of their FP8 columnwise copies, dequantized)"),
+    ("gemm:fp8_block", "wgrad"): ("fp8_gemm", "FP8 varlen-K grouped GEMM (fusion/kernels/fp8_wgrad.py) of the "
+                                              "per-group columnwise FP8 copies of dY and X, which the quantize "
+                                              "kernel writes in its slot layout, where fp8_linear.WGRAD_IN_BF16's "
+                                              "rule takes FP8; otherwise the bf16 varlen-K grouped GEMM of the "
+                                              "high-precision dY and X (a Linear: torch's matmul)"),
     ("gemm", "forward"): ("lone_gemm", "varlen-M grouped GEMM " + _lone_rule_text("forward")),
     ("gemm", "dgrad"): ("lone_gemm", "varlen-M grouped GEMM of dY and the weight as stored "
                                      + _lone_rule_text("dgrad")),

@@ -240,6 +240,26 @@ def _backward_steps(infos, chosen: list[Match], dtype: str, target: str | None) 
 EMULATE_NOTE = "; backend 'emulate' runs the reference"
 
 
+def fp8_wgrad_note(info: OpInfo) -> str:
+    """Which operands an fp8_block GEMM's weight gradient reads, by the recipe's rule (fusion/quant/fp8_linear.py
+    `wgrad_in_bf16`, read now: it is a process-wide switch)."""
+    from fusion.quant import fp8_linear
+
+    out_f, in_f = info.out_features or 0, info.in_features or 0
+    width = out_f * in_f / max(out_f + in_f, 1)
+    if fp8_linear.WGRAD_IN_BF16 != "auto":
+        return ("weight gradient: " + ("the high-precision dY and X (bf16 varlen-K kernel)" if fp8_linear.WGRAD_IN_BF16
+                                       else "FP8 columnwise copies of dY and X (FP8 varlen-K kernel)")
+                + f": fp8_linear.WGRAD_IN_BF16 = {fp8_linear.WGRAD_IN_BF16!r}")
+    if fp8_linear.wgrad_in_bf16(out_f, in_f, 1 << 40):
+        return (f"weight gradient on the high-precision dY and X (bf16 varlen-K kernel): its harmonic width "
+                f"{width:.0f} < {fp8_linear.FP8_WGRAD_MIN_WIDTH}, so quantizing dY and X columnwise would cost more "
+                f"than the FP8 GEMM saves (fp8_linear.wgrad_in_bf16)")
+    return (f"weight gradient on FP8 columnwise copies of dY and X (FP8 varlen-K kernel) from "
+            f"{fp8_linear.FP8_WGRAD_MIN_ROWS} rows per group (harmonic width {width:.0f} >= "
+            f"{fp8_linear.FP8_WGRAD_MIN_WIDTH}), below that on the high-precision ones (fp8_linear.wgrad_in_bf16)")
+
+
 def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) -> tuple[str, tuple[str, ...]]:
     """Which reference implementation an unfused (op, part) runs, and notes worth telling the user
     (mirrors fusion.grouped.grouped_mm_method, decided from the plan's dtype and target)."""
@@ -250,7 +270,8 @@ def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) ->
     if device is not None and (arch_of(target) or 0) >= 90:
         refusal = device_method_refusal(info.kind, fmt, dtype, (info.in_features, info.out_features), info.name)
         if refusal is None:
-            return f"{device[1]}{EMULATE_NOTE}", ()
+            notes = (fp8_wgrad_note(info),) if fmt == "fp8_block" and part == "wgrad" else ()
+            return f"{device[1]}{EMULATE_NOTE}", notes
     if info.gemm_by_reference:
         recipe = {"forward": f"{info.name}.reference: the {fmt} recipe",
                   "dgrad": f"the {fmt} recipe's input gradient (dY quantized 1x128)",

@@ -82,10 +82,16 @@ class FP8QuantizeKernel:
     whether the columnwise copy is written, and for it the groups ``G`` and their sizes' dtype ("int32",
     "int64", or None for one group of all rows); the launch bound ``min_ctas`` (0: MIN_CTAS_PER_SM); ``amax``:
     also the tensor's finite amax, as float32 bits by one atomic max per warp into a zeroed int32 (a
-    non-negative float's bits order as integers, so the result is independent of the order)."""
+    non-negative float's bits order as integers, so the result is independent of the order); ``slots``: the
+    columnwise codes in the slot layout (below) instead of ``(K, M)``; ``rowwise`` False: no rowwise copy (the
+    FP8 weight gradient reads only the columnwise one).
+
+    The slot layout, ``cw_data[k, 128 b + r]`` of shape ``(K, 128 * (ceil(M/128) + G))``: block ``b``'s rows
+    at bytes ``[128 b, 128 b + 128)`` of each column, zeros past the block's rows and in unused capacity, so that
+    every 128-byte k-tile of the FP8 varlen-K kernel (kernels/fp8_wgrad.py) is one whole block of one group."""
 
     def __init__(self, dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
-                 min_ctas: int = 0, amax: bool = False):
+                 min_ctas: int = 0, amax: bool = False, slots: bool = False, rowwise: bool = True):
         self.dtype = cutlass_dtype(dtype)
         self.vec = _CHUNK_BYTES * 8 // self.dtype.width
         if K <= 0 or K % self.vec:
@@ -106,6 +112,8 @@ class FP8QuantizeKernel:
         #: the launch bound: CTAs an SM must hold (0: the default, MIN_CTAS_PER_SM)
         self.min_ctas = min_ctas or MIN_CTAS_PER_SM
         self.amax = amax
+        self.slots = slots and columnwise
+        self.rowwise = rowwise or not columnwise
 
     @cute.jit
     def __call__(self, pX: cute.Pointer, pData: cute.Pointer, pScale: cute.Pointer, pCwData: cute.Pointer,
@@ -241,23 +249,25 @@ class FP8QuantizeKernel:
             mags = []
             for i in cutlass.range_constexpr(self.vec):
                 mags.append(finite_abs_bits(ys[i]))
-            amax = Int32(0)
             for i in cutlass.range_constexpr(self.vec):
-                amax = cutlass.max(amax, mags[i][0])
                 col_bits[i] = cutlass.max(col_bits[i], mags[i][0])
-            for k in cutlass.range_constexpr(self.cpb.bit_length() - 1):
-                amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << k))
-            scale_bits, inv = fp8_block_scale_bits(amax)
-            vals = cute.make_rmem_tensor((self.vec,), Float32)
-            for i in cutlass.range_constexpr(self.vec):
-                vals[i] = scaled_or_nan(ys[i], mags[i][1], inv)
-            codes = cute.make_rmem_tensor((self.vec,), FP8)
-            codes.store(vals.load().to(FP8))
-            r = q * self.rpt + u
-            if col_ok & (r < nrows):
-                cute.copy(store, codes, mData[first_row + u, chunk, None])
-            if c == 0:
-                sRowScale[r] = bits_f32(scale_bits)
+            if const_expr(self.rowwise):   # (the slot layout's columnwise-only kernel skips the row's work)
+                amax = Int32(0)
+                for i in cutlass.range_constexpr(self.vec):
+                    amax = cutlass.max(amax, mags[i][0])
+                for k in cutlass.range_constexpr(self.cpb.bit_length() - 1):
+                    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << k))
+                row_bits, row_inv = fp8_block_scale_bits(amax)
+                vals = cute.make_rmem_tensor((self.vec,), Float32)
+                for i in cutlass.range_constexpr(self.vec):
+                    vals[i] = scaled_or_nan(ys[i], mags[i][1], row_inv)
+                codes = cute.make_rmem_tensor((self.vec,), FP8)
+                codes.store(vals.load().to(FP8))
+                r = q * self.rpt + u
+                if col_ok & (r < nrows):
+                    cute.copy(store, codes, mData[first_row + u, chunk, None])
+                if c == 0:
+                    sRowScale[r] = bits_f32(row_bits)
         if const_expr(self.amax):
             # ---- the tensor's finite amax: the thread's columns, the warp, one atomic max per warp
             amax_bits = col_bits[0]
@@ -277,8 +287,9 @@ class FP8QuantizeKernel:
                     sPart[c * self.vec + i, warp] = col_bits[i]
         cute.arch.sync_threads()
         if tidx < TILE:
-            if tidx < nrows:
-                mScale[kb, row0 + tidx] = sRowScale[tidx]
+            if const_expr(self.rowwise):
+                if tidx < nrows:
+                    mScale[kb, row0 + tidx] = sRowScale[tidx]
         elif const_expr(self.columnwise):
             t = tidx - TILE
             col_amax = Int32(0)
@@ -294,7 +305,10 @@ class FP8QuantizeKernel:
             cute.autovec_copy(sRaw[None, None, tidx], parked)
             self.columns_to_smem(parked, sColInv, sCodes, c, q)
             cute.arch.sync_threads()
-            self.store_columns(sCodes, pCwData, M, row0, nrows, kb, warp, lane)
+            if const_expr(self.slots):
+                self.store_slot(sCodes, pCwData, M, b, kb, warp, lane)
+            else:
+                self.store_columns(sCodes, pCwData, M, row0, nrows, kb, warp, lane)
 
     # ------------------------------------------------------------------ columnwise codes
     @cute.jit
@@ -357,6 +371,21 @@ class FP8QuantizeKernel:
                     self.store_bytes(word0 + Int64(TILE), spill, TILE - sh, sh, nrows)
 
     @cute.jit
+    def store_slot(self, sCodes: cute.Tensor, pCwData: cute.Pointer, M: Int32, b: Int32, kb: Int32, warp: Int32,
+                   lane: Int32):
+        """The slot layout: ``cw_data[k, 128 b : 128 b + 128]`` for the tile's columns, one column per warp and
+        step, lane ``w`` writing rows ``4w .. 4w + 3`` as one aligned word (rows past the block's are zero codes:
+        their values were loaded as zeros)."""
+        length = Int64((M + TILE - 1) // TILE + self.G) * Int64(TILE)
+        for it in cutlass.range_constexpr(TILE // (THREADS // _LANES)):
+            kl = it * (THREADS // _LANES) + warp
+            k = kb * TILE + kl
+            if k < self.K:
+                addr = pCwData.toint() + Int64(k) * length + Int64(b) * Int64(TILE) + Int64(lane * 4)
+                cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
+                                 cute.make_layout((1,)))[0] = self.code_word(sCodes, kl, lane)
+
+    @cute.jit
     def store_bytes(self, addr: Int64, val, p: Int32, count, nrows: Int32):
         """Bytes ``j < count`` of ``val`` (rows ``p + j``) at ``addr + j``, those of rows in ``[0, nrows)``."""
         for j in cutlass.range_constexpr(4):
@@ -366,19 +395,21 @@ class FP8QuantizeKernel:
 
 
 def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
-                         sizes_dtype: str | None = None, amax: bool = False) -> UtilityKernel:
+                         sizes_dtype: str | None = None, amax: bool = False, slots: bool = False,
+                         rowwise: bool = True) -> UtilityKernel:
     """The quantize kernel for rows of ``dtype`` ("bfloat16", "float16", "float32") and length ``K``, compiled
     once per process. ``launch(x, data, scale, cw_data, cw_scale, sizes, amax, M, stream)`` with plain integers
     (pointers; rowwise only, the columnwise ones and ``sizes`` may be 0; without ``amax``, so may its). ``G``,
-    ``sizes_dtype``: the groups of the columnwise blocks (ignored rowwise; None: one group of all rows)."""
+    ``sizes_dtype``: the groups of the columnwise blocks (ignored rowwise; None: one group of all rows);
+    ``slots``, ``rowwise``: :class:`FP8QuantizeKernel`'s."""
     if not columnwise:
-        G, sizes_dtype = 1, None
-    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax),
-                        lambda: build_kernel(dtype, K, columnwise, G, sizes_dtype, amax)[0])
+        G, sizes_dtype, slots, rowwise = 1, None, False, True
+    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise),
+                        lambda: build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise)[0])
 
 
 def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
-                 amax: bool = False):
+                 amax: bool = False, slots: bool = False, rowwise: bool = True):
     """``(compiled function, cubin, kernel)``: built for two CTAs an SM (128 registers a thread), or for one
     where that spills (the fp32 columnwise kernel, and a few shapes where the compiler's schedule needs more),
     as the grouped GEMMs fall back to a tile that does not spill. What tests read the SASS of."""
@@ -388,7 +419,7 @@ def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: 
     from .api import _cubin_nv_info
 
     for min_ctas in (MIN_CTAS_PER_SM, 1):
-        kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax)
+        kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise)
         with tempfile.TemporaryDirectory() as dump:
             fn = compile_kernel(kernel, f"--enable-tvm-ffi --keep-cubin --dump-dir={shlex.quote(dump)}")
             cubin = getattr(fn, "__cubin__", None)

@@ -17,7 +17,8 @@ import torch
 
 from fusion.errors import DeviceError, DTypeError, GroupSizesError, ShapeError
 
-__all__ = ["quantize_fp8_block_device", "try_quantize_fp8_block_device", "unsupported_reason", "FP8_BLOCK"]
+__all__ = ["quantize_fp8_block_device", "try_quantize_fp8_block_device", "quantize_fp8_block_slots",
+           "unsupported_reason", "FP8_BLOCK"]
 
 #: Elements per block (rowwise: 1x128 of a row; columnwise: 128 rows of a group).
 FP8_BLOCK = 128
@@ -123,3 +124,33 @@ def _launch(x2d: torch.Tensor, columnwise: bool, group_sizes, amax_bits=None):
                   group_sizes.data_ptr() if columnwise and group_sizes is not None else 0,
                   0 if amax_bits is None else amax_bits.data_ptr(), M, stream)
     return data, scale, cw_data, cw_scale
+
+
+def quantize_fp8_block_slots(x2d: torch.Tensor, group_sizes=None):
+    """The columnwise FP8-block copy of ``x2d`` ``(M, K)`` in the slot layout of the FP8 weight-gradient kernel
+    (kernels/fp8_wgrad.py), and no rowwise copy: ``(cw_data, cw_scale)``, ``cw_data`` uint8 ``(K, 128 * capacity)``
+    with block slot ``b`` of column ``k`` at ``cw_data[k, 128 b : 128 b + 128]`` (zeros past the block's rows and
+    in unused slots), ``cw_scale`` float32 ``(capacity, K)`` = ``fp8_block_quantize_columnwise(x2d,
+    group_sizes)[1]`` (``capacity = ceil(M/128) + G``). Block b's codes are those of the ``(K, M)`` copy's block b,
+    bit for bit. One launch, no host sync; a FusionError for what the kernel does not take."""
+    problem = _problem(x2d, True, group_sizes)
+    if problem is not None:
+        cls, message = problem
+        raise cls(f"quantize_fp8_block_slots: {message}")
+    M, K = x2d.shape
+    dev = x2d.device
+    G = 1 if group_sizes is None else group_sizes.numel()
+    capacity = -(-M // FP8_BLOCK) + G
+    empty = M == 0 or K == 0
+    cw_data = (torch.zeros if empty else torch.empty)(K, FP8_BLOCK * capacity, dtype=torch.uint8, device=dev)
+    cw_scale = (torch.zeros if empty else torch.empty)(capacity, K, dtype=torch.float32, device=dev)
+    if empty:
+        return cw_data, cw_scale
+    from .fp8_quantize import compile_fp8_quantize
+
+    sizes_dtype = None if group_sizes is None else _SIZES_DTYPES[group_sizes.dtype]
+    kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, True, G, sizes_dtype, False, slots=True, rowwise=False)
+    stream = torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
+    kernel.launch(x2d.data_ptr(), 0, 0, cw_data.data_ptr(), cw_scale.data_ptr(),
+                  group_sizes.data_ptr() if group_sizes is not None else 0, 0, M, stream)
+    return cw_data, cw_scale

@@ -148,3 +148,26 @@ def store4_swapped(addr_c: Int64, pair_c, pair_c1, ok_c: Boolean, ok_c1: Boolean
     if cutlass.select_(odd, ok_c1, ok_c):
         p = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=8)
         cute.autovec_copy(words, cute.make_tensor(p, cute.make_layout((2,))))
+
+
+@cute.jit
+def store_tile16(acc: cute.Tensor, tCcC: cute.Tensor, mD: cute.Tensor, row0: Int32, row_end: Int32, col0: Int32,
+                 cols: cutlass.Constexpr, dt: cutlass.Constexpr):
+    """Store a tile's wgmma accumulator (coordinates ``tCcC``) to the row-major 16-bit ``mD`` at (``row0``,
+    ``col0``), rows below ``row_end`` and columns below ``cols``, 4 columns per lane and store
+    (:func:`store4_swapped`): the epilogue of the weight-gradient kernels, whose D rows are 8-byte aligned."""
+    odd = (cute.arch.lane_idx() & 1) == 1
+    n_v, n_h, n_c = tCcC.shape[0]
+    eb = dt.width // 8
+    for mm in cutlass.range_constexpr(cute.size(tCcC, mode=[1])):
+        for nn in cutlass.range_constexpr(cute.size(tCcC, mode=[2])):
+            for h in cutlass.range_constexpr(n_h):
+                grow = row0 + tCcC[((0, h, 0), mm, nn)][0]
+                row_ok = grow < row_end
+                col = col0 + tCcC[((0, h, 0), mm, nn)][1]        # this lane's column in chunk 0
+                base = row_addr(mD, grow, col, dt)
+                for c in cutlass.range_constexpr(0, n_c, 2):
+                    store4_swapped(base + 8 * c * eb,
+                                   (acc[((0, h, c), mm, nn)], acc[((1, h, c), mm, nn)]),
+                                   (acc[((0, h, c + 1), mm, nn)], acc[((1, h, c + 1), mm, nn)]),
+                                   row_ok & (col + 8 * c < cols), row_ok & (col + 8 * (c + 1) < cols), odd, dt)

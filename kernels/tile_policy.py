@@ -674,6 +674,7 @@ class WgradConfig:
     gather_b: bool = False   # B's rows read through the index (B is a (T, Nb) token matrix)
     sm_margin: int = 0       # leave this many SMs free
     cluster_m: int = 1       # 2: CTA pairs on neighbouring m-tiles share B's tile by TMA multicast (no gather)
+    cluster_n: int = 1       # 2: CTA pairs on neighbouring n-tiles share A's tile by TMA multicast (the FP8 kernel)
 
 
 #: Mean rows per group (a tile's reduction length) from which, and below which, the varlen-K kernel takes
@@ -790,3 +791,30 @@ def wgrad_configs(Ma: int, Nb: int, G: int, gather_a: bool = False, gather_b: bo
         if cfg not in out:
             out.append(cfg)
     return out
+
+
+def fp8_wgrad_stage_bytes(tile_m: int, tile_n: int) -> int:
+    """Shared memory of one stage of the FP8 varlen-K kernel (kernels/fp8_wgrad.py): A and B tiles (one byte per
+    element, 128 per row) and the two scale vectors (float32, each padded to 128 bytes)."""
+    return (tile_m + tile_n) * SCALE_BLOCK + 4 * (-(-tile_m // 32) * 32 + -(-tile_n // 32) * 32)
+
+
+def fp8_wgrad_stages(tile_m: int, tile_n: int) -> int:
+    """The most stages of the FP8 varlen-K kernel that fit in shared memory (at most 8)."""
+    return min(8, FP8_SMEM // (fp8_wgrad_stage_bytes(tile_m, tile_n) + 16))
+
+
+#: The FP8 varlen-K kernel's tile rows (FUSION_FP8_WGRAD_TILE_M, read at import: 128 or 256): 256 (two m-waves
+#: through one scratch fragment, as the FP8 forward's 256-row tiles) halves the B traffic per FLOP.
+FP8_WGRAD_TILE_M = int(os.environ.get("FUSION_FP8_WGRAD_TILE_M", "256"))
+
+
+def choose_fp8_wgrad_config(Ma: int, Nb: int, G: int) -> WgradConfig:
+    """The FP8 varlen-K kernel's tile for D (G, Ma, Nb): FP8_WGRAD_TILE_M x 128 (one 128-row block slot per
+    k-tile), cooperative, as many stages as fit, single CTAs. Measured on an H200 over twelve weight gradients of
+    six MoE blocks (bench/bench_fp8_wgrad.py; bench/results/H200-2026-11-29-fp8-wgrad-b.json): 256 x 128 single
+    CTAs the fastest of four tiles on 8 and within 4% on the others; CTA pairs sharing A's box (cluster_n = 2) won
+    6% on Mixtral's FC1 and lost 3-20% on eight others: the kernel is not L2-bound."""
+    tile_m = FP8_WGRAD_TILE_M
+    return WgradConfig(tile_m=tile_m, tile_n=128, tile_k=SCALE_BLOCK, stages=fp8_wgrad_stages(tile_m, 128),
+                       pingpong=False, cluster_m=1, cluster_n=1)

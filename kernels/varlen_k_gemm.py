@@ -63,7 +63,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .dtypes import cutlass_dtype
 from .epilogue import IdentityEpilogue
-from .fragment_io import row_addr, store4_swapped
+from .fragment_io import store_tile16
 from .mainloop import PINGPONG_BARRIER, REGISTER_SPLIT, consumer_ids, end_mainloop, mma_k_step
 from .scheduler import multicast_mask
 from .tile_epilogue import TileEpilogue
@@ -470,29 +470,6 @@ class VarlenKGemmKernel:
                     for i in cutlass.range_constexpr(cute.size(crd, mode=[1])):
                         cute.copy(zero_copy, zeros, dst[None, i, j, stage])
 
-    # ------------------------------------------------------------------ epilogue
-    @cute.jit
-    def store_tile(self, acc: cute.Tensor, tCcC: cute.Tensor, mD: cute.Tensor, row0: Int32, row_end: Int32,
-                   col0: Int32):
-        """Store the tile's accumulator to D (16-bit), rows below ``row_end`` and columns below Nb, 4 columns
-        per lane and store (:func:`kernels.fragment_io.store4_swapped`)."""
-        odd = (cute.arch.lane_idx() & 1) == 1
-        n_v, n_h, n_c = tCcC.shape[0]
-        eb = self.out_dtype.width // 8
-        for mm in cutlass.range_constexpr(cute.size(tCcC, mode=[1])):
-            for nn in cutlass.range_constexpr(cute.size(tCcC, mode=[2])):
-                for h in cutlass.range_constexpr(n_h):
-                    grow = row0 + tCcC[((0, h, 0), mm, nn)][0]
-                    row_ok = grow < row_end
-                    col = col0 + tCcC[((0, h, 0), mm, nn)][1]        # this lane's column in chunk 0
-                    base = row_addr(mD, grow, col, self.out_dtype)
-                    for c in cutlass.range_constexpr(0, n_c, 2):
-                        store4_swapped(base + 8 * c * eb,
-                                       (acc[((0, h, c), mm, nn)], acc[((1, h, c), mm, nn)]),
-                                       (acc[((0, h, c + 1), mm, nn)], acc[((1, h, c + 1), mm, nn)]),
-                                       row_ok & (col + 8 * c < self.Nb), row_ok & (col + 8 * (c + 1) < self.Nb),
-                                       odd, self.out_dtype)
-
     # ------------------------------------------------------------------ consumers
     @cute.jit
     def consume(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, mOffs: cute.Tensor,
@@ -552,7 +529,8 @@ class VarlenKGemmKernel:
 
             row0 = g * self.Ma + m_idx * self.tile_m
             if const_expr(self.out_dtype.width == 16):
-                self.store_tile(acc, tCcC, epi_tensors[0], row0, (g + 1) * self.Ma, n_idx * self.tile_n)
+                store_tile16(acc, tCcC, epi_tensors[0], row0, (g + 1) * self.Ma, n_idx * self.tile_n, self.Nb,
+                             self.out_dtype)
             else:
                 self.tile_epi.run(acc, tCcC, epi_tensors, row0, (g + 1) * self.Ma, g, n_idx, self.Nb)
 

@@ -43,6 +43,10 @@ class ColumnwiseBlocks(NamedTuple):
     used: torch.Tensor
     #: ceil(M / block) + G
     capacity: int
+    #: (M,) int64: each row's column in the *slot layout* ``(K, block * capacity)``, where block ``b`` holds its
+    #: rows at ``[block * b, block * b + block)`` in order and zeros after them (what the FP8 weight-gradient
+    #: kernel reads: kernels/fp8_wgrad.py)
+    slot: torch.Tensor
 
 
 def columnwise_blocks(rows: int, block: int, group_sizes, device) -> ColumnwiseBlocks:
@@ -65,12 +69,13 @@ def columnwise_blocks(rows: int, block: int, group_sizes, device) -> ColumnwiseB
     r = torch.arange(rows, dtype=torch.int64, device=device)
     g = torch.searchsorted(row_end, r, right=True).clamp(0, max(G - 1, 0))
     if G:
-        row_block = block_start[g] + (r - row_start[g]) // block
+        within = r - row_start[g]
+        row_block = block_start[g] + within // block
     else:  # no groups: there are no rows either (the sizes sum to rows)
-        row_block = torch.zeros_like(r)
+        within = row_block = torch.zeros_like(r)
     row_block = row_block.clamp(0, capacity - 1)
     used = torch.arange(capacity, dtype=torch.int64, device=device) < blocks.sum()
-    return ColumnwiseBlocks(row_block, used, capacity)
+    return ColumnwiseBlocks(row_block, used, capacity, row_block * block + within.remainder(block))
 
 
 def block_max(values: torch.Tensor, blocks: ColumnwiseBlocks) -> torch.Tensor:

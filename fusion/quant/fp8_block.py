@@ -28,7 +28,8 @@ from .formats import decode_e4m3, encode_e4m3, pow2_f32
 from .mxfp8 import mxfp8_scale_exponent
 
 __all__ = ["FP8_BLOCK", "fp8_block_scale_exponent", "fp8_block_quantize_2d", "fp8_block_dequantize_2d",
-           "fp8_block_quantize_columnwise", "fp8_block_dequantize_columnwise", "quantize_fp8_block"]
+           "fp8_block_quantize_columnwise", "fp8_block_dequantize_columnwise", "fp8_block_columnwise_slots",
+           "quantize_fp8_block"]
 
 FP8_BLOCK = 128
 
@@ -86,6 +87,17 @@ def fp8_block_dequantize_columnwise(data: torch.Tensor, scale: torch.Tensor, gro
     K, M = data.shape
     blocks = columnwise_blocks(M, FP8_BLOCK, group_sizes, data.device)
     return (decode_e4m3(data).t() * scale[blocks.row_block]).to(dtype)
+
+
+def fp8_block_columnwise_slots(data: torch.Tensor, group_sizes=None) -> torch.Tensor:
+    """The columnwise codes ``data`` (``(K, M)``, :func:`fp8_block_quantize_columnwise`'s) in the *slot layout*
+    ``(K, 128 * capacity)`` of the FP8 weight-gradient kernel: block ``b``'s rows at columns ``[128 b, 128 b +
+    128)``, zeros after them and in unused capacity (fusion/quant/blocks.py). The scales need no change: they are
+    already one row per block slot."""
+    K, M = data.shape
+    blocks = columnwise_blocks(M, FP8_BLOCK, group_sizes, data.device)
+    out = torch.zeros(K, FP8_BLOCK * blocks.capacity, dtype=data.dtype, device=data.device)
+    return out.index_copy_(1, blocks.slot, data)
 
 
 def quantize_fp8_block_buffers(x: torch.Tensor, columnwise: bool = True, group_sizes=None,

@@ -7,8 +7,8 @@ Forward, dgrad and wgrad each take FP8 operands (``docs/quantization.md``, "FP8-
 * dgrad  ``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3, as TE), the weight's transposed
   128x128 copy ``data_t`` (K-major along N).
 * wgrad  ``dW[g] = dY_g.T @ X_g``: the columnwise copies of dY and X, 128-row blocks per group, so the
-  reduction over the rows of one group reads whole blocks of that group only. With
-  :data:`WGRAD_IN_BF16` the wgrad reads the high-precision dY and X instead.
+  reduction over the rows of one group reads whole blocks of that group only. Where :func:`wgrad_in_bf16`
+  says so (:data:`WGRAD_IN_BF16`), the wgrad reads the high-precision dY and X instead.
 
 The reference dequantizes every operand exactly and multiplies in float32 (float64 for float64 inputs),
 then casts to the input's dtype: the FP8 kernels are tested against it.
@@ -23,13 +23,32 @@ from .fp8_block import (fp8_block_dequantize_2d, fp8_block_dequantize_columnwise
 from .fp8_weight import FP8BlockWeight, _dequantize_blocks, quantize_weight_fp8_block
 from .tensor import QuantizedTensor, dequantize
 
-__all__ = ["WGRAD_IN_BF16", "fp8_block_linear", "fp8_block_dgrad", "fp8_block_wgrad"]
+__all__ = ["WGRAD_IN_BF16", "FP8_WGRAD_MIN_WIDTH", "FP8_WGRAD_MIN_ROWS", "wgrad_in_bf16", "fp8_block_linear",
+           "fp8_block_dgrad", "fp8_block_wgrad"]
 
-#: Module-level switch, read when the forward runs: True (the default) computes the weight gradient from the
-#: high-precision dY and X (a bf16 GEMM for bf16 blocks) instead of their FP8 columnwise copies. Measured on an
-#: H100 (docs/quantization.md, "The FP8-block GEMM recipe"): with no FP8 varlen-K kernel, the FP8 operands cost
-#: a columnwise quantization and a dequantization each and still feed a bf16 GEMM: a 4.4-6.6x slower step.
-WGRAD_IN_BF16 = True
+#: Module-level switch, read when the forward runs (the reference) or the backward (the GPU runtime): True computes
+#: every weight gradient from the high-precision dY and X (a bf16 GEMM for bf16 blocks), False from their FP8
+#: columnwise copies, "auto" (the default) chooses per GEMM and call by :func:`wgrad_in_bf16`'s cost rule.
+WGRAD_IN_BF16 = "auto"
+#: The rule's constants, measured on an H200 (docs/quantization.md, "FP8 weight gradients"; bench/bench_fp8_wgrad.py):
+#: the two columnwise quantizations (dY's and X's, one pass each over M x width) cost about 360 / h of the bf16
+#: weight gradient's time, h = out * in / (out + in) the GEMM's harmonic width (their bytes grow with out + in, the
+#: GEMM's FLOPs with out * in); the FP8 varlen-K kernel takes 0.77-0.83 of its time from 2048 rows per group and
+#: 0.85-0.94 below. FP8 wins where both terms leave a margin: h >= 2400 and 2048 rows per group or more.
+FP8_WGRAD_MIN_WIDTH = 2400
+FP8_WGRAD_MIN_ROWS = 2048
+
+
+def wgrad_in_bf16(out_features: int, in_features: int, rows: int, groups: int = 1) -> bool:
+    """Whether the weight gradient of an fp8_block GEMM (out_features x in_features, `rows` rows over `groups`
+    groups) runs on the high-precision dY and X (True) or on their FP8 columnwise copies (False), per
+    :data:`WGRAD_IN_BF16`: "auto" takes FP8 where the GEMM is wide enough for the two quantizations to pay off
+    (harmonic width >= FP8_WGRAD_MIN_WIDTH) and its groups long enough for the FP8 kernel's tiles (rows per group
+    >= FP8_WGRAD_MIN_ROWS)."""
+    if WGRAD_IN_BF16 != "auto":
+        return bool(WGRAD_IN_BF16)
+    width = out_features * in_features / max(out_features + in_features, 1)
+    return not (width >= FP8_WGRAD_MIN_WIDTH and rows >= FP8_WGRAD_MIN_ROWS * max(groups, 1))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -181,9 +200,9 @@ def fp8_block_dgrad(dy: torch.Tensor, quantized_weight: FP8BlockWeight, group_si
 
 def fp8_block_wgrad(dy: torch.Tensor, x, weight: torch.Tensor, group_sizes=None) -> torch.Tensor:
     """The recipe's weight gradient of ``x @ W[g].T`` (weight's shape and dtype) for 2-D ``dy`` and ``x`` (high
-    precision or an fp8_block QuantizedTensor): the high-precision operands with :data:`WGRAD_IN_BF16` (read
-    now), else their columnwise FP8-block copies (x's own when it carries them for these groups)."""
-    if WGRAD_IN_BF16:
+    precision or an fp8_block QuantizedTensor): the high-precision operands where :func:`wgrad_in_bf16` says so
+    (read now), else their columnwise FP8-block copies (x's own when it carries them for these groups)."""
+    if wgrad_in_bf16(weight.shape[-2], weight.shape[-1], dy.shape[0], weight.shape[0] if weight.dim() == 3 else 1):
         hp, cw_data, cw_scale = dequantize(x), None, None
     else:
         hp = None
@@ -199,10 +218,11 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, group_sizes=None,
     ``(G, N, K)`` with ``group_sizes`` (``(G,)`` on x's device), or ``(N, K)`` without;
     ``quantized_weight``: its :func:`quantize_weight_fp8_block` (from a cache), computed here if None.
     Differentiable in ``x`` (straight through a QuantizedTensor) and ``weight``; returns x's dtype.
-    :data:`WGRAD_IN_BF16` is read here, when the forward runs.
+    :data:`WGRAD_IN_BF16` is read here, when the forward runs (:func:`wgrad_in_bf16`).
     """
     wq = quantized_weight if quantized_weight is not None else quantize_weight_fp8_block(weight)
-    wgrad_bf16 = bool(WGRAD_IN_BF16)
+    rows = x.numel() // max(x.shape[-1], 1)
+    wgrad_bf16 = wgrad_in_bf16(weight.shape[-2], weight.shape[-1], rows, weight.shape[0] if weight.dim() == 3 else 1)
     needs_wgrad = torch.is_grad_enabled() and weight.requires_grad
     x_data, x_scale, cw_data, cw_scale = _input_operand(x, group_sizes, needs_wgrad and not wgrad_bf16)
     x_in = dequantize(x) if isinstance(x, QuantizedTensor) else x

@@ -33,6 +33,8 @@ CLASS_NAME = "GeneratedEpilogue"
 #: The files of a kernel's cache entry, and the meta.json fields a load reads.
 FILES = ("kernel.o", "kernel.ptx", "kernel.cubin")
 META_KEYS = ("name", "registers", "shared_memory_bytes", "config")
+#: The mainloops of weight-gradient kernels: configured by a WgradConfig, no epilogue source.
+WGRAD_MAINLOOPS = ("varlen_k", "fp8_varlen_k")
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class KernelJob:
     #: the GEMM's operands: "bf16" (the dtype's wgmma, kernels/grouped_gemm.py) or "fp8_block" (E4M3 codes with
     #: 1x128 / 128x128 block scales, kernels/fp8_gemm.py); the weight_format of the GEMM the pattern bound.
     #: "varlen_k": a weight gradient D[g] = A_g.T @ B_g (kernels/varlen_k_gemm.py; config: WgradConfig fields,
-    #: N = B's columns, K = A's, no epilogue source)
+    #: N = B's columns, K = A's, no epilogue source); "fp8_varlen_k": the same from FP8-block columnwise copies in
+    #: the slot layout (kernels/fp8_wgrad.py)
     mainloop: str = "bf16"
 
     @property
@@ -63,10 +66,11 @@ class KernelJob:
 
     @property
     def name(self) -> str:
-        if self.mainloop == "varlen_k":
+        if self.mainloop in WGRAD_MAINLOOPS:
             cfg = WgradConfig(*self.config) if self.config else None
             tile = f"_{cfg.tile_m}x{cfg.tile_n}{'pp' if cfg.pingpong else ''}" if cfg else ""
-            return f"wgrad_{self.step}_{self.dtype}_Ma{self.K}_Nb{self.N}_G{self.G}{tile}"
+            fp8 = "_fp8" if self.mainloop == "fp8_varlen_k" else ""
+            return f"wgrad_{self.step}{fp8}_{self.dtype}_Ma{self.K}_Nb{self.N}_G{self.G}{tile}"
         fp8 = "_fp8" if self.mainloop == "fp8_block" else ""
         return f"fused_{self.step}_{self.variant}{fp8}_{self.dtype}_N{self.N}_K{self.K}_G{self.G}"
 
@@ -101,7 +105,7 @@ def _epilogue(job: KernelJob):
 
 
 def _config(job: KernelJob) -> GemmConfig | WgradConfig:
-    return (WgradConfig if job.mainloop == "varlen_k" else GemmConfig)(*job.config)
+    return (WgradConfig if job.mainloop in WGRAD_MAINLOOPS else GemmConfig)(*job.config)
 
 
 def _entry(job: KernelJob) -> tuple[dict, dict] | None:
@@ -127,6 +131,10 @@ def _compile(job: KernelJob):
         from fusion.kernels.wgrad_api import compile_varlen_k_gemm
 
         return compile_varlen_k_gemm(_config(job), job.dtype, job.K, job.N, job.G, target=job.target)
+    if job.mainloop == "fp8_varlen_k":
+        from fusion.kernels.fp8_wgrad_api import compile_fp8_varlen_k_gemm
+
+        return compile_fp8_varlen_k_gemm(_config(job), job.K, job.N, job.G, job.dtype, target=job.target)
     if job.mainloop == "fp8_block":
         from fusion.kernels import compile_fp8_grouped_gemm
 
@@ -199,6 +207,11 @@ def _load_from_disk(job: KernelJob, entry: tuple[dict, dict]):
 
         return CompiledVarlenKGemm(fn, _config(job), job.dtype, job.dtype, job.K, job.N, job.G,
                                    files["kernel.ptx"].decode(), files["kernel.cubin"], meta["shared_memory_bytes"])
+    if job.mainloop == "fp8_varlen_k":
+        from fusion.kernels.fp8_wgrad_api import CompiledFp8VarlenKGemm
+
+        return CompiledFp8VarlenKGemm(fn, _config(job), job.dtype, job.K, job.N, job.G, files["kernel.ptx"].decode(),
+                                      files["kernel.cubin"], meta["shared_memory_bytes"])
     # The configuration the kernel was built with, which the launch grid depends on: not the requested one
     # when compile_grouped_gemm fell back to a tile that does not spill.
     cls = CompiledFp8GroupedGemm if job.mainloop == "fp8_block" else CompiledGroupedGemm

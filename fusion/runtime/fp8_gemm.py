@@ -11,11 +11,13 @@ recipe"), which stays the specification and what backend="emulate" and the CPU r
   the weight's cached 128x128 blocks; the FP8 kernel promotes each 128-wide k-block into a float32 accumulator
   with both scales, as the reference's float32 product of the dequantized operands does (summation order aside).
 * dgrad ``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3), the weight's transposed blocks.
-* wgrad ``dW[g] = dY_g.T @ X_g`` (no FP8 varlen-K kernel yet): with ``fp8_linear.WGRAD_IN_BF16`` (the default;
-  read here when the backward runs) the high-precision dY and X on our bf16/fp16 varlen-K kernel
-  (fusion/runtime/wgrad_gemm.py: every group in one launch, the bf16 block's weight-gradient kernel; measured
-  0.77-1.08x torch._grouped_mm's time on MoE shapes), torch._grouped_mm where that does not take the op (a
-  Linear); otherwise the recipe's FP8 operands, i.e. the columnwise 128-row-block quantizations of dY and X,
+* wgrad ``dW[g] = dY_g.T @ X_g``: where ``fp8_linear.wgrad_in_bf16`` says so (read here when the backward runs:
+  by default narrow GEMMs and short groups) the high-precision dY and X on our bf16/fp16 varlen-K kernel (fusion/runtime/wgrad_gemm.py: every group
+  in one launch, the bf16 block's weight-gradient kernel; measured 0.77-1.08x torch._grouped_mm's time on MoE
+  shapes), torch._grouped_mm where that does not take the op (a Linear); otherwise the recipe's FP8 operands,
+  i.e. the columnwise 128-row-block quantizations of dY and X: for a GroupLinear on Hopper (`fp8_wgrad_takes`)
+  both quantized by the quantize kernel into the slot layout and multiplied by the FP8 varlen-K kernel
+  (kernels/fp8_wgrad.py, every group in one launch, each 128-row block promoted with both scales), elsewhere
   dequantized exactly into the GEMM's dtype (E4M3 times a power of two is exact in bf16/fp16 unless it
   underflows their subnormals) and multiplied in float32 by torch._grouped_mm.
 
@@ -85,9 +87,15 @@ def kernel_jobs(op, part: str, dtype: torch.dtype) -> list:
                              (op.in_features, op.out_features)) is not None:
         return []
     if part == "wgrad":
+        from fusion.quant import fp8_linear
         from fusion.runtime import wgrad_gemm
 
-        return wgrad_gemm.kernel_jobs(op, part, dtype)
+        jobs = [] if fp8_linear.WGRAD_IN_BF16 is False else wgrad_gemm.kernel_jobs(op, part, dtype)
+        # the FP8 kernel where the recipe may take it at some row count (fp8_linear.wgrad_in_bf16)
+        fp8 = not fp8_linear.wgrad_in_bf16(w.shape[-2], w.shape[-1], 1 << 40)
+        if fp8 and w.dim() == 3 and fp8_wgrad_refusal(op, dtype) is None:
+            jobs.append(fp8_wgrad_job(op, dtype))
+        return jobs
     from fusion.runtime.kernel import row_variants
 
     G, N, K = tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
@@ -171,13 +179,14 @@ def dgrad(op, dy: torch.Tensor, ctx: RunContext, counter: int | None = None, qua
 
 def wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
     """``dW[g] = dY_g.T @ X_g`` at the saved input `x` (what the forward saw), in the weight's dtype: with
-    ``fp8_linear.WGRAD_IN_BF16`` (read now) the high-precision operands, else the recipe's columnwise FP8
-    copies dequantized exactly."""
+    ``fp8_linear.wgrad_in_bf16`` (read now) the high-precision operands, else the recipe's columnwise FP8 copies:
+    the FP8 varlen-K kernel (`fp8_wgrad_takes`), or dequantized exactly into torch._grouped_mm."""
     from fusion.quant import fp8_linear
 
     dy = dy if dy.is_contiguous() else dy.contiguous()
     dtype = dy.dtype
-    if fp8_linear.WGRAD_IN_BF16:
+    w = op.weight
+    if fp8_linear.wgrad_in_bf16(w.shape[-2], w.shape[-1], dy.shape[0], w.shape[0] if w.dim() == 3 else 1):
         from fusion.runtime import wgrad_gemm
 
         a, b = dy, (_dequantize_rowwise(x, dtype) if isinstance(x, QuantizedTensor) else x.contiguous())
@@ -185,8 +194,81 @@ def wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
             return wgrad_gemm.wgrad(op, b, a, ctx)
     else:
         groups = None if op.weight.dim() == 2 else ctx.group_sizes
+        if fp8_wgrad_takes(op, x, dy, groups):
+            return _fp8_weight_gradient(op, x, dy, ctx).to(op.weight.dtype)
         a, b = _columnwise_operand(dy, groups, dtype), _columnwise_operand(x, groups, dtype)
     return _weight_gradient(op, a, b, ctx).to(op.weight.dtype)
+
+
+def fp8_wgrad_refusal(op, dtype: torch.dtype) -> str | None:
+    """Why the FP8 varlen-K kernel cannot compute `op`'s weight gradient at `dtype` (a reason), or None: a
+    GroupLinear in bf16/fp16, widths that are multiples of 8, at most 1024 groups (the quantize kernel's)."""
+    w = op._parameters["weight"]
+    if w.dim() != 3:
+        return "a Linear (one group): torch's matmul of the dequantized columnwise copies"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype}: the kernel stores bfloat16 or float16"
+    G, out_f, in_f = w.shape
+    if out_f % 8 or in_f % 8:
+        return f"widths ({out_f}, {in_f}): the kernel takes multiples of 8"
+    if G > 1024:
+        return f"{G} groups: the quantize kernel takes at most 1024"
+    return None
+
+
+def fp8_wgrad_takes(op, x, dy: torch.Tensor, groups) -> bool:
+    """Whether the FP8 varlen-K kernel computes this call's weight gradient: a CUDA dY and x (high precision or
+    fp8_block) on a Hopper GPU, group sizes on the device, and `fp8_wgrad_refusal` None."""
+    from fusion.targets import cuda_major
+
+    if not dy.is_cuda or dy.dim() != 2 or groups is None or cuda_major(dy.device) != 9:
+        return False
+    if isinstance(x, QuantizedTensor) and x.format != "fp8_block":
+        return False
+    return fp8_wgrad_refusal(op, dy.dtype) is None
+
+
+def fp8_wgrad_job(op, dtype: torch.dtype):
+    """The KernelJob of the FP8 varlen-K kernel for `op`'s weight gradient dW (G, out, in) at `dtype`."""
+    import dataclasses
+
+    from fusion.kernels.tile_policy import choose_fp8_wgrad_config
+    from fusion.runtime.compile import KernelJob
+
+    G, out_f, in_f = op._parameters["weight"].shape
+    return KernelJob(step="wgrad", variant="wgrad", source="",
+                     config=dataclasses.astuple(choose_fp8_wgrad_config(out_f, in_f, G)),
+                     dtype=str(dtype).removeprefix("torch."), N=in_f, K=out_f, G=G, target="sm_90a",
+                     mainloop="fp8_varlen_k")
+
+
+def _fp8_weight_gradient(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+    """``dW[g] = dY_g.T @ X_g`` from the columnwise FP8-block copies of dY and X in the slot layout (the quantize
+    kernel, no rowwise copy), by the FP8 varlen-K kernel: (G, out, in) in dY's dtype. An fp8_block x gives its own
+    columnwise copy where it has one for these groups (moved into the slot layout), else it is requantized from its
+    value (its rowwise copy dequantized exactly), as the recipe does."""
+    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_slots
+    from fusion.kernels.fp8_wgrad_api import run_fp8_varlen_k_gemm
+    from fusion.runtime.compile import load_compiled
+
+    dtype = dy.dtype
+    key = ("fp8_wgrad", tuple(op.weight.shape), dtype)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = _COMPILED[key] = load_compiled(fp8_wgrad_job(op, dtype))
+    groups = ctx.group_sizes
+    a_data, a_scale = quantize_fp8_block_slots(dy, groups)
+    if isinstance(x, QuantizedTensor) and x.columnwise_data is not None and x.group_sizes is groups:
+        from fusion.quant.fp8_block import fp8_block_columnwise_slots
+
+        b_data, b_scale = fp8_block_columnwise_slots(x.columnwise_data, groups), x.columnwise_scale
+    else:
+        xv = _dequantize_rowwise(x, dtype) if isinstance(x, QuantizedTensor) else x
+        b_data, b_scale = quantize_fp8_block_slots(xv if xv.is_contiguous() else xv.contiguous(), groups)
+    dw = torch.empty(op.weight.shape, dtype=dtype, device=dy.device)
+    run_fp8_varlen_k_gemm(compiled, a_data, a_scale, b_data, b_scale, row_bounds(op, dy.shape[0], ctx, dy.device),
+                          dw)
+    return dw
 
 
 def _dequantize_rowwise(q: QuantizedTensor, dtype) -> torch.Tensor:
