@@ -114,7 +114,8 @@ def run_shape(name, groups, gen, dev="cuda"):
             rows[key] = fn
             if i == 0:
                 policy = comp
-        rows["fp8 quantize dY + X"] = lambda: (quantize_fp8_block_slots(dy, sizes32), quantize_fp8_block_slots(x, sizes32))
+        rows["fp8 quantize dY + X"] = lambda: (quantize_fp8_block_slots(dy, sizes32),
+                                               quantize_fp8_block_slots(x, sizes32))
 
         def total():
             qa = quantize_fp8_block_slots(dy, sizes32)

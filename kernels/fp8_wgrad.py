@@ -28,11 +28,12 @@ B's (tile_n x 128) box and the two scale vectors (tile_m and tile_n floats) into
 warpgroups 1..2 each own 64 rows of every 128-row wave of the tile (one wave at tile_m = 128, two at 256, sharing
 one scratch fragment as kernels/fp8_mainloop.py's m-waves do). ``cluster_n = 2``: a CTA pair works on two
 neighbouring n-tiles of one (group, m-tile) in lockstep, and A's box (the same for both) reaches both by TMA
-multicast, each CTA loading half of it: a third less L2 traffic per FLOP at 256 x 128 (the kernel measured 650-860
-TFLOP/s on an H200 without it, L2-bound by its 48 KB per 256 x 128 x 128 k-tile). Tiles: every group has the same
+multicast, each CTA loading half of it: a third less L2 traffic per FLOP at 256 x 128. It did not pay on an H200
+(6% faster on one weight gradient of twelve, 3-20% slower on eight: the kernel is not L2-bound), so the tile
+policy runs single CTAs (kernels/tile_policy.py `choose_fp8_wgrad_config`). Tiles: every group has the same
 ``mt x nt`` tiles; unit u (``cluster_n`` neighbouring n-tiles, one per CTA of a cluster) is group ``u // (mt nu)``,
-m fastest within it; static schedule (``unit += clusters``). An empty group's tiles run no k-tile and store zeros. D is (G, Ma, Nb) in 16 bits, stored 4 columns per lane
-(:func:`kernels.fragment_io.store_tile16`).
+m fastest within it; static schedule (``unit += clusters``). An empty group's tiles run no k-tile and store zeros.
+D is (G, Ma, Nb) in 16 bits, stored 4 columns per lane (:func:`kernels.fragment_io.store_tile16`).
 """
 from __future__ import annotations
 

@@ -12,9 +12,10 @@ recipe"), which stays the specification and what backend="emulate" and the CPU r
   with both scales, as the reference's float32 product of the dequantized operands does (summation order aside).
 * dgrad ``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3), the weight's transposed blocks.
 * wgrad ``dW[g] = dY_g.T @ X_g``: where ``fp8_linear.wgrad_in_bf16`` says so (read here when the backward runs:
-  by default narrow GEMMs and short groups) the high-precision dY and X on our bf16/fp16 varlen-K kernel (fusion/runtime/wgrad_gemm.py: every group
-  in one launch, the bf16 block's weight-gradient kernel; measured 0.77-1.08x torch._grouped_mm's time on MoE
-  shapes), torch._grouped_mm where that does not take the op (a Linear); otherwise the recipe's FP8 operands,
+  by default narrow GEMMs and short groups) the high-precision dY and X on our bf16/fp16 varlen-K kernel
+  (fusion/runtime/wgrad_gemm.py: every group in one launch, the bf16 block's weight-gradient kernel; measured
+  0.77-1.08x torch._grouped_mm's time on MoE shapes), torch._grouped_mm where that does not take the op (a
+  Linear); otherwise the recipe's FP8 operands,
   i.e. the columnwise 128-row-block quantizations of dY and X: for a GroupLinear on Hopper (`fp8_wgrad_takes`)
   both quantized by the quantize kernel into the slot layout and multiplied by the FP8 varlen-K kernel
   (kernels/fp8_wgrad.py, every group in one launch, each 128-row block promoted with both scales), elsewhere
