@@ -39,6 +39,20 @@ from .fp8_scales import SA_BOX, SB_BOX, SCALE_BLOCK, box_shift, box_start, segme
 from .mainloop import WarpRoles
 
 
+def issue_wave(tiled_mma, frag, tCrA, tCrB, stage):
+    """Trace time: issue one wave's k-tile of wgmma (A: that wave's slice of the stage) into ``frag`` (the first
+    one overwrites it: ACCUMULATE off), one commit group: the FP8 kernels' scratch fragment, promoted after the wait
+    (this kernel's consumers and kernels/fp8_wgrad.py's). Returns the MMA (its ACCUMULATE field is a traced value:
+    callers rebind it, so that loops carry it)."""
+    warpgroup.fence()
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+    for kb in range(cute.size(tCrA, mode=[2])):
+        cute.gemm(tiled_mma, frag, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], frag)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    return tiled_mma
+
+
 class Fp8WarpRoles(WarpRoles):
     """Producer hooks and the consumer body (``@cute.jit``, inlined into the kernel)."""
 
@@ -112,18 +126,6 @@ class Fp8WarpRoles(WarpRoles):
                     i = ((v, h, c + c_off), 0, 0) if self.n_waves > 1 else ((v, h, c), wave, 0)
                     acc[i] = part[((v, h, c), 0, 0)] * s + acc[i]   # ptxas fuses this into one FFMA
 
-    def issue_wave(self, tiled_mma, frag, tCrA, tCrB, stage):
-        """Issue one wave's k-tile of wgmma (A: that wave's 128-row slice of the stage) into ``frag`` (the
-        first one overwrites it: ACCUMULATE off), one commit group. Returns the MMA (its ACCUMULATE field is a
-        traced value: callers rebind it, so that loops carry it)."""
-        warpgroup.fence()
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        for kb in range(cute.size(tCrA, mode=[2])):
-            cute.gemm(tiled_mma, frag, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], frag)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        return tiled_mma
-
     def read_scales(self, sSA, sSB, rows, coords, kt, stage, wave):
         """k-tile ``kt``'s scales from ``stage``: the thread's row scales in wave ``wave`` (``rows``: its rows
         of the wave) and every slot's weight scale (1 when the scales are off)."""
@@ -194,7 +196,7 @@ class Fp8WarpRoles(WarpRoles):
                 for w in cutlass.range_constexpr(self.waves * self.n_waves):
                     wa = w if self.waves > 1 else 0      # the A slice (m-waves) and the B slice (n-waves)
                     wb = w if self.n_waves > 1 else 0
-                    tiled_mma = self.issue_wave(tiled_mma, part, tCrA[wa], tCrB[wb], stage)
+                    tiled_mma = issue_wave(tiled_mma, part, tCrA[wa], tCrB[wb], stage)
                     # the scales' shared-memory loads go out before the wait, their latency under the wgmma's
                     scales = self.read_scales(sSA, sSB, rows, coords, kt, stage, wa)
                     warpgroup.wait_group(0)

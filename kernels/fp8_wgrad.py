@@ -48,6 +48,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .dtypes import cutlass_dtype
+from .fp8_mainloop import issue_wave
 from .fp8_scales import SCALE_BLOCK
 from .fragment_io import store_tile16
 from .mainloop import REGISTER_SPLIT
@@ -246,17 +247,6 @@ class Fp8VarlenKGemmKernel:
         ab_pipe.producer_tail(prod_state)
 
     # ------------------------------------------------------------------ consumers
-    def issue_wave(self, tiled_mma, part, tCrA, tCrB, stage):
-        """One wave's k-tile of wgmma into ``part`` (the first overwrites it: ACCUMULATE off), one commit group;
-        returns the MMA (its ACCUMULATE field is traced: callers rebind it)."""
-        warpgroup.fence()
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        for kb in range(cute.size(tCrA, mode=[2])):
-            cute.gemm(tiled_mma, part, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], part)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        return tiled_mma
-
     def promote(self, acc, wave, part, row_scales, sSB, col0, stage):
         """``acc[wave] += part * (sa[row] * sb[col])`` over the thread's fragment (trace-time loops): per 8-column
         chunk ``c`` the thread's two columns ``col0 + 8c + (0, 1)`` read their scales from the stage."""
@@ -299,7 +289,7 @@ class Fp8VarlenKGemmKernel:
                 ab_pipe.consumer_wait(read_state)
                 stage = read_state.index
                 for w in cutlass.range_constexpr(self.waves):
-                    tiled_mma = self.issue_wave(tiled_mma, part, tCrA[w], tCrB, stage)
+                    tiled_mma = issue_wave(tiled_mma, part, tCrA[w], tCrB, stage)
                     # the row scales' shared-memory loads go out before the wait, under the wgmma
                     row_scales = [sSA[(128 * w + r, 0, stage)] for r in rows]
                     warpgroup.wait_group(0)
