@@ -84,13 +84,14 @@ def test_fp8_wgrad_kernels_compile_clean(monkeypatch):
         assert 0 < k.shared_memory_bytes <= 227 * 1024
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_slot_quantize_kernel_compiles_without_spills(dtype):
+@pytest.mark.parametrize("dtype,rowwise", [("bfloat16", False), ("float32", False), ("bfloat16", True)],
+                         ids=["bf16-slots", "fp32-slots", "bf16-rows-and-slots"])
+def test_slot_quantize_kernel_compiles_without_spills(dtype, rowwise):
     from fusion.kernels.api import _cubin_nv_info
     from fusion.kernels.fp8_quantize import build_kernel
 
-    _, cubin, kernel = build_kernel(dtype, 1024, True, 32, "int32", slots=True, rowwise=False)
-    assert kernel.slots and not kernel.rowwise
+    _, cubin, kernel = build_kernel(dtype, 1024, True, 32, "int32", slots=True, rowwise=rowwise)
+    assert kernel.slots and kernel.rowwise == rowwise
     assert _cubin_nv_info(cubin).get("frame_size", 0) == 0
 
 
@@ -170,3 +171,32 @@ def test_explain_and_the_ahead_of_time_jobs_say_which_weight_gradient(monkeypatc
     assert sorted(j.mainloop for j in jobs if j.step == "wgrad") == ["fp8_varlen_k", "fp8_varlen_k", "varlen_k",
                                                                      "varlen_k"]
     clear_cache()
+
+
+def test_fc1_fp8_dgrad_is_marked_to_quantize_dy_for_its_weight_gradient():
+    """The program marks an FP8 dgrad step to quantize dY for its op's weight gradient too (one launch, dY freed a
+    step early; GPU: tests/test_fp8_wgrad_gpu.py) exactly where dY has no other reader: FC1's dgrad on the kernels,
+    not under backend="emulate", not a bf16 GEMM's, not where FC2's fused dgrad already writes FC1's operand."""
+    from fusion.runtime import steps as S
+    from fusion.runtime.program import BlockProgram
+
+    def marks(fmt, backend, fc2_writes_operand=False):
+        E, d, f = 8, 256, 512
+        kw = {} if fmt is None else {"weight_format": fmt}
+        seq = Sequential(GroupLinear(E, d, 2 * f, **kw), SwiGLU(), Scale(), GroupLinear(E, f, d, **kw))
+        plan = seq.plan()
+        if fc2_writes_operand:   # what fusion/dataflow.py's _link_quantized_operands makes of such a plan
+            import dataclasses
+
+            steps = list(plan.backward)
+            n = next(k for k, s in enumerate(steps) if isinstance(s.parts, tuple) and s.parts == ((0, "dgrad"),))
+            steps[n] = dataclasses.replace(steps[n], reads=steps[n].reads + ("qg1",))
+            plan = dataclasses.replace(plan, backward=tuple(steps))
+        program = BlockProgram(seq, plan, backend)
+        return {(r.index, type(r).__name__): r.feeds_wgrad for r in program.backward_steps
+                if isinstance(r, S.GemmDgrad)}
+
+    assert marks("fp8_block", "cute") == {(0, "GemmDgrad"): True}
+    assert marks("fp8_block", "emulate") == {(0, "GemmDgrad"): False}
+    assert marks(None, "cute") == {(0, "GemmDgrad"): False}
+    assert marks("fp8_block", "cute", fc2_writes_operand=True) == {(0, "GemmDgrad"): False}

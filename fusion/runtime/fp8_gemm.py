@@ -27,6 +27,8 @@ captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from fusion.grouped import group_offsets
@@ -173,9 +175,59 @@ def run(op, x, ctx: RunContext, counter: int | None = None) -> torch.Tensor:
 def dgrad(op, dy: torch.Tensor, ctx: RunContext, counter: int | None = None, quantized=None) -> torch.Tensor:
     """``dX_g = dY_g @ W[g]``: dY quantized 1x128 rowwise (E4M3) times the weight's transposed blocks. `quantized`:
     dY's quantization already made (a BlockScaled: the fused dgrad before wrote it), else this quantizes dY."""
-    a = operand(dy) if quantized is None else quantized
-    return _gemm(a, weight_operand(op, transposed=True), row_bounds(op, dy.shape[0], ctx, dy.device),
-                 dy.dtype, "dgrad", counter)
+    return dgrad_quantized(op, operand(dy) if quantized is None else quantized, dy.dtype, ctx, counter)
+
+
+def dgrad_quantized(op, a, dtype: torch.dtype, ctx: RunContext, counter: int | None = None) -> torch.Tensor:
+    """`dgrad` from dY's rowwise copy `a` (a BlockScaled) alone, in `dtype` (dY's): the high-precision dY may be
+    gone (`quantize_for_backward`)."""
+    rows = a.data.shape[0]
+    return _gemm(a, weight_operand(op, transposed=True), row_bounds(op, rows, ctx, a.data.device), dtype, "dgrad",
+                 counter)
+
+
+class SlotGradient(NamedTuple):
+    """A GEMM's output gradient dY as its FP8 weight gradient reads it, and nothing more: the columnwise FP8-block
+    copy in the slot layout (`data` (N, 128 * capacity) uint8, `scale` (capacity, N) float32; fusion.kernels.
+    fp8_quantize_api.quantize_fp8_block_slots), with dY's `rows` and `dtype`. The backward program holds it in
+    place of dY once the FP8 dgrad has quantized dY for both GEMMs (`quantize_for_backward`): the high-precision
+    dY (2 bytes an element) is freed before the dgrad runs instead of living through the weight gradient."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    rows: int
+    dtype: torch.dtype
+
+
+#: An FP8 dgrad whose dY only its op's FP8 weight gradient reads after it quantizes dY for both in one launch and
+#: lets dY go (`quantizes_for_wgrad`); False: each GEMM quantizes dY itself (the A/B's other side, read per call).
+QUANTIZE_DY_ONCE = True
+
+
+def quantizes_for_wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> bool:
+    """Whether this call's FP8 dgrad of `op` should quantize dY for the weight gradient too (one read of dY for
+    both copies, `quantize_for_backward`): the weight wants a gradient, `fp8_linear.wgrad_in_bf16` takes FP8 at
+    this call's rows per group, and the FP8 varlen-K kernel takes the op and its saved input `x` (None: not at
+    hand yet, so no)."""
+    from fusion.quant import fp8_linear
+
+    w = op.weight
+    if not QUANTIZE_DY_ONCE or x is None or not w.requires_grad or w.dim() != 3 or getattr(op, "bias", None) is not None:
+        return False
+    if fp8_linear.wgrad_in_bf16(w.shape[-2], w.shape[-1], dy.shape[0], w.shape[0]):
+        return False
+    return fp8_wgrad_takes(op, x, dy, ctx.group_sizes)
+
+
+def quantize_for_backward(dy: torch.Tensor, ctx: RunContext):
+    """``(rowwise BlockScaled, SlotGradient)`` of a GEMM's output gradient from one quantize launch: the dgrad's
+    1x128 rowwise copy and the weight gradient's per-group columnwise copy, each bit for bit what `operand` and
+    the slot quantization of `_fp8_weight_gradient` make from dY on their own."""
+    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_rows_and_slots
+    from fusion.runtime.kernel import BlockScaled
+
+    data, scale, cw_data, cw_scale = quantize_fp8_block_rows_and_slots(dy, ctx.group_sizes)
+    return BlockScaled(data, scale), SlotGradient(cw_data, cw_scale, dy.shape[0], dy.dtype)
 
 
 def wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
@@ -184,6 +236,8 @@ def wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
     the FP8 varlen-K kernel (`fp8_wgrad_takes`), or dequantized exactly into torch._grouped_mm."""
     from fusion.quant import fp8_linear
 
+    if isinstance(dy, SlotGradient):   # the FP8 dgrad quantized dY for this GEMM too (`quantize_for_backward`)
+        return _fp8_weight_gradient(op, x, dy, ctx).to(op.weight.dtype)
     dy = dy if dy.is_contiguous() else dy.contiguous()
     dtype = dy.dtype
     w = op.weight
@@ -243,11 +297,12 @@ def fp8_wgrad_job(op, dtype: torch.dtype):
                      mainloop="fp8_varlen_k")
 
 
-def _fp8_weight_gradient(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+def _fp8_weight_gradient(op, x, dy, ctx: RunContext) -> torch.Tensor:
     """``dW[g] = dY_g.T @ X_g`` from the columnwise FP8-block copies of dY and X in the slot layout (the quantize
-    kernel, no rowwise copy), by the FP8 varlen-K kernel: (G, out, in) in dY's dtype. An fp8_block x gives its own
-    columnwise copy where it has one for these groups (moved into the slot layout), else it is requantized from its
-    value (its rowwise copy dequantized exactly), as the recipe does."""
+    kernel, no rowwise copy; dY's already made where `dy` is a SlotGradient), by the FP8 varlen-K kernel:
+    (G, out, in) in dY's dtype. An fp8_block x gives its own columnwise copy where it has one for these groups
+    (moved into the slot layout), else it is requantized from its value (its rowwise copy dequantized exactly), as
+    the recipe does."""
     from fusion.kernels.fp8_quantize_api import quantize_fp8_block_slots
     from fusion.kernels.fp8_wgrad_api import run_fp8_varlen_k_gemm
     from fusion.runtime.compile import load_compiled
@@ -258,7 +313,10 @@ def _fp8_weight_gradient(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tens
     if compiled is None:
         compiled = _COMPILED[key] = load_compiled(fp8_wgrad_job(op, dtype))
     groups = ctx.group_sizes
-    a_data, a_scale = quantize_fp8_block_slots(dy, groups)
+    if isinstance(dy, SlotGradient):
+        a_data, a_scale, rows, device = dy.data, dy.scale, dy.rows, dy.data.device
+    else:
+        (a_data, a_scale), rows, device = quantize_fp8_block_slots(dy, groups), dy.shape[0], dy.device
     if isinstance(x, QuantizedTensor) and x.columnwise_data is not None and x.group_sizes is groups:
         from fusion.quant.fp8_block import fp8_block_columnwise_slots
 
@@ -266,9 +324,8 @@ def _fp8_weight_gradient(op, x, dy: torch.Tensor, ctx: RunContext) -> torch.Tens
     else:
         xv = _dequantize_rowwise(x, dtype) if isinstance(x, QuantizedTensor) else x
         b_data, b_scale = quantize_fp8_block_slots(xv if xv.is_contiguous() else xv.contiguous(), groups)
-    dw = torch.empty(op.weight.shape, dtype=dtype, device=dy.device)
-    run_fp8_varlen_k_gemm(compiled, a_data, a_scale, b_data, b_scale, row_bounds(op, dy.shape[0], ctx, dy.device),
-                          dw)
+    dw = torch.empty(op.weight.shape, dtype=dtype, device=device)
+    run_fp8_varlen_k_gemm(compiled, a_data, a_scale, b_data, b_scale, row_bounds(op, rows, ctx, device), dw)
     return dw
 
 

@@ -83,6 +83,7 @@ class BlockProgram:
         self.backward_steps = []
         for n, step in enumerate(plan.backward, 1):
             self.backward_steps.append(self._backward_runner(seq, step, launcher, f"B{n}"))
+        self._feeds_wgrad(plan)
         self.recompute_bases = _recompute_bases(plan)
         # a recomputed op runs as in the forward: its device method where it has one (a Gather: the gather
         # kernel, fusion/runtime/gather.py), else its reference
@@ -108,6 +109,20 @@ class BlockProgram:
         part = step.parts[0][1]
         kind = {"dgrad": S.GemmDgrad, "wgrad": S.GemmWgrad}.get(part)
         return (kind or S.OpBackward)(seq, step, self.plan, self.device_kernels)
+
+    def _feeds_wgrad(self, plan) -> None:
+        """Mark each FP8 dgrad step whose dY has exactly one other reader, its op's weight gradient after it: that
+        dgrad quantizes dY for both GEMMs in one pass where the weight gradient takes FP8 (steps.GemmDgrad.
+        feeds_wgrad), and dY goes a step early. Not the block's output gradient (the caller's tensor)."""
+        for n, runner in enumerate(self.backward_steps):
+            if not isinstance(runner, S.GemmDgrad) or not runner.may_feed_wgrad():
+                continue
+            name = runner.grad_in
+            readers = [m for m, step in enumerate(plan.backward) if name in step.reads]
+            later = readers[1:]
+            runner.feeds_wgrad = (name != f"g{len(plan.ops)}" and readers[:1] == [n] and len(later) == 1
+                                  and isinstance(self.backward_steps[later[0]], S.GemmWgrad)
+                                  and self.backward_steps[later[0]].index == runner.index)
 
     def _combine_copy(self, seq, plan):
         """(the Combine backward's step, the steps that read its copy of the tokens' gradient) where each of those

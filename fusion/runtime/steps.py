@@ -516,7 +516,14 @@ class GemmDgrad(_DeviceMethodStep):
         self.device = _device_method(self.op, "dgrad", device_kernels)
         # a device method whose dgrad rule differs from its forward's says so with takes_dgrad (fusion.op_table)
         self.takes = None if self.device is None else getattr(self.device, "takes_dgrad", self.device.takes)
+        # set by BlockProgram where dY's only later reader is this op's weight gradient (`feeds_wgrad`)
+        self.feeds_wgrad = False
         self._claim_counter()
+
+    def may_feed_wgrad(self) -> bool:
+        """Whether this step can quantize dY for its op's FP8 weight gradient too (an FP8 GEMM on its kernel that
+        quantizes dY itself): BlockProgram then sets `feeds_wgrad` where no other step reads dY."""
+        return self.device is fp8_gemm and self.quantized_in is None
 
     def run(self, state: RunState) -> None:
         from fusion.quant import dequantize
@@ -526,7 +533,15 @@ class GemmDgrad(_DeviceMethodStep):
         dy = dy if dy.is_contiguous() else dy.contiguous()
         quantized = {} if self.quantized_in is None else {"quantized": state.env[self.quantized_in]}
         if self.takes is not None and self.takes(op, dy):
-            dx = self.device.dgrad(op, dy, ctx, **self._counter(state), **quantized)
+            if self.feeds_wgrad and fp8_gemm.quantizes_for_wgrad(op, state.env.get(v(self.index)), dy, ctx):
+                # one read of dY for both FP8 copies; the weight gradient's slot copy takes dY's place, so dY
+                # itself is freed before the dgrad instead of after the weight gradient
+                a, state.env[self.grad_in] = fp8_gemm.quantize_for_backward(dy, ctx)
+                dtype = dy.dtype
+                del dy
+                dx = fp8_gemm.dgrad_quantized(op, a, dtype, ctx, **self._counter(state))
+            else:
+                dx = self.device.dgrad(op, dy, ctx, **self._counter(state), **quantized)
         elif not self.fp8:
             dx = linear_dgrad(dy, weight_of(op), ctx.group_sizes, ctx.offsets)
         else:
@@ -605,6 +620,11 @@ class GemmWgrad:
         from fusion.quant import dequantize
 
         ctx, op = state.ctx, self.op
+        if isinstance(state.env.get(self.grad_in), fp8_gemm.SlotGradient):
+            # the FP8 dgrad before quantized dY for this weight gradient (GemmDgrad.feeds_wgrad): only its slot copy
+            dw = self.device.wgrad(op, state.env[v(self.index)], state.env[self.grad_in], ctx)
+            state.add(state.param_grads, id(op.weight), dw)
+            return
         dy_index = gather_index(ctx) if state.dy_through_index and self.dy_tokens is not None else None
         dy = dequantize(state.env[self.grad_in if dy_index is None else self.dy_tokens]).contiguous()
         weight, bias = weight_of(op), op.bias
