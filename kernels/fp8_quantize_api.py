@@ -18,7 +18,7 @@ import torch
 from fusion.errors import DeviceError, DTypeError, GroupSizesError, ShapeError
 
 __all__ = ["quantize_fp8_block_device", "try_quantize_fp8_block_device", "quantize_fp8_block_slots",
-           "quantize_fp8_block_rows_and_slots", "unsupported_reason", "FP8_BLOCK"]
+           "unsupported_reason", "FP8_BLOCK"]
 
 #: Elements per block (rowwise: 1x128 of a row; columnwise: 128 rows of a group).
 FP8_BLOCK = 128
@@ -133,25 +133,10 @@ def quantize_fp8_block_slots(x2d: torch.Tensor, group_sizes=None):
     in unused slots), ``cw_scale`` float32 ``(capacity, K)`` = ``fp8_block_quantize_columnwise(x2d,
     group_sizes)[1]`` (``capacity = ceil(M/128) + G``). Block b's codes are those of the ``(K, M)`` copy's block b,
     bit for bit. One launch, no host sync; a FusionError for what the kernel does not take."""
-    return _slots("quantize_fp8_block_slots", x2d, group_sizes, rowwise=False)[2:]
-
-
-def quantize_fp8_block_rows_and_slots(x2d: torch.Tensor, group_sizes=None):
-    """Both FP8-block copies of ``x2d`` from one read of it: ``(data, scale, cw_data, cw_scale)``, the rowwise
-    copy as :func:`quantize_fp8_block_device` writes it (what an FP8 dgrad multiplies) and the columnwise copy in
-    the slot layout as :func:`quantize_fp8_block_slots` writes it (what the FP8 weight gradient multiplies). A
-    GEMM's output gradient feeds both of its backward GEMMs this way, and its high-precision value can go as soon
-    as this returns (fusion/runtime/fp8_gemm.py `quantize_for_backward`)."""
-    return _slots("quantize_fp8_block_rows_and_slots", x2d, group_sizes, rowwise=True)
-
-
-def _slots(caller: str, x2d: torch.Tensor, group_sizes, rowwise: bool):
-    """``(data, scale, cw_data, cw_scale)`` of the slot-layout kernel (``data``, ``scale`` None without
-    `rowwise`), checked first."""
     problem = _problem(x2d, True, group_sizes)
     if problem is not None:
         cls, message = problem
-        raise cls(f"{caller}: {message}")
+        raise cls(f"quantize_fp8_block_slots: {message}")
     M, K = x2d.shape
     dev = x2d.device
     G = 1 if group_sizes is None else group_sizes.numel()
@@ -159,18 +144,13 @@ def _slots(caller: str, x2d: torch.Tensor, group_sizes, rowwise: bool):
     empty = M == 0 or K == 0
     cw_data = (torch.zeros if empty else torch.empty)(K, FP8_BLOCK * capacity, dtype=torch.uint8, device=dev)
     cw_scale = (torch.zeros if empty else torch.empty)(capacity, K, dtype=torch.float32, device=dev)
-    data = scale = None
-    if rowwise:
-        data = torch.empty(M, K, dtype=torch.uint8, device=dev)
-        scale = torch.empty(-(-K // FP8_BLOCK), M, dtype=torch.float32, device=dev)
     if empty:
-        return data, scale, cw_data, cw_scale
+        return cw_data, cw_scale
     from .fp8_quantize import compile_fp8_quantize
 
     sizes_dtype = None if group_sizes is None else _SIZES_DTYPES[group_sizes.dtype]
-    kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, True, G, sizes_dtype, False, slots=True, rowwise=rowwise)
+    kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, True, G, sizes_dtype, False, slots=True, rowwise=False)
     stream = torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
-    kernel.launch(x2d.data_ptr(), data.data_ptr() if rowwise else 0, scale.data_ptr() if rowwise else 0,
-                  cw_data.data_ptr(), cw_scale.data_ptr(),
+    kernel.launch(x2d.data_ptr(), 0, 0, cw_data.data_ptr(), cw_scale.data_ptr(),
                   group_sizes.data_ptr() if group_sizes is not None else 0, 0, M, stream)
-    return data, scale, cw_data, cw_scale
+    return cw_data, cw_scale

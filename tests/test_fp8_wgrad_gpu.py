@@ -39,23 +39,6 @@ def test_slot_layout_is_the_reference_bit_for_bit(K):
     assert torch.equal(scale, ref_scale), f"scales differ at {(scale != ref_scale).nonzero()[:8].tolist()}"
 
 
-@pytest.mark.parametrize("K", [256, 200])
-def test_rows_and_slots_from_one_launch_are_the_two_copies(K):
-    """The dgrad's rowwise copy and the weight gradient's slot copy from one read of dY (what an FP8 dgrad that
-    feeds its weight gradient launches) are, bit for bit, the two kernels' separate copies."""
-    from fusion.kernels.fp8_quantize_api import (quantize_fp8_block_device, quantize_fp8_block_rows_and_slots,
-                                                 quantize_fp8_block_slots)
-
-    sizes = torch.tensor(SIZES, device=DEV, dtype=torch.int32)
-    x = _operand(sum(SIZES), K, 3)
-    data, scale, cw_data, cw_scale = quantize_fp8_block_rows_and_slots(x, sizes)
-    want_data, want_scale = quantize_fp8_block_device(x)[:2]
-    want_cw, want_cw_scale = quantize_fp8_block_slots(x, sizes)
-    for name, got, want in (("rowwise codes", data, want_data), ("rowwise scales", scale, want_scale),
-                            ("slot codes", cw_data, want_cw), ("slot scales", cw_scale, want_cw_scale)):
-        assert got.shape == want.shape and torch.equal(got, want), f"{name} differ"
-
-
 def _dequantized_groups(data, scale, sizes):
     """Per group, the (width, rows) float64 values of a slot-layout operand (its slots, their rows)."""
     out, slot = [], 0
@@ -150,12 +133,12 @@ def test_training_step_runs_the_fp8_wgrad_kernel(columnwise, monkeypatch):
             assert err < bound, f"{name}: relative error {err:.2e} against backend {other!r}"
 
 
-def test_fc1_dgrad_quantizes_dy_once_for_both_gemms_and_frees_it(monkeypatch):
+def test_fc1_dgrad_quantizes_dy_for_both_gemms_and_frees_it(monkeypatch):
     """FC1's FP8 dgrad, whose dY (the fused dgrad's d(pre-activation)) only FC1's weight gradient reads after it,
-    quantizes dY into both copies in one launch and drops dY before its GEMM (fusion/runtime/program.py
-    `_feeds_wgrad`): every gradient bit for bit what the two separate quantizations give, and the backward's peak
-    memory lower by about half of dY's bytes or more."""
-    from fusion.kernels import fp8_quantize_api
+    makes both FP8 copies of dY and drops dY before its GEMM (fusion/runtime/program.py `_feeds_wgrad`,
+    fp8_gemm.WGRAD_COPY_IN_DGRAD): every gradient bit for bit what the two GEMMs' own quantizations give, and when
+    FC1's weight-gradient kernel launches, exactly dY's bytes less memory in use (and a lower backward peak)."""
+    from fusion.kernels import fp8_wgrad_api
     from fusion.planner import clear_cache
     from fusion.quant import fp8_linear
     from fusion.runtime import fp8_gemm
@@ -169,17 +152,17 @@ def test_fc1_dgrad_quantizes_dy_once_for_both_gemms_and_frees_it(monkeypatch):
     x0 = torch.randn(M, D, device=DEV, dtype=torch.bfloat16)
     probs = torch.rand(M, device=DEV, dtype=torch.bfloat16)
     dy = torch.randn(M, D, device=DEV, dtype=torch.bfloat16)
-    shared = []
-    both = fp8_quantize_api.quantize_fp8_block_rows_and_slots
+    in_use = []
+    run = fp8_wgrad_api.run_fp8_varlen_k_gemm
 
     def spy(*args, **kw):
-        shared.append(1)
-        return both(*args, **kw)
+        in_use.append(torch.cuda.memory_allocated())
+        return run(*args, **kw)
 
-    monkeypatch.setattr(fp8_quantize_api, "quantize_fp8_block_rows_and_slots", spy)
+    monkeypatch.setattr(fp8_wgrad_api, "run_fp8_varlen_k_gemm", spy)
     results = {}
-    for feeds in (True, False):
-        monkeypatch.setattr(fp8_gemm, "QUANTIZE_DY_ONCE", feeds)
+    for once in (True, False):
+        monkeypatch.setattr(fp8_gemm, "WGRAD_COPY_IN_DGRAD", once)
         torch.manual_seed(0)
         seq = Sequential(GroupLinear(E, D, 2 * F, weight_format="fp8_block"), SwiGLU(), Scale(),
                          QuantizeFP8Block(columnwise=False), GroupLinear(E, F, D, weight_format="fp8_block"))
@@ -193,16 +176,18 @@ def test_fc1_dgrad_quantizes_dy_once_for_both_gemms_and_frees_it(monkeypatch):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+        in_use.clear()
         y.backward(dy)
         torch.cuda.synchronize()
-        results[feeds] = (torch.cuda.max_memory_allocated() - base, x.grad.clone(),
-                          {n: p.grad.clone() for n, p in seq.named_parameters()})
-    assert len(shared) == 2, f"the one-launch quantization ran {len(shared)} times, not once per step with it on"
-    (peak_on, dx_on, grads_on), (peak_off, dx_off, grads_off) = results[True], results[False]
-    assert torch.equal(dx_on, dx_off), "dX differs with dY quantized once"
+        assert len(in_use) == 2, f"{len(in_use)} FP8 weight-gradient launches, not one per GroupLinear"
+        results[once] = (torch.cuda.max_memory_allocated() - base, in_use[-1] - base, x.grad.clone(),
+                         {n: p.grad.clone() for n, p in seq.named_parameters()})
+    (peak_on, fc1_on, dx_on, grads_on), (peak_off, fc1_off, dx_off, grads_off) = results[True], results[False]
+    assert torch.equal(dx_on, dx_off), "dX differs with dY's copies made by the dgrad step"
     for name, want in grads_off.items():
-        assert torch.equal(grads_on[name], want), f"{name}'s gradient differs with dY quantized once"
+        assert torch.equal(grads_on[name], want), f"{name}'s gradient differs with dY's copies made by the dgrad step"
     dh_bytes = M * 2 * F * 2
-    assert peak_on <= peak_off - dh_bytes // 2, (
-        f"backward peak {peak_on / 2**20:.1f} MiB with dY quantized once, {peak_off / 2**20:.1f} without: dY "
-        f"({dh_bytes / 2**20:.1f} MiB) still lives through the weight gradient")
+    assert fc1_off - fc1_on == dh_bytes, (
+        f"at FC1's weight gradient {fc1_on / 2**20:.1f} MiB in use with dY dropped, {fc1_off / 2**20:.1f} without: "
+        f"the difference is not dY's {dh_bytes / 2**20:.1f} MiB")
+    assert peak_on < peak_off, f"backward peak {peak_on} bytes with dY dropped early, {peak_off} without"

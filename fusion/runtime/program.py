@@ -112,8 +112,8 @@ class BlockProgram:
 
     def _feeds_wgrad(self, plan) -> None:
         """Mark each FP8 dgrad step whose dY has exactly one other reader, its op's weight gradient after it: that
-        dgrad quantizes dY for both GEMMs in one pass where the weight gradient takes FP8 (steps.GemmDgrad.
-        feeds_wgrad), and dY goes a step early. Not the block's output gradient (the caller's tensor)."""
+        dgrad makes both GEMMs' FP8 copies of dY where the weight gradient takes FP8 (steps.GemmDgrad.feeds_wgrad),
+        and dY goes a step early. Not the block's output gradient (the caller's tensor)."""
         for n, runner in enumerate(self.backward_steps):
             if not isinstance(runner, S.GemmDgrad) or not runner.may_feed_wgrad():
                 continue

@@ -534,8 +534,8 @@ class GemmDgrad(_DeviceMethodStep):
         quantized = {} if self.quantized_in is None else {"quantized": state.env[self.quantized_in]}
         if self.takes is not None and self.takes(op, dy):
             if self.feeds_wgrad and fp8_gemm.quantizes_for_wgrad(op, state.env.get(v(self.index)), dy, ctx):
-                # one read of dY for both FP8 copies; the weight gradient's slot copy takes dY's place, so dY
-                # itself is freed before the dgrad instead of after the weight gradient
+                # both GEMMs' FP8 copies of dY now; the weight gradient's slot copy takes dY's place, so dY itself
+                # is freed before the dgrad's GEMM instead of after the weight gradient
                 a, state.env[self.grad_in] = fp8_gemm.quantize_for_backward(dy, ctx)
                 dtype = dy.dtype
                 del dy
