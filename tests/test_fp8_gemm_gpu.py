@@ -446,3 +446,55 @@ def test_256_row_tiles_gated_swiglu_scale(N, cluster_n):
     """FC1 + SwiGLU * router prob on 256-row tiles (N/2 = 2888: up-half segments straddle weight blocks)."""
     _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, tile_m=256, tile_n=128, stages=4, cluster_n=cluster_n),
                  seed=14)
+
+
+# ------------------------------------------------------------------ pingpong (each warpgroup owns whole 128-row tiles)
+@pytest.mark.parametrize("over", [dict(), dict(num_ctas=7), dict(dynamic=False), dict(dynamic=False, num_ctas=7)],
+                         ids=["", "7-ctas", "static", "static-7-ctas"])
+@pytest.mark.parametrize("case", WAVE_CASES, ids=lambda c: "G{}-M{}-N{}-K{}".format(*c))
+def test_pingpong_tiles_bitwise_equal_to_cooperative_tiles(case, over):
+    """A pingpong warpgroup's 64-row wave is the cooperative 128-row tile's wgmma on the same 64 rows, folded in the
+    same k order through the same scratch arithmetic: bitwise the cooperative kernel's output (within the FP8
+    tolerance of the float64 product). 7 CTAs: many tiles per warpgroup, the order barriers and the ring's parity
+    through many turns; both schedulers."""
+    if over and case != WAVE_CASES[0]:
+        pytest.skip("the launch and schedule variants run on the first case")
+    G, M, N, Kd = case
+    over = dict(over)
+    num_ctas = over.pop("num_ctas", None)
+    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=21)
+    cfg = _config(N, Kd, G, cluster_n=1, tile_m=128, tile_n=128, stages=6, **over)
+    coop = _nan(M, N)
+    K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.IdentityEpilogue(), N, Kd, G), *args, {"out": coop})
+    comp = K.compile_fp8_grouped_gemm(replace(cfg, pingpong=True), K.IdentityEpilogue(), N, Kd, G)
+    assert comp.name.endswith("_pp")
+    for _ in range(5 if num_ctas else 1):
+        pp = _nan(M, N)
+        K.run_fp8_grouped_gemm(comp, *args, {"out": pp}, num_ctas=num_ctas)
+        torch.cuda.synchronize()
+        assert torch.equal(pp, coop), f"{comp.name}: differs from the cooperative tile's output"
+    ref, mag = _reference(a_dq, b_dq, sizes)
+    _check(pp, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name)
+
+
+@pytest.mark.parametrize("num_ctas", [None, 7])
+def test_pingpong_dswiglu_epilogue_equals_the_cooperative_one(num_ctas):
+    """FC2's dgrad + d(SwiGLU * scale) (the epilogue FP8_PINGPONG_AUX puts on pingpong tiles: it reads the saved
+    pre-activation's gate and up values and writes both gradients) bitwise as the cooperative kernel writes it."""
+    G, M, N, Kd = 8, 3001, 1024, 512
+    sizes, args, _, _ = _problem(G, M, N, Kd, seed=22)
+    gen = torch.Generator().manual_seed(23)
+    pre = torch.randn(M, 2 * N, generator=gen).to(DEV, torch.bfloat16)
+    scale = torch.rand(M, generator=gen).to(DEV, torch.bfloat16)
+    epi = K.DSwiGLUEpilogue()
+    cfg = _config(N, Kd, G, cluster_n=1, tile_m=128, tile_n=128, stages=6)
+    outs = {}
+    for pp in (False, True):
+        comp = K.compile_fp8_grouped_gemm(replace(cfg, pingpong=pp), epi, N, Kd, G)
+        dpre = _nan(M, 2 * N)
+        K.run_fp8_grouped_gemm(comp, *args, {"dpre": dpre}, {"pre": pre, "scale": scale},
+                               num_ctas=num_ctas if pp else None)
+        torch.cuda.synchronize()
+        assert torch.isfinite(dpre.float()).all(), f"{comp.name}: unwritten elements"
+        outs[pp] = dpre
+    assert torch.equal(outs[True], outs[False]), "the pingpong dgrad epilogue differs from the cooperative one"
