@@ -55,10 +55,9 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
                         "the accumulator and the promotion's scratch fragment, tile_n registers in all: 256 "
                         f"spills), or {N_WAVE_TILE} for a gated 128-row tile (its gate and up halves as two "
                         "n-waves through one scratch fragment)")
-    if config.pingpong and (config.tile_m != 128 or config.tile_n > 128 or config.cluster_n != 1 or gated_waves):
-        problems.append(f"pingpong at {config.tile_m}x{config.tile_n} (cluster_n = {config.cluster_n}): an FP8 "
-                        "pingpong warpgroup walks a 128 x tile_n <= 128 tile as two 64-row m-waves (its "
-                        "accumulator and one scratch fragment), single CTAs, no gated n-waves")
+    if config.pingpong:
+        problems.append("pingpong: the FP8 kernel is cooperative (each warpgroup holds an accumulator and the "
+                        "promotion's scratch fragment); use pingpong=False")
     if config.b_major != "K":
         problems.append("b_major must be 'K': FP8 wgmma reads B K-major (the dgrad uses the weight's data_t)")
     if config.cluster_m != 1:
@@ -113,7 +112,6 @@ class CompiledFp8GroupedGemm(CompiledGroupedGemm):
                      f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}"
                      + (f"_band{resolved_band(config)}" if resolved_band(config) > 1 else "")
                      + ("_dyn" if config.dynamic else "") + ("_c2" if config.cluster_n == 2 else "")
-                     + ("_pp" if config.pingpong else "")
                      + debug
                      + ("" if kernel is None or kernel.debug.reg_realloc else "_noregs"))
         self.k_blocks = -(-K // SCALE_BLOCK)

@@ -85,6 +85,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # a 256-row tile: each consumer warpgroup walks its 128 rows as two 64-row waves, one after the other,
         # through one scratch fragment (kernels/fp8_mainloop.py), so its registers hold 2 x 64 x tile_n / 128
         # accumulator floats and 64 x tile_n / 128 scratch ones per thread (DeepGEMM's BLOCK_M = 256 on sm90)
+        self.waves = self.tile_m // 128
         assert self.tile_n % 16 == 0 and self.tile_n <= 256
         self.gated = epilogue.gated
         # a gated 128 x 256 tile: each consumer warpgroup walks the gate half and then the up half of its 64 rows
@@ -94,22 +95,11 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.n_waves = 2 if self.gated and self.tile_n == N_WAVE_TILE else 1
         assert self.n_waves == 1 or self.tile_m == 128, "n-waves take a 128-row tile"
         self.wave_n = self.tile_n // self.n_waves
-        # pingpong (128 x tile_n <= 128, plain): each consumer warpgroup owns whole tiles, walked as two 64-row
-        # m-waves through one scratch fragment (the cooperative 256-row tile's registers), and the two take turns
-        # on the tensor cores, so one's epilogue runs under the other's mainloop: for epilogues that move more
-        # bytes than the mainloop hides (FC2's dgrad + d(SwiGLU * scale): tile_policy.FP8_PINGPONG_AUX)
-        self.pingpong = bool(getattr(config, "pingpong", False))
-        assert not self.pingpong or (self.tile_m == 128 and self.n_waves == 1 and self.tile_n <= 128), \
-            "an FP8 pingpong tile is 128 x tile_n <= 128, not gated n-waves"
+        self.pingpong = False            # cooperative: the accumulator and the scratch fragment both fit
         self.num_mma_wg = 2
-        self.mma_atoms_m = 1 if self.pingpong else 2
-        # rows of A one wave's wgmma covers: 128 split over the two warpgroups (cooperative), or the warpgroup's 64
-        self.wave_rows = 64 if self.pingpong else 128
-        self.waves = self.tile_m // self.wave_rows
-        # 128-row boxes of activation scales a stage holds
-        self.sa_boxes = self.tile_m // 128
+        self.mma_atoms_m = 2
         self.threads = 128 * (1 + self.num_mma_wg)
-        self.sched_stages = 4 if self.pingpong else 2
+        self.sched_stages = 2
         self.stages = config.stages
         self.dynamic = config.dynamic
         # CTA pairs along n share the A tile by TMA multicast, as in the bf16 kernel (kernels/grouped_gemm.py);
@@ -117,7 +107,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.cluster_n = int(getattr(config, "cluster_n", 1))
         self.band_m = resolved_band(config)    # the tile order's band (kernels/scheduler.py)
         # a tile whose rows end within its first 64: the second warpgroup issues no wgmma (kernels/fp8_mainloop.py)
-        self.short_tiles = bool(getattr(config, "short_tiles", False)) and self.tile_m == 128 and not self.pingpong
+        self.short_tiles = bool(getattr(config, "short_tiles", False)) and self.waves == 1
         assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
         self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
@@ -149,7 +139,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.segments = plan_segments(self.tile_n, N, self.gated)
         self.slots = num_slots(self.segments)
         self.sched = TileScheduler(self.tile_m, (n_log + self.tile_n_log - 1) // self.tile_n_log, G,
-                                   self.dynamic, self.pingpong, self.cluster_n, self.band_m,
+                                   self.dynamic, False, self.cluster_n, self.band_m,
                                    one_band_limit(self.band_m, self.tile_m, K, 1))
         mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
         mB = cute.make_tensor(pB, cute.make_layout((N, K, G), stride=(K, 1, N * K)))
@@ -176,8 +166,8 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         )
         self.sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
         self.sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
-        self.sSA_layout = cute.make_layout((SA_BOX, self.sa_boxes, self.stages),
-                                           stride=(1, SA_STAGE_FLOATS, SA_STAGE_FLOATS * self.sa_boxes))
+        self.sSA_layout = cute.make_layout((SA_BOX, self.waves, self.stages),
+                                           stride=(1, SA_STAGE_FLOATS, SA_STAGE_FLOATS * self.waves))
         self.sSB_layout = cute.make_layout((SB_BOX, self.slots, self.stages),
                                            stride=(1, SB_SLOT_FLOATS, SB_SLOT_FLOATS * self.slots))
         sA_one = cute.slice_(self.sA_layout, (None, None, 0))
@@ -201,7 +191,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # out-of-bounds box elements are zero-filled and still counted by the transaction
         self.tx_bytes = cute.size_in_bytes(FP8, sA_one) + cute.size_in_bytes(FP8, sB_one)
         if const_expr(self.debug.scales != "off"):
-            self.tx_bytes += 4 * (SA_BOX * self.sa_boxes + SB_BOX * self.slots)
+            self.tx_bytes += 4 * (SA_BOX * self.waves + SB_BOX * self.slots)
 
         @cute.struct
         class SharedStorage:

@@ -36,7 +36,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .fp8_scales import SA_BOX, SB_BOX, SCALE_BLOCK, box_shift, box_start, segment_of
-from .mainloop import PINGPONG_BARRIER, WarpRoles, consumer_ids
+from .mainloop import WarpRoles
 
 
 def issue_wave(tiled_mma, frag, tCrA, tCrB, stage):
@@ -87,7 +87,7 @@ class Fp8WarpRoles(WarpRoles):
         tma_sa, mSA, tma_sb, mSB, sSA, sSB, M = extras
         row0, sb_rows = tile_extra
         one = cute.make_layout(1)
-        for w in range(self.sa_boxes):
+        for w in range(self.waves):
             gSA = cute.local_tile(cute.domain_offset((self.box_start(kt * M + row0 + 128 * w),), mSA), (SA_BOX,),
                                   (0,))
             tSAs, tSAg = cpasync.tma_partition(tma_sa, 0, one, cute.group_modes(sSA, 0, 1),
@@ -128,14 +128,12 @@ class Fp8WarpRoles(WarpRoles):
 
     def read_scales(self, sSA, sSB, rows, coords, kt, stage, wave):
         """k-tile ``kt``'s scales from ``stage``: the thread's row scales in wave ``wave`` (``rows``: its rows
-        of the wave; the wave's first row is ``wave_rows * wave`` of the tile, in 128-row box ``wave_rows * wave //
-        128``) and every slot's weight scale (1 when the scales are off)."""
+        of the wave) and every slot's weight scale (1 when the scales are off)."""
         if self.debug.scales == "off":
             return [Float32(1.0) for _ in rows], [Float32(1.0) for _ in range(self.slots)]
         row0, sb_rows, M = coords
-        box, in_box = divmod(self.wave_rows * wave, 128)
-        sa_shift = self.box_shift(kt * M + row0 + 128 * box) + in_box
-        row_scales = [sSA[(r + sa_shift, box, stage)] for r in rows]
+        sa_shift = self.box_shift(kt * M + row0 + 128 * wave)
+        row_scales = [sSA[(r + sa_shift, wave, stage)] for r in rows]
         slot_scales = [sSB[(self.box_shift(base + kt), s, stage)] for s, base in enumerate(sb_rows)]
         return row_scales, slot_scales
 
@@ -144,22 +142,18 @@ class Fp8WarpRoles(WarpRoles):
                     sB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, mOffs: cute.Tensor, epi_tensors: tuple,
                     ab_pipe, sched_pipe, sTile: cute.Tensor, tidx: Int32, bidx: Int32, grid: Int32, M: Int32,
                     rank=0):
-        """The consumer warpgroups (``bidx``, ``grid``, ``rank`` as for :meth:`WarpRoles.produce`). Cooperative,
-        the two split each tile; pingpong, each owns every other tile of the CTA's sequence and the two take turns
-        issuing their mainloops (the bf16 kernel's order barriers, kernels/mainloop.py), so one's epilogue and
-        promotions run while the other's wgmma do."""
+        """The consumer warpgroups (``bidx``, ``grid``, ``rank`` as for :meth:`WarpRoles.produce`)."""
+        ctid = tidx - 128
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-        cwg, ctid = consumer_ids(self.pingpong, tidx, wg_idx)
         thr_mma = tiled_mma.get_slice(ctid)
-        # per m-wave, the operands over its slice of the A ring (wave_rows rows: 128 split over the warpgroups, or a
-        # pingpong warpgroup's 64); per n-wave, over its wave_n-row slice of the B ring (1024-byte multiples: the
-        # swizzle holds)
+        # per m-wave, the operands over its 128-row slice of the A ring; per n-wave, over its wave_n-row slice of
+        # the B ring (both 1024-byte multiples: the swizzle holds)
         tCrB = [tiled_mma.make_fragment_B(thr_mma.partition_B(
             cute.local_tile(sB, (self.wave_n, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.n_waves)]
         tCrA = [tiled_mma.make_fragment_A(thr_mma.partition_A(
-            cute.local_tile(sA, (self.wave_rows, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.waves)]
+            cute.local_tile(sA, (128, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.waves)]
         tCcC = tiled_mma_log.get_slice(ctid).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n_log)))
-        tCcW = thr_mma.partition_C(cute.make_identity_tensor((self.wave_rows, self.wave_n)))   # one wave
+        tCcW = thr_mma.partition_C(cute.make_identity_tensor((128, self.wave_n)))   # one wave
         if const_expr(self.n_waves > 1):
             # the tile's accumulator as one 64 x tile_n wgmma would hold it: the gate chunks, then the up chunks
             n_vw, n_hw, n_cw = tCcW.shape[0]
@@ -172,21 +166,15 @@ class Fp8WarpRoles(WarpRoles):
         n_h = cute.size(tCcW.shape[0][1])
         assert cute.size(tCcW.shape[1]) == 1 and cute.size(tCcW.shape[2]) == 1, \
             "one wgmma atom per warpgroup and wave: 64 rows x wave_n"
-        # the thread's rows of a wave (wave w holds the tile's rows [wave_rows w, wave_rows (w + 1)))
+        # the thread's rows of a wave (wave w holds the tile's rows [128 w, 128 w + 128))
         rows = [tCcW[((0, h, 0), 0, 0)][0] for h in range(n_h)]
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        if const_expr(self.pingpong):
-            read_state.advance(cwg * self.k_tiles)   # warpgroup 1 starts after warpgroup 0's first tile in the ring
         if const_expr(self.dynamic):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
-            tile_id, sched_state = self.sched.first_dynamic(sched_pipe, sched_state, sTile, cwg)
+            tile_id, sched_state = self.sched.first_dynamic(sched_pipe, sched_state, sTile, 0)
         else:
-            tile_id = self.sched.first_static(bidx, grid, cwg)
+            tile_id = self.sched.first_static(bidx, grid)
         g, base, cnt = self.sched.start(mOffs, tile_id)
-        if const_expr(self.pingpong):
-            if cwg == 0:
-                # warpgroup 0 goes first: pre-arrive on its own mainloop barrier
-                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=256)
         while g < self.G:
             m_idx, n_idx = self.sched.coords(tile_id, base, cnt, rank)
             row0 = mOffs[g] + m_idx * self.tile_m
@@ -195,10 +183,6 @@ class Fp8WarpRoles(WarpRoles):
             tile_row0, sb_rows = self.scale_coords(g, row0, n_idx)
             coords = (tile_row0, sb_rows, M)
 
-            if const_expr(self.pingpong):
-                # the tensor cores go to one warpgroup's mainloop at a time, and every stage of this tile then
-                # has its previous fill consumed (kernels/mainloop.py)
-                cute.arch.barrier(barrier_id=PINGPONG_BARRIER + cwg, number_of_threads=256)
             acc.fill(0.0)
             # a short tile (its rows end within the first 64: WarpRoles.short_tile) leaves the second warpgroup
             # no wgmma: it only waits for each stage and releases it. Two loops with run-time trip counts, not a
@@ -224,10 +208,6 @@ class Fp8WarpRoles(WarpRoles):
                 ab_pipe.consumer_wait(read_state)
                 ab_pipe.consumer_release(read_state)
                 read_state.advance()
-            if const_expr(self.pingpong):
-                # hand the tensor cores to the other warpgroup (its order barrier), and skip its tile in the ring
-                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg, number_of_threads=256)
-                read_state.advance(self.k_tiles)
 
             self.tile_epi.run(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, self.N, None)
 

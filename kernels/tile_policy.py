@@ -322,12 +322,6 @@ FP8_DEQUANT_128 = os.environ.get("FUSION_FP8_DEQUANT_128", "1") != "0"
 #: CTAs instead of CTA pairs; 0 (the default): never (FUSION_FP8_SINGLE_ROWS, read at import; the runtime reads this
 #: attribute per call): :func:`fp8_for_rows`.
 FP8_SINGLE_ROWS = int(os.environ.get("FUSION_FP8_SINGLE_ROWS", "0"))
-#: An FP8 GEMM whose epilogue reads a saved (M, n) tensor (FC2's dgrad + d(SwiGLU * scale), which moves 10 bytes per
-#: output element besides the GEMM's) on 128 x 128 pingpong tiles (kernels/fp8_gemm.py: each consumer warpgroup owns
-#: whole tiles, its epilogue under the other's mainloop) instead of the cooperative policy's tile
-#: (FUSION_FP8_PINGPONG_AUX=1, read at import; the runtime reads this attribute per job, so bench/ab_switch.py --plan
-#: flips it): :func:`choose_fp8_config`.
-FP8_PINGPONG_AUX = os.environ.get("FUSION_FP8_PINGPONG_AUX", "0") != "0"
 
 
 def fp8_single_at(rows: int | None, G: int) -> bool:
@@ -387,7 +381,7 @@ def fp8_block_output_tile(N: int, gated: bool = True) -> GemmConfig:
 
 
 def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | None = None,
-                      wide_odd: bool | None = None, col_block: int = 8, reads_aux: bool = False) -> GemmConfig:
+                      wide_odd: bool | None = None, col_block: int = 8) -> GemmConfig:
     """The FP8 block-scaled kernel's tile (kernels/fp8_gemm.py): 128 columns (one weight-scale block per n-tile),
     cooperative, as many stages as fit, the dynamic scheduler; where the n-tile count is even, CTA pairs
     (cluster_n = 2) on 256-row tiles (:data:`FP8_TILE_M`: each consumer warpgroup walks its 128 rows as two 64-row
@@ -398,8 +392,7 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     runtime passes False for the fused kernels of a training step, fusion/runtime/kernel.py `make_job`).
     `col_block`: the logical columns the epilogue's block-wise output needs whole in a tile (an FP8-block output:
     128, a row's whole 1 x 128 block): a gated kernel then takes :func:`fp8_block_output_tile` (128 x 256, two
-    n-waves), a plain one keeps 128 columns. `reads_aux`: the epilogue reads a saved (M, n) tensor (with
-    :data:`FP8_PINGPONG_AUX`, a plain kernel then takes 128 x 128 pingpong tiles).
+    n-waves), a plain one keeps 128 columns.
 
     256 rows, measured on an H100 (bench/fp8_tile_sweep.py, one call, the identity epilogue on balanced groups;
     bench/results/H100-2026-11-27i-fp8-sweep-256.{json,log}), TFLOP/s against the 128-row tile, both dynamic CTA
@@ -416,10 +409,6 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     the expert GEMMs of Qwen3-30B-A3B, OLMoE and DeepSeek-V3's EP8 share): 128 columns beat 64 (by 11-33%) and
     192 (by 1-14%) everywhere; the dynamic schedule beats the static one by 0.5-5.6% on the fine-grained shapes
     and 3% on DeepSeek-V3's FC2, and loses 1.3% on its FC1."""
-    if reads_aux and not gated and FP8_PINGPONG_AUX:
-        stages = min(8, FP8_SMEM // (fp8_stage_bytes(128, FP8_BLOCK_COLUMNS, 2) + 16))
-        return GemmConfig(tile_m=128, tile_n=FP8_BLOCK_COLUMNS, tile_k=SCALE_BLOCK, stages=stages, pingpong=True,
-                          dynamic=True, cluster_n=1)
     if col_block == FP8_BLOCK_COLUMNS or (gated and FP8_GATED_WAVES):
         return fp8_block_output_tile(N, gated)
     slots = 2 if gated else 1

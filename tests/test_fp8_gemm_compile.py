@@ -38,9 +38,6 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
     "waves": (K.IdentityEpilogue(), 1024, 528, 8, dict(tile_m=256, stages=4)),
     "waves-pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(tile_m=256, stages=4, cluster_n=2)),
     "waves-gated-split": (K.SwiGLUScaleEpilogue(), 2 * 2888, 1024, 8, dict(tile_m=256, tile_n=128, stages=4)),
-    # pingpong: each warpgroup owns whole 128-row tiles as two 64-row waves; order barriers between the two
-    "pingpong": (K.IdentityEpilogue(), 1024, 528, 8, dict(tile_m=128, pingpong=True, cluster_n=1, stages=6)),
-    "pingpong-dswiglu": (K.DSwiGLUEpilogue(), 2048, 1536, 8, dict(tile_m=128, pingpong=True, cluster_n=1, stages=6)),
 }
 
 
@@ -73,8 +70,6 @@ def test_compile_sass(name):
     n_waves = epi.gated and (comp.config.tile_m, comp.config.tile_n) == (128, 256)
     assert f"x{comp.config.tile_n // (2 if n_waves else 1)}x32" in gmma[0]
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local-memory spills"
-    # a pingpong warpgroup hands the tensor cores to the other by arriving on its order barrier
-    assert ("BAR.ARV" in ops) == comp.config.pingpong and comp.name.endswith("_pp") == comp.config.pingpong
     tma = {o for o in ops if o.startswith("UTMALDG")}
     assert {"UTMALDG.1D", "UTMALDG.3D"} <= tma, tma   # scales (1-D), B (3-D)
     # A (2-D): multicast to both CTAs of a pair, which wait at a cluster barrier for each other's mbarriers
@@ -248,8 +243,7 @@ def test_unknown_scale_mode_is_rejected():
 # ---- configurations and arguments the kernel refuses, by name (no compile)
 @pytest.mark.parametrize("epi,over,N,K_,match", [
     (K.IdentityEpilogue(), {}, 1024, 520, r"K % 16|multiple of 16"),
-    (K.IdentityEpilogue(), dict(pingpong=True), 1024, 512, r"pingpong at 256x128.*128 x tile_n <= 128"),
-    (K.SwiGLUScaleEpilogue(), dict(tile_m=128, tile_n=256, pingpong=True, cluster_n=1), 4096, 512, "n-waves"),
+    (K.IdentityEpilogue(), dict(pingpong=True), 1024, 512, "cooperative"),
     (K.IdentityEpilogue(), dict(tile_n=256, stages=4), 1024, 512, "256 spills"),
     (K.IdentityEpilogue(), dict(tile_k=64), 1024, 512, "tile_k = 128"),
     (K.IdentityEpilogue(), dict(tile_m=64), 1024, 512, "tile_m = 128"),
@@ -322,21 +316,3 @@ def test_policy_pairs_ctas_where_the_n_tiles_pair_up(N, gated, tile):
     12 n-tiles; GPT-OSS's FC1, 2f = 5760: 23, single)."""
     cfg = K.choose_fp8_config(N, 2048, 32, gated)
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.stages) == tile and cfg.dynamic
-
-
-def test_pingpong_aux_policy(monkeypatch):
-    """FP8_PINGPONG_AUX puts an FP8 kernel whose epilogue reads a saved tensor (FC2's fused dgrad) on 128 x 128
-    pingpong single CTAs, and nothing else; off, the cooperative policy stands (and no policy tile is pingpong)."""
-    from fusion.kernels import tile_policy
-
-    for N, Kd, G in ((14336, 4096, 8), (768, 2048, 128), (2048, 7168, 32)):
-        monkeypatch.setattr(tile_policy, "FP8_PINGPONG_AUX", False)
-        assert not K.choose_fp8_config(N, Kd, G, reads_aux=True).pingpong
-        monkeypatch.setattr(tile_policy, "FP8_PINGPONG_AUX", True)
-        cfg = K.choose_fp8_config(N, Kd, G, reads_aux=True)
-        assert (cfg.pingpong, cfg.tile_m, cfg.tile_n, cfg.cluster_n) == (True, 128, 128, 1)
-        assert 2 <= cfg.stages <= 8
-        assert not K.choose_fp8_config(N, Kd, G).pingpong
-        assert not K.choose_fp8_config(2 * N, Kd, G, gated=True, reads_aux=True).pingpong
-        assert not K.choose_fp8_config(N, Kd, G, col_block=128).pingpong
-        K.check_fp8_config(cfg, K.DSwiGLUEpilogue(), N, Kd)   # a configuration the kernel takes
