@@ -149,17 +149,7 @@ def compile_fp8_grouped_gemm(config: GemmConfig, epilogue: Epilogue, N: int, K: 
 
 
 def _build(config, epilogue, out_dtype, N, K, G, debug) -> CompiledFp8GroupedGemm:
-    """The kernel; where prefetching its epilogue's inputs (kernels/fp8_gemm.py ``FP8_PREFETCH_REGS``) makes ptxas
-    spill, built again without the prefetch (how many registers the epilogue needs depends on its code)."""
     kern = Fp8GroupedGemmKernel(config, epilogue, out_dtype, debug)
-    res = _compile_kernel(kern, config, epilogue, out_dtype, N, K, G)
-    if res.frame_size and kern.tile_epi.prefetch_pairs:
-        kern = Fp8GroupedGemmKernel(config, epilogue, out_dtype, debug, prefetch=False)
-        res = _compile_kernel(kern, config, epilogue, out_dtype, N, K, G)
-    return res
-
-
-def _compile_kernel(kern, config, epilogue, out_dtype, N, K, G) -> CompiledFp8GroupedGemm:
     ptrs = tuple(_fake_ptr(d, 1 if d == "uint8" else 4) for d in _slot_dtypes(epilogue, out_dtype))
     i32 = make_ptr(cutlass.Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
     from cutlass.runtime import make_fake_stream

@@ -42,8 +42,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .dtypes import cutlass_dtype
-from .epilogue import AuxInput, Epilogue
+from .epilogue import Epilogue
 from .fp8_mainloop import Fp8WarpRoles
 from .mainloop import REGISTER_SPLIT
 from .fp8_scales import SA_BOX, SA_STAGE_FLOATS, SB_BOX, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments
@@ -57,10 +56,6 @@ FP8 = cutlass.Float8E4M3FN
 SCALE_MODES = ("tma", "unaligned", "off")
 #: The gated tile width walked as two n-waves (gate half, up half) of 128 columns each.
 N_WAVE_TILE = 256
-#: Registers a consumer thread may hold across the mainloop: the accumulator, the scratch fragment and the epilogue
-#: inputs prefetched before it (fewer than PREFETCH_MIN left: none prefetched).
-FP8_PREFETCH_REGS = 176
-PREFETCH_MIN = 16
 
 
 @dataclass(frozen=True)
@@ -71,18 +66,14 @@ class Fp8DebugKnobs:
     original layout, which traps where a start is not 16-byte aligned), "off" (no scale loads; the
     promotion multiplies by 1, so the kernel computes the product of the raw E4M3 codes).
     ``reg_realloc``: False leaves out ``setmaxnreg`` (every warpgroup keeps the launch's 168 registers; the
-    consumers may then spill). ``epi_prefetch``: False loads the epilogue's inputs in the epilogue, none before
-    the mainloop (``FP8_PREFETCH_REGS``)."""
+    consumers may then spill)."""
     scales: str = "tma"
     reg_realloc: bool = True
-    epi_prefetch: bool = True
 
 
 class Fp8GroupedGemmKernel(Fp8WarpRoles):
     def __init__(self, config, epilogue: Epilogue, out_dtype: str = "bfloat16",
-                 debug: Fp8DebugKnobs = Fp8DebugKnobs(), prefetch: bool | None = None):
-        """`prefetch`: False builds without the epilogue's prefetch whatever ``debug.epi_prefetch`` says (the
-        spill fallback of kernels/fp8_api.py); None follows it."""
+                 debug: Fp8DebugKnobs = Fp8DebugKnobs()):
         assert debug.scales in SCALE_MODES, debug
         self.cfg = config
         self.debug = debug
@@ -120,18 +111,8 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
         self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
-        # the epilogue works in the output dtype (what MXFP8 outputs round to, what Outputs default to); the tile's
-        # 16-bit AuxInput values (FC2's dgrad: the saved pre-activation's gate and up) are loaded before its mainloop
-        # into the registers the accumulator and the scratch fragment leave (TileEpilogue.prefetch), as in the bf16
-        # kernel: a 128 x 128 tile's thread holds 64 + 64 of them, so 48 of its 64 pairs fit (all 64: ptxas spilled
-        # some of the generated epilogues, e.g. DeepSeek-V2-Lite's FC2 dgrad, fp8_api._build's fallback)
-        live = self.tile_m * self.tile_n // 256 + 64 * self.wave_n // 128
-        reads_aux16 = any(isinstance(s, AuxInput) and cutlass_dtype(s.dtype or out_dtype).width == 16
-                          for s in epilogue.inputs)
-        budget = FP8_PREFETCH_REGS - live
-        prefetch = debug.epi_prefetch if prefetch is None else prefetch
-        self.tile_epi = TileEpilogue(epilogue, out_dtype, self.tile_n_log,
-                                     budget if prefetch and reads_aux16 and budget >= PREFETCH_MIN else 0)
+        # the epilogue works in the output dtype (what MXFP8 outputs round to, what Outputs default to)
+        self.tile_epi = TileEpilogue(epilogue, out_dtype, self.tile_n_log, 0)
 
     # ------------------------------------------------------------------ host-side (traced) entry
     @cute.jit

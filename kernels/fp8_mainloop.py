@@ -183,10 +183,6 @@ class Fp8WarpRoles(WarpRoles):
             tile_row0, sb_rows = self.scale_coords(g, row0, n_idx)
             coords = (tile_row0, sb_rows, M)
 
-            # ---- the epilogue's inputs, loaded now so that they arrive under the mainloop
-            pre = None
-            if const_expr(self.tile_epi.prefetch_pairs > 0):
-                pre = self.tile_epi.prefetch(tCcC, epi_tensors, row0, row_end, n_idx, self.N)
             acc.fill(0.0)
             # a short tile (its rows end within the first 64: WarpRoles.short_tile) leaves the second warpgroup
             # no wgmma: it only waits for each stage and releases it. Two loops with run-time trip counts, not a
@@ -213,7 +209,7 @@ class Fp8WarpRoles(WarpRoles):
                 ab_pipe.consumer_release(read_state)
                 read_state.advance()
 
-            self.tile_epi.run(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, self.N, pre)
+            self.tile_epi.run(acc, tCcC, epi_tensors, row0, row_end, g, n_idx, self.N, None)
 
             if const_expr(self.dynamic):
                 tile_id, sched_state = self.sched.next_dynamic(sched_pipe, sched_state, sTile)
