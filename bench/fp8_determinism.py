@@ -50,8 +50,9 @@ def main(argv=None):
     for (G, M, N, Kd) in ((8, 3001, 1024, 512), (8, 3001, 1000, 512), (8, 16384, 1408, 2048)):
         ops, extras = problem(G, M, N, Kd)
         base = K.choose_fp8_config(N, Kd, G)
-        for label, over in (("policy", {}), ("128x128 single", dict(tile_m=128, tile_n=128, cluster_n=1, stages=6)),
-                            ("128x128 single static", dict(tile_m=128, tile_n=128, cluster_n=1, stages=6, dynamic=False))):
+        single = dict(tile_m=128, tile_n=128, cluster_n=1, stages=6)
+        for label, over in (("policy", {}), ("128x128 single", single),
+                            ("128x128 single static", dict(single, dynamic=False))):
             try:
                 comp = K.compile_fp8_grouped_gemm(replace(base, **over), epi, N, Kd, G)
             except Exception as e:   # a configuration the shape does not take

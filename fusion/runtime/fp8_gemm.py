@@ -214,7 +214,9 @@ def quantizes_for_wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> bool:
     from fusion.quant import fp8_linear
 
     w = op.weight
-    if not WGRAD_COPY_IN_DGRAD or x is None or not w.requires_grad or w.dim() != 3 or getattr(op, "bias", None) is not None:
+    if not WGRAD_COPY_IN_DGRAD or x is None or not w.requires_grad or w.dim() != 3:
+        return False
+    if getattr(op, "bias", None) is not None:
         return False
     if fp8_linear.wgrad_in_bf16(w.shape[-2], w.shape[-1], dy.shape[0], w.shape[0]):
         return False
