@@ -203,6 +203,22 @@ def _link_quantized_operands(infos, backward):
     return backward
 
 
+def hands_dy_to_wgrad(backward, n: int, grad: str, output_grad: str) -> bool:
+    """Whether backward step `n`, a GEMM's unfused dgrad reading its output gradient `grad`, is the first of exactly
+    two readers of `grad` and the other is the same GEMM's weight gradient after it (and `grad` is not the block's
+    output gradient `output_grad`, the caller's tensor). Such a dgrad may make the weight gradient's copy of dY and
+    let dY go before its own GEMM (an fp8_block GEMM on the GPU: fusion/runtime/fp8_gemm.py `SlotGradient`); the
+    runtime marks the step and explain() says so, both from this rule."""
+    step = backward[n]
+    if step.fused or len(step.parts) != 1 or step.parts[0][1] != "dgrad" or grad == output_grad:
+        return False
+    readers = [m for m, s in enumerate(backward) if grad in s.reads]
+    if readers[:1] != [n] or len(readers) != 2:
+        return False
+    other = backward[readers[1]]
+    return not other.fused and other.parts == ((step.parts[0][0], "wgrad"),)
+
+
 def bytes_per_row(infos, name: str) -> float | None:
     """Bytes one row of a saved value takes (None where unknown)."""
     i = index_of(name)

@@ -9,13 +9,14 @@ so loading patterns (which changes `fusion_patterns()`) gives new plans. `clear_
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from typing import Sequence
 
 import torch
 
-from fusion.dataflow import annotate, row_symbols
+from fusion.dataflow import annotate, g, hands_dy_to_wgrad, out_grad, row_symbols
 from fusion.errors import FallbackError
 from fusion.graph import build_graph, op_nodes
 from fusion.grouped import HOST_SYNC_NOTE
@@ -174,11 +175,37 @@ def build_plan(seq, dtype: str, target: str | None, patterns: tuple, note: str |
     forward = _forward_steps(infos, chosen_f, dtype, target)
     backward = _backward_steps(infos, chosen_b, dtype, target)
     forward, backward, saves, recomputed = annotate(infos, forward, backward, dtype=dtype)
+    backward = _note_dy_handoff(infos, backward)
     per_op = _per_op_attempts(infos, patterns, attempts, chosen_f + chosen_b, losses)
     fallbacks = _fallbacks(infos, forward, backward, per_op, patterns, reason, target, dtype)
     return Plan(target=target, dtype=dtype, ops=infos, forward=tuple(forward), backward=tuple(backward),
                 attempts=per_op, fallbacks=tuple(fallbacks), fully_fused=not fallbacks, patterns=lib_info,
                 reason=reason, notes=notes, saves=saves, recomputed=recomputed)
+
+
+DY_HANDOFF_NOTE = ("where op {i}'s weight gradient takes FP8 (fp8_linear.wgrad_in_bf16), this step makes both FP8 "
+                   "copies of dY (1x128 rowwise for itself, the slot layout for the weight gradient) and frees dY "
+                   "before its GEMM (fusion/runtime/fp8_gemm.py WGRAD_COPY_IN_DGRAD)")
+
+
+def _note_dy_handoff(infos, backward: list[Step]) -> list[Step]:
+    """The backward steps, an fp8_block GEMM's dgrad on its FP8 kernel noted where it hands dY to the GEMM's weight
+    gradient (fusion.dataflow.hands_dy_to_wgrad: the rule the runtime marks the step by)."""
+    from fusion.quant import fp8_linear
+
+    out = list(backward)
+    for n, step in enumerate(out):
+        if step.fused or len(step.parts) != 1 or step.parts[0][1] != "dgrad":
+            continue
+        i = step.parts[0][0]
+        info = infos[i]
+        on_kernel = (step.method or "").endswith(EMULATE_NOTE) and not any(r.startswith("qg") for r in step.reads)
+        # (the rule read now, as fp8_wgrad_note does: FP8 at some row count)
+        fp8_wgrad = not fp8_linear.wgrad_in_bf16(info.out_features or 0, info.in_features or 0, 1 << 40)
+        if info.weight_format == "fp8_block" and on_kernel and fp8_wgrad and \
+                hands_dy_to_wgrad(out, n, out_grad(infos, i), g(len(infos))):
+            out[n] = dataclasses.replace(step, notes=step.notes + (DY_HANDOFF_NOTE.format(i=i),))
+    return out
 
 
 def _fused_step(m: Match, infos, direction: str) -> Step:

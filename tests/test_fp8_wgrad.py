@@ -161,10 +161,13 @@ def test_explain_and_the_ahead_of_time_jobs_say_which_weight_gradient(monkeypatc
     clear_cache()
     narrow = _block().explain(dtype=torch.bfloat16, target="sm_90a")
     assert "harmonic width 192 < 2400" in narrow and "bf16 varlen-K kernel" in narrow
+    assert "frees dY" not in narrow   # its weight gradients never take FP8: FC1's dgrad keeps dY
     clear_cache()
     wide = _wide(monkeypatch).to("meta", torch.bfloat16)
     text = wide.explain(dtype=torch.bfloat16, target="sm_90a")
     assert text.count("FP8 columnwise copies of dY and X (FP8 varlen-K kernel) from 64 rows per group") == 2, text
+    # FC1's dgrad (op 0) hands dY to its weight gradient; FC2's dY is the caller's (and read by the fused dgrad)
+    assert text.count("frees dY before its GEMM") == 1 and "where op 0's weight gradient takes FP8" in text, text
     # both weight-gradient kernels ahead of time: the call's rows choose between them
     jobs = plan_jobs(wide, torch.bfloat16)
     assert sorted(j.mainloop for j in jobs if j.step == "wgrad") == ["fp8_varlen_k", "fp8_varlen_k", "varlen_k",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fusion.dataflow import index_of, out_grad, v
+from fusion.dataflow import hands_dy_to_wgrad, index_of, out_grad, v
 from fusion.runtime import steps as S
 from fusion.runtime.bounds import torch_bounds
 from fusion.runtime.kernel import LAUNCHERS
@@ -111,18 +111,12 @@ class BlockProgram:
         return (kind or S.OpBackward)(seq, step, self.plan, self.device_kernels)
 
     def _feeds_wgrad(self, plan) -> None:
-        """Mark each FP8 dgrad step whose dY has exactly one other reader, its op's weight gradient after it: that
-        dgrad makes both GEMMs' FP8 copies of dY where the weight gradient takes FP8 (steps.GemmDgrad.feeds_wgrad),
-        and dY goes a step early. Not the block's output gradient (the caller's tensor)."""
+        """Mark each FP8 dgrad step whose dY has exactly one other reader, its op's weight gradient after it
+        (fusion.dataflow.hands_dy_to_wgrad): that dgrad makes both GEMMs' FP8 copies of dY where the weight gradient
+        takes FP8 (steps.GemmDgrad.feeds_wgrad), and dY goes a step early."""
         for n, runner in enumerate(self.backward_steps):
-            if not isinstance(runner, S.GemmDgrad) or not runner.may_feed_wgrad():
-                continue
-            name = runner.grad_in
-            readers = [m for m, step in enumerate(plan.backward) if name in step.reads]
-            later = readers[1:]
-            runner.feeds_wgrad = (name != f"g{len(plan.ops)}" and readers[:1] == [n] and len(later) == 1
-                                  and isinstance(self.backward_steps[later[0]], S.GemmWgrad)
-                                  and self.backward_steps[later[0]].index == runner.index)
+            if isinstance(runner, S.GemmDgrad) and runner.may_feed_wgrad():
+                runner.feeds_wgrad = hands_dy_to_wgrad(plan.backward, n, runner.grad_in, f"g{len(plan.ops)}")
 
     def _combine_copy(self, seq, plan):
         """(the Combine backward's step, the steps that read its copy of the tokens' gradient) where each of those
