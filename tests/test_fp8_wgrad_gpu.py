@@ -161,8 +161,8 @@ def test_fc1_dgrad_quantizes_dy_for_both_gemms_and_frees_it(monkeypatch):
 
     monkeypatch.setattr(fp8_wgrad_api, "run_fp8_varlen_k_gemm", spy)
     results = {}
-    for once in (True, False):
-        monkeypatch.setattr(fp8_gemm, "WGRAD_COPY_IN_DGRAD", once)
+    for handoff in (True, False):
+        monkeypatch.setattr(fp8_gemm, "WGRAD_COPY_IN_DGRAD", handoff)
         torch.manual_seed(0)
         seq = Sequential(GroupLinear(E, D, 2 * F, weight_format="fp8_block"), SwiGLU(), Scale(),
                          QuantizeFP8Block(columnwise=False), GroupLinear(E, F, D, weight_format="fp8_block"))
@@ -180,7 +180,7 @@ def test_fc1_dgrad_quantizes_dy_for_both_gemms_and_frees_it(monkeypatch):
         y.backward(dy)
         torch.cuda.synchronize()
         assert len(in_use) == 2, f"{len(in_use)} FP8 weight-gradient launches, not one per GroupLinear"
-        results[once] = (torch.cuda.max_memory_allocated() - base, in_use[-1] - base, x.grad.clone(),
+        results[handoff] = (torch.cuda.max_memory_allocated() - base, in_use[-1] - base, x.grad.clone(),
                          {n: p.grad.clone() for n, p in seq.named_parameters()})
     (peak_on, fc1_on, dx_on, grads_on), (peak_off, fc1_off, dx_off, grads_off) = results[True], results[False]
     assert torch.equal(dx_on, dx_off), "dX differs with dY's copies made by the dgrad step"
