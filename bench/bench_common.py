@@ -96,9 +96,32 @@ def graphed_ms(fn, replays: int = 20) -> float:
     return ms
 
 
+class _Loss(torch.autograd.Function):
+    """A scalar standing for the model's loss above the block: its gradient with respect to the block output y is a
+    fresh copy of dy, made when the backward reaches it, that only autograd holds (as in a model, where the layer
+    above makes dY). So each path frees dY when its own autograd lets go of it; `y.backward(dy)` would keep the
+    caller's dy alive through the whole backward in every path (and torch.autograd.backward holds a gradient passed
+    to it until it returns), hiding a path that keeps dY longer than it must. The copy costs each path the same."""
+
+    @staticmethod
+    def forward(ctx, y, dy):
+        ctx.dy = dy
+        return y.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.dy.clone(), None
+
+
+def loss_of(y, dy):
+    """A loss whose backward passes y a fresh copy of dy (see _Loss)."""
+    return _Loss.apply(y, dy)
+
+
 def phase_calls(forward, clear_grads, x, dy, train: bool):
     """(call, clear) for measure(): one no-grad forward, or one training step (forward of x with a gradient, then
-    backward of dy, the gradients dropped first); `clear` also drops x's gradient."""
+    backward of a loss that hands the output a fresh copy of dy, the gradients dropped first); `clear` also drops
+    x's gradient."""
     xg = x.detach().requires_grad_()
 
     def clear():
@@ -113,7 +136,7 @@ def phase_calls(forward, clear_grads, x, dy, train: bool):
 
     def step():
         clear()
-        forward(xg).backward(dy)
+        loss_of(forward(xg), dy).backward()
     return step, clear
 
 

@@ -19,11 +19,41 @@ def _needs_grad(runner, x, ctx) -> bool:
             or any(t.requires_grad for t in ctx.extra.values()))
 
 
+#: The node takes dY out of autograd's hands (_OutputGradient) so it is freed after its last reader. Read per call:
+#: bench/ab_switch.py's A/B (off: autograd keeps dY until the whole block backward returns).
+FREE_OUTPUT_GRAD = True
+
+
+class _OutputGradient:
+    """The node's pre-hook: takes the block output's gradient dY out of autograd's hands before the node's backward
+    runs, and gives the backward None in its place. Autograd keeps a node's incoming gradients until the node
+    returns; the hook leaves the program the only reference, so dY is freed after its last backward reader (FC2's
+    backward) instead of living through FC1's, as it does in an unfused torch chain, where FC2's node returns
+    first. (A node pre-hook may replace the gradients; this one replaces dY by None, the node does not
+    materialize it: set_materialize_grads(False).)"""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = None
+
+    def __call__(self, grads):
+        self.value = grads[0]
+        return (None,)
+
+    def take(self, passed):
+        """dY: the hooked one (this box then holds none), else what autograd passed."""
+        value, self.value = self.value, None
+        return passed if value is None else value
+
+
 class _BlockFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, program, ctx, x, *tensors):
         y, saved = program.forward(x, ctx, train=True)
         fctx.program, fctx.ctx, fctx.rows = program, ctx, x.shape[0]
+        fctx.output_grad = _OutputGradient()
+        fctx.set_materialize_grads(False)
         # The block's input and output go through save_for_backward (autograd's version checks; no reference
         # cycle through the output). Intermediates are held as a plain list instead, which the backward empties
         # so each is freed after its last backward reader, not when the whole node finishes.
@@ -34,8 +64,12 @@ class _BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dy):
-        if isinstance(dy, QuantizedTensor):
-            dy = dy.dequantize()
+        grad = [fctx.output_grad.take(dy)]  # a list the program empties: no frame here keeps dY alive
+        del dy
+        if grad[0] is None:  # no gradient reached the output: autograd reads None as zeros
+            return (None,) * len(fctx.needs_input_grad)
+        if isinstance(grad[0], QuantizedTensor):
+            grad[0] = grad[0].dequantize()
         if fctx.held is None:
             raise SecondBackwardError(
                 "fusion: a second backward through a fused block (retain_graph=True, or autograd.grad twice over the "
@@ -46,7 +80,7 @@ class _BlockFunction(torch.autograd.Function):
         saved = [None if k == "none" else next(held) if k == "held" else next(io) for k in fctx.kinds]
         fctx.held = None
         del io, held  # the iterators hold the lists: drop them, or the intermediates live to the end
-        dx, grads, extra = fctx.program.backward(dy.contiguous(), saved, fctx.ctx, fctx.rows, fctx.needs_input_grad[2:])
+        dx, grads, extra = fctx.program.backward(grad, saved, fctx.ctx, fctx.rows, fctx.needs_input_grad[2:])
         targets = fctx.program.params + list(fctx.ctx.extra.values())
         out = [g.to(t.dtype) if g is not None and g.dtype != t.dtype else g
                for g, t in zip(grads + extra, targets)]
@@ -59,4 +93,8 @@ def run_program(runner, x: torch.Tensor, ctx):
     program = runner.program
     if not _needs_grad(runner, x, ctx):
         return program.forward(x, ctx, train=False)[0]
-    return _BlockFunction.apply(program, ctx, x, *runner.params, *ctx.extra.values())
+    y = _BlockFunction.apply(program, ctx, x, *runner.params, *ctx.extra.values())
+    if FREE_OUTPUT_GRAD:
+        node = y.grad_fn
+        node.register_prehook(node.output_grad)
+    return y

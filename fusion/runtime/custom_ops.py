@@ -258,7 +258,7 @@ def block_backward(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: tor
     saved_values = [values.get(n) for n in program.plan.saves]
     tensors = [*params, *floats]
     with torch.no_grad():
-        dx, grads, extra = program.backward(dy, saved_values, ctx, x_rows, tuple(needs))
+        dx, grads, extra = program.backward([dy], saved_values, ctx, x_rows, tuple(needs))
     out = [dx] + grads + extra
     shapes = [(x_rows, seq.features[0])] + [tuple(t.shape) for t in tensors]
     dtypes = [dy.dtype] + [t.dtype for t in tensors]

@@ -2,7 +2,7 @@
 
     program = BlockProgram(seq, plan, backend)        # once per block, plan and backend ("cute" | "emulate")
     y, saved = program.forward(x, ctx, train=True)    # the forward steps; `saved`: plan.saves, in order
-    dx, param_grads, extra_grads = program.backward(dy, saved, ctx, rows, needs)
+    dx, param_grads, extra_grads = program.backward([dy], saved, ctx, rows, needs)
 
 Read it top to bottom: forward runs each forward step's runner (fusion/runtime/steps.py) over one dictionary
 of named values (v<i>: the input of op i); the values the plan saves are returned for the backward. Backward
@@ -162,11 +162,16 @@ class BlockProgram:
             _offsets(ctx)
 
     # -- backward --------------------------------------------------------------------------------------------------
-    def backward(self, dy: torch.Tensor, saved, ctx, rows: int, needs: tuple):
+    def backward(self, output_grad: list, saved, ctx, rows: int, needs: tuple):
         """Gradients of (x, *self.params, *ctx.extra values); `needs` says which are wanted (autograd's
-        needs_input_grad in that order). A `saved` list is emptied: the program owns the values from here."""
+        needs_input_grad in that order). `output_grad` is [dY], and it and a `saved` list are emptied: the program
+        owns the values from here, and dY is freed after its last reader where the caller holds no other
+        reference (the eager autograd node: fusion/runtime/autograd.py)."""
+        dy = output_grad.pop()
+        device = dy.device
+        dy = dy if dy.is_contiguous() else dy.contiguous()
         if ctx.counters is None:
-            self._bounds(ctx, rows, dy.device, self.backward_reads_offsets)
+            self._bounds(ctx, rows, device, self.backward_reads_offsets)
         elif self.backward_reads_offsets:
             _offsets(ctx)
         state = S.RunState(ctx=ctx, rows=rows, counter_base=self.forward_kernels)
@@ -177,6 +182,7 @@ class BlockProgram:
         if isinstance(saved, list):
             saved.clear()  # the env holds them now, and drops each after its last reader
         state.env[self.output_grad] = dy
+        del dy
         need_x = bool(needs[0])
         recomputed = set(self.plan.recomputed)
         skip = self._skipped_copy(state, need_x)
