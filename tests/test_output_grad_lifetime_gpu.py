@@ -1,7 +1,7 @@
 """On a Hopper GPU, a fused block's training step under a loss whose gradient only autograd holds: the block output's
 gradient dY is freed after FC2's backward (the node's pre-hook, fusion/runtime/autograd.py `_OutputGradient`), so
-when FC1's weight gradient runs exactly dY's bytes less memory is in use than with the switch off, the fused
-kernels ran (the launch counter), and every gradient is bit for bit the same."""
+when FC1's weight gradient runs, dY's bytes less memory is in use (to the allocator's rounding) than with the switch
+off; the fused kernels ran (the launch counter), and every gradient is bit for bit the same."""
 import pytest
 import torch
 
@@ -68,5 +68,8 @@ def test_dy_is_freed_before_fc1_backward(monkeypatch):
     assert torch.equal(dx_on, dx_off)
     for name, want in grads_off.items():
         assert torch.equal(grads_on[name], want), f"{name}'s gradient differs with dY freed early"
-    assert off - on == M * D * 2, (f"at FC1's weight gradient {on / 2**20:.1f} MiB in use with dY freed early, "
-                                   f"{off / 2**20:.1f} without: the difference is not dY's {M * D * 2 / 2**20:.1f} MiB")
+    # within the caching allocator's rounding: it hands out a cached block whole where what would remain of it is
+    # under 1 MiB, and counts it whole as allocated
+    assert abs((off - on) - M * D * 2) < 2 ** 20, (
+        f"at FC1's weight gradient {on / 2**20:.2f} MiB in use with dY freed early, {off / 2**20:.2f} without: "
+        f"the difference is not dY's {M * D * 2 / 2**20:.2f} MiB")
