@@ -73,3 +73,55 @@ def test_dy_is_freed_before_fc1_backward(monkeypatch):
     assert abs((off - on) - M * D * 2) < 2 ** 20, (
         f"at FC1's weight gradient {on / 2**20:.2f} MiB in use with dY freed early, {off / 2**20:.2f} without: "
         f"the difference is not dY's {M * D * 2 / 2**20:.2f} MiB")
+
+
+def test_compiled_backward_frees_dy_and_h_before_fc1(monkeypatch):
+    """Under torch.compile (a loss compiled with the block, as in a compiled model) the backward is two custom ops cut
+    after dY's last reader (custom_ops.SPLIT_BACKWARD): when FC1's weight gradient runs, the graph has freed dY and
+    the pre-activation H (read by FC2's fused dgrad only), where the one op holds both until it returns."""
+    import fusion.runtime.custom_ops as C
+    import fusion.runtime.steps as S
+
+    E, D, F = 8, 1024, 1536
+    sizes = torch.tensor([700, 0, 1, 513, 1024, 333, 900, 1281], device=DEV)
+    M = int(sizes.sum())
+    torch.manual_seed(0)
+    x0 = torch.randn(M, D, device=DEV, dtype=torch.bfloat16)
+    probs = torch.rand(M, device=DEV, dtype=torch.bfloat16)
+    c = torch.randn(M, D, device=DEV, dtype=torch.bfloat16)
+    seq = Sequential(GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D)).to(DEV, torch.bfloat16)
+    in_use = []
+    run = S.GemmWgrad.run
+
+    def spy(self, state):
+        if self.index == 0:   # FC1's weight gradient
+            in_use.append(torch.cuda.memory_allocated())
+        return run(self, state)
+
+    monkeypatch.setattr(S.GemmWgrad, "run", spy)
+    results = {}
+    for split in (True, False):
+        monkeypatch.setattr(C, "SPLIT_BACKWARD", split)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(force_disable_caches=True):
+            step = torch.compile(lambda x: (seq(x, group_sizes=sizes, scale=probs) * c).float().sum(), fullgraph=True)
+            for _ in range(2):   # the second step is measured
+                x = x0.clone().requires_grad_(True)
+                seq.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                in_use.clear()
+                step(x).backward()
+                torch.cuda.synchronize()
+        results[split] = (in_use[-1] - base, x.grad.clone(), {n: p.grad.clone() for n, p in seq.named_parameters()})
+    torch._dynamo.reset()
+    (on, dx_on, grads_on), (off, dx_off, grads_off) = results[True], results[False]
+    assert torch.equal(dx_on, dx_off)
+    for name, want in grads_off.items():
+        assert torch.equal(grads_on[name], want), f"{name}'s gradient differs with the backward split"
+    dy_bytes, h_bytes = M * D * 2, M * 2 * F * 2
+    print(f"at FC1's weight gradient: split {on / 2**20:.2f} MiB, one op {off / 2**20:.2f} MiB; "
+          f"dY {dy_bytes / 2**20:.2f}, H {h_bytes / 2**20:.2f}")
+    assert abs((off - on) - (dy_bytes + h_bytes)) < 2 ** 20, (
+        f"at FC1's weight gradient {on / 2**20:.2f} MiB in use with the split, {off / 2**20:.2f} with one op: the "
+        f"difference is not dY's and H's {(dy_bytes + h_bytes) / 2**20:.2f} MiB")

@@ -260,3 +260,39 @@ def test_moe_layer_fullgraph_equals_eager(monkeypatch, copy_rows):
     for i, (a, b) in enumerate(zip(want, got)):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10, msg=f"output/grad {i}")
     clear_cache()
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-op"])
+def test_the_backward_is_cut_after_the_output_gradient(monkeypatch, split):
+    """Under torch.compile a graph holds an op's arguments until it returns, so the block's backward runs as two ops
+    (fusion::block_backward_head / _tail, program.BackwardSplit) cut after the last reader of dY: the first gets dY
+    and the pre-activation H only, the second dH and x only, so the graph can free dY and H between them. Gradients
+    equal eager's either way (custom_ops.SPLIT_BACKWARD off: the one op, which gets everything)."""
+    from fusion.runtime import custom_ops
+    from fusion.runtime.program import BlockProgram
+
+    monkeypatch.setattr(custom_ops, "SPLIT_BACKWARD", split)
+    parts = []
+    run = BlockProgram.backward_part
+
+    def spy(self, values, ctx, rows, needs, start, stop):
+        parts.append((start, stop, sorted(values)))
+        return run(self, values, ctx, rows, needs, start, stop)
+
+    monkeypatch.setattr(BlockProgram, "backward_part", spy)
+    torch.manual_seed(0)
+    block = Sequential(*BLOCKS["moe-swiglu-scale"](), backend="emulate")
+    x, extra = inputs(block)
+    eager = copy.deepcopy(block)
+    dy = torch.randn(x.shape[0], D)
+    # the switch is read when the backward is traced: no graph from the caches of an earlier run
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got = forward_backward(torch.compile(block, fullgraph=True), x, extra, dy)
+    compiled_parts = list(parts)
+    want = forward_backward(eager, x, extra, dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    if split:
+        assert compiled_parts == [(0, 2, ["g4", "v1"]), (2, 4, ["g1", "v0"])]
+    else:
+        assert compiled_parts == [(0, 4, ["g4", "v0", "v1"])]

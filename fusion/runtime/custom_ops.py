@@ -35,6 +35,10 @@ _KEYS = itertools.count(1)
 #: it has one, instead of torch ops (a cumsum and a pad per op call). Read per call: bench/ab_switch.py's A/B.
 DEVICE_BOUNDS = True
 
+#: The backward as two ops where the program can be cut after dY's last reader (program.BackwardSplit). Read when
+#: the backward is traced: bench/ab_switch.py's A/B with --plan, tests.
+SPLIT_BACKWARD = True
+
 
 def register(seq) -> int:
     """A fresh key for `seq` (a Sequential); the ops find the block by it."""
@@ -239,6 +243,38 @@ def _(key, x, params, group_sizes, index, floats, train):
     return out
 
 
+def _saved_values(seq, program, names: list[str], saved: list, x, ctx, index, dtype) -> dict:
+    """{name: value} of the saved values `names` (x as v0), rebuilt from their flattened tensors `saved`."""
+    values, rest = {"v0": x} if "v0" in names else {}, list(saved)
+    kept = [n for n in names if n != "v0"]
+    sizes = _saved_group_sizes(seq, kept, ctx, index)
+    for name in kept:
+        i = int(name[1:])
+        values[name], rest = _unflatten(seq, name, rest, _rows(seq, i, x.shape[0], index), seq.features[i], dtype,
+                                        sizes)
+    return values
+
+
+def _grad_shapes(x, params, floats, dtype) -> list[tuple[tuple, torch.dtype]]:
+    """(shape, dtype) of each gradient of (x, *params, *floats)."""
+    return [(tuple(x.shape), dtype)] + [(tuple(t.shape), t.dtype) for t in [*params, *floats]]
+
+
+def _grads_out(made: list, positions, shapes, needs, like: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients at `positions` as the ops return them: zeros where one is wanted and none was made, an empty
+    tensor where none is wanted."""
+    out = []
+    for i in positions:
+        (shape, dt), g = shapes[i], made[i]
+        out.append(torch.zeros(shape, dtype=dt, device=like.device) if g is None and needs[i] else
+                   (like.new_empty(0) if g is None else g.to(dt)))
+    return out
+
+
+def _fake_grads(positions, shapes, needs, like: torch.Tensor) -> list[torch.Tensor]:
+    return [like.new_empty(shapes[i][0], dtype=shapes[i][1]) if needs[i] else like.new_empty(0) for i in positions]
+
+
 @torch.library.custom_op("fusion::block_backward", mutates_args=())
 def block_backward(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: torch.Tensor, params: list[torch.Tensor],
                    group_sizes: Optional[torch.Tensor], index: Optional[torch.Tensor], floats: list[torch.Tensor],
@@ -246,34 +282,76 @@ def block_backward(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: tor
     seq = _block(key)
     runner = _runner(seq, x)
     program = runner.program
-    x_rows = x.shape[0]
     ctx = _context(seq, x, group_sizes, index, floats, DEVICE_BOUNDS and runner.device_checked)
-    names = _kept(program)
-    values, rest = {"v0": x}, list(saved)
-    sizes = _saved_group_sizes(seq, names, ctx, index)
-    for name in names:
-        i = int(name[1:])
-        values[name], rest = _unflatten(seq, name, rest, _rows(seq, i, x_rows, index), seq.features[i], dy.dtype,
-                                        sizes)
+    values = _saved_values(seq, program, ["v0", *_kept(program)], saved, x, ctx, index, dy.dtype)
     saved_values = [values.get(n) for n in program.plan.saves]
-    tensors = [*params, *floats]
     with torch.no_grad():
-        dx, grads, extra = program.backward([dy], saved_values, ctx, x_rows, tuple(needs))
-    out = [dx] + grads + extra
-    shapes = [(x_rows, seq.features[0])] + [tuple(t.shape) for t in tensors]
-    dtypes = [dy.dtype] + [t.dtype for t in tensors]
-    grads = [torch.zeros(shape, dtype=dt, device=dy.device) if g is None and need else
-             (dy.new_empty(0) if g is None else g.to(dt))
-             for g, shape, dt, need in zip(out, shapes, dtypes, needs)]
-    return _as_promised(grads, [True] * len(grads), [dy, *saved, x, *params, group_sizes, index, *floats])
+        dx, grads, extra = program.backward([dy], saved_values, ctx, x.shape[0], tuple(needs))
+    made = [dx] + grads + extra
+    out = _grads_out(made, range(len(made)), _grad_shapes(x, params, floats, dy.dtype), needs, dy)
+    return _as_promised(out, [True] * len(out), [dy, *saved, x, *params, group_sizes, index, *floats])
 
 
 @block_backward.register_fake
 def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
-    shapes = [tuple(x.shape)] + [tuple(t.shape) for t in [*params, *floats]]
-    dtypes = [dy.dtype] + [t.dtype for t in [*params, *floats]]
-    return [dy.new_empty(shape, dtype=dt) if need else dy.new_empty(0)
-            for shape, dt, need in zip(shapes, dtypes, needs)]
+    shapes = _grad_shapes(x, params, floats, dy.dtype)
+    return _fake_grads(range(len(shapes)), shapes, needs, dy)
+
+
+# A backward cut after the last reader of dY (program.BackwardSplit): two ops, so the compiled graph frees dY, and the
+# saved values only the first part reads, between them (a graph holds an op's arguments until the op returns).
+@torch.library.custom_op("fusion::block_backward_head", mutates_args=())
+def block_backward_head(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: torch.Tensor,
+                        params: list[torch.Tensor], group_sizes: Optional[torch.Tensor], index: Optional[torch.Tensor],
+                        floats: list[torch.Tensor], needs: list[bool]) -> list[torch.Tensor]:
+    """The first part: (the values carried to the second part, then the gradients at split.head_grads)."""
+    seq = _block(key)
+    runner = _runner(seq, x)
+    program, split = runner.program, runner.program.split
+    ctx = _context(seq, x, group_sizes, index, floats, DEVICE_BOUNDS and runner.device_checked)
+    values = _saved_values(seq, program, list(split.head_saved), saved, x, ctx, index, dy.dtype)
+    values[program.output_grad] = dy
+    with torch.no_grad():
+        state = program.backward_part(values, ctx, x.shape[0], tuple(needs), 0, split.at)
+    carried = [state.env[name] for name in split.carried]
+    dx, grads, extra = program.gradients(state, needs)
+    out = _grads_out([dx] + grads + extra, split.head_grads, _grad_shapes(x, params, floats, dy.dtype), needs, dy)
+    plain = [True] * (len(carried) + len(out))
+    return _as_promised(carried + out, plain, [dy, *saved, x, *params, group_sizes, index, *floats])
+
+
+@block_backward_head.register_fake
+def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
+    seq = _block(key)
+    split = _program(seq, x).split
+    carried = [dy.new_empty(_rows(seq, int(n[1:]), x.shape[0], index), seq.features[int(n[1:])])
+               for n in split.carried]
+    return carried + _fake_grads(split.head_grads, _grad_shapes(x, params, floats, dy.dtype), needs, dy)
+
+
+@torch.library.custom_op("fusion::block_backward_tail", mutates_args=())
+def block_backward_tail(key: int, carried: list[torch.Tensor], saved: list[torch.Tensor], x: torch.Tensor,
+                        params: list[torch.Tensor], group_sizes: Optional[torch.Tensor], index: Optional[torch.Tensor],
+                        floats: list[torch.Tensor], needs: list[bool]) -> list[torch.Tensor]:
+    """The second part: the gradients at split.tail_grads."""
+    seq = _block(key)
+    runner = _runner(seq, x)
+    program, split = runner.program, runner.program.split
+    dtype = carried[0].dtype
+    ctx = _context(seq, x, group_sizes, index, floats, DEVICE_BOUNDS and runner.device_checked)
+    values = _saved_values(seq, program, list(split.tail_saved), saved, x, ctx, index, dtype)
+    values.update(zip(split.carried, carried))
+    with torch.no_grad():
+        state = program.backward_part(values, ctx, x.shape[0], tuple(needs), split.at, len(program.backward_steps))
+    dx, grads, extra = program.gradients(state, needs)
+    out = _grads_out([dx] + grads + extra, split.tail_grads, _grad_shapes(x, params, floats, dtype), needs, carried[0])
+    return _as_promised(out, [True] * len(out), [*carried, *saved, x, *params, group_sizes, index, *floats])
+
+
+@block_backward_tail.register_fake
+def _(key, carried, saved, x, params, group_sizes, index, floats, needs):
+    split = _program(_block(key), x).split
+    return _fake_grads(split.tail_grads, _grad_shapes(x, params, floats, carried[0].dtype), needs, carried[0])
 
 
 def _setup(ctx, inputs, output):
@@ -307,10 +385,36 @@ def _backward(ctx, grads):
     group_sizes = tensors.pop(0) if ctx.has_gs else None
     index = tensors.pop(0) if ctx.has_index else None
     dy = grads[0].contiguous()
-    out = block_backward(ctx.key, dy, saved, x, params, group_sizes, index, floats, ctx.needs)
+    inputs = (x, params, group_sizes, index, floats, ctx.needs)
+    seq = _block(ctx.key)
+    program = _program(seq, x)
+    split = None if not SPLIT_BACKWARD else program.split
+    if split is None:
+        out = block_backward(ctx.key, dy, saved, x, *inputs[1:])
+    else:  # two ops: dY and what only the first part reads are freed between them
+        by_name = _split_saved(seq, program, saved, x.dtype)
+        head = [t for n in split.head_saved for t in by_name.get(n, [])]
+        tail = [t for n in split.tail_saved for t in by_name.get(n, [])]
+        del saved, by_name
+        first = block_backward_head(ctx.key, dy, head, x, *inputs[1:])
+        del dy, head
+        carried, made = first[:len(split.carried)], dict(zip(split.head_grads, first[len(split.carried):]))
+        del first
+        made.update(zip(split.tail_grads, block_backward_tail(ctx.key, carried, tail, x, *inputs[1:])))
+        out = [made.get(i) for i in range(len(ctx.needs))]
     keep = [g if need else None for g, need in zip(out, ctx.needs)]
     dx, rest = keep[0], keep[1:]
     return None, dx, rest[:ctx.n_params], None, None, rest[ctx.n_params:], None
+
+
+def _split_saved(seq, program, saved: list, dtype) -> dict[str, list]:
+    """The forward op's saved tensors (flattened, in _kept order) by value name."""
+    out, rest = {}, list(saved)
+    for name in _kept(program):
+        op = _quantize_op_of(seq, name)
+        count = 1 if op is None else len(_layout(op, dtype)[0])
+        out[name], rest = rest[:count], rest[count:]
+    return out
 
 
 block_forward.register_autograd(_backward, setup_context=_setup)

@@ -15,6 +15,8 @@ gradient through the routing index instead (steps.tokens_grad). The autograd wra
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fusion.dataflow import hands_dy_to_wgrad, index_of, out_grad, v
@@ -61,6 +63,22 @@ def _number_slots(runners) -> int:
     return len(kernels)
 
 
+@dataclass(frozen=True)
+class BackwardSplit:
+    """A backward cut in two parts after the last reader of the block output's gradient dY, for a caller that cannot
+    free dY (or a saved value only the first part reads) inside one call: torch.compile's custom ops, whose graph
+    holds an op's arguments until the op returns (fusion/runtime/custom_ops.py). The first part (steps before `at`)
+    reads dY; the second gets the values it needs from the first by name (`carried`: plain tensors, the gradients
+    of values v<i>, or a value a dgrad recomputed). Each part makes the gradients at its `*_grads` positions of
+    (x, *params, *extra inputs) and no other, and reads the saved values of its `*_saved`."""
+    at: int
+    carried: tuple[str, ...]
+    head_saved: tuple[str, ...]
+    tail_saved: tuple[str, ...]
+    head_grads: tuple[int, ...]
+    tail_grads: tuple[int, ...]
+
+
 class BlockProgram:
     """`prologue`: a fusion.runtime.bounds.DevicePrologue (RoutedPrologue for a block that starts with a Gather)
     that makes each call's bounds buffer in one launch (fused plans on a GPU), or None (torch ops make it)."""
@@ -102,6 +120,44 @@ class BlockProgram:
         self.backward_reads_offsets = any(not isinstance(r, S._KernelStep) for r in self.backward_steps)
         self.output_grad = f"g{len(plan.ops)}"
         self.input_grad = out_grad(plan.ops, -1)
+        self.split = self._split(seq, plan)
+
+    def _split(self, seq, plan) -> BackwardSplit | None:
+        """Where the backward may be cut in two (BackwardSplit), or None: dY is read up to the last step, a value
+        the second part needs is not a plain tensor (a quantized dgrad operand), or a gradient would be made in
+        both parts."""
+        last = next(n for n, done in enumerate(self.release) if self.output_grad in done)
+        at = last + 1
+        steps = plan.backward
+        if at >= len(steps):
+            return None
+        head, tail = steps[:at], steps[at:]
+        quantized = {getattr(r, "quantized_dinput", None) for r in self.backward_steps[:at]}
+        written = dict.fromkeys(w for step in head for w in step.writes)
+        carried = tuple(n for n in written if any(n in step.reads for step in tail))
+        if quantized & set(carried) or not all(n[0] in "gv" for n in carried):
+            return None
+        saved = [n for n in plan.saves if n not in plan.recomputed]
+
+        def reads(part):
+            names = {r for step in part for r in step.reads}
+            names |= {self.recompute_bases[r] for r in names if r in self.recompute_bases}
+            return tuple(n for n in saved if n in names)
+
+        def grads(part):
+            made = {0} if any(self.input_grad in step.writes for step in part) else set()
+            owners = {j for step in part for j, kind in step.parts if kind in ("wgrad", "backward")}
+            for j in owners:
+                op = seq[j]
+                made |= {1 + k for k, p in enumerate(self.params) if any(p is q for q in op.parameters(recurse=False))}
+                made |= {1 + len(self.params) + k for k, name in enumerate(seq.inputs.floats)
+                         if name in op.spec.extra_inputs}
+            return made
+
+        head_grads, tail_grads = grads(head), grads(tail)
+        if head_grads & tail_grads or 0 in head_grads:
+            return None
+        return BackwardSplit(at, carried, reads(head), reads(tail), tuple(sorted(head_grads)), tuple(sorted(tail_grads)))
 
     def _backward_runner(self, seq, step, launcher, label):
         if step.fused:
@@ -167,9 +223,22 @@ class BlockProgram:
         needs_input_grad in that order). `output_grad` is [dY], and it and a `saved` list are emptied: the program
         owns the values from here, and dY is freed after its last reader where the caller holds no other
         reference (the eager autograd node: fusion/runtime/autograd.py)."""
-        dy = output_grad.pop()
-        device = dy.device
-        dy = dy if dy.is_contiguous() else dy.contiguous()
+        values = {name: value for name, value in zip(self.plan.saves, saved) if value is not None}
+        if isinstance(saved, list):
+            saved.clear()  # the env holds them now, and drops each after its last reader
+        values[self.output_grad] = output_grad.pop()
+        state = self.backward_part(values, ctx, rows, needs, 0, len(self.backward_steps))
+        return self.gradients(state, needs)
+
+    def backward_part(self, values: dict, ctx, rows: int, needs: tuple, start: int, stop: int):
+        """Run backward steps start..stop-1 over `values` (emptied into the run's env: the output gradient, saved
+        values, and what earlier steps made, by name); returns the run's state. The whole backward is one part;
+        under torch.compile a split backward is two (BackwardSplit)."""
+        dy = values.get(self.output_grad)
+        if dy is not None and not dy.is_contiguous():
+            values[self.output_grad] = dy.contiguous()
+        del dy
+        device = next(t for t in values.values() if isinstance(t, torch.Tensor)).device
         if ctx.counters is None:
             self._bounds(ctx, rows, device, self.backward_reads_offsets)
         elif self.backward_reads_offsets:
@@ -178,16 +247,14 @@ class BlockProgram:
         if ctx.backward_counters_used:  # a second backward through the same graph (retain_graph): zero them again
             ctx.counters.narrow(0, ctx.groups + 1 + self.forward_kernels, self.backward_kernels).zero_()
         ctx.backward_counters_used = True
-        state.env.update((name, value) for name, value in zip(self.plan.saves, saved) if value is not None)
-        if isinstance(saved, list):
-            saved.clear()  # the env holds them now, and drops each after its last reader
-        state.env[self.output_grad] = dy
-        del dy
+        state.env.update(values)
+        values.clear()
         need_x = bool(needs[0])
         recomputed = set(self.plan.recomputed)
         skip = self._skipped_copy(state, need_x)
         state.dy_through_index = skip is not None
-        for n, (step, runner, done) in enumerate(zip(self.plan.backward, self.backward_steps, self.release)):
+        for n in range(start, stop):
+            step, runner = self.plan.backward[n], self.backward_steps[n]
             if self._wanted(step, runner, need_x) and n != skip:
                 # (a weight gradient that reads the tokens through the routing index needs no regathered copy, a
                 # bias gradient alone no input)
@@ -196,11 +263,15 @@ class BlockProgram:
                         if name in recomputed and name not in state.env:
                             self._recompute(state, name)
                 runner.run(state)
-            for name in done:  # free each value after its last reader, as autograd would between nodes
+            for name in self.release[n]:  # free each value after its last reader, as autograd would between nodes
                 state.env.pop(name, None)
-        dx = state.env.get(self.input_grad) if need_x else None
+        return state
+
+    def gradients(self, state, needs: tuple):
+        """(dx, parameter gradients, extra-input gradients) a backward run made; None where it made none."""
+        dx = state.env.get(self.input_grad) if needs[0] else None
         grads = [state.param_grads.get(id(p)) for p in self.params]
-        extra = [state.extra_grads.get(name) for name in ctx.extra]
+        extra = [state.extra_grads.get(name) for name in state.ctx.extra]
         return dx, grads, extra
 
     def _skipped_copy(self, state, need_x: bool) -> int | None:
