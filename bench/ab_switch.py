@@ -9,7 +9,7 @@ switch that the runtime reads per call (a module global) is flipped here between
 which setting goes first (on-off, off-on, ...) after a discarded warm-up round, so a drift of the clocks within a
 round favours neither. Prints, per block and phase, each round's back-to-back ms and the medians; with --baseline
 also the unfused_compiled path once. Each setting's peak memory of one call (bench_common.measure's, the last round's)
-goes with its times.
+and the median of its rounds' host µs per call (measure's host_us) go with its times.
 
 A switch read when a block's kernels are chosen (a tile policy's rule: tile_policy.GATED_PAIRS) rather than per call
 takes --plan: the B setting then runs a copy of the block (the same parameters) whose plan and kernels were made, and
@@ -229,7 +229,7 @@ def _rounds(args, module, attr: str, setting: dict, resting) -> None:
             print(f"{name}: tiles on {fused_tiles(seqs[True])}\n{'':{len(name)}}  tiles off "
                   f"{fused_tiles(seqs[False])}", flush=True)
         for phase in args.phases.split(","):
-            times, peaks = {True: [], False: []}, {}
+            times, peaks, hosts = {True: [], False: []}, {}, {True: [], False: []}
             try:
                 for r, order in enumerate(round_orders(args.rounds)):   # round 0: warm-up, not kept
                     for value in order:
@@ -238,20 +238,22 @@ def _rounds(args, module, attr: str, setting: dict, resting) -> None:
                         got = measure(*phase_call(paths[value], phase))
                         if r:
                             times[value].append(got["b2b_ms"])
+                            hosts[value].append(got["host_us"])
                             peaks[value] = got["peak_MB"]   # one step's peak beyond what was allocated before
             finally:
                 setattr(module, attr, resting)
             row = {"model": name, "phase": phase, "on": args.on, "off": args.off, "on_ms": times[True],
                    "off_ms": times[False],
                    "on_median": statistics.median(times[True]), "off_median": statistics.median(times[False]),
-                   "on_peak_MB": peaks[True], "off_peak_MB": peaks[False]}
+                   "on_peak_MB": peaks[True], "off_peak_MB": peaks[False],
+                   "on_host_us": statistics.median(hosts[True]), "off_host_us": statistics.median(hosts[False])}
             if args.baseline:
                 got = measure(*phase_call(subject.baseline(), phase))
                 row["unfused_compiled_ms"], row["unfused_compiled_peak_MB"] = got["b2b_ms"], got["peak_MB"]
             results.append(row)
             print(f"{name:22s} {phase:13s} on {row['on_median']:8.3f} {times[True]}  off {row['off_median']:8.3f} "
                   f"{times[False]}  change {100 * (row['on_median'] / row['off_median'] - 1):+.1f}%  peak MB on "
-                  f"{peaks[True]} off {peaks[False]}"
+                  f"{peaks[True]} off {peaks[False]}  host us on {row['on_host_us']} off {row['off_host_us']}"
                   + (f"  unfused_compiled {row['unfused_compiled_ms']:.3f} ({row['unfused_compiled_peak_MB']} MB)"
                      if args.baseline else ""), flush=True)
         del subject, paths, phase_call, seqs
