@@ -8,8 +8,9 @@
 Layer: x (T, d) -> router Linear(d, E, bias=False) -> softmax, top-k, renormalize -> Gather -> GroupLinear(E, d, 2f)
 -> SwiGLU -> Scale(probs) -> GroupLinear(E, f, d) -> Combine -> y (T, d), bf16, weights ~ N(0, 1/fan_in), x and dy
 ~ N(0, 1). Routing is the router's own (random weights: roughly balanced, some experts busier than others).
-Phases: `moe_forward` (no grad) and `moe_training_step` (forward + backward of dy with gradients to x, both expert
-weights and the router weight, set to None before each step; no optimizer). Paths: bench/moe_paths.py.
+Phases: `moe_forward` (no grad) and `moe_training_step` (forward + backward of dy, handed over as a fresh copy only
+autograd holds (bench_common.loss_of), with gradients to x, both expert weights and the router weight, set to None
+before each step; no optimizer). Paths: bench/moe_paths.py.
 
 Metrics per (config, phase, path): b2b_ms, sync_ms, host_us, peak_MB as bench_training_step.py defines them
 (bench_common.measure); TFLOP/s from b2b_ms; in training-step rows `activation_MB`, the memory the path holds

@@ -34,7 +34,9 @@ Per (block, phase, path) of the other phases: b2b_ms (10 calls back to back, one
 each followed by a sync), host_us (CPU time to issue one call, measured while the GPU is busy), peak_MB
 (torch.cuda.max_memory_allocated during one call, minus what was allocated before it: the call's own memory,
 weights and inputs excluded). A training step is forward + backward of a random output gradient with the weight
-gradients freshly allocated (set to None first); no optimizer.
+gradients freshly allocated (set to None first); no optimizer. The gradient reaches the output as a fresh copy that
+only autograd holds (bench_common.loss_of: a loss above the block, as in a model), so each path frees it when its own
+autograd lets go of it (from session q; before, the bench held dy through every path's backward).
 """
 from __future__ import annotations
 
