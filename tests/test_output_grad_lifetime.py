@@ -138,3 +138,25 @@ def test_autograd_grad_and_a_held_output_gradient():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(dy, kept)
 
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_around_a_block(reentrant):
+    """torch.utils.checkpoint recomputes the block in the backward, which makes a new node (and registers its
+    pre-hook again); the gradients are the reference's, each twice in a row (nothing of one step leaks into the
+    next)."""
+    from torch.utils.checkpoint import checkpoint
+
+    seq, ref = _block_and_reference()
+    x0, probs = torch.randn(M, D), torch.rand(M)
+    for _ in range(2):
+        got, want = [], []
+        for block, out in ((seq, got), (ref, want)):
+            x = x0.clone().requires_grad_(True)
+            for p in block.parameters():
+                p.grad = None
+            y = checkpoint(lambda t: block(t, group_sizes=SIZES, scale=probs), x, use_reentrant=reentrant)
+            (y * 3.0).sum().backward()
+            out += [x.grad] + [p.grad for p in block.parameters()]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
