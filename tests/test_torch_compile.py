@@ -269,9 +269,39 @@ def test_the_backward_is_cut_after_the_output_gradient(monkeypatch, split):
     and the pre-activation H only, the second dH and x only, so the graph can free dY and H between them. Gradients
     equal eager's either way (custom_ops.SPLIT_BACKWARD off: the one op, which gets everything)."""
     from fusion.runtime import custom_ops
-    from fusion.runtime.program import BlockProgram
 
     monkeypatch.setattr(custom_ops, "SPLIT_BACKWARD", split)
+    parts = _backward_parts(monkeypatch)
+    torch.manual_seed(0)
+    block = Sequential(*BLOCKS["moe-swiglu-scale"](), backend="emulate")
+    x, extra = inputs(block)
+    compiled_parts = _compiled_equals_eager(block, x, extra, parts)
+    if split:
+        assert compiled_parts == [(0, 2, ["g4", "v1"]), (2, 4, ["g1", "v0"])]
+    else:
+        assert compiled_parts == [(0, 4, ["g4", "v0", "v1"])]
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_every_block_trains_through_its_split_backward(monkeypatch, name):
+    """Every block here has a split, and under torch.compile runs it as two parts, each making only the gradients
+    the split gives it (the ops check), with eager's gradients."""
+    from fusion.runtime import runner_for
+
+    parts = _backward_parts(monkeypatch)
+    torch.manual_seed(0)
+    block = Sequential(*BLOCKS[name](), backend="emulate")
+    x, extra = inputs(block)
+    compiled_parts = _compiled_equals_eager(block, x, extra, parts)
+    split = runner_for(block, x).program.split
+    assert split is not None
+    assert [(a, b) for a, b, _ in compiled_parts] == [(0, split.at), (split.at, len(runner_for(block, x).program.backward_steps))]
+
+
+def _backward_parts(monkeypatch) -> list:
+    """(start, stop, the values' names) of every BlockProgram.backward_part call from here on."""
+    from fusion.runtime.program import BlockProgram
+
     parts = []
     run = BlockProgram.backward_part
 
@@ -280,9 +310,11 @@ def test_the_backward_is_cut_after_the_output_gradient(monkeypatch, split):
         return run(self, values, ctx, rows, needs, start, stop)
 
     monkeypatch.setattr(BlockProgram, "backward_part", spy)
-    torch.manual_seed(0)
-    block = Sequential(*BLOCKS["moe-swiglu-scale"](), backend="emulate")
-    x, extra = inputs(block)
+    return parts
+
+
+def _compiled_equals_eager(block, x, extra, parts) -> list:
+    """The compiled block's gradients equal an eager copy's; returns the backward parts the compiled run ran."""
     eager = copy.deepcopy(block)
     dy = torch.randn(x.shape[0], D)
     # the switch is read when the backward is traced: no graph from the caches of an earlier run
@@ -292,7 +324,19 @@ def test_the_backward_is_cut_after_the_output_gradient(monkeypatch, split):
     want = forward_backward(eager, x, extra, dy)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    if split:
-        assert compiled_parts == [(0, 2, ["g4", "v1"]), (2, 4, ["g1", "v0"])]
-    else:
-        assert compiled_parts == [(0, 4, ["g4", "v0", "v1"])]
+    return compiled_parts
+
+
+def test_a_part_that_makes_a_gradient_outside_its_share_raises():
+    """The split's account of which part makes which gradient is static; a part that makes one outside its share
+    would have it dropped, so the op raises instead (custom_ops._part_grads)."""
+    import types
+
+    from fusion.errors import FusionError
+    from fusion.runtime.custom_ops import _part_grads
+
+    g = torch.zeros(1)
+    program = types.SimpleNamespace(gradients=lambda state, needs: (None, [g, None], [g]))
+    assert _part_grads(None, program, (True,) * 4, (1, 3))[1] is g
+    with pytest.raises(FusionError, match=r"made gradients \[3\] outside its own \(1, 2\)"):
+        _part_grads(None, program, (True,) * 4, (1, 2))

@@ -271,6 +271,19 @@ def _grads_out(made: list, positions, shapes, needs, like: torch.Tensor) -> list
     return out
 
 
+def _part_grads(state, program, needs, positions) -> list:
+    """A backward part's gradients of (x, *params, *floats), after checking that it made none outside `positions`
+    (the split's static account of which part makes which: a gradient outside it would be dropped)."""
+    dx, grads, extra = program.gradients(state, needs)
+    made = [dx] + grads + extra
+    stray = [i for i, g in enumerate(made) if g is not None and i not in positions]
+    if stray:
+        raise FusionError(f"fusion: a part of a split backward made gradients {stray} outside its own {positions} "
+                          "(program.BackwardSplit); set fusion.runtime.custom_ops.SPLIT_BACKWARD = False and report "
+                          "the block")
+    return made
+
+
 def _fake_grads(positions, shapes, needs, like: torch.Tensor) -> list[torch.Tensor]:
     return [like.new_empty(shapes[i][0], dtype=shapes[i][1]) if needs[i] else like.new_empty(0) for i in positions]
 
@@ -314,8 +327,8 @@ def block_backward_head(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x
     with torch.no_grad():
         state = program.backward_part(values, ctx, x.shape[0], tuple(needs), 0, split.at)
     carried = [state.env[name] for name in split.carried]
-    dx, grads, extra = program.gradients(state, needs)
-    out = _grads_out([dx] + grads + extra, split.head_grads, _grad_shapes(x, params, floats, dy.dtype), needs, dy)
+    made = _part_grads(state, program, needs, split.head_grads)
+    out = _grads_out(made, split.head_grads, _grad_shapes(x, params, floats, dy.dtype), needs, dy)
     plain = [True] * (len(carried) + len(out))
     return _as_promised(carried + out, plain, [dy, *saved, x, *params, group_sizes, index, *floats])
 
@@ -343,8 +356,8 @@ def block_backward_tail(key: int, carried: list[torch.Tensor], saved: list[torch
     values.update(zip(split.carried, carried))
     with torch.no_grad():
         state = program.backward_part(values, ctx, x.shape[0], tuple(needs), split.at, len(program.backward_steps))
-    dx, grads, extra = program.gradients(state, needs)
-    out = _grads_out([dx] + grads + extra, split.tail_grads, _grad_shapes(x, params, floats, dtype), needs, carried[0])
+    made = _part_grads(state, program, needs, split.tail_grads)
+    out = _grads_out(made, split.tail_grads, _grad_shapes(x, params, floats, dtype), needs, carried[0])
     return _as_promised(out, [True] * len(out), [*carried, *saved, x, *params, group_sizes, index, *floats])
 
 

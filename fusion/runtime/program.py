@@ -123,19 +123,19 @@ class BlockProgram:
         self.split = self._split(seq, plan)
 
     def _split(self, seq, plan) -> BackwardSplit | None:
-        """Where the backward may be cut in two (BackwardSplit), or None: dY is read up to the last step, a value
-        the second part needs is not a plain tensor (a quantized dgrad operand), or a gradient would be made in
-        both parts."""
-        last = next(n for n, done in enumerate(self.release) if self.output_grad in done)
-        at = last + 1
+        """Where the backward may be cut in two (BackwardSplit), or None: dY is read up to the last step, the second
+        part needs nothing from the first or a value that is not a plain tensor (a quantized dgrad operand), or a
+        gradient would be made in both parts."""
+        last = next((n for n, done in enumerate(self.release) if self.output_grad in done), None)
         steps = plan.backward
-        if at >= len(steps):
+        if last is None or last + 1 >= len(steps):
             return None
+        at = last + 1
         head, tail = steps[:at], steps[at:]
         quantized = {getattr(r, "quantized_dinput", None) for r in self.backward_steps[:at]}
         written = dict.fromkeys(w for step in head for w in step.writes)
         carried = tuple(n for n in written if any(n in step.reads for step in tail))
-        if quantized & set(carried) or not all(n[0] in "gv" for n in carried):
+        if not carried or quantized & set(carried) or not all(n[0] in "gv" for n in carried):
             return None
         saved = [n for n in plan.saves if n not in plan.recomputed]
 
