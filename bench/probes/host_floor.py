@@ -57,7 +57,9 @@ def main(argv=None):
 
     block = next(b for b in BLOCKS if b.model == args.model)
     s = setup_block(block)
-    kwargs = {"group_sizes": s.sizes} | ({"probs": s.probs.detach()} if s.probs is not None else {})
+    names = s.seq.inputs.names
+    kwargs = {"group_sizes": s.sizes} if "group_sizes" in names else {}
+    kwargs |= {name: s.probs.detach() for name in s.seq.inputs.floats}
     x = s.x
 
     def forward():
