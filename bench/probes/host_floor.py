@@ -2,7 +2,7 @@
 against the very launches it makes (the bounds prologue, F1, F2) replayed with every argument pre-bound, with and
 without allocating their outputs. What a launch path with pre-bound arguments could reach at best.
 
-    python bench/probes/host_floor.py [--model small-batch] [--calls 2000]
+    python bench/probes/host_floor.py [--model small-batch] [--calls 100]
 
 Prints µs per call of each, and of the primitives (torch.empty on the GPU, the raw stream query, one TVM-FFI
 launch, torch._grouped_mm). The GPU is kept ahead by a small block, so these are host times.
@@ -24,16 +24,18 @@ from bench_training_step import BLOCKS, setup_block  # noqa: E402
 
 
 def per_call(fn, calls: int) -> float:
-    """Median of five rounds of µs per call, back to back (the GPU synchronized between rounds only)."""
+    """Median of fifteen rounds of µs per call, back to back from a synchronized GPU: a round of `calls` calls
+    must launch fewer kernels than the launch queue holds (about a thousand), or the host waits for the GPU and
+    this times the GPU."""
     rounds = []
-    for _ in range(5):
+    for _ in range(15):
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         rounds.append((time.perf_counter() - start) / calls * 1e6)
         torch.cuda.synchronize()
-    return sorted(rounds)[2]
+    return sorted(rounds)[7]
 
 
 def launchers(program) -> list:
@@ -51,7 +53,7 @@ def launchers(program) -> list:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small-batch")
-    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--calls", type=int, default=100)
     args = ap.parse_args(argv)
     from fusion.runtime import runner_for
 
@@ -101,10 +103,29 @@ def main(argv=None):
         for fn, a in record:
             fn(*a)
 
+    class Replayed(torch.autograd.Function):
+        """The replay as an autograd node: the floor of a forward that records for autograd."""
+
+        @staticmethod
+        def forward(fctx, x):
+            replay_alloc()
+            return torch.empty(rows, d, dtype=x.dtype, device=dev)
+
+        @staticmethod
+        def backward(fctx, dy):
+            return dy
+
+    xg = x.detach().requires_grad_()
+
+    def forward_grad():
+        return s.seq(xg, **kwargs)
+
     w = s.seq[0].weight.detach()
     offs = s.offsets
     rows_out = {
         "forward (the runtime)": per_call(forward, args.calls),
+        "forward recording for autograd (the runtime)": per_call(forward_grad, args.calls),
+        "the replay with allocations in an autograd.Function": per_call(lambda: Replayed.apply(xg), args.calls),
         f"replay of its {len(record)} launches, pre-bound": per_call(replay, args.calls),
         "the same plus its three torch.empty": per_call(replay_alloc, args.calls),
         "torch.empty (rows, d) bf16": per_call(lambda: torch.empty(rows, d, dtype=x.dtype, device=dev), args.calls),
