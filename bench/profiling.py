@@ -46,18 +46,24 @@ def print_timeline(call, clear, title: str, warm: int = 2) -> None:
 
 def print_host(call, clear, calls: int, top: int, title: str, keys=("tottime", "cumulative")) -> None:
     """cProfile over `calls` back-to-back calls (the GPU keeps up or not: only Python's time is attributed): the
-    `top` functions by each of `keys`."""
+    `top` functions by each of `keys`, in µs per measured call (the profiler's own cost per function call inflates
+    every row alike), and how many times each runs per call."""
     prof = cProfile.Profile()
     prof.enable()
     _calls(call, clear, calls)
     prof.disable()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    total_calls = sum(nc for _, nc, _, _, _ in stats.values())
     for key in keys:
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
-        print(f"== {title}: host, {calls} calls, by {key}")
-        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
+        column = 2 if key == "tottime" else 3
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][column])[:top]
+        print(f"== {title}: host, {calls} calls, by {key} ({total_calls / calls:.0f} Python calls per call)")
+        print(f"  {'own µs':>8} {'cum µs':>8} {'per call':>8}  function")
+        for (file, line, name), (_, nc, tt, ct, _) in rows:
+            where = f"{file.split('/work/main/')[-1].split('site-packages/')[-1]}:{line}({name})"
+            print(f"  {tt / calls * 1e6:8.2f} {ct / calls * 1e6:8.2f} {nc / calls:8.1f}  {where[:110]}")
 
 
 def print_ops(call, clear, calls: int, title: str) -> None:

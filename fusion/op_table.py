@@ -131,6 +131,18 @@ def device_method_refusal(kind: str, weight_format: str | None, dtype: str, widt
 _GEMM_REFUSALS: dict = {}
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype's name without "torch." (what gemm_refusal takes), kept per dtype: str() of a dtype costs host
+    time, and device methods' `takes` asks on every call."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPE_NAMES: dict = {}
+
+
 def gemm_refusal(op, dtype: str) -> str | None:
     """device_method_refusal("gemm", None, dtype, (op.in_features, op.out_features), op.spec.name), kept per
     (op class, widths, dtype): the lone GEMM's and the weight gradient's `takes` ask it on every call, where

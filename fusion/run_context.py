@@ -22,8 +22,9 @@ class RunContext:
 
     group_sizes: torch.Tensor | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: Cumulative group offsets, computed once per call on the device (see fusion.grouped).
-    offsets: torch.Tensor | None = None
+    #: Cumulative group offsets (o_1..o_G), computed once per call on the device (see fusion.grouped): set by the
+    #: input checks, else read through `offsets`, a view of the fused program's bounds buffer made when first read.
+    _offsets: torch.Tensor | None = None
     #: MoE blocks (a Gather first): the token of each routed row (M,), -1 for padding rows; the block input's
     #: row count T (Combine's output rows); and group_sizes as the caller gave them (they may sum to less
     #: than M). `group_sizes` above then has the padding rows added to its last group, so it sums to exactly
@@ -40,6 +41,20 @@ class RunContext:
     #: index a gathering kernel loads through (fusion/runtime/steps.py), the token layout a Combine and a
     #: Gather's backward sum by (fusion/ops/routing.py).
     derived: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def offsets(self) -> torch.Tensor | None:
+        """The cumulative group offsets o_1..o_G (what torch._grouped_mm reads as `offs`), None for a dense block. A
+        fused program's device prologue writes them into its bounds buffer (`counters`); the view is made only
+        when a torch op asks for it (a view costs host time, and a call whose GEMMs are all our kernels needs
+        none)."""
+        if self._offsets is None and self.counters is not None and self.group_sizes is not None:
+            self._offsets = self.counters[1:self.groups + 1]
+        return self._offsets
+
+    @offsets.setter
+    def offsets(self, value: torch.Tensor | None) -> None:
+        self._offsets = value
 
     def derive(self, name: str, make):
         """The value `name` derived from this call's inputs: `make()` the first time it is asked for, then kept."""

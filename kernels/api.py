@@ -32,7 +32,8 @@ from .tile_policy import (GemmConfig, band_problem, choose_config, for_gather, n
                           spill_fallback)
 
 __all__ = [
-    "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "grouped_gemm",
+    "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "bind_grouped_gemm",
+    "BoundGemm", "grouped_gemm",
     "choose_config", "check_config", "offsets_from_group_sizes", "sass_text", "sass_opcodes",
 ]
 
@@ -393,30 +394,98 @@ def run_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Te
     device): ``A`` is the (T, K) token matrix, routed row r (the rows ``offsets`` cover) multiplies
     ``A[index[r]]``, M = ``index.numel()`` is every epilogue tensor's row count, and T is independent of M.
     Entries of ``index`` past ``offsets[G]`` are never read; a row whose entry is negative (-1: padding) reads
-    zeros, as a gathered copy with zero padding rows would give."""
+    zeros, as a gathered copy with zero padding rows would give.
+
+    A caller that launches the same kernel at the same shapes again keeps :func:`bind_grouped_gemm`'s BoundGemm
+    instead (the runtime does): this function is that binding and its call."""
+    tensors = outputs if not extras else {**outputs, **extras}
+    bind_grouped_gemm(compiled, A, B, offsets, index, num_ctas)(A, B, offsets, tensors, counter_ptr, index)
+
+
+class BoundGemm:
+    """A compiled kernel's launch at one call shape (A's and B's shapes, the routed rows M): the shape checks, the
+    launch grid and the epilogue's pointer order worked out once by :func:`bind_grouped_gemm`, so that a call only
+    checks what reads no data and may change between calls (contiguity, 16-byte alignment, the shapes it was bound
+    at), reads the pointers and launches: a few microseconds of host time instead of tens. The runtime keeps one per
+    kernel and call shape (fusion/runtime/kernel.py)."""
+
+    __slots__ = ("compiled", "launch", "a_shape", "b_shape", "M", "T", "num_ctas", "names", "dynamic", "gather",
+                 "min_offsets")
+    # (bound per device too: the runtime's kernels belong to one device's block runner, so no per-call device check)
+
+    def __init__(self, compiled, a_shape, b_shape, M: int, num_ctas: int):
+        self.compiled, self.launch = compiled, compiled.launch
+        self.a_shape, self.b_shape, self.M, self.T = a_shape, b_shape, M, a_shape[0]
+        self.num_ctas = num_ctas
+        # the epilogue's tensors in slot order: each slot's tensor, then its extra tensors (scales, amax)
+        self.names = tuple(n for name, suffixes in compiled.slots for n in (name, *(name + s for s in suffixes)))
+        self.dynamic = compiled.config.dynamic
+        self.gather = compiled.config.gather_a
+        self.min_offsets = compiled.G + 1
+
+    def __call__(self, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor, tensors: dict,
+                 counter_ptr: Optional[int] = None, index: Optional[torch.Tensor] = None) -> None:
+        """Launch on torch's current stream (see :func:`run_grouped_gemm`); `tensors` maps every epilogue name (and
+        a quantized output's suffixed names) to its tensor."""
+        a_ptr, b_ptr = A.data_ptr(), B.data_ptr()
+        if ((a_ptr | b_ptr) & 15 or A.shape != self.a_shape or B.shape != self.b_shape or not A.is_contiguous()
+                or not B.is_contiguous() or offsets.numel() < self.min_offsets):
+            _check_operands(self.compiled, A, B, offsets)   # raises, naming the problem
+        if self.gather:
+            if index is None or index.dtype != torch.int32 or not index.is_contiguous() or index.numel() != self.M:
+                _gather_index(self.compiled, A, index)   # raises on a missing or bad index
+                raise ShapeError(f"grouped GEMM {self.compiled.name}: bound at {self.M} routed rows, got an index "
+                                 f"of {index.numel()}: bind the kernel at this call's rows")
+            idx_ptr = index.data_ptr()
+        elif index is not None:
+            _check_operands(self.compiled, A, B, offsets, index)
+        else:
+            idx_ptr = offsets.data_ptr()  # (the index slot is never read)
+        ptrs = []
+        for name in self.names:
+            t = tensors[name]
+            if not t.is_contiguous():
+                raise ShapeError(f"grouped GEMM {self.compiled.name}: epilogue tensor {name!r} must be contiguous")
+            ptrs.append(t.data_ptr())
+        if self.M == 0:
+            return
+        counter = None
+        if counter_ptr is None:
+            counter = torch.zeros(1, dtype=torch.int32, device=A.device) if self.dynamic else offsets
+            counter_ptr = counter.data_ptr()
+        self.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, idx_ptr, tuple(ptrs), self.M, self.T,
+                    self.num_ctas, current_stream(A.device))
+        del counter   # (a fresh counter is freed stream-ordered, after the launch)
+
+
+def bind_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
+                      index: Optional[torch.Tensor] = None, num_ctas: Optional[int] = None) -> BoundGemm:
+    """The launch of `compiled` at A's and B's shapes (and a gathering kernel's index rows), checked once: a
+    BoundGemm to call with each call's tensors of those shapes (see :func:`run_grouped_gemm`)."""
+    _check_operands(compiled, A, B, offsets, index)
+    M = _gather_index(compiled, A, index) if compiled.config.gather_a else A.shape[0]
+    num_ctas, _, _ = launch_grid(compiled, M, A.device, offsets, num_ctas, counter_ptr=0)
+    return BoundGemm(compiled, tuple(A.shape), tuple(B.shape), M, num_ctas)
+
+
+def _check_operands(compiled, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
+                    index: Optional[torch.Tensor] = None) -> None:
+    """What reads no data: A 2-D of K columns, B of the kernel's shape, both contiguous and 16-byte aligned, G+1
+    offsets, and an index exactly where the kernel gathers."""
     cfg = compiled.config
-    T, K = A.shape  # (raises for A that is not 2-D)
-    if B.shape != compiled.b_shape or K != compiled.K:
+    if A.dim() != 2 or B.shape != compiled.b_shape or A.shape[1] != compiled.K:
         raise ShapeError(f"grouped GEMM {compiled.name}: A must be ({'T' if cfg.gather_a else 'M'}, {compiled.K}) "
                          f"and B {compiled.b_shape} (b_major={cfg.b_major!r}: dims {cfg.b_shape_order}), got "
                          f"A {tuple(A.shape)}, B {tuple(B.shape)}")
-    a_ptr, b_ptr = A.data_ptr(), B.data_ptr()
-    if (a_ptr | b_ptr) & 15 or not (A.is_contiguous() and B.is_contiguous()) or offsets.numel() < compiled.G + 1:
+    if ((A.data_ptr() | B.data_ptr()) & 15 or not (A.is_contiguous() and B.is_contiguous())
+            or offsets.numel() < compiled.G + 1):
         raise ShapeError(f"grouped GEMM {compiled.name}: A and B must be contiguous and 16-byte aligned, and "
                          f"offsets must hold G+1 = {compiled.G + 1} int32 bounds")
     if cfg.gather_a:
-        M, idx_ptr = _gather_index(compiled, A, index), index.data_ptr()
+        _gather_index(compiled, A, index)
     elif index is not None:
         raise ShapeError(f"grouped GEMM {compiled.name}: got an index, but the kernel reads A's rows in order; "
                          f"build it with GemmConfig(gather_a=True) to gather them")
-    else:
-        M, idx_ptr = T, offsets.data_ptr()  # (the index slot is never read)
-    ptrs = epilogue_pointers(compiled, outputs, extras)
-    if M == 0:
-        return
-    num_ctas, counter_ptr, _counter = launch_grid(compiled, M, A.device, offsets, num_ctas, counter_ptr)
-    compiled.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, idx_ptr, ptrs, M, T, num_ctas,
-                    current_stream(A.device))
 
 
 def _gather_index(compiled, A: torch.Tensor, index: Optional[torch.Tensor]) -> int:

@@ -116,7 +116,56 @@ def run_varlen_k_gemm(compiled: CompiledVarlenKGemm, A: torch.Tensor, B: torch.T
     group's ``out[g]`` is zeroed). ``A`` (M, Ma) and ``B`` (M, Nb) row-major, or for a gathered operand (built
     with ``gather_a`` / ``gather_b``) a (T, ·) token matrix whose row ``index[r]`` routed row r reads; ``offsets``
     (G+1,) int32 row bounds on the device; ``out`` (G, Ma, Nb) contiguous. Checks shapes, dtypes, devices and
-    alignment (no data read, no host sync)."""
+    alignment (no data read, no host sync). A caller launching the same kernel at the same shapes again keeps
+    :func:`bind_varlen_k_gemm`'s BoundVarlenK instead (the runtime does)."""
+    bind_varlen_k_gemm(compiled, A, B, offsets, out, index, num_ctas)(A, B, offsets, out, index)
+
+
+class BoundVarlenK:
+    """A varlen-K kernel's launch at one call shape (A's and B's shapes, the routed rows), checked once by
+    :func:`bind_varlen_k_gemm`: a call checks only what may change between calls and reads no data (shapes and
+    dtypes against the bound ones, contiguity, 16-byte alignment), reads the pointers and launches. Bound per device
+    (the runtime keys its bindings by device)."""
+
+    __slots__ = ("compiled", "launch", "a_shape", "b_shape", "out_shape", "M", "num_ctas", "gathers", "dtype",
+                 "out_dtype")
+
+    def __init__(self, compiled, A, B, out, M: int, num_ctas: int):
+        self.compiled, self.launch = compiled, compiled.launch
+        self.a_shape, self.b_shape, self.out_shape = A.shape, B.shape, out.shape
+        self.M, self.num_ctas = M, num_ctas
+        self.gathers = compiled.config.gather_a or compiled.config.gather_b
+        self.dtype, self.out_dtype = A.dtype, out.dtype
+
+    def __call__(self, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+                 index: Optional[torch.Tensor] = None) -> None:
+        a_ptr, b_ptr = A.data_ptr(), B.data_ptr()
+        if ((a_ptr | b_ptr) & 15 or A.shape != self.a_shape or B.shape != self.b_shape or out.shape != self.out_shape
+                or A.dtype != self.dtype or B.dtype != self.dtype or out.dtype != self.out_dtype
+                or not (A.is_contiguous() and B.is_contiguous() and out.is_contiguous())
+                or offsets.dtype != torch.int32 or offsets.numel() <= self.compiled.G):
+            bind_varlen_k_gemm(self.compiled, A, B, offsets, out, index)   # raises, naming the problem
+            raise ShapeError(f"{self.compiled.name}: bound at A {tuple(self.a_shape)}, B {tuple(self.b_shape)}: bind "
+                             f"the kernel at this call's shapes")
+        if self.gathers:
+            if (index is None or index.dtype != torch.int32 or not index.is_contiguous()
+                    or index.numel() != self.M):
+                bind_varlen_k_gemm(self.compiled, A, B, offsets, out, index)   # raises on a bad index
+                raise ShapeError(f"{self.compiled.name}: bound at {self.M} routed rows: bind it at this call's")
+            idx_ptr = index.data_ptr()
+        elif index is not None:
+            bind_varlen_k_gemm(self.compiled, A, B, offsets, out, index)   # raises: the kernel reads rows in order
+        else:
+            idx_ptr = offsets.data_ptr()  # (never read)
+        self.launch(a_ptr, b_ptr, offsets.data_ptr(), idx_ptr, out.data_ptr(), self.M, self.a_shape[0],
+                    self.b_shape[0], self.num_ctas, current_stream(A.device))
+
+
+def bind_varlen_k_gemm(compiled: CompiledVarlenKGemm, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
+                       out: torch.Tensor, index: Optional[torch.Tensor] = None,
+                       num_ctas: Optional[int] = None) -> BoundVarlenK:
+    """The launch of `compiled` at these tensors' shapes, checked (see :func:`run_varlen_k_gemm`): a BoundVarlenK to
+    call with each call's tensors of the same shapes."""
     cfg = compiled.config
     G, Ma, Nb = compiled.G, compiled.Ma, compiled.Nb
     if A.dim() != 2 or B.dim() != 2 or A.shape[1] != Ma or B.shape[1] != Nb:
@@ -139,7 +188,6 @@ def run_varlen_k_gemm(compiled: CompiledVarlenKGemm, A: torch.Tensor, B: torch.T
             raise ShapeError(f"{compiled.name} gathers {'A' if cfg.gather_a else 'B'}'s rows: pass index= (int32, "
                              f"contiguous, on {A.device}: the token row of every routed row)")
         M = index.numel()
-        idx_ptr = index.data_ptr()
     elif index is not None:
         raise ShapeError(f"{compiled.name}: got an index, but the kernel reads the rows in order; build it with "
                          f"WgradConfig(gather_a=True) or gather_b=True")
@@ -147,14 +195,12 @@ def run_varlen_k_gemm(compiled: CompiledVarlenKGemm, A: torch.Tensor, B: torch.T
         M = A.shape[0]
         if B.shape[0] != M:
             raise ShapeError(f"{compiled.name}: A and B must have the same rows, got {A.shape[0]} and {B.shape[0]}")
-        idx_ptr = offsets.data_ptr()  # (never read)
     if (not cfg.gather_a and A.shape[0] != M) or (not cfg.gather_b and B.shape[0] != M):
         raise ShapeError(f"{compiled.name}: the operand read in order must have the index's {M} rows")
     if num_ctas is None:
         num_ctas = max(1, min(_num_sms(A.device.index) - cfg.sm_margin, compiled.tiles))
     num_ctas = max(cfg.cluster_m, num_ctas - num_ctas % cfg.cluster_m)  # whole clusters
-    compiled.launch(A.data_ptr(), B.data_ptr(), offsets.data_ptr(), idx_ptr, out.data_ptr(), M, A.shape[0],
-                    B.shape[0], num_ctas, current_stream(A.device))
+    return BoundVarlenK(compiled, A, B, out, M, num_ctas)
 
 
 def grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, G: int,

@@ -153,10 +153,10 @@ def test_the_runtime_launches_the_tile_for_each_calls_rows(monkeypatch):
     from fusion.runtime import wgrad_gemm
 
     loaded, launched = [], []
-    monkeypatch.setattr(wgrad_gemm, "_COMPILED", {})
+    monkeypatch.setattr(wgrad_gemm, "_BOUND", {})
     monkeypatch.setattr(C, "load_compiled", lambda job: loaded.append(job) or WgradConfig(*job.config))
-    monkeypatch.setattr(api, "run_varlen_k_gemm",
-                        lambda compiled, dy, x, bounds, dw, index=None: launched.append(compiled))
+    monkeypatch.setattr(api, "bind_varlen_k_gemm",
+                        lambda compiled, dy, x, bounds, dw, index=None: lambda *a: launched.append(compiled))
     bf16 = torch.bfloat16
     op = GroupLinear(128, 4096, 3072, device="meta", dtype=bf16)   # weight (128, 3072, 4096): Qwen3-235B's FC1
     for rows_per_group in (256, 64, 256):
@@ -194,10 +194,10 @@ def test_fc1_weight_gradient_gathers_its_tokens_at_many_rows_per_group(monkeypat
     monkeypatch.setattr(tile_policy, "WGRAD_GATHER", True)
 
     launched, loaded = [], []
-    monkeypatch.setattr(wgrad_gemm, "_COMPILED", {})
+    monkeypatch.setattr(wgrad_gemm, "_BOUND", {})
     monkeypatch.setattr(C, "load_compiled", lambda job: loaded.append(job) or WgradConfig(*job.config))
-    monkeypatch.setattr(api, "run_varlen_k_gemm",
-                        lambda compiled, dy, x, bounds, dw, index=None: launched.append((compiled, index)))
+    monkeypatch.setattr(api, "bind_varlen_k_gemm", lambda compiled, dy, x, bounds, dw, index=None:
+                        lambda a, b, offs, out, index=None: launched.append((compiled, index)))
     bf16 = torch.bfloat16
     op = GroupLinear(G, 2048, 2048, device="meta", dtype=bf16)   # OLMoE's FC1: weight (64, 2048, 2048)
     assert wgrad_gemm.gathers(op, rows) and not wgrad_gemm.gathers(op, rows // 2)
@@ -256,9 +256,9 @@ def test_fc2_weight_gradient_reads_dy_through_the_index_at_many_rows_per_group(m
 
     launched, loaded = [], []
     monkeypatch.setattr(C, "load_compiled", lambda job: loaded.append(job) or job)
-    monkeypatch.setattr(api, "run_varlen_k_gemm", lambda comp, a, b, offs, out, index=None:
-                        launched.append((WgradConfig(*comp.config), a.shape, index)))
-    wgrad_gemm._COMPILED.clear()
+    monkeypatch.setattr(api, "bind_varlen_k_gemm", lambda comp, a, b, offs, out, index=None:
+                        lambda a, b, offs, out, index=None: launched.append((WgradConfig(*comp.config), a.shape, index)))
+    wgrad_gemm._BOUND.clear()
     op = GroupLinear(G, 256, 512).to(torch.bfloat16)            # FC2: f = 256 -> d = 512
     T = rows // 2
     dy_tokens = torch.empty(T, 512, dtype=torch.bfloat16)
@@ -271,4 +271,4 @@ def test_fc2_weight_gradient_reads_dy_through_the_index_at_many_rows_per_group(m
     jobs = wgrad_gemm.kernel_jobs(op, "wgrad", torch.bfloat16, dy_gathered=True)
     assert loaded[0].key in {j.key for j in jobs}              # the kernel it launches is one compile() builds
     assert not [j for j in wgrad_gemm.kernel_jobs(op, "wgrad", torch.bfloat16) if WgradConfig(*j.config).gather_a]
-    wgrad_gemm._COMPILED.clear()
+    wgrad_gemm._BOUND.clear()

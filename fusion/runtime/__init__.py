@@ -25,9 +25,16 @@ EMULATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _library():
-    from fusion.patterns.registry import library
+    """The pattern library now (patterns.registry.library), its module imported once: this runs on every call."""
+    global _registry
+    if _registry is None:
+        from fusion.patterns import registry as _loaded
 
-    return library()
+        _registry = _loaded
+    return _registry.library()
+
+
+_registry = None
 
 
 class BlockRunner:
@@ -79,8 +86,12 @@ class BlockRunner:
             from fusion.shapes import feature_chain
 
             feature_chain(self.seq.ops, x.shape[-1])  # raises, naming the op
-        if x.dtype not in self.allowed or any(p.device != x.device or p.dtype != x.dtype for p in self.params):
+        dtype, device = x.dtype, x.device
+        if dtype not in self.allowed:
             self._error(x)
+        for p in self.params:
+            if p.dtype != dtype or p.device != device:
+                self._error(x)
 
     def _error(self, x):
         for name, p in self.seq.named_parameters():

@@ -89,8 +89,9 @@ def row_bounds(op, rows: int, ctx, device) -> torch.Tensor:
     wgrad_gemm.py): the head of the call's bounds buffer (G+1 bounds, then tile counters the kernel does not
     read), where it describes this GEMM's rows; else made once per call for a grouped block, [0, rows] for a
     Linear."""
-    dense = op._parameters["weight"].dim() == 2 or ctx.group_sizes is None   # a Linear (op.spec costs µs per call)
-    if ctx.counters is not None and (ctx.groups == 1 if dense else ctx.groups == op.weight.shape[0]):
+    weight = op._parameters["weight"]   # (an nn.Module attribute lookup costs a microsecond)
+    dense = weight.dim() == 2 or ctx.group_sizes is None   # a Linear (op.spec costs µs per call)
+    if ctx.counters is not None and (ctx.groups == 1 if dense else ctx.groups == weight.shape[0]):
         return ctx.counters
     if dense:
         bounds = torch.zeros(2, dtype=torch.int32, device=device)

@@ -103,6 +103,11 @@ def make_wgrad_job(dtype: torch.dtype, out_features: int, in_features: int, G: i
                      mainloop="varlen_k")
 
 
+#: How many call shapes (row counts) a kernel keeps a bound launch for; past it the bindings start again (a binding
+#: costs what an unbound launch does, so rows that never repeat cost nothing extra).
+MAX_BOUND_SHAPES = 64
+
+
 class CuteKernel:
     """The compiled kernel of a job (memory, disk cache or compiled now), launched on the current stream. In
     autotune mode (fusion/runtime/autotune.py) the first launch picks the tile configuration on the real inputs."""
@@ -119,6 +124,8 @@ class CuteKernel:
         self._config = GemmConfig(*job.config) if self.fp8 else None
         self._by_rows: dict = {self._config: self.compiled}
         self._run = _kernels().run_grouped_gemm
+        #: the bf16 kernel's launch bound per call shape (A's rows, the routed rows): kernels.api.BoundGemm
+        self._bound: dict = {}
 
     def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None, index=None) -> None:
         """`counter_ptr`: a zeroed int32 for a dynamic schedule's tile counter (RunState.counter_ptr). `index`: a
@@ -129,9 +136,15 @@ class CuteKernel:
                                             bounds, tensors, tensors, counter_ptr=counter_ptr)
             LAUNCHES.count(self.job)
             return
-        if self.compiled is None:
-            self.compiled = self._tuned(A, B, bounds, tensors, index)
-        self._run(self.compiled, A, B, bounds, tensors, tensors, counter_ptr=counter_ptr, index=index)
+        key = (A.shape[0], -1 if index is None else index.numel())
+        bound = self._bound.get(key)
+        if bound is None:
+            if self.compiled is None:
+                self.compiled = self._tuned(A, B, bounds, tensors, index)
+            if len(self._bound) >= MAX_BOUND_SHAPES:   # rows that change every call: keep the newest shapes only
+                self._bound.clear()
+            bound = self._bound[key] = _kernels().bind_grouped_gemm(self.compiled, A, B, bounds, index)
+        bound(A, B, bounds, tensors, counter_ptr, index)
         LAUNCHES.count(self.job)
 
     def _for_rows(self, rows: int):

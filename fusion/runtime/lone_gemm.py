@@ -111,7 +111,7 @@ import torch
 
 from fusion.kernels import tile_policy
 from fusion.kernels.tile_policy import GemmConfig, dense_dgrad_tile, lone_tile
-from fusion.op_table import LONE_GEMM_RULE, gemm_refusal
+from fusion.op_table import LONE_GEMM_RULE, dtype_name, gemm_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
 from fusion.targets import cuda_major
@@ -141,6 +141,9 @@ OUTPUT_BUDGET = os.environ.get("FUSION_LONE_GEMM_OUTPUTS", "1") != "0"
 WIDE_TILE = tile_policy.LONE_WIDE
 
 _COMPILED: dict = {}
+#: Bound launches (kernels.api.BoundGemm) per call shape; at most MAX_BOUND_SHAPES, then they start again.
+_BOUND: dict = {}
+MAX_BOUND_SHAPES = 256
 
 
 def chooses_kernel(rows: int, groups: int, n: int, k: int, part: str = "forward") -> bool:
@@ -223,14 +226,18 @@ def takes_dgrad(op, dy) -> bool:
 
 def _takes(op, x, part: str) -> bool:
     """A plain CUDA bf16/fp16 tensor of the weight's dtype on a Hopper GPU, a GroupLinear without bias, widths of
-    16-byte rows, and the measured rule for `part` (:func:`chooses_kernel`)."""
-    if type(x) is not torch.Tensor or not x.is_cuda or x.dim() != 2 or op.weight.dim() != 3:
+    16-byte rows, and the measured rule for `part` (:func:`chooses_kernel`). (Runs on every call: the weight is read
+    from the parameter table and the device by index, each a microsecond less than the attribute.)"""
+    if type(x) is not torch.Tensor or not x.is_cuda or x.dim() != 2:
         return False
-    if op.weight.dtype != x.dtype or getattr(op, "bias", None) is not None or cuda_major(x.device) != 9:
+    weight = op._parameters["weight"]
+    if weight.dim() != 3 or weight.dtype != x.dtype or getattr(op, "bias", None) is not None:
         return False
-    if gemm_refusal(op, str(x.dtype).removeprefix("torch.")) is not None:
+    if cuda_major(x.get_device()) != 9 or gemm_refusal(op, dtype_name(x.dtype)) is not None:
         return False
-    return chooses_kernel(x.shape[0], op.weight.shape[0], *_widths(op, part), part)
+    return chooses_kernel(x.shape[0], weight.shape[0], *_widths(op, part), part)
+
+
 
 
 def _job(op, part: str, dtype: torch.dtype):
@@ -281,17 +288,25 @@ def _kernel(op, part: str, dtype: torch.dtype):
 
 
 def _gemm(op, part: str, a: torch.Tensor, n: int, ctx: RunContext, counter: int | None) -> torch.Tensor:
-    from fusion.kernels.api import run_grouped_gemm
-
     a = a if a.is_contiguous() else a.contiguous()
-    out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
+    rows = a.shape[0]
+    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     # read from the parameter table, never differentiated here (the program is the autograd node), no detach:
     # the kernel reads the pointer only
     weight = op._parameters["weight"]
     weight = weight if weight.is_contiguous() else weight.contiguous()
-    outputs = {"out": out}
-    run_grouped_gemm(_kernel(op, part, a.dtype), a, weight, row_bounds(op, a.shape[0], ctx, a.device), outputs,
-                     outputs, counter_ptr=counter)
+    bounds = row_bounds(op, rows, ctx, a.device)
+    # the launch bound per call shape (kernels.api.BoundGemm): its checks and grid once per (weight shape, part,
+    # dtype, rows, device, tile switch), not per call
+    key = (weight.shape, part, a.dtype, rows, a.get_device(), WIDE_TILE)
+    bound = _BOUND.get(key)
+    if bound is None:
+        from fusion.kernels.api import bind_grouped_gemm
+
+        if len(_BOUND) >= MAX_BOUND_SHAPES:   # rows that change every call: keep the newest shapes only
+            _BOUND.clear()
+        bound = _BOUND[key] = bind_grouped_gemm(_kernel(op, part, a.dtype), a, weight, bounds)
+    bound(a, weight, bounds, {"out": out}, counter)
     return out
 
 

@@ -25,12 +25,6 @@ from fusion.runtime.bounds import torch_bounds
 from fusion.runtime.kernel import LAUNCHERS
 
 
-def _offsets(ctx) -> None:
-    """ctx.offsets (o_1..o_G, what torch._grouped_mm reads) as a view of the bounds buffer, if not set yet."""
-    if ctx.offsets is None and ctx.group_sizes is not None:
-        ctx.offsets = ctx.counters[1:ctx.groups + 1]
-
-
 def _recompute_bases(plan) -> dict[str, str]:
     """For each value the backward recomputes, the kept value it is recomputed from (the nearest before it)."""
     kept = [index_of(n) for n in plan.saves if n.startswith("v") and n not in plan.recomputed]
@@ -115,9 +109,6 @@ class BlockProgram:
         self.forward_kernels = _number_slots(self.forward_steps)
         self.backward_kernels = _number_slots(self.backward_steps)
         self.counters = self.forward_kernels + self.backward_kernels
-        # torch GEMMs and reference ops read ctx.offsets (a view of the buffer: made only where a step reads it)
-        self.forward_reads_offsets = any(not isinstance(r, S._KernelStep) for r in self.forward_steps)
-        self.backward_reads_offsets = any(not isinstance(r, S._KernelStep) for r in self.backward_steps)
         self.output_grad = f"g{len(plan.ops)}"
         self.input_grad = out_grad(plan.ops, -1)
         self.split = self._split(seq, plan)
@@ -195,7 +186,7 @@ class BlockProgram:
     # -- forward ---------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx, train: bool):
         """(block output, saved values in plan.saves order; None for values to recompute)."""
-        self._bounds(ctx, x.shape[0], x.device, self.forward_reads_offsets)
+        self._bounds(ctx, x.shape[0], x.device)
         state = S.RunState(ctx=ctx, rows=x.shape[0])
         state.env[v(0)] = x
         for runner in self.forward_steps:
@@ -204,18 +195,16 @@ class BlockProgram:
         saved = [state.env.get(name) for name in self.plan.saves] if train else []
         return y, saved
 
-    def _bounds(self, ctx, rows: int, device, offsets: bool) -> None:
+    def _bounds(self, ctx, rows: int, device) -> None:
         """The call's bounds buffer (fusion/runtime/bounds.py) into ctx: made once per call, by the forward (or by
-        a backward whose context was made for it alone: the torch.compile custom op). `offsets`: set
-        ctx.offsets too, for the torch GEMMs and reference ops of the pass."""
+        a backward whose context was made for it alone: the torch.compile custom op). Torch GEMMs and reference
+        ops read ctx.offsets, a view of it made when first read (fusion/run_context.py)."""
         routed = rows if ctx.index is None else ctx.index.numel()
         if self.prologue is not None and ctx.offsets is None:
             buffer = self.prologue(ctx, routed, device, self.counters)
         else:
             buffer = torch_bounds(ctx, routed, device, self.counters)
         ctx.counters, ctx.groups, ctx.backward_counters_used = buffer, buffer.numel() - 1 - self.counters, False
-        if offsets:
-            _offsets(ctx)
 
     # -- backward --------------------------------------------------------------------------------------------------
     def backward(self, output_grad: list, saved, ctx, rows: int, needs: tuple):
@@ -240,9 +229,7 @@ class BlockProgram:
         del dy
         device = next(t for t in values.values() if isinstance(t, torch.Tensor)).device
         if ctx.counters is None:
-            self._bounds(ctx, rows, device, self.backward_reads_offsets)
-        elif self.backward_reads_offsets:
-            _offsets(ctx)
+            self._bounds(ctx, rows, device)
         state = S.RunState(ctx=ctx, rows=rows, counter_base=self.forward_kernels)
         if ctx.backward_counters_used:  # a second backward through the same graph (retain_graph): zero them again
             ctx.counters.narrow(0, ctx.groups + 1 + self.forward_kernels, self.backward_kernels).zero_()

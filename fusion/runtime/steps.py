@@ -25,9 +25,10 @@ from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forwar
 from fusion.dataflow import g, index_of, out_grad, qg, v
 from fusion.kernels import tile_policy
 from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, gather_dy, gathers_in_kernel
-from fusion.grouped import linear_dgrad, linear_wgrad
+from fusion.grouped import grouped_matmul, grouped_mm_method, linear_dgrad, linear_wgrad
 from fusion.op_table import op_device_method
 from fusion.ops.base import RunContext
+from fusion.quant import dequantize
 from fusion.runtime import fp8_gemm
 from fusion.runtime import gather as gather_method
 from fusion.runtime.gather import gather_index
@@ -175,6 +176,8 @@ class FusedForward(_KernelStep):
         self._in_slots = self.spec.forward_slots(False)[0]
         self._out_slots = {variant: self.spec.forward_slots(variant == "train")[1] for variant in ("train", "inference")}
         self._saved_width = None if self.spec.saved is None else self.spec.width_at(self.spec.saved)
+        self._plain = {variant: self._plain_outputs(variant) for variant in self._out_slots}
+        self._quant_format = self.spec.quant_format   # (a property that walks the stages: once, not per call)
 
     def weight_shape(self) -> tuple[int, int, int]:
         w = self.gemm.weight
@@ -201,14 +204,47 @@ class FusedForward(_KernelStep):
                 tensors[slot.kernel_name] = ctx.extra[slot.name]
         return tensors
 
-    def run(self, state: RunState, train: bool) -> None:
-        from fusion.quant import dequantize
+    def _plain_outputs(self, variant: str) -> tuple | None:
+        """The variant's output tensors as (kernel name, width) where every one is a plain (M, width) tensor in the
+        input's dtype, else None (a quantized store: its data and scales): the common case's allocations, worked out
+        once."""
+        plain = []
+        for slot in self._out_slots[variant]:
+            if isinstance(slot, (slots.Quantized, slots.QuantizedFP8Block)):
+                return None
+            plain.append(("saved", self._saved_width) if isinstance(slot, slots.SavedOut)
+                         else (slot.kernel_name, self.spec.out_features))
+        return tuple(plain)
 
+    def _allocate(self, variant: str, M: int, dtype: torch.dtype, device) -> dict:
+        """This call's output tensors by kernel name."""
+        plain = self._plain[variant]
+        if plain is not None:
+            return {name: torch.empty(M, width, dtype=dtype, device=device) for name, width in plain}
+        out_w = self.spec.out_features
+        outs = {}
+        for slot in self._out_slots[variant]:
+            if isinstance(slot, slots.Quantized):
+                outs["out"] = torch.empty(M, out_w, dtype=torch.float8_e4m3fn, device=device)
+                outs["out_scale"] = torch.empty(M, out_w // 32, dtype=torch.uint8, device=device)
+            elif isinstance(slot, slots.QuantizedFP8Block):
+                from fusion.kernels.api import fp8_block_outputs
+                from fusion.kernels.epilogue import FP8BlockOutput
+
+                outs.update(fp8_block_outputs(FP8BlockOutput("out"), M, out_w, device))
+            elif isinstance(slot, slots.SavedOut):
+                outs["saved"] = torch.empty(M, self._saved_width, dtype=dtype, device=device)
+            else:
+                outs[slot.kernel_name] = torch.empty(M, out_w, dtype=dtype, device=device)
+        return outs
+
+    def run(self, state: RunState, train: bool) -> None:
         x = state.env[self.input]
         if self.fp8:
             a = fp8_gemm.operand(x)
         else:
-            x = dequantize(x)
+            if type(x) is not torch.Tensor:
+                x = dequantize(x)
             a = x = x if x.is_contiguous() else x.contiguous()
         variant = "train" if train and self.writes_saved else "inference"
         kernel = self.kernel(x.dtype, variant)
@@ -217,35 +253,22 @@ class FusedForward(_KernelStep):
         if self.copies_rows:   # the routed rows copied by the gather kernel, read by TMA; freed after this step
             a = x = gather_method.run(self.gather_op, x, state.ctx)
         M = x.shape[0] if index is None else index.shape[0]
-        spec = self.spec
         tensors = self._inputs(state.ctx, weight.shape[0] if weight.dim() == 3 else 1)
-        out_w = spec.out_features
-        outs = {}
-        for slot in self._out_slots[variant]:
-            if isinstance(slot, slots.Quantized):
-                outs["out"] = torch.empty(M, out_w, dtype=torch.float8_e4m3fn, device=x.device)
-                outs["out_scale"] = torch.empty(M, out_w // 32, dtype=torch.uint8, device=x.device)
-            elif isinstance(slot, slots.QuantizedFP8Block):
-                from fusion.kernels.api import fp8_block_outputs
-                from fusion.kernels.epilogue import FP8BlockOutput
-
-                outs.update(fp8_block_outputs(FP8BlockOutput("out"), M, out_w, x.device))
-            elif isinstance(slot, slots.SavedOut):
-                outs["saved"] = torch.empty(M, self._saved_width, dtype=x.dtype, device=x.device)
-            else:
-                outs[slot.kernel_name] = torch.empty(M, out_w, dtype=x.dtype, device=x.device)
-        _poison(outs)
+        outs = self._allocate(variant, M, x.dtype, x.device)
+        if POISON["on"]:
+            _poison(outs)
         tensors.update(outs)
         b = fp8_gemm.weight_operand(self.gemm) if self.fp8 else _weight_as_b(weight)
         kernel.run(a, b, state.ctx.counters, tensors, state.counter_ptr(self.slot), index=index)
-        if spec.quant_format == "fp8_block":
-            state.env[self.output] = _fp8_block_quantized(outs, M, out_w, x.dtype)
-        elif spec.quantized:
-            state.env[self.output] = _quantized(self.ops[-1], outs, state.ctx)
+        env = state.env
+        if self._quant_format == "fp8_block":
+            env[self.output] = _fp8_block_quantized(outs, M, self.spec.out_features, x.dtype)
+        elif self._quant_format is not None:
+            env[self.output] = _quantized(self.ops[-1], outs, state.ctx)
         else:
-            state.env[self.output] = outs["out"]
+            env[self.output] = outs["out"]
         if "saved" in outs:
-            state.env[self.saved] = outs["saved"]
+            env[self.saved] = outs["saved"]
 
 
 def _quantized(op, outs: dict, ctx: RunContext):
@@ -268,6 +291,9 @@ def _fp8_block_quantized(outs: dict, M: int, width: int, dtype: torch.dtype):
     return QuantizedTensor("fp8_block", outs["out"].view(torch.uint8), outs["out_scale"],
                            outs["out_amax"].view(torch.float32), (M, width), dtype)
 
+
+#: No keyword arguments (read only: passed as **_NO_ARGS)
+_NO_ARGS: dict = {}
 
 #: Tests set it: fill kernel outputs with NaN before each launch, so an unwritten element shows up.
 POISON = {"on": False}
@@ -298,7 +324,7 @@ class _DeviceMethodStep:
         self.tile_counter = bool(getattr(self.device, "TILE_COUNTER", False))
 
     def _counter(self, state: RunState) -> dict:
-        return {"counter": state.counter_ptr(self.slot)} if self.tile_counter else {}
+        return {"counter": state.counter_ptr(self.slot)} if self.tile_counter else _NO_ARGS
 
 
 class OpForward(_DeviceMethodStep):
@@ -310,15 +336,16 @@ class OpForward(_DeviceMethodStep):
     def __init__(self, seq, step, device_kernels: bool = False):
         (self.index,) = step.ops
         self.op = seq[self.index]
+        self.input, self.output = v(self.index), v(self.index + 1)
         self.device = _device_method(self.op, "forward", device_kernels)
         self._claim_counter()
 
     def run(self, state: RunState, train: bool) -> None:
-        x = state.env[v(self.index)]
+        x = state.env[self.input]
         if self.device is not None and self.device.takes(self.op, x):
-            state.env[v(self.index + 1)] = self.device.run(self.op, x, state.ctx, **self._counter(state))
+            state.env[self.output] = self.device.run(self.op, x, state.ctx, **self._counter(state))
             return
-        state.env[v(self.index + 1)] = self.op.reference(x, state.ctx)
+        state.env[self.output] = self.op.reference(x, state.ctx)
 
 
 class GemmForward(OpForward):
@@ -337,9 +364,7 @@ class GemmForward(OpForward):
                 and getattr(op, "weight_format", "bf16") == "bf16")
 
     def run(self, state: RunState, train: bool) -> None:
-        from fusion.grouped import grouped_matmul, grouped_mm_method
-
-        x = state.env[v(self.index)]
+        x = state.env[self.input]
         w = weight_of(self.op)  # read, never differentiated here: the program is the autograd node (no detach op)
         if type(x) is not torch.Tensor:
             return super().run(state, train)  # a QuantizedTensor: the reference dequantizes it
@@ -357,7 +382,7 @@ class GemmForward(OpForward):
                 y = torch._grouped_mm(x, w.transpose(-2, -1), offs=state.ctx.offsets)
             else:
                 y = grouped_matmul(x, w, state.ctx.group_sizes, state.ctx.offsets, method)
-        state.env[v(self.index + 1)] = y
+        state.env[self.output] = y
 
 
 # -- backward --------------------------------------------------------------------------------------------------------
@@ -393,6 +418,9 @@ class FusedDgrad(_KernelStep):
         self._quantized_format = "fp8_block" if self.quantized_dinput else None
         self._slots = self.spec.backward_slots(self.postact, self._quantized_format)
         self._biases = [op for op in self.elementwise if op.spec.name == "Bias"]  # (op.spec costs us per call)
+        # (partials' kernel name, the scale input's name) of each scale gradient the kernel's row sums make
+        self._scale_grads = tuple((slot.kernel_name, slot.name) for slot in self._slots[1]
+                                  if isinstance(slot, slots.DScale))
 
     def weight_shape(self) -> tuple[int, int, int]:
         """(G, N, K) of the dgrad GEMM: N = the GEMM's in_features, K = its out_features."""
@@ -437,21 +465,40 @@ class FusedDgrad(_KernelStep):
                                            and tokens.dim() == 2 and gather_dy(G, key[0], N))
         return hit
 
-    def run(self, state: RunState) -> None:
-        from fusion.quant import dequantize
+    def _allocate(self, M: int, dtype: torch.dtype, device) -> dict:
+        """This call's output tensors by kernel name: the input gradient (and its FP8 copy), the row-sum partials of a
+        scale's gradient (float32; float64 under emulation in float64), the recomputed post-activation value."""
+        spec = self.spec
+        outs = {}
+        for slot in self._slots[1]:
+            if isinstance(slot, slots.DScale):   # float32 row-sum partials (kernels.epilogue.RowSumOutput)
+                partial_dtype = torch.float64 if dtype == torch.float64 else torch.float32   # (emulate: float64)
+                outs[slot.kernel_name] = torch.empty(M, slot.parts(spec.out_features), dtype=partial_dtype,
+                                                     device=device)
+            elif isinstance(slot, slots.QuantizedDInput):   # codes, k-block-major scales, the amax's zeroed int32
+                from fusion.kernels.api import fp8_block_outputs
+                from fusion.kernels.epilogue import FP8BlockOutput
 
+                outs.update(fp8_block_outputs(FP8BlockOutput(slot.kernel_name, slot.paired), M, spec.in_features,
+                                              device))
+            else:
+                width = spec.in_features if isinstance(slot, slots.DInput) else spec.out_features
+                outs[slot.kernel_name] = torch.empty(M, width, dtype=dtype, device=device)
+        return outs
+
+    def run(self, state: RunState) -> None:
         ctx = state.ctx
         index = gather_index(ctx) if state.dy_through_index and self.dy_tokens is not None else None
-        dy = dequantize(state.env[self.grad_in if index is None else self.dy_tokens])
+        dy = state.env[self.grad_in if index is None else self.dy_tokens]
+        if type(dy) is not torch.Tensor:
+            dy = dequantize(dy)
         dy = dy if dy.is_contiguous() else dy.contiguous()
         kernel = self.kernel(dy.dtype, "backward" if index is None else "backward_gather")
-        spec = self.spec
         weight = weight_of(self.gemm)
         G = weight.shape[0] if weight.dim() == 3 else 1
         M = dy.shape[0] if index is None else index.numel()
-        in_slots, out_slots = self._slots
         tensors = {}
-        for slot in in_slots:
+        for slot in self._slots[0]:
             if isinstance(slot, slots.SavedIn):
                 tensors["saved"] = state.env[self.saved]
             elif isinstance(slot, slots.GroupBias):
@@ -459,44 +506,29 @@ class FusedDgrad(_KernelStep):
                 tensors[slot.kernel_name] = shared(self.elementwise[slot.position].bias, G)
             else:
                 tensors[slot.kernel_name] = ctx.extra[slot.name]
-        outs = {}
-        for slot in out_slots:
-            if isinstance(slot, slots.DScale):   # float32 row-sum partials (kernels.epilogue.RowSumOutput)
-                partial_dtype = torch.float64 if dy.dtype == torch.float64 else torch.float32   # (emulate: float64)
-                outs[slot.kernel_name] = torch.empty(M, slot.parts(spec.out_features), dtype=partial_dtype,
-                                                     device=dy.device)
-                continue
-            if isinstance(slot, slots.QuantizedDInput):   # codes, k-block-major scales, the amax's zeroed int32
-                from fusion.kernels.api import fp8_block_outputs
-                from fusion.kernels.epilogue import FP8BlockOutput
-
-                outs.update(fp8_block_outputs(FP8BlockOutput(slot.kernel_name, slot.paired), M, spec.in_features,
-                                              dy.device))
-                continue
-            width = spec.in_features if isinstance(slot, slots.DInput) else spec.out_features
-            outs[slot.kernel_name] = torch.empty(M, width, dtype=dy.dtype, device=dy.device)
-        _poison(outs)
+        outs = self._allocate(M, dy.dtype, dy.device)
+        if POISON["on"]:
+            _poison(outs)
         tensors.update(outs)
         if self.fp8:
             a, b = fp8_gemm.operand(dy), fp8_gemm.weight_operand(self.gemm, transposed=True)
         else:
             a, b = dy, _weight_as_b(weight)
         kernel.run(a, b, state.ctx.counters, tensors, state.counter_ptr(self.slot), index=index)
+        env = state.env
         dinput = outs["dinput"]
-        state.env[f"g{self.first}"] = dinput
+        env[f"g{self.first}"] = dinput
         if self.quantized_dinput is not None:
             from fusion.runtime.kernel import BlockScaled
 
-            state.env[self.quantized_dinput] = BlockScaled(outs["dinput_q"].view(torch.uint8), outs["dinput_q_scale"])
-        for slot in out_slots:
-            if isinstance(slot, slots.DScale):
-                # the kernel's float32 partial row sums, added in a fixed order, then cast to the scale's dtype
-                partials = outs[slot.kernel_name]
-                state.add(state.extra_grads, slot.name, partials.sum(-1).to(ctx.extra[slot.name].dtype))
+            env[self.quantized_dinput] = BlockScaled(outs["dinput_q"].view(torch.uint8), outs["dinput_q_scale"])
+        for kernel_name, name in self._scale_grads:
+            # the kernel's float32 partial row sums, added in a fixed order, then cast to the scale's dtype
+            state.add(state.extra_grads, name, outs[kernel_name].sum(-1).to(ctx.extra[name].dtype))
         for op in self._biases:  # first in the chain: d bias = d(chain input) summed per group
             state.add(state.param_grads, id(op.bias), segment_sum(dinput, state.bounds, op.num_groups is not None))
         if self.postact:
-            state.env[v(self.j)] = outs["postact"]
+            env[v(self.j)] = outs["postact"]
 
 
 class GemmDgrad(_DeviceMethodStep):
@@ -526,12 +558,12 @@ class GemmDgrad(_DeviceMethodStep):
         return self.device is fp8_gemm and self.quantized_in is None
 
     def run(self, state: RunState) -> None:
-        from fusion.quant import dequantize
-
         ctx, op = state.ctx, self.op
-        dy = dequantize(state.env[self.grad_in])
+        dy = state.env[self.grad_in]
+        if type(dy) is not torch.Tensor:
+            dy = dequantize(dy)
         dy = dy if dy.is_contiguous() else dy.contiguous()
-        quantized = {} if self.quantized_in is None else {"quantized": state.env[self.quantized_in]}
+        quantized = _NO_ARGS if self.quantized_in is None else {"quantized": state.env[self.quantized_in]}
         if self.takes is not None and self.takes(op, dy):
             if self.feeds_wgrad and fp8_gemm.quantizes_for_wgrad(op, state.env.get(v(self.index)), dy, ctx):
                 # both GEMMs' FP8 copies of dY now; the weight gradient's slot copy takes dY's place, so dY itself
@@ -617,8 +649,6 @@ class GemmWgrad:
         return hit
 
     def run(self, state: RunState) -> None:
-        from fusion.quant import dequantize
-
         ctx, op = state.ctx, self.op
         if isinstance(state.env.get(self.grad_in), fp8_gemm.SlotGradient):
             # the FP8 dgrad before quantized dY for this weight gradient (GemmDgrad.feeds_wgrad): only its slot copy

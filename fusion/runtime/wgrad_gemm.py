@@ -23,7 +23,8 @@ import torch
 
 from fusion.kernels.tile_policy import (WGRAD_GATHER_ROWS, choose_wgrad_config, gather_dy, gather_in_wgrad,
                                         wgrad_configs)
-from fusion.op_table import gemm_refusal
+from fusion.op_table import dtype_name, gemm_refusal
+from fusion.quant import dequantize
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
 from fusion.targets import cuda_major
@@ -31,7 +32,9 @@ from fusion.targets import cuda_major
 #: The kernel's static schedule reads no tile counter.
 TILE_COUNTER = False
 
-_COMPILED: dict = {}
+#: Bound launches (kernels.wgrad_api.BoundVarlenK) per call shape; at most MAX_BOUND_SHAPES, then they start again.
+_BOUND: dict = {}
+MAX_BOUND_SHAPES = 256
 
 
 def takes(op, x) -> bool:
@@ -39,12 +42,12 @@ def takes(op, x) -> bool:
     dtype (or a QuantizedTensor of one: it reads the dequantized values, as torch's path does) on a Hopper GPU, a
     GroupLinear (a bias gradient is the wgrad step's per-group sum either way), widths the kernel's 16-byte rows
     take (multiples of 8)."""
-    if not x.is_cuda or x.dim() != 2 or op.weight.dtype != x.dtype:
+    if not x.is_cuda or x.dim() != 2 or op._parameters["weight"].dtype != x.dtype:
         return False
-    if cuda_major(x.device) != 9:
+    if cuda_major(x.get_device()) != 9:
         return False
     # the limits the plan states (fusion.op_table.DEVICE_METHOD_LIMITS), so explain() says what runs
-    return gemm_refusal(op, str(x.dtype).removeprefix("torch.")) is None
+    return gemm_refusal(op, dtype_name(x.dtype)) is None
 
 
 def _job(op, dtype: torch.dtype, config):
@@ -101,23 +104,27 @@ def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext, index: torch.T
     group (the routed row count is known on the host; the group sizes are not read). With `index` (int32, one
     token row per routed row: fusion/runtime/gather.py `gather_index`) x is the (T, in) token matrix, read through
     it; with `dy_index` (the same index) dY is the (T, out) tokens' gradient, read through it."""
-    from fusion.kernels.wgrad_api import run_varlen_k_gemm
-    from fusion.quant import dequantize
-
     routing = index if index is not None else dy_index
-    rows = dy.shape[0] if routing is None else routing.numel()
-    # kept per row count: the tile policy (about 5 µs) runs once per (shape, dtype, rows), not per call; the kernel
-    # of a tile is loaded once (load_compiled keeps it by its key)
-    key = (tuple(op.weight.shape), x.dtype, rows, index is not None, dy_index is not None)
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        from fusion.runtime.compile import load_compiled
-
-        config = _config(op, rows, index is not None, dy_index is not None)
-        compiled = _COMPILED[key] = load_compiled(_job(op, x.dtype, config))
     x = dequantize(x)
     x = x if x.is_contiguous() else x.contiguous()
     dy = dy if dy.is_contiguous() else dy.contiguous()
-    dw = torch.empty(op.weight.shape, dtype=x.dtype, device=x.device)
-    run_varlen_k_gemm(compiled, dy, x, row_bounds(op, rows, ctx, x.device), dw, index=routing)
+    weight = op._parameters["weight"]
+    dw = torch.empty(weight.shape, dtype=x.dtype, device=x.device)
+    rows = dy.shape[0] if routing is None else routing.numel()
+    bounds = row_bounds(op, rows, ctx, x.device)
+    # the launch bound per call shape: the tile policy (about 5 µs) and the launch's checks run once per (shape,
+    # dtype, rows, device), not per call; the kernel of a tile is loaded once (load_compiled keeps it by its key)
+    key = (weight.shape, x.dtype, rows, x.shape[0], dy.shape[0], index is not None, dy_index is not None,
+           x.get_device())
+    bound = _BOUND.get(key)
+    if bound is None:
+        from fusion.kernels.wgrad_api import bind_varlen_k_gemm
+        from fusion.runtime.compile import load_compiled
+
+        config = _config(op, rows, index is not None, dy_index is not None)
+        if len(_BOUND) >= MAX_BOUND_SHAPES:   # rows that change every call: keep the newest shapes only
+            _BOUND.clear()
+        bound = _BOUND[key] = bind_varlen_k_gemm(load_compiled(_job(op, x.dtype, config)), dy, x, bounds, dw,
+                                                 index=routing)
+    bound(dy, x, bounds, dw, routing)
     return dw
