@@ -430,7 +430,9 @@ class BoundGemm:
         a_ptr, b_ptr = A.data_ptr(), B.data_ptr()
         if ((a_ptr | b_ptr) & 15 or A.shape != self.a_shape or B.shape != self.b_shape or not A.is_contiguous()
                 or not B.is_contiguous() or offsets.numel() < self.min_offsets):
-            _check_operands(self.compiled, A, B, offsets)   # raises, naming the problem
+            _check_operands(self.compiled, A, B, offsets, index)   # raises, naming the problem
+            raise ShapeError(f"grouped GEMM {self.compiled.name}: bound at A {tuple(self.a_shape)}, B "
+                             f"{tuple(self.b_shape)}, got A {tuple(A.shape)}: bind the kernel at this call's shapes")
         if self.gather:
             if index is None or index.dtype != torch.int32 or not index.is_contiguous() or index.numel() != self.M:
                 _gather_index(self.compiled, A, index)   # raises on a missing or bad index
@@ -454,7 +456,7 @@ class BoundGemm:
             counter = torch.zeros(1, dtype=torch.int32, device=A.device) if self.dynamic else offsets
             counter_ptr = counter.data_ptr()
         self.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, idx_ptr, tuple(ptrs), self.M, self.T,
-                    self.num_ctas, current_stream(A.device))
+                    self.num_ctas, _raw_stream(A.get_device()))
         del counter   # (a fresh counter is freed stream-ordered, after the launch)
 
 
@@ -533,6 +535,11 @@ def launch_grid(compiled, M: int, dev, offsets, num_ctas=None, counter_ptr=None)
         counter = torch.zeros(1, dtype=torch.int32, device=dev) if cfg.dynamic else offsets
         counter_ptr = counter.data_ptr()
     return num_ctas, counter_ptr, counter
+
+
+#: torch's current raw stream of a device index (a bound launch passes A.get_device(): no torch.device object);
+#: absent from a CPU-only torch, where nothing launches
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def current_stream(dev) -> int:

@@ -19,7 +19,7 @@ from cutlass.cute.runtime import make_ptr
 
 from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
 
-from .api import _TORCH_DT, CompiledArtifact, compile_kernel, _dtype_name, _fake_ptr, _num_sms, current_stream
+from .api import _TORCH_DT, CompiledArtifact, compile_kernel, _dtype_name, _fake_ptr, _num_sms, _raw_stream
 from .tile_policy import WgradConfig, _max_stages, choose_wgrad_config
 from .varlen_k_gemm import VarlenKGemmKernel
 
@@ -144,21 +144,22 @@ class BoundVarlenK:
                 or A.dtype != self.dtype or B.dtype != self.dtype or out.dtype != self.out_dtype
                 or not (A.is_contiguous() and B.is_contiguous() and out.is_contiguous())
                 or offsets.dtype != torch.int32 or offsets.numel() <= self.compiled.G):
-            bind_varlen_k_gemm(self.compiled, A, B, offsets, out, index)   # raises, naming the problem
+            bind_varlen_k_gemm(self.compiled, A, B, offsets, out, index, self.num_ctas)   # raises, naming the problem
             raise ShapeError(f"{self.compiled.name}: bound at A {tuple(self.a_shape)}, B {tuple(self.b_shape)}: bind "
                              f"the kernel at this call's shapes")
         if self.gathers:
             if (index is None or index.dtype != torch.int32 or not index.is_contiguous()
                     or index.numel() != self.M):
-                bind_varlen_k_gemm(self.compiled, A, B, offsets, out, index)   # raises on a bad index
+                bind_varlen_k_gemm(self.compiled, A, B, offsets, out, index, self.num_ctas)   # raises on a bad index
                 raise ShapeError(f"{self.compiled.name}: bound at {self.M} routed rows: bind it at this call's")
             idx_ptr = index.data_ptr()
         elif index is not None:
-            bind_varlen_k_gemm(self.compiled, A, B, offsets, out, index)   # raises: the kernel reads rows in order
+            # raises: the kernel reads the rows in order
+            bind_varlen_k_gemm(self.compiled, A, B, offsets, out, index, self.num_ctas)
         else:
             idx_ptr = offsets.data_ptr()  # (never read)
         self.launch(a_ptr, b_ptr, offsets.data_ptr(), idx_ptr, out.data_ptr(), self.M, self.a_shape[0],
-                    self.b_shape[0], self.num_ctas, current_stream(A.device))
+                    self.b_shape[0], self.num_ctas, _raw_stream(A.get_device()))
 
 
 def bind_varlen_k_gemm(compiled: CompiledVarlenKGemm, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,

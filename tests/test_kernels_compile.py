@@ -247,3 +247,26 @@ def test_run_checks_b_shape_for_its_major_mode():
     comp_k = _compile("plain")                                  # K-major: B must be (G, N, K)
     with pytest.raises(ShapeError, match=r"\(8, 1024, 512\)"):
         K.run_grouped_gemm(comp_k, A, torch.zeros(G_, K_, N_, dtype=torch.bfloat16), offs, {})
+
+
+def test_a_bound_launch_checks_every_call_before_it_launches():
+    """kernels.api.BoundGemm (what the runtime keeps per kernel and call shape): bound once at A's and B's shapes,
+    each call still refuses, before any launch (no GPU needed), an A of other rows than it was bound at, a
+    non-contiguous A or epilogue tensor, and too few offsets; bind_grouped_gemm itself checks B's shape."""
+    comp = _compile("plain")
+    bf16 = torch.bfloat16
+    A, B = torch.zeros(4, K_, dtype=bf16), torch.zeros(G_, N_, K_, dtype=bf16)
+    offs = torch.zeros(G_ + 1, dtype=torch.int32)
+    bound = K.bind_grouped_gemm(comp, A, B, offs, num_ctas=8)
+    assert (bound.M, bound.T, bound.num_ctas, bound.names) == (4, 4, 8, ("out",))
+    out = {"out": torch.zeros(4, N_, dtype=bf16)}
+    with pytest.raises(ShapeError, match="bound at A"):
+        bound(torch.zeros(5, K_, dtype=bf16), B, offs, out)
+    with pytest.raises(ShapeError, match="contiguous"):
+        bound(torch.zeros(K_, 4, dtype=bf16).t(), B, offs, out)
+    with pytest.raises(ShapeError, match="G\\+1"):
+        bound(A, B, offs[:G_], out)
+    with pytest.raises(ShapeError, match="'out' must be contiguous"):
+        bound(A, B, offs, {"out": torch.zeros(4, 2 * N_, dtype=bf16)[:, ::2]})
+    with pytest.raises(ShapeError, match=r"\(8, 1024, 512\)"):
+        K.bind_grouped_gemm(comp, A, torch.zeros(G_, K_, N_, dtype=bf16), offs, num_ctas=8)

@@ -272,3 +272,27 @@ def test_fc2_weight_gradient_reads_dy_through_the_index_at_many_rows_per_group(m
     assert loaded[0].key in {j.key for j in jobs}              # the kernel it launches is one compile() builds
     assert not [j for j in wgrad_gemm.kernel_jobs(op, "wgrad", torch.bfloat16) if WgradConfig(*j.config).gather_a]
     wgrad_gemm._BOUND.clear()
+
+
+def test_a_bound_weight_gradient_launch_checks_every_call_before_it_launches():
+    """kernels.wgrad_api.BoundVarlenK (what the runtime keeps per call shape): each call refuses, before any launch
+    (no GPU needed), operands of other rows than it was bound at, a dtype it was not built for and a non-contiguous
+    operand, naming the problem."""
+    import torch
+
+    from fusion.errors import DTypeError, ShapeError
+    from fusion.kernels.wgrad_api import bind_varlen_k_gemm
+
+    G, Ma, Nb, M = 4, 256, 512, 64
+    comp = _compile(WgradConfig(), Ma, Nb, G)
+    bf16 = torch.bfloat16
+    dy, x = torch.zeros(M, Ma, dtype=bf16), torch.zeros(M, Nb, dtype=bf16)
+    out, offs = torch.zeros(G, Ma, Nb, dtype=bf16), torch.zeros(G + 1, dtype=torch.int32)
+    bound = bind_varlen_k_gemm(comp, dy, x, offs, out, num_ctas=8)
+    assert (bound.M, bound.num_ctas) == (M, 8)
+    with pytest.raises(ShapeError, match="bound at"):
+        bound(torch.zeros(M + 8, Ma, dtype=bf16), torch.zeros(M + 8, Nb, dtype=bf16), offs, out)
+    with pytest.raises(DTypeError, match="bfloat16"):
+        bound(dy, x.half(), offs, out)
+    with pytest.raises(ShapeError, match="contiguous"):
+        bound(dy, torch.zeros(Nb, M, dtype=bf16).t(), offs, out)

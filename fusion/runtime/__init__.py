@@ -69,6 +69,9 @@ class BlockRunner:
                 prologue = RoutedPrologue(seq.inputs.num_groups[0])
                 self.device_checked = True
             self.program = BlockProgram(seq, self.plan, backend, prologue)
+            from fusion.runtime.autograd import run_program
+
+            self._run_program = run_program   # (imported here once, not per call)
         # The sum check reads the sizes on the host: free on the CPU, asked for by backend="reference"; on a
         # GPU it is an asynchronous device assert, so a whole forward can be captured in a CUDA graph.
         self.check_sum = x.device.type == "cpu" or seq.backend == "reference"
@@ -115,9 +118,7 @@ class BlockRunner:
             for op in self.seq.ops:
                 x = op.reference(x, ctx)
             return x
-        from fusion.runtime.autograd import run_program
-
-        return run_program(self, x, ctx)
+        return self._run_program(self, x, ctx)
 
 
 def _has_device_method(seq) -> bool:

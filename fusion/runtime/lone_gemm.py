@@ -226,18 +226,33 @@ def takes_dgrad(op, dy) -> bool:
 
 def _takes(op, x, part: str) -> bool:
     """A plain CUDA bf16/fp16 tensor of the weight's dtype on a Hopper GPU, a GroupLinear without bias, widths of
-    16-byte rows, and the measured rule for `part` (:func:`chooses_kernel`). (Runs on every call: the weight is read
-    from the parameter table and the device by index, each a microsecond less than the attribute.)"""
-    if type(x) is not torch.Tensor or not x.is_cuda or x.dim() != 2:
+    16-byte rows, and the measured rule for `part` (:func:`chooses_kernel`). Runs on every call, so the answer is
+    kept per (weight, input shape and dtype, device, part, and the rule's switches): asking the rule again costs
+    several microseconds of host time."""
+    if type(x) is not torch.Tensor or not x.is_cuda:
         return False
     weight = op._parameters["weight"]
-    if weight.dim() != 3 or weight.dtype != x.dtype or getattr(op, "bias", None) is not None:
+    key = (weight.shape, weight.dtype, x.shape, x.dtype, x.get_device(), part, type(op),
+           getattr(op, "bias", None) is None, ENABLED, WIDE_TILE, OUTPUT_BUDGET, DENSE_DGRAD, tile_policy.DYNAMIC_PAIRS,
+           tile_policy.DYNAMIC_PAIRS_MAX_GROUPS)
+    hit = _TAKES.get(key)
+    if hit is None:
+        if len(_TAKES) >= MAX_BOUND_SHAPES:
+            _TAKES.clear()
+        hit = _TAKES[key] = _rule_takes(op, x, weight, part)
+    return hit
+
+
+def _rule_takes(op, x, weight, part: str) -> bool:
+    if x.dim() != 2 or weight.dim() != 3 or weight.dtype != x.dtype or getattr(op, "bias", None) is not None:
         return False
     if cuda_major(x.get_device()) != 9 or gemm_refusal(op, dtype_name(x.dtype)) is not None:
         return False
     return chooses_kernel(x.shape[0], weight.shape[0], *_widths(op, part), part)
 
 
+#: `_takes`'s answers by call shape and switches (at most MAX_BOUND_SHAPES, then they start again)
+_TAKES: dict = {}
 
 
 def _job(op, part: str, dtype: torch.dtype):

@@ -106,6 +106,12 @@ class BlockProgram:
         also = {} if self.combine_copy is None else {n: (self.backward_steps[n].dy_tokens,)
                                                        for n in self.combine_copy[1]}
         self.release = _last_reads(plan.backward, {out_grad(plan.ops, -1)}, self.recompute_bases, also)
+        # per backward step, what each call reads of it: (step, runner, a weight gradient?, the recomputed values it
+        # reads, the values dropped after it)
+        self._backward_table = [
+            (step, runner, isinstance(runner, S.GemmWgrad),
+             tuple(name for name in step.reads if name in plan.recomputed), release)
+            for step, runner, release in zip(plan.backward, self.backward_steps, self.release)]
         self.forward_kernels = _number_slots(self.forward_steps)
         self.backward_kernels = _number_slots(self.backward_steps)
         self.counters = self.forward_kernels + self.backward_kernels
@@ -227,9 +233,8 @@ class BlockProgram:
         if dy is not None and not dy.is_contiguous():
             values[self.output_grad] = dy.contiguous()
         del dy
-        device = next(t for t in values.values() if isinstance(t, torch.Tensor)).device
         if ctx.counters is None:
-            self._bounds(ctx, rows, device)
+            self._bounds(ctx, rows, next(t for t in values.values() if isinstance(t, torch.Tensor)).device)
         state = S.RunState(ctx=ctx, rows=rows, counter_base=self.forward_kernels)
         if ctx.backward_counters_used:  # a second backward through the same graph (retain_graph): zero them again
             ctx.counters.narrow(0, ctx.groups + 1 + self.forward_kernels, self.backward_kernels).zero_()
@@ -237,21 +242,21 @@ class BlockProgram:
         state.env.update(values)
         values.clear()
         need_x = bool(needs[0])
-        recomputed = set(self.plan.recomputed)
         skip = self._skipped_copy(state, need_x)
         state.dy_through_index = skip is not None
+        env = state.env
         for n in range(start, stop):
-            step, runner = self.plan.backward[n], self.backward_steps[n]
-            if self._wanted(step, runner, need_x) and n != skip:
+            step, runner, is_wgrad, recomputed_reads, release = self._backward_table[n]
+            if n != skip and self._wanted(step, runner, need_x):
                 # (a weight gradient that reads the tokens through the routing index needs no regathered copy, a
                 # bias gradient alone no input)
-                if not isinstance(runner, S.GemmWgrad) or runner.reads_input(state):
-                    for name in step.reads:
-                        if name in recomputed and name not in state.env:
+                if recomputed_reads and (not is_wgrad or runner.reads_input(state)):
+                    for name in recomputed_reads:
+                        if name not in env:
                             self._recompute(state, name)
                 runner.run(state)
-            for name in self.release[n]:  # free each value after its last reader, as autograd would between nodes
-                state.env.pop(name, None)
+            for name in release:  # free each value after its last reader, as autograd would between nodes
+                env.pop(name, None)
         return state
 
     def gradients(self, state, needs: tuple):
@@ -277,8 +282,9 @@ class BlockProgram:
         whose parameters need none."""
         if isinstance(runner, S.GemmWgrad):
             op = runner.op
-            return op.weight.requires_grad or (op.bias is not None and op.bias.requires_grad)
-        if step.writes[:1] == (self.input_grad,) and not need_x:
+            bias = op.bias
+            return op._parameters["weight"].requires_grad or (bias is not None and bias.requires_grad)
+        if not need_x and step.writes[:1] == (self.input_grad,):
             if isinstance(runner, S.OpBackward):
                 op = runner.op
                 if op.input_grad is not None:  # its only gradient is the input's
