@@ -600,6 +600,7 @@ class GemmWgrad:
     def __init__(self, seq, step, plan, device_kernels: bool = False):
         (self.index,) = step.ops
         self.op = seq[self.index]
+        self.input = v(self.index)
         self.grad_in = out_grad(plan.ops, self.index)
         self.fp8 = _is_fp8(self.op)
         self.device = _device_method(self.op, "wgrad", device_kernels)
@@ -652,18 +653,21 @@ class GemmWgrad:
         ctx, op = state.ctx, self.op
         if isinstance(state.env.get(self.grad_in), fp8_gemm.SlotGradient):
             # the FP8 dgrad before quantized dY for this weight gradient (GemmDgrad.feeds_wgrad): only its slot copy
-            dw = self.device.wgrad(op, state.env[v(self.index)], state.env[self.grad_in], ctx)
+            dw = self.device.wgrad(op, state.env[self.input], state.env[self.grad_in], ctx)
             state.add(state.param_grads, id(op.weight), dw)
             return
         dy_index = gather_index(ctx) if state.dy_through_index and self.dy_tokens is not None else None
-        dy = dequantize(state.env[self.grad_in if dy_index is None else self.dy_tokens]).contiguous()
+        dy = state.env[self.grad_in if dy_index is None else self.dy_tokens]
+        if type(dy) is not torch.Tensor:
+            dy = dequantize(dy)
+        dy = dy if dy.is_contiguous() else dy.contiguous()
         weight, bias = weight_of(op), op.bias
         # the program skipped the gathered rows' recompute because `gathers` said so (asked once per call)
-        if weight.requires_grad and self.tokens is not None and v(self.index) not in state.env:
+        if weight.requires_grad and self.tokens is not None and self.input not in state.env:
             dw = self.device.wgrad(op, state.env[self.tokens], dy, ctx, index=gather_index(ctx))
             state.add(state.param_grads, id(weight), dw)
         elif weight.requires_grad:
-            x = state.env[v(self.index)]
+            x = state.env[self.input]
             if dy_index is not None:   # `gathers_dy` said so for this call
                 dw = self.device.wgrad(op, x, dy, ctx, dy_index=dy_index)
             elif self.device is not None and self.device.takes(op, x):

@@ -105,7 +105,8 @@ def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext, index: torch.T
     token row per routed row: fusion/runtime/gather.py `gather_index`) x is the (T, in) token matrix, read through
     it; with `dy_index` (the same index) dY is the (T, out) tokens' gradient, read through it."""
     routing = index if index is not None else dy_index
-    x = dequantize(x)
+    if type(x) is not torch.Tensor:
+        x = dequantize(x)
     x = x if x.is_contiguous() else x.contiguous()
     dy = dy if dy.is_contiguous() else dy.contiguous()
     weight = op._parameters["weight"]
