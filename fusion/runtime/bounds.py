@@ -69,14 +69,19 @@ class RoutedPrologue:
 
     def __init__(self, groups: int):
         self.groups = groups
+        self._compiled: dict = {}   # per (sizes dtype, index dtype): the kernel, looked up once, not per call
 
     def __call__(self, ctx, rows: int, device: torch.device, counters: int) -> torch.Tensor:
-        from fusion.kernels.bounds import compile_routed_bounds
-
         sizes, index = ctx.routed_group_sizes, ctx.index   # rows >= 1: BlockInputs.context checks an empty call
         buffer = torch.empty(self.groups + 1 + counters, dtype=torch.int32, device=device)
         index32 = torch.empty(rows, dtype=torch.int32, device=device)
-        compiled = compile_routed_bounds(self.groups, _SIZE_DTYPES[sizes.dtype], _SIZE_DTYPES[index.dtype])
+        key = (sizes.dtype, index.dtype)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            from fusion.kernels.bounds import compile_routed_bounds
+
+            compiled = self._compiled[key] = compile_routed_bounds(self.groups, _SIZE_DTYPES[sizes.dtype],
+                                                                   _SIZE_DTYPES[index.dtype])
         compiled.launch(sizes.data_ptr(), index.data_ptr(), buffer.data_ptr(), index32.data_ptr(), rows, ctx.tokens,
                         counters, torch._C._cuda_getCurrentRawStream(device.index))
         ctx.derived["gather_index"] = index32
