@@ -37,6 +37,20 @@ def _library():
 _registry = None
 
 
+def _autograd():
+    """fusion.runtime.autograd, imported on first use (it imports the program's layers), then kept: this runs on
+    every call."""
+    global _autograd_module
+    if _autograd_module is None:
+        from fusion.runtime import autograd as _loaded
+
+        _autograd_module = _loaded
+    return _autograd_module
+
+
+_autograd_module = None
+
+
 class BlockRunner:
     """A block's plan, program and checks for one (device, dtype, backend)."""
 
@@ -69,9 +83,6 @@ class BlockRunner:
                 prologue = RoutedPrologue(seq.inputs.num_groups[0])
                 self.device_checked = True
             self.program = BlockProgram(seq, self.plan, backend, prologue)
-            from fusion.runtime.autograd import run_program
-
-            self._run_program = run_program   # (imported here once, not per call)
         # The sum check reads the sizes on the host: free on the CPU, asked for by backend="reference"; on a
         # GPU it is an asynchronous device assert, so a whole forward can be captured in a CUDA graph.
         self.check_sum = x.device.type == "cpu" or seq.backend == "reference"
@@ -118,7 +129,7 @@ class BlockRunner:
             for op in self.seq.ops:
                 x = op.reference(x, ctx)
             return x
-        return self._run_program(self, x, ctx)
+        return _autograd().run_program(self, x, ctx)
 
 
 def _has_device_method(seq) -> bool:
