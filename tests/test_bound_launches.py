@@ -45,7 +45,7 @@ def test_a_fused_kernel_binds_once_per_row_count(bindings, monkeypatch):
     index = torch.zeros(24, dtype=torch.int32)            # a gathering launch: keyed by the routed rows too
     kernel.run(torch.zeros(16, 128, dtype=BF16), B, bounds, {}, index=index)
     assert binds[-1][1:] == (16, 24)
-    monkeypatch.setattr(KR, "MAX_BOUND_SHAPES", 2)
+    kernel._bound.limit = 2
     for rows in (48, 64, 80):
         kernel.run(torch.zeros(rows, 128, dtype=BF16), B, bounds, {})
     assert len(kernel._bound) <= 2                        # rows that never repeat: the cache starts again
@@ -53,7 +53,7 @@ def test_a_fused_kernel_binds_once_per_row_count(bindings, monkeypatch):
 
 def test_a_lone_gemm_binds_once_per_call_shape_and_tile_switch(bindings, monkeypatch):
     binds, launches = bindings
-    monkeypatch.setattr(lone_gemm, "_BOUND", {})
+    monkeypatch.setattr(lone_gemm, "_BOUND", KR.ShapeCache(256))
     monkeypatch.setattr(lone_gemm, "_COMPILED", {})
     op = GroupLinear(4, 128, 256).to(BF16)
     for rows in (16, 32, 16):
@@ -78,7 +78,7 @@ def test_a_weight_gradient_binds_once_per_call_shape(monkeypatch):
 
     monkeypatch.setattr(C, "load_compiled", lambda job: job)
     monkeypatch.setattr(wapi, "bind_varlen_k_gemm", bind)
-    monkeypatch.setattr(wgrad_gemm, "_BOUND", {})
+    monkeypatch.setattr(wgrad_gemm, "_BOUND", KR.ShapeCache(256))
     op = GroupLinear(4, 128, 256).to(BF16)
     for rows in (16, 32, 16, 32):
         ctx = RunContext(group_sizes=torch.tensor([rows // 4] * 4))

@@ -151,9 +151,10 @@ def test_the_runtime_launches_the_tile_for_each_calls_rows(monkeypatch):
     from fusion.ops.base import RunContext
     from fusion.runtime import compile as C
     from fusion.runtime import wgrad_gemm
+    from fusion.runtime.kernel import ShapeCache
 
     loaded, launched = [], []
-    monkeypatch.setattr(wgrad_gemm, "_BOUND", {})
+    monkeypatch.setattr(wgrad_gemm, "_BOUND", ShapeCache(256))
     monkeypatch.setattr(C, "load_compiled", lambda job: loaded.append(job) or WgradConfig(*job.config))
     monkeypatch.setattr(api, "bind_varlen_k_gemm",
                         lambda compiled, dy, x, bounds, dw, index=None: lambda *a: launched.append(compiled))
@@ -185,6 +186,7 @@ def test_fc1_weight_gradient_gathers_its_tokens_at_many_rows_per_group(monkeypat
     from fusion.ops.base import RunContext
     from fusion.runtime import compile as C
     from fusion.runtime import wgrad_gemm
+    from fusion.runtime.kernel import ShapeCache
 
     G, rows = 64, 64 * WGRAD_GATHER_ROWS
     assert gather_in_wgrad(2048, G, rows) and not gather_in_wgrad(2048, G, rows - 1)
@@ -194,7 +196,7 @@ def test_fc1_weight_gradient_gathers_its_tokens_at_many_rows_per_group(monkeypat
     monkeypatch.setattr(tile_policy, "WGRAD_GATHER", True)
 
     launched, loaded = [], []
-    monkeypatch.setattr(wgrad_gemm, "_BOUND", {})
+    monkeypatch.setattr(wgrad_gemm, "_BOUND", ShapeCache(256))
     monkeypatch.setattr(C, "load_compiled", lambda job: loaded.append(job) or WgradConfig(*job.config))
     monkeypatch.setattr(api, "bind_varlen_k_gemm", lambda compiled, dy, x, bounds, dw, index=None:
                         lambda a, b, offs, out, index=None: launched.append((compiled, index)))
@@ -244,6 +246,7 @@ def test_fc2_weight_gradient_reads_dy_through_the_index_at_many_rows_per_group(m
     from fusion.ops.base import RunContext
     from fusion.runtime import compile as C
     from fusion.runtime import wgrad_gemm
+    from fusion.runtime.kernel import ShapeCache
 
     G = 16
     rows = G * WGRAD_GATHER_ROWS
@@ -258,7 +261,7 @@ def test_fc2_weight_gradient_reads_dy_through_the_index_at_many_rows_per_group(m
     monkeypatch.setattr(C, "load_compiled", lambda job: loaded.append(job) or job)
     monkeypatch.setattr(api, "bind_varlen_k_gemm", lambda comp, a, b, offs, out, index=None:
                         lambda a, b, offs, out, index=None: launched.append((WgradConfig(*comp.config), a.shape, index)))
-    wgrad_gemm._BOUND.clear()
+    monkeypatch.setattr(wgrad_gemm, "_BOUND", ShapeCache(256))   # (the stand-in bindings never outlive the test)
     op = GroupLinear(G, 256, 512).to(torch.bfloat16)            # FC2: f = 256 -> d = 512
     T = rows // 2
     dy_tokens = torch.empty(T, 512, dtype=torch.bfloat16)
@@ -271,7 +274,6 @@ def test_fc2_weight_gradient_reads_dy_through_the_index_at_many_rows_per_group(m
     jobs = wgrad_gemm.kernel_jobs(op, "wgrad", torch.bfloat16, dy_gathered=True)
     assert loaded[0].key in {j.key for j in jobs}              # the kernel it launches is one compile() builds
     assert not [j for j in wgrad_gemm.kernel_jobs(op, "wgrad", torch.bfloat16) if WgradConfig(*j.config).gather_a]
-    wgrad_gemm._BOUND.clear()
 
 
 def test_a_bound_weight_gradient_launch_checks_every_call_before_it_launches():

@@ -103,9 +103,21 @@ def make_wgrad_job(dtype: torch.dtype, out_features: int, in_features: int, G: i
                      mainloop="varlen_k")
 
 
-#: How many call shapes (row counts) a kernel keeps a bound launch for; past it the bindings start again (a binding
-#: costs what an unbound launch does, so rows that never repeat cost nothing extra).
-MAX_BOUND_SHAPES = 64
+class ShapeCache(dict):
+    """What the runtime works out once per call shape (bound launches, a rule's answer), at most `limit` shapes; past
+    that it starts again, so rows that change at every call cost a rebuild each (what a call cost before binding),
+    never memory without bound. A dict: the per-call lookup is `get`."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key, value):
+        """Store `value` under `key` (emptied first when full) and return it."""
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+        return value
 
 
 class CuteKernel:
@@ -125,7 +137,7 @@ class CuteKernel:
         self._by_rows: dict = {self._config: self.compiled}
         self._run = _kernels().run_grouped_gemm
         #: the bf16 kernel's launch bound per call shape (A's rows, the routed rows): kernels.api.BoundGemm
-        self._bound: dict = {}
+        self._bound = ShapeCache(64)
 
     def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None, index=None) -> None:
         """`counter_ptr`: a zeroed int32 for a dynamic schedule's tile counter (RunState.counter_ptr). `index`: a
@@ -141,9 +153,7 @@ class CuteKernel:
         if bound is None:
             if self.compiled is None:
                 self.compiled = self._tuned(A, B, bounds, tensors, index)
-            if len(self._bound) >= MAX_BOUND_SHAPES:   # rows that change every call: keep the newest shapes only
-                self._bound.clear()
-            bound = self._bound[key] = _kernels().bind_grouped_gemm(self.compiled, A, B, bounds, index)
+            bound = self._bound.keep(key, _kernels().bind_grouped_gemm(self.compiled, A, B, bounds, index))
         bound(A, B, bounds, tensors, counter_ptr, index)
         LAUNCHES.count(self.job)
 

@@ -114,6 +114,7 @@ from fusion.kernels.tile_policy import GemmConfig, dense_dgrad_tile, lone_tile
 from fusion.op_table import LONE_GEMM_RULE, dtype_name, gemm_refusal
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
+from fusion.runtime.kernel import ShapeCache
 from fusion.targets import cuda_major
 
 #: The kernel may run the dynamic schedule (kernels/tile_policy.py): the step passes a zeroed tile counter.
@@ -141,9 +142,8 @@ OUTPUT_BUDGET = os.environ.get("FUSION_LONE_GEMM_OUTPUTS", "1") != "0"
 WIDE_TILE = tile_policy.LONE_WIDE
 
 _COMPILED: dict = {}
-#: Bound launches (kernels.api.BoundGemm) per call shape; at most MAX_BOUND_SHAPES, then they start again.
-_BOUND: dict = {}
-MAX_BOUND_SHAPES = 256
+#: Bound launches (kernels.api.BoundGemm) per call shape
+_BOUND = ShapeCache(256)
 
 
 def chooses_kernel(rows: int, groups: int, n: int, k: int, part: str = "forward") -> bool:
@@ -237,9 +237,7 @@ def _takes(op, x, part: str) -> bool:
            tile_policy.DYNAMIC_PAIRS_MAX_GROUPS)
     hit = _TAKES.get(key)
     if hit is None:
-        if len(_TAKES) >= MAX_BOUND_SHAPES:
-            _TAKES.clear()
-        hit = _TAKES[key] = _rule_takes(op, x, weight, part)
+        hit = _TAKES.keep(key, _rule_takes(op, x, weight, part))
     return hit
 
 
@@ -251,8 +249,8 @@ def _rule_takes(op, x, weight, part: str) -> bool:
     return chooses_kernel(x.shape[0], weight.shape[0], *_widths(op, part), part)
 
 
-#: `_takes`'s answers by call shape and switches (at most MAX_BOUND_SHAPES, then they start again)
-_TAKES: dict = {}
+#: `_takes`'s answers by call shape and switches
+_TAKES = ShapeCache(256)
 
 
 def _job(op, part: str, dtype: torch.dtype):
@@ -318,9 +316,7 @@ def _gemm(op, part: str, a: torch.Tensor, n: int, ctx: RunContext, counter: int 
     if bound is None:
         from fusion.kernels.api import bind_grouped_gemm
 
-        if len(_BOUND) >= MAX_BOUND_SHAPES:   # rows that change every call: keep the newest shapes only
-            _BOUND.clear()
-        bound = _BOUND[key] = bind_grouped_gemm(_kernel(op, part, a.dtype), a, weight, bounds)
+        bound = _BOUND.keep(key, bind_grouped_gemm(_kernel(op, part, a.dtype), a, weight, bounds))
     bound(a, weight, bounds, {"out": out}, counter)
     return out
 

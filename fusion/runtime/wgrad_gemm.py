@@ -27,14 +27,14 @@ from fusion.op_table import dtype_name, gemm_refusal
 from fusion.quant import dequantize
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
+from fusion.runtime.kernel import ShapeCache
 from fusion.targets import cuda_major
 
 #: The kernel's static schedule reads no tile counter.
 TILE_COUNTER = False
 
-#: Bound launches (kernels.wgrad_api.BoundVarlenK) per call shape; at most MAX_BOUND_SHAPES, then they start again.
-_BOUND: dict = {}
-MAX_BOUND_SHAPES = 256
+#: Bound launches (kernels.wgrad_api.BoundVarlenK) per call shape
+_BOUND = ShapeCache(256)
 
 
 def takes(op, x) -> bool:
@@ -123,9 +123,7 @@ def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext, index: torch.T
         from fusion.runtime.compile import load_compiled
 
         config = _config(op, rows, index is not None, dy_index is not None)
-        if len(_BOUND) >= MAX_BOUND_SHAPES:   # rows that change every call: keep the newest shapes only
-            _BOUND.clear()
-        bound = _BOUND[key] = bind_varlen_k_gemm(load_compiled(_job(op, x.dtype, config)), dy, x, bounds, dw,
-                                                 index=routing)
+        bound = _BOUND.keep(key, bind_varlen_k_gemm(load_compiled(_job(op, x.dtype, config)), dy, x, bounds, dw,
+                                                    index=routing))
     bound(dy, x, bounds, dw, routing)
     return dw
