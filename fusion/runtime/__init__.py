@@ -12,6 +12,8 @@ import weakref
 import torch
 
 from fusion.errors import DeviceError, DTypeError, ShapeError
+from fusion.patterns import registry  # (both loaded by `import fusion` already: imported here, not on every call)
+from fusion.runtime import autograd
 
 #: Run-time objects per block, outside the module so copies and state_dicts never carry them.
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -22,33 +24,6 @@ SUPPORTED_DTYPES = {
     "cuda": (torch.bfloat16, torch.float16, torch.float32),
 }
 EMULATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _library():
-    """The pattern library now (patterns.registry.library), its module imported once: this runs on every call."""
-    global _registry
-    if _registry is None:
-        from fusion.patterns import registry as _loaded
-
-        _registry = _loaded
-    return _registry.library()
-
-
-_registry = None
-
-
-def _autograd():
-    """fusion.runtime.autograd, imported on first use (it imports the program's layers), then kept: this runs on
-    every call."""
-    global _autograd_module
-    if _autograd_module is None:
-        from fusion.runtime import autograd as _loaded
-
-        _autograd_module = _loaded
-    return _autograd_module
-
-
-_autograd_module = None
 
 
 class BlockRunner:
@@ -129,7 +104,7 @@ class BlockRunner:
             for op in self.seq.ops:
                 x = op.reference(x, ctx)
             return x
-        return _autograd().run_program(self, x, ctx)
+        return autograd.run_program(self, x, ctx)
 
 
 def _has_device_method(seq) -> bool:
@@ -144,7 +119,7 @@ def runner_for(seq, x: torch.Tensor) -> BlockRunner:
     runners = _RUNNERS.get(seq)
     if runners is None:
         runners = _RUNNERS[seq] = {}
-    library = _library()
+    library = registry.library()
     key = (x.device, x.dtype, seq.backend)
     runner = runners.get(key)
     if runner is None or runner.library is not library:
