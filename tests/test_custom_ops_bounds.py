@@ -69,13 +69,17 @@ def test_compiled_block_takes_the_programs_prologue(monkeypatch, device_bounds):
     cumsums = []
     real = custom_ops.group_offsets
     monkeypatch.setattr(custom_ops, "group_offsets", lambda s: cumsums.append(s) or real(s))
-    got = _step(torch.compile(seq, fullgraph=True), seq, x, sizes, probs)
+    # a fresh trace: a cached compiled backward may predate the split (its key does not hold SPLIT_BACKWARD)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got = _step(torch.compile(seq, fullgraph=True), seq, x, sizes, probs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-    if device_bounds:   # forward and backward op each launch the prologue once; no torch offsets
-        assert stand_in.calls == 2 and cumsums == []
+    ops = 1 + (2 if custom_ops.SPLIT_BACKWARD and runner.program.split is not None else 1)
+    assert ops == 3   # the forward op, and the backward in two (program.BackwardSplit)
+    if device_bounds:   # each op launches the prologue once; no torch offsets
+        assert stand_in.calls == ops and cumsums == []
     else:               # the torch ops make the offsets; the program then pads them (no prologue)
-        assert stand_in.calls == 0 and len(cumsums) == 2
+        assert stand_in.calls == 0 and len(cumsums) == ops
 
 
 def test_context_leaves_bounds_to_the_prologue():
@@ -125,3 +129,44 @@ def test_saved_quantized_values_see_the_absorbed_sizes():
     ctx.offsets = torch.tensor([1, 1, 3, 4], dtype=torch.int32)   # torch ops made them: ctx's sizes as they are
     assert custom_ops._saved_group_sizes(seq, quantized, ctx, index) is sizes
     assert custom_ops._saved_group_sizes(seq, quantized, ctx, None) is sizes
+
+
+def _traced_graphs(seq, x, sizes, probs) -> list:
+    """The FX graphs dynamo hands a backend when it compiles a forward of `seq` (run eagerly)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(seq, fullgraph=True, backend=backend)(x, group_sizes=sizes, scale=probs)
+    return graphs
+
+
+def _asserts(graphs) -> int:
+    return sum("_assert_async" in str(node.target) for gm in graphs for node in gm.graph.nodes)
+
+
+def test_graph_leaves_the_sizes_values_to_the_programs_prologue(monkeypatch):
+    """Where the op's program checks the group sizes' values on the device (its prologue), the traced graph checks
+    only what reads no data: no device assert, no kernel of its own around the op. Without a prologue it keeps
+    them; and a call that then makes the bounds by torch ops (DEVICE_BOUNDS off after tracing) checks the values
+    inside the op, so a bad size still raises."""
+    seq = _block()
+    x, sizes, probs = _inputs()
+    x = x.detach()
+    assert _asserts(_traced_graphs(seq, x, sizes, probs)) == 1      # emulate: no prologue, the graph checks
+    torch._dynamo.reset()
+    runner = runner_for(seq, x)
+    monkeypatch.setattr(runner.program, "prologue", StandInPrologue())
+    monkeypatch.setattr(runner, "device_checked", True)
+    assert _asserts(_traced_graphs(seq, x, sizes, probs)) == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(seq, fullgraph=True)
+    bad = torch.tensor([10, -5, 35, ROWS - 40])                     # sums to ROWS, one negative
+    with torch.no_grad():
+        compiled(x, group_sizes=sizes, scale=probs)                  # traced with the values left to the prologue
+        monkeypatch.setattr(custom_ops, "DEVICE_BOUNDS", False)
+        with pytest.raises(RuntimeError, match="group_sizes must be in"):
+            compiled(x, group_sizes=bad, scale=probs)

@@ -22,7 +22,7 @@ import torch
 
 from fusion.errors import FusionError
 from fusion.grouped import group_offsets
-from fusion.inputs import _absorb_padding
+from fusion.inputs import _absorb_padding, _check_group_sizes
 from fusion.quant import QuantizedTensor
 from fusion.run_context import RunContext
 from fusion.runtime import runner_for
@@ -62,6 +62,19 @@ def _runs_program(backend: str, device_type: str, device_index: int) -> bool:
     if backend == "reference" or device_type != "cuda":
         return False
     return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+@torch._dynamo.assume_constant_result
+def _checks_sizes(key: int, device_type: str, device_index: int, dtype: torch.dtype) -> bool:
+    """Whether the ops' program validates the group sizes' values on the device itself (the runner's device prologue,
+    with DEVICE_BOUNDS): then the traced graph checks only what reads no data. A block that starts with a Gather
+    keeps the traced checks (a call with no routed rows has nothing for the routed prologue to launch on)."""
+    seq = _block(key)
+    if seq.inputs.gathers or "group_sizes" not in seq.inputs.names or not DEVICE_BOUNDS:
+        return False
+    device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
+    probe = torch.empty(0, seq.features[0] or 1, dtype=dtype, device=device)
+    return runner_for(seq, probe).device_checked
 
 
 # -- what the ops return ---------------------------------------------------------------------------------------------
@@ -164,12 +177,22 @@ def _kept(program) -> list[str]:
     return [n for n in program.plan.saves if n not in program.plan.recomputed and n != "v0"]
 
 
-def _context(seq, x, group_sizes, index, floats, device_checked: bool = False):
+def _op_context(runner, x, group_sizes, index, floats):
+    """An op call's RunContext (see _context) for the block's runner: its device prologue makes the bounds where it
+    has one and DEVICE_BOUNDS is on; where it has one but the switch is off, the graph may have been traced to leave
+    the sizes' values to it (_checks_sizes), so they are checked here."""
+    device_bounds = DEVICE_BOUNDS and runner.device_checked
+    return _context(runner.seq, x, group_sizes, index, floats, device_bounds,
+                    check_values=runner.device_checked and not device_bounds)
+
+
+def _context(seq, x, group_sizes, index, floats, device_checked: bool = False, check_values: bool = False):
     """The RunContext of one call from the op's inputs (already checked outside, on the traced side).
     `device_checked` (the runner's: a program with a device prologue, fusion/runtime/bounds.py): the offsets, and
     after a Gather the padding absorbed into the last group, are left to that one launch, as in the eager call
     (the torch path costs 50-100 µs of host per op call: a cumsum here, then a pad in the program's bounds); an
-    MoE call with no routed rows has nothing for the routed prologue to launch on, so torch ops make them."""
+    MoE call with no routed rows has nothing for the routed prologue to launch on, so torch ops make them.
+    `check_values`: also check the sizes' values (an asynchronous device assert) where torch ops make the bounds."""
     ctx = RunContext(extra=dict(zip(seq.inputs.floats, floats)))
     if index is not None:
         ctx.index, ctx.tokens = index, x.shape[0]
@@ -179,6 +202,8 @@ def _context(seq, x, group_sizes, index, floats, device_checked: bool = False):
         if not device_checked:
             if index is not None:
                 ctx.group_sizes = _absorb_padding(group_sizes, index.shape[0])
+            elif check_values:
+                _check_group_sizes(seq.inputs.num_groups, group_sizes, x, False, x.shape[0], None)
             ctx.offsets = group_offsets(ctx.group_sizes)
     return ctx
 
@@ -208,14 +233,50 @@ def _program(seq, x):
     return _runner(seq, x).program
 
 
+# -- registration ------------------------------------------------------------------------------------------------------
+_LIB = torch.library.Library("fusion", "FRAGMENT")
+
+#: Each op's implementation, by name: what the dispatcher calls (bench/host_split.py wraps entries to time them).
+IMPLEMENTATIONS: dict = {}
+
+
+def _op(schema: str):
+    """Register the decorated function as the implementation of the custom op `fusion::<schema>` on every device,
+    with torch.library's low-level API; returns the op (an OpOverload, called like the function).
+
+    Why not ``torch.library.custom_op``: its wrapper adds two Python layers to every call (an output-aliasing check
+    and a dynamo-disabling wrapper), 10-20 µs of host time per op call against 6-10 for the dispatch itself, and a
+    compiled training step makes three calls. The aliasing rule it checks is kept by construction instead: every
+    implementation returns its tensors through `_as_promised`, which copies any that would alias."""
+    name = schema.split("(", 1)[0]
+
+    def register(fn):
+        IMPLEMENTATIONS[name] = fn
+        _LIB.define(schema)
+        _LIB.impl(name, lambda *args, **kwargs: IMPLEMENTATIONS[name](*args, **kwargs), "CompositeExplicitAutograd")
+        return getattr(torch.ops.fusion, name).default
+
+    return register
+
+
+def _fake(op):
+    """Register the decorated function as `op`'s fake (meta) implementation: its outputs' shapes for tracing."""
+    def register(fn):
+        torch.library.register_fake(op, fn, lib=_LIB)
+        return fn
+
+    return register
+
+
 # -- the ops -----------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("fusion::block_forward", mutates_args=())
+@_op("block_forward(int key, Tensor x, Tensor[] params, Tensor? group_sizes, Tensor? index, Tensor[] floats, "
+     "bool train) -> Tensor[]")
 def block_forward(key: int, x: torch.Tensor, params: list[torch.Tensor], group_sizes: Optional[torch.Tensor],
                   index: Optional[torch.Tensor], floats: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
     seq = _block(key)
     runner = _runner(seq, x)
     program = runner.program
-    ctx = _context(seq, x, group_sizes, index, floats, DEVICE_BOUNDS and runner.device_checked)
+    ctx = _op_context(runner, x, group_sizes, index, floats)
     with torch.no_grad():
         y, saved = program.forward(x, ctx, train)
     values = dict(zip(program.plan.saves, saved))
@@ -226,7 +287,7 @@ def block_forward(key: int, x: torch.Tensor, params: list[torch.Tensor], group_s
     return _as_promised(tensors, plain, [x, *params, group_sizes, index, *floats])
 
 
-@block_forward.register_fake
+@_fake(block_forward)
 def _(key, x, params, group_sizes, index, floats, train):
     seq = _block(key)
     program = _program(seq, x)
@@ -288,14 +349,15 @@ def _fake_grads(positions, shapes, needs, like: torch.Tensor) -> list[torch.Tens
     return [like.new_empty(shapes[i][0], dtype=shapes[i][1]) if needs[i] else like.new_empty(0) for i in positions]
 
 
-@torch.library.custom_op("fusion::block_backward", mutates_args=())
+@_op("block_backward(int key, Tensor dy, Tensor[] saved, Tensor x, Tensor[] params, Tensor? group_sizes, "
+     "Tensor? index, Tensor[] floats, bool[] needs) -> Tensor[]")
 def block_backward(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: torch.Tensor, params: list[torch.Tensor],
                    group_sizes: Optional[torch.Tensor], index: Optional[torch.Tensor], floats: list[torch.Tensor],
                    needs: list[bool]) -> list[torch.Tensor]:
     seq = _block(key)
     runner = _runner(seq, x)
     program = runner.program
-    ctx = _context(seq, x, group_sizes, index, floats, DEVICE_BOUNDS and runner.device_checked)
+    ctx = _op_context(runner, x, group_sizes, index, floats)
     values = _saved_values(seq, program, ["v0", *_kept(program)], saved, x, ctx, index, dy.dtype)
     saved_values = [values.get(n) for n in program.plan.saves]
     with torch.no_grad():
@@ -305,7 +367,7 @@ def block_backward(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: tor
     return _as_promised(out, [True] * len(out), [dy, *saved, x, *params, group_sizes, index, *floats])
 
 
-@block_backward.register_fake
+@_fake(block_backward)
 def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
     shapes = _grad_shapes(x, params, floats, dy.dtype)
     return _fake_grads(range(len(shapes)), shapes, needs, dy)
@@ -313,7 +375,8 @@ def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
 
 # A backward cut after the last reader of dY (program.BackwardSplit): two ops, so the compiled graph frees dY, and the
 # saved values only the first part reads, between them (a graph holds an op's arguments until the op returns).
-@torch.library.custom_op("fusion::block_backward_head", mutates_args=())
+@_op("block_backward_head(int key, Tensor dy, Tensor[] saved, Tensor x, Tensor[] params, Tensor? group_sizes, "
+     "Tensor? index, Tensor[] floats, bool[] needs) -> Tensor[]")
 def block_backward_head(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: torch.Tensor,
                         params: list[torch.Tensor], group_sizes: Optional[torch.Tensor], index: Optional[torch.Tensor],
                         floats: list[torch.Tensor], needs: list[bool]) -> list[torch.Tensor]:
@@ -321,7 +384,7 @@ def block_backward_head(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x
     seq = _block(key)
     runner = _runner(seq, x)
     program, split = runner.program, runner.program.split
-    ctx = _context(seq, x, group_sizes, index, floats, DEVICE_BOUNDS and runner.device_checked)
+    ctx = _op_context(runner, x, group_sizes, index, floats)
     values = _saved_values(seq, program, list(split.head_saved), saved, x, ctx, index, dy.dtype)
     values[program.output_grad] = dy
     with torch.no_grad():
@@ -333,7 +396,7 @@ def block_backward_head(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x
     return _as_promised(carried + out, plain, [dy, *saved, x, *params, group_sizes, index, *floats])
 
 
-@block_backward_head.register_fake
+@_fake(block_backward_head)
 def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
     seq = _block(key)
     split = _program(seq, x).split
@@ -342,7 +405,8 @@ def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
     return carried + _fake_grads(split.head_grads, _grad_shapes(x, params, floats, dy.dtype), needs, dy)
 
 
-@torch.library.custom_op("fusion::block_backward_tail", mutates_args=())
+@_op("block_backward_tail(int key, Tensor[] carried, Tensor[] saved, Tensor x, Tensor[] params, "
+     "Tensor? group_sizes, Tensor? index, Tensor[] floats, bool[] needs) -> Tensor[]")
 def block_backward_tail(key: int, carried: list[torch.Tensor], saved: list[torch.Tensor], x: torch.Tensor,
                         params: list[torch.Tensor], group_sizes: Optional[torch.Tensor], index: Optional[torch.Tensor],
                         floats: list[torch.Tensor], needs: list[bool]) -> list[torch.Tensor]:
@@ -351,7 +415,7 @@ def block_backward_tail(key: int, carried: list[torch.Tensor], saved: list[torch
     runner = _runner(seq, x)
     program, split = runner.program, runner.program.split
     dtype = carried[0].dtype
-    ctx = _context(seq, x, group_sizes, index, floats, DEVICE_BOUNDS and runner.device_checked)
+    ctx = _op_context(runner, x, group_sizes, index, floats)
     values = _saved_values(seq, program, list(split.tail_saved), saved, x, ctx, index, dtype)
     values.update(zip(split.carried, carried))
     with torch.no_grad():
@@ -361,7 +425,7 @@ def block_backward_tail(key: int, carried: list[torch.Tensor], saved: list[torch
     return _as_promised(out, [True] * len(out), [*carried, *saved, x, *params, group_sizes, index, *floats])
 
 
-@block_backward_tail.register_fake
+@_fake(block_backward_tail)
 def _(key, carried, saved, x, params, group_sizes, index, floats, needs):
     split = _program(_block(key), x).split
     return _fake_grads(split.tail_grads, _grad_shapes(x, params, floats, carried[0].dtype), needs, carried[0])
@@ -430,15 +494,20 @@ def _split_saved(seq, program, saved: list, dtype) -> dict[str, list]:
     return out
 
 
-block_forward.register_autograd(_backward, setup_context=_setup)
+torch.library.register_autograd(block_forward, _backward, setup_context=_setup, lib=_LIB)
 
 
 # -- the traced side ------------------------------------------------------------------------------------------------
 def compiled_forward(seq, x: torch.Tensor, extra: dict):
-    """Sequential.forward under torch.compile."""
-    ctx = seq.inputs.context(x, extra, check_sum=False, host=False)
+    """Sequential.forward under torch.compile. The input checks are traced: what reads no data runs at trace time,
+    and the group sizes' values are checked by an asynchronous device assert in the graph, except where the op's
+    program checks them itself on the device (`_checks_sizes`: its prologue launch, as in the eager call), so the
+    graph launches no kernel of its own around the op."""
     device_index = x.device.index if x.device.index is not None else -1
-    if not _runs_program(seq.backend, x.device.type, device_index):
+    runs_program = _runs_program(seq.backend, x.device.type, device_index)
+    checked = runs_program and _checks_sizes(seq._fusion_key, x.device.type, device_index, x.dtype)
+    ctx = seq.inputs.context(x, extra, check_sum=False, host=False, device_checked=checked)
+    if not runs_program:
         for op in seq.ops:
             x = op.reference(x, ctx)
         return x
