@@ -172,6 +172,22 @@ def _outputs(seq, program, train: bool) -> list[str]:
     return out
 
 
+#: Per program, per `train`: what the forward op returns, worked out once (op.spec costs host time per call).
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _output_layout(seq, program, train: bool) -> tuple[tuple[str, bool], ...]:
+    """(value name, whether it is a quantize op's QuantizedTensor) of each value the forward op returns, in order."""
+    per_train = _LAYOUTS.get(program)
+    if per_train is None:
+        per_train = _LAYOUTS[program] = {}
+    layout = per_train.get(train)
+    if layout is None:
+        layout = per_train[train] = tuple((name, _quantize_op_of(seq, name) is not None)
+                                          for name in _outputs(seq, program, train))
+    return layout
+
+
 def _kept(program) -> list[str]:
     """The saved values the forward op returns: all but the recomputed ones and x (saved as an input)."""
     return [n for n in program.plan.saves if n not in program.plan.recomputed and n != "v0"]
@@ -281,9 +297,11 @@ def block_forward(key: int, x: torch.Tensor, params: list[torch.Tensor], group_s
         y, saved = program.forward(x, ctx, train)
     values = dict(zip(program.plan.saves, saved))
     values[f"v{len(seq.ops)}"] = y
-    names = _outputs(seq, program, train)
-    tensors = [t for name in names for t in _flatten(values[name])]
-    plain = [_quantize_op_of(seq, name) is None for name in names for _ in _flatten(values[name])]
+    tensors, plain = [], []
+    for name, quantized in _output_layout(seq, program, train):
+        flat = _flatten(values[name]) if quantized else [values[name]]
+        tensors += flat
+        plain += [not quantized] * len(flat)
     return _as_promised(tensors, plain, [x, *params, group_sizes, index, *floats])
 
 
