@@ -29,7 +29,11 @@ def _setup(ctx, inputs, output):
     pass
 
 
-def _register(device: str) -> dict:
+#: The probe's libraries, kept alive: an op's registration goes with its Library object.
+_LIBS: list = []
+
+
+def _register() -> dict:
     @torch.library.custom_op("probe_hi::op", mutates_args=())
     def wrapped(x: torch.Tensor, params: list[torch.Tensor], sizes: Optional[torch.Tensor],
                 train: bool) -> list[torch.Tensor]:
@@ -50,9 +54,6 @@ def _register(device: str) -> dict:
     return ops
 
 
-_LIBS: list = []
-
-
 def per_call(fn, calls: int) -> float:
     for _ in range(200):
         fn()
@@ -71,7 +72,7 @@ def main(argv=None):
     params = [torch.randn(4, 4, device=args.device) for _ in range(2)]
     sizes = torch.ones(4, dtype=torch.int32, device=args.device)
     print(f"one call, µs ({args.device}; {args.calls} calls): grad off / on")
-    for name, op in _register(args.device).items():
+    for name, op in _register().items():
         with torch.no_grad():
             off = per_call(lambda: op(x, params, sizes, True), args.calls)
         on = per_call(lambda: op(x, params, sizes, True), args.calls)
