@@ -76,10 +76,51 @@ def test_compiled_block_takes_the_programs_prologue(monkeypatch, device_bounds):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     ops = 1 + (2 if custom_ops.SPLIT_BACKWARD and runner.program.split is not None else 1)
     assert ops == 3   # the forward op, and the backward in two (program.BackwardSplit)
-    if device_bounds:   # each op launches the prologue once; no torch offsets
-        assert stand_in.calls == ops and cumsums == []
+    # the forward op makes the call's bounds and hands its buffer to the backward ops, which make none
+    if device_bounds:   # one prologue launch; no torch offsets
+        assert stand_in.calls == 1 and cumsums == []
     else:               # the torch ops make the offsets; the program then pads them (no prologue)
-        assert stand_in.calls == 0 and len(cumsums) == ops
+        assert stand_in.calls == 0 and len(cumsums) == 1
+
+
+def test_backward_ops_take_the_forwards_buffer_and_zero_its_counters(monkeypatch):
+    """The backward ops run over the buffer the forward's prologue made (no prologue of their own), and the last
+    part zeroes the backward's tile counters after its launches: a second backward over the same forward
+    (retain_graph) then finds them zeroed, as the kernels' dynamic schedules need. Kernels count on the counters;
+    under emulation nothing does, so the program's backward parts here dirty them as launches would."""
+    seq = _block()
+    x, sizes, probs = _inputs()
+    want = _step(seq, seq, x, sizes, probs)
+    runner = runner_for(seq, x)
+    program = runner.program
+    assert program.backward_kernels > 0
+    made, seen = [], []
+    monkeypatch.setattr(program, "prologue", lambda ctx, rows, device, counters: made.append(
+        StandInPrologue()(ctx, rows, device, counters)) or made[-1])
+    monkeypatch.setattr(runner, "device_checked", True)
+    real_part = program.backward_part
+
+    def dirtying_part(values, ctx, rows, needs, start, stop):
+        seen.append(ctx.counters)
+        state = real_part(values, ctx, rows, needs, start, stop)
+        with torch.autograd._unsafe_preserve_version_counter(ctx.counters):   # as a kernel's atomics: unseen
+            ctx.counters.narrow(0, ctx.groups + 1 + program.forward_kernels, program.backward_kernels).fill_(7)
+        return state
+
+    monkeypatch.setattr(program, "backward_part", dirtying_part)
+    compiled = torch.compile(seq, fullgraph=True)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        y = compiled(x, group_sizes=sizes, scale=probs)
+        y.backward(torch.ones_like(y), retain_graph=True)
+        first = [x.grad.clone(), probs.grad.clone()]
+        x.grad = probs.grad = None
+        y.backward(torch.ones_like(y))
+    assert len(made) == 1 and len(seen) == 4 and all(b is made[0] for b in seen)
+    backward = made[0][made[0].numel() - program.backward_kernels:]
+    assert backward.eq(0).all()   # zeroed after the last part of each backward
+    for got in (first, [x.grad, probs.grad]):
+        torch.testing.assert_close(got[0], want[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], want[2], rtol=1e-5, atol=1e-6)
 
 
 def test_context_leaves_bounds_to_the_prologue():

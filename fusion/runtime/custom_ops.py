@@ -14,6 +14,7 @@ block ending in a quantize op cannot be trained under torch.compile; see docs/us
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Optional
@@ -79,12 +80,20 @@ def _checks_sizes(key: int, device_type: str, device_index: int, dtype: torch.dt
 
 # -- what the ops return ---------------------------------------------------------------------------------------------
 def _quantize_op_of(seq, name: str):
-    """The quantize op whose output value `name` (v<i>) is, or None for a plain tensor."""
-    i = int(name[1:])
-    if i == 0:
-        return None
-    op = seq[i - 1]
-    return op if op.spec.kind == "quantize" else None
+    """The quantize op whose output value `name` (v<i>) is, or None for a plain tensor. Kept per block: the op calls
+    ask for every saved value, and `seq[i]` and `op.spec` cost microseconds each."""
+    per_block = _QUANTIZE_OPS.get(seq)
+    if per_block is None:
+        per_block = _QUANTIZE_OPS[seq] = {}
+    if name not in per_block:
+        i = int(name[1:])
+        op = seq[i - 1] if i else None
+        per_block[name] = op if op is not None and op.spec.kind == "quantize" else None
+    return per_block[name]
+
+
+#: Per block: {value name: its quantize op or None} (_quantize_op_of).
+_QUANTIZE_OPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _buffer_names(value) -> list[str]:
@@ -135,21 +144,32 @@ def _as_promised(tensors: list, plain: list, inputs: list) -> list[torch.Tensor]
     a custom op to alias). A program value may be neither, e.g. a saved value that is one half of a gated input
     (stride 2f where the fake says f) or the same tensor saved twice: it is copied; others are returned as is.
     A QuantizedTensor's buffer keeps its strides (its fake copies the quantize op's own meta buffers)."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
+    seen = set()
+    for t in inputs:
+        if t is not None and t.numel():
+            seen.add(t.untyped_storage().data_ptr())
     out = []
     for t, is_plain in zip(tensors, plain):
         if is_plain and t.stride() != _row_major(t.shape):  # (not is_contiguous(): an empty view passes that)
             t = t.clone(memory_format=torch.contiguous_format)
-        elif t.numel() and t.untyped_storage().data_ptr() in seen:
-            t = t.clone()
+        elif t.numel():
+            storage = t.untyped_storage().data_ptr()
+            if storage in seen:
+                t = t.clone()
+            else:
+                seen.add(storage)
+                out.append(t)
+                continue
         if t.numel():
             seen.add(t.untyped_storage().data_ptr())
         out.append(t)
     return out
 
 
+@functools.lru_cache(maxsize=1024)
 def _row_major(shape) -> tuple[int, ...]:
-    """The strides of a new tensor of `shape` (what torch.empty gives, empty dimensions included)."""
+    """The strides of a new tensor of `shape` (what torch.empty gives, empty dimensions included); kept per shape
+    (the loop costs a microsecond or two, and every output of every op call asks)."""
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
@@ -164,12 +184,33 @@ def _rows(seq, i: int, x_rows: int, index: Optional[torch.Tensor]) -> int:
     return index.shape[0]
 
 
+#: The name of the forward op's last output in training: the call's bounds buffer (fusion/runtime/bounds.py), which
+#: the backward ops take instead of making their own (_backward_context).
+BOUNDS = "bounds"
+
+
 def _outputs(seq, program, train: bool) -> list[str]:
-    """The values the forward op returns: the block output, then (training) the saved values it keeps."""
+    """The values the forward op returns: the block output, then (training) the saved values it keeps and, where
+    the backward takes it (_passes_bounds), the call's bounds buffer."""
     out = [f"v{len(seq.ops)}"]
     if train:
         out += _kept(program)
+        if _passes_bounds(seq):
+            out.append(BOUNDS)
     return out
+
+
+def _passes_bounds(seq) -> bool:
+    """Whether the forward op hands its bounds buffer to the backward ops: a block without a Gather (the buffer is
+    then all a backward call's context needs from the forward; a routed prologue's other products, its int32 index
+    and the sizes with the padding absorbed, are made again by each backward op)."""
+    return not seq.inputs.gathers
+
+
+def _bounds_size(seq, program, group_sizes) -> int:
+    """Elements of the bounds buffer (int32): G + 1 row bounds, then the forward's and the backward's counters."""
+    groups = 1 if group_sizes is None else group_sizes.shape[0]
+    return groups + 1 + program.counters
 
 
 #: Per program, per `train`: what the forward op returns, worked out once (op.spec costs host time per call).
@@ -183,7 +224,7 @@ def _output_layout(seq, program, train: bool) -> tuple[tuple[str, bool], ...]:
         per_train = _LAYOUTS[program] = {}
     layout = per_train.get(train)
     if layout is None:
-        layout = per_train[train] = tuple((name, _quantize_op_of(seq, name) is not None)
+        layout = per_train[train] = tuple((name, name != BOUNDS and _quantize_op_of(seq, name) is not None)
                                           for name in _outputs(seq, program, train))
     return layout
 
@@ -249,11 +290,39 @@ def _program(seq, x):
     return _runner(seq, x).program
 
 
+def _without_grad(fn, *args):
+    """fn(*args) with autograd off: the ops' programs launch kernels and record nothing. In a compiled graph it is
+    off already (entering torch.no_grad costs a few microseconds per call)."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    with torch.no_grad():
+        return fn(*args)
+
+
+def _backward_context(runner, x, group_sizes, index, floats, bounds):
+    """A backward op call's RunContext: over the forward's bounds buffer where the forward op passed it (its
+    values were checked and its counters zeroed by the forward's prologue), else made afresh as the forward's is
+    (_op_context: a prologue launch)."""
+    if bounds is None:
+        return _op_context(runner, x, group_sizes, index, floats)
+    ctx = RunContext(extra=dict(zip(runner.seq.inputs.floats, floats)))
+    if group_sizes is not None:
+        ctx.group_sizes = ctx.routed_group_sizes = group_sizes
+    ctx.counters, ctx.groups = bounds, bounds.numel() - 1 - runner.program.counters
+    return ctx
+
+
 # -- registration ------------------------------------------------------------------------------------------------------
 _LIB = torch.library.Library("fusion", "FRAGMENT")
 
 #: Each op's implementation, by name: what the dispatcher calls (bench/host_split.py wraps entries to time them).
 IMPLEMENTATIONS: dict = {}
+
+#: The ops' overload name: a new one whenever what the ops take or return changes. torch's on-disk caches of compiled
+#: graphs (AOTAutograd's, inductor's) key a training graph by its traced forward, which names the forward op only;
+#: a graph cached under the old contract would otherwise call the backward ops with the old arguments. v2: the
+#: forward returns its bounds buffer in training, the backward ops take it.
+CONTRACT = "v2"
 
 
 def _op(schema: str):
@@ -265,14 +334,18 @@ def _op(schema: str):
     registered here (`python bench/probes/custom_op_cost.py`), and a compiled training step makes three calls. (Most
     of the rest is register_autograd's Python autograd kernel: 13.4 µs without it.) The aliasing rule it checks is
     kept by construction instead: every implementation returns its tensors through `_as_promised`, which copies any
-    that would alias."""
-    name = schema.split("(", 1)[0]
+    that would alias.
+
+    Each op is defined as overload CONTRACT of its name (fusion::block_forward.v2, ...), so that a compiled graph that
+    torch cached on disk under an earlier contract is not reused with these ops."""
+    name, signature = schema.split("(", 1)
+    qualified = f"{name}.{CONTRACT}"
 
     def register(fn):
         IMPLEMENTATIONS[name] = fn
-        _LIB.define(schema)
-        _LIB.impl(name, lambda *args, **kwargs: IMPLEMENTATIONS[name](*args, **kwargs), "CompositeExplicitAutograd")
-        return getattr(torch.ops.fusion, name).default
+        _LIB.define(f"{qualified}({signature}")
+        _LIB.impl(qualified, lambda *args, **kwargs: IMPLEMENTATIONS[name](*args, **kwargs), "CompositeExplicitAutograd")
+        return getattr(getattr(torch.ops.fusion, name), CONTRACT)
 
     return register
 
@@ -295,10 +368,10 @@ def block_forward(key: int, x: torch.Tensor, params: list[torch.Tensor], group_s
     runner = _runner(seq, x)
     program = runner.program
     ctx = _op_context(runner, x, group_sizes, index, floats)
-    with torch.no_grad():
-        y, saved = program.forward(x, ctx, train)
+    y, saved = _without_grad(program.forward, x, ctx, train)
     values = dict(zip(program.plan.saves, saved))
     values[f"v{len(seq.ops)}"] = y
+    values[BOUNDS] = ctx.counters
     tensors, plain = [], []
     for name, quantized in _output_layout(seq, program, train):
         flat = _flatten(values[name]) if quantized else [values[name]]
@@ -313,6 +386,9 @@ def _(key, x, params, group_sizes, index, floats, train):
     program = _program(seq, x)
     out = []
     for name in _outputs(seq, program, train):
+        if name == BOUNDS:
+            out.append(x.new_empty(_bounds_size(seq, program, group_sizes), dtype=torch.int32))
+            continue
         i = int(name[1:])
         rows, feats = _rows(seq, i, x.shape[0], index), seq.features[i]
         op = _quantize_op_of(seq, name)
@@ -348,7 +424,7 @@ def _grads_out(made: list, positions, shapes, needs, like: torch.Tensor) -> list
     for i in positions:
         (shape, dt), g = shapes[i], made[i]
         out.append(torch.zeros(shape, dtype=dt, device=like.device) if g is None and needs[i] else
-                   (like.new_empty(0) if g is None else g.to(dt)))
+                   like.new_empty(0) if g is None else g if g.dtype == dt else g.to(dt))
     return out
 
 
@@ -370,25 +446,26 @@ def _fake_grads(positions, shapes, needs, like: torch.Tensor) -> list[torch.Tens
 
 
 @_op("block_backward(int key, Tensor dy, Tensor[] saved, Tensor x, Tensor[] params, Tensor? group_sizes, "
-     "Tensor? index, Tensor[] floats, bool[] needs) -> Tensor[]")
+     "Tensor? index, Tensor[] floats, Tensor? bounds, bool[] needs) -> Tensor[]")
 def block_backward(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: torch.Tensor, params: list[torch.Tensor],
                    group_sizes: Optional[torch.Tensor], index: Optional[torch.Tensor], floats: list[torch.Tensor],
-                   needs: list[bool]) -> list[torch.Tensor]:
+                   bounds: Optional[torch.Tensor], needs: list[bool]) -> list[torch.Tensor]:
     seq = _block(key)
     runner = _runner(seq, x)
     program = runner.program
-    ctx = _op_context(runner, x, group_sizes, index, floats)
+    ctx = _backward_context(runner, x, group_sizes, index, floats, bounds)
     values = _saved_values(seq, program, ["v0", *_kept(program)], saved, x, ctx, index, dy.dtype)
     saved_values = [values.get(n) for n in program.plan.saves]
-    with torch.no_grad():
-        dx, grads, extra = program.backward([dy], saved_values, ctx, x.shape[0], tuple(needs))
+    dx, grads, extra = _without_grad(program.backward, [dy], saved_values, ctx, x.shape[0], tuple(needs))
+    if bounds is not None:  # the forward's buffer: its counters zeroed again for another backward over it
+        program.zero_backward_counters(ctx)
     made = [dx] + grads + extra
     out = _grads_out(made, range(len(made)), _grad_shapes(x, params, floats, dy.dtype), needs, dy)
-    return _as_promised(out, [True] * len(out), [dy, *saved, x, *params, group_sizes, index, *floats])
+    return _as_promised(out, [True] * len(out), [dy, *saved, x, *params, group_sizes, index, *floats, bounds])
 
 
 @_fake(block_backward)
-def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
+def _(key, dy, saved, x, params, group_sizes, index, floats, bounds, needs):
     shapes = _grad_shapes(x, params, floats, dy.dtype)
     return _fake_grads(range(len(shapes)), shapes, needs, dy)
 
@@ -396,28 +473,28 @@ def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
 # A backward cut after the last reader of dY (program.BackwardSplit): two ops, so the compiled graph frees dY, and the
 # saved values only the first part reads, between them (a graph holds an op's arguments until the op returns).
 @_op("block_backward_head(int key, Tensor dy, Tensor[] saved, Tensor x, Tensor[] params, Tensor? group_sizes, "
-     "Tensor? index, Tensor[] floats, bool[] needs) -> Tensor[]")
+     "Tensor? index, Tensor[] floats, Tensor? bounds, bool[] needs) -> Tensor[]")
 def block_backward_head(key: int, dy: torch.Tensor, saved: list[torch.Tensor], x: torch.Tensor,
                         params: list[torch.Tensor], group_sizes: Optional[torch.Tensor], index: Optional[torch.Tensor],
-                        floats: list[torch.Tensor], needs: list[bool]) -> list[torch.Tensor]:
+                        floats: list[torch.Tensor], bounds: Optional[torch.Tensor],
+                        needs: list[bool]) -> list[torch.Tensor]:
     """The first part: (the values carried to the second part, then the gradients at split.head_grads)."""
     seq = _block(key)
     runner = _runner(seq, x)
     program, split = runner.program, runner.program.split
-    ctx = _op_context(runner, x, group_sizes, index, floats)
+    ctx = _backward_context(runner, x, group_sizes, index, floats, bounds)
     values = _saved_values(seq, program, list(split.head_saved), saved, x, ctx, index, dy.dtype)
     values[program.output_grad] = dy
-    with torch.no_grad():
-        state = program.backward_part(values, ctx, x.shape[0], tuple(needs), 0, split.at)
+    state = _without_grad(program.backward_part, values, ctx, x.shape[0], tuple(needs), 0, split.at)
     carried = [state.env[name] for name in split.carried]
     made = _part_grads(state, program, needs, split.head_grads)
     out = _grads_out(made, split.head_grads, _grad_shapes(x, params, floats, dy.dtype), needs, dy)
     plain = [True] * (len(carried) + len(out))
-    return _as_promised(carried + out, plain, [dy, *saved, x, *params, group_sizes, index, *floats])
+    return _as_promised(carried + out, plain, [dy, *saved, x, *params, group_sizes, index, *floats, bounds])
 
 
 @_fake(block_backward_head)
-def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
+def _(key, dy, saved, x, params, group_sizes, index, floats, bounds, needs):
     seq = _block(key)
     split = _program(seq, x).split
     carried = [dy.new_empty(_rows(seq, int(n[1:]), x.shape[0], index), seq.features[int(n[1:])])
@@ -426,27 +503,30 @@ def _(key, dy, saved, x, params, group_sizes, index, floats, needs):
 
 
 @_op("block_backward_tail(int key, Tensor[] carried, Tensor[] saved, Tensor x, Tensor[] params, "
-     "Tensor? group_sizes, Tensor? index, Tensor[] floats, bool[] needs) -> Tensor[]")
+     "Tensor? group_sizes, Tensor? index, Tensor[] floats, Tensor? bounds, bool[] needs) -> Tensor[]")
 def block_backward_tail(key: int, carried: list[torch.Tensor], saved: list[torch.Tensor], x: torch.Tensor,
                         params: list[torch.Tensor], group_sizes: Optional[torch.Tensor], index: Optional[torch.Tensor],
-                        floats: list[torch.Tensor], needs: list[bool]) -> list[torch.Tensor]:
+                        floats: list[torch.Tensor], bounds: Optional[torch.Tensor],
+                        needs: list[bool]) -> list[torch.Tensor]:
     """The second part: the gradients at split.tail_grads."""
     seq = _block(key)
     runner = _runner(seq, x)
     program, split = runner.program, runner.program.split
     dtype = carried[0].dtype
-    ctx = _op_context(runner, x, group_sizes, index, floats)
+    ctx = _backward_context(runner, x, group_sizes, index, floats, bounds)
     values = _saved_values(seq, program, list(split.tail_saved), saved, x, ctx, index, dtype)
     values.update(zip(split.carried, carried))
-    with torch.no_grad():
-        state = program.backward_part(values, ctx, x.shape[0], tuple(needs), split.at, len(program.backward_steps))
+    state = _without_grad(program.backward_part, values, ctx, x.shape[0], tuple(needs), split.at,
+                          len(program.backward_steps))
+    if bounds is not None:  # the last part: the forward's counters zeroed again for another backward over it
+        program.zero_backward_counters(ctx)
     made = _part_grads(state, program, needs, split.tail_grads)
     out = _grads_out(made, split.tail_grads, _grad_shapes(x, params, floats, dtype), needs, carried[0])
-    return _as_promised(out, [True] * len(out), [*carried, *saved, x, *params, group_sizes, index, *floats])
+    return _as_promised(out, [True] * len(out), [*carried, *saved, x, *params, group_sizes, index, *floats, bounds])
 
 
 @_fake(block_backward_tail)
-def _(key, carried, saved, x, params, group_sizes, index, floats, needs):
+def _(key, carried, saved, x, params, group_sizes, index, floats, bounds, needs):
     split = _program(_block(key), x).split
     return _fake_grads(split.tail_grads, _grad_shapes(x, params, floats, carried[0].dtype), needs, carried[0])
 
@@ -462,6 +542,7 @@ def _setup(ctx, inputs, output):
                           *([group_sizes] if group_sizes is not None else []),
                           *([index] if index is not None else []))
     ctx.n_saved, ctx.n_floats = len(output) - n_out, len(floats)
+    ctx.has_bounds = train and _passes_bounds(seq)   # the last saved output: the forward's bounds buffer
 
 
 def _flatten_count(seq, x, output) -> list:
@@ -476,13 +557,14 @@ def _backward(ctx, grads):
                           "output is a QuantizedTensor); end the block with the GEMM that consumes it")
     tensors = list(ctx.saved_tensors)
     saved, tensors = tensors[:ctx.n_saved], tensors[ctx.n_saved:]
+    bounds = saved.pop() if ctx.has_bounds else None
     x, tensors = tensors[0], tensors[1:]
     params, tensors = tensors[:ctx.n_params], tensors[ctx.n_params:]
     floats, tensors = tensors[:ctx.n_floats], tensors[ctx.n_floats:]
     group_sizes = tensors.pop(0) if ctx.has_gs else None
     index = tensors.pop(0) if ctx.has_index else None
     dy = grads[0].contiguous()
-    inputs = (x, params, group_sizes, index, floats, ctx.needs)
+    inputs = (x, params, group_sizes, index, floats, bounds, ctx.needs)
     seq = _block(ctx.key)
     program = _program(seq, x)
     split = None if not SPLIT_BACKWARD else program.split

@@ -237,7 +237,7 @@ class BlockProgram:
             self._bounds(ctx, rows, next(t for t in values.values() if isinstance(t, torch.Tensor)).device)
         state = S.RunState(ctx=ctx, rows=rows, counter_base=self.forward_kernels)
         if ctx.backward_counters_used:  # a second backward through the same graph (retain_graph): zero them again
-            ctx.counters.narrow(0, ctx.groups + 1 + self.forward_kernels, self.backward_kernels).zero_()
+            self.zero_backward_counters(ctx)
         ctx.backward_counters_used = True
         state.env.update(values)
         values.clear()
@@ -258,6 +258,17 @@ class BlockProgram:
             for name in release:  # free each value after its last reader, as autograd would between nodes
                 env.pop(name, None)
         return state
+
+    def zero_backward_counters(self, ctx) -> None:
+        """Zero the backward's tile counters in the call's buffer again (one memset, stream-ordered after the
+        launches that used them): before a second backward over one forward's buffer, or, where each backward call
+        builds its own context over the forward's buffer (the torch.compile ops), after the last part. The counters
+        are the kernels' scratch, left as the forward's prologue made them: the buffer's autograd version is kept
+        (a compiled graph saves it for the backward, and autograd refuses a saved tensor changed in place, which
+        the kernels' own atomics never report either)."""
+        if self.backward_kernels:
+            with torch.autograd._unsafe_preserve_version_counter(ctx.counters):
+                ctx.counters.narrow(0, ctx.groups + 1 + self.forward_kernels, self.backward_kernels).zero_()
 
     def gradients(self, state, needs: tuple):
         """(dx, parameter gradients, extra-input gradients) a backward run made; None where it made none."""
