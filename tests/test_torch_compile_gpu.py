@@ -69,6 +69,33 @@ def test_fullgraph_training_step_equals_eager_and_runs_fused():
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same kernels on the same inputs: bitwise
 
 
+def test_compiled_second_backward_over_one_forward():
+    """retain_graph: the backward ops run over the forward op's bounds buffer, whose backward tile counters the
+    kernels' dynamic schedules count up; the last backward op zeroes them again, so a second backward over the
+    same forward gives the first's gradients bitwise (unzeroed counters would skip tiles)."""
+    torch.manual_seed(0)
+    block = make_block()
+    x, sizes, probs = make_inputs(3)
+    dy = torch.randn_like(x)
+    eager = step(block, x, sizes, probs, dy)
+    compiled = torch.compile(block, fullgraph=True)
+    xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    block.zero_grad(set_to_none=True)
+    LAUNCHES.reset()
+    y = compiled(xi, group_sizes=sizes, scale=pi)
+    grads = []
+    for _ in range(2):
+        y.backward(dy, retain_graph=True)
+        grads.append([xi.grad.clone(), pi.grad.clone(), *(p.grad.clone() for p in block.parameters())])
+        xi.grad = pi.grad = None
+        block.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    assert LAUNCHES.by_step.get("B1", 0) == 2, LAUNCHES.by_step
+    for got in grads:
+        for a, b in zip(got, eager[1:]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_fullgraph_quantized_inference_block():
     block = make_block(quantize=True)
     x, sizes, probs = make_inputs(1)
