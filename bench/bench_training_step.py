@@ -14,6 +14,9 @@ Paths (all in bf16, the same weights, inputs and group sizes):
 - fusion_compiled   the same block inside torch.compile(fullgraph=True) (its custom ops).
 - unfused_compiled  what a user writes: torch._grouped_mm with its autograd around a torch.compile'd
                     silu(g) * u * probs[:, None] (dense: F.linear and a compiled silu(g) * u).
+- unfused_fullgraph the same math as one function inside torch.compile(fullgraph=True), torch._grouped_mm traced
+                    into the graph: the unfused block as it runs inside a user's compiled model, so the partner of
+                    fusion_compiled (both pay the compiled graph's wrappers per call).
 - quack             quack-kernels: gemm_act (SwiGLU) + a compiled * probs + gemm forward; backward gemm_dact
                     (dSwiGLU with the router scale, colvec_scale, and its reduction for d probs), gemm for dx,
                     and torch._grouped_mm for the weight gradients (quack's varlen-K GEMM needs 16-byte
@@ -95,9 +98,11 @@ BLOCKS = [
 ]
 # Blocks no tile rule was tuned on (bench/held_out.py; none of them in BLOCKS): `--models held-out` runs them.
 HELD_OUT_BLOCKS = [Block(h.model, h.E, h.tokens, h.top_k, h.d, h.f) for h in HELD_OUT]
-PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "quack", "reference", "fusion_fp8", "fusion_fp8_fp8wgrad",
+PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "unfused_fullgraph", "quack", "reference", "fusion_fp8", "fusion_fp8_fp8wgrad",
          "fusion_fp8_direct", "unfused_fp8"]
 PHASES = ["forward", "training_step", "gemm"]
+#: Paths that compile the whole block per shape (only on --compiled-models' blocks).
+WHOLE_COMPILED = ("fusion_compiled", "unfused_fullgraph")
 #: A path name plus this suffix (fusion_graphed, unfused_compiled_graphed, ...): that path captured in CUDA graphs
 #: (GraphedPath).
 GRAPHED = "_graphed"
@@ -178,6 +183,27 @@ class UnfusedCompiledPath(Path_):
         h = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=self.offsets)
         y = _swiglu_scale(h, self.probs)
         return torch._grouped_mm(y, self.w2.transpose(-2, -1), offs=self.offsets)
+
+
+def _unfused_block(x, w1, w2, offsets, probs):
+    """unfused_compiled's math as one function, for torch.compile(fullgraph=True) (path unfused_fullgraph)."""
+    if probs is None:  # dense
+        g, u = torch.nn.functional.linear(x, w1[0]).chunk(2, dim=-1)
+        return torch.nn.functional.linear(torch.nn.functional.silu(g) * u, w2[0])
+    h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+    g, u = h.chunk(2, dim=-1)
+    return torch._grouped_mm(torch.nn.functional.silu(g) * u * probs[:, None], w2.transpose(-2, -1), offs=offsets)
+
+
+class UnfusedFullgraphPath(UnfusedCompiledPath):
+    """The unfused block compiled whole (one graph per block shape), as inside a user's torch.compile'd model."""
+
+    def __init__(self, seq, offsets, probs):
+        super().__init__(seq, offsets, probs)
+        self.call = torch.compile(_unfused_block, fullgraph=True)
+
+    def forward(self, x):
+        return self.call(x, self.w1, self.w2, self.offsets, self.probs)
 
 
 class _QuackBlock(torch.autograd.Function):
@@ -298,6 +324,8 @@ def make_path(name: str, seq, sizes, offsets, probs):
         return FusionPath(seq, sizes, probs, compiled=True)
     if name == "unfused_compiled":
         return UnfusedCompiledPath(seq, offsets, probs)
+    if name == "unfused_fullgraph":
+        return UnfusedFullgraphPath(seq, offsets, probs)
     if name == "quack":
         import quack_compat  # noqa: F401  (.gpu/quack_compat.py: quack 0.6.5 on DSL 4.8.1)
         return QuackPath(seq, offsets, probs)
@@ -479,7 +507,8 @@ def main(argv=None):
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--compiled-models", default="qwen3-30b-a3b,olmoe-1b-7b,small-batch,llama-3-8b",
-                    help="blocks that also run path fusion_compiled (its torch.compile per shape costs time)")
+                    help="blocks that also run paths fusion_compiled and unfused_fullgraph (a torch.compile per "
+                         "shape costs time)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<gpu>-<date>.json)")
     ap.add_argument("--precompile", action="store_true")
     args = ap.parse_args(argv)
@@ -501,7 +530,7 @@ def main(argv=None):
     out = Path(args.out) if args.out else HERE / "results" / f"{gpu.replace(' ', '-')}-{date}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for block in blocks:
-        use = [p for p in paths if p != "fusion_compiled" or block.model in compiled_models]
+        use = [p for p in paths if p not in WHOLE_COMPILED or block.model in compiled_models]
         run_block(block, use, args.phases.split(","), rows, log)
         # written after every block: a run cut short keeps what it measured
         out.write_text(json.dumps({"gpu": gpu, "date": date, "commit": commit, "sigma": SIGMA, "rows": rows}, indent=1))

@@ -53,3 +53,29 @@ def test_ab_rounds_alternate_after_a_warm_up():
     assert len(orders) == 5 and all(sorted(o) == [False, True] for o in orders)
     kept = orders[1:]
     assert [o[0] for o in kept] == [True, False, True, False]   # each setting goes first in half the kept rounds
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_unfused_fullgraph_is_unfused_compileds_math(dense):
+    """Path unfused_fullgraph (the unfused block compiled whole, fusion_compiled's partner) computes what
+    unfused_compiled computes: forward and every gradient, on the CPU (torch._grouped_mm runs there). Dense blocks
+    are one group without the router scale, as the bench builds them."""
+    from fusion import GroupLinear, Scale, Sequential, SwiGLU
+
+    torch.manual_seed(0)
+    E, d, f, rows = (1 if dense else 4), 32, 48, 64
+    ops = [GroupLinear(E, d, 2 * f), SwiGLU()] + ([] if dense else [Scale()]) + [GroupLinear(E, f, d)]
+    seq = Sequential(*ops).bfloat16()   # (torch._grouped_mm's meta function takes bf16 only)
+    sizes = torch.tensor([rows]) if dense else torch.tensor([16, 0, 32, rows - 48])
+    offsets = torch.cumsum(sizes, 0).to(torch.int32)
+    probs = None if dense else torch.rand(rows, dtype=torch.bfloat16, requires_grad=True)
+    x, dy = torch.randn(rows, d, dtype=torch.bfloat16), torch.randn(rows, d, dtype=torch.bfloat16)
+    got = []
+    for cls in (B.UnfusedCompiledPath, B.UnfusedFullgraphPath):
+        path = cls(seq, offsets, probs)
+        xg = x.clone().requires_grad_()
+        y = path.forward(xg)
+        grads = torch.autograd.grad(y, [xg, *path.params] + ([probs] if probs is not None else []), dy)
+        got.append([y.detach(), *grads])
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
