@@ -200,6 +200,9 @@ class UnfusedFullgraphPath(UnfusedCompiledPath):
 
     def __init__(self, seq, offsets, probs):
         super().__init__(seq, offsets, probs)
+        # one compiled function for every block of a run: each block's shapes are one more graph of it, past dynamo's
+        # default limit of 8 in a full run (fullgraph=True then fails rather than falling back)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.call = torch.compile(_unfused_block, fullgraph=True)
 
     def forward(self, x):
