@@ -151,19 +151,27 @@ class FusionPath(Path_):
         return self.call(x, group_sizes=self.sizes, **extra)
 
 
-@torch.compile(dynamic=True)
+#: The compiled elementwise functions of the unfused paths, compiled for static shapes, as a user's are at a fixed
+#: token count (one graph per block shape: dynamo's recompile limit raised for a run over every block). Until
+#: session t (2026-11-29) they were compiled for dynamic shapes, whose kernels ran 1.6-3.0x slower than the static
+#: ones (Qwen3-30B-A3B's step: 1.02 against 0.39 ms of elementwise kernels; docs/benchmarks.md, session t): every
+#: unfused_compiled figure before that flattered the fused path.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
+@torch.compile(dynamic=False)
 def _swiglu_scale(h, probs):
     g, u = h.chunk(2, dim=-1)
     return torch.nn.functional.silu(g) * u * probs[:, None]
 
 
-@torch.compile(dynamic=True)
+@torch.compile(dynamic=False)
 def _swiglu(h):
     g, u = h.chunk(2, dim=-1)
     return torch.nn.functional.silu(g) * u
 
 
-@torch.compile(dynamic=True)
+@torch.compile(dynamic=False)
 def _scale_rows(y, probs):
     return y * probs[:, None]
 
@@ -200,9 +208,8 @@ class UnfusedFullgraphPath(UnfusedCompiledPath):
 
     def __init__(self, seq, offsets, probs):
         super().__init__(seq, offsets, probs)
-        # one compiled function for every block of a run: each block's shapes are one more graph of it, past dynamo's
-        # default limit of 8 in a full run (fullgraph=True then fails rather than falling back)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # (one compiled function for every block of a run: each block's shapes are one more graph of it, within the
+        # module's raised recompile limit; fullgraph=True would fail past it rather than fall back)
         self.call = torch.compile(_unfused_block, fullgraph=True)
 
     def forward(self, x):

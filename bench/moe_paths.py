@@ -84,9 +84,12 @@ _COMPILED_ACT: dict = {}
 
 
 def compiled_swiglu_scale(backend: str):
-    """One torch.compile'd swiglu_scale per compile backend, dynamic in the rows: compiled once for all configs."""
+    """One torch.compile'd swiglu_scale per compile backend, for static shapes (a graph per config's rows, as a user's
+    at a fixed token count; dynamic in the rows until session t, whose kernels ran 1.6-3.0x slower on the training
+    step's blocks: docs/benchmarks.md)."""
     if backend not in _COMPILED_ACT:
-        _COMPILED_ACT[backend] = torch.compile(swiglu_scale, dynamic=True, backend=backend)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _COMPILED_ACT[backend] = torch.compile(swiglu_scale, dynamic=False, backend=backend)
     return _COMPILED_ACT[backend]
 
 
