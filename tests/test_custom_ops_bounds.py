@@ -211,3 +211,21 @@ def test_graph_leaves_the_sizes_values_to_the_programs_prologue(monkeypatch):
         monkeypatch.setattr(custom_ops, "DEVICE_BOUNDS", False)
         with pytest.raises(RuntimeError, match="group_sizes must be in"):
             compiled(x, group_sizes=bad, scale=probs)
+
+
+#: The ops' schemas (a hash) under each contract name. torch's on-disk caches of compiled graphs key a training graph
+#: by its traced forward, which names the forward op only: an op whose arguments change under the same name would be
+#: called by a cached graph with the old ones (fusion/runtime/custom_ops.py CONTRACT). A change to what the ops take,
+#: or to what they return (a Tensor[] in any schema, so no hash sees it), needs a new CONTRACT and an entry here.
+CONTRACT_SCHEMAS = {"v2": "e937e4e299473d6a"}
+
+
+def test_a_changed_op_schema_comes_with_a_new_contract():
+    import hashlib
+
+    names = sorted(custom_ops.IMPLEMENTATIONS)
+    schemas = [str(getattr(getattr(torch.ops.fusion, n), custom_ops.CONTRACT)._schema) for n in names]
+    digest = hashlib.sha256("\n".join(schemas).encode()).hexdigest()[:16]
+    assert CONTRACT_SCHEMAS.get(custom_ops.CONTRACT) == digest, (
+        f"the ops' schemas changed ({digest}) under contract {custom_ops.CONTRACT!r}: give custom_ops.CONTRACT a new "
+        f"name and add it here")
