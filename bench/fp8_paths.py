@@ -55,8 +55,12 @@ def fusion_fp8_block(seq, probs, wgrad_bf16=None, quantize=True):
     return fp8
 
 
-#: Compiled for static shapes, as a user's are at a fixed token count (bench_training_step.py raises dynamo's recompile
-#: limit for a run over every block); for dynamic shapes until session t, which flattered the fused FP8 path.
+#: Compiled for static shapes, as a user's are at a fixed token count (one graph per block shape, so dynamo's recompile
+#: limit is raised for a run over every block: past it dynamo would run them eagerly, slower still); for dynamic shapes
+#: until session t, which flattered the fused FP8 path.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
 @torch.compile(dynamic=False)
 def _rowwise_fp8(x):
     """Row-wise E4M3: one float32 scale per row (amax / 448)."""
