@@ -144,22 +144,13 @@ def _as_promised(tensors: list, plain: list, inputs: list) -> list[torch.Tensor]
     a custom op to alias). A program value may be neither, e.g. a saved value that is one half of a gated input
     (stride 2f where the fake says f) or the same tensor saved twice: it is copied; others are returned as is.
     A QuantizedTensor's buffer keeps its strides (its fake copies the quantize op's own meta buffers)."""
-    seen = set()
-    for t in inputs:
-        if t is not None and t.numel():
-            seen.add(t.untyped_storage().data_ptr())
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
     out = []
     for t, is_plain in zip(tensors, plain):
         if is_plain and t.stride() != _row_major(t.shape):  # (not is_contiguous(): an empty view passes that)
             t = t.clone(memory_format=torch.contiguous_format)
-        elif t.numel():
-            storage = t.untyped_storage().data_ptr()
-            if storage in seen:
-                t = t.clone()
-            else:
-                seen.add(storage)
-                out.append(t)
-                continue
+        elif t.numel() and t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
         if t.numel():
             seen.add(t.untyped_storage().data_ptr())
         out.append(t)
