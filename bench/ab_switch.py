@@ -8,7 +8,8 @@ block's setup and reference check twice, and the machine's clocks move between p
 switch that the runtime reads per call (a module global) is flipped here between rounds instead. Rounds alternate
 which setting goes first (on-off, off-on, ...) after a discarded warm-up round, so a drift of the clocks within a
 round favours neither. Prints, per block and phase, each round's back-to-back ms and the medians; with --baseline
-also the unfused_compiled path once. Each setting's peak memory of one call (bench_common.measure's, the last round's)
+also an unfused path once (--baseline-path: unfused_fullgraph by default, the block compiled whole for static
+shapes; unfused_compiled until session u). Each setting's peak memory of one call (bench_common.measure's, the last round's)
 and the median of its rounds' host µs per call (measure's host_us) go with its times.
 
 A switch read when a block's kernels are chosen (a tile policy's rule: tile_policy.GATED_PAIRS) rather than per call
@@ -94,7 +95,7 @@ def planned_off(module, attr: str, make_twin, call, phases: str, off=False):
 
 def block_subject(block, module, attr: str, plan: bool, phases: str, off=False, fused="fusion"):
     """A training-step block as an A/B subject: its name, the paths by setting ({True: ..., False: ...}), `call(path,
-    phase)` -> (call, clear), the fused Sequential of each setting, and `baseline()`: its unfused_compiled path.
+    phase)` -> (call, clear), the fused Sequential of each setting, and `baseline(name)`: its unfused path `name`.
     `fused`: the fused path of bench_training_step.py to time (fusion, or an FP8 one: fusion_fp8, ...)."""
     import copy
 
@@ -110,7 +111,7 @@ def block_subject(block, module, attr: str, plan: bool, phases: str, off=False, 
                                                                      setup.offsets, setup.probs), call, phases, off)
     return types.SimpleNamespace(
         name=block.model, paths=paths, call=call, seqs={v: paths[v].seq for v in paths},
-        baseline=lambda: B.make_path("unfused_compiled", setup.seq, setup.sizes, setup.offsets, setup.probs))
+        baseline=lambda name: B.make_path(name, setup.seq, setup.sizes, setup.offsets, setup.probs))
 
 
 def moe_subject(cfg, tokens: int, module, attr: str, plan: bool, phases: str, off=False):
@@ -191,7 +192,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--plan", action="store_true",
                     help="the switch is read when kernels are chosen: B runs a copy of the block planned with it off")
-    ap.add_argument("--baseline", action="store_true", help="also time unfused_compiled once per block")
+    ap.add_argument("--baseline", action="store_true", help="also time an unfused path once per block")
+    ap.add_argument("--baseline-path", default="unfused_fullgraph", choices=["unfused_fullgraph", "unfused_compiled"])
     ap.add_argument("--sigma", type=float, default=B.SIGMA, help="spread of the experts' log-normal weights")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -203,7 +205,7 @@ def main(argv=None):
     B.SIGMA = args.sigma
     args.phases = args.phases or ("moe_training_step" if args.moe else "training_step")
     if args.baseline and args.moe:
-        ap.error("--baseline times the blocks' unfused_compiled path; bench_moe.py times the layers' torch_compiled")
+        ap.error("--baseline times the blocks' unfused paths; bench_moe.py times the layers' torch_compiled")
     if args.precompile:
         return precompile(args, module, attr)
     setting = {True: args.on, False: args.off}
@@ -248,13 +250,14 @@ def _rounds(args, module, attr: str, setting: dict, resting) -> None:
                    "on_peak_MB": peaks[True], "off_peak_MB": peaks[False],
                    "on_host_us": statistics.median(hosts[True]), "off_host_us": statistics.median(hosts[False])}
             if args.baseline:
-                got = measure(*phase_call(subject.baseline(), phase))
-                row["unfused_compiled_ms"], row["unfused_compiled_peak_MB"] = got["b2b_ms"], got["peak_MB"]
+                got = measure(*phase_call(subject.baseline(args.baseline_path), phase))
+                row["baseline_path"] = args.baseline_path
+                row["baseline_ms"], row["baseline_peak_MB"] = got["b2b_ms"], got["peak_MB"]
             results.append(row)
             print(f"{name:22s} {phase:13s} on {row['on_median']:8.3f} {times[True]}  off {row['off_median']:8.3f} "
                   f"{times[False]}  change {100 * (row['on_median'] / row['off_median'] - 1):+.1f}%  peak MB on "
                   f"{peaks[True]} off {peaks[False]}  host us on {row['on_host_us']} off {row['off_host_us']}"
-                  + (f"  unfused_compiled {row['unfused_compiled_ms']:.3f} ({row['unfused_compiled_peak_MB']} MB)"
+                  + (f"  {args.baseline_path} {row['baseline_ms']:.3f} ({row['baseline_peak_MB']} MB)"
                      if args.baseline else ""), flush=True)
         del subject, paths, phase_call, seqs
         torch.cuda.empty_cache()

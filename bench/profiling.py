@@ -23,10 +23,20 @@ def print_kernels(call, clear, calls: int, top: int, title: str) -> None:
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events) / calls
-    print(f"== {title}: {total / 1000:.3f} ms of kernels per call")
+    span = _busy_span_us(prof) / calls
+    print(f"== {title}: {total / 1000:.3f} ms of kernels per call; first kernel start to last kernel end "
+          f"{span / 1000:.3f} ms per call (the GPU idle between kernels {(span - total) / 1000:.3f} ms per call)")
     for e in events[:top]:
         per = e.device_time_total / calls
         print(f"  {per / 1000:8.3f} ms {100 * per / total:5.1f}%  x{e.count // calls:<3d} {e.key[:110]}")
+
+
+def _busy_span_us(prof) -> float:
+    """µs from the first profiled kernel's start to the last one's end: with the kernels' sum, how long the GPU sat
+    idle between them (launch gaps, or a host that did not keep ahead)."""
+    spans = [e.time_range for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    return max(r.end for r in spans) - min(r.start for r in spans) if spans else 0.0
 
 
 def print_timeline(call, clear, title: str, warm: int = 2) -> None:
@@ -42,6 +52,18 @@ def print_timeline(call, clear, title: str, warm: int = 2) -> None:
     print(f"== {title}: kernels of one call in launch order")
     for e in kernels:
         print(f"  {e.device_time_total / 1000:8.3f} ms  {e.name[:110]}")
+
+
+def export_trace(call, clear, path, calls: int = 3) -> None:
+    """A chrome trace (chrome://tracing, ui.perfetto.dev) of `calls` back-to-back calls, host and kernels: where
+    the kernels' timeline has holes, the host rows above them say what the CPU was doing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _calls(call, clear, calls)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    print(f"   trace: {path}")
 
 
 def print_host(call, clear, calls: int, top: int, title: str, keys=("tottime", "cumulative")) -> None:

@@ -84,14 +84,41 @@ def _(dy, x, group_sizes):
     return dy.new_empty(group_sizes.shape[0], dy.shape[1], x.shape[1])
 
 
+#: A one-group GroupLinear (a dense layer written as GroupLinear(1, ...)) runs torch's dense matmul (cuBLAS) in place
+#: of torch._grouped_mm: the contract's group_sizes sum to the rows, so its one group is every row, and cuBLAS's dense
+#: kernels were faster than the grouped one on the dense blocks' GEMMs (H200, torch 2.11: Llama-3-8B's FC2 forward
+#: 2.713 against 2.943 ms; docs/benchmarks.md, session u). Read per call (bench/ab_switch.py flips it).
+DENSE_MM = True
+
+
+def _one_group(groups: int, method: str) -> bool:
+    return DENSE_MM and method == "grouped_mm" and groups == 1
+
+
+def grouped_forward(x, weight, offsets):
+    """``x @ weight[g].T`` per group by the vendor GEMM, without autograd (the fused runtime's lone forward):
+    cuBLAS's dense matmul for one group (:data:`DENSE_MM`), else torch._grouped_mm."""
+    return _forward(x, weight, None, offsets, "grouped_mm")
+
+
+def grouped_wgrad(dy, x, offsets, weight_shape):
+    """``dy_g.T @ x_g`` per group by the vendor GEMM, without autograd: cuBLAS's dense matmul for one group
+    (:data:`DENSE_MM`), else torch._grouped_mm."""
+    return _wgrad(dy, x, None, offsets, "grouped_mm", weight_shape)
+
+
 def _forward(x, weight, group_sizes, offsets, method):
     """y[rows of g] = x[rows of g] @ weight[g].T ; weight is (G, out, in)."""
+    if _one_group(weight.shape[0], method):
+        return x @ weight[0].t()
     if method == "grouped_mm":
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     return _loop_forward(x, weight, group_sizes)
 
 
 def _dgrad(dy, weight, group_sizes, offsets, method):
+    if _one_group(weight.shape[0], method):
+        return dy @ weight[0]
     if method == "grouped_mm":
         return torch._grouped_mm(dy, weight, offs=offsets)
     return _loop_dgrad(dy, weight, group_sizes)
@@ -99,6 +126,8 @@ def _dgrad(dy, weight, group_sizes, offsets, method):
 
 def _wgrad(dy, x, group_sizes, offsets, method, weight_shape):
     """dW[g] = dy_g.T @ x_g; zero for empty groups."""
+    if _one_group(weight_shape[0], method):
+        return (dy.t() @ x).unsqueeze(0)
     if method == "grouped_mm":
         # 2-D x 2-D with offsets splits the reduction (row) dimension into groups -> (G, out, in).
         return torch._grouped_mm(dy.t(), x, offs=offsets)

@@ -35,6 +35,13 @@ LONE_GEMM_RULE = {"min_groups": 2, "max_rows_per_group": {"forward": 1024, "dgra
                   "dense_dgrad_min_rows": 8192, "dense_dgrad_n_multiple": 256}
 
 
+#: Where a GroupLinear's bf16/fp16 weight gradient runs torch's GEMM (cuBLAS) in place of our varlen-K kernel: a
+#: group's weight of at least this many elements, a large dense-like GEMM per group (H200, torch 2.11: ours 6-12%
+#: slower on Mixtral's and Llama-3-8B's, at or ahead of torch's on every smaller one measured; docs/benchmarks.md,
+#: session u). fusion/runtime/wgrad_gemm.py reads it.
+WGRAD_RULE = {"vendor_min_weight_per_group": 2 ** 25}
+
+
 def _lone_rule_text(part: str) -> str:
     rule, wide = LONE_GEMM_RULE, LONE_GEMM_RULE["wide"]
     dense = (f"; one group: at >= {rule['dense_dgrad_min_rows']} rows with N a multiple of "
@@ -87,7 +94,9 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
                                       "after a Gather, at >= 1024 rows per group with in_features a multiple of "
                                       "256, X's rows read through the routing index, no regathered copy; before a "
                                       "Combine, at >= 1024 rows per group with in_features <= 1024, dY's rows "
-                                      "through it)"),
+                                      "through it), where a group's weight has fewer than "
+                                      f"{WGRAD_RULE['vendor_min_weight_per_group']} elements; else "
+                                      "torch._grouped_mm (one group: torch's matmul)"),
 }
 
 #: What a device method's kernel takes, by variant (the runtime module's `takes` checks the same at run time):

@@ -298,3 +298,37 @@ def test_a_bound_weight_gradient_launch_checks_every_call_before_it_launches():
         bound(dy, x.half(), offs, out)
     with pytest.raises(ShapeError, match="contiguous"):
         bound(dy, torch.zeros(Nb, M, dtype=bf16).t(), offs, out)
+
+
+def test_large_weights_take_torchs_weight_gradient(monkeypatch):
+    """fusion.op_table.WGRAD_RULE: a group's weight of >= 2^25 elements (Mixtral's, Llama-3-8B's: cuBLAS measured
+    6-12% faster there) takes torch's GEMM, smaller ones our varlen-K kernel (DeepSeek-V3's EP8 FC1, 29M, stays ours);
+    None switches the rule off; Sequential.compile() builds no kernel for a weight the rule sends to torch."""
+    import torch
+
+    from fusion import GroupLinear
+    from fusion.runtime import wgrad_gemm
+
+    bf16 = torch.bfloat16
+
+    class OnHopper:   # what `takes` reads of its input: a CUDA bf16 matrix on a Hopper GPU (no GPU here)
+        is_cuda, dtype = True, bf16
+
+        @staticmethod
+        def dim():
+            return 2
+
+        @staticmethod
+        def get_device():
+            return 0
+
+    monkeypatch.setattr(wgrad_gemm, "cuda_major", lambda device: 9)
+    mixtral_fc1 = GroupLinear(8, 4096, 28672, device="meta", dtype=bf16)
+    dsv3_fc1 = GroupLinear(32, 7168, 4096, device="meta", dtype=bf16)
+    assert not wgrad_gemm.takes(mixtral_fc1, OnHopper())
+    assert wgrad_gemm.kernel_jobs(mixtral_fc1, "wgrad", bf16) == []
+    assert wgrad_gemm.takes(dsv3_fc1, OnHopper())
+    assert wgrad_gemm.kernel_jobs(dsv3_fc1, "wgrad", bf16)
+    monkeypatch.setattr(wgrad_gemm, "VENDOR_MIN_WEIGHT", None)
+    assert wgrad_gemm.takes(mixtral_fc1, OnHopper())
+    assert wgrad_gemm.kernel_jobs(mixtral_fc1, "wgrad", bf16)

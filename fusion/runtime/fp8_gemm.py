@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from fusion.grouped import group_offsets
+from fusion.grouped import group_offsets, grouped_wgrad
 from fusion.op_table import device_method_refusal
 from fusion.runtime.bounds import row_bounds
 from fusion.quant import QuantizedTensor
@@ -371,4 +371,4 @@ def _weight_gradient(op, dy: torch.Tensor, x: torch.Tensor, ctx: RunContext) -> 
     if op.weight.dim() == 2:
         return dy.t() @ x
     ends = ctx.offsets if ctx.offsets is not None else group_offsets(ctx.group_sizes)
-    return torch._grouped_mm(dy.t(), x, offs=ends)
+    return grouped_wgrad(dy, x, ends, op.weight.shape)

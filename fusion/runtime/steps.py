@@ -25,7 +25,7 @@ from fusion.codegen.spec import EpilogueSpec, Unsupported, backward_spec, forwar
 from fusion.dataflow import g, index_of, out_grad, qg, v
 from fusion.kernels import tile_policy
 from fusion.kernels.tile_policy import WGRAD_GATHER_ROWS, gather_dy, gathers_in_kernel
-from fusion.grouped import grouped_matmul, grouped_mm_method, linear_dgrad, linear_wgrad
+from fusion.grouped import grouped_forward, grouped_matmul, grouped_mm_method, linear_dgrad, linear_wgrad
 from fusion.op_table import op_device_method
 from fusion.ops.base import RunContext
 from fusion.quant import dequantize
@@ -379,7 +379,7 @@ class GemmForward(OpForward):
             if method is None:
                 method = self._method[key] = grouped_mm_method(x, w)
             if method == "grouped_mm":
-                y = torch._grouped_mm(x, w.transpose(-2, -1), offs=state.ctx.offsets)
+                y = grouped_forward(x, w, state.ctx.offsets)
             else:
                 y = grouped_matmul(x, w, state.ctx.group_sizes, state.ctx.offsets, method)
         state.env[self.output] = y

@@ -23,12 +23,16 @@ import torch
 
 from fusion.kernels.tile_policy import (WGRAD_GATHER_ROWS, choose_wgrad_config, gather_dy, gather_in_wgrad,
                                         wgrad_configs)
-from fusion.op_table import dtype_name, gemm_refusal
+from fusion.op_table import WGRAD_RULE, dtype_name, gemm_refusal
 from fusion.quant import dequantize
 from fusion.run_context import RunContext
 from fusion.runtime.bounds import row_bounds
 from fusion.runtime.kernel import ShapeCache
 from fusion.targets import cuda_major
+
+#: A group's weight of at least this many elements takes torch's GEMM (fusion.op_table.WGRAD_RULE: where cuBLAS
+#: measured faster); None: our kernel at every size. Read per call (bench/ab_switch.py flips it).
+VENDOR_MIN_WEIGHT = WGRAD_RULE["vendor_min_weight_per_group"]
 
 #: The kernel's static schedule reads no tile counter.
 TILE_COUNTER = False
@@ -41,13 +45,20 @@ def takes(op, x) -> bool:
     """Whether the kernel computes `op`'s weight gradient at input `x`: a CUDA bf16/fp16 tensor of the weight's
     dtype (or a QuantizedTensor of one: it reads the dequantized values, as torch's path does) on a Hopper GPU, a
     GroupLinear (a bias gradient is the wgrad step's per-group sum either way), widths the kernel's 16-byte rows
-    take (multiples of 8)."""
+    take (multiples of 8), and a group's weight below :data:`VENDOR_MIN_WEIGHT` elements."""
     if not x.is_cuda or x.dim() != 2 or op._parameters["weight"].dtype != x.dtype:
         return False
     if cuda_major(x.get_device()) != 9:
         return False
+    if vendor_runs(op._parameters["weight"]):
+        return False
     # the limits the plan states (fusion.op_table.DEVICE_METHOD_LIMITS), so explain() says what runs
     return gemm_refusal(op, dtype_name(x.dtype)) is None
+
+
+def vendor_runs(weight) -> bool:
+    """Whether the weight's gradient goes to torch's GEMM by its size (:data:`VENDOR_MIN_WEIGHT`)."""
+    return VENDOR_MIN_WEIGHT is not None and weight.shape[-2] * weight.shape[-1] >= VENDOR_MIN_WEIGHT
 
 
 def _job(op, dtype: torch.dtype, config):
@@ -72,7 +83,7 @@ def kernel_jobs(op, part: str, dtype: torch.dtype, gathered: bool = False, dy_ga
     (the op follows a Gather) the one that reads x through the index (`gathers`), with `dy_gathered` (a Combine
     follows it) the one that reads dY through it (`gathers_dy`): what Sequential.compile() builds ahead of time
     (fusion/runtime/aot.py)."""
-    if part != "wgrad" or gemm_refusal(op, str(dtype).removeprefix("torch.")) is not None:
+    if part != "wgrad" or gemm_refusal(op, str(dtype).removeprefix("torch.")) is not None or vendor_runs(op.weight):
         return []
     G, out_f, in_f = op.weight.shape
     jobs = [_job(op, dtype, config) for config in wgrad_configs(out_f, in_f, G)]
