@@ -35,11 +35,11 @@ LONE_GEMM_RULE = {"min_groups": 2, "max_rows_per_group": {"forward": 1024, "dgra
                   "dense_dgrad_min_rows": 8192, "dense_dgrad_n_multiple": 256}
 
 
-#: Where a GroupLinear's bf16/fp16 weight gradient runs torch's GEMM (cuBLAS) in place of our varlen-K kernel: a
-#: group's weight of at least this many elements, a large dense-like GEMM per group (H200, torch 2.11: ours 6-12%
-#: slower on Mixtral's and Llama-3-8B's, at or ahead of torch's on every smaller one measured; docs/benchmarks.md,
-#: session u). fusion/runtime/wgrad_gemm.py reads it.
-WGRAD_RULE = {"vendor_min_weight_per_group": 2 ** 25}
+#: Where a GroupLinear's bf16/fp16 weight gradient runs our varlen-K kernel: at least this many groups. One group is a
+#: dense GEMM, where torch's matmul (cuBLAS) measured faster (H200, torch 2.11, Llama-3-8B's step -1.8%); on groups of
+#: large weights torch._grouped_mm did not (Mixtral +0.4%, DBRX +1.4%, Phi-3.5-MoE +2.0%, Llama-4-Scout +4.9% with
+#: it; docs/benchmarks.md, session u). fusion/runtime/wgrad_gemm.py reads it.
+WGRAD_RULE = {"min_groups": 2}
 
 
 def _lone_rule_text(part: str) -> str:
@@ -94,9 +94,8 @@ DEVICE_METHODS: dict[tuple[str, str], tuple[str, str]] = {
                                       "after a Gather, at >= 1024 rows per group with in_features a multiple of "
                                       "256, X's rows read through the routing index, no regathered copy; before a "
                                       "Combine, at >= 1024 rows per group with in_features <= 1024, dY's rows "
-                                      "through it), where a group's weight has fewer than "
-                                      f"{WGRAD_RULE['vendor_min_weight_per_group']} elements; else "
-                                      "torch._grouped_mm (one group: torch's matmul)"),
+                                      f"through it), at >= {WGRAD_RULE['min_groups']} groups; one group: torch's "
+                                      "matmul (cuBLAS)"),
 }
 
 #: What a device method's kernel takes, by variant (the runtime module's `takes` checks the same at run time):

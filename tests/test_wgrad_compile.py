@@ -300,10 +300,11 @@ def test_a_bound_weight_gradient_launch_checks_every_call_before_it_launches():
         bound(dy, torch.zeros(Nb, M, dtype=bf16).t(), offs, out)
 
 
-def test_large_weights_take_torchs_weight_gradient(monkeypatch):
-    """fusion.op_table.WGRAD_RULE: a group's weight of >= 2^25 elements (Mixtral's, Llama-3-8B's: cuBLAS measured
-    6-12% faster there) takes torch's GEMM, smaller ones our varlen-K kernel (DeepSeek-V3's EP8 FC1, 29M, stays ours);
-    None switches the rule off; Sequential.compile() builds no kernel for a weight the rule sends to torch."""
+def test_one_group_takes_torchs_weight_gradient(monkeypatch):
+    """fusion.op_table.WGRAD_RULE: a one-group GroupLinear's weight gradient is a dense GEMM and takes torch's matmul
+    (cuBLAS measured faster on Llama-3-8B's); several groups take our varlen-K kernel, large weights too (torch's
+    grouped GEMM measured slower on Mixtral's, DBRX's, Llama-4-Scout's); MIN_GROUPS = 1 sends one group to ours too;
+    Sequential.compile() builds no kernel for a weight the rule sends to torch."""
     import torch
 
     from fusion import GroupLinear
@@ -323,12 +324,12 @@ def test_large_weights_take_torchs_weight_gradient(monkeypatch):
             return 0
 
     monkeypatch.setattr(wgrad_gemm, "cuda_major", lambda device: 9)
+    dense = GroupLinear(1, 4096, 28672, device="meta", dtype=bf16)
     mixtral_fc1 = GroupLinear(8, 4096, 28672, device="meta", dtype=bf16)
-    dsv3_fc1 = GroupLinear(32, 7168, 4096, device="meta", dtype=bf16)
-    assert not wgrad_gemm.takes(mixtral_fc1, OnHopper())
-    assert wgrad_gemm.kernel_jobs(mixtral_fc1, "wgrad", bf16) == []
-    assert wgrad_gemm.takes(dsv3_fc1, OnHopper())
-    assert wgrad_gemm.kernel_jobs(dsv3_fc1, "wgrad", bf16)
-    monkeypatch.setattr(wgrad_gemm, "VENDOR_MIN_WEIGHT", None)
+    assert not wgrad_gemm.takes(dense, OnHopper())
+    assert wgrad_gemm.kernel_jobs(dense, "wgrad", bf16) == []
     assert wgrad_gemm.takes(mixtral_fc1, OnHopper())
     assert wgrad_gemm.kernel_jobs(mixtral_fc1, "wgrad", bf16)
+    monkeypatch.setattr(wgrad_gemm, "MIN_GROUPS", 1)
+    assert wgrad_gemm.takes(dense, OnHopper())
+    assert wgrad_gemm.kernel_jobs(dense, "wgrad", bf16)

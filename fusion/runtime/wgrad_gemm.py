@@ -30,9 +30,9 @@ from fusion.runtime.bounds import row_bounds
 from fusion.runtime.kernel import ShapeCache
 from fusion.targets import cuda_major
 
-#: A group's weight of at least this many elements takes torch's GEMM (fusion.op_table.WGRAD_RULE: where cuBLAS
-#: measured faster); None: our kernel at every size. Read per call (bench/ab_switch.py flips it).
-VENDOR_MIN_WEIGHT = WGRAD_RULE["vendor_min_weight_per_group"]
+#: Fewer groups than this take torch's GEMM (fusion.op_table.WGRAD_RULE: one group is a dense GEMM, where cuBLAS
+#: measured faster); 1: our kernel for every GroupLinear. Read per call (bench/ab_switch.py flips it).
+MIN_GROUPS = WGRAD_RULE["min_groups"]
 
 #: The kernel's static schedule reads no tile counter.
 TILE_COUNTER = False
@@ -45,7 +45,7 @@ def takes(op, x) -> bool:
     """Whether the kernel computes `op`'s weight gradient at input `x`: a CUDA bf16/fp16 tensor of the weight's
     dtype (or a QuantizedTensor of one: it reads the dequantized values, as torch's path does) on a Hopper GPU, a
     GroupLinear (a bias gradient is the wgrad step's per-group sum either way), widths the kernel's 16-byte rows
-    take (multiples of 8), and a group's weight below :data:`VENDOR_MIN_WEIGHT` elements."""
+    take (multiples of 8), and at least :data:`MIN_GROUPS` groups."""
     if not x.is_cuda or x.dim() != 2 or op._parameters["weight"].dtype != x.dtype:
         return False
     if cuda_major(x.get_device()) != 9:
@@ -57,8 +57,8 @@ def takes(op, x) -> bool:
 
 
 def vendor_runs(weight) -> bool:
-    """Whether the weight's gradient goes to torch's GEMM by its size (:data:`VENDOR_MIN_WEIGHT`)."""
-    return VENDOR_MIN_WEIGHT is not None and weight.shape[-2] * weight.shape[-1] >= VENDOR_MIN_WEIGHT
+    """Whether the weight's gradient goes to torch's GEMM: fewer groups than :data:`MIN_GROUPS`."""
+    return weight.shape[0] < MIN_GROUPS
 
 
 def _job(op, dtype: torch.dtype, config):
