@@ -191,3 +191,27 @@ def test_a_dense_dgrad_at_many_rows_runs_our_128x256_kernel(spy, M):
     assert rel(y, y_ref) < 1e-2
     for name, ref in g_ref.items():
         assert ref is None or rel(g[name], ref) < 2e-2, name
+
+
+def test_one_group_runs_cublas_dense_matmul(spy, monkeypatch):
+    """A dense block written with one-group GroupLinears: its unfused GEMMs (FC2's forward, FC1's dgrad below the
+    dense-dgrad rows, both weight gradients) run torch's dense matmul, never torch._grouped_mm nor our varlen-K
+    kernel (fusion.grouped.DENSE_MM, fusion.op_table.WGRAD_RULE), in the fused run and the reference's; outputs and
+    gradients as the reference's, and the fused kernels launched (run_both asserts it)."""
+    from fusion.runtime import wgrad_gemm
+
+    grouped_mm_calls, wgrad_calls = [], []
+    real_grouped_mm, real_wgrad = torch._grouped_mm, wgrad_gemm.wgrad
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: grouped_mm_calls.append(1) or real_grouped_mm(*a, **k))
+    monkeypatch.setattr(wgrad_gemm, "wgrad", lambda *a, **k: wgrad_calls.append(1) or real_wgrad(*a, **k))
+    torch.manual_seed(0)
+    d, f, M = 512, 768, 3001
+    block = fusion.Sequential(GroupLinear(1, d, 2 * f), SwiGLU(), GroupLinear(1, f, d)).to("cuda", torch.bfloat16)
+    x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+    (y, g), (y_ref, g_ref) = run_both(block, x, {"group_sizes": torch.tensor([M], device="cuda")})
+    assert spy == {"run": 0, "dgrad": 0}, spy
+    assert wgrad_calls == [], "a one-group weight gradient must not run the varlen-K kernel"
+    assert grouped_mm_calls == [], "a one-group GEMM must not run torch._grouped_mm"
+    assert rel(y, y_ref) < 1e-2
+    for name, ref in g_ref.items():
+        assert ref is None or rel(g[name], ref) < 2e-2, name
