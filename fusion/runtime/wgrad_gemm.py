@@ -15,7 +15,9 @@ Why ours and not torch's: measured on an H100 (bench/bench_wgrad.py, bench/resul
 0.77-1.08x torch._grouped_mm's time on the expert GEMMs of eight MoE models (faster on 9 of 16, within 3% on 5,
 slower by 8% at worst, Qwen3-30B-A3B's FC1), and 0.88-0.90x at a small batch; one launch with integer arguments
 costs less host time than torch's grouped GEMM. torch._grouped_mm stays the reference (backend="emulate", the
-CPU), and runs wherever `takes` refuses the op.
+CPU), and runs wherever `takes` refuses the op: a one-group GroupLinear (fusion.op_table.WGRAD_RULE; a dense GEMM,
+torch's dense matmul through fusion.grouped.DENSE_MM, 1.8% faster on Llama-3-8B's step on an H200 with torch 2.11;
+torch._grouped_mm on large grouped weights was 0.4-4.9% slower there: docs/benchmarks.md, session u).
 """
 from __future__ import annotations
 
