@@ -31,6 +31,8 @@ class OpInfo:
     columnwise: bool = False
     #: activations: whether gated (the input is the gate and up halves, twice the output's width)
     gated: bool = False
+    #: GEMMs: how many groups (a Linear's and a one-group GroupLinear's: 1); None for other ops
+    groups: int | None = None
     #: what one row of its input / output is: "M" (the rows of x; in an MoE block the routed rows) or "T"
     #: (tokens: an MoE block's rows before its Gather and after its Combine) (fusion/dataflow.py)
     in_rows: str = "M"

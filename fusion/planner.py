@@ -152,7 +152,8 @@ def _ops_info(g, dtype: str = "bfloat16") -> tuple[OpInfo, ...]:
                           out_bytes=_out_bytes(spec, elem), weight_format=fmt, in_rows=rows[k],
                           out_rows=rows[k + 1], format=spec.attrs.get("format") if spec.kind == "quantize" else None,
                           columnwise=spec.kind == "quantize" and bool(spec.attrs.get("columnwise")),
-                          gated=spec.kind == "activation" and bool(spec.attrs.get("gated"))))
+                          gated=spec.kind == "activation" and bool(spec.attrs.get("gated")),
+                          groups=spec.attrs.get("num_groups") if spec.kind == "gemm" else None))
     return tuple(out)
 
 
@@ -287,6 +288,11 @@ def fp8_wgrad_note(info: OpInfo) -> str:
             f"{fp8_linear.FP8_WGRAD_MIN_WIDTH}), below that on the high-precision ones (fp8_linear.wgrad_in_bf16)")
 
 
+#: What runs a one-group GroupLinear's GEMMs that our kernels do not (fusion.grouped.DENSE_MM, op_table.WGRAD_RULE)
+ONE_GROUP_NOTE = ("one group: a dense GEMM, so where our kernel does not run it (always for the weight gradient) "
+                  "torch's dense matmul (cuBLAS) does, not torch._grouped_mm")
+
+
 def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) -> tuple[str, tuple[str, ...]]:
     """Which reference implementation an unfused (op, part) runs, and notes worth telling the user
     (mirrors fusion.grouped.grouped_mm_method, decided from the plan's dtype and target)."""
@@ -298,6 +304,8 @@ def reference_method(info: OpInfo, part: str, dtype: str, target: str | None) ->
         refusal = device_method_refusal(info.kind, fmt, dtype, (info.in_features, info.out_features), info.name)
         if refusal is None:
             notes = (fp8_wgrad_note(info),) if fmt == "fp8_block" and part == "wgrad" else ()
+            if info.name == "GroupLinear" and info.groups == 1 and fmt in (None, "bf16"):
+                notes += (ONE_GROUP_NOTE,)
             return f"{device[1]}{EMULATE_NOTE}", notes
     if info.gemm_by_reference:
         recipe = {"forward": f"{info.name}.reference: the {fmt} recipe",

@@ -277,3 +277,15 @@ def test_the_wide_switch_changes_the_job(monkeypatch):
 def test_a_long_k_forward_builds_no_job():
     assert lone_gemm.kernel_jobs(GroupLinear(16, 6400, 4096), "forward", torch.bfloat16) == []
     assert lone_gemm.kernel_jobs(GroupLinear(16, 6400, 4096), "dgrad", torch.bfloat16) != []
+
+
+def test_explain_names_the_dense_matmul_for_one_group():
+    """explain() tells a one-group GroupLinear's unfused GEMM steps that cuBLAS's dense matmul runs what our kernels
+    do not (fusion.planner.ONE_GROUP_NOTE, on each of them), and says nothing of it for several groups."""
+    from fusion.planner import ONE_GROUP_NOTE
+
+    def explained(E):
+        return fusion.Sequential(GroupLinear(E, 256, 1024), SwiGLU(), GroupLinear(E, 512, 256)).to("meta").explain()
+
+    assert explained(1).count(ONE_GROUP_NOTE) == 4   # FC2 forward, its wgrad, FC1 dgrad, its wgrad
+    assert ONE_GROUP_NOTE not in explained(8)
