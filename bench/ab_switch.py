@@ -9,8 +9,8 @@ switch that the runtime reads per call (a module global) is flipped here between
 which setting goes first (on-off, off-on, ...) after a discarded warm-up round, so a drift of the clocks within a
 round favours neither. Prints, per block and phase, each round's back-to-back ms and the medians; with --baseline
 also an unfused path once (--baseline-path: unfused_fullgraph by default, the block compiled whole for static
-shapes; unfused_compiled until session u). Each setting's peak memory of one call (bench_common.measure's, the last round's)
-and the median of its rounds' host µs per call (measure's host_us) go with its times.
+shapes; unfused_compiled until session u). Each setting's peak memory of one call (bench_common.measure's, the last
+round's) and the median of its rounds' host µs per call (measure's host_us) go with its times.
 
 A switch read when a block's kernels are chosen (a tile policy's rule: tile_policy.GATED_PAIRS) rather than per call
 takes --plan: the B setting then runs a copy of the block (the same parameters) whose plan and kernels were made, and

@@ -24,8 +24,9 @@ dgrad). `takes(op, x)` decides per call from shapes the host already knows (no s
   partial last n-tile costs a full tile's work: at 128x128 tiles GPT-OSS-120B's GEMMs were slower than torch's
   (the table's last row); at 128x192 they are faster (below).
 
-Anywhere else torch._grouped_mm runs, as before (a one-group GEMM: torch's dense matmul, fusion.grouped.DENSE_MM). Why that rule: measured on an H200 (bench/bench_pair_gemm.py,
-bench/results/H200-2026-11-26-pairs*.json, the identity epilogue against torch._grouped_mm on the same operands):
+Anywhere else torch._grouped_mm runs, as before (a one-group GEMM: torch's dense matmul, fusion.grouped.DENSE_MM).
+Why that rule: measured on an H200 (bench/bench_pair_gemm.py, bench/results/H200-2026-11-26-pairs*.json, the
+identity epilogue against torch._grouped_mm on the same operands):
 
 | block (rows per expert) | FC2 forward ours / torch ms | FC1 dgrad ours / torch ms |
 |---|---|---|
