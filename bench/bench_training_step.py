@@ -98,6 +98,8 @@ BLOCKS = [
 ]
 # Blocks no tile rule was tuned on (bench/held_out.py; none of them in BLOCKS): `--models held-out` runs them.
 HELD_OUT_BLOCKS = [Block(h.model, h.E, h.tokens, h.top_k, h.d, h.f) for h in HELD_OUT]
+#: Calls per back-to-back window (bench_common.measure's b2b_ms): 10 by default, as every run before session u.
+B2B_CALLS = 10
 PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "unfused_fullgraph", "quack", "reference", "fusion_fp8", "fusion_fp8_fp8wgrad",
          "fusion_fp8_direct", "unfused_fp8"]
 PHASES = ["forward", "training_step", "gemm"]
@@ -421,7 +423,7 @@ def run_block(block: Block, paths, phases, out_rows, log):
         for phase in phases:
             t0 = time.time()
             try:
-                res = measure(*phase_fn(path, phase, x, dy))
+                res = measure(*phase_fn(path, phase, x, dy), b2b_calls=B2B_CALLS)
             except Exception as err:  # noqa: BLE001
                 log(f"  {name} {phase}: failed ({type(err).__name__}: {str(err)[:300]})")
                 torch.cuda.synchronize()
@@ -508,7 +510,7 @@ def precompile(blocks, fp8: bool = True) -> None:
 
 
 def main(argv=None):
-    global SIGMA
+    global SIGMA, B2B_CALLS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=None,
                     help="comma-separated model names (default: all of BLOCKS); 'held-out': HELD_OUT_BLOCKS")
@@ -521,8 +523,10 @@ def main(argv=None):
                          "shape costs time)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<gpu>-<date>.json)")
     ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--b2b-calls", type=int, default=B2B_CALLS,
+                    help="calls per back-to-back window (b2b_ms); more see the card's sustained, power-bound clocks")
     args = ap.parse_args(argv)
-    SIGMA = args.sigma
+    SIGMA, B2B_CALLS = args.sigma, args.b2b_calls
     blocks = select_blocks(args.models)
     if args.precompile:
         fp8 = any("fp8" in p for p in args.paths.split(",")) or "gemm" in args.phases.split(",")
@@ -543,7 +547,8 @@ def main(argv=None):
         use = [p for p in paths if p not in WHOLE_COMPILED or block.model in compiled_models]
         run_block(block, use, args.phases.split(","), rows, log)
         # written after every block: a run cut short keeps what it measured
-        out.write_text(json.dumps({"gpu": gpu, "date": date, "commit": commit, "sigma": SIGMA, "rows": rows}, indent=1))
+        out.write_text(json.dumps({"gpu": gpu, "date": date, "commit": commit, "sigma": SIGMA, "b2b_calls": B2B_CALLS,
+                                    "rows": rows}, indent=1))
     log(f"wrote {out}")
 
 

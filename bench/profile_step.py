@@ -32,6 +32,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--timeline", action="store_true", help="also one call's kernels in launch order")
+    ap.add_argument("--b2b-calls", type=int, default=10,
+                    help="calls of the unprofiled back-to-back window (more: the card's sustained clocks)")
     ap.add_argument("--trace", default=None,
                     help="directory: also a chrome trace (host and kernels) of three calls per block and path, to "
                          "see where the GPU waits for the host")
@@ -44,7 +46,7 @@ def main(argv=None):
                 clear()
                 call()
             torch.cuda.synchronize()
-            m = measure(call, clear)
+            m = measure(call, clear, b2b_calls=args.b2b_calls)
             print(f"== {block.model} {path} {args.phase}: b2b {m['b2b_ms']:.3f} ms, sync {m['sync_ms']:.3f} ms, "
                   f"host {m['host_us']:.0f} µs (unprofiled)")
             print_kernels(call, clear, args.steps, args.top, f"{block.model} {path} {args.phase}")
