@@ -48,11 +48,10 @@ def takes(op, x) -> bool:
     dtype (or a QuantizedTensor of one: it reads the dequantized values, as torch's path does) on a Hopper GPU, a
     GroupLinear (a bias gradient is the wgrad step's per-group sum either way), widths the kernel's 16-byte rows
     take (multiples of 8), and at least :data:`MIN_GROUPS` groups."""
-    if not x.is_cuda or x.dim() != 2 or op._parameters["weight"].dtype != x.dtype:
+    weight = op._parameters["weight"]
+    if not x.is_cuda or x.dim() != 2 or weight.dtype != x.dtype or vendor_runs(weight):
         return False
     if cuda_major(x.get_device()) != 9:
-        return False
-    if vendor_runs(op._parameters["weight"]):
         return False
     # the limits the plan states (fusion.op_table.DEVICE_METHOD_LIMITS), so explain() says what runs
     return gemm_refusal(op, dtype_name(x.dtype)) is None
