@@ -60,8 +60,19 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
                         "promotion's scratch fragment); use pingpong=False")
     if config.b_major != "K":
         problems.append("b_major must be 'K': FP8 wgmma reads B K-major (the dgrad uses the weight's data_t)")
-    if config.cluster_m != 1:
-        problems.append(f"cluster_m = {config.cluster_m}: the FP8 kernel pairs CTAs along n only (cluster_m = 1)")
+    if config.cluster_m not in (1, 2):
+        problems.append(f"cluster_m = {config.cluster_m}: 1, or 2 for CTA pairs on neighbouring m-tiles sharing "
+                        "the B tile")
+    elif config.cluster_m == 2:
+        if config.cluster_n != 1:
+            problems.append("cluster_m = 2 and cluster_n = 2: a CTA pair runs along m or along n; set one to 1")
+        if not config.persistent:
+            problems.append("cluster_m = 2 multicasts B in a persistent kernel: use persistent=True")
+        box_rows = config.tile_n // 2 if epilogue.gated else config.tile_n
+        if box_rows % 16:
+            problems.append(f"cluster_m = 2 splits each B box ({box_rows} rows at tile_n = {config.tile_n}) between "
+                            "the pair in whole 8-row swizzle atoms: pick a tile_n whose boxes are a multiple of 16 "
+                            "rows, or cluster_m = 1")
     if (why := band_problem(config)) is not None:
         problems.append(why)
     if config.cluster_n not in (1, 2):
@@ -112,6 +123,7 @@ class CompiledFp8GroupedGemm(CompiledGroupedGemm):
                      f"{config.tile_m}x{config.tile_n}x{config.tile_k}s{config.stages}"
                      + (f"_band{resolved_band(config)}" if resolved_band(config) > 1 else "")
                      + ("_dyn" if config.dynamic else "") + ("_c2" if config.cluster_n == 2 else "")
+                     + ("_cm2" if config.cluster_m == 2 else "")
                      + debug
                      + ("" if kernel is None or kernel.debug.reg_realloc else "_noregs"))
         self.k_blocks = -(-K // SCALE_BLOCK)

@@ -105,11 +105,17 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # CTA pairs along n share the A tile by TMA multicast, as in the bf16 kernel (kernels/grouped_gemm.py);
         # each CTA loads its own scales (the activation scales are the pair's, but a few hundred bytes)
         self.cluster_n = int(getattr(config, "cluster_n", 1))
+        # CTA pairs along m (neighbouring m-tiles of one group and n-tile) share the B tile the same way, each CTA
+        # loading half of every B box (a gated tile's gate and up boxes alike) and multicasting it: for GEMMs
+        # whose n-tiles do not pair up (GPT-OSS's 2880 logical columns: 23 n-tiles of 128). Each CTA loads its own
+        # scales: its rows' activation scales differ, the weight scales are the pair's
+        self.cluster_m = int(getattr(config, "cluster_m", 1))
         self.band_m = resolved_band(config)    # the tile order's band (kernels/scheduler.py)
         # a tile whose rows end within its first 64: the second warpgroup issues no wgmma (kernels/fp8_mainloop.py)
         self.short_tiles = bool(getattr(config, "short_tiles", False)) and self.waves == 1
-        assert self.cluster_n in (1, 2), "cluster_n is 1 or 2"
-        self.peer_ids = self.dynamic and self.cluster_n > 1   # rank 0 sends the tile ids it takes to rank 1
+        assert self.cluster_n in (1, 2) and self.cluster_m in (1, 2), "cluster_n and cluster_m are 1 or 2"
+        assert self.cluster_m == 1 or self.cluster_n == 1, "a CTA pair lies along m or along n, not both"
+        self.peer_ids = self.dynamic and self.cluster_size > 1   # rank 0 sends the tile ids it takes to rank 1
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
         # the epilogue works in the output dtype (what MXFP8 outputs round to, what Outputs default to)
         self.tile_epi = TileEpilogue(epilogue, out_dtype, self.tile_n_log, 0)
@@ -140,7 +146,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.slots = num_slots(self.segments)
         self.sched = TileScheduler(self.tile_m, (n_log + self.tile_n_log - 1) // self.tile_n_log, G,
                                    self.dynamic, False, self.cluster_n, self.band_m,
-                                   one_band_limit(self.band_m, self.tile_m, K, 1))
+                                   one_band_limit(self.band_m, self.tile_m, K, 1), self.cluster_m)
         mA = cute.make_tensor(pA, cute.make_layout((M, K), stride=(K, 1)))
         mB = cute.make_tensor(pB, cute.make_layout((N, K, G), stride=(K, 1, N * K)))
         # scales as flat 1-D tensors: a TMA box may start at any element, so neither M nor the number of
@@ -181,7 +187,9 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # tile's smem layout is the first tile_n/2 rows of the stage's
         b_box = (self.tile_n // 2 if self.gated else self.tile_n, self.tile_k)
         sB_box = cute.tile_to_shape(atom, b_box, order=(0, 1)) if const_expr(self.gated) else sB_one
-        tma_b, tma_tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_box, b_box)
+        b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_m > 1) else \
+            cpasync.CopyBulkTensorTileG2SOp()
+        tma_b, tma_tB = cpasync.make_tiled_tma_atom(b_op, mB, sB_box, b_box, num_multicast=self.cluster_m)
         tma_sa, tma_tSA = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mSA, cute.make_layout((SA_BOX,)), (SA_BOX,)
         )
@@ -211,7 +219,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
             tma_a, tma_tA, tma_b, tma_tB, tma_sa, tma_tSA, tma_sb, tma_tSB, mOffs, mCounter, tuple(tensors),
             M, self.tiled_mma, self.tiled_mma_log, self.sA_layout, self.sB_layout, self.sSA_layout,
             self.sSB_layout,
-        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), cluster=(self.cluster_n, 1, 1),
+        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), cluster=(self.cluster_size, 1, 1),
                  smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ kernel
@@ -251,12 +259,12 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         sSB = storage.sSB.get_tensor(sSB_layout)
         self.cluster_sync_barriers()
         cute.arch.sync_threads()
-        # the schedule walks clusters: a CTA pair shares one unit (its rank picks the n-tile)
+        # the schedule walks clusters: a CTA pair shares one unit (its rank picks the n-tile, or the m-tile)
         rank = 0
-        if const_expr(self.cluster_n > 1):
+        if const_expr(self.cluster_size > 1):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            bidx = bidx // self.cluster_n
-            grid = grid // self.cluster_n
+            bidx = bidx // self.cluster_size
+            grid = grid // self.cluster_size
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:

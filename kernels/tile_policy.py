@@ -360,6 +360,27 @@ def _single_ctas(config: GemmConfig) -> GemmConfig:
     return dataclasses.replace(config, cluster_n=1)
 
 
+#: Where the FP8 kernel's n-tiles do not pair up (an odd count: GPT-OSS's 2880 columns, DeepSeek-V2-Lite's 1408), CTA
+#: pairs on neighbouring m-tiles of one group sharing the B tile (cluster_m = 2: each CTA loads half of every B box and
+#: multicasts it) instead of single CTAs (FUSION_FP8_M_PAIRS=0, read at import, keeps single CTAs; the policy reads
+#: this attribute per job, so bench/ab_switch.py --plan can flip it): :func:`fp8_block_output_tile` and
+#: :func:`choose_fp8_config`. A group's odd last m-tile leaves rank 1 of its pair a tile past the group's rows
+#: (computed, masked).
+FP8_M_PAIRS = os.environ.get("FUSION_FP8_M_PAIRS", "1") != "0"
+#: A gated FP8 kernel on the 128 x 256 n-wave tile whose n-tiles do pair up as CTA pairs along m (sharing the 256-row
+#: B tile, 32 KiB a stage) instead of along n (sharing the 128-row A tile, 16 KiB): FUSION_FP8_GATED_M_PAIRS=1 (read at
+#: import; the policy reads this attribute per job).
+FP8_GATED_M_PAIRS = os.environ.get("FUSION_FP8_GATED_M_PAIRS", "0") != "0"
+
+
+def _fp8_pairs(n_tiles_pair: bool, m_pairs_first: bool = False) -> dict:
+    """The cluster fields of a 128-row FP8 tile: along n where its n-tiles pair up (unless `m_pairs_first`), else
+    along m where :data:`FP8_M_PAIRS` allows, else single CTAs."""
+    if n_tiles_pair and not m_pairs_first:
+        return dict(cluster_n=2, cluster_m=1)
+    return dict(cluster_n=1, cluster_m=2 if (FP8_M_PAIRS or m_pairs_first) else 1)
+
+
 #: The logical columns of an FP8-block output's scale block (a row's 1 x 128 block must be whole in a tile).
 FP8_BLOCK_COLUMNS = 128
 
@@ -369,15 +390,16 @@ def fp8_block_output_tile(N: int, gated: bool = True) -> GemmConfig:
     128 logical columns, so a row's 1 x 128 block is whole in the tile. Gated: 128 x 256, the gate and up halves
     walked as two n-waves through one scratch fragment (kernels/fp8_gemm.py); plain: 128 x 128 (a 256-row tile's
     two m-waves with the quantizing store's 16-chunk batch spilled). 128 rows either way: a thread holds at most 128
-    accumulator and 64 scratch floats. Dynamic CTA pairs sharing the A tile where the n-tiles pair up, else single
-    CTAs; as many stages as fit (a gated stage holds three weight-scale slots at most: the gate half's block and
-    the up half's one or two)."""
+    accumulator and 64 scratch floats. Dynamic CTA pairs sharing the A tile where the n-tiles pair up, else CTA
+    pairs along m sharing the B tile (:data:`FP8_M_PAIRS`; single CTAs with it off; a gated tile takes them
+    everywhere with :data:`FP8_GATED_M_PAIRS`); as many stages as fit (a gated stage holds three weight-scale slots
+    at most: the gate half's block and the up half's one or two)."""
     n_log = N // 2 if gated else N
     pair = n_tile_count(n_log, FP8_BLOCK_COLUMNS) % 2 == 0
     tile_n, slots = (2 * FP8_BLOCK_COLUMNS, 3) if gated else (FP8_BLOCK_COLUMNS, 2)
     stages = min(8, FP8_SMEM // (fp8_stage_bytes(128, tile_n, slots) + 16))
     return GemmConfig(tile_m=128, tile_n=tile_n, tile_k=SCALE_BLOCK, stages=stages, pingpong=False,
-                      dynamic=True, cluster_n=2 if pair else 1)
+                      dynamic=True, **_fp8_pairs(pair, gated and FP8_GATED_M_PAIRS))
 
 
 def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | None = None,
@@ -385,8 +407,8 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     """The FP8 block-scaled kernel's tile (kernels/fp8_gemm.py): 128 columns (one weight-scale block per n-tile),
     cooperative, as many stages as fit, the dynamic scheduler; where the n-tile count is even, CTA pairs
     (cluster_n = 2) on 256-row tiles (:data:`FP8_TILE_M`: each consumer warpgroup walks its 128 rows as two 64-row
-    waves through one scratch fragment, so a thread holds 2 x 64 accumulator and 64 scratch floats), else single
-    CTAs on 128-row tiles. A gated tile reads two weight-scale slots (gate and up rows). `rows`: a call's routed
+    waves through one scratch fragment, so a thread holds 2 x 64 accumulator and 64 scratch floats), else 128-row
+    tiles as CTA pairs along m sharing the B tile (:data:`FP8_M_PAIRS`; single CTAs with it off). A gated tile reads two weight-scale slots (gate and up rows). `rows`: a call's routed
     rows, where known (:func:`fp8_for_rows`: single CTAs at many rows per group). `wide_odd`: whether 128 x 192
     pairs may replace single CTAs where the 128-column n-tiles do not pair up (None: :data:`FP8_WIDE_ODD`; the
     runtime passes False for the fused kernels of a training step, fusion/runtime/kernel.py `make_job`).
@@ -425,7 +447,7 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     tile_m = FP8_TILE_M if pair else 128
     stages = min(8, FP8_SMEM // (fp8_stage_bytes(tile_m, 128, slots) + 16))
     return fp8_for_rows(GemmConfig(tile_m=tile_m, tile_n=128, tile_k=SCALE_BLOCK, stages=stages, pingpong=False,
-                                   dynamic=True, cluster_n=2 if pair else 1), rows, G)
+                                   dynamic=True, **_fp8_pairs(pair)), rows, G)
 
 
 def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bool, gather: bool = False,

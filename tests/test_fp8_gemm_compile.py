@@ -34,6 +34,10 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
     "pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(cluster_n=2, dynamic=False)),   # A multicast to 2 CTAs
     "pair-dynamic": (K.IdentityEpilogue(), 1536, 2048, 128, dict(cluster_n=2)),        # tile ids sent to rank 1
     "pair-gated": (K.SwiGLUScaleEpilogue(), 3072, 2048, 128, dict(cluster_n=2, dynamic=False)),
+    # CTA pairs along m: B multicast to 2 CTAs (GPT-OSS's 2880 columns: 23 n-tiles, the policy's m-pairs)
+    "m-pair": (K.IdentityEpilogue(), 2880, 2880, 32, {}),
+    "m-pair-static": (K.IdentityEpilogue(), 2880, 2880, 32, dict(dynamic=False)),
+    "m-pair-gated": (K.SwiGLUScaleEpilogue(), 3072, 2048, 128, dict(cluster_n=1, cluster_m=2)),
     # 256-row tiles: each warpgroup walks two 64-row waves through one scratch fragment
     "waves": (K.IdentityEpilogue(), 1024, 528, 8, dict(tile_m=256, stages=4)),
     "waves-pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(tile_m=256, stages=4, cluster_n=2)),
@@ -71,12 +75,14 @@ def test_compile_sass(name):
     assert f"x{comp.config.tile_n // (2 if n_waves else 1)}x32" in gmma[0]
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local-memory spills"
     tma = {o for o in ops if o.startswith("UTMALDG")}
-    assert {"UTMALDG.1D", "UTMALDG.3D"} <= tma, tma   # scales (1-D), B (3-D)
-    # A (2-D): multicast to both CTAs of a pair, which wait at a cluster barrier for each other's mbarriers
-    paired = comp.config.cluster_n == 2
-    assert ("UTMALDG.2D.MULTICAST" in tma) == paired and ("UTMALDG.2D" in tma) != paired, tma
-    assert any(o.startswith("UCGABAR") for o in ops) == paired
-    assert comp.name.endswith("_c2") == paired
+    assert "UTMALDG.1D" in tma, tma   # scales (1-D)
+    # A (2-D) multicast to both CTAs of a pair along n, B (3-D) to both of a pair along m; the pair's CTAs wait at a
+    # cluster barrier for each other's mbarriers
+    a_paired, b_paired = comp.config.cluster_n == 2, comp.config.cluster_m == 2
+    assert ("UTMALDG.2D.MULTICAST" in tma) == a_paired and ("UTMALDG.2D" in tma) != a_paired, tma
+    assert ("UTMALDG.3D.MULTICAST" in tma) == b_paired and ("UTMALDG.3D" in tma) != b_paired, tma
+    assert any(o.startswith("UCGABAR") for o in ops) == (a_paired or b_paired)
+    assert ("_c2" in comp.name) == a_paired and comp.name.endswith("_cm2") == b_paired
     assert K.compile_fp8_grouped_gemm(comp.config, epi, N, K_, G, out_dtype=comp.dtype) is comp  # cached
 
 
@@ -257,7 +263,11 @@ def test_unknown_scale_mode_is_rejected():
     (K.SwiGLUScaleMXFP8Epilogue(), dict(tile_n=32), 1024, 512, "32-column"),
     (K.IdentityEpilogue(), dict(tile_n=128, cluster_n=2), 1152, 512, "even number of n-tiles"),   # 9 n-tiles
     (K.IdentityEpilogue(), dict(cluster_n=4), 1024, 512, "cluster_n = 4"),
-    (K.IdentityEpilogue(), dict(cluster_m=2), 1024, 512, "along n only"),
+    (K.IdentityEpilogue(), dict(cluster_m=2, cluster_n=2), 1024, 512, "along m or along n"),
+    (K.IdentityEpilogue(), dict(cluster_m=3), 2880, 512, "cluster_m = 3"),
+    (K.SwiGLUScaleEpilogue(), dict(cluster_m=2, cluster_n=1, tile_n=176, stages=5), 2816, 512,
+     "8-row swizzle atoms"),   # 88-row gate and up boxes
+    (K.IdentityEpilogue(), dict(cluster_m=2, cluster_n=1, persistent=False), 2880, 512, "persistent kernel"),
 ])
 def test_unsupported_configs_are_rejected(epi, over, N, K_, match):
     with pytest.raises(KernelConfigError, match=match):
@@ -305,14 +315,30 @@ def test_run_with_no_rows_launches_nothing():
         is None
 
 
-@pytest.mark.parametrize("N,gated,tile", [(4096, False, (256, 128, 2, 4)), (1536, False, (256, 128, 2, 4)),
-                                          (2880, False, (128, 128, 1, 6)), (5760, True, (128, 256, 1, 4)),
-                                          (3072, True, (128, 256, 2, 4)), (1032, False, (128, 192, 2, 5))])
+@pytest.mark.parametrize("N,gated,tile", [(4096, False, (256, 128, 2, 1, 4)), (1536, False, (256, 128, 2, 1, 4)),
+                                          (2880, False, (128, 128, 1, 2, 6)), (5760, True, (128, 256, 1, 2, 4)),
+                                          (3072, True, (128, 256, 2, 1, 4)), (1032, False, (128, 192, 2, 1, 5)),
+                                          (2816, True, (128, 256, 1, 2, 4))])
 def test_policy_pairs_ctas_where_the_n_tiles_pair_up(N, gated, tile):
-    """(tile_m, tile_n, cluster_n, stages), dynamic schedule: CTA pairs on 256-row tiles where the 128-column
-    n-tiles come in pairs; else 128 x 192 pairs where those pair up (1032: 9 and 6; tile_policy.FP8_WIDE_ODD);
-    single 128 x 128 CTAs elsewhere (GPT-OSS's 2880 columns: 23 and 15); stages as many as fit. A gated kernel
-    takes the 128 x 256 n-waves (tile_policy.FP8_GATED_WAVES), pairs where its 128 logical columns pair up (3072:
-    12 n-tiles; GPT-OSS's FC1, 2f = 5760: 23, single)."""
+    """(tile_m, tile_n, cluster_n, cluster_m, stages), dynamic schedule: CTA pairs along n on 256-row tiles where the
+    128-column n-tiles come in pairs; else 128 x 192 pairs where those pair up (1032: 9 and 6;
+    tile_policy.FP8_WIDE_ODD); 128 x 128 CTA pairs along m elsewhere (GPT-OSS's 2880 columns: 23 and 15;
+    tile_policy.FP8_M_PAIRS); stages as many as fit. A gated kernel takes the 128 x 256 n-waves
+    (tile_policy.FP8_GATED_WAVES), pairs along n where its 128 logical columns pair up (3072: 12 n-tiles), along m
+    where they do not (GPT-OSS's FC1, 2f = 5760: 23; DeepSeek-V2-Lite's, 2816: 11)."""
     cfg = K.choose_fp8_config(N, 2048, 32, gated)
-    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.stages) == tile and cfg.dynamic
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.cluster_m, cfg.stages) == tile and cfg.dynamic
+
+
+@pytest.mark.parametrize("N,gated", [(2880, False), (5760, True), (2816, True)])
+def test_policy_switches_m_pairs(N, gated, monkeypatch):
+    """FP8_M_PAIRS off: single CTAs where the n-tiles do not pair up (the policy before CTA pairs along m);
+    FP8_GATED_M_PAIRS on: a gated tile pairs along m even where its n-tiles pair up."""
+    from fusion.kernels import tile_policy
+    monkeypatch.setattr(tile_policy, "FP8_M_PAIRS", False)
+    cfg = K.choose_fp8_config(N, 2048, 32, gated)
+    assert (cfg.cluster_n, cfg.cluster_m) == (1, 1)
+    monkeypatch.setattr(tile_policy, "FP8_GATED_M_PAIRS", True)
+    cfg = K.choose_fp8_config(3072, 2048, 32, True)
+    assert (cfg.cluster_n, cfg.cluster_m) == (1, 2)
+    assert K.choose_fp8_config(4096, 2048, 32, False).cluster_n == 2     # not gated: unchanged

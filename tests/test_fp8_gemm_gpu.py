@@ -240,12 +240,16 @@ def test_gated_swiglu_scale(N, tile_n, cluster_n):
                                              stages=5 if tile_n > 128 else 6), seed=3)
 
 
-@pytest.mark.parametrize("N,cluster_n", [(2 * 1536, 1), (2 * 1536, 2), (2 * 2888, 1), (2 * 2880, 1)])
-def test_gated_swiglu_scale_as_two_n_waves(N, cluster_n):
+@pytest.mark.parametrize("N,cluster_n,cluster_m", [(2 * 1536, 1, 1), (2 * 1536, 2, 1), (2 * 1536, 1, 2),
+                                                   (2 * 2888, 1, 1), (2 * 2888, 1, 2), (2 * 2880, 1, 1),
+                                                   (2 * 2880, 1, 2)])
+def test_gated_swiglu_scale_as_two_n_waves(N, cluster_n, cluster_m):
     """The gated 128 x 256 tile (gate half, then up half, through one scratch fragment: kernels/fp8_gemm.py
-    n-waves), single CTAs and pairs. N/2 = 2888 and 2880: the up half's 128-row segments straddle two weight
-    blocks, and the last n-tile is partial."""
-    _check_gated(N, lambda N, Kd, G: replace(K.fp8_block_output_tile(N), cluster_n=cluster_n), seed=5)
+    n-waves), single CTAs and pairs along n and along m (each CTA of an m-pair loads half of the gate box and half
+    of the up box). N/2 = 2888 and 2880: the up half's 128-row segments straddle two weight blocks, and the last
+    n-tile is partial."""
+    _check_gated(N, lambda N, Kd, G: replace(K.fp8_block_output_tile(N), cluster_n=cluster_n, cluster_m=cluster_m),
+                 seed=5)
 
 
 class _SwiGLUScaleFP8Block(K.SwiGLUScaleEpilogue):
@@ -282,7 +286,8 @@ def test_fp8_block_output_is_the_quantized_bf16_output(N):
     """The FP8-block epilogue store (a row's 1 x 128 block whole in the 128 x 256 gated tile) rounds to bf16 and
     quantizes exactly: codes, k-block-major scales and the finite amax equal fusion.quant's quantizer applied to
     the bf16 epilogue output of the same kernel configuration (the same accumulators), with zero, huge, tiny and
-    NaN rows, empty groups, unaligned group starts and (N/2 = 2888) a partial last block."""
+    NaN rows, empty groups, unaligned group starts and (N/2 = 2888) a partial last block; on the policy's tiles, CTA
+    pairs along n (N/2 = 2048: 16 n-tiles) and along m (2888: 23)."""
     G, M, Kd = 8, 2100, 1024
     args, scale = _adversarial_problem(G, M, N, Kd, seed=6)
     cfg = K.fp8_block_output_tile(N)
@@ -406,6 +411,35 @@ def test_pairs_identity_bitwise_equal_to_single_ctas(case, num_ctas, dynamic):
 def test_pairs_gated_swiglu_scale(N, dynamic):
     """FC1 + SwiGLU * router prob as CTA pairs on either schedule: gate and up B boxes per CTA, the A tile shared."""
     _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, cluster_n=2, dynamic=dynamic), seed=12)
+
+
+# ------------------------------------------------------------------ CTA pairs along m (cluster_m = 2)
+# (G, M, N, K): GPT-OSS's 2880 columns (23 n-tiles), ragged groups whose m-tile counts are odd (rank 1 of a group's
+# last pair gets a tile past the group's rows), empty groups, many groups, one group, a partial last k-block
+M_PAIR_CASES = [(8, 3001, 2880, 512), (4, 1000, 1000, 640), (130, 5000, 512, 384), (1, 777, 256, 256),
+                (8, 2000, 1024, 528)]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("num_ctas", [None, 7])
+@pytest.mark.parametrize("case", M_PAIR_CASES, ids=lambda c: "G{}-M{}-N{}-K{}".format(*c))
+def test_m_pairs_identity_bitwise_equal_to_single_ctas(case, num_ctas, dynamic):
+    """A CTA pair along m multicasts the B tile (each CTA loads half of it) and loads its own A rows and scales;
+    each CTA folds the same k-tiles in the same order as a single CTA, so the output is bitwise the single-CTA
+    kernel's, and within the FP8 tolerance of the float64 product. ``num_ctas`` = 7 launches 3 pairs."""
+    G, M, N, Kd = case
+    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=21)
+    cfg = _config(N, Kd, G, dynamic=dynamic, tile_m=128, stages=6, cluster_n=1, cluster_m=1)
+    single = _nan(M, N)
+    K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.IdentityEpilogue(), N, Kd, G), *args, {"out": single})
+    comp = K.compile_fp8_grouped_gemm(replace(cfg, cluster_m=2), K.IdentityEpilogue(), N, Kd, G)
+    assert comp.name.endswith("_cm2")
+    paired = _nan(M, N)
+    K.run_fp8_grouped_gemm(comp, *args, {"out": paired}, num_ctas=num_ctas)
+    torch.cuda.synchronize()
+    ref, mag = _reference(a_dq, b_dq, sizes)
+    _check(paired, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name)
+    assert torch.equal(paired, single)
 
 
 # ------------------------------------------------------------------ 256-row tiles (two 64-row waves per warpgroup)
