@@ -362,14 +362,22 @@ def _single_ctas(config: GemmConfig) -> GemmConfig:
 
 #: Where the FP8 kernel's n-tiles do not pair up (an odd count: GPT-OSS's 2880 columns, DeepSeek-V2-Lite's 1408), CTA
 #: pairs on neighbouring m-tiles of one group sharing the B tile (cluster_m = 2: each CTA loads half of every B box and
-#: multicasts it) instead of single CTAs (FUSION_FP8_M_PAIRS=0, read at import, keeps single CTAs; the policy reads
-#: this attribute per job, so bench/ab_switch.py --plan can flip it): :func:`fp8_block_output_tile` and
-#: :func:`choose_fp8_config`. A group's odd last m-tile leaves rank 1 of its pair a tile past the group's rows
-#: (computed, masked).
-FP8_M_PAIRS = os.environ.get("FUSION_FP8_M_PAIRS", "1") != "0"
+#: multicasts it) instead of single CTAs: FUSION_FP8_M_PAIRS=1 (read at import; the policy reads this attribute per
+#: job, so bench/ab_switch.py --plan can flip it): :func:`fp8_block_output_tile` and :func:`choose_fp8_config`. A
+#: group's odd last m-tile leaves rank 1 of its pair a tile past the group's rows (computed, masked).
+#:
+#: Off by default: measured slower. On an H200 (bench/ab_switch.py --plan --path fusion_fp8, three alternating rounds,
+#: bench/results/H200-2026-11-29v-ab-fp8-m-pairs.log; ms, m-pairs / single CTAs, the FC1 forward and training FC1
+#: and FC2's dgrad affected): DeepSeek-V2-Lite forward 0.958 / 0.951, training step 4.042 / 3.929 (+2.9%);
+#: GPT-OSS-20B 1.838 / 1.836 and 7.375 / 7.296 (+1.1%). Sharing the weight's tile saves L2 traffic these kernels are
+#: not bound by (their epilogue, not overlapped with the mainloop, is what they wait on), and a pair's CTAs wait for
+#: each other at every stage.
+FP8_M_PAIRS = os.environ.get("FUSION_FP8_M_PAIRS", "0") != "0"
 #: A gated FP8 kernel on the 128 x 256 n-wave tile whose n-tiles do pair up as CTA pairs along m (sharing the 256-row
 #: B tile, 32 KiB a stage) instead of along n (sharing the 128-row A tile, 16 KiB): FUSION_FP8_GATED_M_PAIRS=1 (read at
-#: import; the policy reads this attribute per job).
+#: import; the policy reads this attribute per job). Off by default: on an H200 (as above,
+#: -ab-fp8-gated-m-pairs.log) Qwen3-30B-A3B's forward 0.850 / 0.821 ms (+3.5%), training step +0.3%; DeepSeek-V3
+#: EP8's forward +0.5%, step -0.9% (within its rounds' spread).
 FP8_GATED_M_PAIRS = os.environ.get("FUSION_FP8_GATED_M_PAIRS", "0") != "0"
 
 
@@ -390,9 +398,9 @@ def fp8_block_output_tile(N: int, gated: bool = True) -> GemmConfig:
     128 logical columns, so a row's 1 x 128 block is whole in the tile. Gated: 128 x 256, the gate and up halves
     walked as two n-waves through one scratch fragment (kernels/fp8_gemm.py); plain: 128 x 128 (a 256-row tile's
     two m-waves with the quantizing store's 16-chunk batch spilled). 128 rows either way: a thread holds at most 128
-    accumulator and 64 scratch floats. Dynamic CTA pairs sharing the A tile where the n-tiles pair up, else CTA
-    pairs along m sharing the B tile (:data:`FP8_M_PAIRS`; single CTAs with it off; a gated tile takes them
-    everywhere with :data:`FP8_GATED_M_PAIRS`); as many stages as fit (a gated stage holds three weight-scale slots
+    accumulator and 64 scratch floats. Dynamic CTA pairs sharing the A tile where the n-tiles pair up, else single
+    CTAs (CTA pairs along m sharing the B tile with :data:`FP8_M_PAIRS`, and for every gated tile with
+    :data:`FP8_GATED_M_PAIRS`: both measured slower, off); as many stages as fit (a gated stage holds three weight-scale slots
     at most: the gate half's block and the up half's one or two)."""
     n_log = N // 2 if gated else N
     pair = n_tile_count(n_log, FP8_BLOCK_COLUMNS) % 2 == 0
@@ -407,8 +415,8 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     """The FP8 block-scaled kernel's tile (kernels/fp8_gemm.py): 128 columns (one weight-scale block per n-tile),
     cooperative, as many stages as fit, the dynamic scheduler; where the n-tile count is even, CTA pairs
     (cluster_n = 2) on 256-row tiles (:data:`FP8_TILE_M`: each consumer warpgroup walks its 128 rows as two 64-row
-    waves through one scratch fragment, so a thread holds 2 x 64 accumulator and 64 scratch floats), else 128-row
-    tiles as CTA pairs along m sharing the B tile (:data:`FP8_M_PAIRS`; single CTAs with it off). A gated tile reads two weight-scale slots (gate and up rows). `rows`: a call's routed
+    waves through one scratch fragment, so a thread holds 2 x 64 accumulator and 64 scratch floats), else single
+    CTAs on 128-row tiles (CTA pairs along m sharing the B tile with :data:`FP8_M_PAIRS`, measured slower). A gated tile reads two weight-scale slots (gate and up rows). `rows`: a call's routed
     rows, where known (:func:`fp8_for_rows`: single CTAs at many rows per group). `wide_odd`: whether 128 x 192
     pairs may replace single CTAs where the 128-column n-tiles do not pair up (None: :data:`FP8_WIDE_ODD`; the
     runtime passes False for the fused kernels of a training step, fusion/runtime/kernel.py `make_job`).

@@ -34,9 +34,10 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
     "pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(cluster_n=2, dynamic=False)),   # A multicast to 2 CTAs
     "pair-dynamic": (K.IdentityEpilogue(), 1536, 2048, 128, dict(cluster_n=2)),        # tile ids sent to rank 1
     "pair-gated": (K.SwiGLUScaleEpilogue(), 3072, 2048, 128, dict(cluster_n=2, dynamic=False)),
-    # CTA pairs along m: B multicast to 2 CTAs (GPT-OSS's 2880 columns: 23 n-tiles, the policy's m-pairs)
-    "m-pair": (K.IdentityEpilogue(), 2880, 2880, 32, {}),
-    "m-pair-static": (K.IdentityEpilogue(), 2880, 2880, 32, dict(dynamic=False)),
+    # CTA pairs along m: B multicast to 2 CTAs (GPT-OSS's 2880 columns: 23 n-tiles; tile_policy.FP8_M_PAIRS)
+    "m-pair": (K.IdentityEpilogue(), 2880, 2880, 32, dict(cluster_m=2)),
+    "m-pair-static": (K.IdentityEpilogue(), 2880, 2880, 32, dict(cluster_m=2, dynamic=False)),
+    "m-pair-gated-waves": (K.SwiGLUScaleEpilogue(), 5760, 2880, 32, dict(cluster_m=2)),
     "m-pair-gated": (K.SwiGLUScaleEpilogue(), 3072, 2048, 128, dict(cluster_n=1, cluster_m=2)),
     # 256-row tiles: each warpgroup walks two 64-row waves through one scratch fragment
     "waves": (K.IdentityEpilogue(), 1024, 528, 8, dict(tile_m=256, stages=4)),
@@ -316,15 +317,15 @@ def test_run_with_no_rows_launches_nothing():
 
 
 @pytest.mark.parametrize("N,gated,tile", [(4096, False, (256, 128, 2, 1, 4)), (1536, False, (256, 128, 2, 1, 4)),
-                                          (2880, False, (128, 128, 1, 2, 6)), (5760, True, (128, 256, 1, 2, 4)),
+                                          (2880, False, (128, 128, 1, 1, 6)), (5760, True, (128, 256, 1, 1, 4)),
                                           (3072, True, (128, 256, 2, 1, 4)), (1032, False, (128, 192, 2, 1, 5)),
-                                          (2816, True, (128, 256, 1, 2, 4))])
+                                          (2816, True, (128, 256, 1, 1, 4))])
 def test_policy_pairs_ctas_where_the_n_tiles_pair_up(N, gated, tile):
     """(tile_m, tile_n, cluster_n, cluster_m, stages), dynamic schedule: CTA pairs along n on 256-row tiles where the
     128-column n-tiles come in pairs; else 128 x 192 pairs where those pair up (1032: 9 and 6;
-    tile_policy.FP8_WIDE_ODD); 128 x 128 CTA pairs along m elsewhere (GPT-OSS's 2880 columns: 23 and 15;
-    tile_policy.FP8_M_PAIRS); stages as many as fit. A gated kernel takes the 128 x 256 n-waves
-    (tile_policy.FP8_GATED_WAVES), pairs along n where its 128 logical columns pair up (3072: 12 n-tiles), along m
+    tile_policy.FP8_WIDE_ODD); single 128 x 128 CTAs elsewhere (GPT-OSS's 2880 columns: 23 and 15; pairs along m,
+    tile_policy.FP8_M_PAIRS, measured slower); stages as many as fit. A gated kernel takes the 128 x 256 n-waves
+    (tile_policy.FP8_GATED_WAVES), pairs along n where its 128 logical columns pair up (3072: 12 n-tiles), single
     where they do not (GPT-OSS's FC1, 2f = 5760: 23; DeepSeek-V2-Lite's, 2816: 11)."""
     cfg = K.choose_fp8_config(N, 2048, 32, gated)
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.cluster_m, cfg.stages) == tile and cfg.dynamic
@@ -332,12 +333,14 @@ def test_policy_pairs_ctas_where_the_n_tiles_pair_up(N, gated, tile):
 
 @pytest.mark.parametrize("N,gated", [(2880, False), (5760, True), (2816, True)])
 def test_policy_switches_m_pairs(N, gated, monkeypatch):
-    """FP8_M_PAIRS off: single CTAs where the n-tiles do not pair up (the policy before CTA pairs along m);
-    FP8_GATED_M_PAIRS on: a gated tile pairs along m even where its n-tiles pair up."""
+    """FP8_M_PAIRS on: CTA pairs along m where the n-tiles do not pair up; FP8_GATED_M_PAIRS on: a gated tile pairs
+    along m even where its n-tiles pair up along n."""
     from fusion.kernels import tile_policy
-    monkeypatch.setattr(tile_policy, "FP8_M_PAIRS", False)
+    monkeypatch.setattr(tile_policy, "FP8_M_PAIRS", True)
     cfg = K.choose_fp8_config(N, 2048, 32, gated)
-    assert (cfg.cluster_n, cfg.cluster_m) == (1, 1)
+    assert (cfg.cluster_n, cfg.cluster_m, cfg.tile_m) == (1, 2, 128)
+    monkeypatch.setattr(tile_policy, "FP8_M_PAIRS", False)
+    assert (K.choose_fp8_config(N, 2048, 32, gated).cluster_m) == 1
     monkeypatch.setattr(tile_policy, "FP8_GATED_M_PAIRS", True)
     cfg = K.choose_fp8_config(3072, 2048, 32, True)
     assert (cfg.cluster_n, cfg.cluster_m) == (1, 2)

@@ -281,16 +281,19 @@ def _adversarial_problem(G, M, N, Kd, seed):
     return args, torch.rand(M, device=DEV)
 
 
+@pytest.mark.parametrize("m_pairs", [False, True], ids=["policy", "m-pairs"])
 @pytest.mark.parametrize("N", [2 * 2048, 2 * 2888])
-def test_fp8_block_output_is_the_quantized_bf16_output(N):
+def test_fp8_block_output_is_the_quantized_bf16_output(N, m_pairs):
     """The FP8-block epilogue store (a row's 1 x 128 block whole in the 128 x 256 gated tile) rounds to bf16 and
     quantizes exactly: codes, k-block-major scales and the finite amax equal fusion.quant's quantizer applied to
     the bf16 epilogue output of the same kernel configuration (the same accumulators), with zero, huge, tiny and
-    NaN rows, empty groups, unaligned group starts and (N/2 = 2888) a partial last block; on the policy's tiles, CTA
-    pairs along n (N/2 = 2048: 16 n-tiles) and along m (2888: 23)."""
+    NaN rows, empty groups, unaligned group starts and (N/2 = 2888) a partial last block; on the policy's tiles (CTA
+    pairs along n at N/2 = 2048: 16 n-tiles; single CTAs at 2888: 23) and as CTA pairs along m."""
     G, M, Kd = 8, 2100, 1024
     args, scale = _adversarial_problem(G, M, N, Kd, seed=6)
     cfg = K.fp8_block_output_tile(N)
+    if m_pairs:
+        cfg = replace(cfg, cluster_n=1, cluster_m=2)
     hp = _nan(M, N // 2)
     K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.SwiGLUScaleEpilogue(), N, Kd, G), *args,
                            {"out": hp}, extras={"scale": scale})
