@@ -11,6 +11,10 @@ epilogue:
 - ``n-waves``  the 128 x 256 tile walked as gate and up n-waves (tile_policy.fp8_block_output_tile), bf16 output;
 - ``n-waves + store``  the same tile writing FC2's FP8-block input (codes, scales, amax) instead of bf16: what
                FC1 runs with QuantizeFP8Block(columnwise=False) after it;
+- ``n-waves + store + saved``  the same store and the pre-activation (gate, up) saved in bf16 for the backward:
+               what a training step's FC1 runs (the generated epilogue of patterns/fp8.fpat's fp8_gemm_act, train
+               variant); against ``n-waves + store``, what writing the saved tensor costs in a kernel whose epilogue
+               is not overlapped with the next tile's mainloop (added in session v);
 - ``policy + quantize kernel``  that bf16 output then the FP8-block quantize kernel (rowwise): what ran before
                the store.
 
@@ -69,6 +73,13 @@ def bench_shape(E, Kd, N, M, reps, gen):
     class Store(K.SwiGLUScaleEpilogue):
         outputs = (K.FP8BlockOutput("out"),)
 
+    class StoreSaved(K.SwiGLUScaleEpilogue):
+        outputs = (K.FP8BlockOutput("out"), K.Output("saved", paired=True))
+
+        def apply(self, gate, up, scale):
+            from fusion.kernels import epi_math as em
+            return em.silu(gate) * up * scale, gate, up
+
     sizes = balanced_sizes(E, M, gen).cuda()
     offs = K.offsets_from_group_sizes(sizes)
     x = torch.randn(M, Kd, device="cuda")
@@ -83,11 +94,14 @@ def bench_shape(E, Kd, N, M, reps, gen):
     kp = K.compile_fp8_grouped_gemm(policy, K.SwiGLUScaleEpilogue(), N, Kd, E)
     kw = K.compile_fp8_grouped_gemm(waves, K.SwiGLUScaleEpilogue(), N, Kd, E)
     ks = K.compile_fp8_grouped_gemm(waves, Store(), N, Kd, E)
+    kt = K.compile_fp8_grouped_gemm(waves, StoreSaved(), N, Kd, E)
+    saved = {**store, "saved": torch.empty(M, N, dtype=torch.bfloat16, device="cuda")}
     extras = {"scale": probs}
     fns = {
         "policy": lambda: K.run_fp8_grouped_gemm(kp, *args, {"out": hp}, extras=extras),
         "n-waves": lambda: K.run_fp8_grouped_gemm(kw, *args, {"out": hp}, extras=extras),
         "n-waves + store": lambda: K.run_fp8_grouped_gemm(ks, *args, store, extras=extras),
+        "n-waves + store + saved": lambda: K.run_fp8_grouped_gemm(kt, *args, saved, extras=extras),
         "policy + quantize kernel": lambda: (K.run_fp8_grouped_gemm(kp, *args, {"out": hp}, extras=extras),
                                              quantize_fp8_block_device(hp, False, None)),
     }

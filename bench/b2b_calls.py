@@ -1,0 +1,104 @@
+"""How many back-to-back training steps a timing takes, and whether the fused / unfused ratio depends on it.
+
+bench_training_step.py times ten steps back to back (one sync). Session u found OLMoE's fused step 1.09x the static
+unfused one back to back but 1.18x in the same process by the kernels' sums: ten steps of a few ms last a few tens
+of ms, and the card's clocks (power-bound on these kernels) move over that time. A training loop runs thousands of
+steps; this script times both paths at several counts in one process, the paths alternating within each round and
+the order alternating between rounds, so that the ratio of record can be taken at the count a loop sees.
+
+    python bench/b2b_calls.py --models olmoe-1b-7b,deepseek-v2-lite --counts 10,100 --rounds 3
+
+Prints, per block and count, each path's median ms per step and the ratio unfused / fused; --out writes the rows.
+--precompile (no GPU): compile the fused kernels of the blocks into FUSION_CACHE_DIR (bench_training_step's).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_training_step as B  # noqa: E402
+from bench_common import run_header  # noqa: E402
+
+PATHS = ("fusion", "unfused_fullgraph")
+
+
+def steps_ms(fn, clear, count: int) -> float:
+    """Milliseconds per call of `count` calls back to back (one sync before, one after)."""
+    clear()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / count * 1e3
+
+
+def ratio_rows(model: str, times: dict, counts) -> list[dict]:
+    """Per count: each path's median over the rounds and unfused / fused (the rows this script prints and writes).
+    `times[(path, count)]` is the list of the rounds' ms."""
+    rows = []
+    for count in counts:
+        med = {p: statistics.median(times[(p, count)]) for p in PATHS}
+        rows.append({"model": model, "count": count, **{f"{p}_ms": round(med[p], 4) for p in PATHS},
+                     "rounds": {p: [round(t, 4) for t in times[(p, count)]] for p in PATHS},
+                     "ratio": round(med["unfused_fullgraph"] / med["fusion"], 4)})
+    return rows
+
+
+def run(block, counts, rounds, log) -> list[dict]:
+    setup = B.setup_block(block)
+    fns = {}
+    for name in PATHS:
+        fns[name] = B.phase_fn(setup.path(name), "training_step", setup.x, setup.dy)
+        for _ in range(3):          # compile, warm up
+            fns[name][0]()
+    torch.cuda.synchronize()
+    times = {(p, c): [] for p in PATHS for c in counts}
+    for r in range(rounds):
+        order = PATHS if r % 2 == 0 else PATHS[::-1]
+        for count in counts:
+            for p in order:
+                times[(p, count)].append(steps_ms(*fns[p], count))
+    rows = ratio_rows(block.model, times, counts)
+    for row in rows:
+        log(f"{block.model:18s} {row['count']:5d} steps  fusion {row['fusion_ms']:8.3f} ms  "
+            f"unfused_fullgraph {row['unfused_fullgraph_ms']:8.3f} ms  ratio {row['ratio']:.3f}")
+    del fns, setup
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", required=True)
+    ap.add_argument("--counts", default="10,100")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    blocks = B.select_blocks(args.models)
+    if args.precompile:
+        B.precompile(blocks, fp8=False)
+        return
+    counts = [int(c) for c in args.counts.split(",")]
+
+    def log(msg):
+        print(msg, flush=True)
+
+    header = run_header()
+    log(f"{header['gpu']}, commit {header['commit']}; counts {counts}, {args.rounds} rounds")
+    rows = [row for block in blocks for row in run(block, counts, args.rounds, log)]
+    if args.out:
+        Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
