@@ -8,8 +8,9 @@ the order alternating between rounds, so that the ratio of record can be taken a
 
     python bench/b2b_calls.py --models olmoe-1b-7b,deepseek-v2-lite --counts 10,100 --rounds 3
 
-Prints, per block and count, each path's median ms per step and the ratio unfused / fused; --out writes the rows.
---precompile (no GPU): compile the fused kernels of the blocks into FUSION_CACHE_DIR (bench_training_step's).
+Prints, per block and count, each path's median ms per step and the ratio baseline / fused; --out writes the rows.
+--fused fusion_fp8: the FP8 block against the same bf16 baseline (issue 9's ratio). --precompile (no GPU): compile
+the fused kernels of the blocks into FUSION_CACHE_DIR (bench_training_step's; the FP8 twins' too).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_training_step as B  # noqa: E402
 from bench_common import run_header  # noqa: E402
 
+#: (fused, baseline): the paths timed against each other (--fused replaces the first)
 PATHS = ("fusion", "unfused_fullgraph")
 
 
@@ -41,36 +43,38 @@ def steps_ms(fn, clear, count: int) -> float:
     return (time.perf_counter() - t0) / count * 1e3
 
 
-def ratio_rows(model: str, times: dict, counts) -> list[dict]:
-    """Per count: each path's median over the rounds and unfused / fused (the rows this script prints and writes).
-    `times[(path, count)]` is the list of the rounds' ms."""
+def ratio_rows(model: str, times: dict, counts, paths=PATHS) -> list[dict]:
+    """Per count: each path's median over the rounds and baseline / fused (the rows this script prints and writes).
+    `times[(path, count)]` is the list of the rounds' ms; `paths` (fused, baseline)."""
+    fused, base = paths
     rows = []
     for count in counts:
-        med = {p: statistics.median(times[(p, count)]) for p in PATHS}
-        rows.append({"model": model, "count": count, **{f"{p}_ms": round(med[p], 4) for p in PATHS},
-                     "rounds": {p: [round(t, 4) for t in times[(p, count)]] for p in PATHS},
-                     "ratio": round(med["unfused_fullgraph"] / med["fusion"], 4)})
+        med = {p: statistics.median(times[(p, count)]) for p in paths}
+        rows.append({"model": model, "count": count, "fused": fused, "baseline": base,
+                     **{f"{p}_ms": round(med[p], 4) for p in paths},
+                     "rounds": {p: [round(t, 4) for t in times[(p, count)]] for p in paths},
+                     "ratio": round(med[base] / med[fused], 4)})
     return rows
 
 
-def run(block, counts, rounds, log) -> list[dict]:
+def run(block, counts, rounds, log, paths=PATHS) -> list[dict]:
     setup = B.setup_block(block)
     fns = {}
-    for name in PATHS:
+    for name in paths:
         fns[name] = B.phase_fn(setup.path(name), "training_step", setup.x, setup.dy)
         for _ in range(3):          # compile, warm up
             fns[name][0]()
     torch.cuda.synchronize()
-    times = {(p, c): [] for p in PATHS for c in counts}
+    times = {(p, c): [] for p in paths for c in counts}
     for r in range(rounds):
-        order = PATHS if r % 2 == 0 else PATHS[::-1]
+        order = paths if r % 2 == 0 else paths[::-1]
         for count in counts:
             for p in order:
                 times[(p, count)].append(steps_ms(*fns[p], count))
-    rows = ratio_rows(block.model, times, counts)
+    rows = ratio_rows(block.model, times, counts, paths)
     for row in rows:
-        log(f"{block.model:18s} {row['count']:5d} steps  fusion {row['fusion_ms']:8.3f} ms  "
-            f"unfused_fullgraph {row['unfused_fullgraph_ms']:8.3f} ms  ratio {row['ratio']:.3f}")
+        log(f"{block.model:18s} {row['count']:5d} steps  {paths[0]} {row[paths[0] + '_ms']:8.3f} ms  "
+            f"{paths[1]} {row[paths[1] + '_ms']:8.3f} ms  ratio {row['ratio']:.3f}")
     del fns, setup
     torch.cuda.empty_cache()
     return rows
@@ -81,12 +85,14 @@ def main():
     ap.add_argument("--models", required=True)
     ap.add_argument("--counts", default="10,100")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fused", default=PATHS[0], help="the fused path (fusion, fusion_fp8, ...)")
+    ap.add_argument("--baseline", default=PATHS[1], help="the path it is timed against")
     ap.add_argument("--precompile", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     blocks = B.select_blocks(args.models)
     if args.precompile:
-        B.precompile(blocks, fp8=False)
+        B.precompile(blocks, fp8="fp8" in args.fused)
         return
     counts = [int(c) for c in args.counts.split(",")]
 
@@ -94,8 +100,10 @@ def main():
         print(msg, flush=True)
 
     header = run_header()
-    log(f"{header['gpu']}, commit {header['commit']}; counts {counts}, {args.rounds} rounds")
-    rows = [row for block in blocks for row in run(block, counts, args.rounds, log)]
+    paths = (args.fused, args.baseline)
+    log(f"{header['gpu']}, commit {header['commit']}; {paths[0]} against {paths[1]}, counts {counts}, "
+        f"{args.rounds} rounds")
+    rows = [row for block in blocks for row in run(block, counts, args.rounds, log, paths)]
     if args.out:
         Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
 

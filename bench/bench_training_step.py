@@ -98,8 +98,12 @@ BLOCKS = [
 ]
 # Blocks no tile rule was tuned on (bench/held_out.py; none of them in BLOCKS): `--models held-out` runs them.
 HELD_OUT_BLOCKS = [Block(h.model, h.E, h.tokens, h.top_k, h.d, h.f) for h in HELD_OUT]
-#: Calls per back-to-back window (bench_common.measure's b2b_ms): 10 by default, as every run before session u.
-B2B_CALLS = 10
+#: Calls per back-to-back window (bench_common.measure's b2b_ms): 100 since session v, 10 in every run before. Ten
+#: steps of a few ms see the clocks of a card that has just idled; a training loop runs at its sustained, power-bound
+#: clocks, which slow the fused step more than the unfused one (bench/b2b_calls.py, one H200, the paths alternating:
+#: DeepSeek-V2-Lite / OLMoE / GPT-OSS-20B 1.28x / 1.24x / 1.19x over 10 steps, 1.13x / 1.13x / 1.14x over 100;
+#: bench/results/H200-2026-11-29v-b2b-calls.log).
+B2B_CALLS = 100
 PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "unfused_fullgraph", "quack", "reference", "fusion_fp8", "fusion_fp8_fp8wgrad",
          "fusion_fp8_direct", "unfused_fp8"]
 PHASES = ["forward", "training_step", "gemm"]

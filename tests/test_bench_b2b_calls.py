@@ -1,0 +1,52 @@
+"""bench/b2b_calls.py on the CPU: its ratio is baseline / fused from the rounds' medians, and the rounds alternate which
+path goes first (a drift of the clocks within a round must favour neither)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import b2b_calls  # noqa: E402
+
+
+def test_ratio_is_baseline_over_fused_of_the_medians():
+    times = {("fusion", 10): [4.0, 9.0, 5.0], ("unfused_fullgraph", 10): [6.0, 6.5, 1.0],
+             ("fusion", 100): [2.0, 2.0, 2.0], ("unfused_fullgraph", 100): [3.0, 3.0, 3.0]}
+    rows = b2b_calls.ratio_rows("m", times, [10, 100])
+    assert [r["count"] for r in rows] == [10, 100]
+    assert rows[0]["fusion_ms"] == 5.0 and rows[0]["unfused_fullgraph_ms"] == 6.0
+    assert rows[0]["ratio"] == 1.2 and rows[1]["ratio"] == 1.5
+    assert (rows[0]["fused"], rows[0]["baseline"]) == ("fusion", "unfused_fullgraph")
+
+
+def test_other_paths_name_their_columns():
+    times = {("fusion_fp8", 100): [1.0], ("unfused_fullgraph", 100): [1.3]}
+    row, = b2b_calls.ratio_rows("m", times, [100], ("fusion_fp8", "unfused_fullgraph"))
+    assert row["fusion_fp8_ms"] == 1.0 and row["ratio"] == 1.3 and row["fused"] == "fusion_fp8"
+
+
+def test_rounds_alternate_the_order(monkeypatch):
+    """run() times each count once per path per round, the fused path first in even rounds and last in odd ones."""
+    calls = []
+
+    class Setup:
+        x = dy = None
+
+        def path(self, name):
+            return name
+
+    monkeypatch.setattr(b2b_calls.B, "setup_block", lambda block: Setup())
+    # a path's call records its warm-up; the fake timer records (path, count) from the call's default argument
+    monkeypatch.setattr(b2b_calls.B, "phase_fn",
+                        lambda path, phase, x, dy: (lambda p=path: calls.append(("warm", p)), lambda: None))
+    monkeypatch.setattr(b2b_calls, "steps_ms", lambda fn, clear, count: calls.append((fn.__defaults__[0], count)) or 1.0)
+    monkeypatch.setattr(b2b_calls.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(b2b_calls.torch.cuda, "empty_cache", lambda: None)
+
+    class Block:
+        model = "m"
+
+    rows = b2b_calls.run(Block(), [10, 100], 2, lambda msg: None)
+    timed = [c for c in calls if c[0] != "warm"]
+    assert timed == [("fusion", 10), ("unfused_fullgraph", 10), ("fusion", 100), ("unfused_fullgraph", 100),
+                     ("unfused_fullgraph", 10), ("fusion", 10), ("unfused_fullgraph", 100), ("fusion", 100)]
+    assert [r["ratio"] for r in rows] == [1.0, 1.0]
