@@ -57,7 +57,7 @@ def ratio_rows(model: str, times: dict, counts, paths=PATHS) -> list[dict]:
     return rows
 
 
-def run(block, counts, rounds, log, paths=PATHS) -> list[dict]:
+def run(block, counts, rounds, log, paths=PATHS, windows=False) -> list[dict]:
     setup = B.setup_block(block)
     fns = {}
     for name in paths:
@@ -70,7 +70,10 @@ def run(block, counts, rounds, log, paths=PATHS) -> list[dict]:
         order = paths if r % 2 == 0 else paths[::-1]
         for count in counts:
             for p in order:
+                t0 = time.time()
                 times[(p, count)].append(steps_ms(*fns[p], count))
+                if windows:   # wall-clock bounds, to match a clock / power log (nvidia-smi) against the windows
+                    log(f"window {block.model} {p} {count} {t0:.3f} {time.time():.3f} {times[(p, count)][-1]:.4f}")
     rows = ratio_rows(block.model, times, counts, paths)
     for row in rows:
         log(f"{block.model:18s} {row['count']:5d} steps  {paths[0]} {row[paths[0] + '_ms']:8.3f} ms  "
@@ -88,6 +91,7 @@ def main():
     ap.add_argument("--fused", default=PATHS[0], help="the fused path (fusion, fusion_fp8, ...)")
     ap.add_argument("--baseline", default=PATHS[1], help="the path it is timed against")
     ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--windows", action="store_true", help="log every window's wall-clock start and end")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     blocks = B.select_blocks(args.models)
@@ -103,7 +107,7 @@ def main():
     paths = (args.fused, args.baseline)
     log(f"{header['gpu']}, commit {header['commit']}; {paths[0]} against {paths[1]}, counts {counts}, "
         f"{args.rounds} rounds")
-    rows = [row for block in blocks for row in run(block, counts, args.rounds, log, paths)]
+    rows = [row for block in blocks for row in run(block, counts, args.rounds, log, paths, args.windows)]
     if args.out:
         Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
 
