@@ -7,7 +7,9 @@ Why in one process: the switches are read at import (FUSION_* variables), so an 
 block's setup and reference check twice, and the machine's clocks move between processes by several per cent. A
 switch that the runtime reads per call (a module global) is flipped here between rounds instead. Rounds alternate
 which setting goes first (on-off, off-on, ...) after a discarded warm-up round, so a drift of the clocks within a
-round favours neither. Prints, per block and phase, each round's back-to-back ms and the medians; with --baseline
+round favours neither. Each timing is a window of --b2b-calls steps back to back: 100 since session v, which
+found ten-step windows reading the clocks of a card that had just idled, not the power-capped ones a training loop
+runs at (bench/b2b_calls.py); every A/B before it timed ten. Prints, per block and phase, each round's back-to-back ms and the medians; with --baseline
 also an unfused path once (--baseline-path: unfused_fullgraph by default, the block compiled whole for static
 shapes; unfused_compiled until session u). Each setting's peak memory of one call (bench_common.measure's, the last
 round's) and the median of its rounds' host µs per call (measure's host_us) go with its times.
@@ -190,6 +192,9 @@ def main(argv=None):
                     help="the blocks' fused path to time (not with --moe)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--b2b-calls", type=int, default=B.B2B_CALLS,
+                    help="calls per back-to-back window (100 since session v: the card's sustained, power-bound "
+                         "clocks; 10 before)")
     ap.add_argument("--plan", action="store_true",
                     help="the switch is read when kernels are chosen: B runs a copy of the block planned with it off")
     ap.add_argument("--baseline", action="store_true", help="also time an unfused path once per block")
@@ -237,7 +242,7 @@ def _rounds(args, module, attr: str, setting: dict, resting) -> None:
                     for value in order:
                         if not args.plan:
                             setattr(module, attr, setting[value])
-                        got = measure(*phase_call(paths[value], phase))
+                        got = measure(*phase_call(paths[value], phase), b2b_calls=args.b2b_calls)
                         if r:
                             times[value].append(got["b2b_ms"])
                             hosts[value].append(got["host_us"])
@@ -250,7 +255,7 @@ def _rounds(args, module, attr: str, setting: dict, resting) -> None:
                    "on_peak_MB": peaks[True], "off_peak_MB": peaks[False],
                    "on_host_us": statistics.median(hosts[True]), "off_host_us": statistics.median(hosts[False])}
             if args.baseline:
-                got = measure(*phase_call(subject.baseline(args.baseline_path), phase))
+                got = measure(*phase_call(subject.baseline(args.baseline_path), phase), b2b_calls=args.b2b_calls)
                 row["baseline_path"] = args.baseline_path
                 row["baseline_ms"], row["baseline_peak_MB"] = got["b2b_ms"], got["peak_MB"]
             results.append(row)

@@ -8,6 +8,13 @@ the order alternating between rounds, so that the ratio of record can be taken a
 
     python bench/b2b_calls.py --models olmoe-1b-7b,deepseek-v2-lite --counts 10,100 --rounds 3
 
+With the card's clocks and power logged beside it (session v: both paths run at the 700 W cap, the fused step at
+lower SM clocks):
+
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,nounits -lms 100 > smi.csv &
+    python bench/b2b_calls.py --models qwen3-30b-a3b --counts 100,1000 --windows > b2b.log; kill %1
+    python bench/b2b_calls.py --clocks b2b.log smi.csv
+
 Prints, per block and count, each path's median ms per step and the ratio baseline / fused; --out writes the rows.
 --fused fusion_fp8: the FP8 block against the same bf16 baseline (issue 9's ratio). --precompile (no GPU): compile
 the fused kernels of the blocks into FUSION_CACHE_DIR (bench_training_step's; the FP8 twins' too).
@@ -15,6 +22,8 @@ the fused kernels of the blocks into FUSION_CACHE_DIR (bench_training_step's; th
 from __future__ import annotations
 
 import argparse
+import csv
+import datetime
 import json
 import statistics
 import sys
@@ -83,9 +92,36 @@ def run(block, counts, rounds, log, paths=PATHS, windows=False) -> list[dict]:
     return rows
 
 
+def clock_rows(log_lines, smi_rows, min_count: int = 100) -> list[dict]:
+    """Per logged window (``--windows``) of at least `min_count` steps: the median SM clock and power draw and the
+    hottest temperature of the nvidia-smi samples inside it. `smi_rows`: the rows of ``nvidia-smi
+    --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,nounits -lms 100`` (header first)."""
+    samples = []
+    for r in smi_rows[1:]:
+        try:
+            t = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            samples.append((t, float(r[1]), float(r[2]), float(r[3])))
+        except (ValueError, IndexError):
+            continue                   # a torn last line, a "[N/A]"
+    out = []
+    for line in log_lines:
+        if not line.startswith("window "):
+            continue
+        _, model, path, count, t0, t1, ms = line.split()
+        inside = [x for x in samples if float(t0) <= x[0] <= float(t1)]
+        if int(count) < min_count or not inside:
+            continue
+        out.append({"model": model, "path": path, "count": int(count), "ms": float(ms),
+                    "sm_mhz": statistics.median(x[1] for x in inside),
+                    "power_w": statistics.median(x[2] for x in inside),
+                    "temp_c": max(x[3] for x in inside), "samples": len(inside),
+                    "joules_per_step": round(statistics.median(x[2] for x in inside) * float(ms) / 1e3, 3)})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", required=True)
+    ap.add_argument("--models", default=None, help="bench_training_step's block names (required unless --clocks)")
     ap.add_argument("--counts", default="10,100")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fused", default=PATHS[0], help="the fused path (fusion, fusion_fp8, ...)")
@@ -93,7 +129,20 @@ def main():
     ap.add_argument("--precompile", action="store_true")
     ap.add_argument("--windows", action="store_true", help="log every window's wall-clock start and end")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--clocks", nargs=2, metavar=("LOG", "SMI_CSV"),
+                    help="no run: summarize a --windows log against an nvidia-smi log (clock, power, J per step)")
     args = ap.parse_args()
+    if args.clocks:
+        log_path, smi_path = args.clocks
+        with open(smi_path) as f:
+            smi = list(csv.reader(f))
+        for r in clock_rows(open(log_path).readlines(), smi):
+            print(f"{r['model']:18s} {r['path']:18s} {r['count']:5d} {r['ms']:8.3f} ms  sm {r['sm_mhz']:6.0f} MHz  "
+                  f"power {r['power_w']:5.0f} W  {r['joules_per_step']:6.3f} J/step  temp {r['temp_c']:3.0f} C  "
+                  f"({r['samples']} samples)")
+        return
+    if not args.models:
+        ap.error("--models is required (unless --clocks)")
     blocks = B.select_blocks(args.models)
     if args.precompile:
         B.precompile(blocks, fp8="fp8" in args.fused)

@@ -50,3 +50,21 @@ def test_rounds_alternate_the_order(monkeypatch):
     assert timed == [("fusion", 10), ("unfused_fullgraph", 10), ("fusion", 100), ("unfused_fullgraph", 100),
                      ("unfused_fullgraph", 10), ("fusion", 10), ("unfused_fullgraph", 100), ("fusion", 100)]
     assert [r["ratio"] for r in rows] == [1.0, 1.0]
+
+
+def test_clock_rows_take_the_samples_inside_each_window():
+    smi = [["timestamp", " clocks.sm [MHz]", " power.draw [W]", " temperature.gpu"],
+           ["2026/11/29 19:00:00.000", "1980", "100", "40"],     # before the window
+           ["2026/11/29 19:00:01.000", "1400", "690", "50"],
+           ["2026/11/29 19:00:01.100", "1420", "700", "52"],
+           ["2026/11/29 19:00:01.200", "1410", "[N/A]", "51"],   # unreadable: skipped
+           ["2026/11/29 19:00:05.000", "1980", "90", "45"]]      # after it
+    import datetime
+    t0 = datetime.datetime(2026, 11, 29, 19, 0, 0, 500000).timestamp()
+    lines = [f"window m fusion 100 {t0:.3f} {t0 + 1.0:.3f} 4.0000\n",
+             f"window m fusion 10 {t0:.3f} {t0 + 1.0:.3f} 4.0000\n",     # short: left out
+             "m 100 steps ...\n"]
+    row, = b2b_calls.clock_rows(lines, smi)
+    assert (row["path"], row["count"], row["samples"]) == ("fusion", 100, 2)
+    assert row["sm_mhz"] == 1410 and row["power_w"] == 695 and row["temp_c"] == 52
+    assert row["joules_per_step"] == round(695 * 4.0 / 1e3, 3)
