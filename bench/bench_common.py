@@ -23,13 +23,19 @@ def synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(fn, clear, b2b_calls=10, sync_calls=5, host_calls=5, device="cuda") -> dict:
+#: Calls per back-to-back window: 100 since session v (10 before). A window of ten steps of a few ms lasts less than
+#: the card's power controller takes to answer (about 100 ms), so it timed the clocks the card had before it, not
+#: the power-capped ones a loop runs at (docs/benchmarks.md, session v; bench/b2b_calls.py).
+B2B_CALLS = 100
+
+
+def measure(fn, clear, b2b_calls=B2B_CALLS, sync_calls=5, host_calls=5, device="cuda") -> dict:
     """`clear()` drops what a call leaves behind (gradients) before the memory baseline is taken."""
     cuda = torch.device(device).type == "cuda"
     for _ in range(2):
         fn()
         synchronize(device)
-    # back to back: one sync per 10 calls
+    # back to back: one sync per window of b2b_calls calls
     t0 = time.perf_counter()
     for _ in range(b2b_calls):
         fn()

@@ -33,7 +33,7 @@ Phase "gemm" (issue 9): the block's FC1 and FC2 forward GEMMs alone, TFLOP/s of 
 (path fp8_kernel), bf16 torch._grouped_mm (grouped_mm_bf16) and torch._scaled_grouped_mm with row-wise scales
 (scaled_grouped_mm_rowwise), balanced group sizes (bench/bench_fp8_gemm.py; median of 30 calls between events).
 
-Per (block, phase, path) of the other phases: b2b_ms (10 calls back to back, one sync), sync_ms (median of calls
+Per (block, phase, path) of the other phases: b2b_ms (100 calls back to back, one sync; 10 before session v), sync_ms (median of calls
 each followed by a sync), host_us (CPU time to issue one call, measured while the GPU is busy), peak_MB
 (torch.cuda.max_memory_allocated during one call, minus what was allocated before it: the call's own memory,
 weights and inputs excluded). A training step is forward + backward of a random output gradient with the weight
@@ -58,6 +58,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout: `fusion` is this repository
 sys.path.insert(0, str(HERE))         # and its sibling bench_common, also when imported from elsewhere
 
+from bench_common import B2B_CALLS as _B2B_CALLS  # noqa: E402
 from bench_common import measure, phase_calls, rel_errors, run_header  # noqa: E402  (re-exported: bench_moe imports them too)
 from held_out import HELD_OUT  # noqa: E402
 
@@ -98,12 +99,12 @@ BLOCKS = [
 ]
 # Blocks no tile rule was tuned on (bench/held_out.py; none of them in BLOCKS): `--models held-out` runs them.
 HELD_OUT_BLOCKS = [Block(h.model, h.E, h.tokens, h.top_k, h.d, h.f) for h in HELD_OUT]
-#: Calls per back-to-back window (bench_common.measure's b2b_ms): 100 since session v, 10 in every run before. Ten
-#: steps of a few ms see the clocks of a card that has just idled; a training loop runs at its sustained, power-bound
-#: clocks, which slow the fused step more than the unfused one (bench/b2b_calls.py, one H200, the paths alternating:
-#: DeepSeek-V2-Lite / OLMoE / GPT-OSS-20B 1.28x / 1.24x / 1.19x over 10 steps, 1.13x / 1.13x / 1.14x over 100;
-#: bench/results/H200-2026-11-29v-b2b-calls.log).
-B2B_CALLS = 100
+#: Calls per back-to-back window (bench_common.measure's b2b_ms; --b2b-calls): bench_common.B2B_CALLS, 100 since
+#: session v, 10 in every run before. Ten steps of a few ms see the clocks the card had before them; a training loop
+#: runs at its sustained, power-capped clocks, which slow the fused step more than the unfused one
+#: (bench/b2b_calls.py, one H200, the paths alternating: DeepSeek-V2-Lite / OLMoE / GPT-OSS-20B 1.28x / 1.24x / 1.19x
+#: over 10 steps, 1.13x / 1.13x / 1.14x over 100; bench/results/H200-2026-11-29v-b2b-calls.log).
+B2B_CALLS = _B2B_CALLS
 PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "unfused_fullgraph", "quack", "reference", "fusion_fp8", "fusion_fp8_fp8wgrad",
          "fusion_fp8_direct", "unfused_fp8"]
 PHASES = ["forward", "training_step", "gemm"]

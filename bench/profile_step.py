@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_training_step as B  # noqa: E402
-from bench_common import measure  # noqa: E402
+from bench_common import B2B_CALLS, measure  # noqa: E402
 from profiling import export_trace, print_kernels, print_timeline  # noqa: E402
 
 
@@ -32,8 +32,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--timeline", action="store_true", help="also one call's kernels in launch order")
-    ap.add_argument("--b2b-calls", type=int, default=10,
-                    help="calls of the unprofiled back-to-back window (more: the card's sustained clocks)")
+    ap.add_argument("--b2b-calls", type=int, default=B2B_CALLS,
+                    help="calls of the unprofiled back-to-back window (100: the card's sustained clocks)")
     ap.add_argument("--trace", default=None,
                     help="directory: also a chrome trace (host and kernels) of three calls per block and path, to "
                          "see where the GPU waits for the host")
