@@ -268,7 +268,8 @@ def _rounds(args, module, attr: str, setting: dict, resting) -> None:
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps({**run_header(), "switch": args.switch, "sigma": args.sigma,
-                                              "rounds": args.rounds, "moe_tokens": args.tokens if args.moe else None,
+                                              "rounds": args.rounds, "b2b_calls": args.b2b_calls,
+                                              "moe_tokens": args.tokens if args.moe else None,
                                               "rows": results}, indent=1))
 
 

@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout: `fusion` is this repository
 sys.path.insert(0, str(HERE))
 
-from bench_common import graphed_ms, measure, phase_calls, rel_errors, run_header, synchronize  # noqa: E402
+from bench_common import B2B_CALLS, graphed_ms, measure, phase_calls, rel_errors, run_header, synchronize  # noqa: E402
 from held_out import HELD_OUT as HELD_OUT_TABLE  # noqa: E402
 from moe_paths import (FusionLayer, SonicLayer, TorchLayer, rounded_moe, routing_agreement,  # noqa: E402
                        sonicmoe_status)
@@ -443,7 +443,8 @@ def main(argv=None):
     print(f"{header['gpu']}, torch {torch.__version__}, commit {header['commit']}", flush=True)
     data = {**header, "flops": "expert GEMMs only: forward 6*T*k*d*f, training step 18*T*k*d*f (SonicMoE's count)",
             "configs": {c.model: c.source for c, _ in selected},
-            "sonicmoe_published_h100": SONICMOE_PUBLISHED_H100, "rows": []}
+            "sonicmoe_published_h100": SONICMOE_PUBLISHED_H100,
+            "b2b_calls": (opts.calls or {}).get("b2b_calls", B2B_CALLS), "rows": []}
     # torch.compile may recompile per config; past its limit it would silently run eager: raise instead
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.fail_on_recompile_limit_hit = True
