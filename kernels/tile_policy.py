@@ -366,7 +366,8 @@ def _single_ctas(config: GemmConfig) -> GemmConfig:
 #: job, so bench/ab_switch.py --plan can flip it): :func:`fp8_block_output_tile` and :func:`choose_fp8_config`. A
 #: group's odd last m-tile leaves rank 1 of its pair a tile past the group's rows (computed, masked).
 #:
-#: Off by default: measured slower. On an H200 (bench/ab_switch.py --plan --path fusion_fp8, three alternating rounds,
+#: Off by default: measured slower. On an H200 (bench/ab_switch.py --plan --path fusion_fp8, three alternating rounds
+#: of ten-step windows, which read boost clocks, not the power-capped ones: to re-time at 100 steps;
 #: bench/results/H200-2026-11-29v-ab-fp8-m-pairs.log; ms, m-pairs / single CTAs, the FC1 forward and training FC1
 #: and FC2's dgrad affected): DeepSeek-V2-Lite forward 0.958 / 0.951, training step 4.042 / 3.929 (+2.9%);
 #: GPT-OSS-20B 1.838 / 1.836 and 7.375 / 7.296 (+1.1%). Sharing the weight's tile saves L2 traffic these kernels are
