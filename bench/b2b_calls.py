@@ -1,10 +1,11 @@
 """How many back-to-back training steps a timing takes, and whether the fused / unfused ratio depends on it.
 
-bench_training_step.py times ten steps back to back (one sync). Session u found OLMoE's fused step 1.09x the static
+bench_training_step.py timed ten steps back to back (one sync) until session v. Session u found OLMoE's fused step 1.09x the static
 unfused one back to back but 1.18x in the same process by the kernels' sums: ten steps of a few ms last a few tens
 of ms, and the card's clocks (power-bound on these kernels) move over that time. A training loop runs thousands of
 steps; this script times both paths at several counts in one process, the paths alternating within each round and
-the order alternating between rounds, so that the ratio of record can be taken at the count a loop sees.
+the order alternating between rounds, so that the ratio of record can be taken at the count a loop sees. It checks
+no numerics (bench_training_step.py compares every path with the reference).
 
     python bench/b2b_calls.py --models olmoe-1b-7b,deepseek-v2-lite --counts 10,100 --rounds 3
 
@@ -67,6 +68,8 @@ def ratio_rows(model: str, times: dict, counts, paths=PATHS) -> list[dict]:
 
 
 def run(block, counts, rounds, log, paths=PATHS, windows=False) -> list[dict]:
+    """One block's training steps on both paths, `rounds` rounds of every count in `counts` (see the module
+    docstring); `windows`: log each window's wall-clock bounds. Returns :func:`ratio_rows`' rows."""
     setup = B.setup_block(block)
     fns = {}
     for name in paths:
