@@ -28,8 +28,8 @@ from fusion.errors import DeviceError, DTypeError, KernelConfigError, ShapeError
 
 from .epilogue import Epilogue, FP8BlockOutput, MXFP8Output, RowSumOutput, extra_tensors, is_fp8_block
 from .grouped_gemm import GroupedGemmKernel, cutlass_dtype
-from .tile_policy import (GemmConfig, band_problem, choose_config, for_gather, n_tile_count, resolved_band,
-                          spill_fallback)
+from .tile_policy import (GemmConfig, band_problem, choose_config, cluster_m_problems, for_gather, n_tile_count,
+                          resolved_band, spill_fallback)
 
 __all__ = [
     "GemmConfig", "CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "bind_grouped_gemm",
@@ -235,19 +235,7 @@ def check_config(config: GemmConfig, epilogue: Epilogue, dtype, N: int, K: int, 
         problems.append(f"target {target!r}: only sm_90a is supported")
     if dtype not in ("bfloat16", "float16"):
         problems.append(f"dtype {dtype}: A and B must be bfloat16 or float16")
-    if config.cluster_m not in (1, 2):
-        problems.append(f"cluster_m = {config.cluster_m}: use 1, or 2 (a CTA pair on neighbouring m-tiles "
-                        "multicasting B)")
-    elif config.cluster_m == 2:
-        if config.cluster_n != 1:
-            problems.append("cluster_m = 2 and cluster_n = 2: a CTA pair runs along m or along n; set one to 1")
-        if not config.persistent:
-            problems.append("cluster_m = 2 multicasts B in a persistent kernel: use persistent=True")
-        box_rows = config.tile_n // 2 if epilogue.gated else config.tile_n
-        if box_rows % 16:
-            problems.append(f"cluster_m = 2 splits each B box ({box_rows} rows at tile_n = {config.tile_n}"
-                            f"{', gated' if epilogue.gated else ''}) between the pair in whole 8-row swizzle "
-                            f"atoms: pick a tile_n whose boxes are a multiple of 16 rows, or cluster_m = 1")
+    problems += cluster_m_problems(config, epilogue.gated)
     if (why := band_problem(config)) is not None:
         problems.append(why)
     if getattr(config, "gather_tma", False):

@@ -23,8 +23,8 @@ from .api import (CompiledGroupedGemm, compile_kernel, GemmConfig, _dtype_name, 
 from .epilogue import Epilogue, IdentityEpilogue
 from .fp8_gemm import N_WAVE_TILE, SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
 from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
-from .tile_policy import (FP8_SMEM, band_problem, choose_fp8_config, fp8_stage_bytes, n_tile_count,
-                          resolved_band)
+from .tile_policy import (FP8_SMEM, band_problem, choose_fp8_config, cluster_m_problems, fp8_stage_bytes,
+                          n_tile_count, resolved_band)
 
 __all__ = ["choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm", "run_fp8_grouped_gemm",
            "fp8_grouped_gemm", "CompiledFp8GroupedGemm"]
@@ -60,19 +60,7 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
                         "promotion's scratch fragment); use pingpong=False")
     if config.b_major != "K":
         problems.append("b_major must be 'K': FP8 wgmma reads B K-major (the dgrad uses the weight's data_t)")
-    if config.cluster_m not in (1, 2):
-        problems.append(f"cluster_m = {config.cluster_m}: 1, or 2 for CTA pairs on neighbouring m-tiles sharing "
-                        "the B tile")
-    elif config.cluster_m == 2:
-        if config.cluster_n != 1:
-            problems.append("cluster_m = 2 and cluster_n = 2: a CTA pair runs along m or along n; set one to 1")
-        if not config.persistent:
-            problems.append("cluster_m = 2 multicasts B in a persistent kernel: use persistent=True")
-        box_rows = config.tile_n // 2 if epilogue.gated else config.tile_n
-        if box_rows % 16:
-            problems.append(f"cluster_m = 2 splits each B box ({box_rows} rows at tile_n = {config.tile_n}) between "
-                            "the pair in whole 8-row swizzle atoms: pick a tile_n whose boxes are a multiple of 16 "
-                            "rows, or cluster_m = 1")
+    problems += cluster_m_problems(config, epilogue.gated)
     if (why := band_problem(config)) is not None:
         problems.append(why)
     if config.cluster_n not in (1, 2):

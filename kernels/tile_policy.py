@@ -23,7 +23,7 @@ loading the DSL.
     gather_pairs(config, gated)        ... as CTA pairs on neighbouring m-tiles sharing the weight's tile (FC1)
     gathers_in_kernel(N)               whether an MoE FC1 gathers in its A loads or reads a copy (wide N)
     spill_fallback(config)             the configuration compile_grouped_gemm rebuilds a spilling kernel at
-    band_for, resolved_band, one_band_limit, band_problem
+    band_for, resolved_band, one_band_limit, band_problem, cluster_m_problems
                                        the tile order's bands (GemmConfig.band_m; kernels/scheduler.py)
     candidates(base, N)                what autotune mode times (fusion/runtime/autotune.py)
     WgradConfig, choose_wgrad_config   the varlen-K kernel's (weight gradients, kernels/varlen_k_gemm.py), by rows
@@ -114,6 +114,25 @@ def band_problem(config) -> str | None:
         return None
     return (f"band_m = {config.band_m!r}: m-tiles per band of the tile order, an int >= 1 (1: m fastest over the "
             f"whole group), or 0 for the tile's default (tile_policy.band_for)")
+
+
+def cluster_m_problems(config, gated: bool) -> list[str]:
+    """What is wrong with config.cluster_m (CTA pairs on neighbouring m-tiles multicasting B), as problem strings:
+    the check the bf16 and the FP8 kernel's config validations share (both split each B box between the pair)."""
+    if config.cluster_m not in (1, 2):
+        return [f"cluster_m = {config.cluster_m}: use 1, or 2 (a CTA pair on neighbouring m-tiles multicasting B)"]
+    problems = []
+    if config.cluster_m == 2:
+        if config.cluster_n != 1:
+            problems.append("cluster_m = 2 and cluster_n = 2: a CTA pair runs along m or along n; set one to 1")
+        if not config.persistent:
+            problems.append("cluster_m = 2 multicasts B in a persistent kernel: use persistent=True")
+        box_rows = config.tile_n // 2 if gated else config.tile_n
+        if box_rows % 16:
+            problems.append(f"cluster_m = 2 splits each B box ({box_rows} rows at tile_n = {config.tile_n}"
+                            f"{', gated' if gated else ''}) between the pair in whole 8-row swizzle "
+                            f"atoms: pick a tile_n whose boxes are a multiple of 16 rows, or cluster_m = 1")
+    return problems
 
 
 def one_band_limit(band_m: int, tile_m: int, K: int, elem_bytes: int) -> int:
@@ -401,8 +420,8 @@ def fp8_block_output_tile(N: int, gated: bool = True) -> GemmConfig:
     two m-waves with the quantizing store's 16-chunk batch spilled). 128 rows either way: a thread holds at most 128
     accumulator and 64 scratch floats. Dynamic CTA pairs sharing the A tile where the n-tiles pair up, else single
     CTAs (CTA pairs along m sharing the B tile with :data:`FP8_M_PAIRS`, and for every gated tile with
-    :data:`FP8_GATED_M_PAIRS`: both measured slower, off); as many stages as fit (a gated stage holds three weight-scale slots
-    at most: the gate half's block and the up half's one or two)."""
+    :data:`FP8_GATED_M_PAIRS`: both measured slower, off); as many stages as fit (a gated stage holds three
+    weight-scale slots at most: the gate half's block and the up half's one or two)."""
     n_log = N // 2 if gated else N
     pair = n_tile_count(n_log, FP8_BLOCK_COLUMNS) % 2 == 0
     tile_n, slots = (2 * FP8_BLOCK_COLUMNS, 3) if gated else (FP8_BLOCK_COLUMNS, 2)
@@ -417,8 +436,9 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
     cooperative, as many stages as fit, the dynamic scheduler; where the n-tile count is even, CTA pairs
     (cluster_n = 2) on 256-row tiles (:data:`FP8_TILE_M`: each consumer warpgroup walks its 128 rows as two 64-row
     waves through one scratch fragment, so a thread holds 2 x 64 accumulator and 64 scratch floats), else single
-    CTAs on 128-row tiles (CTA pairs along m sharing the B tile with :data:`FP8_M_PAIRS`, measured slower). A gated tile reads two weight-scale slots (gate and up rows). `rows`: a call's routed
-    rows, where known (:func:`fp8_for_rows`: single CTAs at many rows per group). `wide_odd`: whether 128 x 192
+    CTAs on 128-row tiles (CTA pairs along m sharing the B tile with :data:`FP8_M_PAIRS`, measured slower). A gated
+    tile reads two weight-scale slots (gate and up rows). `rows`: a call's routed rows, where known
+    (:func:`fp8_for_rows`: single CTAs at many rows per group). `wide_odd`: whether 128 x 192
     pairs may replace single CTAs where the 128-column n-tiles do not pair up (None: :data:`FP8_WIDE_ODD`; the
     runtime passes False for the fused kernels of a training step, fusion/runtime/kernel.py `make_job`).
     `col_block`: the logical columns the epilogue's block-wise output needs whole in a tile (an FP8-block output:
