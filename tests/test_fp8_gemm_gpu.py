@@ -394,14 +394,26 @@ def test_pairs_identity_bitwise_equal_to_single_ctas(case, num_ctas, dynamic):
     """A CTA pair multicasts the A tile; each CTA still folds the same k-tiles in the same order, so the output
     is bitwise the single-CTA kernel's, and within the FP8 tolerance of the float64 product. ``num_ctas`` = 7
     launches 3 pairs (whole pairs only)."""
+    _check_pair_bitwise(case, _config(*_pair_dims(case), dynamic=dynamic, cluster_n=1), dict(cluster_n=2), "_c2",
+                        num_ctas, seed=11)
+
+
+def _pair_dims(case):
     G, M, N, Kd = case
-    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=11)
+    return N, Kd, G
+
+
+def _check_pair_bitwise(case, cfg, pair, name_mark, num_ctas, seed):
+    """The identity GEMM at `cfg` (single CTAs) and at `cfg` with the `pair` fields (its name holding `name_mark`),
+    launched on `num_ctas` CTAs: the pair's output within the FP8 tolerance of the float64 product and bitwise the
+    single CTAs'."""
+    G, M, N, Kd = case
+    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=seed)
     single = _nan(M, N)
-    paired = _nan(M, N)
-    cfg = _config(N, Kd, G, dynamic=dynamic, cluster_n=1)
     K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.IdentityEpilogue(), N, Kd, G), *args, {"out": single})
-    comp = K.compile_fp8_grouped_gemm(replace(cfg, cluster_n=2), K.IdentityEpilogue(), N, Kd, G)
-    assert "_c2" in comp.name
+    comp = K.compile_fp8_grouped_gemm(replace(cfg, **pair), K.IdentityEpilogue(), N, Kd, G)
+    assert name_mark in comp.name
+    paired = _nan(M, N)
     K.run_fp8_grouped_gemm(comp, *args, {"out": paired}, num_ctas=num_ctas)
     torch.cuda.synchronize()
     ref, mag = _reference(a_dq, b_dq, sizes)
@@ -430,19 +442,8 @@ def test_m_pairs_identity_bitwise_equal_to_single_ctas(case, num_ctas, dynamic):
     """A CTA pair along m multicasts the B tile (each CTA loads half of it) and loads its own A rows and scales;
     each CTA folds the same k-tiles in the same order as a single CTA, so the output is bitwise the single-CTA
     kernel's, and within the FP8 tolerance of the float64 product. ``num_ctas`` = 7 launches 3 pairs."""
-    G, M, N, Kd = case
-    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=21)
-    cfg = _config(N, Kd, G, dynamic=dynamic, tile_m=128, stages=6, cluster_n=1, cluster_m=1)
-    single = _nan(M, N)
-    K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, K.IdentityEpilogue(), N, Kd, G), *args, {"out": single})
-    comp = K.compile_fp8_grouped_gemm(replace(cfg, cluster_m=2), K.IdentityEpilogue(), N, Kd, G)
-    assert comp.name.endswith("_cm2")
-    paired = _nan(M, N)
-    K.run_fp8_grouped_gemm(comp, *args, {"out": paired}, num_ctas=num_ctas)
-    torch.cuda.synchronize()
-    ref, mag = _reference(a_dq, b_dq, sizes)
-    _check(paired, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name)
-    assert torch.equal(paired, single)
+    cfg = _config(*_pair_dims(case), dynamic=dynamic, tile_m=128, stages=6, cluster_n=1, cluster_m=1)
+    _check_pair_bitwise(case, cfg, dict(cluster_m=2), "_cm2", num_ctas, seed=21)
 
 
 # ------------------------------------------------------------------ 256-row tiles (two 64-row waves per warpgroup)
