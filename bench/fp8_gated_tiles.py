@@ -15,8 +15,12 @@ epilogue:
                what a training step's FC1 runs (the generated epilogue of patterns/fp8.fpat's fp8_gemm_act, train
                variant); against ``n-waves + store``, what writing the saved tensor costs in a kernel whose epilogue
                is not overlapped with the next tile's mainloop (added in session v);
+- ``n-waves + store + saved (quad)``  the same, the saved pre-activation stored 4 columns per lane (whole 32-byte
+               sectors, kernels/tile_epilogue.py QUAD_BESIDE_FP8_BLOCK) instead of 2 (added in session w);
 - ``policy + quantize kernel``  that bf16 output then the FP8-block quantize kernel (rowwise): what ran before
                the store.
+
+--variants picks some of them (comma-separated; each compiles on the GPU machine, about 10 s a kernel).
 
 TFLOP/s on 2 M K N. The kernels compile on the GPU machine (in memory). One JSON document to stdout, a table to
 stderr.
@@ -62,7 +66,7 @@ def tiles(N, Kd, E):
     return policy, K.fp8_block_output_tile(N)
 
 
-def bench_shape(E, Kd, N, M, reps, gen):
+def bench_shape(E, Kd, N, M, reps, gen, variants=None):
     import fusion.kernels as K
     from bench_fp8_gemm import balanced_sizes, interleaved_ms
     from fusion.kernels.api import fp8_block_outputs
@@ -80,6 +84,9 @@ def bench_shape(E, Kd, N, M, reps, gen):
             from fusion.kernels import epi_math as em
             return em.silu(gate) * up * scale, gate, up
 
+    class StoreSavedQuad(StoreSaved):
+        """(its own class: the in-memory kernel cache keys on the epilogue's code, not on the trace-time switch)"""
+
     sizes = balanced_sizes(E, M, gen).cuda()
     offs = K.offsets_from_group_sizes(sizes)
     x = torch.randn(M, Kd, device="cuda")
@@ -91,23 +98,39 @@ def bench_shape(E, Kd, N, M, reps, gen):
     policy, waves = tiles(N, Kd, E)
     hp = torch.empty(M, N // 2, dtype=torch.bfloat16, device="cuda")
     store = fp8_block_outputs(Store.outputs[0], M, N // 2, "cuda")
-    kp = K.compile_fp8_grouped_gemm(policy, K.SwiGLUScaleEpilogue(), N, Kd, E)
-    kw = K.compile_fp8_grouped_gemm(waves, K.SwiGLUScaleEpilogue(), N, Kd, E)
-    ks = K.compile_fp8_grouped_gemm(waves, Store(), N, Kd, E)
-    kt = K.compile_fp8_grouped_gemm(waves, StoreSaved(), N, Kd, E)
     saved = {**store, "saved": torch.empty(M, N, dtype=torch.bfloat16, device="cuda")}
     extras = {"scale": probs}
-    fns = {
-        "policy": lambda: K.run_fp8_grouped_gemm(kp, *args, {"out": hp}, extras=extras),
-        "n-waves": lambda: K.run_fp8_grouped_gemm(kw, *args, {"out": hp}, extras=extras),
-        "n-waves + store": lambda: K.run_fp8_grouped_gemm(ks, *args, store, extras=extras),
-        "n-waves + store + saved": lambda: K.run_fp8_grouped_gemm(kt, *args, saved, extras=extras),
-        "policy + quantize kernel": lambda: (K.run_fp8_grouped_gemm(kp, *args, {"out": hp}, extras=extras),
-                                             quantize_fp8_block_device(hp, False, None)),
+
+    def kernel(config, epilogue, quad=False):
+        from fusion.kernels import tile_epilogue
+
+        was, tile_epilogue.QUAD_BESIDE_FP8_BLOCK = tile_epilogue.QUAD_BESIDE_FP8_BLOCK, quad
+        try:
+            return K.compile_fp8_grouped_gemm(config, epilogue, N, Kd, E)
+        finally:
+            tile_epilogue.QUAD_BESIDE_FP8_BLOCK = was
+
+    def run(config, epilogue, outs, quad=False):
+        k = kernel(config, epilogue, quad)
+        return lambda: K.run_fp8_grouped_gemm(k, *args, outs, extras=extras)
+
+    def quantized():
+        k = kernel(policy, K.SwiGLUScaleEpilogue())
+        return lambda: (K.run_fp8_grouped_gemm(k, *args, {"out": hp}, extras=extras),
+                        quantize_fp8_block_device(hp, False, None))
+
+    makers = {
+        "policy": lambda: run(policy, K.SwiGLUScaleEpilogue(), {"out": hp}),
+        "n-waves": lambda: run(waves, K.SwiGLUScaleEpilogue(), {"out": hp}),
+        "n-waves + store": lambda: run(waves, Store(), store),
+        "n-waves + store + saved": lambda: run(waves, StoreSaved(), saved, quad=False),
+        "n-waves + store + saved (quad)": lambda: run(waves, StoreSavedQuad(), saved, quad=True),
+        "policy + quantize kernel": quantized,
     }
+    fns = {name: make() for name, make in makers.items() if variants is None or name in variants}
     ms = interleaved_ms(list(fns.values()), reps=reps)
     flop = 2.0 * M * Kd * N
-    names = {"policy": kp.name, "n-waves": kw.name}
+    names = {"policy": str(policy), "n-waves": str(waves)}   # the tiles (configs)
     return {name: {"ms": t, "tflops": flop / t / 1e9} for name, t in zip(fns, ms)}, names
 
 
@@ -115,6 +138,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default=None, help="comma-separated names (default: all)")
+    ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
     args = ap.parse_args()
     from bench_common import run_header
 
@@ -125,7 +149,8 @@ def main():
     for name, E, Kd, N, M in SHAPES:
         if want is not None and name not in want:
             continue
-        res, kernels = bench_shape(E, Kd, N, M, args.reps, gen)
+        res, kernels = bench_shape(E, Kd, N, M, args.reps, gen,
+                                   None if args.variants is None else set(args.variants.split(",")))
         rows.append({"shape": name, "E": E, "K": Kd, "N": N, "M": M, "kernels": kernels, **res})
         log(f"{name:12s} " + "  ".join(f"{k} {v['tflops']:6.0f} ({v['ms']:.3f} ms)" for k, v in res.items()))
         torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ a constant offset from one base address.
 """
 from __future__ import annotations
 
-
+import os
 
 import cutlass
 import cutlass.cute as cute
@@ -34,6 +34,9 @@ _EPI_BATCH = 8  # 8-column chunks per epilogue batch (see TileEpilogue.run)
 # 128x192 pingpong tile (192 accumulator registers) spilled at 8-chunk batches with FC2's d(SwiGLU*scale)
 # (the saved pre-activation's gate and up values, 3 outputs) and does not at 4
 _EPI_BATCH_WIDE_AUX = 4
+#: 16-bit outputs beside an FP8-block output (the FP8 FC1's saved pre-activation in a training step) store 4 columns
+#: per lane too (fragment_io.store4_swapped: whole 32-byte sectors), not 2 (half sectors). Read at trace time.
+QUAD_BESIDE_FP8_BLOCK = os.environ.get("FUSION_QUAD_BESIDE_FP8_BLOCK", "0") == "1"
 
 
 class TileEpilogue:
@@ -185,10 +188,12 @@ class TileEpilogue:
         if fp8b:
             amax_run = {oi: Int32(0) for oi in fp8b}   # the thread's running max of the blocks' amax bits
         batch = self.batch if n_c % self.batch == 0 else n_c
-        has_mx = has_mx or bool(fp8b)
         # (not beside an MXFP8 output: its quantization holds a batch's values, and with the swaps besides, the
-        # "gemm-mxfp8" epilogue spilled: tests/test_compile_plans.py)
-        quad = [not has_mx and not isinstance(epi.outputs[oi], RowSumOutput)
+        # "gemm-mxfp8" epilogue spilled: tests/test_compile_plans.py; beside an FP8-block output only where
+        # QUAD_BESIDE_FP8_BLOCK says)
+        swaps = not has_mx and (not fp8b or QUAD_BESIDE_FP8_BLOCK)
+        has_mx = has_mx or bool(fp8b)
+        quad = [swaps and not isinstance(epi.outputs[oi], RowSumOutput)
                 and self._quad_stores(out_dtypes[oi], n_log, batch) for oi in range(len(epi.outputs))]
         # row sums: one running float32 sum per (output, fragment row, block of the tile's columns), reduced over
         # the quad and stored once per row (RowSumOutput); a fragment row is one wgmma atom wide (n_nn == 1), so
