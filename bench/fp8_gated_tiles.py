@@ -11,12 +11,13 @@ epilogue:
 - ``n-waves``  the 128 x 256 tile walked as gate and up n-waves (tile_policy.fp8_block_output_tile), bf16 output;
 - ``n-waves + store``  the same tile writing FC2's FP8-block input (codes, scales, amax) instead of bf16: what
                FC1 runs with QuantizeFP8Block(columnwise=False) after it;
-- ``n-waves + store + saved``  the same store and the pre-activation (gate, up) saved in bf16 for the backward:
+- ``n-waves + store + saved``  the same store and the pre-activation (gate, up) saved in bf16 for the backward, stored
+               2 columns per lane (GemmConfig.quad_beside_fp8 off, the kernel before session w):
                what a training step's FC1 runs (the generated epilogue of patterns/fp8.fpat's fp8_gemm_act, train
                variant); against ``n-waves + store``, what writing the saved tensor costs in a kernel whose epilogue
                is not overlapped with the next tile's mainloop (added in session v);
 - ``n-waves + store + saved (quad)``  the same, the saved pre-activation stored 4 columns per lane (whole 32-byte
-               sectors, kernels/tile_epilogue.py QUAD_BESIDE_FP8_BLOCK) instead of 2 (added in session w);
+               sectors, GemmConfig.quad_beside_fp8: the policy's since session w) instead of 2;
 - ``policy + quantize kernel``  that bf16 output then the FP8-block quantize kernel (rowwise): what ran before
                the store.
 
@@ -84,8 +85,6 @@ def bench_shape(E, Kd, N, M, reps, gen, variants=None):
             from fusion.kernels import epi_math as em
             return em.silu(gate) * up * scale, gate, up
 
-    class StoreSavedQuad(StoreSaved):
-        """(its own class: the in-memory kernel cache keys on the epilogue's code, not on the trace-time switch)"""
 
     sizes = balanced_sizes(E, M, gen).cuda()
     offs = K.offsets_from_group_sizes(sizes)
@@ -101,21 +100,14 @@ def bench_shape(E, Kd, N, M, reps, gen, variants=None):
     saved = {**store, "saved": torch.empty(M, N, dtype=torch.bfloat16, device="cuda")}
     extras = {"scale": probs}
 
-    def kernel(config, epilogue, quad=False):
-        from fusion.kernels import tile_epilogue
-
-        was, tile_epilogue.QUAD_BESIDE_FP8_BLOCK = tile_epilogue.QUAD_BESIDE_FP8_BLOCK, quad
-        try:
-            return K.compile_fp8_grouped_gemm(config, epilogue, N, Kd, E)
-        finally:
-            tile_epilogue.QUAD_BESIDE_FP8_BLOCK = was
-
-    def run(config, epilogue, outs, quad=False):
-        k = kernel(config, epilogue, quad)
+    def run(config, epilogue, outs, quad=None):
+        if quad is not None:
+            config = dataclasses.replace(config, quad_beside_fp8=quad)
+        k = K.compile_fp8_grouped_gemm(config, epilogue, N, Kd, E)
         return lambda: K.run_fp8_grouped_gemm(k, *args, outs, extras=extras)
 
     def quantized():
-        k = kernel(policy, K.SwiGLUScaleEpilogue())
+        k = K.compile_fp8_grouped_gemm(policy, K.SwiGLUScaleEpilogue(), N, Kd, E)
         return lambda: (K.run_fp8_grouped_gemm(k, *args, {"out": hp}, extras=extras),
                         quantize_fp8_block_device(hp, False, None))
 
@@ -124,7 +116,7 @@ def bench_shape(E, Kd, N, M, reps, gen, variants=None):
         "n-waves": lambda: run(waves, K.SwiGLUScaleEpilogue(), {"out": hp}),
         "n-waves + store": lambda: run(waves, Store(), store),
         "n-waves + store + saved": lambda: run(waves, StoreSaved(), saved, quad=False),
-        "n-waves + store + saved (quad)": lambda: run(waves, StoreSavedQuad(), saved, quad=True),
+        "n-waves + store + saved (quad)": lambda: run(waves, StoreSaved(), saved, quad=True),
         "policy + quantize kernel": quantized,
     }
     fns = {name: make() for name, make in makers.items() if variants is None or name in variants}

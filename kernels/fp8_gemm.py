@@ -118,7 +118,8 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.peer_ids = self.dynamic and self.cluster_size > 1   # rank 0 sends the tile ids it takes to rank 1
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
         # the epilogue works in the output dtype (what MXFP8 outputs round to, what Outputs default to)
-        self.tile_epi = TileEpilogue(epilogue, out_dtype, self.tile_n_log, 0)
+        self.tile_epi = TileEpilogue(epilogue, out_dtype, self.tile_n_log, 0,
+                                     quad_beside_fp8=bool(getattr(config, "quad_beside_fp8", False)))
 
     # ------------------------------------------------------------------ host-side (traced) entry
     @cute.jit

@@ -115,7 +115,8 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             budget = _PREFETCH_REGS - acc_regs
             if budget >= _PREFETCH_MIN:
                 prefetch_pairs = budget
-        self.tile_epi = TileEpilogue(epilogue, dtype, self.tile_n_log, prefetch_pairs, acc_regs)
+        self.tile_epi = TileEpilogue(epilogue, dtype, self.tile_n_log, prefetch_pairs, acc_regs,
+                                     bool(getattr(config, "quad_beside_fp8", False)))
 
     # ------------------------------------------------------------------ host-side (traced) entry
     @cute.jit

@@ -14,8 +14,6 @@ a constant offset from one base address.
 """
 from __future__ import annotations
 
-import os
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -34,19 +32,19 @@ _EPI_BATCH = 8  # 8-column chunks per epilogue batch (see TileEpilogue.run)
 # 128x192 pingpong tile (192 accumulator registers) spilled at 8-chunk batches with FC2's d(SwiGLU*scale)
 # (the saved pre-activation's gate and up values, 3 outputs) and does not at 4
 _EPI_BATCH_WIDE_AUX = 4
-#: 16-bit outputs beside an FP8-block output (the FP8 FC1's saved pre-activation in a training step) store 4 columns
-#: per lane too (fragment_io.store4_swapped: whole 32-byte sectors), not 2 (half sectors). Read at trace time.
-QUAD_BESIDE_FP8_BLOCK = os.environ.get("FUSION_QUAD_BESIDE_FP8_BLOCK", "0") == "1"
 
 
 class TileEpilogue:
     """``epilogue`` of a GEMM in ``dtype`` whose logical tile is ``tile_n_log`` columns wide (the GEMM
     tile, or half of it when gated); ``prefetch_pairs``: how many packed 16-bit AuxInput pairs
     :meth:`prefetch` may hold in registers across the mainloop; ``acc_regs``: the fp32 accumulator registers of a
-    thread (they choose the epilogue's batch width, :meth:`run`)."""
+    thread (they choose the epilogue's batch width, :meth:`run`); ``quad_beside_fp8``: 16-bit outputs beside an
+    FP8-block output store 4 columns per lane too (GemmConfig.quad_beside_fp8, tile_policy.QUAD_BESIDE_FP8_BLOCK)."""
 
-    def __init__(self, epilogue: Epilogue, dtype: str, tile_n_log: int, prefetch_pairs: int, acc_regs: int = 0):
+    def __init__(self, epilogue: Epilogue, dtype: str, tile_n_log: int, prefetch_pairs: int, acc_regs: int = 0,
+                 quad_beside_fp8: bool = False):
         self.epi = epilogue
+        self.quad_beside_fp8 = quad_beside_fp8
         self.dtype_name = dtype
         self.ab_dtype = cutlass_dtype(dtype)
         self.gated = epilogue.gated
@@ -189,9 +187,9 @@ class TileEpilogue:
             amax_run = {oi: Int32(0) for oi in fp8b}   # the thread's running max of the blocks' amax bits
         batch = self.batch if n_c % self.batch == 0 else n_c
         # (not beside an MXFP8 output: its quantization holds a batch's values, and with the swaps besides, the
-        # "gemm-mxfp8" epilogue spilled: tests/test_compile_plans.py; beside an FP8-block output only where
-        # QUAD_BESIDE_FP8_BLOCK says)
-        swaps = not has_mx and (not fp8b or QUAD_BESIDE_FP8_BLOCK)
+        # "gemm-mxfp8" epilogue spilled: tests/test_compile_plans.py; beside an FP8-block output where the
+        # configuration says: GemmConfig.quad_beside_fp8)
+        swaps = not has_mx and (not fp8b or self.quad_beside_fp8)
         has_mx = has_mx or bool(fp8b)
         quad = [swaps and not isinstance(epi.outputs[oi], RowSumOutput)
                 and self._quad_stores(out_dtypes[oi], n_log, batch) for oi in range(len(epi.outputs))]

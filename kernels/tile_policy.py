@@ -46,6 +46,15 @@ from .fp8_scales import SA_STAGE_FLOATS, SB_SLOT_FLOATS, SCALE_BLOCK
 #: 2026-11-26's short tiles; the A/B switch: it changes the jobs' keys, so both live in one kernel cache).
 SHORT_TILES = os.environ.get("FUSION_SHORT_TILES", "1") != "0"
 
+#: 16-bit outputs beside an FP8-block output (the FP8 FC1's saved pre-activation in a training step) store 4 columns
+#: per lane (kernels/fragment_io.py store4_swapped: whole 32-byte sectors) instead of 2 (half sectors): on an H200
+#: the FP8 FC1 of a training step 7-13% faster on five MoE shapes (bench/fp8_gated_tiles.py, docs/benchmarks.md
+#: session w). FUSION_QUAD_BESIDE_FP8_BLOCK=0 (read at import) keeps the 2-column stores: the A/B switch (a
+#: GemmConfig field, so both kernels live in one cache; :func:`fp8_block_output_tile` reads it per call, so
+#: bench/ab_switch.py --plan flips it). A dequantized FP8-block row (the FP8 dgrad's recomputed FC2 input) keeps
+#: 2-column stores either way: with the swaps its kernel spilled.
+QUAD_BESIDE_FP8_BLOCK = os.environ.get("FUSION_QUAD_BESIDE_FP8_BLOCK", "1") != "0"
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -73,6 +82,8 @@ class GemmConfig:
                                      # m-tile) issues the wgmma of those 64 rows only (kernels/mainloop.py)
     gather_tma: bool = False  # with gather_a: A's rows by one TMA box per row (1 x tile_k, the 128-byte swizzle)
                               # instead of cp.async (kernels/gather_producer.py; opt-in, not in any policy)
+    quad_beside_fp8: bool = QUAD_BESIDE_FP8_BLOCK  # 16-bit outputs beside an FP8-block output store 4 columns per
+                                                   # lane (kernels/tile_epilogue.py; QUAD_BESIDE_FP8_BLOCK)
 
     @property
     def b_shape_order(self) -> str:
@@ -427,7 +438,8 @@ def fp8_block_output_tile(N: int, gated: bool = True) -> GemmConfig:
     tile_n, slots = (2 * FP8_BLOCK_COLUMNS, 3) if gated else (FP8_BLOCK_COLUMNS, 2)
     stages = min(8, FP8_SMEM // (fp8_stage_bytes(128, tile_n, slots) + 16))
     return GemmConfig(tile_m=128, tile_n=tile_n, tile_k=SCALE_BLOCK, stages=stages, pingpong=False,
-                      dynamic=True, **_fp8_pairs(pair, gated and FP8_GATED_M_PAIRS))
+                      dynamic=True, quad_beside_fp8=QUAD_BESIDE_FP8_BLOCK,
+                      **_fp8_pairs(pair, gated and FP8_GATED_M_PAIRS))
 
 
 def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | None = None,

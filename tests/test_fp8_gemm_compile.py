@@ -345,3 +345,42 @@ def test_policy_switches_m_pairs(N, gated, monkeypatch):
     cfg = K.choose_fp8_config(3072, 2048, 32, True)
     assert (cfg.cluster_n, cfg.cluster_m) == (1, 2)
     assert K.choose_fp8_config(4096, 2048, 32, False).cluster_n == 2     # not gated: unchanged
+
+
+class _StoreSaved(K.SwiGLUScaleEpilogue):
+    """The training FC1's epilogue (patterns/fp8.fpat fp8_gemm_act, train variant): FC2's FP8-block input, and the
+    pre-activation (gate, up) saved in bf16 for the backward."""
+    outputs = (K.FP8BlockOutput("out"), K.Output("saved", paired=True))
+
+    def apply(self, gate, up, scale):
+        from fusion.kernels import epi_math as em
+        return em.silu(gate) * up * scale, gate, up
+
+
+def test_saved_pre_activation_beside_the_fp8_block_store_leaves_in_whole_sectors():
+    """GemmConfig.quad_beside_fp8 (the policy's: tile_policy.QUAD_BESIDE_FP8_BLOCK): the training FC1 stores its
+    saved bf16 pre-activation 4 columns per lane (8-byte STG, whole 32-byte sectors per quad) instead of 2 (4-byte
+    STG, half sectors), without spills. The 2-column build (quad_beside_fp8=False) is what ran before session w."""
+    N, K_, G = 1536, 2048, 128
+    cfg = K.fp8_block_output_tile(N)
+    assert cfg.quad_beside_fp8
+    counts = {}
+    for quad in (True, False):
+        comp = K.compile_fp8_grouped_gemm(replace(cfg, quad_beside_fp8=quad), _StoreSaved(), N, K_, G)
+        assert comp.frame_size == 0, f"{comp.name}: {comp.frame_size}-byte stack frame (spills)"
+        ops = _ops(sass_or_skip(lambda: comp.sass))
+        assert not any(o.startswith(("LDL", "STL")) for o in ops), "local-memory spills"
+        counts[quad] = (sum(o == "STG.E" for o in ops), sum(o == "STG.E.64" for o in ops))
+    (narrow_q, wide_q), (narrow, wide) = counts[True], counts[False]
+    # 2 x 2 rows x 16 chunks x 2 halves of the saved tile: 64 4-byte stores as pairs; 32 8-byte ones as quads
+    assert narrow - narrow_q >= 60 and wide_q - wide >= 30, counts
+
+
+def test_the_quad_switch_reaches_the_kernel_key(monkeypatch):
+    """tile_policy.QUAD_BESIDE_FP8_BLOCK is read when the policy makes the gated FP8 tile, so the two builds are two
+    cache entries (a job key holds the configuration) and bench/ab_switch.py --plan can flip it."""
+    from fusion.kernels import tile_policy
+    on = K.fp8_block_output_tile(1536)
+    monkeypatch.setattr(tile_policy, "QUAD_BESIDE_FP8_BLOCK", False)
+    off = K.fp8_block_output_tile(1536)
+    assert on.quad_beside_fp8 and not off.quad_beside_fp8 and on != off

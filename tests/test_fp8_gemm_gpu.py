@@ -281,6 +281,42 @@ def _adversarial_problem(G, M, N, Kd, seed):
     return args, torch.rand(M, device=DEV)
 
 
+class _StoreSaved(_SwiGLUScaleFP8Block):
+    """The training FC1's epilogue: FC2's FP8-block input and the bf16 pre-activation (gate, up) saved beside it."""
+    outputs = (K.FP8BlockOutput("out"), K.Output("saved", paired=True))
+
+    def apply(self, gate, up, scale):
+        from fusion.kernels import epi_math as em
+        return em.silu(gate) * up * scale, gate, up
+
+
+@pytest.mark.parametrize("N", [2 * 2048, 2 * 2888])
+def test_saved_pre_activation_in_whole_sectors_is_the_two_column_store(N):
+    """GemmConfig.quad_beside_fp8 (4 columns per lane beside the FP8-block store, the policy's since session w)
+    writes the same bits as the 2-column store it replaced: the saved (gate, up) halves, and the FP8-block codes,
+    scales and amax beside them, with adversarial rows, ragged and empty groups, and (N/2 = 2888) a partial last
+    block; nothing past the logical width (the outputs start as NaN)."""
+    from fusion.kernels.api import fp8_block_outputs
+
+    G, M, Kd = 8, 2100, 1024
+    args, scale = _adversarial_problem(G, M, N, Kd, seed=8)
+    got = {}
+    for quad in (True, False):
+        cfg = replace(K.fp8_block_output_tile(N), quad_beside_fp8=quad)
+        outs = fp8_block_outputs(_StoreSaved.outputs[0], M, N // 2, DEV)
+        outs["out"].view(torch.uint8).fill_(0x7E)
+        outs["out_scale"].fill_(float("nan"))
+        outs["saved"] = _nan(M, N)
+        K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, _StoreSaved(), N, Kd, G), *args, outs,
+                               extras={"scale": scale})
+        got[quad] = outs
+    torch.cuda.synchronize()
+    assert not torch.isnan(got[True]["saved"][:20]).all(), "nothing was saved"
+    for name in ("saved", "out", "out_scale", "out_amax"):
+        a, b = got[True][name], got[False][name]
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name} differs between the two stores"
+
+
 @pytest.mark.parametrize("m_pairs", [False, True], ids=["policy", "m-pairs"])
 @pytest.mark.parametrize("N", [2 * 2048, 2 * 2888])
 def test_fp8_block_output_is_the_quantized_bf16_output(N, m_pairs):
