@@ -89,8 +89,9 @@ class TileEpilogue:
     def _quad_stores(dt, n_log: int, batch: int) -> bool:
         """Whether an output stores 4 columns per lane (fragment_io.store4_swapped): 16-bit values, whole 8-column
         chunks (n_log % 8 == 0, so a 4-column run is valid or not as a whole and rows stay 8-byte aligned) and
-        chunk pairs within a batch."""
-        return dt.width == 16 and n_log % 8 == 0 and batch % 2 == 0
+        chunk pairs within a batch (an odd batch stores its last chunk 2 columns per lane: the 88-column logical
+        tile of a gated 176-wide one, 11 chunks, which stored every chunk so before session w)."""
+        return dt.width == 16 and n_log % 8 == 0 and batch >= 2
 
     def _packed(self, chunks, paired: bool) -> list:
         """A batch's results of one output (``chunks[k][v]``, a (gate, up) pair when paired) as one word per chunk
@@ -341,8 +342,9 @@ class TileEpilogue:
                                 ot += 1 + len(extra_tensors(spec))
                                 continue
                             if quad[oi]:
-                                # 4 columns per lane and store, whole 32-byte sectors (fragment_io.store4_swapped)
-                                for k in range(0, len(cs), 2):
+                                # 4 columns per lane and store, whole 32-byte sectors (fragment_io.store4_swapped);
+                                # an odd batch's last chunk below, 2 columns per lane
+                                for k in range(0, len(cs) - 1, 2):
                                     c = cs[k]
                                     r0, r1 = results[oi][k], results[oi][k + 1]
                                     halves = ((0, 0), (1, n_log)) if spec.paired else ((None, 0),)
@@ -351,15 +353,16 @@ class TileEpilogue:
                                         p1 = (r1[0], r1[1]) if half is None else (r1[0][half], r1[1][half])
                                         store4_swapped(out_base[oi] + (off + 8 * c) * eb, p0, p1, oks[k], oks[k + 1],
                                                        odd, dt)
-                            else:
-                                for k, c in enumerate(cs):
-                                    rk = results[oi][k]
-                                    if spec.paired:
-                                        store2(out_base[oi] + 8 * c * eb, rk[0][0], rk[1][0], dt, oks[k])
-                                        store2(out_base[oi] + (n_log + 8 * c) * eb, rk[0][1], rk[1][1], dt,
-                                               oks[k])
-                                    else:
-                                        store2(out_base[oi] + 8 * c * eb, rk[0], rk[1], dt, oks[k])
+                            # 2 columns per lane: every chunk, or an odd batch's last one after the quad stores
+                            for k in range(len(cs) - len(cs) % 2 if quad[oi] else 0, len(cs)):
+                                c = cs[k]
+                                rk = results[oi][k]
+                                if spec.paired:
+                                    store2(out_base[oi] + 8 * c * eb, rk[0][0], rk[1][0], dt, oks[k])
+                                    store2(out_base[oi] + (n_log + 8 * c) * eb, rk[0][1], rk[1][1], dt,
+                                           oks[k])
+                                else:
+                                    store2(out_base[oi] + 8 * c * eb, rk[0], rk[1], dt, oks[k])
                             ot += 1
                     for oi in fp8b:
                         row_items, cols, col_oks = pending[oi]   # packed words, or float32 pairs (`packs`)
