@@ -270,3 +270,22 @@ def test_a_bound_launch_checks_every_call_before_it_launches():
         bound(A, B, offs, {"out": torch.zeros(4, 2 * N_, dtype=bf16)[:, ::2]})
     with pytest.raises(ShapeError, match=r"\(8, 1024, 512\)"):
         K.bind_grouped_gemm(comp, A, torch.zeros(G_, K_, N_, dtype=bf16), offs, num_ctas=8)
+
+
+def test_an_odd_epilogue_batch_stores_its_chunk_pairs_in_whole_sectors():
+    """The gated 176-wide pair tile of an expert width f = 1408 (tile_policy.gated_tile: DeepSeek-V2-Lite, GLM-4.5-Air,
+    Qwen1.5-MoE) has 88 logical columns, 11 chunks: one odd epilogue batch. Its chunk pairs store 4 columns per lane
+    (8-byte STG, whole 32-byte sectors per quad) and only the last chunk 2 (4-byte STG); before session w every chunk
+    of both outputs (FC2's input and the saved pre-activation) stored 2 columns, half sectors: 132 4-byte stores and
+    no 8-byte one a thread."""
+    from fusion.kernels.tile_policy import gated_tile
+
+    N, Kd, G = 2 * 1408, 2048, 64
+    cfg = gated_tile(K.GemmConfig(**PP192), N, Kd)
+    assert (cfg.tile_n, cfg.cluster_n) == (176, 2), cfg
+    comp = K.compile_grouped_gemm(cfg, _SwiGLUTrain(), "bfloat16", N=N, K=Kd, G=G)
+    assert comp.config.tile_n == 176   # no spill fallback
+    ops = _check(comp)
+    narrow, wide = sum(o == "STG.E" for o in ops), sum(o == "STG.E.64" for o in ops)
+    # per fragment row (4 a thread): out 1 + pre 2 halves x 1 chunk narrow; 5 pairs x 3 wide
+    assert (narrow, wide) == (12, 60), (narrow, wide)
