@@ -85,7 +85,6 @@ def bench_shape(E, Kd, N, M, reps, gen, variants=None):
             from fusion.kernels import epi_math as em
             return em.silu(gate) * up * scale, gate, up
 
-
     sizes = balanced_sizes(E, M, gen).cuda()
     offs = K.offsets_from_group_sizes(sizes)
     x = torch.randn(M, Kd, device="cuda")
