@@ -33,6 +33,7 @@ from fusion.runtime import fp8_gemm
 from fusion.runtime import gather as gather_method
 from fusion.runtime.gather import gather_index
 from fusion.runtime.kernel import make_job
+from fusion.runtime.row_sums import row_sums
 
 
 @dataclass
@@ -524,7 +525,8 @@ class FusedDgrad(_KernelStep):
             env[self.quantized_dinput] = BlockScaled(outs["dinput_q"].view(torch.uint8), outs["dinput_q_scale"])
         for kernel_name, name in self._scale_grads:
             # the kernel's float32 partial row sums, added in a fixed order, then cast to the scale's dtype
-            state.add(state.extra_grads, name, outs[kernel_name].sum(-1).to(ctx.extra[name].dtype))
+            state.add(state.extra_grads, name, row_sums(outs[kernel_name], ctx.extra[name].dtype,
+                                                        self.launcher.name == "cute"))
         for op in self._biases:  # first in the chain: d bias = d(chain input) summed per group
             state.add(state.param_grads, id(op.bias), segment_sum(dinput, state.bounds, op.num_groups is not None))
         if self.postact:
