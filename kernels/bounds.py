@@ -91,9 +91,11 @@ class GroupBoundsKernel:
         return scan
 
     @cute.jit
-    def _write(self, mOut: cute.Tensor, lane: Int32, values, before: Int32, last: Int32, counters: Int32):
+    def _write(self, mOut: cute.Tensor, lane: Int32, values, before: Int32, last: Int32, counters: Int32,
+               sizes_too: cutlass.Constexpr = False):
         """Bounds [0, o_1, ..., o_{G-1}, last] (`before`: the sum of the groups before this lane's) and zeroed
-        counters."""
+        counters; `sizes_too`: after the counters also the G sizes those bounds make (the last one `last` less
+        o_{G-1})."""
         if lane == 0:
             mOut[0] = Int32(0)
         running = before
@@ -102,6 +104,9 @@ class GroupBoundsKernel:
             running = running + values[j]
             if i < self.G:
                 mOut[i + 1] = cutlass.select_(i == self.G - 1, last, running)
+                if const_expr(sizes_too):
+                    mOut[self.G + 1 + counters + i] = cutlass.select_(i == self.G - 1, last - (running - values[j]),
+                                                                      values[j])
         c = lane
         while c < counters:
             mOut[self.G + 1 + c] = Int32(0)
@@ -146,7 +151,9 @@ class RoutedBoundsKernel(GroupBoundsKernel):
 
     - CTA 0, warp 0: the sizes, each in [0, rows] and summing to *at most* rows (the rows past the sum are
       padding); bounds [0, o_1, ..., o_{G-1}, rows] (the padding joins the last group: the kernels compute
-      its rows, zeros from the Gather, and the Combine skips them); the counters zeroed.
+      its rows, zeros from the Gather, and the Combine skips them); the counters zeroed; after them the G
+      sizes of those bounds (the ops that read sizes see the padding in the last group; torch.diff of the
+      bounds was 50 us of host time a call on the lent H200 machine).
     - CTAs 1..: ``ROUTED_CHUNK`` routed rows each: ``index[r]`` in [-1, tokens), -1 on every row past the
       sizes' sum, and the gathering kernels' int32 copy of it (a padding row, -1, reads zeros there: the
       gather producers zero-fill it).
@@ -168,7 +175,7 @@ class RoutedBoundsKernel(GroupBoundsKernel):
                  rows: Int32, tokens: Int32, counters: Int32, stream):
         mSizes = cute.make_tensor(pSizes, cute.make_layout((self.G,)))
         mIndex = cute.make_tensor(pIndex, cute.make_layout((rows,)))
-        mOut = cute.make_tensor(pOut, cute.make_layout((self.G + 1 + counters,)))
+        mOut = cute.make_tensor(pOut, cute.make_layout((self.G + 1 + counters + self.G,)))
         mIdx32 = cute.make_tensor(pIdx32, cute.make_layout((rows,)))
         chunks = (rows + (ROUTED_CHUNK - 1)) // ROUTED_CHUNK
         self.kernel(mSizes, mIndex, mOut, mIdx32, rows, tokens, counters).launch(
@@ -192,7 +199,8 @@ class RoutedBoundsKernel(GroupBoundsKernel):
                     if lane == 0:
                         cute.printf(self.sizes_message, rows, total)
                     _trap()
-                self._write(mOut, lane, values, scan - local, rows, counters)   # the padding joins the last group
+                # the padding joins the last group; the sizes so made follow the counters
+                self._write(mOut, lane, values, scan - local, rows, counters, sizes_too=True)
         else:
             start = (bidx - 1) * ROUTED_CHUNK
             end = cutlass.min(start + ROUTED_CHUNK, rows)
@@ -210,7 +218,8 @@ class RoutedBoundsKernel(GroupBoundsKernel):
 def compile_routed_bounds(G: int, sizes_dtype: str, index_dtype: str) -> UtilityKernel:
     """The routed prologue (RoutedBoundsKernel) for `G` groups, sizes and index of the given dtypes ("int32",
     "int64"), compiled once per process; `launch(sizes_ptr, index_ptr, out_ptr, idx32_ptr, rows, tokens,
-    counters, stream)` with plain integers (rows: the routed rows M = index.numel() >= 1)."""
+    counters, stream)` with plain integers (rows: the routed rows M = index.numel() >= 1; out: G + 1 + counters
+    + G int32, the bounds, the counters and the sizes with the padding in the last group)."""
     def build():
         from cutlass.runtime import make_fake_stream
 

@@ -81,7 +81,7 @@ def test_prologue_bounds_and_counters(G, dtype):
     rows = int(sizes.sum())
     counters = 5
     compiled = compile_group_bounds(G, str(dtype).removeprefix("torch."))
-    out = torch.full((G + 1 + counters,), -7, dtype=torch.int32, device="cuda")
+    out = torch.full((G + 1 + counters + G,), -7, dtype=torch.int32, device="cuda")
     dev_sizes = sizes.to("cuda", dtype)
     compiled.launch(dev_sizes.data_ptr(), out.data_ptr(), rows, counters, torch.cuda.current_stream().cuda_stream)
     want = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0), torch.zeros(counters, dtype=torch.int64)])
@@ -187,14 +187,16 @@ def test_routed_prologue_bounds_index_and_counters(G, tokens, sizes_dtype, index
     index[torch.randperm(total, generator=gen)[: total // 10]] = -1  # padding rows inside the groups too
     counters = 3
     compiled = compile_routed_bounds(G, str(sizes_dtype).removeprefix("torch."), str(index_dtype).removeprefix("torch."))
-    out = torch.full((G + 1 + counters,), -7, dtype=torch.int32, device="cuda")
+    out = torch.full((G + 1 + counters + G,), -7, dtype=torch.int32, device="cuda")
     index32 = torch.full((rows,), -7, dtype=torch.int32, device="cuda")
     dev_index = index.to("cuda", index_dtype)
     compiled.launch(sizes.to("cuda", sizes_dtype).data_ptr(), dev_index.data_ptr(), out.data_ptr(),
                     index32.data_ptr(), rows, tokens, counters, torch.cuda.current_stream().cuda_stream)
     bounds = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
     bounds[-1] = rows                                             # the padding joins the last group
-    assert torch.equal(out.cpu().long(), torch.cat([bounds, torch.zeros(counters, dtype=torch.int64)]))
+    # the bounds, the zeroed counters, then the sizes of those bounds (the padding in the last group)
+    assert torch.equal(out.cpu().long(), torch.cat([bounds, torch.zeros(counters, dtype=torch.int64),
+                                                    torch.diff(bounds)]))
     assert torch.equal(index32.cpu().long(), index)                  # the int32 copy, padding rows -1 kept
 
 
@@ -252,3 +254,21 @@ def test_gather_block_on_the_gpu_checks_and_absorbs_padding_in_the_prologue(monk
         monkeypatch.setattr(inputs, name, not_called)
     got = fused(x, index=index, group_sizes=sizes, scale=probs)
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+def test_routed_prologue_sets_the_absorbed_sizes_from_its_own_buffer():
+    """RoutedPrologue's buffer is the bounds and counters alone, and ctx.group_sizes the kernel's sizes after them
+    (the padding rows in the last group, int32), not a torch op over the bounds."""
+    from fusion.run_context import RunContext
+    from fusion.runtime.bounds import RoutedPrologue
+
+    sizes = torch.tensor([5, 0, 7, 3], device="cuda", dtype=torch.int64)
+    index = torch.cat([torch.randint(0, 9, (15,)), torch.full((6,), -1)]).cuda()
+    ctx = RunContext(group_sizes=sizes, routed_group_sizes=sizes, index=index, tokens=9)
+    buffer = RoutedPrologue(4)(ctx, index.numel(), index.device, 2)
+    assert buffer.numel() == 4 + 1 + 2
+    assert torch.equal(buffer.cpu(), torch.tensor([0, 5, 5, 12, 21, 0, 0], dtype=torch.int32))
+    assert ctx.group_sizes.dtype == torch.int32 and ctx.group_sizes.is_contiguous()
+    assert torch.equal(ctx.group_sizes.cpu(), torch.tensor([5, 0, 7, 9], dtype=torch.int32))
+    assert torch.equal(ctx.derived["gather_index"].cpu(), index.cpu().to(torch.int32))

@@ -64,8 +64,8 @@ class RoutedPrologue:
     """The prologue kernel of a block that starts with a Gather (fusion.kernels.bounds.RoutedBoundsKernel): the
     call's buffer as DevicePrologue makes it, with the padding rows past sum(group_sizes) in the last group; the
     routing index checked; and ctx's derived "gather_index" (the gathering kernels' int32 index, -1 at padding
-    rows) and ctx.group_sizes (the sizes with the padding absorbed, for the ops that read sizes) set
-    from what it wrote."""
+    rows) and ctx.group_sizes (the sizes with the padding absorbed, for the ops that read sizes: int32, written by
+    the kernel after the counters) set from what it wrote."""
 
     def __init__(self, groups: int):
         self.groups = groups
@@ -73,7 +73,8 @@ class RoutedPrologue:
 
     def __call__(self, ctx, rows: int, device: torch.device, counters: int) -> torch.Tensor:
         sizes, index = ctx.routed_group_sizes, ctx.index   # rows >= 1: BlockInputs.context checks an empty call
-        buffer = torch.empty(self.groups + 1 + counters, dtype=torch.int32, device=device)
+        head = self.groups + 1 + counters
+        buffer = torch.empty(head + self.groups, dtype=torch.int32, device=device)   # + the absorbed sizes
         index32 = torch.empty(rows, dtype=torch.int32, device=device)
         key = (sizes.dtype, index.dtype)
         compiled = self._compiled.get(key)
@@ -85,8 +86,8 @@ class RoutedPrologue:
         compiled.launch(sizes.data_ptr(), index.data_ptr(), buffer.data_ptr(), index32.data_ptr(), rows, ctx.tokens,
                         counters, torch._C._cuda_getCurrentRawStream(device.index))
         ctx.derived["gather_index"] = index32
-        ctx.group_sizes = torch.diff(buffer.narrow(0, 0, self.groups + 1))
-        return buffer
+        ctx.group_sizes = buffer.narrow(0, head, self.groups)
+        return buffer.narrow(0, 0, head)
 
 
 def row_bounds(op, rows: int, ctx, device) -> torch.Tensor:
