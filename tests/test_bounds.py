@@ -81,7 +81,7 @@ def test_prologue_bounds_and_counters(G, dtype):
     rows = int(sizes.sum())
     counters = 5
     compiled = compile_group_bounds(G, str(dtype).removeprefix("torch."))
-    out = torch.full((G + 1 + counters + G,), -7, dtype=torch.int32, device="cuda")
+    out = torch.full((G + 1 + counters,), -7, dtype=torch.int32, device="cuda")
     dev_sizes = sizes.to("cuda", dtype)
     compiled.launch(dev_sizes.data_ptr(), out.data_ptr(), rows, counters, torch.cuda.current_stream().cuda_stream)
     want = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0), torch.zeros(counters, dtype=torch.int64)])
