@@ -100,7 +100,8 @@ def program_bounds(self, ctx, rows, device):
 def routed(self, ctx, rows, device, counters):
     t0 = time.perf_counter()
     sizes, index = ctx.routed_group_sizes, ctx.index
-    buffer = torch.empty(self.groups + 1 + counters, dtype=torch.int32, device=device)
+    head = self.groups + 1 + counters
+    buffer = torch.empty(head + self.groups, dtype=torch.int32, device=device)
     index32 = torch.empty(rows, dtype=torch.int32, device=device)
     t1 = time.perf_counter(); T["r1 empties"] += t1 - t0
     key = (sizes.dtype, index.dtype)
@@ -114,9 +115,11 @@ def routed(self, ctx, rows, device, counters):
                     counters, torch._C._cuda_getCurrentRawStream(device.index))
     t2 = time.perf_counter(); T["r2 launch"] += t2 - t1
     ctx.derived["gather_index"] = index32
-    ctx.group_sizes = torch.diff(buffer.narrow(0, 0, self.groups + 1))
-    T["r3 diff"] += time.perf_counter() - t2
-    return buffer
+    bounds = buffer.narrow(0, 0, head)
+    ctx.group_sizes = (buffer.narrow(0, head, self.groups) if B.SIZES_FROM_KERNEL else
+                       torch.diff(bounds.narrow(0, 0, self.groups + 1)))
+    T["r3 sizes"] += time.perf_counter() - t2
+    return bounds
 
 
 B.DevicePrologue.__call__ = prologue

@@ -21,6 +21,10 @@ import torch
 
 _SIZE_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 
+#: Read per call: False makes an MoE call's absorbed group sizes with torch.diff of the routed prologue's bounds, as
+#: before the kernel wrote them (the A/B switch of bench/ab_switch.py --moe: about 50 us of host a call).
+SIZES_FROM_KERNEL = True
+
 
 def torch_bounds(ctx, rows: int, device, counters: int) -> torch.Tensor:
     """The buffer from ctx.offsets (or one group of `rows` rows) with torch ops."""
@@ -86,8 +90,10 @@ class RoutedPrologue:
         compiled.launch(sizes.data_ptr(), index.data_ptr(), buffer.data_ptr(), index32.data_ptr(), rows, ctx.tokens,
                         counters, torch._C._cuda_getCurrentRawStream(device.index))
         ctx.derived["gather_index"] = index32
-        ctx.group_sizes = buffer.narrow(0, head, self.groups)
-        return buffer.narrow(0, 0, head)
+        bounds = buffer.narrow(0, 0, head)
+        ctx.group_sizes = (buffer.narrow(0, head, self.groups) if SIZES_FROM_KERNEL else
+                           torch.diff(bounds.narrow(0, 0, self.groups + 1)))
+        return bounds
 
 
 def row_bounds(op, rows: int, ctx, device) -> torch.Tensor:
