@@ -19,7 +19,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from .epilogue import FP8BlockOutput
-from .fragment_io import bits_f32, f32_bits, store2, unpack2
+from .fragment_io import bits_f32, f32_bits, pack2, store2, store4_run, unpack2
 from .pow2_quant import finite_abs_bits, fp8_block_scale_bits, scaled_or_nan
 
 __all__ = ["lane_amax", "rounded", "store_fp8_block_row", "store_fp8_block_halves", "store_fp8_block_dequantized_row",
@@ -108,18 +108,33 @@ def store_fp8_block_halves(gate: list, up: list, lcols: list, oks: list, t: cute
     return amax_run
 
 
-def store_fp8_block_dequantized_row(words, oks, addr, ab_dtype, amax_bits=None):
+def store_fp8_block_dequantized_row(words, oks, addr, ab_dtype, amax_bits=None, odd=None):
     """Trace time. The row's block (``words`` as for :func:`store_fp8_block_row`) quantized as that function does,
     decoded again and multiplied by its scale (exact in float32, as ``fusion.quant``'s dequantize), stored in the
-    GEMM dtype: ``addr`` is the byte address of this lane's pair in chunk 0; chunk ``c`` lies 8 c columns further
-    (2-column stores, as an ``Output``'s plain store)."""
+    GEMM dtype: ``addr`` is the byte address of this lane's pair in chunk 0; chunk ``c`` lies 8 c columns further.
+    ``odd`` (the lane's parity in its quad) given: chunk pairs 4 columns per lane and store (fragment_io.store4_run:
+    whole 32-byte sectors), the quad neighbours swapping a chunk's values *before* they are decoded, one chunk pair
+    at a time (swapped after the decode, as fragment_io.store4_swapped does, this kernel spilled: 24 STL); None: 2
+    columns per lane, as an ``Output``'s plain store."""
     scale_bits, inv_scale, _ = _block_scale(words, oks, ab_dtype, amax_bits)
     scale = bits_f32(scale_bits)
     eb = ab_dtype.width // 8
-    for c, word in enumerate(words):
+
+    def decoded(word):
         code = _pack2_e4m3(*_scaled(word, inv_scale, ab_dtype))
-        store2(addr + 8 * c * eb, decode_e4m3(code & 0xFF) * scale, decode_e4m3((code >> 8) & 0xFF) * scale,
-               ab_dtype, oks[c])
+        return decode_e4m3(code & 0xFF) * scale, decode_e4m3((code >> 8) & 0xFF) * scale
+
+    paired = 0 if odd is None else len(words) - len(words) % 2
+    for c in range(0, paired, 2):
+        # the swap before the decode: the even lane takes its neighbour's chunk-c values, the odd lane its chunk-(c+1)
+        # ones (the quad shares the row's scale), and each decodes the 4 columns it stores
+        got = cute.arch.shuffle_sync_bfly(cutlass.select_(odd, words[c], words[c + 1]), 1)
+        first = cutlass.select_(odd, got, words[c])
+        second = cutlass.select_(odd, words[c + 1], got)
+        store4_run(addr + 8 * c * eb, pack2(*decoded(first), ab_dtype), pack2(*decoded(second), ab_dtype), oks[c],
+                   oks[c + 1], odd, eb)
+    for c in range(paired, len(words)):
+        store2(addr + 8 * c * eb, *decoded(words[c]), ab_dtype, oks[c])
 
 
 def _pack2_e4m3(v0, v1) -> Int32:

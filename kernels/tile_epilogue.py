@@ -39,7 +39,8 @@ class TileEpilogue:
     tile, or half of it when gated); ``prefetch_pairs``: how many packed 16-bit AuxInput pairs
     :meth:`prefetch` may hold in registers across the mainloop; ``acc_regs``: the fp32 accumulator registers of a
     thread (they choose the epilogue's batch width, :meth:`run`); ``quad_beside_fp8``: 16-bit outputs beside an
-    FP8-block output store 4 columns per lane too (GemmConfig.quad_beside_fp8, tile_policy.QUAD_BESIDE_FP8_BLOCK)."""
+    FP8-block output, and a dequantized FP8-block row, store 4 columns per lane too (GemmConfig.quad_beside_fp8,
+    tile_policy.QUAD_BESIDE_FP8_BLOCK)."""
 
     def __init__(self, epilogue: Epilogue, dtype: str, tile_n_log: int, prefetch_pairs: int, acc_regs: int = 0,
                  quad_beside_fp8: bool = False):
@@ -384,8 +385,11 @@ class TileEpilogue:
                                               scale_bits, scale_ok)
                             amax_run[oi] = cutlass.max(amax_run[oi], amax_bits)
                     for oi in fp8d:
+                        # 4 columns per lane where 16-bit outputs beside FP8-block quantization do so (the
+                        # configuration's quad_beside_fp8), one chunk pair at a time; else 2
                         words, _, col_oks = pending[oi]
-                        store_fp8_block_dequantized_row(words, col_oks, out_base[oi], self.ab_dtype, lane_max[oi][0])
+                        store_fp8_block_dequantized_row(words, col_oks, out_base[oi], self.ab_dtype, lane_max[oi][0],
+                                                        odd if quad[oi] and self.quad_beside_fp8 else None)
                 # the row's sums: over the quad, then lane (block % 4) of it stores block's partial
                 for oi in row_sums:
                     spec = epi.outputs[oi]

@@ -51,8 +51,9 @@ SHORT_TILES = os.environ.get("FUSION_SHORT_TILES", "1") != "0"
 #: the FP8 FC1 of a training step 7-13% faster on five MoE shapes (bench/fp8_gated_tiles.py, docs/benchmarks.md
 #: session w). FUSION_QUAD_BESIDE_FP8_BLOCK=0 (read at import) keeps the 2-column stores: the A/B switch (a
 #: GemmConfig field, so both kernels live in one cache; :func:`fp8_block_output_tile` reads it per call, so
-#: bench/ab_switch.py --plan flips it). A dequantized FP8-block row (the FP8 dgrad's recomputed FC2 input) keeps
-#: 2-column stores either way: with the swaps its kernel spilled.
+#: bench/ab_switch.py --plan flips it). Since session x a dequantized FP8-block row (the FP8 dgrad's recomputed FC2
+#: input after a QuantizeFP8Block) follows it too, its quad neighbours swapping values before the decode (swapped
+#: after, as the other stores do, that kernel spilled).
 QUAD_BESIDE_FP8_BLOCK = os.environ.get("FUSION_QUAD_BESIDE_FP8_BLOCK", "1") != "0"
 
 
@@ -82,8 +83,9 @@ class GemmConfig:
                                      # m-tile) issues the wgmma of those 64 rows only (kernels/mainloop.py)
     gather_tma: bool = False  # with gather_a: A's rows by one TMA box per row (1 x tile_k, the 128-byte swizzle)
                               # instead of cp.async (kernels/gather_producer.py; opt-in, not in any policy)
-    quad_beside_fp8: bool = QUAD_BESIDE_FP8_BLOCK  # 16-bit outputs beside an FP8-block output store 4 columns per
-                                                   # lane (kernels/tile_epilogue.py; QUAD_BESIDE_FP8_BLOCK)
+    quad_beside_fp8: bool = QUAD_BESIDE_FP8_BLOCK  # 16-bit outputs beside an FP8-block output, and a dequantized
+                                                   # FP8-block row, store 4 columns per lane
+                                                   # (kernels/tile_epilogue.py; QUAD_BESIDE_FP8_BLOCK)
 
     @property
     def b_shape_order(self) -> str:

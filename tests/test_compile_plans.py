@@ -243,3 +243,34 @@ def test_held_out_moe_layers_compile_for_sm90a():
                 seen.add(k.key)
                 check_sass(k)
     assert fc1_gathers == {True, False}   # both FC1 forms among them
+
+
+def test_fp8_dgrad_dequantized_row_leaves_in_whole_sectors(monkeypatch):
+    """B1 of an FP8 block with a QuantizeFP8Block recomputes FC2's input dequantized (FP8BlockDequantOutput) and,
+    where 16-bit stores beside FP8-block quantization take whole sectors (tile_policy.QUAD_BESIDE_FP8_BLOCK, the
+    configuration's quad_beside_fp8), stores it 4 columns per lane (8-byte STG, the quad neighbours swapping a
+    chunk's values before they are decoded: swapped after, the kernel spilled), else 2 (4-byte STG, the store before
+    session x). No spills either way."""
+    from fusion.kernels import sass_opcodes, sass_text, tile_policy
+    from fusion.planner import clear_cache
+    from fusion.runtime.aot import compile_jobs, plan_jobs
+
+    counts = {}
+    try:
+        for quad in (True, False):
+            monkeypatch.setattr(tile_policy, "QUAD_BESIDE_FP8_BLOCK", quad)
+            clear_cache()
+            block = Sequential(GroupLinear(8, 512, 1536, weight_format="fp8_block"), SwiGLU(), Scale(),
+                               QuantizeFP8Block(columnwise=False),
+                               GroupLinear(8, 768, 512, weight_format="fp8_block")).to("meta")
+            (job,) = [j for j in plan_jobs(block, torch.bfloat16) if j.step == "B1"]
+            assert "FP8BlockDequantOutput" in job.source, job.source
+            (kernel,) = compile_jobs([job], progress=False)
+            assert kernel.config.quad_beside_fp8 == quad
+            check_sass(kernel)
+            ops = sass_opcodes(sass_text(kernel.cubin))
+            counts[quad] = (ops.count("STG.E"), ops.count("STG.E.64"))
+    finally:
+        clear_cache()
+    # 2 fragment rows x 16 chunks of the dequantized row a thread: 32 4-byte stores as pairs, 16 8-byte ones as runs
+    assert counts[False][0] - counts[True][0] == 32 and counts[True][1] - counts[False][1] == 16, counts

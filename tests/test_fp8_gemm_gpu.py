@@ -365,20 +365,23 @@ class _RowScaledDequant(_RowScaled):
     outputs = (K.FP8BlockDequantOutput("out"),)
 
 
+@pytest.mark.parametrize("stores", ["quad", "pairs"])
 @pytest.mark.parametrize("tile", ["policy", "128x128"])
 @pytest.mark.parametrize("N", [1024, 1000], ids=["N1024", "N1000-partial-block"])
-def test_fp8_block_dequantized_output_is_the_round_trip_of_the_bf16_output(N, tile):
+def test_fp8_block_dequantized_output_is_the_round_trip_of_the_bf16_output(N, tile, stores):
     """The dequantized FP8-block store (what the FP8 dgrad writes for FC2's weight gradient after a
     QuantizeFP8Block(columnwise=False)) equals, bit for bit, fusion.quant's quantize-then-dequantize of the bf16 output
     of the same kernel configuration, with zero, huge (Inf in bf16: NaN after the round trip, as the codes say), tiny
     and NaN rows, empty groups, unaligned group starts, a partial last block (N = 1000), on the dgrad's policy tile
-    (256 x 128 CTA pairs: two m-waves) and on 128 x 128 ones."""
+    (256 x 128 CTA pairs: two m-waves) and on 128 x 128 ones; stored 4 columns per lane after the quad swap (the
+    policy's since session x: GemmConfig.quad_beside_fp8) and 2 (before)."""
     from fusion.quant.fp8_block import fp8_block_dequantize_2d
 
     G, M, Kd = 8, 2100, 1024
     args, scale = _adversarial_problem(G, M, N, Kd, seed=7)
     scale[11] = 2.0 ** 100   # the huge row overflows: Inf in float32 and bf16
     cfg = _config(N, Kd, G) if tile == "policy" else K.fp8_block_output_tile(N, gated=False)
+    cfg = replace(cfg, quad_beside_fp8=stores == "quad")
     hp, got = _nan(M, N), _nan(M, N)
     for epi, out in ((_RowScaled(), hp), (_RowScaledDequant(), got)):
         K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, epi, N, Kd, G), *args, {"out": out},
