@@ -1,6 +1,16 @@
-"""Where FusedDgrad.run spends host time: a copy of its body with perf_counter marks between its parts,
-monkeypatched over the class, around bench/host_split.py's step (GPU machine: `python bench/probes/dgrad_host_lines.py
---model small-batch` or `--moe qwen3-30b-a3b --tokens 1024`)."""
+"""Where the fused dgrad step and the bounds prologue spend host time: their bodies with timers between the parts.
+
+    python bench/probes/dgrad_host_lines.py --model small-batch                    # GPU machine
+    python bench/probes/dgrad_host_lines.py --moe qwen3-30b-a3b --tokens 1024 [--calls 100] [--cprofile-backward]
+
+Around bench/host_split.py's step (its per-step split first), this prints the parts of `FusedDgrad.run`
+(fusion/runtime/steps.py), `DevicePrologue.__call__` / `RoutedPrologue.__call__` (fusion/runtime/bounds.py) and
+`BlockProgram._bounds` (fusion/runtime/program.py) in µs per call. They are *copies* of those bodies, as of session x,
+with `perf_counter` marks added and monkeypatched over the classes: a change to the originals must be made here too
+before the figures mean anything. `--cprofile-backward` also profiles the backward on autograd's device thread
+(cProfile sees only the thread it is enabled on). Session x found the scale gradient's torch sum and cast there
+(80 of the fused dgrad's 193 µs) and the routed prologue's torch.diff (44-53 µs).
+"""
 import collections
 import sys
 import time
@@ -9,101 +19,102 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 import torch  # noqa: E402
-from fusion.runtime import steps as S
-from fusion.runtime.steps import gather_index, dequantize, slots, _poison, POISON, fp8_gemm, _weight_as_b, weight_of, v, segment_sum
-T = collections.Counter()
-N = [0]
-def run(self, state):
-    t0 = time.perf_counter()
+
+from fusion.runtime import bounds as B  # noqa: E402
+from fusion.runtime import program as P  # noqa: E402
+from fusion.runtime import steps as S  # noqa: E402
+
+T: "collections.Counter[str]" = collections.Counter()   # seconds per part, summed over the calls
+N = [0]                                                  # FusedDgrad.run calls timed
+
+
+class _Marks:
+    """`mark(part)` adds the time since the previous mark (or the start) to T[part]."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+
+    def __call__(self, part: str) -> None:
+        now = time.perf_counter()
+        T[part] += now - self.last
+        self.last = now
+
+
+def fused_dgrad_run(self, state):
+    mark = _Marks()
     ctx = state.ctx
-    index = gather_index(ctx) if state.dy_through_index and self.dy_tokens is not None else None
+    index = S.gather_index(ctx) if state.dy_through_index and self.dy_tokens is not None else None
     dy = state.env[self.grad_in if index is None else self.dy_tokens]
     if type(dy) is not torch.Tensor:
-        dy = dequantize(dy)
+        dy = S.dequantize(dy)
     dy = dy if dy.is_contiguous() else dy.contiguous()
     kernel = self.kernel(dy.dtype, "backward" if index is None else "backward_gather")
-    weight = weight_of(self.gemm)
+    weight = S.weight_of(self.gemm)
     G = weight.shape[0] if weight.dim() == 3 else 1
     M = dy.shape[0] if index is None else index.numel()
     tensors = {}
     for slot in self._slots[0]:
-        if isinstance(slot, slots.SavedIn):
+        if isinstance(slot, S.slots.SavedIn):
             tensors["saved"] = state.env[self.saved]
-        elif isinstance(slot, slots.GroupBias):
+        elif isinstance(slot, S.slots.GroupBias):
             shared = self._shared_bias.setdefault(slot.position, S._SharedBias())
             tensors[slot.kernel_name] = shared(self.elementwise[slot.position].bias, G)
         else:
             tensors[slot.kernel_name] = ctx.extra[slot.name]
-    t1 = time.perf_counter(); T["1 inputs"] += t1 - t0
+    mark("1 inputs")
     outs = self._allocate(M, dy.dtype, dy.device)
-    t2 = time.perf_counter(); T["2 allocate"] += t2 - t1
+    mark("2 allocate")
     tensors.update(outs)
     if self.fp8:
-        a, b = fp8_gemm.operand(dy), fp8_gemm.weight_operand(self.gemm, transposed=True)
+        a, b = S.fp8_gemm.operand(dy), S.fp8_gemm.weight_operand(self.gemm, transposed=True)
     else:
-        a, b = dy, _weight_as_b(weight)
-    t3 = time.perf_counter(); T["3 operands"] += t3 - t2
+        a, b = dy, S._weight_as_b(weight)
+    mark("3 operands")
     kernel.run(a, b, state.ctx.counters, tensors, state.counter_ptr(self.slot), index=index)
-    t4 = time.perf_counter(); T["4 launch"] += t4 - t3
+    mark("4 launch")
     env = state.env
     dinput = outs["dinput"]
     env[f"g{self.first}"] = dinput
     if self.quantized_dinput is not None:
         from fusion.runtime.kernel import BlockScaled
+
         env[self.quantized_dinput] = BlockScaled(outs["dinput_q"].view(torch.uint8), outs["dinput_q_scale"])
-    t5 = time.perf_counter(); T["5 env"] += t5 - t4
+    mark("5 env")
     for kernel_name, name in self._scale_grads:
         state.add(state.extra_grads, name, S.row_sums(outs[kernel_name], ctx.extra[name].dtype,
                                                       self.launcher.name == "cute"))
-    t5b = time.perf_counter(); T["6 scale grads"] += t5b - t5
-    t6 = time.perf_counter()
+    mark("6 scale grads")
     for op in self._biases:
-        state.add(state.param_grads, id(op.bias), segment_sum(dinput, state.bounds, op.num_groups is not None))
+        state.add(state.param_grads, id(op.bias), S.segment_sum(dinput, state.bounds, op.num_groups is not None))
     if self.postact:
-        env[v(self.j)] = outs["postact"]
-    t7 = time.perf_counter(); T["7 tail"] += t7 - t6
+        env[S.v(self.j)] = outs["postact"]
+    mark("7 tail")
     del tensors, outs, dy, a, b
-    T["8 frees"] += time.perf_counter() - t7
+    mark("8 frees")
     N[0] += 1
-S.FusedDgrad.run = run
-
-from fusion.runtime import bounds as B  # noqa: E402
-from fusion.runtime import program as P  # noqa: E402
 
 
-def prologue(self, ctx, rows, device, counters):
-    t0 = time.perf_counter()
+def device_prologue(self, ctx, rows, device, counters):
+    mark = _Marks()
     sizes = ctx.group_sizes
     compiled = self._kernel(sizes if self.grouped else None)
-    t1 = time.perf_counter(); T["b1 lookup"] += t1 - t0
+    mark("b1 lookup")
     buffer = torch.empty(self.groups + 1 + counters, dtype=torch.int32, device=device)
-    t2 = time.perf_counter(); T["b2 empty"] += t2 - t1
+    mark("b2 empty")
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     compiled.launch(sizes.data_ptr() if self.grouped else buffer.data_ptr(), buffer.data_ptr(), rows, counters,
                     stream)
-    T["b3 launch"] += time.perf_counter() - t2
+    mark("b3 launch")
     return buffer
 
 
-def program_bounds(self, ctx, rows, device):
-    t0 = time.perf_counter()
-    routed = rows if ctx.index is None else ctx.index.numel()
-    if self.prologue is not None and ctx.offsets is None:
-        buffer = self.prologue(ctx, routed, device, self.counters)
-    else:
-        buffer = B.torch_bounds(ctx, routed, device, self.counters)
-    t1 = time.perf_counter(); T["b0 prologue (all)"] += t1 - t0
-    ctx.counters, ctx.groups, ctx.backward_counters_used = buffer, buffer.numel() - 1 - self.counters, False
-    T["b4 ctx"] += time.perf_counter() - t1
-
-
-def routed(self, ctx, rows, device, counters):
-    t0 = time.perf_counter()
+def routed_prologue(self, ctx, rows, device, counters):
+    mark = _Marks()
     sizes, index = ctx.routed_group_sizes, ctx.index
     head = self.groups + 1 + counters
     buffer = torch.empty(head + self.groups, dtype=torch.int32, device=device)
     index32 = torch.empty(rows, dtype=torch.int32, device=device)
-    t1 = time.perf_counter(); T["r1 empties"] += t1 - t0
+    mark("r1 empties")
     key = (sizes.dtype, index.dtype)
     compiled = self._compiled.get(key)
     if compiled is None:
@@ -113,26 +124,40 @@ def routed(self, ctx, rows, device, counters):
                                                                B._SIZE_DTYPES[index.dtype])
     compiled.launch(sizes.data_ptr(), index.data_ptr(), buffer.data_ptr(), index32.data_ptr(), rows, ctx.tokens,
                     counters, torch._C._cuda_getCurrentRawStream(device.index))
-    t2 = time.perf_counter(); T["r2 launch"] += t2 - t1
+    mark("r2 launch")
     ctx.derived["gather_index"] = index32
     bounds = buffer.narrow(0, 0, head)
     ctx.group_sizes = (buffer.narrow(0, head, self.groups) if B.SIZES_FROM_KERNEL else
                        torch.diff(bounds.narrow(0, 0, self.groups + 1)))
-    T["r3 sizes"] += time.perf_counter() - t2
+    mark("r3 sizes")
     return bounds
 
 
-B.DevicePrologue.__call__ = prologue
-B.RoutedPrologue.__call__ = routed
+def program_bounds(self, ctx, rows, device):
+    mark = _Marks()
+    routed = rows if ctx.index is None else ctx.index.numel()
+    if self.prologue is not None and ctx.offsets is None:
+        buffer = self.prologue(ctx, routed, device, self.counters)
+    else:
+        buffer = B.torch_bounds(ctx, routed, device, self.counters)
+    mark("b0 prologue (all)")
+    ctx.counters, ctx.groups, ctx.backward_counters_used = buffer, buffer.numel() - 1 - self.counters, False
+    mark("b4 ctx")
+
+
+S.FusedDgrad.run = fused_dgrad_run
+B.DevicePrologue.__call__ = device_prologue
+B.RoutedPrologue.__call__ = routed_prologue
 P.BlockProgram._bounds = program_bounds
 
 
-def report():
-    n = max(N[0], 1)
-    for k in sorted(T): print(f"    {k:<14} {T[k] / n * 1e6:7.1f} us")
+def report() -> None:
+    calls = max(N[0], 1)
+    for part in sorted(T):
+        print(f"    {part:<18} {T[part] / calls * 1e6:7.1f} us")
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
     import host_split
 
     class _Times(collections.Counter):
@@ -142,8 +167,7 @@ if __name__ == "__main__":
             N[0] = 0
 
     host_split.TIMES = _Times()
-    profile = "--cprofile-backward" in sys.argv
-    args = [a for a in sys.argv[1:] if a != "--cprofile-backward"]
+    profile = "--cprofile-backward" in argv
     if profile:   # cProfile of the backward, on autograd's device thread (where it runs): enabled inside it
         import cProfile
         import pstats
@@ -161,8 +185,12 @@ if __name__ == "__main__":
                 prof.disable()
 
         autograd._BlockFunction.backward = staticmethod(profiled)
-    host_split.main(args)
+    host_split.main([a for a in argv if a != "--cprofile-backward"])
     if profile:
         pstats.Stats(prof).sort_stats("tottime").print_stats(35)
     print(f"  FusedDgrad.run by part ({N[0]} runs, all phases):")
     report()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
