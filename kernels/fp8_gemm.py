@@ -119,7 +119,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
         # the epilogue works in the output dtype (what MXFP8 outputs round to, what Outputs default to)
         self.tile_epi = TileEpilogue(epilogue, out_dtype, self.tile_n_log, 0,
-                                     quad_beside_fp8=bool(getattr(config, "quad_beside_fp8", False)))
+                                     quad_beside_fp8=config.quad_beside_fp8)
 
     # ------------------------------------------------------------------ host-side (traced) entry
     @cute.jit

@@ -136,17 +136,10 @@ def store4_swapped(addr_c: Int64, pair_c, pair_c1, ok_c: Boolean, ok_c1: Boolean
     pair in chunk c, ``ok_*`` its predicates) together with its quad neighbour's (lane ^ 1, ``odd`` = this lane
     is the odd one): the even lane stores 4 columns of chunk c, the odd lane 4 of chunk c+1, one 8-byte store
     each. Every lane of the warp must call it (the swap is a shuffle); rows must be 8-byte aligned."""
-    store4_swapped_words(addr_c, pack2(pair_c[0], pair_c[1], dt), pack2(pair_c1[0], pair_c1[1], dt), ok_c, ok_c1,
-                         odd, dt.width // 8)
-
-
-@cute.jit
-def store4_swapped_words(addr_c: Int64, w0: Int32, w1: Int32, ok_c: Boolean, ok_c1: Boolean, odd: Boolean,
-                         eb: cutlass.Constexpr):
-    """:func:`store4_swapped` of pairs already packed as words of two ``eb``-byte values (pack2): w0 the lane's pair
-    of chunk c, w1 of chunk c+1."""
+    w0 = pack2(pair_c[0], pair_c[1], dt)
+    w1 = pack2(pair_c1[0], pair_c1[1], dt)
     got = cute.arch.shuffle_sync_bfly(cutlass.select_(odd, w0, w1), 1)
-    store4_run(addr_c, cutlass.select_(odd, got, w0), cutlass.select_(odd, w1, got), ok_c, ok_c1, odd, eb)
+    store4_run(addr_c, cutlass.select_(odd, got, w0), cutlass.select_(odd, w1, got), ok_c, ok_c1, odd, dt.width // 8)
 
 
 @cute.jit

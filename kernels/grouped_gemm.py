@@ -116,7 +116,7 @@ class GroupedGemmKernel(WarpRoles, GatherProducer):
             if budget >= _PREFETCH_MIN:
                 prefetch_pairs = budget
         self.tile_epi = TileEpilogue(epilogue, dtype, self.tile_n_log, prefetch_pairs, acc_regs,
-                                     bool(getattr(config, "quad_beside_fp8", False)))
+                                     config.quad_beside_fp8)
 
     # ------------------------------------------------------------------ host-side (traced) entry
     @cute.jit
