@@ -502,7 +502,7 @@ def tile_config(N: int, K: int, G: int, gated: bool, b_major: str, reads_aux: bo
     `col_block`: the logical columns its outputs' blocks need whole in a tile (an MXFP8 output: 32)."""
     config = choose_config(ROWS_PER_GROUP * G, N, K, G, gated, b_major=b_major)
     if reads_aux:
-        config = aux_tile(config, N, col_block)
+        config = aux_tile(config, N)
     if gather and reads_aux and N % 256 == 0:
         # FC2's dgrad reading dY through the index: 128x256 cooperative, measured on an H100 (bench/
         # bench_dgrad_epilogue.py, bench/results/H100-2026-11-27b-dy-gather-dgrad.log; ms, 256 cooperative against
@@ -563,7 +563,7 @@ def gated_tile(config: GemmConfig, N: int, K: int, col_block: int = 8) -> GemmCo
     return config
 
 
-def aux_tile(config: GemmConfig, N: int, col_block: int = 8) -> GemmConfig:
+def aux_tile(config: GemmConfig, N: int) -> GemmConfig:
     """The tile of a kernel whose epilogue reads a saved (M, n) tensor (FC2's dgrad + d(act*scale)): 128x128
     pingpong on the dynamic schedule, as CTA pairs sharing dY's tile (cluster_n = 2) where the n-tiles pair up,
     else as CTA pairs on neighbouring m-tiles sharing the weight's tile (cluster_m = 2, :func:`m_pairs`), at
@@ -582,15 +582,12 @@ def aux_tile(config: GemmConfig, N: int, col_block: int = 8) -> GemmConfig:
     1.845 -> 1.502, a Llama-like dense-ish block (N=14336, K=4096) 7.418 -> 6.550, OLMoE 1.186 -> 1.088,
     Qwen3-30B-A3B 0.949 -> 0.875, GPT-OSS-20B (N=2880: 23 n-tiles, 15 at 192) 2.368 -> 2.179 (128x192),
     GPT-OSS-120B 2.585 -> 2.516 (128x192; an earlier H100 had 2.57 -> 2.63 there). Static pairs were slower than
-    single dynamic CTAs on the large shapes (Qwen3-235B 8.104, GPT-OSS 128x128 static 4.164).
-
-    `col_block`: an epilogue output in 1 x 128 blocks (an FP8-block row dequantized again: FC2's input recomputed
-    after a QuantizeFP8Block) needs each tile to be one block, so it keeps 128 columns."""
+    single dynamic CTAs on the large shapes (Qwen3-235B 8.104, GPT-OSS 128x128 static 4.164)."""
     config = dataclasses.replace(config, tile_n=128, stages=6, pingpong=True, dynamic=True, cluster_n=1,
                                  cluster_m=1)
     if n_tile_count(N, 128) % 2 == 0:
         return dataclasses.replace(config, cluster_n=2)
-    if N % 192 == 0 and col_block != FP8_BLOCK_COLUMNS:
+    if N % 192 == 0:
         config = dataclasses.replace(config, tile_n=192, stages=5)
     return m_pairs(config, N)
 

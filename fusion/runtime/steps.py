@@ -299,10 +299,6 @@ _NO_ARGS: dict = {}
 #: Tests set it: fill kernel outputs with NaN before each launch, so an unwritten element shows up.
 POISON = {"on": False}
 
-#: Whether a fused dgrad of an fp8_block GEMM runs the FP8 kernel (True) or the bf16 one over the high-precision dY and
-#: weight (False). Read when a block's program is built: the A/B switch of bench/ab_switch.py --plan.
-FUSED_DGRAD_FP8 = True
-
 
 def _poison(outs: dict) -> None:
     if POISON["on"]:
@@ -409,7 +405,7 @@ class FusedDgrad(_KernelStep):
                                   f"op (its gradient is then the step's output summed per group)")
         self.spec = backward_spec(self.elementwise, seq.features[self.first])
         # FP8 wgmma reads B K-major: the FP8 dgrad reads the weight's transposed blocks (G, in, out)
-        self.fp8 = _is_fp8(self.gemm) and FUSED_DGRAD_FP8
+        self.fp8 = _is_fp8(self.gemm)
         self.gated, self.b_major = False, "K" if self.fp8 else "MN"
         self.grad_in = out_grad(plan.ops, self.j)
         self.saved = next((r for r in step.reads if r.startswith("v")), None)
