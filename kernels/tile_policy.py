@@ -53,7 +53,9 @@ SHORT_TILES = os.environ.get("FUSION_SHORT_TILES", "1") != "0"
 #: GemmConfig field, so both kernels live in one cache; :func:`fp8_block_output_tile` reads it per call, so
 #: bench/ab_switch.py --plan flips it). Since session x a dequantized FP8-block row (the FP8 dgrad's recomputed FC2
 #: input after a QuantizeFP8Block) follows it too, its quad neighbours swapping values before the decode (swapped
-#: after, as the other stores do, that kernel spilled).
+#: after, as the other stores do, that kernel spilled). Both stores against neither, FP8 training step over 100 steps
+#: (session y, bench/results/H200-2026-11-30y-call1-ab-quad.log): Qwen3-30B-A3B -1.6%, OLMoE -2.2%, GPT-OSS-20B -0.2%,
+#: what the FC1's store alone gave in session w: the dequantized row's part is not measurable.
 QUAD_BESIDE_FP8_BLOCK = os.environ.get("FUSION_QUAD_BESIDE_FP8_BLOCK", "1") != "0"
 
 
@@ -410,7 +412,8 @@ FP8_M_PAIRS = os.environ.get("FUSION_FP8_M_PAIRS", "0") != "0"
 #: B tile, 32 KiB a stage) instead of along n (sharing the 128-row A tile, 16 KiB): FUSION_FP8_GATED_M_PAIRS=1 (read at
 #: import; the policy reads this attribute per job). Off by default: on an H200 (as above,
 #: -ab-fp8-gated-m-pairs.log) Qwen3-30B-A3B's forward 0.850 / 0.821 ms (+3.5%), training step +0.3%; DeepSeek-V3
-#: EP8's forward +0.5%, step -0.9% (within its rounds' spread).
+#: EP8's forward +0.5%, step -0.9% (within its rounds' spread). Re-timed over 100-step windows (session y,
+#: -call1-ab-gmp.log), training step: Qwen3-30B-A3B +1.4%, OLMoE +0.3%: still off.
 FP8_GATED_M_PAIRS = os.environ.get("FUSION_FP8_GATED_M_PAIRS", "0") != "0"
 
 
