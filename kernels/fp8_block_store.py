@@ -17,13 +17,14 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 
 from .epilogue import FP8BlockOutput
 from .fragment_io import bits_f32, f32_bits, pack2, store2, store4_run, unpack2
 from .pow2_quant import finite_abs_bits, fp8_block_scale_bits, scaled_or_nan
 
 __all__ = ["lane_amax", "rounded", "store_fp8_block_row", "store_fp8_block_halves", "store_fp8_block_dequantized_row",
-           "store_block_scale", "warp_amax_to", "decode_e4m3"]
+           "store_block_scale", "warp_amax_to", "decode_e4m3", "round_trip2_e4m3"]
 
 FP8 = cutlass.Float8E4M3FN
 
@@ -108,21 +109,31 @@ def store_fp8_block_halves(gate: list, up: list, lcols: list, oks: list, t: cute
     return amax_run
 
 
-def store_fp8_block_dequantized_row(words, oks, addr, ab_dtype, amax_bits=None, odd=None):
+def store_fp8_block_dequantized_row(words, oks, addr, ab_dtype, amax_bits=None, odd=None, hw_decode=True):
     """Trace time. The row's block (``words`` as for :func:`store_fp8_block_row`) quantized as that function does,
     decoded again and multiplied by its scale (exact in float32, as ``fusion.quant``'s dequantize), stored in the
     GEMM dtype: ``addr`` is the byte address of this lane's pair in chunk 0; chunk ``c`` lies 8 c columns further.
     ``odd`` (the lane's parity in its quad) given: chunk pairs 4 columns per lane and store (fragment_io.store4_run:
     whole 32-byte sectors), the quad neighbours swapping a chunk's values *before* they are decoded, one chunk pair
     at a time (swapped after the decode, as fragment_io.store4_swapped does, this kernel spilled: 24 STL); None: 2
-    columns per lane, as an ``Output``'s plain store."""
+    columns per lane, as an ``Output``'s plain store. ``hw_decode``: with the 4-column stores, each pair converted
+    and decoded by the hardware (:func:`round_trip2_e4m3`; Qwen3-30B-A3B's FP8 dgrad 4936 -> 3992 SASS instructions),
+    else its codes decoded by integer instructions (:func:`decode_e4m3`: the A/B build); the same values."""
     scale_bits, inv_scale, _ = _block_scale(words, oks, ab_dtype, amax_bits)
     scale = bits_f32(scale_bits)
     eb = ab_dtype.width // 8
 
+    # (beside 2-column stores, not the policy's, the hardware round trip spilled: a 96-byte frame on Qwen3-30B-A3B's
+    # B1, tests/test_compile_plans.py; that build keeps the integer decode)
+    hw_decode = hw_decode and odd is not None
+
     def decoded(word):
-        code = _pack2_e4m3(*_scaled(word, inv_scale, ab_dtype))
-        return decode_e4m3(code & 0xFF) * scale, decode_e4m3((code >> 8) & 0xFF) * scale
+        if hw_decode:
+            lo, hi = round_trip2_e4m3(*_scaled(word, inv_scale, ab_dtype))
+        else:
+            code = _pack2_e4m3(*_scaled(word, inv_scale, ab_dtype))
+            lo, hi = decode_e4m3(code & 0xFF), decode_e4m3((code >> 8) & 0xFF)
+        return lo * scale, hi * scale
 
     paired = 0 if odd is None else len(words) - len(words) % 2
     for c in range(0, paired, 2):
@@ -140,6 +151,21 @@ def store_fp8_block_dequantized_row(words, oks, addr, ab_dtype, amax_bits=None, 
 def _pack2_e4m3(v0, v1) -> Int32:
     """Two fp32 values as E4M3 codes in the low 16 bits of a word (v0 in the low byte)."""
     return _pack4(v0, v1, Float32(0.0), Float32(0.0)) & 0xFFFF
+
+
+def round_trip2_e4m3(v0, v1) -> tuple:
+    """Two fp32 values converted to E4M3 (fn) codes as :func:`_pack2_e4m3` converts them (``cvt.rn.satfinite``) and
+    decoded again, exact, by the hardware: ``cvt.rn.f16x2.e4m3x2`` (every E4M3 value, subnormals and signed zeros
+    included, is an fp16 one; the NaN code gives NaN), each half then widened to fp32. Two conversions and two
+    widenings for the pair, where :func:`decode_e4m3` spends about a dozen integer instructions a value."""
+    h2 = llvm.inline_asm(Int32.mlir_type, [Float32(v0).ir_value(), Float32(v1).ir_value()],
+                         "{ .reg .b16 c; cvt.rn.satfinite.e4m3x2.f32 c, $2, $1; cvt.rn.f16x2.e4m3x2 $0, c; }",
+                         "=r,f,f")
+    lo = llvm.inline_asm(Float32.mlir_type, [h2], "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, l; }",
+                         "=f,r")
+    hi = llvm.inline_asm(Float32.mlir_type, [h2], "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, h; }",
+                         "=f,r")
+    return Float32(lo), Float32(hi)
 
 
 def decode_e4m3(code):

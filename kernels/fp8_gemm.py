@@ -66,9 +66,12 @@ class Fp8DebugKnobs:
     original layout, which traps where a start is not 16-byte aligned), "off" (no scale loads; the
     promotion multiplies by 1, so the kernel computes the product of the raw E4M3 codes).
     ``reg_realloc``: False leaves out ``setmaxnreg`` (every warpgroup keeps the launch's 168 registers; the
-    consumers may then spill)."""
+    consumers may then spill). ``int_decode``: a dequantized FP8-block row decodes its E4M3 codes with integer
+    instructions, as before session y, instead of the hardware conversion (the same bits: the A/B build of
+    bench/fp8_dgrad_epilogue.py)."""
     scales: str = "tma"
     reg_realloc: bool = True
+    int_decode: bool = False
 
 
 class Fp8GroupedGemmKernel(Fp8WarpRoles):
@@ -119,7 +122,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
         # the epilogue works in the output dtype (what MXFP8 outputs round to, what Outputs default to)
         self.tile_epi = TileEpilogue(epilogue, out_dtype, self.tile_n_log, 0,
-                                     quad_beside_fp8=config.quad_beside_fp8)
+                                     quad_beside_fp8=config.quad_beside_fp8, hw_fp8_decode=not debug.int_decode)
 
     # ------------------------------------------------------------------ host-side (traced) entry
     @cute.jit

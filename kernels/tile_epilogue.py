@@ -40,12 +40,15 @@ class TileEpilogue:
     :meth:`prefetch` may hold in registers across the mainloop; ``acc_regs``: the fp32 accumulator registers of a
     thread (they choose the epilogue's batch width, :meth:`run`); ``quad_beside_fp8``: 16-bit outputs beside an
     FP8-block output, and a dequantized FP8-block row, store 4 columns per lane too (GemmConfig.quad_beside_fp8,
-    tile_policy.QUAD_BESIDE_FP8_BLOCK)."""
+    tile_policy.QUAD_BESIDE_FP8_BLOCK); ``hw_fp8_decode``: a dequantized FP8-block row decodes its codes by the
+    hardware conversion (False: integer instructions, the FP8 kernel's A/B build, kernels/fp8_gemm.py
+    Fp8DebugKnobs)."""
 
     def __init__(self, epilogue: Epilogue, dtype: str, tile_n_log: int, prefetch_pairs: int, acc_regs: int = 0,
-                 quad_beside_fp8: bool = False):
+                 quad_beside_fp8: bool = False, hw_fp8_decode: bool = True):
         self.epi = epilogue
         self.quad_beside_fp8 = quad_beside_fp8
+        self.hw_fp8_decode = hw_fp8_decode
         self.dtype_name = dtype
         self.ab_dtype = cutlass_dtype(dtype)
         self.gated = epilogue.gated
@@ -389,7 +392,8 @@ class TileEpilogue:
                         # configuration's quad_beside_fp8), one chunk pair at a time; else 2
                         words, _, col_oks = pending[oi]
                         store_fp8_block_dequantized_row(words, col_oks, out_base[oi], self.ab_dtype, lane_max[oi][0],
-                                                        odd if quad[oi] and self.quad_beside_fp8 else None)
+                                                        odd if quad[oi] and self.quad_beside_fp8 else None,
+                                                        self.hw_fp8_decode)
                 # the row's sums: over the quad, then lane (block % 4) of it stores block's partial
                 for oi in row_sums:
                     spec = epi.outputs[oi]

@@ -1,0 +1,143 @@
+"""The FP8 dgrad with its generated d(SwiGLU·scale) epilogue (a training step's B1) alone, build variants interleaved.
+
+B1 of an FP8 block (`bench/fp8_paths.py`'s fusion_fp8: FC1 -> SwiGLU -> Scale -> QuantizeFP8Block -> FC2, fp8_block
+weights) is FC2's dgrad dY @ W2 on the FP8 kernel, whose epilogue reads the saved pre-activation, writes d(gate, up),
+the router scale's row-sum partials and FC2's input dequantized again: session y's Nsight Compute run found that
+epilogue bound by its instructions' issue, not by memory or the tensor cores (docs/benchmarks.md). This times the
+plan's own job (its generated epilogue and tile) on a bench block's shapes and group sizes, with random operands, in
+builds that differ by a kernels.fp8_gemm.Fp8DebugKnobs field, interleaved (bench_fp8_gemm.interleaved_ms: the card
+is power-bound), checks that every build writes the same bits as the first, and prints each build's static SASS
+instruction count beside its time.
+
+    python bench/fp8_dgrad_epilogue.py --models qwen3-30b-a3b,olmoe-1b-7b --reps 30
+
+Variants (--variants): ``kernel`` (the defaults), ``int-decode`` (Fp8DebugKnobs(int_decode=True): the dequantized
+row's codes decoded by integer instructions, as before session y). The kernels compile on the GPU machine (in
+memory, about 10 s each). --list (no GPU): the blocks' B1 jobs and their tiles.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))   # run from a checkout
+sys.path.insert(0, HERE)
+
+#: build name -> Fp8DebugKnobs fields
+VARIANTS = {"kernel": {}, "int-decode": {"int_decode": True}}
+
+
+def b1_job(block):
+    """The fusion_fp8 block's B1 job (generated epilogue, tile policy's configuration) for a bench block."""
+    from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
+    from fusion.runtime.aot import plan_jobs
+
+    seq = Sequential(GroupLinear(block.E, block.d, 2 * block.f, weight_format="fp8_block"), SwiGLU(), Scale(),
+                     QuantizeFP8Block(columnwise=False),
+                     GroupLinear(block.E, block.f, block.d, weight_format="fp8_block")).to("meta")
+    jobs = [j for j in plan_jobs(seq, torch.bfloat16) if j.step == "B1" and j.variant == "backward"]
+    if len(jobs) != 1 or jobs[0].mainloop != "fp8_block":
+        raise SystemExit(f"{block.model}: expected one FP8 B1 job, got {[j.name for j in jobs]}")
+    return jobs[0]
+
+
+def problem(block, job, epilogue, device="cuda"):
+    """(operands, epilogue inputs, outputs by build) of B1 at the block's rows and group sizes."""
+    import fusion.kernels as K
+    from bench_training_step import group_sizes
+    from fusion.kernels.epilogue import RowSumOutput
+    from fusion.quant.fp8_block import fp8_block_quantize_2d
+    from fusion.quant.fp8_weight import quantize_weight_fp8_block
+
+    torch.manual_seed(0)
+    sizes = group_sizes(block).to(device)
+    M, d, f, G = block.rows, block.d, block.f, block.E
+    dy_data, dy_scale = fp8_block_quantize_2d(torch.randn(M, d, device=device, dtype=torch.bfloat16))
+    # the dgrad's B is the weight's transposed blocks: (G, N = f, K = d)
+    wq = quantize_weight_fp8_block(torch.randn(G, f, d, device=device, dtype=torch.bfloat16) / d ** 0.5)
+    args = (dy_data, dy_scale, wq.data, wq.scale, K.offsets_from_group_sizes(sizes))
+    extras = {"saved": torch.randn(M, 2 * f, device=device, dtype=torch.bfloat16),
+              "scale_scale": torch.rand(M, device=device, dtype=torch.bfloat16)}
+
+    def outputs():
+        outs = {}
+        for spec in epilogue.outputs:
+            if isinstance(spec, RowSumOutput):
+                outs[spec.name] = torch.full((M, spec.parts(f)), float("nan"), device=device)
+            else:
+                width = 2 * f if spec.paired else f
+                outs[spec.name] = torch.full((M, width), float("nan"), device=device, dtype=torch.bfloat16)
+        return outs
+    return args, extras, outputs
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a[~nan].view(ints), b[~nan].view(ints))
+
+
+def sass_count(cubin: bytes) -> int:
+    import re
+
+    from fusion.kernels.api import sass_text
+    return sum(1 for line in sass_text(cubin).splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", line))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen3-30b-a3b,olmoe-1b-7b")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--list", action="store_true", help="print the B1 jobs (no GPU)")
+    args = ap.parse_args(argv)
+    from bench_training_step import BLOCKS
+    from fusion.runtime.compile import _config, _epilogue
+
+    blocks = [next(b for b in BLOCKS if b.model == m) for m in args.models.split(",")]
+    names = args.variants.split(",")
+    rows = []
+    for block in blocks:
+        job = b1_job(block)
+        print(f"{block.model}: {job.name} tile {job.config[:4]}", file=sys.stderr, flush=True)
+        if args.list:
+            continue
+        import fusion.kernels as K
+        from bench_fp8_gemm import interleaved_ms
+        from fusion.kernels.fp8_gemm import Fp8DebugKnobs
+
+        config, epilogue = _config(job), _epilogue(job)
+        compiled = {n: K.compile_fp8_grouped_gemm(config, epilogue, job.N, job.K, job.G,
+                                                  debug=Fp8DebugKnobs(**VARIANTS[n])) for n in names}
+        operands, extras, outputs = problem(block, job, epilogue)
+        outs = {n: outputs() for n in names}
+        counters = {n: torch.zeros(1, dtype=torch.int32, device="cuda") for n in names}
+
+        def launch(n):
+            def fn():
+                counters[n].zero_()
+                K.run_fp8_grouped_gemm(compiled[n], *operands, outs[n], extras=extras,
+                                       counter_ptr=counters[n].data_ptr())
+            return fn
+        times = interleaved_ms([launch(n) for n in names], reps=args.reps)
+        torch.cuda.synchronize()
+        first = names[0]
+        for n, ms in zip(names, times):
+            same = all(same_bits(outs[n][k], outs[first][k]) for k in outs[first])
+            row = {"model": block.model, "variant": n, "ms": ms, "sass": sass_count(compiled[n].cubin),
+                   "same_bits_as_" + first: same}
+            rows.append(row)
+            print(f"  {n:12s} {ms:8.4f} ms  {row['sass']:5d} SASS instructions  same bits as {first}: {same}",
+                  file=sys.stderr, flush=True)
+    print(json.dumps({"rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
