@@ -85,10 +85,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def sass_count(cubin: bytes) -> int:
-    import re
-
-    from fusion.kernels.api import sass_text
-    return sum(1 for line in sass_text(cubin).splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", line))
+    from fusion.kernels import sass_opcodes, sass_text
+    return len(sass_opcodes(sass_text(cubin)))
 
 
 def main(argv=None):

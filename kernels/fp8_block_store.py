@@ -128,10 +128,11 @@ def store_fp8_block_dequantized_row(words, oks, addr, ab_dtype, amax_bits=None, 
     hw_decode = hw_decode and odd is not None
 
     def decoded(word):
+        scaled = _scaled(word, inv_scale, ab_dtype)
         if hw_decode:
-            lo, hi = round_trip2_e4m3(*_scaled(word, inv_scale, ab_dtype))
+            lo, hi = round_trip2_e4m3(*scaled)
         else:
-            code = _pack2_e4m3(*_scaled(word, inv_scale, ab_dtype))
+            code = _pack2_e4m3(*scaled)
             lo, hi = decode_e4m3(code & 0xFF), decode_e4m3((code >> 8) & 0xFF)
         return lo * scale, hi * scale
 
