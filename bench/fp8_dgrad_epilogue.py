@@ -1,4 +1,5 @@
-"""The FP8 dgrad with its generated d(SwiGLU·scale) epilogue (a training step's B1) alone, build variants interleaved.
+"""The FP8 dgrad with its generated d(SwiGLU·scale) epilogue (a training step's B1) alone, build variants interleaved;
+``--step F1``: the training FC1 with its FP8-block store instead.
 
 B1 of an FP8 block (`bench/fp8_paths.py`'s fusion_fp8: FC1 -> SwiGLU -> Scale -> QuantizeFP8Block -> FC2, fp8_block
 weights) is FC2's dgrad dY @ W2 on the FP8 kernel, whose epilogue reads the saved pre-activation, writes d(gate, up),
@@ -10,10 +11,14 @@ is power-bound), checks that every build writes the same bits as the first, and 
 instruction count beside its time.
 
     python bench/fp8_dgrad_epilogue.py --models qwen3-30b-a3b,olmoe-1b-7b --reps 30
+    python bench/fp8_dgrad_epilogue.py --step F1 --variants kernel,value-tests --models qwen3-30b-a3b
 
 Variants (--variants): ``kernel`` (the defaults), ``int-decode`` (Fp8DebugKnobs(int_decode=True): the dequantized
-row's codes decoded by integer instructions, as before session y). The kernels compile on the GPU machine (in
-memory, about 10 s each). --list (no GPU): the blocks' B1 jobs and their tiles.
+row's codes decoded by integer instructions, as before session y), ``value-tests`` (Fp8DebugKnobs(value_tests=True):
+each bf16 value bound for an FP8 block tested for finiteness and folded into the block amax one at a time, as before
+session z, not a packed pair at a time). F1 is the FP8 FC1 of a training step: SwiGLU·scale, FC2's input stored as
+FP8 blocks (codes, scales, amax) and the pre-activation saved. The kernels compile on the GPU machine (in memory,
+about 10 s each). --list (no GPU): the blocks' jobs and their tiles.
 """
 from __future__ import annotations
 
@@ -29,54 +34,59 @@ sys.path.insert(0, os.path.dirname(HERE))   # run from a checkout
 sys.path.insert(0, HERE)
 
 #: build name -> Fp8DebugKnobs fields
-VARIANTS = {"kernel": {}, "int-decode": {"int_decode": True}}
+VARIANTS = {"kernel": {}, "int-decode": {"int_decode": True}, "value-tests": {"value_tests": True}}
+#: step -> the plan job's variant
+STEPS = {"B1": "backward", "F1": "train"}
 
 
-def b1_job(block):
-    """The fusion_fp8 block's B1 job (generated epilogue, tile policy's configuration) for a bench block."""
+def b1_job(block, step="B1"):
+    """The fusion_fp8 block's B1 job (generated epilogue, tile policy's configuration) for a bench block; ``step``
+    "F1": its training FC1's."""
     from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
     from fusion.runtime.aot import plan_jobs
 
     seq = Sequential(GroupLinear(block.E, block.d, 2 * block.f, weight_format="fp8_block"), SwiGLU(), Scale(),
                      QuantizeFP8Block(columnwise=False),
                      GroupLinear(block.E, block.f, block.d, weight_format="fp8_block")).to("meta")
-    jobs = [j for j in plan_jobs(seq, torch.bfloat16) if j.step == "B1" and j.variant == "backward"]
+    jobs = [j for j in plan_jobs(seq, torch.bfloat16) if j.step == step and j.variant == STEPS[step]]
     if len(jobs) != 1 or jobs[0].mainloop != "fp8_block":
-        raise SystemExit(f"{block.model}: expected one FP8 B1 job, got {[j.name for j in jobs]}")
+        raise SystemExit(f"{block.model}: expected one FP8 {step} job, got {[j.name for j in jobs]}")
     return jobs[0]
 
 
 def problem(block, job, epilogue, device="cuda"):
-    """(operands, epilogue inputs, outputs by build) of B1 at the block's rows and group sizes."""
+    """(operands, epilogue inputs, outputs by build) of the job (B1 or F1) at the block's rows and group sizes:
+    B1's A is dY (M, d) and its B the weight's transposed blocks (G, N = f, K = d); F1's A is x (M, d) and its B
+    FC1's weight (G, N = 2f, K = d)."""
     import fusion.kernels as K
     from bench_training_step import group_sizes
-    from fusion.kernels.epilogue import RowSumOutput
+    from fusion.kernels.api import allocate_outputs
     from fusion.quant.fp8_block import fp8_block_quantize_2d
     from fusion.quant.fp8_weight import quantize_weight_fp8_block
 
     torch.manual_seed(0)
     sizes = group_sizes(block).to(device)
-    M, d, f, G = block.rows, block.d, block.f, block.E
-    dy_data, dy_scale = fp8_block_quantize_2d(torch.randn(M, d, device=device, dtype=torch.bfloat16))
-    # the dgrad's B is the weight's transposed blocks: (G, N = f, K = d)
-    wq = quantize_weight_fp8_block(torch.randn(G, f, d, device=device, dtype=torch.bfloat16) / d ** 0.5)
-    args = (dy_data, dy_scale, wq.data, wq.scale, K.offsets_from_group_sizes(sizes))
-    extras = {"saved": torch.randn(M, 2 * f, device=device, dtype=torch.bfloat16),
-              "scale_scale": torch.rand(M, device=device, dtype=torch.bfloat16)}
+    M, d, G = block.rows, block.d, block.E
+    a_data, a_scale = fp8_block_quantize_2d(torch.randn(M, d, device=device, dtype=torch.bfloat16))
+    wq = quantize_weight_fp8_block(torch.randn(G, job.N, d, device=device, dtype=torch.bfloat16) / d ** 0.5)
+    args = (a_data, a_scale, wq.data, wq.scale, K.offsets_from_group_sizes(sizes))
+    extras = {"scale_scale": torch.rand(M, device=device, dtype=torch.bfloat16)}
+    if any(s.name == "saved" for s in epilogue.inputs):
+        extras["saved"] = torch.randn(M, 2 * block.f, device=device, dtype=torch.bfloat16)
 
     def outputs():
-        outs = {}
-        for spec in epilogue.outputs:
-            if isinstance(spec, RowSumOutput):
-                outs[spec.name] = torch.full((M, spec.parts(f)), float("nan"), device=device)
-            else:
-                width = 2 * f if spec.paired else f
-                outs[spec.name] = torch.full((M, width), float("nan"), device=device, dtype=torch.bfloat16)
+        outs = allocate_outputs(epilogue, M, job.N, "bfloat16", device)
+        for name, t in outs.items():
+            if t.dim() and t.is_floating_point():
+                t.view(torch.uint8).fill_(0x7F if t.element_size() == 1 else 0xFF)   # NaN: what was not written
         return outs
     return args, extras, outputs
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, NaN where the other has NaN (a NaN's payload aside); E4M3 codes and int32s compared whole."""
+    if a.dtype == torch.float8_e4m3fn or not a.is_floating_point():
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     nan = torch.isnan(a)
     if not torch.equal(nan, torch.isnan(b)):
         return False
@@ -94,7 +104,8 @@ def main(argv=None):
     ap.add_argument("--models", default="qwen3-30b-a3b,olmoe-1b-7b")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--list", action="store_true", help="print the B1 jobs (no GPU)")
+    ap.add_argument("--step", default="B1", choices=sorted(STEPS))
+    ap.add_argument("--list", action="store_true", help="print the jobs (no GPU)")
     args = ap.parse_args(argv)
     from bench_training_step import BLOCKS
     from fusion.runtime.compile import _config, _epilogue
@@ -103,7 +114,7 @@ def main(argv=None):
     names = args.variants.split(",")
     rows = []
     for block in blocks:
-        job = b1_job(block)
+        job = b1_job(block, args.step)
         print(f"{block.model}: {job.name} tile {job.config[:4]}", file=sys.stderr, flush=True)
         if args.list:
             continue
@@ -119,8 +130,12 @@ def main(argv=None):
         counters = {n: torch.zeros(1, dtype=torch.int32, device="cuda") for n in names}
 
         def launch(n):
+            amax = [t for t in outs[n].values() if t.dim() == 0]   # an FP8-block output's atomic max
+
             def fn():
                 counters[n].zero_()
+                for t in amax:
+                    t.zero_()
                 K.run_fp8_grouped_gemm(compiled[n], *operands, outs[n], extras=extras,
                                        counter_ptr=counters[n].data_ptr())
             return fn
@@ -129,8 +144,8 @@ def main(argv=None):
         first = names[0]
         for n, ms in zip(names, times):
             same = all(same_bits(outs[n][k], outs[first][k]) for k in outs[first])
-            row = {"model": block.model, "variant": n, "ms": ms, "sass": sass_count(compiled[n].cubin),
-                   "same_bits_as_" + first: same}
+            row = {"model": block.model, "step": args.step, "variant": n, "ms": ms,
+                   "sass": sass_count(compiled[n].cubin), "same_bits_as_" + first: same}
             rows.append(row)
             print(f"  {n:12s} {ms:8.4f} ms  {row['sass']:5d} SASS instructions  same bits as {first}: {same}",
                   file=sys.stderr, flush=True)

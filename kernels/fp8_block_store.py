@@ -21,10 +21,11 @@ from cutlass._mlir.dialects import llvm
 
 from .epilogue import FP8BlockOutput
 from .fragment_io import bits_f32, f32_bits, pack2, store2, store4_run, unpack2
-from .pow2_quant import finite_abs_bits, fp8_block_scale_bits, scaled_or_nan
+from .pow2_quant import bf16_pair_amax_bits, finite_abs2_bf16, finite_abs_bits, fp8_block_scale_bits, max2_u16, \
+    scaled_or_nan
 
-__all__ = ["lane_amax", "rounded", "store_fp8_block_row", "store_fp8_block_halves", "store_fp8_block_dequantized_row",
-           "store_block_scale", "warp_amax_to", "decode_e4m3", "round_trip2_e4m3"]
+__all__ = ["lane_amax", "lane_amax_clean", "clean_words", "rounded", "store_fp8_block_row", "store_fp8_block_halves",
+           "store_fp8_block_dequantized_row", "store_block_scale", "warp_amax_to", "decode_e4m3", "round_trip2_e4m3"]
 
 FP8 = cutlass.Float8E4M3FN
 
@@ -55,9 +56,35 @@ def lane_amax(items, oks, ab_dtype, amax_bits=None):
     return amax_bits
 
 
-def _block_scale(items, oks, ab_dtype, amax_bits=None):
+def clean_words(ab_dtype) -> bool:
+    """Whether a row's pending values wait as *clean* packed words (:func:`lane_amax_clean`): bf16 ones, whose
+    non-finite halves and block amax take a few integer instructions a pair (pow2_quant.finite_abs2_bf16)."""
+    return ab_dtype is cutlass.BFloat16
+
+
+def lane_amax_clean(words, oks, run=None):
+    """:func:`lane_amax` over bf16 words (fragment_io.pack2), a pair at a time: returns ``(run, clean words)``, the
+    running halfwise max of the stored (``oks``) finite magnitudes (pow2_quant.max2_u16; the fp32 amax bits are
+    pow2_quant.bf16_pair_amax_bits of it) and the words with their non-finite halves made +NaN, which the row's
+    quantization then scales with no per-value test (:func:`_scaled` with ``clean``). A chunk's ``oks`` that are one
+    value (the row's, where the columns are exact) mask the batch's max once."""
+    run = Int32(0) if run is None else run
+    out, batch = [], Int32(0)
+    same = all(ok is oks[0] for ok in oks)
+    for word, ok in zip(words, oks):
+        mag, clean = finite_abs2_bf16(word)
+        out.append(clean)
+        batch = max2_u16(batch, mag if same else cutlass.select_(ok, mag, Int32(0)))
+    return max2_u16(run, cutlass.select_(oks[0], batch, Int32(0)) if same else batch), out
+
+
+def _block_scale(items, oks, ab_dtype, amax_bits=None, clean=False):
     """``(scale bits, 2^-e, amax bits)`` of the row's block: the amax over the quad's stored finite values, from
-    this lane's :func:`lane_amax` (``amax_bits``; None: computed here from ``items``) by a butterfly."""
+    this lane's :func:`lane_amax` (``amax_bits``; None: computed here from ``items``) by a butterfly; ``clean``:
+    ``amax_bits`` is :func:`lane_amax_clean`'s run."""
+    if clean:
+        assert amax_bits is not None, "clean words come with their run"
+        amax_bits = bf16_pair_amax_bits(amax_bits)
     amax_bits = lane_amax(items, oks, ab_dtype) if amax_bits is None else amax_bits
     amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 1))
     amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 2))
@@ -65,8 +92,11 @@ def _block_scale(items, oks, ab_dtype, amax_bits=None):
     return scale_bits, inv_scale, amax_bits
 
 
-def _scaled(item, inv_scale, ab_dtype):
-    """A chunk's two values times ``2^-e`` (NaN for a non-finite one): what converts to their E4M3 codes."""
+def _scaled(item, inv_scale, ab_dtype, clean=False):
+    """A chunk's two values times ``2^-e`` (NaN for a non-finite one): what converts to their E4M3 codes. ``clean``:
+    the item is a word of :func:`lane_amax_clean`, whose non-finite values are already +NaN (no test needed)."""
+    if clean:
+        return [y * inv_scale for y in _in_gemm_dtype(item, ab_dtype)]
     out = []
     for y in _in_gemm_dtype(item, ab_dtype):
         _, fin = finite_abs_bits(y)
@@ -74,17 +104,18 @@ def _scaled(item, inv_scale, ab_dtype):
     return out
 
 
-def store_fp8_block_row(items, lcols, oks, t, grow, ab_dtype, amax_bits=None):
+def store_fp8_block_row(items, lcols, oks, t, grow, ab_dtype, amax_bits=None, clean=False):
     """Trace time. ``items[c]``: logical columns ``lcols[c]``, ``lcols[c] + 1`` of row ``grow`` in the GEMM dtype
     (packed words, or :func:`rounded` pairs), every chunk of the row's 128-column block (16 chunks), ``oks[c]``
     whether chunk ``c`` is stored (row and columns in range; a masked chunk adds nothing to the amax);
-    ``amax_bits``: this lane's :func:`lane_amax` of them where the caller kept it. Writes the e4m3 codes to ``t``;
-    returns ``(scale bits, amax bits)`` of the block, the same in the four lanes of the quad."""
-    scale_bits, inv_scale, amax_bits = _block_scale(items, oks, ab_dtype, amax_bits)
+    ``amax_bits``: this lane's :func:`lane_amax` of them where the caller kept it; ``clean``: the items are
+    :func:`lane_amax_clean`'s words. Writes the e4m3 codes to ``t``; returns ``(scale bits, amax bits)`` of the block,
+    the same in the four lanes of the quad."""
+    scale_bits, inv_scale, amax_bits = _block_scale(items, oks, ab_dtype, amax_bits, clean)
     assert len(items) % 4 == 0, "the codes leave in groups of four chunks"
     quad = cute.arch.lane_idx() & 3
     for g in range(len(items) // 4):
-        codes = [_scaled(items[c], inv_scale, ab_dtype) for c in range(4 * g, 4 * g + 4)]
+        codes = [_scaled(items[c], inv_scale, ab_dtype, clean) for c in range(4 * g, 4 * g + 4)]
         _store_chunk_group(t, grow, lcols[4 * g], codes, oks[4 * g: 4 * g + 4], quad)
     return scale_bits, amax_bits
 
@@ -92,24 +123,26 @@ def store_fp8_block_row(items, lcols, oks, t, grow, ab_dtype, amax_bits=None):
 @cute.jit
 def store_fp8_block_halves(gate: list, up: list, lcols: list, oks: list, t: cute.Tensor, ts: cute.Tensor,
                            grow: Int32, scale_ok: cutlass.Boolean, n_log: Int32, amax_bits: list, amax_run: Int32,
-                           ab_dtype: cutlass.Constexpr) -> Int32:
+                           ab_dtype: cutlass.Constexpr, clean: cutlass.Constexpr = False) -> Int32:
     """Trace time. A paired row's two blocks (``gate`` and ``up``: packed words of each half, as for
     :func:`store_fp8_block_row`; the up half ``n_log`` columns further; ``amax_bits``: this lane's :func:`lane_amax`
     of each), one after the other in a loop the compiler does not unroll, so one half's scaled values are live at a
     time (both at once, scheduled together, spilled); each block's scale into the k-block-major ``ts`` where
-    ``scale_ok`` (lane 0 of the quad, the row in range). Returns ``amax_run`` raised by both blocks' amax."""
+    ``scale_ok`` (lane 0 of the quad, the row in range); ``clean`` as for :func:`store_fp8_block_row`. Returns
+    ``amax_run`` raised by both blocks' amax."""
     for k in cutlass.range(2, unroll=1):
         second = k == 1
         words = [cutlass.select_(second, u, g) for g, u in zip(gate, up)]
         off = cutlass.select_(second, n_log, Int32(0))
         scale_bits, block_amax = store_fp8_block_row(words, [c + off for c in lcols], oks, t, grow, ab_dtype,
-                                                     cutlass.select_(second, amax_bits[1], amax_bits[0]))
+                                                     cutlass.select_(second, amax_bits[1], amax_bits[0]), clean)
         store_block_scale(ts, (off + lcols[0]) // FP8BlockOutput.block, grow, scale_bits, scale_ok)
         amax_run = cutlass.max(amax_run, block_amax)
     return amax_run
 
 
-def store_fp8_block_dequantized_row(words, oks, addr, ab_dtype, amax_bits=None, odd=None, hw_decode=True):
+def store_fp8_block_dequantized_row(words, oks, addr, ab_dtype, amax_bits=None, odd=None, hw_decode=True,
+                                    clean=False):
     """Trace time. The row's block (``words`` as for :func:`store_fp8_block_row`) quantized as that function does,
     decoded again and multiplied by its scale (exact in float32, as ``fusion.quant``'s dequantize), stored in the
     GEMM dtype: ``addr`` is the byte address of this lane's pair in chunk 0; chunk ``c`` lies 8 c columns further.
@@ -118,8 +151,9 @@ def store_fp8_block_dequantized_row(words, oks, addr, ab_dtype, amax_bits=None, 
     at a time (swapped after the decode, as fragment_io.store4_swapped does, this kernel spilled: 24 STL); None: 2
     columns per lane, as an ``Output``'s plain store. ``hw_decode``: with the 4-column stores, each pair converted
     and decoded by the hardware (:func:`round_trip2_e4m3`; Qwen3-30B-A3B's FP8 dgrad 4936 -> 3992 SASS instructions),
-    else its codes decoded by integer instructions (:func:`decode_e4m3`: the A/B build); the same values."""
-    scale_bits, inv_scale, _ = _block_scale(words, oks, ab_dtype, amax_bits)
+    else its codes decoded by integer instructions (:func:`decode_e4m3`: the A/B build); the same values. ``clean``:
+    the words are :func:`lane_amax_clean`'s."""
+    scale_bits, inv_scale, _ = _block_scale(words, oks, ab_dtype, amax_bits, clean)
     scale = bits_f32(scale_bits)
     eb = ab_dtype.width // 8
 
@@ -128,7 +162,7 @@ def store_fp8_block_dequantized_row(words, oks, addr, ab_dtype, amax_bits=None, 
     hw_decode = hw_decode and odd is not None
 
     def decoded(word):
-        scaled = _scaled(word, inv_scale, ab_dtype)
+        scaled = _scaled(word, inv_scale, ab_dtype, clean)
         if hw_decode:
             lo, hi = round_trip2_e4m3(*scaled)
         else:

@@ -68,10 +68,13 @@ class Fp8DebugKnobs:
     ``reg_realloc``: False leaves out ``setmaxnreg`` (every warpgroup keeps the launch's 168 registers; the
     consumers may then spill). ``int_decode``: a dequantized FP8-block row decodes its E4M3 codes with integer
     instructions, as before session y, instead of the hardware conversion (the same bits: the A/B build of
-    bench/fp8_dgrad_epilogue.py)."""
+    bench/fp8_dgrad_epilogue.py). ``value_tests``: bf16 values bound for an FP8-block output are tested for
+    finiteness and folded into the block amax a value at a time, as before session z, instead of a packed pair at a
+    time (kernels/fp8_block_store.py lane_amax_clean; the same bits)."""
     scales: str = "tma"
     reg_realloc: bool = True
     int_decode: bool = False
+    value_tests: bool = False
 
 
 class Fp8GroupedGemmKernel(Fp8WarpRoles):
@@ -122,7 +125,8 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.tile_n_log = self.tile_n // 2 if self.gated else self.tile_n
         # the epilogue works in the output dtype (what MXFP8 outputs round to, what Outputs default to)
         self.tile_epi = TileEpilogue(epilogue, out_dtype, self.tile_n_log, 0,
-                                     quad_beside_fp8=config.quad_beside_fp8, hw_fp8_decode=not debug.int_decode)
+                                     quad_beside_fp8=config.quad_beside_fp8, hw_fp8_decode=not debug.int_decode,
+                                     clean_fp8_words=not debug.value_tests)
 
     # ------------------------------------------------------------------ host-side (traced) entry
     @cute.jit

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import cutlass
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 
 from .fragment_io import bits_f32, f32_bits
 
@@ -31,6 +32,33 @@ def finite_abs_bits(y):
     bits = f32_bits(y) & 0x7FFFFFFF
     fin = bits < 0x7F800000
     return cutlass.select_(fin, bits, Int32(0)), fin
+
+
+def finite_abs2_bf16(word):
+    """Two bf16 values packed in a word (fragment_io.pack2) -> ``(magnitudes, clean word)``: the halves' ``|x|`` bits
+    with every non-finite half 0 (what :func:`max2_u16` folds into a block's amax, as :func:`finite_abs_bits` for
+    one fp32 value), and the word with every non-finite half (±Inf, NaN of either sign) replaced by the quiet NaN
+    ``0x7FC0``, so that ``value * 2^-e`` converts to E4M3 NaN ``0x7F`` with no per-value test
+    (:func:`scaled_or_nan`'s select). Five integer instructions a pair, where the fp32 tests take about four a
+    value: a magnitude plus ``0x80`` carries into its half's top bit exactly where it is ``>= 0x7F80`` (no carry
+    crosses into the other half), and ``prmt``'s sign replication spreads that bit over the half."""
+    mag = word & 0x7FFF7FFF
+    flag = Int32(llvm.inline_asm(Int32.mlir_type, [Int32(mag + 0x00800080).ir_value()],
+                                 "prmt.b32 $0, $1, 0, 0xBB99;", "=r,r"))
+    keep = flag ^ -1
+    return mag & keep, (word & keep) | (flag & 0x7FC07FC0)
+
+
+def max2_u16(a, b) -> Int32:
+    """The halfwise unsigned max of two words (``max.u16x2``, sm_90): a running max of two bf16 magnitudes."""
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(a).ir_value(), Int32(b).ir_value()],
+                                 "max.u16x2 $0, $1, $2;", "=r,r,r"))
+
+
+def bf16_pair_amax_bits(run):
+    """A running :func:`max2_u16` of bf16 magnitudes as the fp32 bits of its larger half (a bf16 value's fp32 bits
+    are its 16 bits shifted up), what :func:`fp8_block_scale_bits` takes."""
+    return cutlass.max(run & 0xFFFF, (run >> 16) & 0xFFFF) << 16
 
 
 def scaled_or_nan(y, fin, inv_scale):

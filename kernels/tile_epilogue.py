@@ -21,8 +21,8 @@ from cutlass import Float32, Int32
 from .dtypes import cutlass_dtype
 from .epilogue import AuxInput, Epilogue, FP8BlockDequantOutput, FP8BlockOutput, GroupVector, MXFP8Output, \
     RowSumOutput, RowVector, extra_tensors, is_fp8_block
-from .fp8_block_store import lane_amax, rounded, store_block_scale, store_fp8_block_dequantized_row, \
-    store_fp8_block_halves, store_fp8_block_row, warp_amax_to
+from .fp8_block_store import clean_words, lane_amax, lane_amax_clean, rounded, store_block_scale, \
+    store_fp8_block_dequantized_row, store_fp8_block_halves, store_fp8_block_row, warp_amax_to
 from .fragment_io import load1, load2, load_word, pack2, quad_sum, row_addr, store2, store4_swapped, store_f32, \
     unpack2
 from .mxfp8_store import store_mxfp8
@@ -42,13 +42,15 @@ class TileEpilogue:
     FP8-block output, and a dequantized FP8-block row, store 4 columns per lane too (GemmConfig.quad_beside_fp8,
     tile_policy.QUAD_BESIDE_FP8_BLOCK); ``hw_fp8_decode``: a dequantized FP8-block row decodes its codes by the
     hardware conversion (False: integer instructions, the FP8 kernel's A/B build, kernels/fp8_gemm.py
-    Fp8DebugKnobs)."""
+    Fp8DebugKnobs); ``clean_fp8_words``: bf16 values bound for an FP8-block output wait as clean packed words
+    (fp8_block_store.lane_amax_clean; False: tested a value at a time, as before session z, the A/B build)."""
 
     def __init__(self, epilogue: Epilogue, dtype: str, tile_n_log: int, prefetch_pairs: int, acc_regs: int = 0,
-                 quad_beside_fp8: bool = False, hw_fp8_decode: bool = True):
+                 quad_beside_fp8: bool = False, hw_fp8_decode: bool = True, clean_fp8_words: bool = True):
         self.epi = epilogue
         self.quad_beside_fp8 = quad_beside_fp8
         self.hw_fp8_decode = hw_fp8_decode
+        self.clean_fp8_words = clean_fp8_words
         self.dtype_name = dtype
         self.ab_dtype = cutlass_dtype(dtype)
         self.gated = epilogue.gated
@@ -187,7 +189,11 @@ class TileEpilogue:
             lane = cute.arch.lane_idx()
         # a row's block values wait packed where the row holds more than one block: a dequantized output (B1's), a
         # paired one or several
-        packs = bool(fp8d) or len(fp8b) > 1 or any(epi.outputs[oi].paired for oi in fp8b)
+        # bf16 values always wait packed, *clean* (fp8_block_store.lane_amax_clean: each pair's non-finite test and
+        # its share of the block amax in a few integer instructions; session z: FC1's store, which kept float32
+        # values and tested each one, and B1's dequantized row, <N> fewer instructions on Qwen3-30B-A3B)
+        clean = bool(fp8b or fp8d) and self.clean_fp8_words and clean_words(self.ab_dtype)
+        packs = clean or bool(fp8d) or len(fp8b) > 1 or any(epi.outputs[oi].paired for oi in fp8b)
         if fp8b:
             amax_run = {oi: Int32(0) for oi in fp8b}   # the thread's running max of the blocks' amax bits
         batch = self.batch if n_c % self.batch == 0 else n_c
@@ -337,12 +343,16 @@ class TileEpilogue:
                                 continue
                             if is_fp8_block(spec):
                                 items = self._packed(results[oi], spec.paired) if packs else results[oi]
+                                halves = [[w[k] for w in items] for k in range(2)] if spec.paired else [items]
+                                for k, half in enumerate(halves):
+                                    if clean:
+                                        # bf16 words: the max and the non-finite values a pair at a time
+                                        lane_max[oi][k], halves[k] = lane_amax_clean(half, oks, lane_max[oi][k])
+                                    elif packs:
+                                        lane_max[oi][k] = lane_amax(half, oks, self.ab_dtype, lane_max[oi][k])
+                                items = list(zip(*halves)) if spec.paired else halves[0]
                                 for part, got in zip(pending[oi], (items, lcols, oks)):
                                     part.extend(got)
-                                for k in range(2 if spec.paired else 1):
-                                    if packs:
-                                        half = [w[k] for w in items] if spec.paired else items
-                                        lane_max[oi][k] = lane_amax(half, oks, self.ab_dtype, lane_max[oi][k])
                                 ot += 1 + len(extra_tensors(spec))
                                 continue
                             if quad[oi]:
@@ -378,11 +388,11 @@ class TileEpilogue:
                             amax_run[oi] = store_fp8_block_halves(
                                 [w[0] for w in row_items], [w[1] for w in row_items], cols, col_oks, t,
                                 out_tensors[out_slot[oi] + 1], grow, scale_ok, Int32(n_log), lane_max[oi],
-                                amax_run[oi], self.ab_dtype)
+                                amax_run[oi], self.ab_dtype, clean)
                         else:
                             items = row_items if packs else rounded(row_items, self.ab_dtype)
                             scale_bits, amax_bits = store_fp8_block_row(items, cols, col_oks, t, grow, self.ab_dtype,
-                                                                        lane_max[oi][0])
+                                                                        lane_max[oi][0], clean)
                             # the row's scale of block cols[0] // 128 (= n_idx)
                             store_block_scale(out_tensors[out_slot[oi] + 1], cols[0] // FP8BlockOutput.block, grow,
                                               scale_bits, scale_ok)
@@ -393,7 +403,7 @@ class TileEpilogue:
                         words, _, col_oks = pending[oi]
                         store_fp8_block_dequantized_row(words, col_oks, out_base[oi], self.ab_dtype, lane_max[oi][0],
                                                         odd if quad[oi] and self.quad_beside_fp8 else None,
-                                                        self.hw_fp8_decode)
+                                                        self.hw_fp8_decode, clean)
                 # the row's sums: over the quad, then lane (block % 4) of it stores block's partial
                 for oi in row_sums:
                     spec = epi.outputs[oi]

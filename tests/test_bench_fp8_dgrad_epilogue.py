@@ -1,6 +1,6 @@
 """bench/fp8_dgrad_epilogue.py on the CPU: it times the plan's own B1 (the FP8 dgrad with the generated
-d(SwiGLU·scale) epilogue and the dequantized FP8-block row), and its problem holds every tensor that epilogue reads
-and writes, at the shapes the kernel takes."""
+d(SwiGLU·scale) epilogue and the dequantized FP8-block row) or F1 (the training FC1 with its FP8-block store), and its
+problem holds every tensor that epilogue reads and writes, at the shapes the kernel takes."""
 import sys
 import types
 from pathlib import Path
@@ -40,3 +40,23 @@ def test_the_problem_has_every_epilogue_tensor():
     changed[0, 0] = 1.0
     assert not fp8_dgrad_epilogue.same_bits(changed, outs["postact"])
     assert not fp8_dgrad_epilogue.same_bits(torch.zeros(2, 2), torch.full((2, 2), -0.0))
+
+
+def test_the_f1_job_is_the_training_fc1_with_its_fp8_block_store():
+    from fusion.runtime.compile import _epilogue
+
+    block = types.SimpleNamespace(model="tiny", E=4, d=256, f=320, rows=600)
+    job = fp8_dgrad_epilogue.b1_job(block, "F1")
+    assert job.mainloop == "fp8_block" and (job.N, job.K, job.G) == (640, 256, 4) and job.variant == "train"
+    epilogue = _epilogue(job)
+    (a, a_scale, b, b_scale, offsets), extras, outputs = fp8_dgrad_epilogue.problem(block, job, epilogue, "cpu")
+    assert a.shape == (600, 256) and b.shape == (4, 640, 256)
+    assert {s.name for s in epilogue.inputs} == set(extras) == {"scale_scale"}
+    outs = outputs()
+    assert outs["out"].dtype == torch.float8_e4m3fn and outs["out"].shape == (600, 320)
+    assert outs["saved"].shape == (600, 640) and outs["out_amax"].dim() == 0
+    assert outs["out_scale"].isnan().all() and outs["saved"].isnan().all()
+    codes = outs["out"].clone()
+    assert fp8_dgrad_epilogue.same_bits(codes, outs["out"])
+    codes.view(torch.uint8)[0, 0] = 0
+    assert not fp8_dgrad_epilogue.same_bits(codes, outs["out"])
