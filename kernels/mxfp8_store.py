@@ -4,7 +4,8 @@ The rule is docs/quantization.md's, applied to the value rounded to the GEMM dty
 ``Output`` of the same value stores), so ``fusion.quant.mxfp8.mxfp8_quantize_2d(hp.float())`` reproduces
 the bytes: block amax over the finite elements only (integer max of the |x| bit patterns), the scale
 exponent from the amax bits, elements = RNE_e4m3(x * 2^-e) with 2^-e built from bits (exact), NaN and
-+-Inf -> 0x7F.
++-Inf -> 0x7F. bf16 values go a packed pair at a time (``clean``: pow2_quant.finite_abs2_bf16, as the FP8-block
+store's since session z), other dtypes a value at a time.
 """
 from __future__ import annotations
 
@@ -12,36 +13,47 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .fragment_io import store2_rc, store_byte
-from .pow2_quant import e8m0_scale_bits, finite_abs_bits, scaled_or_nan
+from .fragment_io import pack2, store2_rc, store_byte, unpack2
+from .pow2_quant import bf16_pair_amax_bits, e8m0_scale_bits, finite_abs2_bf16, finite_abs_bits, max2_u16, \
+    scaled_or_nan
 
 __all__ = ["store_mxfp8", "e8m0_scale_bits"]
 
 
-def store_mxfp8(res, lcols, oks, t, ts, grow, ab_dtype):
+def store_mxfp8(res, lcols, oks, t, ts, grow, ab_dtype, clean=False):
     """Trace time.  ``res[c][v]``: fp32 values of logical columns ``lcols[c] + v`` of row ``grow``.
     A 32-column block = 4 consecutive 8-column chunks; each quad of lanes holds its 32 values (2 per chunk
     per lane), so the block amax is a 2-step butterfly over the quad. Writes e4m3 pairs to ``t`` and the
-    E8M0 scale byte (lane 0 of the quad) to ``ts``."""
+    E8M0 scale byte (lane 0 of the quad) to ``ts``. ``clean`` (bf16 only): each chunk's pair rounded and packed
+    into one word whose non-finite halves and share of the amax take a few integer instructions."""
     n_c = len(res)
     assert n_c % 4 == 0
+    assert not clean or ab_dtype is cutlass.BFloat16, "clean words are bf16 pairs"
     for b in range(n_c // 4):
-        ys = {}
-        amax_bits = Int32(0)
-        for c in range(4 * b, 4 * b + 4):
-            for v in range(2):
-                y = Float32(Float32(res[c][v]).to(ab_dtype))       # round to the GEMM dtype and back
-                bits, fin = finite_abs_bits(y)
-                ys[(c, v)] = (y, fin)
-                amax_bits = cutlass.max(amax_bits, bits)
+        chunks = range(4 * b, 4 * b + 4)
+        if clean:
+            run, words = Int32(0), {}
+            for c in chunks:
+                mag, words[c] = finite_abs2_bf16(pack2(res[c][0], res[c][1], ab_dtype))
+                run = max2_u16(run, mag)
+            amax_bits = bf16_pair_amax_bits(run)
+        else:
+            ys = {}
+            amax_bits = Int32(0)
+            for c in chunks:
+                for v in range(2):
+                    y = Float32(Float32(res[c][v]).to(ab_dtype))       # round to the GEMM dtype and back
+                    bits, fin = finite_abs_bits(y)
+                    ys[(c, v)] = (y, fin)
+                    amax_bits = cutlass.max(amax_bits, bits)
         amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 1))
         amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 2))
         e8, inv_scale = e8m0_scale_bits(amax_bits)
-        for c in range(4 * b, 4 * b + 4):
-            q = []
-            for v in range(2):
-                y, fin = ys[(c, v)]
-                q.append(scaled_or_nan(y, fin, inv_scale))
+        for c in chunks:
+            if clean:   # non-finite values are +NaN already: E4M3 NaN 0x7F
+                q = [y * inv_scale for y in unpack2(words[c], ab_dtype)]
+            else:
+                q = [scaled_or_nan(y, fin, inv_scale) for y, fin in (ys[(c, 0)], ys[(c, 1)])]
             store2_rc(t, grow, lcols[c], q[0], q[1], cutlass.Float8E4M3FN, oks[c])
         # lane 0 of the quad writes the scale byte
         first = lcols[4 * b]

@@ -338,7 +338,8 @@ class TileEpilogue:
                                 ot += 1
                                 continue
                             if isinstance(spec, MXFP8Output):
-                                store_mxfp8(results[oi], lcols, oks, t, out_tensors[ot + 1], grow, self.ab_dtype)
+                                store_mxfp8(results[oi], lcols, oks, t, out_tensors[ot + 1], grow, self.ab_dtype,
+                                            self.clean_fp8_words and clean_words(self.ab_dtype))
                                 ot += 2
                                 continue
                             if is_fp8_block(spec):

@@ -342,3 +342,23 @@ def test_fp8_block_epilogues_test_bf16_pairs_not_values():
         assert clean["VIMNMX3.U16"] + clean["VIMNMX.U16"] >= 16, (job.name, clean)
         n_clean, n_tested = sum(clean.values()), sum(tested.values())
         assert n_clean <= 0.95 * n_tested, (job.name, n_clean, n_tested)
+
+
+def test_mxfp8_training_fc1_keeps_the_policy_tile():
+    """The README block's training FC1 (SwiGLU·scale, the MXFP8 store and the saved pre-activation) with its values
+    quantized a packed bf16 pair at a time (kernels/mxfp8_store.py ``clean``) builds at the tile policy's 128 x 192
+    CTA pair without spilling; tested a value at a time it spilled there and was rebuilt at the 128 x 128 fallback
+    (kernels/api.py compile_grouped_gemm), so a user of QuantizeMXFP8 trained on the slower tile. No per-value NaN
+    select is left in its SASS."""
+    from fusion.kernels import sass_text
+    from fusion.runtime.aot import plan_jobs
+    from fusion.runtime.compile import _compile
+
+    block = Sequential(GroupLinear(128, 2048, 1536), SwiGLU(), Scale(), QuantizeMXFP8(),
+                       GroupLinear(128, 768, 2048)).to("meta")
+    (job,) = [j for j in plan_jobs(block, torch.bfloat16) if j.step == "F1" and j.variant == "train"]
+    kernel = _compile(job)
+    assert kernel.config == kernel.requested_config, (kernel.config, kernel.requested_config)
+    assert kernel.config.tile_n == 192 and kernel.config.cluster_n == 2, kernel.config
+    check_sass(kernel)
+    assert not re.search(r"\bFSEL\b[^;]*\+QNAN", sass_text(kernel.cubin))
