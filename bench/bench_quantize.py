@@ -9,8 +9,11 @@ For each (M, K) shape: GB/s (bytes read + written, divided by the time of one ca
 
 and ``of_clone``: the kernel's GB/s over clone's. The kernel rows also record whether the buffers equal the
 reference's bit for bit. ``--dry-run`` runs tiny shapes with the reference only (CPU), so the script cannot rot.
+``--ab-pairs`` (bf16): instead, the rowwise kernel built both ways of ``fusion.kernels.fp8_quantize.PAIRS`` (values
+tested a packed pair at a time, or one at a time), timed in interleaved rounds, and whether both wrote the same bytes.
 
     python3 bench/bench_quantize.py [--json out.json] [--groups 32] [--shapes 65536x2048,...]
+    python3 bench/bench_quantize.py --ab-pairs --shapes 65536x2048,65536x1536
 """
 from __future__ import annotations
 
@@ -112,12 +115,46 @@ def run(shapes, dtype, G: int, device, kernel: bool, iters: int) -> list[dict]:
     return rows
 
 
+def run_ab_pairs(shapes, device, reps: int = 10, iters: int = 20) -> list[dict]:
+    """The bf16 rowwise kernel with fp8_quantize.PAIRS on and off (two builds: the switch is in the kernel's key),
+    timed in ``reps`` rounds of ``iters`` calls each, the order alternating; the median ms of each."""
+    import statistics
+
+    import fusion.kernels.fp8_quantize as Q
+    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_device
+
+    rows, default = [], Q.PAIRS
+    try:
+        for M, K in shapes:
+            x = torch.randn(M, K, device=device).to(torch.bfloat16)
+            x.view(-1)[:: 997] = float("inf")   # a few non-finite values, so the comparison covers them
+            clone_ms = _time_ms(x.clone, iters, device)
+            outs, times = {}, {True: [], False: []}
+            for pairs in (True, False):
+                Q.PAIRS = pairs
+                outs[pairs] = quantize_fp8_block_device(x, False, None)
+            for r in range(reps):
+                for pairs in ((True, False) if r % 2 else (False, True)):
+                    Q.PAIRS = pairs
+                    times[pairs].append(_time_ms(lambda: quantize_fp8_block_device(x, False, None), iters, device))
+            same = _equal(outs[True], outs[False])
+            nbytes = _bytes(M, K, 2, False, 1)
+            for pairs in (True, False):
+                ms = statistics.median(times[pairs])
+                rows.append(dict(M=M, K=K, dtype="bfloat16", path="kernel_rowwise_" + ("pairs" if pairs else "values"),
+                                 ms=round(ms, 4), GBps=round(nbytes / ms / 1e6, 1),
+                                 of_clone=round(clone_ms * nbytes / (2 * M * K * 2) / ms, 3), same_bytes=same))
+    finally:
+        Q.PAIRS = default
+    return rows
+
+
 def _table(rows) -> str:
     head = f"{'M':>7} {'K':>5} {'dtype':>8} {'path':>22} {'ms':>9} {'GB/s':>8} {'of clone':>8}  exact"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['M']:>7} {r['K']:>5} {r['dtype']:>8} {r['path']:>22} {r['ms']:>9.4f} {r['GBps']:>8.1f} "
-                     f"{r.get('of_clone', ''):>8}  {r.get('matches_reference', '')}")
+                     f"{r.get('of_clone', ''):>8}  {r.get('matches_reference', r.get('same_bytes', ''))}")
     return "\n".join(lines)
 
 
@@ -129,12 +166,16 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes, the reference only, on the CPU")
+    p.add_argument("--ab-pairs", action="store_true", help="the bf16 rowwise kernel's two builds (PAIRS on, off)")
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.dry_run else "cuda")
     spec = args.shapes or (DRY_SHAPES if args.dry_run else SHAPES)
     shapes = [tuple(int(v) for v in s.split("x")) for s in spec.split(",")]
     iters = 2 if args.dry_run else args.iters
-    rows = run(shapes, getattr(torch, args.dtype), args.groups, device, kernel=not args.dry_run, iters=iters)
+    if args.ab_pairs:
+        rows = run_ab_pairs(shapes, device, iters=iters)
+    else:
+        rows = run(shapes, getattr(torch, args.dtype), args.groups, device, kernel=not args.dry_run, iters=iters)
     result = dict(run_header(device.type), groups=args.groups, rows=rows)
     print(_table(rows))
     if args.json:

@@ -38,7 +38,8 @@ from cutlass.memory import SmemAllocator
 
 from .dtypes import cutlass_dtype
 from .fragment_io import bits_f32, unpack2
-from .pow2_quant import finite_abs_bits, fp8_block_scale_bits, scaled_or_nan
+from .pow2_quant import bf16_pair_amax_bits, finite_abs2_bf16, finite_abs_bits, fp8_block_scale_bits, max2_u16, \
+    scaled_or_nan
 from .utility_kernel import UtilityKernel, compile_once
 
 FP8 = cutlass.Float8E4M3FN
@@ -57,6 +58,11 @@ MIN_CTAS_PER_SM = 2
 _CARVEOUT_DEFAULT = -1
 #: Most groups a columnwise kernel takes: each warp scans them in registers, 32 per lane.
 MAX_GROUPS = 1024
+#: Whether a bf16 rowwise-only kernel tests its values a packed pair at a time (pow2_quant.finite_abs2_bf16: the
+#: non-finite halves and a halfwise max for the amax, a few integer instructions a pair where the fp32 tests take
+#: about four a value; session z) instead of one value at a time. Read when a kernel is built (it is in the key);
+#: bench/bench_quantize.py --ab-pairs times the two builds.
+PAIRS = True
 
 
 def _word(x):
@@ -84,14 +90,16 @@ class FP8QuantizeKernel:
     also the tensor's finite amax, as float32 bits by one atomic max per warp into a zeroed int32 (a
     non-negative float's bits order as integers, so the result is independent of the order); ``slots``: the
     columnwise codes in the slot layout (below) instead of ``(K, M)``; ``rowwise`` False: no rowwise copy (the
-    FP8 weight gradient reads only the columnwise one).
+    FP8 weight gradient reads only the columnwise one); ``pairs``: a bf16 rowwise-only kernel tests and folds its
+    values a packed pair at a time (:data:`PAIRS`).
 
     The slot layout, ``cw_data[k, 128 b + r]`` of shape ``(K, 128 * (ceil(M/128) + G))``: block ``b``'s rows
     at bytes ``[128 b, 128 b + 128)`` of each column, zeros past the block's rows and in unused capacity, so that
     every 128-byte k-tile of the FP8 varlen-K kernel (kernels/fp8_wgrad.py) is one whole block of one group."""
 
     def __init__(self, dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
-                 min_ctas: int = 0, amax: bool = False, slots: bool = False, rowwise: bool = True):
+                 min_ctas: int = 0, amax: bool = False, slots: bool = False, rowwise: bool = True,
+                 pairs: bool = True):
         self.dtype = cutlass_dtype(dtype)
         self.vec = _CHUNK_BYTES * 8 // self.dtype.width
         if K <= 0 or K % self.vec:
@@ -114,6 +122,7 @@ class FP8QuantizeKernel:
         self.amax = amax
         self.slots = slots and columnwise
         self.rowwise = rowwise or not columnwise
+        self.pairs = pairs and not columnwise and self.dtype is cutlass.BFloat16
 
     @cute.jit
     def __call__(self, pX: cute.Pointer, pData: cute.Pointer, pScale: cute.Pointer, pCwData: cute.Pointer,
@@ -186,6 +195,30 @@ class FP8QuantizeKernel:
             nrows = cutlass.max(cutlass.min(found_rows, M - row0), Int32(0))
         return row0, nrows
 
+    # ------------------------------------------------------------------ rowwise, a bf16 pair at a time
+    def row_by_pairs(self, frag, u: int):
+        """Trace time (``pairs``): ``(values times 2^-e, scale bits, run)`` of the thread's row ``u`` of bf16 words:
+        each word's non-finite halves and magnitudes by pow2_quant.finite_abs2_bf16, the row's amax a halfwise max
+        (``run``, this lane's) then the butterfly over its CPB lanes, and the values scaled from the cleaned words
+        with no per-value test: what the value-at-a-time pass converts, the same bytes."""
+        words = cute.recast_tensor(frag, Int32)
+        per_row = self.vec // 2
+        run, clean = Int32(0), []
+        for j in range(per_row):
+            mag, word = finite_abs2_bf16(words[j + per_row * u])
+            clean.append(word)
+            run = max2_u16(run, mag)
+        amax = bf16_pair_amax_bits(run)
+        for k in range(self.cpb.bit_length() - 1):
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << k))
+        row_bits, row_inv = fp8_block_scale_bits(amax)
+        vals = cute.make_rmem_tensor((self.vec,), Float32)
+        for j in range(per_row):
+            lo, hi = unpack2(clean[j], self.dtype)
+            vals[2 * j] = lo * row_inv
+            vals[2 * j + 1] = hi * row_inv
+        return vals, row_bits, run
+
     # ------------------------------------------------------------------ the loaded values
     def row_values(self, frag, u: int):
         """Trace time: the ``vec`` values of the thread's row ``u`` as fp32 (exact; 16-bit values widened from
@@ -244,23 +277,29 @@ class FP8QuantizeKernel:
         # ---- rowwise: amax over the row's CPB lanes, codes, scale to shared memory
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), FP8, num_bits_per_copy=self.vec * 8)
         col_bits = [Int32(0)] * self.vec
+        run_all = Int32(0)    # (pairs) the halfwise max of the thread's finite bf16 magnitudes
         for u in cutlass.range_constexpr(self.rpt):
-            ys = self.row_values(frag, u)
-            mags = []
-            for i in cutlass.range_constexpr(self.vec):
-                mags.append(finite_abs_bits(ys[i]))
-            for i in cutlass.range_constexpr(self.vec):
-                col_bits[i] = cutlass.max(col_bits[i], mags[i][0])
-            if const_expr(self.rowwise):   # (the slot layout's columnwise-only kernel skips the row's work)
-                amax = Int32(0)
+            if const_expr(self.pairs):
+                vals, row_bits, run = self.row_by_pairs(frag, u)
+                run_all = max2_u16(run_all, run)
+            else:
+                ys = self.row_values(frag, u)
+                mags = []
                 for i in cutlass.range_constexpr(self.vec):
-                    amax = cutlass.max(amax, mags[i][0])
-                for k in cutlass.range_constexpr(self.cpb.bit_length() - 1):
-                    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << k))
-                row_bits, row_inv = fp8_block_scale_bits(amax)
-                vals = cute.make_rmem_tensor((self.vec,), Float32)
+                    mags.append(finite_abs_bits(ys[i]))
                 for i in cutlass.range_constexpr(self.vec):
-                    vals[i] = scaled_or_nan(ys[i], mags[i][1], row_inv)
+                    col_bits[i] = cutlass.max(col_bits[i], mags[i][0])
+                if const_expr(self.rowwise):   # (the slot layout's columnwise-only kernel skips the row's work)
+                    amax = Int32(0)
+                    for i in cutlass.range_constexpr(self.vec):
+                        amax = cutlass.max(amax, mags[i][0])
+                    for k in cutlass.range_constexpr(self.cpb.bit_length() - 1):
+                        amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << k))
+                    row_bits, row_inv = fp8_block_scale_bits(amax)
+                    vals = cute.make_rmem_tensor((self.vec,), Float32)
+                    for i in cutlass.range_constexpr(self.vec):
+                        vals[i] = scaled_or_nan(ys[i], mags[i][1], row_inv)
+            if const_expr(self.rowwise):
                 codes = cute.make_rmem_tensor((self.vec,), FP8)
                 codes.store(vals.load().to(FP8))
                 r = q * self.rpt + u
@@ -268,10 +307,12 @@ class FP8QuantizeKernel:
                     cute.copy(store, codes, mData[first_row + u, chunk, None])
                 if c == 0:
                     sRowScale[r] = bits_f32(row_bits)
+        if const_expr(self.pairs):
+            col_bits = [bf16_pair_amax_bits(run_all)]
         if const_expr(self.amax):
             # ---- the tensor's finite amax: the thread's columns, the warp, one atomic max per warp
             amax_bits = col_bits[0]
-            for i in cutlass.range_constexpr(1, self.vec):
+            for i in cutlass.range_constexpr(1, len(col_bits)):
                 amax_bits = cutlass.max(amax_bits, col_bits[i])
             for k in cutlass.range_constexpr(_LANES.bit_length() - 1):
                 amax_bits = cutlass.max(amax_bits, cute.arch.shuffle_sync_bfly(amax_bits, 1 << k))
@@ -404,12 +445,13 @@ def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
     ``slots``, ``rowwise``: :class:`FP8QuantizeKernel`'s."""
     if not columnwise:
         G, sizes_dtype, slots, rowwise = 1, None, False, True
-    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise),
-                        lambda: build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise)[0])
+    pairs = PAIRS
+    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs),
+                        lambda: build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs)[0])
 
 
 def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
-                 amax: bool = False, slots: bool = False, rowwise: bool = True):
+                 amax: bool = False, slots: bool = False, rowwise: bool = True, pairs: bool = True):
     """``(compiled function, cubin, kernel)``: built for two CTAs an SM (128 registers a thread), or for one
     where that spills (the fp32 columnwise kernel, and a few shapes where the compiler's schedule needs more),
     as the grouped GEMMs fall back to a tile that does not spill. What tests read the SASS of."""
@@ -419,7 +461,7 @@ def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: 
     from .api import _cubin_nv_info
 
     for min_ctas in (MIN_CTAS_PER_SM, 1):
-        kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise)
+        kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise, pairs)
         with tempfile.TemporaryDirectory() as dump:
             fn = compile_kernel(kernel, f"--enable-tvm-ffi --keep-cubin --dump-dir={shlex.quote(dump)}")
             cubin = getattr(fn, "__cubin__", None)
