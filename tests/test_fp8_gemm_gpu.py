@@ -398,6 +398,63 @@ def test_fp8_block_dequantized_output_is_the_round_trip_of_the_bf16_output(N, ti
     assert not torch.equal(got[~nan], hp[~nan]), "the store wrote the value without its FP8 round trip"
 
 
+class _AuxPatterns(K.Epilogue):
+    """Writes its bf16 aux input (every bf16 bit pattern), the accumulator unused (acc * 0 + add would turn -0.0 into
+    +0.0): the FP8-block stores then quantize exactly the patterns the test chose."""
+    gated = False
+    inputs = (K.AuxInput("add"),)
+    outputs = (K.FP8BlockOutput("out"),)
+
+    def apply(self, acc, add):
+        return add
+
+
+class _AuxPatternsDequant(_AuxPatterns):
+    outputs = (K.FP8BlockDequantOutput("out"),)
+
+
+@pytest.mark.parametrize("dequant", [False, True], ids=["codes", "dequantized"])
+def test_fp8_block_stores_take_every_bf16_bit_pattern(dequant):
+    """The FP8 kernel's FP8-block store and dequantized row test bf16 values a packed pair at a time
+    (kernels/pow2_quant.py finite_abs2_bf16: a carry into each half's top bit marks Inf and NaN, 0x7F7F the largest
+    finite magnitude); fed every one of the 65536 bf16 bit patterns (rolled copies, so each meets both halves of a
+    word and blocks of every kind), they equal fusion.quant's quantizer (codes, scales, the finite amax) and its
+    quantize-then-dequantize, bit for bit."""
+    from fusion.kernels.api import fp8_block_outputs
+    from fusion.quant._common import finite_amax
+
+    G, M, N, Kd = 4, 512, 1024, 256
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    add = torch.stack([patterns.roll(17 * k) for k in range(8)]).view(M, N).view(torch.bfloat16).to(DEV)
+    gen = torch.Generator().manual_seed(3)
+    a_data, a_scale = fp8_block_quantize_2d(torch.randn(M, Kd, generator=gen).to(DEV))
+    wq = quantize_weight_fp8_block((torch.randn(G, N, Kd, generator=gen) / Kd ** 0.5).to(DEV))
+    sizes = torch.tensor([128, 0, 200, 184])
+    args = (a_data, a_scale, wq.data, wq.scale, K.offsets_from_group_sizes(sizes.to(DEV)))
+    cfg = K.fp8_block_output_tile(N, gated=False)
+    epi = _AuxPatternsDequant() if dequant else _AuxPatterns()
+    kernel = K.compile_fp8_grouped_gemm(cfg, epi, N, Kd, G)
+    if dequant:
+        got = _nan(M, N)
+        K.run_fp8_grouped_gemm(kernel, *args, {"out": got}, extras={"add": add})
+        torch.cuda.synchronize()
+        want = fp8_block_dequantize_2d(*fp8_block_quantize_2d(add), dtype=torch.bfloat16)
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan), "NaN where the round trip has none, or the other way"
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+        return
+    outs = fp8_block_outputs(epi.outputs[0], M, N, DEV)
+    outs["out"].view(torch.uint8).fill_(0x55)
+    outs["out_scale"].fill_(float("nan"))
+    K.run_fp8_grouped_gemm(kernel, *args, outs, extras={"add": add})
+    torch.cuda.synchronize()
+    ref_data, ref_scale = fp8_block_quantize_2d(add)
+    assert torch.equal(outs["out_scale"].view(torch.int32), ref_scale.view(torch.int32)), "scales differ"
+    n_diff = (outs["out"].view(torch.uint8) != ref_data.view(torch.uint8)).sum().item()
+    assert n_diff == 0, f"{n_diff} E4M3 bytes differ"
+    assert outs["out_amax"].item() == finite_amax(add).view(torch.int32).item(), "amax differs"
+
+
 def test_mxfp8_output_is_the_quantized_bf16_output():
     """The MXFP8 epilogue rounds to bf16 first and quantizes exactly: byte-equal to quantizing the bf16
     epilogue's output of the same kernel configuration (same accumulators)."""

@@ -130,6 +130,18 @@ def test_adversarial(dtype, M, K, columnwise):
     _check(_adversarial(M, K, dtype), columnwise=columnwise)
 
 
+@pytest.mark.parametrize("columnwise", [True, False], ids=["cw", "rowwise"])
+def test_every_bf16_bit_pattern(columnwise):
+    """Every one of the 65536 bf16 bit patterns, each next to each of a block's magnitudes: the rowwise-only kernel
+    tests them a packed pair at a time (pow2_quant.finite_abs2_bf16's carry into each half's top bit: the boundary is
+    0x7F7F, the largest finite magnitude, against 0x7F80, Inf), the columnwise one a value at a time; both bit for bit
+    the reference. Rows are rolled copies of all patterns, so every pattern meets both halves of a word and blocks of
+    every kind (with and without Inf, NaN of either sign, subnormals, zeros)."""
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    rows = torch.stack([patterns.roll(17 * k) for k in range(8)]).view(-1, 1024)   # (512, 1024): 8 blocks a row
+    _check(rows.view(torch.bfloat16).to(DEV), columnwise=columnwise)
+
+
 @pytest.mark.parametrize("sizes_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("sizes", [[5, 0, 3, 300, 0, 129], [0, 0, 437], [437, 0], [128, 128, 1, 127, 53, 0],
                                    [1] * 37 + [400]])

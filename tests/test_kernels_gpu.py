@@ -487,6 +487,39 @@ def test_mxfp8_exact(case, dtype, pingpong):
     assert (((got - ref).abs() <= 1e-2 * (ref.abs() + 1)) | ~fin).all()
 
 
+class _MXFP8Patterns(K.Epilogue):
+    """Its bf16 aux input as the MXFP8 output, the accumulator unused (every bf16 bit pattern, -0.0 included)."""
+    gated = False
+    inputs = (K.AuxInput("add"),)
+    outputs = (K.MXFP8Output("out"),)
+
+    def apply(self, acc, add):
+        return add
+
+
+def test_mxfp8_takes_every_bf16_bit_pattern():
+    """The MXFP8 store tests bf16 values a packed pair at a time (kernels/pow2_quant.py finite_abs2_bf16; 0x7F7F the
+    largest finite magnitude, 0x7F80 Inf): fed every one of the 65536 bf16 bit patterns (rolled copies, so each meets
+    both halves of a word and 32-column blocks of every kind, NaN of either sign among them), its bytes and scales
+    equal fusion.quant.mxfp8's."""
+    from fusion.quant.mxfp8 import mxfp8_quantize_2d
+    G, M, N, Kd = 4, 512, 1024, 128
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    add = torch.stack([patterns.roll(17 * k) for k in range(8)]).view(M, N).view(torch.bfloat16).to(DEV)
+    sizes = torch.tensor([128, 0, 200, 184])
+    A = torch.randn(M, Kd, dtype=torch.bfloat16, device=DEV)
+    W = torch.randn(G, N, Kd, dtype=torch.bfloat16, device=DEV) / Kd ** 0.5
+    comp = K.compile_grouped_gemm(K.GemmConfig(tile_n=128, stages=4), _MXFP8Patterns(), torch.bfloat16, N, Kd, G)
+    data = torch.full((M, N), 0x55, dtype=torch.uint8, device=DEV)
+    sc = torch.full((M, N // 32), 0xFF, dtype=torch.uint8, device=DEV)
+    K.run_grouped_gemm(comp, A, W, K.offsets_from_group_sizes(sizes.to(DEV)),
+                       {"out": data.view(torch.float8_e4m3fn), "out_scale": sc}, {"add": add})
+    torch.cuda.synchronize()
+    rd, rs = mxfp8_quantize_2d(add.float().cpu())
+    assert torch.equal(sc.cpu(), rs), "scale bytes differ from the exact rule"
+    assert torch.equal(data.cpu(), rd), "e4m3 bytes differ from the reference"
+
+
 def test_zero_rows_does_not_launch():
     comp = K.compile_grouped_gemm(K.GemmConfig(tile_n=128, stages=6), K.SwiGLUScaleEpilogue(), torch.bfloat16,
                                   256, 128, 4)
