@@ -25,7 +25,8 @@ from .pow2_quant import bf16_pair_amax_bits, finite_abs2_bf16, finite_abs_bits, 
     scaled_or_nan
 
 __all__ = ["lane_amax", "lane_amax_clean", "clean_words", "rounded", "store_fp8_block_row", "store_fp8_block_halves",
-           "store_fp8_block_dequantized_row", "store_block_scale", "warp_amax_to", "decode_e4m3", "round_trip2_e4m3"]
+           "store_fp8_block_dequantized_row", "store_block_scale", "warp_amax_to", "decode_e4m3", "round_trip2_e4m3",
+           "store_chunk_group"]
 
 FP8 = cutlass.Float8E4M3FN
 
@@ -116,7 +117,7 @@ def store_fp8_block_row(items, lcols, oks, t, grow, ab_dtype, amax_bits=None, cl
     quad = cute.arch.lane_idx() & 3
     for g in range(len(items) // 4):
         codes = [_scaled(items[c], inv_scale, ab_dtype, clean) for c in range(4 * g, 4 * g + 4)]
-        _store_chunk_group(t, grow, lcols[4 * g], codes, oks[4 * g: 4 * g + 4], quad)
+        store_chunk_group(t, grow, lcols[4 * g], codes, oks[4 * g: 4 * g + 4], quad)
     return scale_bits, amax_bits
 
 
@@ -231,7 +232,7 @@ def _hi(w):
     return (w >> 16) & 0xFFFF
 
 
-def _store_chunk_group(t, grow, lcol0, codes, oks, quad):
+def store_chunk_group(t, grow, lcol0, codes, oks, quad):
     """The codes of four consecutive 8-column chunks of one row (``codes[j]``: this lane's 2 columns of chunk j,
     ``lcol0`` its first column in chunk 0) moved within the quad by two butterflies so that lane ``q`` holds all
     8 bytes of chunk ``q``, then one 8-byte store per lane: the quad writes the group's 32 bytes, a whole sector,

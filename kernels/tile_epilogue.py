@@ -43,7 +43,9 @@ class TileEpilogue:
     tile_policy.QUAD_BESIDE_FP8_BLOCK); ``hw_fp8_decode``: a dequantized FP8-block row decodes its codes by the
     hardware conversion (False: integer instructions, the FP8 kernel's A/B build, kernels/fp8_gemm.py
     Fp8DebugKnobs); ``clean_fp8_words``: bf16 values bound for an FP8-block output wait as clean packed words
-    (fp8_block_store.lane_amax_clean; False: tested a value at a time, as before session z, the A/B build)."""
+    (fp8_block_store.lane_amax_clean; False: tested a value at a time, as before session z, the A/B build);
+    ``mxfp8_sectors``: with clean words, an MXFP8 block's codes leave as one 32-byte sector (False: 2 bytes a lane and
+    chunk, the A/B build of bench/probes/mxfp8_store_ab.py)."""
 
     def __init__(self, epilogue: Epilogue, dtype: str, tile_n_log: int, prefetch_pairs: int, acc_regs: int = 0,
                  quad_beside_fp8: bool = False, hw_fp8_decode: bool = True, clean_fp8_words: bool = True):
@@ -51,6 +53,7 @@ class TileEpilogue:
         self.quad_beside_fp8 = quad_beside_fp8
         self.hw_fp8_decode = hw_fp8_decode
         self.clean_fp8_words = clean_fp8_words
+        self.mxfp8_sectors = True
         self.dtype_name = dtype
         self.ab_dtype = cutlass_dtype(dtype)
         self.gated = epilogue.gated
@@ -339,7 +342,7 @@ class TileEpilogue:
                                 continue
                             if isinstance(spec, MXFP8Output):
                                 store_mxfp8(results[oi], lcols, oks, t, out_tensors[ot + 1], grow, self.ab_dtype,
-                                            self.clean_fp8_words and clean_words(self.ab_dtype))
+                                            self.clean_fp8_words and clean_words(self.ab_dtype), self.mxfp8_sectors)
                                 ot += 2
                                 continue
                             if is_fp8_block(spec):

@@ -349,8 +349,11 @@ def test_mxfp8_training_fc1_keeps_the_policy_tile():
     quantized a packed bf16 pair at a time (kernels/mxfp8_store.py ``clean``) builds at the tile policy's 128 x 192
     CTA pair without spilling; tested a value at a time it spilled there and was rebuilt at the 128 x 128 fallback
     (kernels/api.py compile_grouped_gemm), so a user of QuantizeMXFP8 trained on the slower tile. No per-value NaN
-    select is left in its SASS."""
-    from fusion.kernels import sass_text
+    select is left in its SASS, and each 32-column block's codes leave as one 32-byte sector (8-byte stores, no 2-byte
+    ones)."""
+    import collections
+
+    from fusion.kernels import sass_opcodes, sass_text
     from fusion.runtime.aot import plan_jobs
     from fusion.runtime.compile import _compile
 
@@ -361,4 +364,8 @@ def test_mxfp8_training_fc1_keeps_the_policy_tile():
     assert kernel.config == kernel.requested_config, (kernel.config, kernel.requested_config)
     assert kernel.config.tile_n == 192 and kernel.config.cluster_n == 2, kernel.config
     check_sass(kernel)
-    assert not re.search(r"\bFSEL\b[^;]*\+QNAN", sass_text(kernel.cubin))
+    sass = sass_text(kernel.cubin)
+    assert not re.search(r"\bFSEL\b[^;]*\+QNAN", sass)
+    # each 32-column block's codes leave as one sector, 8 bytes a lane: 2 fragment rows x 3 blocks x 2 m-atoms
+    ops = sass_opcodes(sass)
+    assert "STG.E.U16" not in ops and ops.count("STG.E.64") == 12, collections.Counter(o for o in ops if "STG" in o)

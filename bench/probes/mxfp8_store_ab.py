@@ -1,8 +1,10 @@
-"""The README block's fused FC1 (GroupLinear -> SwiGLU -> Scale -> QuantizeMXFP8, bf16 kernel) in two builds, timed
-interleaved on the bench blocks' shapes: bf16 values quantized a packed pair at a time (the kernel since session z:
-kernels/pow2_quant.py finite_abs2_bf16) against a value at a time (as before; the training variant then spilled at
-the policy's 192-wide CTA pair and was rebuilt at the 128 x 128 fallback tile, which is what ran). Prints each
-build's tile, SASS instruction count and median ms, and whether both wrote the same bytes.
+"""The README block's fused FC1 (GroupLinear -> SwiGLU -> Scale -> QuantizeMXFP8, bf16 kernel) in three builds, timed
+interleaved on the bench blocks' shapes: ``sectors`` (the kernel since session z: bf16 values quantized a packed pair
+at a time, kernels/pow2_quant.py finite_abs2_bf16, and each 32-column block's codes stored as one 32-byte sector),
+``pairs`` (the pairs, 2-byte stores a lane and chunk), ``values`` (a value at a time and 2-byte stores, as before; the
+training variant then spilled at the policy's 192-wide CTA pair and was rebuilt at the 128 x 128 fallback tile,
+which is what ran). Prints each build's tile, SASS instruction count and median ms, and whether all wrote the same
+bytes.
 
     python bench/probes/mxfp8_store_ab.py --models qwen3-30b-a3b,olmoe-1b-7b --reps 30
 """
@@ -29,19 +31,23 @@ def f1_jobs(block):
     return [j for j in plan_jobs(seq, torch.bfloat16) if j.step == "F1"]
 
 
-def build(job, value_tests: bool):
-    """The job's kernel; ``value_tests``: every TileEpilogue built with clean_fp8_words=False."""
+#: build name -> TileEpilogue attributes set after its constructor
+BUILDS = {"sectors": {}, "pairs": {"mxfp8_sectors": False}, "values": {"clean_fp8_words": False}}
+
+
+def build(job, attrs: dict):
+    """The job's kernel, every TileEpilogue built with ``attrs`` set (the A/B builds)."""
     import fusion.kernels.api as api
     import fusion.kernels.tile_epilogue as TE
     from fusion.runtime.compile import _compile
 
     api._CACHE.clear()   # the in-memory kernels: the key does not name the build
     init = TE.TileEpilogue.__init__
-    if value_tests:
-        def patched(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            self.clean_fp8_words = False
-        TE.TileEpilogue.__init__ = patched
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for name, value in attrs.items():
+            setattr(self, name, value)
+    TE.TileEpilogue.__init__ = patched
     try:
         return _compile(job)
     finally:
@@ -64,7 +70,7 @@ def main(argv=None):
     for model in args.models.split(","):
         block = next(b for b in BLOCKS if b.model == model)
         for job in f1_jobs(block):
-            kernels = {"pairs": build(job, False), "values": build(job, True)}
+            kernels = {name: build(job, attrs) for name, attrs in BUILDS.items()}
             torch.manual_seed(0)
             M = block.rows
             x = torch.randn(M, block.d, device="cuda", dtype=torch.bfloat16)
@@ -82,7 +88,7 @@ def main(argv=None):
                 return fn
             times = interleaved_ms([launch(n) for n in kernels], reps=args.reps)
             torch.cuda.synchronize()
-            same = all(same_bits(outs["pairs"][k], outs["values"][k]) for k in outs["pairs"])
+            same = all(same_bits(outs[n][k], outs["values"][k]) for n in kernels for k in outs["values"])
             for n, ms in zip(kernels, times):
                 cfg = kernels[n].config
                 row = {"model": model, "variant": job.variant, "build": n, "ms": ms,
