@@ -186,12 +186,14 @@ def test_paired_tensors_use_the_split_layout():
 
 def test_mxfp8_exact_rule_in_ptx():
     """The MXFP8 epilogue computes the scale with integer ops (no float log2 / division), rounds to the
-    GEMM dtype first, and encodes with one RNE cvt per element pair."""
+    GEMM dtype first, and encodes with one RNE cvt per element pair. bf16 values go a packed pair at a time (since
+    session z): each pair rounded by one cvt into a word, its non-finite halves found by prmt's sign replication,
+    the block amax a halfwise integer max over the |x| bit patterns."""
     ptx = _compile("fc1-mxfp8-coop").ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    assert "cvt.rn.bf16.f32" in ptx                 # rounded to the GEMM dtype before quantizing
+    assert "cvt.rn.bf16x2.f32" in ptx               # rounded to the GEMM dtype before quantizing, a pair a word
     assert "lg2" not in ptx and "div.rn.f32" not in ptx
-    assert "max.u32" in ptx or "max.s32" in ptx     # integer amax over |x| bit patterns
+    assert "max.u16x2" in ptx and "prmt.b32" in ptx  # integer amax over |x| bit patterns, a pair at a time
 
 
 # ---- configurations the template cannot build are refused by name (no compile)
