@@ -39,7 +39,7 @@ VARIANTS = {"kernel": {}, "int-decode": {"int_decode": True}, "value-tests": {"v
 STEPS = {"B1": "backward", "F1": "train"}
 
 
-def b1_job(block, step="B1"):
+def plan_job(block, step="B1"):
     """The fusion_fp8 block's B1 job (generated epilogue, tile policy's configuration) for a bench block; ``step``
     "F1": its training FC1's."""
     from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
@@ -114,7 +114,7 @@ def main(argv=None):
     names = args.variants.split(",")
     rows = []
     for block in blocks:
-        job = b1_job(block, args.step)
+        job = plan_job(block, args.step)
         print(f"{block.model}: {job.name} tile {job.config[:4]}", file=sys.stderr, flush=True)
         if args.list:
             continue

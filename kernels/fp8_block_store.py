@@ -21,8 +21,8 @@ from cutlass._mlir.dialects import llvm
 
 from .epilogue import FP8BlockOutput
 from .fragment_io import bits_f32, f32_bits, pack2, store2, store4_run, unpack2
-from .pow2_quant import bf16_pair_amax_bits, finite_abs2_bf16, finite_abs_bits, fp8_block_scale_bits, max2_u16, \
-    scaled_or_nan
+from .pow2_quant import bf16_pair_amax_bits, clean_bf16_words, finite_abs2_bf16, finite_abs_bits, \
+    fp8_block_scale_bits, max2_u16, scaled_clean_pair, scaled_or_nan
 
 __all__ = ["lane_amax", "lane_amax_clean", "clean_words", "rounded", "store_fp8_block_row", "store_fp8_block_halves",
            "store_fp8_block_dequantized_row", "store_block_scale", "warp_amax_to", "decode_e4m3", "round_trip2_e4m3",
@@ -70,13 +70,15 @@ def lane_amax_clean(words, oks, run=None):
     quantization then scales with no per-value test (:func:`_scaled` with ``clean``). A chunk's ``oks`` that are one
     value (the row's, where the columns are exact) mask the batch's max once."""
     run = Int32(0) if run is None else run
+    if all(ok is oks[0] for ok in oks):
+        batch, out = clean_bf16_words(words)
+        return max2_u16(run, cutlass.select_(oks[0], batch, Int32(0))), out
     out, batch = [], Int32(0)
-    same = all(ok is oks[0] for ok in oks)
     for word, ok in zip(words, oks):
         mag, clean = finite_abs2_bf16(word)
         out.append(clean)
-        batch = max2_u16(batch, mag if same else cutlass.select_(ok, mag, Int32(0)))
-    return max2_u16(run, cutlass.select_(oks[0], batch, Int32(0)) if same else batch), out
+        batch = max2_u16(batch, cutlass.select_(ok, mag, Int32(0)))
+    return max2_u16(run, batch), out
 
 
 def _block_scale(items, oks, ab_dtype, amax_bits=None, clean=False):
@@ -97,7 +99,7 @@ def _scaled(item, inv_scale, ab_dtype, clean=False):
     """A chunk's two values times ``2^-e`` (NaN for a non-finite one): what converts to their E4M3 codes. ``clean``:
     the item is a word of :func:`lane_amax_clean`, whose non-finite values are already +NaN (no test needed)."""
     if clean:
-        return [y * inv_scale for y in _in_gemm_dtype(item, ab_dtype)]
+        return scaled_clean_pair(item, inv_scale)
     out = []
     for y in _in_gemm_dtype(item, ab_dtype):
         _, fin = finite_abs_bits(y)

@@ -38,8 +38,8 @@ from cutlass.memory import SmemAllocator
 
 from .dtypes import cutlass_dtype
 from .fragment_io import bits_f32, unpack2
-from .pow2_quant import bf16_pair_amax_bits, finite_abs2_bf16, finite_abs_bits, fp8_block_scale_bits, max2_u16, \
-    scaled_or_nan
+from .pow2_quant import bf16_pair_amax_bits, clean_bf16_words, finite_abs_bits, fp8_block_scale_bits, max2_u16, \
+    scaled_clean_pair, scaled_or_nan
 from .utility_kernel import UtilityKernel, compile_once
 
 FP8 = cutlass.Float8E4M3FN
@@ -203,20 +203,14 @@ class FP8QuantizeKernel:
         with no per-value test: what the value-at-a-time pass converts, the same bytes."""
         words = cute.recast_tensor(frag, Int32)
         per_row = self.vec // 2
-        run, clean = Int32(0), []
-        for j in range(per_row):
-            mag, word = finite_abs2_bf16(words[j + per_row * u])
-            clean.append(word)
-            run = max2_u16(run, mag)
+        run, clean = clean_bf16_words([words[j + per_row * u] for j in range(per_row)])
         amax = bf16_pair_amax_bits(run)
         for k in range(self.cpb.bit_length() - 1):
             amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << k))
         row_bits, row_inv = fp8_block_scale_bits(amax)
         vals = cute.make_rmem_tensor((self.vec,), Float32)
         for j in range(per_row):
-            lo, hi = unpack2(clean[j], self.dtype)
-            vals[2 * j] = lo * row_inv
-            vals[2 * j + 1] = hi * row_inv
+            vals[2 * j], vals[2 * j + 1] = scaled_clean_pair(clean[j], row_inv)
         return vals, row_bits, run
 
     # ------------------------------------------------------------------ the loaded values

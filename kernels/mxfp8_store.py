@@ -14,8 +14,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .fp8_block_store import store_chunk_group
-from .fragment_io import pack2, store2_rc, store_byte, unpack2
-from .pow2_quant import bf16_pair_amax_bits, e8m0_scale_bits, finite_abs2_bf16, finite_abs_bits, max2_u16, \
+from .fragment_io import pack2, store2_rc, store_byte
+from .pow2_quant import bf16_pair_amax_bits, clean_bf16_words, e8m0_scale_bits, finite_abs_bits, scaled_clean_pair, \
     scaled_or_nan
 
 __all__ = ["store_mxfp8", "e8m0_scale_bits"]
@@ -35,10 +35,7 @@ def store_mxfp8(res, lcols, oks, t, ts, grow, ab_dtype, clean=False, sectors=Tru
     for b in range(n_c // 4):
         chunks = range(4 * b, 4 * b + 4)
         if clean:
-            run, words = Int32(0), {}
-            for c in chunks:
-                mag, words[c] = finite_abs2_bf16(pack2(res[c][0], res[c][1], ab_dtype))
-                run = max2_u16(run, mag)
+            run, words = clean_bf16_words(pack2(res[c][0], res[c][1], ab_dtype) for c in chunks)
             amax_bits = bf16_pair_amax_bits(run)
         else:
             ys = {}
@@ -56,11 +53,11 @@ def store_mxfp8(res, lcols, oks, t, ts, grow, ab_dtype, clean=False, sectors=Tru
             # non-finite values are +NaN already (E4M3 NaN 0x7F); the block's 32 codes leave as one whole sector, the
             # quad's lanes each storing 8 bytes of one chunk (fp8_block_store.store_chunk_group) where 2-byte stores
             # wrote each sector in four pieces
-            codes = [[y * inv_scale for y in unpack2(words[c], ab_dtype)] for c in chunks]
+            codes = [scaled_clean_pair(w, inv_scale) for w in words]
             store_chunk_group(t, grow, lcols[4 * b], codes, [oks[c] for c in chunks], cute.arch.lane_idx() & 3)
         elif clean:
-            for c in chunks:
-                q = [y * inv_scale for y in unpack2(words[c], ab_dtype)]
+            for w, c in zip(words, chunks):
+                q = scaled_clean_pair(w, inv_scale)
                 store2_rc(t, grow, lcols[c], q[0], q[1], cutlass.Float8E4M3FN, oks[c])
         else:
             for c in chunks:

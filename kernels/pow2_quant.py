@@ -19,7 +19,7 @@ import cutlass
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 
-from .fragment_io import bits_f32, f32_bits
+from .fragment_io import bits_f32, f32_bits, unpack2
 
 #: fp32 bits of 1.0: FP8-block's scale of an all-zero block
 _ONE_BITS = 0x3F800000
@@ -59,6 +59,24 @@ def bf16_pair_amax_bits(run):
     """A running :func:`max2_u16` of bf16 magnitudes as the fp32 bits of its larger half (a bf16 value's fp32 bits
     are its 16 bits shifted up), what :func:`fp8_block_scale_bits` takes."""
     return cutlass.max(run & 0xFFFF, (run >> 16) & 0xFFFF) << 16
+
+
+def clean_bf16_words(words, run=None):
+    """:func:`finite_abs2_bf16` over a row's words: ``(run, clean words)``, ``run`` the halfwise :func:`max2_u16` of
+    their finite magnitudes (folded into ``run`` when given; :func:`bf16_pair_amax_bits` makes it fp32 amax bits)."""
+    run = Int32(0) if run is None else run
+    clean = []
+    for word in words:
+        mag, word = finite_abs2_bf16(word)
+        clean.append(word)
+        run = max2_u16(run, mag)
+    return run, clean
+
+
+def scaled_clean_pair(word, inv_scale) -> list:
+    """A clean word's two bf16 values times ``2^-e``: what converts to their E4M3 codes (its non-finite halves are
+    +NaN already, so no per-value test)."""
+    return [y * inv_scale for y in unpack2(word, cutlass.BFloat16)]
 
 
 def scaled_or_nan(y, fin, inv_scale):

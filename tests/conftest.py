@@ -21,6 +21,14 @@ def hopper_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+def every_bf16_pattern() -> torch.Tensor:
+    """All 65536 bf16 bit patterns as a (512, 1024) bf16 tensor (CPU): eight copies rolled by 17 each, so every pattern
+    sits in both halves of a packed word and in blocks of every kind (with and without Inf, NaN of either sign,
+    subnormals, zeros). What the pairwise non-finite tests (kernels/pow2_quant.py finite_abs2_bf16) are fed."""
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    return torch.stack([patterns.roll(17 * k) for k in range(8)]).view(512, 1024).view(torch.bfloat16)
+
+
 def sass_or_skip(make_sass):
     """make_sass(): nvdisasm's listing of a compiled kernel; the test is skipped where nvdisasm is missing."""
     try:

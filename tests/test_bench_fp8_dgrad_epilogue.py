@@ -17,7 +17,7 @@ def test_the_b1_job_is_the_fp8_dgrad_with_the_dequantized_row():
     from bench_training_step import BLOCKS
 
     block = next(b for b in BLOCKS if b.model == "qwen3-30b-a3b")
-    job = fp8_dgrad_epilogue.b1_job(block)
+    job = fp8_dgrad_epilogue.plan_job(block)
     assert job.mainloop == "fp8_block" and (job.N, job.K, job.G) == (block.f, block.d, block.E)
     assert "FP8BlockDequantOutput" in job.source and "RowSumOutput" in job.source
 
@@ -26,7 +26,7 @@ def test_the_problem_has_every_epilogue_tensor():
     from fusion.runtime.compile import _epilogue
 
     block = types.SimpleNamespace(model="tiny", E=4, d=256, f=320, rows=600)
-    job = fp8_dgrad_epilogue.b1_job(block)
+    job = fp8_dgrad_epilogue.plan_job(block)
     epilogue = _epilogue(job)
     (a, a_scale, b, b_scale, offsets), extras, outputs = fp8_dgrad_epilogue.problem(block, job, epilogue, "cpu")
     assert a.shape == (600, 256) and a_scale.shape == (2, 600)
@@ -46,7 +46,7 @@ def test_the_f1_job_is_the_training_fc1_with_its_fp8_block_store():
     from fusion.runtime.compile import _epilogue
 
     block = types.SimpleNamespace(model="tiny", E=4, d=256, f=320, rows=600)
-    job = fp8_dgrad_epilogue.b1_job(block, "F1")
+    job = fp8_dgrad_epilogue.plan_job(block, "F1")
     assert job.mainloop == "fp8_block" and (job.N, job.K, job.G) == (640, 256, 4) and job.variant == "train"
     epilogue = _epilogue(job)
     (a, a_scale, b, b_scale, offsets), extras, outputs = fp8_dgrad_epilogue.problem(block, job, epilogue, "cpu")

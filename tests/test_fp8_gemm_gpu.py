@@ -13,7 +13,7 @@ in the Frobenius norm.
 """
 import pytest
 import torch
-from conftest import hopper_available
+from conftest import every_bf16_pattern, hopper_available
 
 pytestmark = pytest.mark.gpu
 
@@ -424,8 +424,7 @@ def test_fp8_block_stores_take_every_bf16_bit_pattern(dequant):
     from fusion.quant._common import finite_amax
 
     G, M, N, Kd = 4, 512, 1024, 256
-    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    add = torch.stack([patterns.roll(17 * k) for k in range(8)]).view(M, N).view(torch.bfloat16).to(DEV)
+    add = every_bf16_pattern().to(DEV)
     gen = torch.Generator().manual_seed(3)
     a_data, a_scale = fp8_block_quantize_2d(torch.randn(M, Kd, generator=gen).to(DEV))
     wq = quantize_weight_fp8_block((torch.randn(G, N, Kd, generator=gen) / Kd ** 0.5).to(DEV))

@@ -9,7 +9,7 @@ host synchronisation (the call is captured in a CUDA graph and replayed).
 """
 import pytest
 import torch
-from conftest import hopper_available
+from conftest import every_bf16_pattern, hopper_available
 
 pytestmark = pytest.mark.gpu
 
@@ -137,9 +137,7 @@ def test_every_bf16_bit_pattern(columnwise):
     0x7F7F, the largest finite magnitude, against 0x7F80, Inf), the columnwise one a value at a time; both bit for bit
     the reference. Rows are rolled copies of all patterns, so every pattern meets both halves of a word and blocks of
     every kind (with and without Inf, NaN of either sign, subnormals, zeros)."""
-    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    rows = torch.stack([patterns.roll(17 * k) for k in range(8)]).view(-1, 1024)   # (512, 1024): 8 blocks a row
-    _check(rows.view(torch.bfloat16).to(DEV), columnwise=columnwise)
+    _check(every_bf16_pattern().to(DEV), columnwise=columnwise)
 
 
 @pytest.mark.parametrize("sizes_dtype", [torch.int32, torch.int64])

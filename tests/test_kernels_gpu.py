@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import hopper_available
+from conftest import every_bf16_pattern, hopper_available
 
 pytestmark = pytest.mark.gpu
 
@@ -504,8 +504,7 @@ def test_mxfp8_takes_every_bf16_bit_pattern():
     equal fusion.quant.mxfp8's."""
     from fusion.quant.mxfp8 import mxfp8_quantize_2d
     G, M, N, Kd = 4, 512, 1024, 128
-    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    add = torch.stack([patterns.roll(17 * k) for k in range(8)]).view(M, N).view(torch.bfloat16).to(DEV)
+    add = every_bf16_pattern().to(DEV)
     sizes = torch.tensor([128, 0, 200, 184])
     A = torch.randn(M, Kd, dtype=torch.bfloat16, device=DEV)
     W = torch.randn(G, N, Kd, dtype=torch.bfloat16, device=DEV) / Kd ** 0.5
