@@ -14,6 +14,7 @@ import torch
 from fusion.errors import DeviceError, DTypeError, ShapeError
 from fusion.patterns import registry  # (both loaded by `import fusion` already: imported here, not on every call)
 from fusion.runtime import autograd
+from fusion.runtime import replay as replay_module
 
 #: Run-time objects per block, outside the module so copies and state_dicts never carry them.
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -64,6 +65,17 @@ class BlockRunner:
         allowed = EMULATE_DTYPES if seq.backend == "emulate" else SUPPORTED_DTYPES.get(x.device.type,
                                                                                         SUPPORTED_DTYPES["cuda"])
         self.allowed = allowed
+        # no-grad forwards replayed as their launches, per rows (fusion/runtime/replay.py): fused plans on a GPU
+        # and the autograd node's forwards (training), per rows
+        self.replays = self.train_replays = None
+        if self.program is not None:
+            from fusion.dataflow import v
+
+            self.output = v(len(self.plan.ops))
+            if self.program.prologue is not None:
+                from fusion.runtime.kernel import ShapeCache
+
+                self.replays, self.train_replays = ShapeCache(64), ShapeCache(64)
 
     def check(self, x: torch.Tensor) -> None:
         """What no plan can take: wrong rank or width, dtype or device mismatches (reads no data)."""
@@ -98,13 +110,40 @@ class BlockRunner:
                                  f"convert the block with mlp.to({x.dtype}) (or x.to({p.dtype}))")
 
     def __call__(self, x: torch.Tensor, extra: dict):
+        replay = None
+        if self.replays is not None and not torch.is_grad_enabled():
+            replay = self.replays.get(x.shape[0])
+            if replay:
+                y = replay(x, extra)
+                if y is not None:
+                    return y
         self.check(x)
         ctx = self.seq.inputs.context(x, extra, check_sum=self.check_sum, device_checked=self.device_checked)
         if self.program is None:
             for op in self.seq.ops:
                 x = op.reference(x, ctx)
             return x
+        if replay is None and self.replays is not None and not torch.is_grad_enabled():
+            # the first no-grad call at these rows: run it, and keep its launches (False: it cannot be replayed)
+            state = self.program.run_forward(x, ctx, train=False)
+            self.replays.keep(x.shape[0], replay_module.build(self, x, ctx, state) or False)
+            return state.env[self.output]
         return autograd.run_program(self, x, ctx)
+
+    def forward_train(self, x: torch.Tensor, ctx):
+        """The autograd node's forward over a checked call (as program.forward(train=True)): replayed where an
+        earlier call at these rows was (fusion/runtime/replay.py), else the program's steps."""
+        replays = self.train_replays
+        replay = None if replays is None else replays.get(x.shape[0])
+        if replay:
+            made = replay.train(x, ctx)
+            if made is not None:
+                return made
+        state = self.program.run_forward(x, ctx, train=True)
+        if replay is None and replays is not None:
+            replays.keep(x.shape[0], replay_module.build(self, x, ctx, state, train=True) or False)
+        env = state.env
+        return env[self.output], [env.get(name) for name in self.plan.saves]
 
 
 def _has_device_method(seq) -> bool:

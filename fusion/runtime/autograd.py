@@ -49,9 +49,9 @@ class _OutputGradient:
 
 class _BlockFunction(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, program, ctx, x, *tensors):
-        y, saved = program.forward(x, ctx, train=True)
-        fctx.program, fctx.ctx, fctx.rows = program, ctx, x.shape[0]
+    def forward(fctx, runner, ctx, x, *tensors):
+        y, saved = runner.forward_train(x, ctx)   # the program's forward, or its replay (fusion/runtime/replay.py)
+        fctx.program, fctx.ctx, fctx.rows = runner.program, ctx, x.shape[0]
         fctx.output_grad = _OutputGradient()
         fctx.set_materialize_grads(False)
         # The block's input and output go through save_for_backward (autograd's version checks; no reference
@@ -101,7 +101,7 @@ def run_program(runner, x: torch.Tensor, ctx):
     if not _needs_grad(runner, x, ctx):
         return program.forward(x, ctx, train=False)[0]
     apply = _BlockFunction.apply if torch._C._are_functorch_transforms_active() else _APPLY
-    y = apply(program, ctx, x, *runner.params, *ctx.extra.values())
+    y = apply(runner, ctx, x, *runner.params, *ctx.extra.values())
     if FREE_OUTPUT_GRAD:
         node = y.grad_fn
         node.register_prehook(node.output_grad)

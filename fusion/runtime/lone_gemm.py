@@ -310,16 +310,27 @@ def _gemm(op, part: str, a: torch.Tensor, n: int, ctx: RunContext, counter: int 
     weight = op._parameters["weight"]
     weight = weight if weight.is_contiguous() else weight.contiguous()
     bounds = row_bounds(op, rows, ctx, a.device)
-    # the launch bound per call shape (kernels.api.BoundGemm): its checks and grid once per (weight shape, part,
-    # dtype, rows, device, tile switch), not per call
-    key = (weight.shape, part, a.dtype, rows, a.get_device(), WIDE_TILE)
-    bound = _BOUND.get(key)
+    bound = bound_launch(op, part, a, weight)
     if bound is None:
         from fusion.kernels.api import bind_grouped_gemm
 
-        bound = _BOUND.keep(key, bind_grouped_gemm(_kernel(op, part, a.dtype), a, weight, bounds))
+        bound = _BOUND.keep(_bound_key(weight, part, a), bind_grouped_gemm(_kernel(op, part, a.dtype), a, weight,
+                                                                            bounds))
     bound(a, weight, bounds, {"out": out}, counter)
     return out
+
+
+def _bound_key(weight: torch.Tensor, part: str, a: torch.Tensor) -> tuple:
+    """The launch bound per call shape (kernels.api.BoundGemm): its checks and grid once per (weight shape, part,
+    dtype, rows, device, tile switch), not per call."""
+    return weight.shape, part, a.dtype, a.shape[0], a.get_device(), WIDE_TILE
+
+
+def bound_launch(op, part: str, a: torch.Tensor, weight: torch.Tensor | None = None):
+    """The kernel's launch already bound at `a`'s call shape (a BoundGemm), or None: not bound yet. The forward's
+    replay (fusion/runtime/replay.py) keeps it after asking :func:`takes`."""
+    weight = op._parameters["weight"] if weight is None else weight
+    return _BOUND.get(_bound_key(weight, part, a))
 
 
 def run(op, x: torch.Tensor, ctx: RunContext, counter: int | None = None) -> torch.Tensor:

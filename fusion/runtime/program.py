@@ -192,14 +192,20 @@ class BlockProgram:
     # -- forward ---------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx, train: bool):
         """(block output, saved values in plan.saves order; None for values to recompute)."""
+        state = self.run_forward(x, ctx, train)
+        y = state.env[v(len(self.plan.ops))]
+        saved = [state.env.get(name) for name in self.plan.saves] if train else []
+        return y, saved
+
+    def run_forward(self, x: torch.Tensor, ctx, train: bool):
+        """The forward steps over x; returns the run's state (every value the forward made, by name): what a
+        replay of the call is built from (fusion/runtime/replay.py)."""
         self._bounds(ctx, x.shape[0], x.device)
         state = S.RunState(ctx=ctx, rows=x.shape[0])
         state.env[v(0)] = x
         for runner in self.forward_steps:
             runner.run(state, train)
-        y = state.env[v(len(self.plan.ops))]
-        saved = [state.env.get(name) for name in self.plan.saves] if train else []
-        return y, saved
+        return state
 
     def _bounds(self, ctx, rows: int, device) -> None:
         """The call's bounds buffer (fusion/runtime/bounds.py) into ctx: made once per call, by the forward (or by

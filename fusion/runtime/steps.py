@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,7 @@ from fusion.ops.base import RunContext
 from fusion.quant import dequantize
 from fusion.runtime import fp8_gemm
 from fusion.runtime import gather as gather_method
+from fusion.runtime.bounds import row_bounds
 from fusion.runtime.gather import gather_index
 from fusion.runtime.kernel import make_job
 from fusion.runtime.row_sums import row_sums
@@ -63,6 +65,24 @@ class RunState:
     def add(self, store: dict, key, grad) -> None:
         if grad is not None:
             store[key] = grad if key not in store else store[key] + grad
+
+
+class BoundLaunch(NamedTuple):
+    """A forward step's launch as a no-grad call made it, bound at that call's shape: what the forward's replay
+    repeats (fusion/runtime/replay.py). `tensors`: the epilogue's tensors in pointer order, each ("out", None) for
+    the step's output, ("saved", None) for the value a training kernel saves, or ("extra", name) for an extra input
+    of the call."""
+
+    bound: object          # kernels.api.BoundGemm
+    job: object            # its KernelJob, counted in LAUNCHES as the step's launch; None for a lone GEMM
+    input: str             # the value read as A
+    output: str            # the value written, `width` columns
+    width: int
+    op: object             # the GEMM op whose weight is B
+    tensors: tuple
+    slot: int              # its tile counter in the call's buffer
+    saved: str | None = None   # a training kernel's second output ("saved"), `saved_width` columns
+    saved_width: int = 0
 
 
 def weight_of(op) -> torch.Tensor:
@@ -272,6 +292,29 @@ class FusedForward(_KernelStep):
             env[self.saved] = outs["saved"]
 
 
+    def replay_launch(self, state: RunState, train: bool) -> BoundLaunch | None:
+        """This step's launch in the call `state` ran (in mode `train`), or None where a replay cannot repeat it: an
+        FP8 or a gathering kernel, a quantized output, a shared bias (its expanded copy is checked per call)."""
+        x = state.env.get(self.input)
+        variant = "train" if train and self.writes_saved else "inference"
+        kernel = None if type(x) is not torch.Tensor else self._kernels.get((x.dtype, variant))
+        plain = self._plain[variant]
+        if kernel is None or self.fp8 or self.gathers or self._quant_format is not None or plain is None:
+            return None
+        widths = dict(plain)
+        bound = getattr(kernel, "_bound", {}).get((x.shape[0], -1))
+        extras = {slot.kernel_name: slot.name for slot in self._in_slots if not isinstance(slot, slots.GroupBias)}
+        if (bound is None or len(extras) != len(self._in_slots) or "out" not in widths
+                or not widths.keys() <= {"out", "saved"}):
+            return None
+        tensors = tuple((n, None) if n in widths else ("extra", extras.get(n)) for n in bound.names)
+        if any(kind == "extra" and name is None for kind, name in tensors):
+            return None
+        saved = self.saved if "saved" in widths else None
+        return BoundLaunch(bound, kernel.job, self.input, self.output, widths["out"], self.gemm, tensors, self.slot,
+                           saved, widths.get("saved", 0))
+
+
 def _quantized(op, outs: dict, ctx: RunContext):
     """The fused step's MXFP8 output as the reference returns it: the kernel's rowwise bytes, and the columnwise
     copy (per-group blocks) and amax from its high-precision output."""
@@ -384,6 +427,22 @@ class GemmForward(OpForward):
             else:
                 y = grouped_matmul(x, w, state.ctx.group_sizes, state.ctx.offsets, method)
         state.env[self.output] = y
+
+
+    def replay_launch(self, state: RunState, train: bool) -> BoundLaunch | None:
+        """The varlen-M kernel's launch in the call `state` ran (its device method's, bound at the call's rows,
+        reading the call's bounds buffer; the same in either mode), or None: torch's GEMM or the reference ran it."""
+        x = state.env.get(self.input)
+        bound_launch = getattr(self.device, "bound_launch", None)
+        if (bound_launch is None or not self.tile_counter or type(x) is not torch.Tensor
+                or not self.device.takes(self.op, x)
+                or row_bounds(self.op, x.shape[0], state.ctx, x.device) is not state.ctx.counters):
+            return None
+        bound = bound_launch(self.op, "forward", x)
+        if bound is None or bound.names != ("out",):
+            return None
+        return BoundLaunch(bound, None, self.input, self.output, weight_of(self.op).shape[1], self.op,
+                           (("out", None),), self.slot)
 
 
 # -- backward --------------------------------------------------------------------------------------------------------

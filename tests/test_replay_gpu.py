@@ -1,0 +1,144 @@
+"""The no-grad forward's replay on a Hopper GPU (fusion/runtime/replay.py): after one interpretive no-grad call at some
+rows, later calls at those rows launch the kept launches; their outputs are bit for bit the interpretive path's (the
+same kernels on the same inputs) and the reference's within bf16 rounding, for new weights and new group sizes at
+each call; calls the replay cannot take go the interpretive way and still raise their errors. (Outputs are not
+poisoned here: poisoning turns the replay off. The replay's pointers, without a GPU: tests/test_replay.py.)"""
+import copy
+
+import pytest
+import torch
+
+import fusion
+from fusion import GroupLinear, Linear, Scale, SwiGLU
+from fusion.errors import GroupSizesError
+from fusion.runtime import replay as R
+from fusion.runtime import runner_for
+from fusion.runtime.kernel import LAUNCHES
+
+pytestmark = pytest.mark.gpu
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+    pytest.skip("fused kernels need a Hopper (sm_90) GPU", allow_module_level=True)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _sizes(E, M, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(E, generator=g) + 0.05
+    w[::3] = 0
+    s = torch.floor(w / w.sum() * M).long()
+    s[int(torch.argmax(w))] += M - int(s.sum())
+    return s.to(torch.int32).cuda()
+
+
+def _block(E=8, d=256, f=256):
+    torch.manual_seed(0)
+    return fusion.Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d)).to("cuda", torch.bfloat16)
+
+
+def _inputs(E, M, d, seed=0):
+    torch.manual_seed(seed)
+    return (torch.randn(M, d, device="cuda", dtype=torch.bfloat16),
+            {"group_sizes": _sizes(E, M, seed), "scale": torch.rand(M, device="cuda", dtype=torch.bfloat16)})
+
+
+def _interpretive(block, x, extras):
+    R.ENABLED = False
+    try:
+        with torch.no_grad():
+            return block(x, **extras)
+    finally:
+        R.ENABLED = True
+
+
+@pytest.mark.parametrize("E,d,f,M", [(8, 256, 256, 1000), (16, 512, 384, 4099), (4, 128, 256, 1)])
+def test_replayed_calls_equal_the_interpretive_path(E, d, f, M):
+    block = _block(E, d, f)
+    ref = copy.deepcopy(block)
+    ref.backend = "reference"
+    x, extras = _inputs(E, M, d)
+    with torch.no_grad():
+        first = block(x, **extras)                    # interpretive; keeps its launches
+    replay = runner_for(block, x).replays.get(M)
+    assert isinstance(replay, R.ForwardReplay), "the small block's no-grad forward must be replayable"
+    for seed in range(3):                             # new inputs, sizes and weights at every call
+        x, extras = _inputs(E, M, d, seed)
+        with torch.no_grad():
+            for p, q in zip(block.parameters(), ref.parameters()):
+                p.mul_(0.9 + 0.1 * seed)
+                q.copy_(p)
+        calls = replay.calls
+        LAUNCHES.reset()
+        with torch.no_grad():
+            y = block(x, **extras)
+        assert replay.calls == calls + 1
+        assert LAUNCHES.by_step.get("F1") == 1        # the fused kernel really ran (counted as it runs)
+        assert torch.equal(y, _interpretive(block, x, extras))
+        with torch.no_grad():
+            assert rel(y, ref(x, **extras)) < 1e-2
+    assert first.shape == y.shape
+
+
+def test_calls_it_cannot_take_run_interpretively():
+    E, d, f, M = 8, 256, 256, 512
+    block = _block(E, d, f)
+    x, extras = _inputs(E, M, d)
+    with torch.no_grad():
+        block(x, **extras)
+    replay = runner_for(block, x).replays.get(M)
+    calls = replay.calls
+    with torch.no_grad():
+        strided = torch.randn(d, M, device="cuda", dtype=torch.bfloat16).t()
+        assert torch.equal(block(strided, **extras), _interpretive(block, strided.contiguous(), extras))
+        with pytest.raises(GroupSizesError):
+            block(x, group_sizes=extras["group_sizes"][:-1], scale=extras["scale"])
+        block(x, group_sizes=extras["group_sizes"].long(), scale=extras["scale"])   # int64 sizes: another prologue
+    y = block(x, **extras)                                                           # recording for autograd
+    assert y.requires_grad and replay.calls == calls
+
+
+def test_a_plan_with_torch_steps_is_not_replayed():
+    """A dense block's second GEMM is torch's (F.linear): the call is not replayable, and says so once."""
+    torch.manual_seed(0)
+    block = fusion.Sequential(Linear(256, 512), SwiGLU(), Linear(256, 256)).to("cuda", torch.bfloat16)
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        a = block(x)
+        b = block(x)
+    assert runner_for(block, x).replays.get(300) is False
+    assert torch.equal(a, b)
+
+
+def test_replayed_training_forwards_give_the_interpretive_gradients():
+    """The autograd node's forward replayed: the same output, and a backward over its saved values and bounds buffer
+    gives the interpretive call's gradients bit for bit (x, both weights, the router scale)."""
+    E, d, f, M = 8, 256, 256, 1000
+    block = _block(E, d, f)
+    x, extras = _inputs(E, M, d)
+    dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+
+    def step(enabled: bool):
+        R.ENABLED = enabled
+        try:
+            block.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            scale = extras["scale"].clone().requires_grad_()
+            y = block(xi, group_sizes=extras["group_sizes"], scale=scale)
+            y.backward(dy)
+            return [y.detach(), xi.grad, scale.grad] + [p.grad for p in block.parameters()]
+        finally:
+            R.ENABLED = True
+
+    step(True)                                         # interpretive; keeps its launches
+    replay = runner_for(block, x).train_replays.get(M)
+    assert isinstance(replay, R.ForwardReplay) and replay.calls == 0
+    replayed = step(True)
+    assert replay.calls == 1
+    interpreted = step(False)
+    assert replay.calls == 1
+    for a, b in zip(replayed, interpreted):
+        assert torch.equal(a, b)
