@@ -1,6 +1,7 @@
-"""The floor of a fused forward's host time on this machine: the block's no-grad forward as the runtime runs it,
-against the very launches it makes (the bounds prologue, F1, F2) replayed with every argument pre-bound, with and
-without allocating their outputs. What a launch path with pre-bound arguments could reach at best.
+"""The floor of a fused forward's host time on this machine: the block's no-grad forward as the runtime runs it
+(replayed, fusion/runtime/replay.py; and interpretive, the replay off), against the very launches it makes (the
+bounds prologue, F1, F2) replayed with every argument pre-bound, with and without allocating their outputs. What a
+launch path with pre-bound arguments could reach at best.
 
     python bench/probes/host_floor.py [--model small-batch] [--calls 100]
 
@@ -65,7 +66,7 @@ def main(argv=None):
     ap.add_argument("--model", default="small-batch")
     ap.add_argument("--calls", type=int, default=100)
     args = ap.parse_args(argv)
-    from fusion.runtime import runner_for
+    from fusion.runtime import replay, runner_for
 
     block = next(b for b in BLOCKS if b.model == args.model)
     s = setup_block(block)
@@ -92,6 +93,7 @@ def main(argv=None):
 
         c.launch = spy
     forget_bindings(program)   # the bound launches hold the raw function: bind again, through the spies
+    replay.ENABLED = False     # the interpretive path, whose launches go through the spies (a replay's do not)
     forward()
     torch.cuda.synchronize()
     for c, raw in originals:   # back to the raw functions
@@ -100,7 +102,7 @@ def main(argv=None):
     print(f"{args.model}: {len(record)} launches per no-grad forward ({torch.cuda.get_device_name()})")
     outputs = forward()   # the recorded pointers stay valid while the caching allocator holds them
 
-    def replay():
+    def replay_record():
         for fn, a in record:
             fn(*a)
 
@@ -134,11 +136,15 @@ def main(argv=None):
 
     w = s.seq[0].weight.detach()
     offs = s.offsets
+    interpretive = {"forward, interpretive (replay off)": per_call(forward, args.calls),
+                    "forward recording for autograd, interpretive": per_call(forward_grad, args.calls)}
+    replay.ENABLED = True
     rows_out = {
-        "forward (the runtime)": per_call(forward, args.calls),
-        "forward recording for autograd (the runtime)": per_call(forward_grad, args.calls),
+        "forward (the runtime: replayed)": per_call(forward, args.calls),
+        "forward recording for autograd (replayed)": per_call(forward_grad, args.calls),
+        **interpretive,
         "the replay with allocations in an autograd.Function": per_call(lambda: Replayed.apply(xg), args.calls),
-        f"replay of its {len(record)} launches, pre-bound": per_call(replay, args.calls),
+        f"replay of its {len(record)} launches, pre-bound": per_call(replay_record, args.calls),
         "the same plus its three torch.empty": per_call(replay_alloc, args.calls),
         "torch.empty (rows, d) bf16": per_call(lambda: torch.empty(rows, d, dtype=x.dtype, device=dev), args.calls),
         "torch._C._cuda_getCurrentRawStream": per_call(lambda: torch._C._cuda_getCurrentRawStream(0), args.calls),

@@ -123,7 +123,7 @@ class BlockRunner:
             for op in self.seq.ops:
                 x = op.reference(x, ctx)
             return x
-        if replay is None and self.replays is not None and not torch.is_grad_enabled():
+        if replay is None and self.replays is not None and not torch.is_grad_enabled() and replay_module.ENABLED:
             # the first no-grad call at these rows: run it, and keep its launches (False: it cannot be replayed)
             state = self.program.run_forward(x, ctx, train=False)
             self.replays.keep(x.shape[0], replay_module.build(self, x, ctx, state) or False)
@@ -140,7 +140,7 @@ class BlockRunner:
             if made is not None:
                 return made
         state = self.program.run_forward(x, ctx, train=True)
-        if replay is None and replays is not None:
+        if replay is None and replays is not None and replay_module.ENABLED:
             replays.keep(x.shape[0], replay_module.build(self, x, ctx, state, train=True) or False)
         env = state.env
         return env[self.output], [env.get(name) for name in self.plan.saves]

@@ -23,7 +23,7 @@ Two kinds, one per forward mode (`train`):
 
 Any guard that fails returns None and the interpretive path runs (and raises its error where the call is wrong).
 A plan with a step the replay cannot repeat (torch's GEMM, a quantized output, a gather, FP8 operands, an op's
-reference) is never replayed. `ENABLED = False` turns replays off (bench/ab_switch.py's A/B).
+reference) is never replayed. `ENABLED = False` turns replays off, and builds none (bench/ab_switch.py's A/B).
 """
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ def build(runner, x: torch.Tensor, ctx, state, train: bool = False) -> ForwardRe
     launch (steps' `replay_launch`)."""
     program = runner.program
     prologue = program.prologue
-    if (not ENABLED or type(prologue) is not DevicePrologue or x.shape[0] == 0 or POISON["on"]
+    if (type(prologue) is not DevicePrologue or x.shape[0] == 0 or POISON["on"]
             or ctx.counters is None or ctx.index is not None or (prologue.grouped and not runner.device_checked)):
         return None
     launches, made = [], {v(0)}
