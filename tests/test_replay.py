@@ -112,7 +112,7 @@ def test_the_replay_launches_the_chain_through_its_scratch(made):
 def test_weights_are_read_at_each_call(made):
     replay, x, extra, (w1, w2), log = made
     w1_new = torch.randn_like(w1)
-    replay.steps[0][2]["weight"] = w1_new     # the op's parameter table: a parameter replaced
+    replay.steps[0].params["weight"] = w1_new     # the op's parameter table: a parameter replaced
     replay(x, extra)
     assert log[1][1][1] == w1_new.data_ptr()
 
@@ -123,7 +123,7 @@ def test_weights_are_read_at_each_call(made):
 def test_a_changed_call_goes_back_to_the_interpretive_path(made, monkeypatch, change):
     replay, x, extra, (w1, w2), log = made
     extra = dict(extra)
-    params = replay.steps[0][2]
+    params = replay.steps[0].params
     if change == "rows":
         x = torch.randn(ROWS + 1, D, dtype=BF16)
     elif change == "strided x":
@@ -173,3 +173,59 @@ def test_build_refuses_what_it_cannot_replay(made):
     step = SimpleNamespace(replay_launch=lambda state, train: None)   # e.g. torch's grouped GEMM ran this step
     runner = SimpleNamespace(program=SimpleNamespace(prologue=prologue, forward_steps=[step]), device_checked=True)
     assert R.build(runner, x, ctx, None) is None
+
+
+def test_an_moe_block_replays_its_routed_prologue_gather_and_combine(monkeypatch):
+    """Gather -> GroupLinear + Scale (the kernel loads x's rows through the gather index) -> Combine: the routed
+    prologue gets (sizes, index, bounds, gather index, M, T); FC1 reads its index from the scratch the prologue
+    wrote; the Combine sums FC1's routed rows into the output by the call's token layout. Training: ctx gets the
+    gather index, the absorbed sizes after the bounds and the token layout, as the interpretive call sets them."""
+    from fusion.runtime.combine import CombineLaunch
+
+    monkeypatch.setattr(R, "_raw_stream", lambda index: 77)
+    T, K, M = 16, 2, 40
+    log = []
+    w1 = torch.randn(G, F, D, dtype=BF16)
+    fc1 = SimpleNamespace(_parameters={"weight": w1})
+    plan = SimpleNamespace(ops=[None, fc1, None, None], saves=("v0",))
+    program = SimpleNamespace(plan=plan, counters=COUNTERS)
+    runner = SimpleNamespace(program=program, params=[w1], device_checked=True, seq=SimpleNamespace(
+        inputs=SimpleNamespace(names=frozenset({"index", "group_sizes", "scale"}))))
+    x = torch.randn(T, D, dtype=BF16)
+    index = torch.cat([torch.arange(T).repeat(K), torch.full((M - T * K,), -1)])
+    sizes = torch.tensor([10, 10, 6, 6], dtype=torch.int64)   # 32 rows, 8 padding rows absorbed by the prologue
+    probs = torch.rand(M, dtype=BF16)
+    ctx = RunContext(group_sizes=sizes, routed_group_sizes=sizes, extra={"scale": probs}, index=index, tokens=T,
+                     counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32), groups=G)
+    fc1_launch = S.BoundLaunch(Bound(log, "F1", ("out", "scale"), M=M), SimpleNamespace(step="F1"), "v0", "v3", F,
+                               fc1, (("out", None), ("extra", "scale")), 0, index=True)
+    combine = CombineLaunch(lambda *args: log.append(("combine", args)), "v3", "v4", F, M, T)
+    for train in (False, True):
+        log.clear()
+        replay = R.ForwardReplay(runner, x, ctx, [fc1_launch, combine], Prologue(log), train)
+        if train:
+            call = RunContext(group_sizes=sizes, routed_group_sizes=sizes, extra={"scale": probs}, index=index,
+                              tokens=T)
+            y, saved = replay.train(x, call)
+            assert saved == [x]
+            gather = call.derived["gather_index"]
+            assert gather.shape == (M,) and gather.dtype == torch.int32
+            assert call.counters.shape == (G + 1 + COUNTERS,) and call.group_sizes.shape == (G,)
+            assert call.group_sizes.data_ptr() == call.counters.data_ptr() + 4 * (G + 1 + COUNTERS)
+            assert call.derived["token_layout"] is not None
+            bounds, gather_ptr = call.counters.data_ptr(), gather.data_ptr()
+        else:
+            y = replay(x, {"index": index, "group_sizes": sizes, "scale": probs})
+        assert y.shape == (T, F)
+        (_, pro), (_, f1), (_, comb) = log
+        sizes_ptr, index_ptr, bounds_ptr, gather_at, rows, tokens, counters, stream = pro
+        assert (sizes_ptr, index_ptr, rows, tokens, counters) == (sizes.data_ptr(), index.data_ptr(), M, T, COUNTERS)
+        if train:
+            assert (bounds_ptr, gather_at) == (bounds, gather_ptr)
+        else:   # the scratch: the bounds and absorbed sizes, then the gather index, then FC1's rows
+            assert gather_at == bounds_ptr + R._aligned(4 * (G + 1 + COUNTERS + G))
+        a, b, f1_bounds, counter, f1_index, ptrs, f1_m, f1_t, *_ = f1
+        assert (a, b, f1_bounds, f1_index, f1_m) == (x.data_ptr(), w1.data_ptr(), bounds_ptr, gather_at, M)
+        y_rows, layout_rows, layout_offsets, out, comb_m, comb_t, _ = comb
+        assert (y_rows, out, comb_m, comb_t) == (ptrs[0], y.data_ptr(), M, T)
+        assert replay(x, {"index": index[:-1], "group_sizes": sizes, "scale": probs[:-1]}) is None   # another M

@@ -142,3 +142,57 @@ def test_replayed_training_forwards_give_the_interpretive_gradients():
     assert replay.calls == 1
     for a, b in zip(replayed, interpreted):
         assert torch.equal(a, b)
+
+
+def _moe(round_to):
+    from fusion import Combine, Gather, MoE
+
+    T, D, F, E, K = 512, 256, 128, 16, 4
+    torch.manual_seed(0)
+    experts = fusion.Sequential(Gather(), GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D), Combine())
+    moe = MoE(D, E, k=K, experts=experts, round_to=round_to).to("cuda", torch.bfloat16)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+    return moe, T, D
+
+
+@pytest.mark.parametrize("round_to", [None, 128])
+def test_an_moe_layer_replays_its_experts_block(round_to):
+    """The experts block (Gather -> FC1 -> SwiGLU -> Scale -> FC2 -> Combine) replayed: the routed prologue, FC1
+    loading x's rows through the gather index it wrote, FC2, the Combine by the call's token layout. New tokens (new
+    routing: sizes, index, layout) at each call; no grad and training, bit for bit the interpretive calls."""
+    moe, T, D = _moe(round_to)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        moe(x)
+    moe.zero_grad(set_to_none=True)
+    moe(x).float().square().sum().backward()                 # a training call: keeps its launches too
+    replays = runner_for(moe.experts, x).replays
+    train_replays = runner_for(moe.experts, x).train_replays
+    replay, train = replays.get(T), train_replays.get(T)
+    assert isinstance(replay, R.ForwardReplay) and replay.routed
+    assert isinstance(train, R.ForwardReplay) and train.routed
+
+    def step(enabled):
+        R.ENABLED = enabled
+        try:
+            moe.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            y = moe(xi)
+            y.float().square().sum().backward()
+            return [y.detach(), xi.grad] + [p.grad for p in moe.parameters()]
+        finally:
+            R.ENABLED = True
+
+    for seed in range(1, 4):
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed))
+        calls = replay.calls
+        with torch.no_grad():
+            y = moe(x)
+        assert replay.calls == calls + 1
+        assert torch.equal(y, _interpretive(moe, x, {}))
+        calls = train.calls
+        replayed = step(True)
+        assert train.calls == calls + 1
+        for a, b in zip(replayed, step(False)):
+            assert (a is None and b is None) or torch.equal(a, b)

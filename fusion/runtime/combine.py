@@ -10,6 +10,8 @@ order, so the two agree bit for bit; the kernel reads each routed row once inste
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from fusion.ops.routing import call_layout, combine_rows
@@ -38,3 +40,26 @@ def run(op, y: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         kernel.launch(y.data_ptr(), rows.data_ptr(), offsets.data_ptr(), out.data_ptr(), M, ctx.tokens,
                       torch._C._cuda_getCurrentRawStream(y.device.index))
     return out
+
+
+class CombineLaunch(NamedTuple):
+    """The Combine's launch as a call made it, for the forward's replay (fusion/runtime/replay.py): the compiled
+    kernel, the value it reads (M routed rows of `width` columns) and the value it writes (T token rows)."""
+
+    launch: object
+    input: str
+    output: str
+    width: int
+    M: int
+    T: int
+
+
+def replay_launch(op, y: torch.Tensor, ctx: RunContext, input: str, output: str) -> CombineLaunch | None:
+    """What :func:`run` launched for rows `y` (the kernel, compiled once per dtype and width), or None where it
+    launched nothing (no tokens)."""
+    if not takes(op, y) or not ctx.tokens:
+        return None
+    from fusion.kernels.combine import compile_combine
+
+    M, d = y.shape
+    return CombineLaunch(compile_combine(str(y.dtype).removeprefix("torch."), d), input, output, d, M, ctx.tokens)

@@ -2,28 +2,29 @@
 
 The interpretive forward (fusion/runtime/program.py) walks the plan on every call: it looks up each step's kernel,
 allocates each output, binds each launch's pointers through dictionaries of named values. On an H200 machine that
-was 68-72 µs of host time for the small block's no-grad forward, whose three launches and three allocations alone
-cost 22 (bench/probes/host_floor.py), and about twice that recording for autograd.
+was 64-72 µs of host time for the small block's no-grad forward, whose three launches and three allocations alone
+cost 22 (bench/probes/host_floor.py), and about 90 recording for autograd.
 
 After an interpretive call at some rows, the block keeps that call's launches here, each bound at the call's shape by
-the code that ran it (`replay_launch` of fusion/runtime/steps.py: the step's kernels.api.BoundGemm and where each of
-its pointers comes from). A later call at the same rows runs the guards below, then makes exactly what the
-interpretive call made, in the same order on the same stream: the bounds prologue (the group sizes checked on the
-device, the row bounds and zeroed tile counters written), then each step's kernel.
+the code that ran it (`replay_launch` of fusion/runtime/steps.py: a step's kernels.api.BoundGemm, or a Combine's
+kernel, and where each of its pointers comes from). A later call at the same rows runs the guards below, then makes
+exactly what the interpretive call made, in the same order on the same stream: the bounds prologue (the group sizes
+checked on the device, the row bounds and zeroed tile counters written; after a Gather the routing index checked
+and the gathering kernels' int32 index written too), then each step's kernel.
 
 Two kinds, one per forward mode (`train`):
   * no grad (`BlockRunner.__call__` under torch.no_grad / inference_mode): two allocations, the output and one
-    scratch buffer holding the call's bounds buffer and every intermediate value (the caller sees none of them).
-    It runs before the input checks: its guards are those checks, as comparisons against the shapes, dtypes and
-    devices it was built at.
-  * training (the autograd node's forward, after the input checks made the call's context): the bounds buffer and
-    each value the plan saves are tensors of their own (the backward reads them; an intermediate it does not read
-    stays in a scratch buffer that is freed with the forward), and the call's context gets its bounds buffer as
+    scratch buffer holding the call's bounds buffer, its gather index and every intermediate value (the caller sees
+    none of them). It runs before the input checks: its guards are those checks, as comparisons against the shapes,
+    dtypes and devices it was built at.
+  * training (the autograd node's forward, after the input checks made the call's context): the bounds buffer, the
+    gather index and each value the plan saves are tensors of their own (the backward reads them; an intermediate
+    it does not read stays in a scratch buffer that is freed with the forward), and the call's context gets them as
     program.forward would set it.
 
 Any guard that fails returns None and the interpretive path runs (and raises its error where the call is wrong).
-A plan with a step the replay cannot repeat (torch's GEMM, a quantized output, a gather, FP8 operands, an op's
-reference) is never replayed. `ENABLED = False` turns replays off, and builds none (bench/ab_switch.py's A/B).
+A plan with a step the replay cannot repeat (torch's GEMM, an op's reference, a quantized output, a wide GEMM's
+gather copy, FP8 operands) is never replayed. `ENABLED = False` turns replays off and builds none (the A/B switch).
 """
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ import torch
 
 from fusion.dataflow import v
 from fusion.kernels import tile_policy
+from fusion.ops.routing import layout_of
+from fusion.runtime import bounds as bounds_module
 from fusion.runtime import lone_gemm
-from fusion.runtime.bounds import DevicePrologue
+from fusion.runtime.bounds import DevicePrologue, RoutedPrologue
 from fusion.runtime.kernel import LAUNCHES
-from fusion.runtime.steps import POISON
+from fusion.runtime.steps import POISON, BoundLaunch
 
-#: Read per call: False runs every call through the interpretive forward (the replay's A/B switch).
+#: Read per call: False runs every call through the interpretive forward, and builds no replay (the A/B switch).
 ENABLED = True
 
 #: Each value in a scratch buffer starts at a multiple of this (TMA needs 16 bytes; 256 keeps rows' sectors whole)
@@ -44,25 +47,66 @@ ALIGN = 256
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-# where a launch's pointers come from, per call: x, the block output, the scratch buffer, the bounds buffer, then
-# the extra inputs (in ForwardReplay.extras order), then the saved tensors (training: in ForwardReplay.saved order)
-X, OUT, SCRATCH, BOUNDS, EXTRAS = 0, 1, 2, 3, 4
+# where a launch's pointers come from, per call: x, the block output, the scratch buffer, the bounds buffer, the
+# gather index, then the extra inputs (in ForwardReplay.extras order), then the saved tensors (training)
+X, OUT, SCRATCH, BOUNDS, INDEX, EXTRAS = 0, 1, 2, 3, 4, 5
 
 
 def _switches() -> tuple:
-    """The module switches a lone GEMM's rule reads per call (lone_gemm._takes): a replay holds for these only."""
+    """The module switches read per call that the replayed launches depend on: the lone GEMM's rule
+    (lone_gemm._takes) and the routed prologue's sizes (bounds.SIZES_FROM_KERNEL). A replay holds for these only."""
     return (lone_gemm.ENABLED, lone_gemm.WIDE_TILE, lone_gemm.OUTPUT_BUDGET, tile_policy.DYNAMIC_PAIRS,
-            tile_policy.DYNAMIC_PAIRS_MAX_GROUPS)
+            tile_policy.DYNAMIC_PAIRS_MAX_GROUPS, bounds_module.SIZES_FROM_KERNEL)
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+class _Gemm:
+    """A grouped GEMM's bound launch: A from `a`, B the op's weight (read at each call), the epilogue's tensors from
+    `outs`, its tile counter at `counter` bytes into the bounds buffer, the index from `index` (the gather index, or
+    the bounds buffer where the kernel reads none)."""
+
+    __slots__ = ("launch", "a", "params", "weight_shape", "outs", "counter", "index", "M", "T", "ctas")
+
+    def __init__(self, launch: BoundLaunch, a, outs, counter: int):
+        b = launch.bound
+        self.launch, self.a, self.outs, self.counter = b.launch, a, outs, counter
+        self.params = launch.op._parameters
+        self.weight_shape = tuple(self.params["weight"].shape)
+        self.index = INDEX if launch.index else BOUNDS
+        self.M, self.T, self.ctas = b.M, b.T, b.num_ctas
+
+    def __call__(self, ptr: list, w_ptr: int, bounds: int, stream: int, extras: list, ctx) -> None:
+        a, outs = self.a, self.outs
+        self.launch(ptr[a[0]] + a[1], w_ptr, bounds, bounds + self.counter, ptr[self.index],
+                    tuple(ptr[s] + o for s, o in outs), self.M, self.T, self.ctas, stream)
+
+
+class _Combine:
+    """The MoE Combine's kernel (fusion/runtime/combine.py): the routed rows at `y` summed per token into `out`, by
+    the token layout of the call's routing index (made per call: route() records it with the index it makes)."""
+
+    __slots__ = ("launch", "y", "out", "M", "T", "index_extra")
+
+    def __init__(self, launch, y, out, index_extra: int):
+        self.launch, self.y, self.out, self.M, self.T = launch.launch, y, out, launch.M, launch.T
+        self.index_extra = index_extra
+
+    def __call__(self, ptr: list, w_ptr, bounds: int, stream: int, extras: list, ctx) -> None:
+        rows, offsets = layout_of(extras[self.index_extra], self.T)
+        if ctx is not None:
+            ctx.derived["token_layout"] = (rows, offsets)   # the backward's Gather reads it (routing.call_layout)
+        self.launch(ptr[self.y[0]] + self.y[1], rows.data_ptr(), offsets.data_ptr(), ptr[self.out[0]] + self.out[1],
+                    self.M, self.T, stream)
+
+
 class ForwardReplay:
-    """One block's forward at one call shape (rows, and the extra inputs' dtypes) in one mode, made by :func:`build`.
-    No grad: `replay(x, extra)` returns the block output; training: `replay.train(x, ctx)` returns (output, saved
-    values in plan.saves order) and sets ctx's bounds buffer. Either returns None where a guard fails."""
+    """One block's forward at one call shape (rows, and the extra inputs' dtypes and shapes) in one mode, made by
+    :func:`build`. No grad: `replay(x, extra)` returns the block output; training: `replay.train(x, ctx)` returns
+    (output, saved values in plan.saves order) and sets ctx's bounds buffer (and after a Gather its gather index and
+    absorbed group sizes). Either returns None where a guard fails."""
 
     def __init__(self, runner, x: torch.Tensor, ctx, launches: list, prologue, train: bool):
         program = runner.program
@@ -70,64 +114,82 @@ class ForwardReplay:
         self.train_mode = train
         self.dtype, self.device, self.index = x.dtype, x.device, x.get_device()
         self.x_shape = tuple(x.shape)
-        self.rows = x.shape[0]
         self.names = runner.seq.inputs.names
+        self.routed = ctx.index is not None
+        self.tokens = x.shape[0]
+        self.rows = ctx.index.numel() if self.routed else x.shape[0]   # the routed rows M
         # the extra inputs as the interpretive call's checks took them: (name, dtype, shape)
         self.extras = tuple((name, t.dtype, tuple(t.shape)) for name, t in
-                            (("group_sizes", ctx.routed_group_sizes), *ctx.extra.items()) if t is not None)
+                            (("index", ctx.index), ("group_sizes", ctx.routed_group_sizes), *ctx.extra.items())
+                            if t is not None)
+        extra_slot = {name: EXTRAS + k for k, (name, _, _) in enumerate(self.extras)}
         self.sizes_dtype = None if ctx.routed_group_sizes is None else ctx.routed_group_sizes.dtype
         self.prologue = prologue
         self.counters = program.counters
         self.groups = ctx.groups
-        self.bounds_numel = ctx.counters.numel()   # G + 1 bounds, then the tile counters (int32)
-        extra_slot = {name: EXTRAS + k for k, (name, _, _) in enumerate(self.extras)}
+        self.head = ctx.counters.numel()   # G + 1 bounds, then the tile counters (int32)
+        # the routed prologue also writes the absorbed group sizes after the head
+        self.bounds_numel = self.head + (self.groups if self.routed else 0)
         last = v(len(program.plan.ops))
         kept = set(program.plan.saves) if train else set()
         where = {v(0): (X, 0)}
-        offset = 0 if train else _aligned(4 * self.bounds_numel)   # no grad: the bounds buffer heads the scratch
         esize = x.element_size()
-        self.saved_shapes = []     # (rows, width) of each saved tensor, in source order after the extras
+        offset = 0
+        if not train:   # no grad: the bounds buffer and the gather index head the scratch buffer
+            offset = _aligned(4 * self.bounds_numel)
+            self.index_offset = offset
+            offset += _aligned(4 * self.rows) if self.routed else 0
+        self.saved_shapes = []     # (name, (rows, width)) of each saved tensor, in source order after the extras
         steps = []
+
+        def place(name: str, rows: int, width: int):
+            if name == last:
+                self.out_shape = (rows, width)
+                where[name] = (OUT, 0)
+            elif name in kept:
+                where[name] = (EXTRAS + len(self.extras) + len(self.saved_shapes), 0)
+                self.saved_shapes.append((name, (rows, width)))
+            else:
+                nonlocal offset
+                where[name] = (SCRATCH, offset)
+                offset += _aligned(rows * width * esize)
+            return where[name]
+
         for launch in launches:
-            made = {"out": (launch.output, launch.width)}
-            if launch.saved is not None:
-                made["saved"] = (launch.saved, launch.saved_width)
-            sources = {}
-            for kind, (name, width) in made.items():
-                if name == last:
-                    sources[kind] = (OUT, 0)
-                    self.width = width
-                elif name in kept:
-                    sources[kind] = (EXTRAS + len(self.extras) + len(self.saved_shapes), 0)
-                    self.saved_shapes.append((name, (self.rows, width)))
-                else:
-                    sources[kind] = (SCRATCH, offset)
-                    offset += _aligned(self.rows * width * esize)
-                where[name] = sources[kind]
-            ptrs = tuple(sources[kind] if kind in sources else (extra_slot[name], 0) for kind, name in launch.tensors)
-            b = launch.bound
-            weight = launch.op._parameters["weight"]
-            steps.append((b.launch, where[launch.input], launch.op._parameters, tuple(weight.shape), ptrs,
-                          4 * (ctx.groups + 1 + launch.slot), b.M, b.T, b.num_ctas))
+            a = where[launch.input]
+            if isinstance(launch, BoundLaunch):
+                made = {"out": place(launch.output, launch.bound.M, launch.width)}
+                if launch.saved is not None:
+                    made["saved"] = place(launch.saved, launch.bound.M, launch.saved_width)
+                outs = tuple(made[kind] if kind in made else (extra_slot[name], 0) for kind, name in launch.tensors)
+                steps.append(_Gemm(launch, a, outs, 4 * (ctx.groups + 1 + launch.slot)))
+            else:   # a Combine
+                steps.append(_Combine(launch, a, place(launch.output, launch.T, launch.width),
+                                      extra_slot["index"] - EXTRAS))
         self.scratch_bytes = offset
         self.steps = tuple(steps)
+        self.gemms = tuple(s for s in steps if isinstance(s, _Gemm))
         saved_index = {name: k for k, (name, _) in enumerate(self.saved_shapes)}
         # plan.saves in order: ("x",), ("saved", k), or None (a value the backward recomputes)
         self.saves = tuple(("x",) if name == v(0) else ("saved", saved_index[name]) if name in saved_index else None
                            for name in program.plan.saves) if train else ()
-        self.jobs = tuple(launch.job for launch in launches if launch.job is not None)
+        self.jobs = tuple(launch.job for launch in launches if getattr(launch, "job", None) is not None)
         self.switches = _switches()
         self.calls = 0   # replayed calls (tests assert that the replay ran)
 
     def _weights(self) -> list | None:
-        """Each step's weight pointer, or None where a weight is not as the replay was built (shape, layout)."""
+        """Each GEMM's weight pointer, by step (None for a Combine), or None where a weight is not as the replay was
+        built (shape, layout)."""
         weights = []
         for step in self.steps:
-            w = step[2]["weight"]
-            w_ptr = w.data_ptr()
-            if w.shape != step[3] or w_ptr & 15 or not w.is_contiguous():
-                return None
-            weights.append(w_ptr)
+            if type(step) is _Gemm:
+                w = step.params["weight"]
+                w_ptr = w.data_ptr()
+                if w.shape != step.weight_shape or w_ptr & 15 or not w.is_contiguous():
+                    return None
+                weights.append(w_ptr)
+            else:
+                weights.append(None)
         return weights
 
     def _x_differs(self, x) -> bool:
@@ -135,12 +197,17 @@ class ForwardReplay:
                 or x.get_device() != self.index or not x.is_contiguous() or x.data_ptr() & 15 or POISON["on"]
                 or _switches() != self.switches)
 
-    def _launch(self, ptr: list, base: int, bounds: int, weights: list, sizes_ptr: int | None) -> None:
+    def _launch(self, ptr: list, weights: list, extras: list, ctx) -> None:
         stream = _raw_stream(self.index)
-        self.prologue.launch(bounds if sizes_ptr is None else sizes_ptr, bounds, self.rows, self.counters, stream)
-        for (launch, a, _, _, outs, counter, M, T, ctas), w_ptr in zip(self.steps, weights):
-            launch(ptr[a[0]] + a[1], w_ptr, bounds, bounds + counter, bounds, tuple(ptr[s] + o for s, o in outs),
-                   M, T, ctas, stream)
+        bounds = ptr[BOUNDS]
+        if self.routed:   # (index, sizes) lead the extras
+            self.prologue.launch(ptr[EXTRAS + 1], ptr[EXTRAS], bounds, ptr[INDEX], self.rows, self.tokens,
+                                 self.counters, stream)
+        else:
+            self.prologue.launch(bounds if self.sizes_dtype is None else ptr[EXTRAS], bounds, self.rows,
+                                 self.counters, stream)
+        for step, w_ptr in zip(self.steps, weights):
+            step(ptr, w_ptr, bounds, stream, extras, ctx)
         for job in self.jobs:
             LAUNCHES.count(job)
         self.calls += 1
@@ -153,51 +220,61 @@ class ForwardReplay:
         for p in self.params:
             if p.dtype is not self.dtype or p.get_device() != index:
                 return None
-        ptr = [x.data_ptr(), 0, 0, 0]
+        ptr = [x.data_ptr(), 0, 0, 0, 0]
+        tensors = []
         for name, dtype, shape in self.extras:
             t = extra[name]
             if (not isinstance(t, torch.Tensor) or t.dtype is not dtype or t.shape != shape
                     or t.get_device() != index or not t.is_contiguous()):
                 return None
             ptr.append(t.data_ptr())
+            tensors.append(t)
         weights = self._weights()
         if weights is None:
             return None
         device = self.device
         scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device)
-        y = torch.empty(self.rows, self.width, dtype=self.dtype, device=device)
+        y = torch.empty(self.out_shape, dtype=self.dtype, device=device)
         base = scratch.data_ptr()
         ptr[OUT], ptr[SCRATCH], ptr[BOUNDS] = y.data_ptr(), base, base
-        self._launch(ptr, base, base, weights, ptr[EXTRAS] if self.sizes_dtype is not None else None)
+        if self.routed:
+            ptr[INDEX] = base + self.index_offset
+        self._launch(ptr, weights, tensors, None)
         return y
 
     def train(self, x: torch.Tensor, ctx):
         """The training forward over a checked call's context (BlockInputs.context made it), as program.forward:
-        (block output, saved values in plan.saves order), ctx's bounds buffer set; or None."""
+        (block output, saved values in plan.saves order), ctx's bounds buffer (and gather index, absorbed sizes)
+        set; or None."""
         sizes = ctx.routed_group_sizes
         if self._x_differs(x) or (None if sizes is None else sizes.dtype) is not self.sizes_dtype:
             return None
-        ptr = [x.data_ptr(), 0, 0, 0]
-        if sizes is not None:
-            ptr.append(sizes.data_ptr())
+        tensors = [t for t in (ctx.index, sizes) if t is not None]
+        if self.routed and (ctx.index.shape != self.extras[0][2] or ctx.index.dtype is not self.extras[0][1]
+                            or not ctx.index.is_contiguous()):
+            return None
         for t in ctx.extra.values():
             if not t.is_contiguous():
                 return None
-            ptr.append(t.data_ptr())
+            tensors.append(t)
         weights = self._weights()
         if weights is None:
             return None
         device, dtype = self.device, self.dtype
         buffer = torch.empty(self.bounds_numel, dtype=torch.int32, device=device)
+        index32 = torch.empty(self.rows, dtype=torch.int32, device=device) if self.routed else None
         scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device) if self.scratch_bytes else None
-        y = torch.empty(self.rows, self.width, dtype=dtype, device=device)
+        y = torch.empty(self.out_shape, dtype=dtype, device=device)
         saved = [torch.empty(shape, dtype=dtype, device=device) for _, shape in self.saved_shapes]
-        bounds = buffer.data_ptr()
-        ptr[OUT], ptr[BOUNDS] = y.data_ptr(), bounds
-        if scratch is not None:
-            ptr[SCRATCH] = scratch.data_ptr()
+        ptr = [x.data_ptr(), y.data_ptr(), 0 if scratch is None else scratch.data_ptr(), buffer.data_ptr(),
+               0 if index32 is None else index32.data_ptr()]
+        ptr.extend(t.data_ptr() for t in tensors)
         ptr.extend(t.data_ptr() for t in saved)
-        self._launch(ptr, ptr[SCRATCH], bounds, weights, ptr[EXTRAS] if sizes is not None else None)
+        self._launch(ptr, weights, tensors, ctx)
+        if self.routed:   # as RoutedPrologue sets them (fusion/runtime/bounds.py)
+            ctx.derived["gather_index"] = index32
+            ctx.group_sizes = buffer.narrow(0, self.head, self.groups)
+            buffer = buffer.narrow(0, 0, self.head)
         ctx.counters, ctx.groups, ctx.backward_counters_used = buffer, self.groups, False
         return y, [None if s is None else x if s[0] == "x" else saved[s[1]] for s in self.saves]
 
@@ -208,8 +285,11 @@ def build(runner, x: torch.Tensor, ctx, state, train: bool = False) -> ForwardRe
     launch (steps' `replay_launch`)."""
     program = runner.program
     prologue = program.prologue
-    if (type(prologue) is not DevicePrologue or x.shape[0] == 0 or POISON["on"]
-            or ctx.counters is None or ctx.index is not None or (prologue.grouped and not runner.device_checked)):
+    routed = type(prologue) is RoutedPrologue
+    if (type(prologue) not in (DevicePrologue, RoutedPrologue) or x.shape[0] == 0 or POISON["on"]
+            or ctx.counters is None or not runner.device_checked and (routed or prologue.grouped)
+            or routed != (ctx.index is not None) or routed and (ctx.index.numel() == 0
+                                                               or not bounds_module.SIZES_FROM_KERNEL)):
         return None
     launches, made = [], {v(0)}
     for step in program.forward_steps:
@@ -218,13 +298,16 @@ def build(runner, x: torch.Tensor, ctx, state, train: bool = False) -> ForwardRe
         if launch is None or launch.input not in made:
             return None
         launches.append(launch)
-        made.update((launch.output, launch.saved))
+        made.update((launch.output, getattr(launch, "saved", None)))
     last = v(len(program.plan.ops))
     if not launches or launches[-1].output != last:
         return None
     if train and any(name not in made and name in state.env for name in program.plan.saves):
         return None   # a saved value that no replayed step makes
-    compiled = prologue._compiled.get(ctx.routed_group_sizes.dtype if prologue.grouped else None)
+    if routed:
+        compiled = prologue._compiled.get((ctx.routed_group_sizes.dtype, ctx.index.dtype))
+    else:
+        compiled = prologue._compiled.get(ctx.routed_group_sizes.dtype if prologue.grouped else None)
     if compiled is None:
         return None
     return ForwardReplay(runner, x, ctx, launches, compiled, train)

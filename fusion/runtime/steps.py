@@ -83,6 +83,7 @@ class BoundLaunch(NamedTuple):
     slot: int              # its tile counter in the call's buffer
     saved: str | None = None   # a training kernel's second output ("saved"), `saved_width` columns
     saved_width: int = 0
+    index: bool = False        # the kernel loads A's rows through the call's gather index (an MoE FC1)
 
 
 def weight_of(op) -> torch.Tensor:
@@ -294,15 +295,18 @@ class FusedForward(_KernelStep):
 
     def replay_launch(self, state: RunState, train: bool) -> BoundLaunch | None:
         """This step's launch in the call `state` ran (in mode `train`), or None where a replay cannot repeat it: an
-        FP8 or a gathering kernel, a quantized output, a shared bias (its expanded copy is checked per call)."""
+        FP8 kernel, a wide GEMM's gather copy, a quantized output, a shared bias (its expanded copy is checked per
+        call)."""
         x = state.env.get(self.input)
         variant = "train" if train and self.writes_saved else "inference"
         kernel = None if type(x) is not torch.Tensor else self._kernels.get((x.dtype, variant))
         plain = self._plain[variant]
-        if kernel is None or self.fp8 or self.gathers or self._quant_format is not None or plain is None:
+        index = state.ctx.derived.get("gather_index") if self.reads_index else None
+        if (kernel is None or self.fp8 or self.copies_rows or self._quant_format is not None or plain is None
+                or self.reads_index and index is None):
             return None
         widths = dict(plain)
-        bound = getattr(kernel, "_bound", {}).get((x.shape[0], -1))
+        bound = getattr(kernel, "_bound", {}).get((x.shape[0], -1 if index is None else index.numel()))
         extras = {slot.kernel_name: slot.name for slot in self._in_slots if not isinstance(slot, slots.GroupBias)}
         if (bound is None or len(extras) != len(self._in_slots) or "out" not in widths
                 or not widths.keys() <= {"out", "saved"}):
@@ -312,7 +316,7 @@ class FusedForward(_KernelStep):
             return None
         saved = self.saved if "saved" in widths else None
         return BoundLaunch(bound, kernel.job, self.input, self.output, widths["out"], self.gemm, tensors, self.slot,
-                           saved, widths.get("saved", 0))
+                           saved, widths.get("saved", 0), self.reads_index)
 
 
 def _quantized(op, outs: dict, ctx: RunContext):
@@ -390,6 +394,16 @@ class OpForward(_DeviceMethodStep):
             state.env[self.output] = self.device.run(self.op, x, state.ctx, **self._counter(state))
             return
         state.env[self.output] = self.op.reference(x, state.ctx)
+
+    def replay_launch(self, state: RunState, train: bool):
+        """The device kernel's launch in the call `state` ran, where the device method can say what it launched (an
+        MoE Combine's: fusion/runtime/combine.py `replay_launch`), else None (the reference, or a method that
+        cannot)."""
+        x = state.env.get(self.input)
+        describe = getattr(self.device, "replay_launch", None)
+        if describe is None or type(x) is not torch.Tensor or not self.device.takes(self.op, x):
+            return None
+        return describe(self.op, x, state.ctx, self.input, self.output)
 
 
 class GemmForward(OpForward):
