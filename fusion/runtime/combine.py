@@ -44,7 +44,8 @@ def run(op, y: torch.Tensor, ctx: RunContext) -> torch.Tensor:
 
 class CombineLaunch(NamedTuple):
     """The Combine's launch as a call made it, for the forward's replay (fusion/runtime/replay.py): the compiled
-    kernel, the value it reads (M routed rows of `width` columns) and the value it writes (T token rows)."""
+    kernel's launch function (`launch(y_ptr, rows_ptr, offsets_ptr, out_ptr, M, T, stream)`), the value it reads
+    (M routed rows of `width` columns) and the value it writes (T token rows)."""
 
     launch: object
     input: str
@@ -62,4 +63,5 @@ def replay_launch(op, y: torch.Tensor, ctx: RunContext, input: str, output: str)
     from fusion.kernels.combine import compile_combine
 
     M, d = y.shape
-    return CombineLaunch(compile_combine(str(y.dtype).removeprefix("torch."), d), input, output, d, M, ctx.tokens)
+    kernel = compile_combine(str(y.dtype).removeprefix("torch."), d)
+    return CombineLaunch(kernel.launch, input, output, d, M, ctx.tokens)
