@@ -44,7 +44,7 @@ def instrument_program(program, prefix: str = "") -> None:
     for name, steps in (("F", program.forward_steps), ("B", program.backward_steps)):
         for n, runner in enumerate(steps, 1):
             runner.run = timed(f"{prefix}{name}{n} {type(runner).__name__}", runner.run)
-    program.forward = timed(f"{prefix}program.forward (all)", program.forward)
+    program.run_forward = timed(f"{prefix}program.forward (all)", program.run_forward)
     program.backward = timed(f"{prefix}program.backward (all)", program.backward)
     program._bounds = timed(f"{prefix}bounds", program._bounds)
 
@@ -143,7 +143,14 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--path", default="fusion", choices=["fusion", "fusion_compiled"],
                     help="--model's path: eager, or inside torch.compile (the custom ops)")
+    ap.add_argument("--no-replay", action="store_true",
+                    help="run every forward interpretively (fusion/runtime/replay.py off), so that its steps show; "
+                         "a replayed forward shows as one piece, outside the program")
     args = ap.parse_args(argv)
+    if args.no_replay:
+        from fusion.runtime import replay
+
+        replay.ENABLED = False
     if args.model:
         block_step(args.model, args.calls, args.path)
     if args.moe:
