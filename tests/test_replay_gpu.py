@@ -196,3 +196,17 @@ def test_an_moe_layer_replays_its_experts_block(round_to):
         assert train.calls == calls + 1
         for a, b in zip(replayed, step(False)):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_a_frozen_block_replays_with_grad_enabled():
+    """Nothing needs a gradient (frozen parameters, x without one): the call records nothing, so it is replayed
+    outside torch.no_grad too."""
+    E, d, f, M = 8, 256, 256, 512
+    block = _block(E, d, f).requires_grad_(False)
+    x, extras = _inputs(E, M, d)
+    block(x, **extras)
+    replay = runner_for(block, x).replays.get(M)
+    assert isinstance(replay, R.ForwardReplay)
+    y = block(x, **extras)
+    assert replay.calls == 1 and not y.requires_grad
+    assert torch.equal(y, _interpretive(block, x, extras))
