@@ -111,7 +111,6 @@ class ForwardReplay:
     def __init__(self, runner, x: torch.Tensor, ctx, launches: list, prologue, train: bool):
         program = runner.program
         self.params = runner.params
-        self.train_mode = train
         self.dtype, self.device, self.index = x.dtype, x.device, x.get_device()
         self.x_shape = tuple(x.shape)
         self.names = runner.seq.inputs.names
@@ -163,12 +162,11 @@ class ForwardReplay:
                     made["saved"] = place(launch.saved, launch.bound.M, launch.saved_width)
                 outs = tuple(made[kind] if kind in made else (extra_slot[name], 0) for kind, name in launch.tensors)
                 steps.append(_Gemm(launch, a, outs, 4 * (ctx.groups + 1 + launch.slot)))
-            else:   # a Combine
+            else:   # a CombineLaunch (fusion/runtime/combine.py)
                 steps.append(_Combine(launch, a, place(launch.output, launch.T, launch.width),
                                       extra_slot["index"] - EXTRAS))
         self.scratch_bytes = offset
         self.steps = tuple(steps)
-        self.gemms = tuple(s for s in steps if isinstance(s, _Gemm))
         saved_index = {name: k for k, (name, _) in enumerate(self.saved_shapes)}
         # plan.saves in order: ("x",), ("saved", k), or None (a value the backward recomputes)
         self.saves = tuple(("x",) if name == v(0) else ("saved", saved_index[name]) if name in saved_index else None
