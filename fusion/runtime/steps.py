@@ -68,8 +68,8 @@ class RunState:
 
 
 class BoundLaunch(NamedTuple):
-    """A forward step's launch as a no-grad call made it, bound at that call's shape: what the forward's replay
-    repeats (fusion/runtime/replay.py). `tensors`: the epilogue's tensors in pointer order, each ("out", None) for
+    """A forward step's launch as a call made it, bound at that call's shape: what the forward's replay repeats
+    (fusion/runtime/replay.py). `tensors`: the epilogue's tensors in pointer order, each ("out", None) for
     the step's output, ("saved", None) for the value a training kernel saves, or ("extra", name) for an extra input
     of the call."""
 
@@ -292,7 +292,6 @@ class FusedForward(_KernelStep):
         if "saved" in outs:
             env[self.saved] = outs["saved"]
 
-
     def replay_launch(self, state: RunState, train: bool) -> BoundLaunch | None:
         """This step's launch in the call `state` ran (in mode `train`), or None where a replay cannot repeat it: an
         FP8 kernel, a wide GEMM's gather copy, a quantized output, a shared bias (its expanded copy is checked per
@@ -441,7 +440,6 @@ class GemmForward(OpForward):
             else:
                 y = grouped_matmul(x, w, state.ctx.group_sizes, state.ctx.offsets, method)
         state.env[self.output] = y
-
 
     def replay_launch(self, state: RunState, train: bool) -> BoundLaunch | None:
         """The varlen-M kernel's launch in the call `state` ran (its device method's, bound at the call's rows,
