@@ -111,8 +111,8 @@ class BlockRunner:
 
     def __call__(self, x: torch.Tensor, extra: dict):
         replay = None
-        records = self.replays is None or self._records(x, extra)
-        if not records:
+        records = self.program is not None and self._records(x, extra)
+        if not records and self.replays is not None:
             replay = self.replays.get(x.shape[0])
             if replay:
                 y = replay(x, extra)
@@ -124,16 +124,17 @@ class BlockRunner:
             for op in self.seq.ops:
                 x = op.reference(x, ctx)
             return x
-        if replay is None and not records and replay_module.ENABLED:
+        if replay is None and not records and self.replays is not None and replay_module.ENABLED:
             # the first no-grad call at these rows: run it, and keep its launches (False: it cannot be replayed)
             state = self.program.run_forward(x, ctx, train=False)
             self.replays.keep(x.shape[0], replay_module.build(self, x, ctx, state) or False)
             return state.env[self.output]
-        return autograd.run_program(self, x, ctx)
+        return autograd.run_program(self, x, ctx, records)
 
     def _records(self, x: torch.Tensor, extra: dict) -> bool:
-        """Whether the call records for autograd (autograd._needs_grad, asked before the checks make a context):
-        under no_grad or inference_mode never; else where x, a parameter or a float input needs a gradient."""
+        """Whether the call records for autograd: under no_grad or inference_mode never; else where x, a parameter or
+        a float input needs a gradient (asked once per call, before the checks make a context; run_program takes
+        the answer)."""
         return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.params) or any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in extra.values()))
 

@@ -12,13 +12,6 @@ from fusion.errors import SecondBackwardError
 from fusion.quant import QuantizedTensor
 
 
-def _needs_grad(runner, x, ctx) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    return (x.requires_grad or any(p.requires_grad for p in runner.params)
-            or any(t.requires_grad for t in ctx.extra.values()))
-
-
 #: The node takes dY out of autograd's hands (_OutputGradient) so it is freed after its last reader. Read per call:
 #: bench/ab_switch.py's A/B (off: autograd keeps dY until the whole block backward returns).
 FREE_OUTPUT_GRAD = True
@@ -94,11 +87,12 @@ class _BlockFunction(torch.autograd.Function):
 _APPLY = super(torch.autograd.Function, _BlockFunction).apply
 
 
-def run_program(runner, x: torch.Tensor, ctx):
-    """The block's output, with autograd through the program when anything needs a gradient. (Eager only:
-    under torch.compile, Sequential.forward takes the custom ops of fusion/runtime/custom_ops.py instead.)"""
+def run_program(runner, x: torch.Tensor, ctx, records: bool):
+    """The block's output, with autograd through the program where the call `records` (anything needs a gradient:
+    BlockRunner._records). (Eager only: under torch.compile, Sequential.forward takes the custom ops of
+    fusion/runtime/custom_ops.py instead.)"""
     program = runner.program
-    if not _needs_grad(runner, x, ctx):
+    if not records:
         return program.forward(x, ctx, train=False)[0]
     apply = _BlockFunction.apply if torch._C._are_functorch_transforms_active() else _APPLY
     y = apply(runner, ctx, x, *runner.params, *ctx.extra.values())

@@ -111,7 +111,7 @@ class ForwardReplay:
     def __init__(self, runner, x: torch.Tensor, ctx, launches: list, prologue, train: bool):
         program = runner.program
         self.params = runner.params
-        self.dtype, self.device, self.index = x.dtype, x.device, x.get_device()
+        self.dtype, self.device, self.device_index = x.dtype, x.device, x.get_device()
         self.x_shape = tuple(x.shape)
         self.names = runner.seq.inputs.names
         self.routed = ctx.index is not None
@@ -192,11 +192,11 @@ class ForwardReplay:
 
     def _x_differs(self, x) -> bool:
         return (not ENABLED or type(x) is not torch.Tensor or x.shape != self.x_shape or x.dtype is not self.dtype
-                or x.get_device() != self.index or not x.is_contiguous() or x.data_ptr() & 15 or POISON["on"]
+                or x.get_device() != self.device_index or not x.is_contiguous() or x.data_ptr() & 15 or POISON["on"]
                 or _switches() != self.switches)
 
     def _launch(self, ptr: list, weights: list, extras: list, ctx) -> None:
-        stream = _raw_stream(self.index)
+        stream = _raw_stream(self.device_index)
         bounds = ptr[BOUNDS]
         if self.routed:   # (index, sizes) lead the extras
             self.prologue.launch(ptr[EXTRAS + 1], ptr[EXTRAS], bounds, ptr[INDEX], self.rows, self.tokens,
@@ -214,7 +214,7 @@ class ForwardReplay:
         """The no-grad forward, or None: the call differs from the one the replay was built at."""
         if self._x_differs(x) or extra.keys() != self.names:
             return None
-        index = self.index
+        index = self.device_index
         for p in self.params:
             if p.dtype is not self.dtype or p.get_device() != index:
                 return None
