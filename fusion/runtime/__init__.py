@@ -14,6 +14,7 @@ import torch
 from fusion.errors import DeviceError, DTypeError, ShapeError
 from fusion.patterns import registry  # (both loaded by `import fusion` already: imported here, not on every call)
 from fusion.runtime import autograd
+from fusion.runtime import backward_replay
 from fusion.runtime import replay as replay_module
 
 #: Run-time objects per block, outside the module so copies and state_dicts never carry them.
@@ -67,7 +68,8 @@ class BlockRunner:
         self.allowed = allowed
         # no-grad forwards replayed as their launches, per rows (fusion/runtime/replay.py): fused plans on a GPU
         # and the autograd node's forwards (training), per rows
-        self.replays = self.train_replays = None
+        # and the autograd node's backwards, per (rows, routed rows, wanted gradients): fusion/runtime/backward_replay.py
+        self.replays = self.train_replays = self.backward_replays = None
         if self.program is not None:
             from fusion.dataflow import v
 
@@ -75,7 +77,7 @@ class BlockRunner:
             if self.program.prologue is not None:
                 from fusion.runtime.kernel import ShapeCache
 
-                self.replays, self.train_replays = ShapeCache(64), ShapeCache(64)
+                self.replays, self.train_replays, self.backward_replays = ShapeCache(64), ShapeCache(64), ShapeCache(64)
 
     def check(self, x: torch.Tensor) -> None:
         """What no plan can take: wrong rank or width, dtype or device mismatches (reads no data)."""
@@ -152,6 +154,29 @@ class BlockRunner:
             replays.keep(x.shape[0], replay_module.build(self, x, ctx, state, train=True) or False)
         env = state.env
         return env[self.output], [env.get(name) for name in self.plan.saves]
+
+
+    def backward(self, output_grad: list, saved: list, ctx, rows: int, needs: tuple):
+        """The autograd node's backward (as program.backward: (dx, parameter gradients, extra-input gradients), `output_grad`
+        and `saved` emptied): replayed where an earlier backward of this call shape was
+        (fusion/runtime/backward_replay.py), else the program's steps."""
+        replays = self.backward_replays
+        if replays is None:
+            return self.program.backward(output_grad, saved, ctx, rows, needs)
+        key = (rows, -1 if ctx.index is None else ctx.index.numel(), needs)
+        replay = replays.get(key)
+        if replay:
+            made = replay(output_grad, saved, ctx)
+            if made is not None:
+                return made
+        if replay is not None or not backward_replay.ENABLED:
+            return self.program.backward(output_grad, saved, ctx, rows, needs)
+        # the first backward of this shape: run it recording what each step launches, and keep its replay (False:
+        # it cannot be replayed)
+        record, call = [], backward_replay.CallShape.of(output_grad[0], saved)   # (shapes only: no reference kept)
+        made = self.program.backward(output_grad, saved, ctx, rows, needs, record)
+        replays.keep(key, backward_replay.build(self.program, ctx, record, call, needs) or False)
+        return made
 
 
 def _has_device_method(seq) -> bool:

@@ -44,7 +44,7 @@ class _BlockFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, runner, ctx, x, *tensors):
         y, saved = runner.forward_train(x, ctx)   # the program's forward, or its replay (fusion/runtime/replay.py)
-        fctx.program, fctx.ctx, fctx.rows = runner.program, ctx, x.shape[0]
+        fctx.runner, fctx.ctx, fctx.rows = runner, ctx, x.shape[0]
         fctx.output_grad = _OutputGradient()
         fctx.set_materialize_grads(False)
         # The block's input and output go through save_for_backward (autograd's version checks; no reference
@@ -73,8 +73,9 @@ class _BlockFunction(torch.autograd.Function):
         saved = [None if k == "none" else next(held) if k == "held" else next(io) for k in fctx.kinds]
         fctx.held = None
         del io, held  # the iterators hold the lists: drop them, or the intermediates live to the end
-        dx, grads, extra = fctx.program.backward(grad, saved, fctx.ctx, fctx.rows, fctx.needs_input_grad[2:])
-        targets = fctx.program.params + list(fctx.ctx.extra.values())
+        # the program's backward, or its replay (fusion/runtime/backward_replay.py)
+        dx, grads, extra = fctx.runner.backward(grad, saved, fctx.ctx, fctx.rows, fctx.needs_input_grad[2:])
+        targets = fctx.runner.params + list(fctx.ctx.extra.values())
         out = [g.to(t.dtype) if g is not None and g.dtype != t.dtype else g
                for g, t in zip(grads + extra, targets)]
         return (None, None, dx, *out)

@@ -12,6 +12,8 @@ one more pass over the tokens and five small ops, twice per training step).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from fusion.ops.routing import gather_rows
@@ -50,3 +52,27 @@ def run(op, x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         kernel.launch(x.data_ptr(), index.data_ptr(), out.data_ptr(), T, M,
                       torch._C._cuda_getCurrentRawStream(x.device.index))
     return out
+
+
+class GatherLaunch(NamedTuple):
+    """What :func:`run` launches for (T, width) token rows into M routed rows, for the backward's replay
+    (fusion/runtime/backward_replay.py): the compiled kernel's `launch(x_ptr, index_ptr, out_ptr, T, M, stream)`."""
+
+    launch: object
+    width: int
+    M: int
+    T: int
+
+
+def replay_launch(x: torch.Tensor, ctx: RunContext) -> GatherLaunch | None:
+    """The kernel :func:`run` launched for rows `x` of the call `ctx` (compiled once per dtype, width and index
+    dtype), or None where it launched none (the reference, no routed rows, a strided index)."""
+    index = ctx.index
+    if (not takes(None, x) or index.dtype not in _INDEX_DTYPES or not index.is_cuda or not index.is_contiguous()
+            or not index.numel()):
+        return None
+    from fusion.kernels.gather_rows import compile_gather_rows
+
+    T, d = x.shape
+    kernel = compile_gather_rows(str(x.dtype).removeprefix("torch."), d, _INDEX_DTYPES[index.dtype])
+    return GatherLaunch(kernel.launch, d, index.numel(), T)

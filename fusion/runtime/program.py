@@ -219,22 +219,25 @@ class BlockProgram:
         ctx.counters, ctx.groups, ctx.backward_counters_used = buffer, buffer.numel() - 1 - self.counters, False
 
     # -- backward --------------------------------------------------------------------------------------------------
-    def backward(self, output_grad: list, saved, ctx, rows: int, needs: tuple):
+    def backward(self, output_grad: list, saved, ctx, rows: int, needs: tuple, record: list | None = None):
         """Gradients of (x, *self.params, *ctx.extra values); `needs` says which are wanted (autograd's
         needs_input_grad in that order). `output_grad` is [dY], and it and a `saved` list are emptied: the program
         owns the values from here, and dY is freed after its last reader where the caller holds no other
-        reference (the eager autograd node: fusion/runtime/autograd.py)."""
+        reference (the eager autograd node: fusion/runtime/autograd.py). `record`: see :meth:`backward_part`."""
         values = {name: value for name, value in zip(self.plan.saves, saved) if value is not None}
         if isinstance(saved, list):
             saved.clear()  # the env holds them now, and drops each after its last reader
         values[self.output_grad] = output_grad.pop()
-        state = self.backward_part(values, ctx, rows, needs, 0, len(self.backward_steps))
+        state = self.backward_part(values, ctx, rows, needs, 0, len(self.backward_steps), record)
         return self.gradients(state, needs)
 
-    def backward_part(self, values: dict, ctx, rows: int, needs: tuple, start: int, stop: int):
+    def backward_part(self, values: dict, ctx, rows: int, needs: tuple, start: int, stop: int,
+                      record: list | None = None):
         """Run backward steps start..stop-1 over `values` (emptied into the run's env: the output gradient, saved
         values, and what earlier steps made, by name); returns the run's state. The whole backward is one part;
-        under torch.compile a split backward is two (BackwardSplit)."""
+        under torch.compile a split backward is two (BackwardSplit). A `record` list gets, per step, what it
+        launched (its and its recomputes' steps.StepLaunches, None where one cannot say) and the values dropped
+        after it: what the backward's replay is built from (fusion/runtime/backward_replay.py)."""
         dy = values.get(self.output_grad)
         if dy is not None and not dy.is_contiguous():
             values[self.output_grad] = dy.contiguous()
@@ -260,7 +263,14 @@ class BlockProgram:
                     for name in recomputed_reads:
                         if name not in env:
                             self._recompute(state, name)
+                            if record is not None:
+                                record.append((self._recompute_launch(state, name), ()))
                 runner.run(state)
+                if record is not None:
+                    describe = getattr(runner, "replay_backward", None)
+                    record.append((None if describe is None else describe(state), release))
+            elif record is not None:
+                record.append((S.StepLaunches((), ()), release))
             for name in release:  # free each value after its last reader, as autograd would between nodes
                 env.pop(name, None)
         return state
@@ -309,6 +319,16 @@ class BlockProgram:
                 return any(p.requires_grad for p in op.parameters(recurse=False)) or bool(runner.extra_inputs)
             return isinstance(runner, S.FusedDgrad)
         return True
+
+    def _recompute_launch(self, state, name: str):
+        """What :meth:`_recompute` launched for `name`: the gather kernel where it recomputed one Gather's output
+        (an MoE FC1's input for its weight gradient), else None."""
+        base = self.recompute_bases[name]
+        j = index_of(base)
+        method = self.recompute_methods[j]
+        if index_of(name) != j + 1 or method is not S.gather_method or not method.takes(self.seq[j], state.env[base]):
+            return None
+        return S.rows_gather(base, state.env[base], ("value", name), state.ctx)
 
     def _recompute(self, state, name: str) -> None:
         """A value the backward reads that the forward did not keep: rerun the ops from the nearest kept value,

@@ -52,7 +52,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 X, OUT, SCRATCH, BOUNDS, INDEX, EXTRAS = 0, 1, 2, 3, 4, 5
 
 
-def _switches() -> tuple:
+def launch_switches() -> tuple:
     """The module switches read per call that the replayed launches depend on: the lone GEMM's rule
     (lone_gemm._takes) and the routed prologue's sizes (bounds.SIZES_FROM_KERNEL). A replay holds for these only."""
     return (lone_gemm.ENABLED, lone_gemm.WIDE_TILE, lone_gemm.OUTPUT_BUDGET, tile_policy.DYNAMIC_PAIRS,
@@ -172,7 +172,7 @@ class ForwardReplay:
         self.saves = tuple(("x",) if name == v(0) else ("saved", saved_index[name]) if name in saved_index else None
                            for name in program.plan.saves) if train else ()
         self.jobs = tuple(launch.job for launch in launches if getattr(launch, "job", None) is not None)
-        self.switches = _switches()
+        self.switches = launch_switches()
         self.calls = 0   # replayed calls (tests assert that the replay ran)
 
     def _weights(self) -> list | None:
@@ -193,7 +193,7 @@ class ForwardReplay:
     def _x_differs(self, x) -> bool:
         return (not ENABLED or type(x) is not torch.Tensor or x.shape != self.x_shape or x.dtype is not self.dtype
                 or x.get_device() != self.device_index or not x.is_contiguous() or x.data_ptr() & 15 or POISON["on"]
-                or _switches() != self.switches)
+                or launch_switches() != self.switches)
 
     def _launch(self, ptr: list, weights: list, extras: list, ctx) -> None:
         stream = _raw_stream(self.device_index)

@@ -37,3 +37,14 @@ def row_sums(partials: torch.Tensor, dtype: torch.dtype, device_kernel: bool = T
         kernel = compile_row_sum(parts, _OUT_DTYPES[dtype])
         kernel.launch(partials.data_ptr(), out.data_ptr(), M, torch._C._cuda_getCurrentRawStream(partials.device.index))
     return out
+
+
+def kernel_launch(parts: int, partials_dtype: torch.dtype, dtype: torch.dtype):
+    """The kernel's launch function (`launch(partials_ptr, out_ptr, M, stream)`) that :func:`row_sums` calls for
+    (M, parts) partials of `partials_dtype` into `dtype`, or None where torch's sum runs instead: what the
+    backward's replay repeats (fusion/runtime/backward_replay.py)."""
+    if not KERNEL or partials_dtype != torch.float32 or dtype not in _OUT_DTYPES:
+        return None
+    from fusion.kernels.row_sum import compile_row_sum
+
+    return compile_row_sum(parts, _OUT_DTYPES[dtype]).launch

@@ -35,6 +35,7 @@ from fusion.runtime import gather as gather_method
 from fusion.runtime.bounds import row_bounds
 from fusion.runtime.gather import gather_index
 from fusion.runtime.kernel import make_job
+from fusion.runtime.row_sums import kernel_launch as row_sums_launch
 from fusion.runtime.row_sums import row_sums
 
 
@@ -84,6 +85,27 @@ class BoundLaunch(NamedTuple):
     saved: str | None = None   # a training kernel's second output ("saved"), `saved_width` columns
     saved_width: int = 0
     index: bool = False        # the kernel loads A's rows through the call's gather index (an MoE FC1)
+
+
+class StepLaunches(NamedTuple):
+    """What a backward step launched in a call, for the backward's replay (fusion/runtime/backward_replay.py).
+
+    `made`: the tensors the step allocated, each (target, shape, dtype); target ("value", name) for a value it
+    wrote, ("param", parameter) or ("extra", name) for a gradient, None for scratch only its own launches read.
+    `calls`: its launches in order, each (launch function, arguments, KernelJob counted in LAUNCHES or None). An
+    argument is a constant int, a source, or a list of sources (passed as a tuple): ("value", name) a value's
+    pointer; ("made", k) the step's k-th tensor's; ("weight", op) the op's weight's; ("bounds", bytes) the call's
+    bounds buffer's plus bytes; ("gather_index",) the call's int32 gather index's; ("index",) the routing index's;
+    ("extra", name) an extra input's; ("layout", 0 | 1) the token layout's rows or offsets; ("stream",) the
+    current stream."""
+
+    made: tuple
+    calls: tuple
+
+
+def _plain(t) -> bool:
+    """A plain contiguous tensor (what a replayed launch may read by pointer alone)."""
+    return type(t) is torch.Tensor and t.is_contiguous()
 
 
 def weight_of(op) -> torch.Tensor:
@@ -540,23 +562,27 @@ class FusedDgrad(_KernelStep):
     def _allocate(self, M: int, dtype: torch.dtype, device) -> dict:
         """This call's output tensors by kernel name: the input gradient (and its FP8 copy), the row-sum partials of a
         scale's gradient (float32; float64 under emulation in float64), the recomputed post-activation value."""
-        spec = self.spec
         outs = {}
         for slot in self._slots[1]:
-            if isinstance(slot, slots.DScale):   # float32 row-sum partials (kernels.epilogue.RowSumOutput)
-                partial_dtype = torch.float64 if dtype == torch.float64 else torch.float32   # (emulate: float64)
-                outs[slot.kernel_name] = torch.empty(M, slot.parts(spec.out_features), dtype=partial_dtype,
-                                                     device=device)
-            elif isinstance(slot, slots.QuantizedDInput):   # codes, k-block-major scales, the amax's zeroed int32
+            if isinstance(slot, slots.QuantizedDInput):   # codes, k-block-major scales, the amax's zeroed int32
                 from fusion.kernels.api import fp8_block_outputs
                 from fusion.kernels.epilogue import FP8BlockOutput
 
-                outs.update(fp8_block_outputs(FP8BlockOutput(slot.kernel_name, slot.paired), M, spec.in_features,
+                outs.update(fp8_block_outputs(FP8BlockOutput(slot.kernel_name, slot.paired), M, self.spec.in_features,
                                               device))
             else:
-                width = spec.in_features if isinstance(slot, slots.DInput) else spec.out_features
-                outs[slot.kernel_name] = torch.empty(M, width, dtype=dtype, device=device)
+                shape, out_dtype = self._plain_output(slot, M, dtype)
+                outs[slot.kernel_name] = torch.empty(shape, dtype=out_dtype, device=device)
         return outs
+
+    def _plain_output(self, slot, M: int, dtype: torch.dtype) -> tuple:
+        """(shape, dtype) of an output slot's tensor other than a quantized input gradient's: the row-sum partials
+        of a scale's gradient (kernels.epilogue.RowSumOutput; float32, float64 under emulation in float64), the input
+        gradient, the recomputed post-activation value."""
+        spec = self.spec
+        if isinstance(slot, slots.DScale):
+            return (M, slot.parts(spec.out_features)), torch.float64 if dtype == torch.float64 else torch.float32
+        return (M, spec.in_features if isinstance(slot, slots.DInput) else spec.out_features), dtype
 
     def run(self, state: RunState) -> None:
         ctx = state.ctx
@@ -602,6 +628,49 @@ class FusedDgrad(_KernelStep):
             state.add(state.param_grads, id(op.bias), segment_sum(dinput, state.bounds, op.num_groups is not None))
         if self.postact:
             env[v(self.j)] = outs["postact"]
+
+    def replay_backward(self, state: RunState) -> StepLaunches | None:
+        """What :meth:`run` launched in the call `state` ran: the bf16 kernel at the call's shape and the scale
+        gradients' row-sum kernel; or None (FP8 operands, a quantized input gradient, a bias gradient or a shared
+        bias: torch ops or per-call copies)."""
+        index = state.dy_through_index and self.dy_tokens is not None
+        a = self.dy_tokens if index else self.grad_in
+        dy = state.env.get(a)
+        if self.fp8 or self.quantized_dinput is not None or self._biases or not _plain(dy):
+            return None
+        kernel = self._kernels.get((dy.dtype, "backward_gather" if index else "backward"))
+        rows = state.ctx.index.numel() if index else -1
+        bound = getattr(kernel, "_bound", {}).get((dy.shape[0], rows))
+        if bound is None or not bound.M:
+            return None
+        sources, made = {}, []
+        for slot in self._slots[0]:
+            if isinstance(slot, slots.SavedIn):
+                sources["saved"] = ("value", self.saved)
+            elif isinstance(slot, slots.GroupBias):
+                return None
+            else:
+                sources[slot.kernel_name] = ("extra", slot.name)
+        for slot in self._slots[1]:
+            target = (("value", f"g{self.first}") if isinstance(slot, slots.DInput) else
+                      ("value", v(self.j)) if isinstance(slot, slots.PostAct) else None)
+            sources[slot.kernel_name] = ("made", len(made))
+            made.append((target, *self._plain_output(slot, bound.M, dy.dtype)))
+        if any(name not in sources for name in bound.names):
+            return None
+        calls = [(bound.launch, (("value", a), ("weight", self.gemm), ("bounds", 0),
+                                 ("bounds", 4 * (state.ctx.groups + 1 + state.counter_base + self.slot)),
+                                 ("gather_index",) if index else ("bounds", 0), [sources[n] for n in bound.names],
+                                 bound.M, bound.T, bound.num_ctas, ("stream",)), kernel.job)]
+        for kernel_name, name in self._scale_grads:
+            partials = made[sources[kernel_name][1]]
+            dtype = state.ctx.extra[name].dtype
+            launch = row_sums_launch(partials[1][1], partials[2], dtype) if self.launcher.name == "cute" else None
+            if launch is None:
+                return None
+            calls.append((launch, (sources[kernel_name], ("made", len(made)), bound.M, ("stream",)), None))
+            made.append((("extra", name), (bound.M,), dtype))
+        return StepLaunches(tuple(made), tuple(calls))
 
 
 class GemmDgrad(_DeviceMethodStep):
@@ -654,6 +723,24 @@ class GemmDgrad(_DeviceMethodStep):
 
             dx = fp8_block_dgrad(dy, op.quantized_weight(), _groups(op, ctx), **quantized)
         state.env[f"g{self.index}"] = dx
+
+    def replay_backward(self, state: RunState) -> StepLaunches | None:
+        """What :meth:`run` launched in the call `state` ran: the varlen-M kernel (fusion/runtime/lone_gemm.py) at
+        the call's rows, reading the call's bounds buffer; or None (torch's GEMM, FP8)."""
+        dy, out = state.env.get(self.grad_in), state.env.get(f"g{self.index}")
+        bound_launch = getattr(self.device, "bound_launch", None)
+        if (bound_launch is None or not self.tile_counter or self.quantized_in is not None or not _plain(dy)
+                or not self.takes(self.op, dy) or type(out) is not torch.Tensor
+                or row_bounds(self.op, dy.shape[0], state.ctx, dy.device) is not state.ctx.counters):
+            return None
+        bound = bound_launch(self.op, "dgrad", dy)
+        if bound is None or bound.names != ("out",) or not bound.M:
+            return None
+        counter = ("bounds", 4 * (state.ctx.groups + 1 + state.counter_base + self.slot))
+        return StepLaunches(((("value", f"g{self.index}"), tuple(out.shape), out.dtype),),
+                            ((bound.launch, (("value", self.grad_in), ("weight", self.op), ("bounds", 0), counter,
+                                             ("bounds", 0), [("made", 0)], bound.M, bound.T, bound.num_ctas,
+                                             ("stream",)), None),))
 
 
 class GemmWgrad:
@@ -755,6 +842,33 @@ class GemmWgrad:
         if bias is not None and bias.requires_grad:
             state.add(state.param_grads, id(bias), segment_sum(dy, state.bounds, weight.dim() == 3))
 
+    def replay_backward(self, state: RunState) -> StepLaunches | None:
+        """What :meth:`run` launched in the call `state` ran: the varlen-K kernel (fusion/runtime/wgrad_gemm.py) at
+        the call's rows, reading x or dY through the gather index where the call did; or None (a bias gradient,
+        torch's GEMM, FP8)."""
+        op, ctx, env = self.op, state.ctx, state.env
+        weight, bias = weight_of(op), op.bias
+        bound_launch = getattr(self.device, "bound_launch", None)
+        if (self.fp8 or bound_launch is None or not weight.requires_grad or bias is not None and bias.requires_grad
+                or isinstance(env.get(self.grad_in), fp8_gemm.SlotGradient)):
+            return None
+        dy_index = state.dy_through_index and self.dy_tokens is not None
+        dy_name = self.dy_tokens if dy_index else self.grad_in
+        tokens = self.tokens is not None and self.input not in env
+        x_name = self.tokens if tokens else self.input
+        dy, x = env.get(dy_name), env.get(x_name)
+        if not (_plain(dy) and _plain(x)) or not (tokens or dy_index or self.device.takes(op, x)):
+            return None
+        rows = ctx.index.numel() if tokens or dy_index else dy.shape[0]
+        bound = bound_launch(op, x, dy, rows, tokens, dy_index)
+        if bound is None or row_bounds(op, rows, ctx, x.device) is not ctx.counters:
+            return None
+        index = ("gather_index",) if tokens or dy_index else ("bounds", 0)
+        return StepLaunches(((("param", weight), tuple(weight.shape), x.dtype),),
+                            ((bound.launch, (("value", dy_name), ("value", x_name), ("bounds", 0), index, ("made", 0),
+                                             bound.M, bound.a_shape[0], bound.b_shape[0], bound.num_ctas,
+                                             ("stream",)), None),))
+
 
 def _is_fp8(op) -> bool:
     return op.spec.attrs.get("weight_format") == "fp8_block"
@@ -826,6 +940,24 @@ class OpBackward:
         for (name, _), ge in zip(extras, grads[1 + len(params):]):
             state.add(state.extra_grads, name, ge)
 
+    def replay_backward(self, state: RunState) -> StepLaunches | None:
+        """What :meth:`run` launched in the call `state` ran, where its device method says (an MoE Gather's
+        backward: the combine kernel; a Combine's: the gather kernel), else None (autograd through a reference)."""
+        op, ctx = self.op, state.ctx
+        dy = state.env.get(self.grad_in)
+        if op.input_grad is None or self.device is None or not _plain(dy) or not self.device.takes(op, dy):
+            return None
+        made = ("value", f"g{self.index}")
+        if self.device is gather_method:   # a Combine's backward: each routed row copies its token's gradient
+            return rows_gather(self.grad_in, dy, made, ctx)
+        describe = getattr(self.device, "replay_launch", None)   # a Gather's backward: each token's rows summed
+        launch = None if describe is None else describe(op, dy, ctx, self.grad_in, made[1])
+        if launch is None:
+            return None
+        return StepLaunches(((made, (launch.T, launch.width), dy.dtype),),
+                            ((launch.launch, (("value", self.grad_in), ("layout", 0), ("layout", 1), ("made", 0),
+                                              launch.M, launch.T, ("stream",)), None),))
+
     def _rows(self, state: RunState) -> int:
         """Rows entering this op: the block's tokens before a Gather, the routed rows after it."""
         index = state.ctx.index
@@ -833,3 +965,13 @@ class OpBackward:
             return state.rows
         return index.numel()
 
+
+def rows_gather(source: str, x: torch.Tensor, made: tuple, ctx: RunContext) -> StepLaunches | None:
+    """The gather kernel's launch (fusion/runtime/gather.py) of value `source` (x) into a new value `made`, as the
+    call ran it, or None where the reference ran (gather.replay_launch)."""
+    launch = gather_method.replay_launch(x, ctx) if _plain(x) else None
+    if launch is None:
+        return None
+    return StepLaunches(((made, (launch.M, launch.width), x.dtype),),
+                        ((launch.launch, (("value", source), ("index",), ("made", 0), launch.T, launch.M,
+                                          ("stream",)), None),))

@@ -127,8 +127,7 @@ def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext, index: torch.T
     bounds = row_bounds(op, rows, ctx, x.device)
     # the launch bound per call shape: the tile policy (about 5 µs) and the launch's checks run once per (shape,
     # dtype, rows, device), not per call; the kernel of a tile is loaded once (load_compiled keeps it by its key)
-    key = (weight.shape, x.dtype, rows, x.shape[0], dy.shape[0], index is not None, dy_index is not None,
-           x.get_device())
+    key = _key(weight, x, dy, rows, index is not None, dy_index is not None)
     bound = _BOUND.get(key)
     if bound is None:
         from fusion.kernels.wgrad_api import bind_varlen_k_gemm
@@ -139,3 +138,13 @@ def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext, index: torch.T
                                                     index=routing))
     bound(dy, x, bounds, dw, routing)
     return dw
+
+
+def _key(weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, rows: int, gathered: bool, dy_gathered: bool):
+    return weight.shape, x.dtype, rows, x.shape[0], dy.shape[0], gathered, dy_gathered, x.get_device()
+
+
+def bound_launch(op, x: torch.Tensor, dy: torch.Tensor, rows: int, gathered: bool, dy_gathered: bool):
+    """The launch :func:`wgrad` bound at this call shape (kernels.wgrad_api.BoundVarlenK), or None: not bound yet.
+    The backward's replay keeps it (fusion/runtime/backward_replay.py)."""
+    return _BOUND.get(_key(op._parameters["weight"], x, dy, rows, gathered, dy_gathered))

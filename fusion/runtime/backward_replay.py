@@ -1,0 +1,240 @@
+"""A block's backward replayed as its launches: issue 7's host time per training step.
+
+The interpretive backward (fusion/runtime/program.py `backward_part`) walks the plan's backward steps on every call:
+it asks each step whether it is wanted, which kernel variant and tile the call's rows take, whether a GEMM reads its
+operand through the routing index, binds each launch through dictionaries of named values and frees each value after
+its last reader. On an H200 machine that was about 190 µs of host time for the small block's backward (session y's
+split: the fused dgrad 77, the two weight gradients 35 and 26, the lone dgrad 27), where its five launches and their
+allocations cost about 40: in a host-bound step (few rows, an MoE layer at a small batch) the GPU waits for it.
+
+After an interpretive backward (autograd's node: fusion/runtime/autograd.py) the runner keeps what that call
+launched, each step saying so itself (steps' `replay_backward`: a steps.StepLaunches, its allocations and launches
+with where each pointer comes from), and which values the call dropped after each step. A later backward of the same
+call shape (rows, routed rows, which gradients autograd wants) runs guards (dY's shape, dtype, layout and device;
+each saved value's; each weight's shape and layout; the extra inputs' layout; the module switches the steps' rules
+read), then allocates what each step allocated, launches what it launched on the current stream, and drops each
+value where the interpretive call did (so dY and the saved activations are freed after their last readers, the same
+peak). Anything a step cannot say (FP8 operands, torch's GEMM, autograd through an op's reference, a bias gradient)
+means no replay for that call shape: every call there stays interpretive.
+
+The gradients are the same bits: the same kernels at the same bindings over the same operands in the same order.
+`ENABLED = False` turns the replay off and builds none (the A/B switch).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from fusion.ops.routing import call_layout
+from fusion.runtime import lone_gemm, row_sums, wgrad_gemm
+from fusion.runtime.gather import gather_index
+from fusion.runtime.kernel import LAUNCHES
+from fusion.runtime.replay import launch_switches
+from fusion.runtime.steps import POISON
+
+#: Read per call: False runs every backward through the program's steps, and builds no replay (the A/B switch).
+ENABLED = True
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+# pointer slots every replay has: the stream, the call's bounds buffer, its int32 gather index, the routing index,
+# the token layout's rows and offsets; then the weights, the extra inputs and the values (by build order)
+STREAM, BOUNDS, GATHER_INDEX, INDEX, LAYOUT_ROWS, LAYOUT_OFFSETS = range(6)
+
+
+def _switches() -> tuple:
+    """The module switches read per call that the recorded steps' choices depend on (the lone GEMM's and the
+    forward's, the weight gradient's group minimum, the row-sum kernel's)."""
+    return (*launch_switches(), wgrad_gemm.MIN_GROUPS, row_sums.KERNEL, lone_gemm.DENSE_DGRAD)
+
+
+class CallShape(NamedTuple):
+    """What a replay is built at, taken before the program takes dY and the saved values (no reference to either
+    is kept, so the recording call frees them where it would): dY's shape, dtype and device, and each saved value's
+    (shape, dtype), None where none was saved, or False where it is not a plain CUDA tensor."""
+
+    dy_shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    device_index: int
+    saved: tuple
+
+    @staticmethod
+    def of(dy, saved) -> "CallShape | None":
+        if type(dy) is not torch.Tensor or not dy.is_cuda:
+            return None
+        return CallShape(tuple(dy.shape), dy.dtype, dy.device, dy.get_device(), tuple(
+            None if t is None else (tuple(t.shape), t.dtype) if type(t) is torch.Tensor and t.is_cuda else False
+            for t in saved))
+
+
+class BackwardReplay:
+    """One block's backward at one call shape, made by :func:`build` from an interpretive call's record:
+    `replay(output_grad, saved, ctx)` returns (dx, parameter gradients, extra-input gradients) as
+    program.backward does, emptying `output_grad` and `saved` the same way; or None where a guard fails (nothing
+    is taken then, and the caller runs the program)."""
+
+    def __init__(self, program, ctx, record: list, call: CallShape, needs: tuple):
+        self.program = program
+        self.dtype, self.device, self.device_index = call.dtype, call.device, call.device_index
+        self.dy_shape = call.dy_shape
+        self.groups = ctx.groups
+        self.switches = _switches()
+        slot_of: dict = {}   # ("value", name) / ("weight", id) / ("extra", name) -> slot
+        count = [LAYOUT_OFFSETS + 1]
+        uses = set()         # the shared slots some launch reads
+
+        def new_slot(key):
+            slot_of[key] = count[0]
+            count[0] += 1
+            return slot_of[key]
+
+        self.dy_slot = new_slot(("value", program.output_grad))
+        # (slot, position in `saved`, shape, dtype) of each saved value
+        self.saved = tuple((new_slot(("value", name)), k, *meta)
+                           for k, (name, meta) in enumerate(zip(program.plan.saves, call.saved)) if meta is not None)
+        self.weights, self.extras = [], []
+        targets: dict = {}   # ("param", id) / ("extra", name) -> slot
+
+        def source(arg, made_slots):
+            kind = arg[0]
+            if kind == "made":
+                return made_slots[arg[1]], 0
+            if kind == "value":
+                return slot_of[arg], 0
+            if kind == "weight":
+                key = ("weight", id(arg[1]))
+                if key not in slot_of:
+                    weight = arg[1]._parameters["weight"]
+                    self.weights.append((new_slot(key), arg[1]._parameters, weight.shape))
+                return slot_of[key], 0
+            if kind == "extra":
+                if arg not in slot_of:
+                    self.extras.append((new_slot(arg), arg[1]))
+                return slot_of[arg], 0
+            shared = {"bounds": BOUNDS, "gather_index": GATHER_INDEX, "index": INDEX, "stream": STREAM}.get(kind)
+            if shared is None:   # ("layout", 0 | 1)
+                shared = LAYOUT_ROWS + arg[1]
+            uses.add(shared)
+            return shared, arg[1] if kind == "bounds" else 0
+
+        steps = []
+        for launches, release in record:
+            made_slots, allocs = [], []
+            for target, shape, dtype in launches.made:
+                if target is None:
+                    slot = new_slot(("scratch", count[0]))
+                elif target[0] == "value":
+                    slot = new_slot(target)
+                else:
+                    key = (target[0], id(target[1]) if target[0] == "param" else target[1])
+                    if key in targets:
+                        raise _Unrepeatable(f"two steps make the gradient {key}")   # (the program adds them up)
+                    slot = targets[key] = count[0]
+                    count[0] += 1
+                made_slots.append(slot)
+                allocs.append((slot, tuple(shape), dtype))
+            calls = []
+            for launch, args, job in launches.calls:
+                spec = []
+                for arg in args:
+                    if type(arg) is tuple:
+                        spec.append(source(arg, made_slots))
+                    elif type(arg) is list:
+                        spec.append([source(a, made_slots) for a in arg])
+                    else:
+                        spec.append(arg)
+                calls.append((launch, tuple(spec), job))
+            dropped = tuple(slot_of[("value", name)] for name in release if ("value", name) in slot_of)
+            steps.append((tuple(allocs), tuple(calls), dropped))
+        self.steps = tuple(steps)
+        self.slots = count[0]
+        self.weights, self.extras = tuple(self.weights), tuple(self.extras)
+        self.routed = bool(uses & {GATHER_INDEX, INDEX})
+        self.layout = bool(uses & {LAYOUT_ROWS, LAYOUT_OFFSETS})
+        self.dx_slot = slot_of.get(("value", program.input_grad)) if needs[0] else None
+        self.param_slots = tuple(targets.get(("param", id(p))) for p in program.params)
+        self.extra_slots = tuple(targets.get(("extra", name)) for name in ctx.extra)
+        self.calls = 0   # replayed calls (tests assert that the replay ran)
+
+    def __call__(self, output_grad: list, saved, ctx):
+        dy = output_grad[0]
+        if (not ENABLED or POISON["on"] or type(dy) is not torch.Tensor or dy.shape != self.dy_shape
+                or dy.dtype is not self.dtype or not dy.is_contiguous() or dy.data_ptr() & 15
+                or dy.get_device() != self.device_index or ctx.counters is None or ctx.groups != self.groups
+                or _switches() != self.switches):
+            return None
+        ptr = [0] * self.slots
+        for slot, k, shape, dtype in self.saved:
+            t = saved[k]
+            if (type(t) is not torch.Tensor or t.shape != shape or t.dtype is not dtype or not t.is_contiguous()
+                    or t.data_ptr() & 15):
+                return None
+            ptr[slot] = t.data_ptr()
+        t = None   # (no frame reference to a saved value: each is freed after its last reader)
+        for slot, params, shape in self.weights:
+            w = params["weight"]
+            w_ptr = w.data_ptr()
+            if w.shape != shape or w_ptr & 15 or not w.is_contiguous():
+                return None
+            ptr[slot] = w_ptr
+        for slot, name in self.extras:
+            t = ctx.extra.get(name)
+            if t is None or not t.is_contiguous():
+                return None
+            ptr[slot] = t.data_ptr()
+        if self.routed:
+            if ctx.index is None or not ctx.index.is_contiguous():
+                return None
+            ptr[INDEX], ptr[GATHER_INDEX] = ctx.index.data_ptr(), gather_index(ctx).data_ptr()
+        if self.layout:
+            rows, offsets = call_layout(ctx)
+            ptr[LAYOUT_ROWS], ptr[LAYOUT_OFFSETS] = rows.data_ptr(), offsets.data_ptr()
+        # every guard passed: the replay owns dY and the saved values from here, as the program would
+        values = [None] * self.slots
+        for slot, k, _, _ in self.saved:
+            values[slot] = saved[k]
+        if isinstance(saved, list):
+            saved.clear()
+        ptr[self.dy_slot] = dy.data_ptr()
+        values[self.dy_slot] = output_grad.pop()
+        del dy
+        if ctx.backward_counters_used:   # a second backward over one forward's buffer (retain_graph)
+            self.program.zero_backward_counters(ctx)
+        ctx.backward_counters_used = True
+        ptr[BOUNDS], ptr[STREAM] = ctx.counters.data_ptr(), _raw_stream(self.device_index)
+        device = self.device
+        for allocs, calls, dropped in self.steps:
+            for slot, shape, dtype in allocs:
+                made = values[slot] = torch.empty(shape, dtype=dtype, device=device)
+                ptr[slot] = made.data_ptr()
+            for launch, spec, job in calls:
+                launch(*[ptr[a[0]] + a[1] if type(a) is tuple else tuple(ptr[s] + o for s, o in a)
+                         if type(a) is list else a for a in spec])
+                if job is not None:
+                    LAUNCHES.count(job)
+            for slot in dropped:   # each value freed after its last reader, as the program drops it
+                values[slot] = None
+        self.calls += 1
+        return (None if self.dx_slot is None else values[self.dx_slot],
+                [None if s is None else values[s] for s in self.param_slots],
+                [None if s is None else values[s] for s in self.extra_slots])
+
+
+class _Unrepeatable(Exception):
+    """A record the replay cannot repeat exactly (build returns None)."""
+
+
+def build(program, ctx, record: list, call: CallShape | None, needs: tuple) -> BackwardReplay | None:
+    """The replay of the interpretive backward that just ran (`record`: program.backward_part's; `call`: dY and
+    the saved values as the call got them), or None where some step launched what it cannot say (steps'
+    `replay_backward` returned None), dY or a saved value is not a plain CUDA tensor, or the call ran without the
+    forward's device bounds buffer."""
+    if (not ENABLED or POISON["on"] or not record or any(launches is None for launches, _ in record)
+            or program.prologue is None or ctx.counters is None or call is None or False in call.saved):
+        return None
+    try:
+        return BackwardReplay(program, ctx, record, call, needs)
+    except (_Unrepeatable, KeyError):   # (KeyError: a launch reads a value no recorded step made)
+        return None
