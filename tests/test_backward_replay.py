@@ -121,6 +121,23 @@ def test_dy_is_freed_after_its_last_reader(monkeypatch):
     assert seen == [None] and grad == [] and saved == []
 
 
+def test_a_steps_scratch_is_freed_with_the_step(monkeypatch):
+    """The fused dgrad's row-sum partials (scratch: no later step reads them) are gone by the next step's launch, as
+    the interpretive step's outputs dictionary is."""
+    import gc
+
+    def partials_alive():
+        return sum(type(o) is torch.Tensor and o.shape == (ROWS, 2) and o.dtype == F32 for o in gc.get_objects())
+
+    seen = []
+    s = _setup(monkeypatch)
+    s.replay.steps[0][1][1][0].check = lambda: seen.append(partials_alive())   # the row sums: they read them
+    s.replay.steps[1][1][0][0].check = lambda: seen.append(partials_alive())   # FC2's weight gradient: after
+    dy, pre, x = _call_inputs()
+    s.replay([dy], [pre, x], s.ctx())
+    assert seen == [1, 0]
+
+
 def test_a_second_backward_over_one_buffer_zeroes_its_counters(monkeypatch):
     s = _setup(monkeypatch)
     ctx = s.ctx()

@@ -106,7 +106,7 @@ def test_the_gradients_autograd_wants_pick_the_replay(frozen):
 
 
 def test_the_replayed_step_peaks_no_higher():
-    E, d, f, M = 8, 1024, 1024, 8192
+    E, d, f, M = 8, 1024, 1024, 2048
     block = _block(E, d, f)
     x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
     sizes, scale = _sizes(E, M, 2), torch.rand(M, device="cuda", dtype=torch.bfloat16)
@@ -162,14 +162,16 @@ def test_an_expanded_dy_goes_the_interpretive_way():
     _same(second, grads(False))
 
 
-@pytest.mark.parametrize("T,E,K,round_to", [(512, 16, 4, None), (512, 16, 4, 128), (4096, 8, 2, None)])
-def test_an_moe_layer_replays_its_experts_backward(T, E, K, round_to):
-    """The experts block's backward (the Combine's backward copy or dY through the routing index, the fused dgrad,
-    FC2's weight gradient, the lone dgrad, FC1's input regathered or read through the index for its weight gradient,
-    the Gather's backward combine) replayed with new tokens (new routing) at each step: bit for bit the program's."""
+@pytest.mark.parametrize("T,E,K,D,F,round_to", [(512, 16, 4, 256, 128, None), (512, 16, 4, 256, 128, 128),
+                                                 (4096, 8, 2, 4096, 512, None)])
+def test_an_moe_layer_replays_its_experts_backward(T, E, K, D, F, round_to):
+    """The experts block's backward replayed with new tokens (new routing) at each step, bit for bit the program's:
+    at few rows per expert the Combine's backward copy, the fused dgrad, FC2's weight gradient, the lone dgrad, FC1's
+    input regathered for its weight gradient, the Gather's backward combine; at 1024 rows per expert (the last case)
+    the fused dgrad and FC2's weight gradient read dY through the routing index and FC1's weight gradient reads x
+    through it (no copies), the lone dgrad on its wide tile."""
     from fusion import Combine, Gather, MoE
 
-    D, F = 256, 128
     torch.manual_seed(0)
     experts = fusion.Sequential(Gather(), GroupLinear(E, D, 2 * F), SwiGLU(), Scale(), GroupLinear(E, F, D), Combine())
     moe = MoE(D, E, k=K, experts=experts, round_to=round_to).to("cuda", torch.bfloat16)
@@ -189,7 +191,10 @@ def test_an_moe_layer_replays_its_experts_backward(T, E, K, round_to):
 
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     step(x, True)
-    (replay,) = [r for r in runner_for(moe.experts, x).backward_replays.values() if r]
+    runner = runner_for(moe.experts, x)
+    (replay,) = [r for r in runner.backward_replays.values() if r]
+    gathers = (torch.bfloat16, "backward_gather") in runner.program.backward_steps[1]._kernels
+    assert gathers == (T * K >= 1024 * E)         # the call shape where dY is read through the index
     for seed in range(1, 4):
         x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed))
         calls = replay.calls

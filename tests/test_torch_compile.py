@@ -305,9 +305,9 @@ def _backward_parts(monkeypatch) -> list:
     parts = []
     run = BlockProgram.backward_part
 
-    def spy(self, values, ctx, rows, needs, start, stop):
+    def spy(self, values, ctx, rows, needs, start, stop, record=None):
         parts.append((start, stop, sorted(values)))
-        return run(self, values, ctx, rows, needs, start, stop)
+        return run(self, values, ctx, rows, needs, start, stop, record)
 
     monkeypatch.setattr(BlockProgram, "backward_part", spy)
     return parts

@@ -121,10 +121,11 @@ class BackwardReplay:
 
         steps = []
         for launches, release in record:
-            made_slots, allocs = [], []
+            made_slots, allocs, scratch = [], [], []
             for target, shape, dtype in launches.made:
-                if target is None:
+                if target is None:   # freed with the step, as the step's own outputs dictionary is
                     slot = new_slot(("scratch", count[0]))
+                    scratch.append(slot)
                 elif target[0] == "value":
                     slot = new_slot(target)
                 else:
@@ -146,7 +147,7 @@ class BackwardReplay:
                     else:
                         spec.append(arg)
                 calls.append((launch, tuple(spec), job))
-            dropped = tuple(slot_of[("value", name)] for name in release if ("value", name) in slot_of)
+            dropped = (*scratch, *(slot_of[("value", name)] for name in release if ("value", name) in slot_of))
             steps.append((tuple(allocs), tuple(calls), dropped))
         self.steps = tuple(steps)
         self.slots = count[0]
