@@ -50,12 +50,16 @@ def instrument_program(program, prefix: str = "") -> None:
 
 
 def instrument_autograd() -> None:
-    """The autograd function's forward and backward (the parts outside the program)."""
-    from fusion.runtime import autograd
+    """The autograd function's forward and backward (the parts outside the program), and the replays that stand in
+    for the program's forward and backward (fusion/runtime/replay.py, backward_replay.py)."""
+    from fusion.runtime import autograd, backward_replay, replay
 
     fn = autograd._BlockFunction
     fn.forward = staticmethod(timed("_BlockFunction.forward (all)", fn.forward))
     fn.backward = staticmethod(timed("_BlockFunction.backward (all)", fn.backward))
+    replay.ForwardReplay.train = timed("forward replay (training)", replay.ForwardReplay.train)
+    replay.ForwardReplay.__call__ = timed("forward replay (no grad)", replay.ForwardReplay.__call__)
+    backward_replay.BackwardReplay.__call__ = timed("backward replay", backward_replay.BackwardReplay.__call__)
 
 
 def report(title: str, calls: int, total_s: float) -> None:
@@ -125,6 +129,9 @@ def moe_step(model: str, tokens: int, calls: int) -> None:
             moe = path.call
             from fusion.moe import layer
             layer.route = timed("route", layer.route)
+            from fusion.runtime import route as route_kernels
+            fn = route_kernels._KernelRoute
+            fn.backward = staticmethod(timed("route backward", fn.backward))
             moe.router.forward = timed("router Linear", moe.router.forward)
             for name, child in moe.named_modules():
                 if hasattr(child, "inputs") and hasattr(child, "ops"):
