@@ -153,11 +153,18 @@ def main(argv=None):
     ap.add_argument("--no-replay", action="store_true",
                     help="run every forward interpretively (fusion/runtime/replay.py off), so that its steps show; "
                          "a replayed forward shows as one piece, outside the program")
+    ap.add_argument("--no-backward-replay", action="store_true",
+                    help="run every backward interpretively (fusion/runtime/backward_replay.py off), so that its "
+                         "steps show")
     args = ap.parse_args(argv)
     if args.no_replay:
         from fusion.runtime import replay
 
         replay.ENABLED = False
+    if args.no_backward_replay:
+        from fusion.runtime import backward_replay
+
+        backward_replay.ENABLED = False
     if args.model:
         block_step(args.model, args.calls, args.path)
     if args.moe:

@@ -156,8 +156,8 @@ def test_weights_are_read_at_each_call(monkeypatch):
 
 
 @pytest.mark.parametrize("change", ["dy shape", "dy dtype", "strided dy", "saved shape", "saved missing",
-                                    "strided weight", "weight shape", "strided scale", "groups", "no bounds",
-                                    "disabled", "poisoned"])
+                                    "strided weight", "weight shape", "strided scale", "scale dtype", "groups",
+                                    "no bounds", "disabled", "poisoned"])
 def test_a_changed_call_goes_to_the_program_with_nothing_taken(monkeypatch, change):
     s = _setup(monkeypatch)
     dy, pre, x = _call_inputs()
@@ -178,6 +178,8 @@ def test_a_changed_call_goes_to_the_program_with_nothing_taken(monkeypatch, chan
         s.fc1._parameters["weight"] = torch.randn(G, 2 * F, D + 8, dtype=BF16)
     elif change == "strided scale":
         ctx.extra["scale"] = torch.rand(ROWS, 2, dtype=BF16)[:, 0]
+    elif change == "scale dtype":   # the fused dgrad's epilogue reads the scale in the dtype it was built for
+        ctx.extra["scale"] = ctx.extra["scale"].float()
     elif change == "groups":
         ctx.groups = G + 1
     elif change == "no bounds":
@@ -213,3 +215,34 @@ def test_gradients_nobody_wants_are_none(monkeypatch):
     dx, grads, extra = replay([dy], [pre, x], s.ctx())
     assert dx is None and all(g is not None for g in grads) and extra[0] is not None
     assert [label for label, _ in s.log] == ["B1", "rows", "B2", "B4"]
+
+
+def test_an_index_of_another_dtype_goes_to_the_program(monkeypatch):
+    """A routed replay's gather kernel was compiled for the routing index's dtype: an int32 index where the replay
+    was built at int64 sends the call to the program."""
+    monkeypatch.setattr(B, "_raw_stream", lambda index: 77)
+    log = []
+    w = torch.randn(G, D, F, dtype=BF16)
+    op = SimpleNamespace(_parameters={"weight": w})
+    program = SimpleNamespace(plan=SimpleNamespace(saves=("v1",)), output_grad="g2", input_grad="g0", params=[w],
+                              prologue=object(), zero_backward_counters=lambda ctx: None)
+    copy = StepLaunches(((("value", "g1"), (ROWS, D), BF16),),
+                        ((Launch(log, "gather"), (("value", "g2"), ("index",), ("made", 0), ROWS // 2, ROWS,
+                                                  ("stream",)), None),))
+    wgrad = StepLaunches(((("param", w), tuple(w.shape), BF16),),
+                         ((Launch(log, "wgrad"), (("value", "g1"), ("value", "v1"), ("bounds", 0), ("gather_index",),
+                                                  ("made", 0), ROWS, ROWS, ROWS, 5, ("stream",)), None),))
+    index = torch.arange(ROWS) % (ROWS // 2)
+
+    def ctx(index):
+        c = RunContext(index=index, counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32), groups=G, tokens=ROWS // 2)
+        c.derived["gather_index"] = index.to(torch.int32)
+        return c
+
+    call = B.CallShape((ROWS // 2, D), BF16, torch.device("cpu"), -1, (((ROWS, F), BF16),))
+    replay = B.build(program, ctx(index), [(copy, ("g2",)), (wgrad, ("g1", "v1"))], call, (False, True))
+    dy, h = torch.randn(ROWS // 2, D, dtype=BF16), torch.randn(ROWS, F, dtype=BF16)
+    c = ctx(index)
+    assert replay([dy], [h], c) is not None
+    assert log[0][1][1] == index.data_ptr() and log[1][1][3] == c.derived["gather_index"].data_ptr()
+    assert replay([dy], [h], ctx(index.to(torch.int32))) is None

@@ -109,9 +109,10 @@ class BackwardReplay:
                     weight = arg[1]._parameters["weight"]
                     self.weights.append((new_slot(key), arg[1]._parameters, weight.shape))
                 return slot_of[key], 0
-            if kind == "extra":
+            if kind == "extra":   # (its dtype and shape as the call's: a kernel reads it in its own dtype)
                 if arg not in slot_of:
-                    self.extras.append((new_slot(arg), arg[1]))
+                    t = ctx.extra[arg[1]]
+                    self.extras.append((new_slot(arg), arg[1], t.dtype, t.shape))
                 return slot_of[arg], 0
             shared = {"bounds": BOUNDS, "gather_index": GATHER_INDEX, "index": INDEX, "stream": STREAM}.get(kind)
             if shared is None:   # ("layout", 0 | 1)
@@ -153,6 +154,8 @@ class BackwardReplay:
         self.slots = count[0]
         self.weights, self.extras = tuple(self.weights), tuple(self.extras)
         self.routed = bool(uses & {GATHER_INDEX, INDEX})
+        # the routing index's dtype: the gather kernel was compiled for it
+        self.index_dtype = None if ctx.index is None else ctx.index.dtype
         self.layout = bool(uses & {LAYOUT_ROWS, LAYOUT_OFFSETS})
         self.dx_slot = slot_of.get(("value", program.input_grad)) if needs[0] else None
         self.param_slots = tuple(targets.get(("param", id(p))) for p in program.params)
@@ -180,13 +183,14 @@ class BackwardReplay:
             if w.shape != shape or w_ptr & 15 or not w.is_contiguous():
                 return None
             ptr[slot] = w_ptr
-        for slot, name in self.extras:
+        for slot, name, dtype, shape in self.extras:
             t = ctx.extra.get(name)
-            if t is None or not t.is_contiguous():
+            if t is None or t.dtype is not dtype or t.shape != shape or not t.is_contiguous():
                 return None
             ptr[slot] = t.data_ptr()
         if self.routed:
-            if ctx.index is None or not ctx.index.is_contiguous():
+            index = ctx.index
+            if index is None or index.dtype is not self.index_dtype or not index.is_contiguous():
                 return None
             ptr[INDEX], ptr[GATHER_INDEX] = ctx.index.data_ptr(), gather_index(ctx).data_ptr()
         if self.layout:
