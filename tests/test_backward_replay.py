@@ -235,7 +235,8 @@ def test_an_index_of_another_dtype_goes_to_the_program(monkeypatch):
     index = torch.arange(ROWS) % (ROWS // 2)
 
     def ctx(index):
-        c = RunContext(index=index, counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32), groups=G, tokens=ROWS // 2)
+        c = RunContext(index=index, counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32), groups=G,
+                       tokens=ROWS // 2)
         c.derived["gather_index"] = index.to(torch.int32)
         return c
 

@@ -31,7 +31,8 @@ def _sizes(E, M, seed):
 
 def _block(E, d, f):
     torch.manual_seed(0)
-    return fusion.Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d)).to("cuda", torch.bfloat16)
+    block = fusion.Sequential(GroupLinear(E, d, 2 * f), SwiGLU(), Scale(), GroupLinear(E, f, d))
+    return block.to("cuda", torch.bfloat16)
 
 
 def _step(block, x, sizes, scale, dy, enabled, x_grad=True, scale_grad=True):

@@ -66,9 +66,9 @@ class BlockRunner:
         allowed = EMULATE_DTYPES if seq.backend == "emulate" else SUPPORTED_DTYPES.get(x.device.type,
                                                                                         SUPPORTED_DTYPES["cuda"])
         self.allowed = allowed
-        # no-grad forwards replayed as their launches, per rows (fusion/runtime/replay.py): fused plans on a GPU
-        # and the autograd node's forwards (training), per rows
-        # and the autograd node's backwards, per (rows, routed rows, wanted gradients): fusion/runtime/backward_replay.py
+        # no-grad forwards replayed as their launches, per rows (fusion/runtime/replay.py): fused plans on a GPU;
+        # the autograd node's forwards (training), per rows; its backwards, per (rows, routed rows, wanted
+        # gradients): fusion/runtime/backward_replay.py
         self.replays = self.train_replays = self.backward_replays = None
         if self.program is not None:
             from fusion.dataflow import v
@@ -155,10 +155,9 @@ class BlockRunner:
         env = state.env
         return env[self.output], [env.get(name) for name in self.plan.saves]
 
-
     def backward(self, output_grad: list, saved: list, ctx, rows: int, needs: tuple):
-        """The autograd node's backward (as program.backward: (dx, parameter gradients, extra-input gradients), `output_grad`
-        and `saved` emptied): replayed where an earlier backward of this call shape was
+        """The autograd node's backward, as program.backward ((dx, parameter gradients, extra-input gradients);
+        `output_grad` and `saved` emptied): replayed where an earlier backward of this call shape was
         (fusion/runtime/backward_replay.py), else the program's steps."""
         replays = self.backward_replays
         if replays is None:
