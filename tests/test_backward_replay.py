@@ -217,9 +217,10 @@ def test_gradients_nobody_wants_are_none(monkeypatch):
     assert [label for label, _ in s.log] == ["B1", "rows", "B2", "B4"]
 
 
-def test_an_index_of_another_dtype_goes_to_the_program(monkeypatch):
-    """A routed replay's gather kernel was compiled for the routing index's dtype: an int32 index where the replay
-    was built at int64 sends the call to the program."""
+def test_a_routed_replay_reads_the_calls_index_and_layout(monkeypatch):
+    """An MoE block's steps: the Combine's backward copy through the routing index, a weight gradient through the
+    gather index, the Gather's backward combine by the call's token layout; the gather kernel was compiled for the
+    routing index's dtype, so an int32 index where the replay was built at int64 sends the call to the program."""
     monkeypatch.setattr(B, "_raw_stream", lambda index: 77)
     log = []
     w = torch.randn(G, D, F, dtype=BF16)
@@ -232,18 +233,27 @@ def test_an_index_of_another_dtype_goes_to_the_program(monkeypatch):
     wgrad = StepLaunches(((("param", w), tuple(w.shape), BF16),),
                          ((Launch(log, "wgrad"), (("value", "g1"), ("value", "v1"), ("bounds", 0), ("gather_index",),
                                                   ("made", 0), ROWS, ROWS, ROWS, 5, ("stream",)), None),))
+    combine = StepLaunches(((("value", "g0"), (ROWS // 2, D), BF16),),
+                           ((Launch(log, "combine"), (("value", "g1"), ("layout", 0), ("layout", 1), ("made", 0),
+                                                      ROWS, ROWS // 2, ("stream",)), None),))
     index = torch.arange(ROWS) % (ROWS // 2)
 
     def ctx(index):
         c = RunContext(index=index, counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32), groups=G,
                        tokens=ROWS // 2)
         c.derived["gather_index"] = index.to(torch.int32)
+        c.derived["token_layout"] = (torch.argsort(index), torch.arange(ROWS // 2 + 1) * 2)
         return c
 
     call = B.CallShape((ROWS // 2, D), BF16, torch.device("cpu"), -1, (((ROWS, F), BF16),))
-    replay = B.build(program, ctx(index), [(copy, ("g2",)), (wgrad, ("g1", "v1"))], call, (False, True))
+    record = [(copy, ("g2",)), (wgrad, ("v1",)), (combine, ("g1",))]
+    replay = B.build(program, ctx(index), record, call, (True, True))
     dy, h = torch.randn(ROWS // 2, D, dtype=BF16), torch.randn(ROWS, F, dtype=BF16)
     c = ctx(index)
-    assert replay([dy], [h], c) is not None
-    assert log[0][1][1] == index.data_ptr() and log[1][1][3] == c.derived["gather_index"].data_ptr()
+    dx, grads, extra = replay([dy], [h], c)
+    (_, gather), (_, wgrad), (_, comb) = log
+    assert gather[1] == index.data_ptr() and wgrad[3] == c.derived["gather_index"].data_ptr()
+    rows, offsets = c.derived["token_layout"]             # the Gather's backward sums by the call's token layout
+    assert comb[:4] == (gather[2], rows.data_ptr(), offsets.data_ptr(), dx.data_ptr())
+    assert dx.shape == (ROWS // 2, D) and grads[0].shape == w.shape and extra == []
     assert replay([dy], [h], ctx(index.to(torch.int32))) is None
