@@ -19,14 +19,7 @@ pytestmark = pytest.mark.gpu
 if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
     pytest.skip("fused kernels need a Hopper (sm_90) GPU", allow_module_level=True)
 
-
-def _sizes(E, M, seed):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.rand(E, generator=g) + 0.05
-    w[::3] = 0
-    s = torch.floor(w / w.sum() * M).long()
-    s[int(torch.argmax(w))] += M - int(s.sum())
-    return s.to(torch.int32).cuda()
+from test_replay_gpu import _sizes  # noqa: E402  (imbalanced group sizes with empty groups, on the GPU)
 
 
 def _block(E, d, f):
