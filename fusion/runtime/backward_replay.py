@@ -30,6 +30,7 @@ from fusion.ops.routing import call_layout
 from fusion.runtime import lone_gemm, row_sums, wgrad_gemm
 from fusion.runtime.gather import gather_index
 from fusion.runtime.kernel import LAUNCHES
+from fusion.runtime.launch_code import LaunchCode
 from fusion.runtime.replay import launch_switches
 from fusion.runtime.steps import POISON
 
@@ -161,70 +162,95 @@ class BackwardReplay:
         self.param_slots = tuple(targets.get(("param", id(p))) for p in program.params)
         self.extra_slots = tuple(targets.get(("extra", name)) for name in ctx.extra)
         self.calls = 0   # replayed calls (tests assert that the replay ran)
+        self._run = self._generate()
 
     def __call__(self, output_grad: list, saved, ctx):
-        dy = output_grad[0]
-        if (not ENABLED or POISON["on"] or type(dy) is not torch.Tensor or dy.shape != self.dy_shape
-                or dy.dtype is not self.dtype or not dy.is_contiguous() or dy.data_ptr() & 15
-                or dy.get_device() != self.device_index or ctx.counters is None or ctx.groups != self.groups
-                or _switches() != self.switches):
-            return None
-        ptr = [0] * self.slots
+        made = self._run(output_grad, saved, ctx)
+        if made is not None:
+            self.calls += 1
+        return made
+
+    def _generate(self):
+        """The replay as one straight-line function (fusion/runtime/launch_code.py) of (output_grad, saved, ctx):
+        the guards, then every step's allocations, launches and drops, each pointer a local variable."""
+        import sys
+
+        code = LaunchCode("backward_replay", "output_grad, saved, ctx")
+        c, guard, line = code.const, code.guard, code.line
+        tensor = c(torch.Tensor, "Tensor")
+        line("dy = output_grad[0]")
+        guard(f"not {c(sys.modules[__name__], 'mod')}.ENABLED or {c(POISON, 'poison')}['on'] or type(dy) is not "
+              f"{tensor} or dy.shape != {c(self.dy_shape)} or dy.dtype is not {c(self.dtype, 'dtype')} or not "
+              f"dy.is_contiguous() or dy.data_ptr() & 15 or dy.get_device() != {self.device_index} or ctx.counters "
+              f"is None or ctx.groups != {c(self.groups)} or {c(_switches, 'switches')}() != "
+              f"{c(self.switches, 'switches')}")
         for slot, k, shape, dtype in self.saved:
-            t = saved[k]
-            if (type(t) is not torch.Tensor or t.shape != shape or t.dtype is not dtype or not t.is_contiguous()
-                    or t.data_ptr() & 15):
-                return None
-            ptr[slot] = t.data_ptr()
-        t = None   # (no frame reference to a saved value: each is freed after its last reader)
+            line(f"t = saved[{k}]")
+            guard(f"type(t) is not {tensor} or t.shape != {c(tuple(shape))} or t.dtype is not {c(dtype, 'dtype')} "
+                  f"or not t.is_contiguous()")
+            line(f"p{slot} = t.data_ptr()")
+            guard(f"p{slot} & 15")
         for slot, params, shape in self.weights:
-            w = params["weight"]
-            w_ptr = w.data_ptr()
-            if w.shape != shape or w_ptr & 15 or not w.is_contiguous():
-                return None
-            ptr[slot] = w_ptr
+            line(f"t = {c(params, 'params')}['weight']")
+            line(f"p{slot} = t.data_ptr()")
+            guard(f"t.shape != {c(tuple(shape))} or p{slot} & 15 or not t.is_contiguous()")
         for slot, name, dtype, shape in self.extras:
-            t = ctx.extra.get(name)
-            if t is None or t.dtype is not dtype or t.shape != shape or not t.is_contiguous():
-                return None
-            ptr[slot] = t.data_ptr()
+            line(f"t = ctx.extra.get({name!r})")
+            guard(f"t is None or t.dtype is not {c(dtype, 'dtype')} or t.shape != {c(tuple(shape))} or not "
+                  f"t.is_contiguous()")
+            line(f"p{slot} = t.data_ptr()")
         if self.routed:
-            index = ctx.index
-            if index is None or index.dtype is not self.index_dtype or not index.is_contiguous():
-                return None
-            ptr[INDEX], ptr[GATHER_INDEX] = ctx.index.data_ptr(), gather_index(ctx).data_ptr()
+            line("t = ctx.index")
+            guard(f"t is None or t.dtype is not {c(self.index_dtype, 'dtype')} or not t.is_contiguous()")
+            line(f"p{INDEX} = t.data_ptr()")
+            line(f"p{GATHER_INDEX} = {c(gather_index, 'gather_index')}(ctx).data_ptr()")
         if self.layout:
-            rows, offsets = call_layout(ctx)
-            ptr[LAYOUT_ROWS], ptr[LAYOUT_OFFSETS] = rows.data_ptr(), offsets.data_ptr()
+            line(f"t = {c(call_layout, 'call_layout')}(ctx)")
+            line(f"p{LAYOUT_ROWS}, p{LAYOUT_OFFSETS} = t[0].data_ptr(), t[1].data_ptr()")
         # every guard passed: the replay owns dY and the saved values from here, as the program would
-        values = [None] * self.slots
+        line("t = None")
         for slot, k, _, _ in self.saved:
-            values[slot] = saved[k]
-        if isinstance(saved, list):
-            saved.clear()
-        ptr[self.dy_slot] = dy.data_ptr()
-        values[self.dy_slot] = output_grad.pop()
-        del dy
-        if ctx.backward_counters_used:   # a second backward over one forward's buffer (retain_graph)
-            self.program.zero_backward_counters(ctx)
-        ctx.backward_counters_used = True
-        ptr[BOUNDS], ptr[STREAM] = ctx.counters.data_ptr(), _raw_stream(self.device_index)
-        device = self.device
+            line(f"v{slot} = saved[{k}]")
+        line("if isinstance(saved, list):")
+        line("    saved.clear()")
+        line(f"p{self.dy_slot} = dy.data_ptr()")
+        line(f"v{self.dy_slot} = output_grad.pop()")
+        line("del dy")
+        line("if ctx.backward_counters_used:   # a second backward over one forward's buffer (retain_graph)")
+        line(f"    {c(self.program, 'program')}.zero_backward_counters(ctx)")
+        line("ctx.backward_counters_used = True")
+        line(f"p{BOUNDS} = ctx.counters.data_ptr()")
+        line(f"p{STREAM} = {c(_raw_stream, 'raw_stream')}({self.device_index})")
+        empty, device = c(torch.empty, "empty"), c(self.device, "device")
+
+        def pointer(source) -> str:
+            slot, offset = source
+            return f"p{slot}" if not offset else f"p{slot} + {offset}"
+
+        def argument(a) -> str:
+            if type(a) is tuple:
+                return pointer(a)
+            if type(a) is list:
+                return "(" + "".join(pointer(s) + ", " for s in a) + ")"
+            return c(a)
+
         for allocs, calls, dropped in self.steps:
             for slot, shape, dtype in allocs:
-                made = values[slot] = torch.empty(shape, dtype=dtype, device=device)
-                ptr[slot] = made.data_ptr()
+                line(f"v{slot} = {empty}({c(shape)}, dtype={c(dtype, 'dtype')}, device={device})")
+                line(f"p{slot} = v{slot}.data_ptr()")
             for launch, spec, job in calls:
-                launch(*[ptr[a[0]] + a[1] if type(a) is tuple else tuple(ptr[s] + o for s, o in a)
-                         if type(a) is list else a for a in spec])
+                line(f"{c(launch, 'launch')}({', '.join(argument(a) for a in spec)})")
                 if job is not None:
-                    LAUNCHES.count(job)
+                    line(f"{c(LAUNCHES, 'launches')}.count({c(job, 'job')})")
             for slot in dropped:   # each value freed after its last reader, as the program drops it
-                values[slot] = None
-        self.calls += 1
-        return (None if self.dx_slot is None else values[self.dx_slot],
-                [None if s is None else values[s] for s in self.param_slots],
-                [None if s is None else values[s] for s in self.extra_slots])
+                line(f"v{slot} = None")
+
+        def value(slot) -> str:
+            return "None" if slot is None else f"v{slot}"
+
+        line(f"return ({value(self.dx_slot)}, [{', '.join(value(s) for s in self.param_slots)}], "
+             f"[{', '.join(value(s) for s in self.extra_slots)}])")
+        return code.compile()
 
 
 class _Unrepeatable(Exception):

@@ -37,6 +37,7 @@ from fusion.runtime import bounds as bounds_module
 from fusion.runtime import lone_gemm
 from fusion.runtime.bounds import DevicePrologue, RoutedPrologue
 from fusion.runtime.kernel import LAUNCHES
+from fusion.runtime.launch_code import LaunchCode
 from fusion.runtime.steps import POISON, BoundLaunch
 
 #: Read per call: False runs every call through the interpretive forward, and builds no replay (the A/B switch).
@@ -174,107 +175,142 @@ class ForwardReplay:
         self.jobs = tuple(launch.job for launch in launches if getattr(launch, "job", None) is not None)
         self.switches = launch_switches()
         self.calls = 0   # replayed calls (tests assert that the replay ran)
-
-    def _weights(self) -> list | None:
-        """Each GEMM's weight pointer, by step (None for a Combine), or None where a weight is not as the replay was
-        built (shape, layout)."""
-        weights = []
-        for step in self.steps:
-            if type(step) is _Gemm:
-                w = step.params["weight"]
-                w_ptr = w.data_ptr()
-                if w.shape != step.weight_shape or w_ptr & 15 or not w.is_contiguous():
-                    return None
-                weights.append(w_ptr)
-            else:
-                weights.append(None)
-        return weights
-
-    def _x_differs(self, x) -> bool:
-        return (not ENABLED or type(x) is not torch.Tensor or x.shape != self.x_shape or x.dtype is not self.dtype
-                or x.get_device() != self.device_index or not x.is_contiguous() or x.data_ptr() & 15 or POISON["on"]
-                or launch_switches() != self.switches)
-
-    def _launch(self, ptr: list, weights: list, extras: list, ctx) -> None:
-        stream = _raw_stream(self.device_index)
-        bounds = ptr[BOUNDS]
-        if self.routed:   # (index, sizes) lead the extras
-            self.prologue.launch(ptr[EXTRAS + 1], ptr[EXTRAS], bounds, ptr[INDEX], self.rows, self.tokens,
-                                 self.counters, stream)
-        else:
-            self.prologue.launch(bounds if self.sizes_dtype is None else ptr[EXTRAS], bounds, self.rows,
-                                 self.counters, stream)
-        for step, w_ptr in zip(self.steps, weights):
-            step(ptr, w_ptr, bounds, stream, extras, ctx)
-        for job in self.jobs:
-            LAUNCHES.count(job)
-        self.calls += 1
+        self.training = train   # the mode it was built in: __call__ (no grad) or train()
+        self._run = self._generate(train)
 
     def __call__(self, x: torch.Tensor, extra: dict) -> torch.Tensor | None:
         """The no-grad forward, or None: the call differs from the one the replay was built at."""
-        if self._x_differs(x) or extra.keys() != self.names:
-            return None
-        index = self.device_index
-        for p in self.params:
-            if p.dtype is not self.dtype or p.get_device() != index:
-                return None
-        ptr = [x.data_ptr(), 0, 0, 0, 0]
-        tensors = []
-        for name, dtype, shape in self.extras:
-            t = extra[name]
-            if (not isinstance(t, torch.Tensor) or t.dtype is not dtype or t.shape != shape
-                    or t.get_device() != index or not t.is_contiguous()):
-                return None
-            ptr.append(t.data_ptr())
-            tensors.append(t)
-        weights = self._weights()
-        if weights is None:
-            return None
-        device = self.device
-        scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device)
-        y = torch.empty(self.out_shape, dtype=self.dtype, device=device)
-        base = scratch.data_ptr()
-        ptr[OUT], ptr[SCRATCH], ptr[BOUNDS] = y.data_ptr(), base, base
-        if self.routed:
-            ptr[INDEX] = base + self.index_offset
-        self._launch(ptr, weights, tensors, None)
+        y = None if self.training else self._run(x, extra)
+        if y is not None:
+            self.calls += 1
         return y
 
     def train(self, x: torch.Tensor, ctx):
         """The training forward over a checked call's context (BlockInputs.context made it), as program.forward:
         (block output, saved values in plan.saves order), ctx's bounds buffer (and gather index, absorbed sizes)
         set; or None."""
-        sizes = ctx.routed_group_sizes
-        if self._x_differs(x) or (None if sizes is None else sizes.dtype) is not self.sizes_dtype:
-            return None
-        tensors = [t for t in (ctx.index, sizes) if t is not None]
-        if self.routed and (ctx.index.shape != self.extras[0][2] or ctx.index.dtype is not self.extras[0][1]
-                            or not ctx.index.is_contiguous()):
-            return None
-        for t in ctx.extra.values():
-            if not t.is_contiguous():
-                return None
-            tensors.append(t)
-        weights = self._weights()
-        if weights is None:
-            return None
-        device, dtype = self.device, self.dtype
-        buffer = torch.empty(self.bounds_numel, dtype=torch.int32, device=device)
-        index32 = torch.empty(self.rows, dtype=torch.int32, device=device) if self.routed else None
-        scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device) if self.scratch_bytes else None
-        y = torch.empty(self.out_shape, dtype=dtype, device=device)
-        saved = [torch.empty(shape, dtype=dtype, device=device) for _, shape in self.saved_shapes]
-        ptr = [x.data_ptr(), y.data_ptr(), 0 if scratch is None else scratch.data_ptr(), buffer.data_ptr(),
-               0 if index32 is None else index32.data_ptr()]
-        ptr.extend(t.data_ptr() for t in tensors)
-        ptr.extend(t.data_ptr() for t in saved)
-        self._launch(ptr, weights, tensors, ctx)
+        made = self._run(x, ctx) if self.training else None
+        if made is not None:
+            self.calls += 1
+        return made
+
+    def _generate(self, train: bool):
+        """The replay as one straight-line function (fusion/runtime/launch_code.py): of (x, extra) without grad,
+        of (x, ctx) in training; its guards, allocations and launches, each pointer a local variable."""
+        import sys
+
+        code = LaunchCode("forward_replay", "x, ctx" if train else "x, extra")
+        c, guard, line = code.const, code.guard, code.line
+        tensor, device, index = c(torch.Tensor, "Tensor"), c(self.device, "device"), self.device_index
+        dtype = c(self.dtype, "dtype")
+        x_differs = (f"not {c(sys.modules[__name__], 'mod')}.ENABLED or type(x) is not {tensor} or x.shape != "
+                     f"{c(self.x_shape)} or x.dtype is not {dtype} or x.get_device() != {index} or not "
+                     f"x.is_contiguous() or x.data_ptr() & 15 or {c(POISON, 'poison')}['on'] or "
+                     f"{c(launch_switches, 'switches')}() != {c(self.switches, 'switches')}")
+        extra_names = [name for name, _, _ in self.extras]
+        if train:
+            line("sizes = ctx.routed_group_sizes")
+            sizes = ("sizes is not None" if self.sizes_dtype is None else
+                     f"sizes is None or sizes.dtype is not {c(self.sizes_dtype, 'dtype')}")
+            guard(f"{x_differs} or {sizes}")
+            for k, (name, t_dtype, shape) in enumerate(self.extras):
+                if name == "index":
+                    line(f"e{k} = ctx.index")
+                    guard(f"e{k}.shape != {c(shape)} or e{k}.dtype is not {c(t_dtype, 'dtype')} or not "
+                          f"e{k}.is_contiguous()")
+                elif name == "group_sizes" and k == (1 if self.routed else 0) and self.sizes_dtype is not None:
+                    line(f"e{k} = sizes")
+                else:
+                    line(f"e{k} = ctx.extra[{name!r}]")
+                    guard(f"not e{k}.is_contiguous()")
+        else:
+            guard(f"{x_differs} or extra.keys() != {c(self.names, 'names')}")
+            line(f"for t in {c(self.params, 'params')}:")   # (the runner's list, read per call)
+            line(f"    if t.dtype is not {dtype} or t.get_device() != {index}:")
+            line("        return None")
+            for k, (name, t_dtype, shape) in enumerate(self.extras):
+                line(f"e{k} = extra[{name!r}]")
+                guard(f"not isinstance(e{k}, {tensor}) or e{k}.dtype is not {c(t_dtype, 'dtype')} or e{k}.shape != "
+                      f"{c(shape)} or e{k}.get_device() != {index} or not e{k}.is_contiguous()")
+        for n, step in enumerate(self.steps):   # each GEMM's weight, read at each call (a parameter may be replaced)
+            if type(step) is _Gemm:
+                line(f"t = {c(step.params, 'params')}['weight']")
+                line(f"w{n} = t.data_ptr()")
+                guard(f"t.shape != {c(step.weight_shape)} or w{n} & 15 or not t.is_contiguous()")
+        empty = c(torch.empty, "empty")
+        pointer = {X: "x.data_ptr()", OUT: "y.data_ptr()"}
+        pointer.update({EXTRAS + k: f"e{k}.data_ptr()" for k in range(len(self.extras))})
+        if train:
+            line(f"bounds = {empty}({self.bounds_numel}, dtype={c(torch.int32, 'dtype')}, device={device})")
+            if self.routed:
+                line(f"index32 = {empty}({self.rows}, dtype={c(torch.int32, 'dtype')}, device={device})")
+                pointer[INDEX] = "index32.data_ptr()"
+            if self.scratch_bytes:
+                line(f"scratch = {empty}({self.scratch_bytes}, dtype={c(torch.uint8, 'dtype')}, device={device})")
+                pointer[SCRATCH] = "scratch.data_ptr()"
+            line(f"y = {empty}({c(self.out_shape)}, dtype={dtype}, device={device})")
+            for k, (_, shape) in enumerate(self.saved_shapes):
+                line(f"s{k} = {empty}({c(shape)}, dtype={dtype}, device={device})")
+                pointer[EXTRAS + len(self.extras) + k] = f"s{k}.data_ptr()"
+            line("b = bounds.data_ptr()")
+        else:
+            line(f"scratch = {empty}({self.scratch_bytes}, dtype={c(torch.uint8, 'dtype')}, device={device})")
+            line(f"y = {empty}({c(self.out_shape)}, dtype={dtype}, device={device})")
+            line("b = scratch.data_ptr()")
+            pointer[SCRATCH] = "b"
+            if self.routed:
+                pointer[INDEX] = f"b + {self.index_offset}"
+        pointer[BOUNDS] = "b"
+        # each pointer a call reads, once, in a local (p<slot>)
+        used = {BOUNDS}
+        for step in self.steps:
+            if type(step) is _Gemm:
+                used.update((step.a[0], step.index, *(s for s, _ in step.outs)))
+            else:
+                used.update((step.y[0], step.out[0]))
+        if self.routed:
+            used.update((EXTRAS, EXTRAS + 1, INDEX))
+        elif self.sizes_dtype is not None:
+            used.add(EXTRAS)
+        for slot in sorted(used):
+            line(f"p{slot} = {pointer[slot]}")
+
+        def at(source) -> str:
+            slot, offset = source
+            return f"p{slot}" if not offset else f"p{slot} + {offset}"
+
+        line(f"s = {c(_raw_stream, 'raw_stream')}({index})")
+        prologue = c(self.prologue, "prologue")
+        if self.routed:   # (index, sizes) lead the extras
+            line(f"{prologue}.launch(p{EXTRAS + 1}, p{EXTRAS}, p{BOUNDS}, p{INDEX}, {self.rows}, {self.tokens}, "
+                 f"{self.counters}, s)")
+        else:
+            sizes_at = f"p{BOUNDS}" if self.sizes_dtype is None else f"p{EXTRAS}"
+            line(f"{prologue}.launch({sizes_at}, p{BOUNDS}, {self.rows}, {self.counters}, s)")
+        for n, step in enumerate(self.steps):
+            if type(step) is _Gemm:
+                outs = "".join(at(o) + ", " for o in step.outs)
+                line(f"{c(step.launch, 'launch')}({at(step.a)}, w{n}, p{BOUNDS}, p{BOUNDS} + {step.counter}, "
+                     f"p{step.index}, ({outs}), {step.M}, {step.T}, {step.ctas}, s)")
+            else:   # a Combine: the token layout of the call's routing index (the backward's Gather reads it)
+                line(f"rows, offsets = {c(layout_of, 'layout_of')}(e{step.index_extra}, {step.T})")
+                if train:
+                    line("ctx.derived['token_layout'] = (rows, offsets)")
+                line(f"{c(step.launch, 'launch')}({at(step.y)}, rows.data_ptr(), offsets.data_ptr(), "
+                     f"{at(step.out)}, {step.M}, {step.T}, s)")
+        for job in self.jobs:
+            line(f"{c(LAUNCHES, 'launches')}.count({c(job, 'job')})")
+        if not train:
+            line("return y")
+            return code.compile()
         if self.routed:   # as RoutedPrologue sets them (fusion/runtime/bounds.py)
-            ctx.derived["gather_index"] = index32
-            ctx.group_sizes = buffer.narrow(0, self.head, self.groups)
-            buffer = buffer.narrow(0, 0, self.head)
-        ctx.counters, ctx.groups, ctx.backward_counters_used = buffer, self.groups, False
-        return y, [None if s is None else x if s[0] == "x" else saved[s[1]] for s in self.saves]
+            line("ctx.derived['gather_index'] = index32")
+            line(f"ctx.group_sizes = bounds.narrow(0, {self.head}, {self.groups})")
+            line(f"bounds = bounds.narrow(0, 0, {self.head})")
+        line(f"ctx.counters, ctx.groups, ctx.backward_counters_used = bounds, {self.groups}, False")
+        saves = ", ".join("None" if s is None else "x" if s[0] == "x" else f"s{s[1]}" for s in self.saves)
+        line(f"return y, [{saves}]")
+        return code.compile()
 
 
 def build(runner, x: torch.Tensor, ctx, state, train: bool = False) -> ForwardReplay | None:
