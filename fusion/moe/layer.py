@@ -86,10 +86,11 @@ class MoE(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.d:
             raise ShapeError(f"MoE: x has {x.shape[-1]} features but the layer has d={self.d}")
-        tokens = x.reshape(-1, self.d)
+        flat = x.dim() != 2   # (a 2-D x goes through as is: each reshape is a view node for autograd to run)
+        tokens = x.reshape(-1, self.d) if flat else x
         r = self.route(tokens)
         y = self.experts(tokens, index=r.index, group_sizes=r.group_sizes, **{self.probs_input: r.probs})
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y.reshape(*x.shape[:-1], y.shape[-1]) if flat else y
 
     def extra_repr(self) -> str:
         return (f"d={self.d}, E={self.num_experts}, k={self.k}, score={self.score!r}, normalize={self.normalize}, "

@@ -29,9 +29,14 @@ def takes(logits: torch.Tensor, k: int, bias: torch.Tensor | None) -> bool:
             and (bias is None or bias.device == logits.device) and not torch.compiler.is_compiling()
             and cuda_major(logits.device) == 9):
         return False
-    from fusion.kernels.route import MAX_EXPERTS, MAX_K   # (loads the DSL: only for a CUDA tensor)
+    if not _LIMITS:
+        from fusion.kernels.route import MAX_EXPERTS, MAX_K   # (loads the DSL: only for a CUDA tensor)
 
-    return logits.shape[1] <= MAX_EXPERTS and k <= MAX_K
+        _LIMITS.extend((MAX_EXPERTS, MAX_K))
+    return logits.shape[1] <= _LIMITS[0] and k <= _LIMITS[1]
+
+
+_LIMITS: list = []   # (MAX_EXPERTS, MAX_K) of the kernels, once they are imported
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -46,29 +51,46 @@ def _bias32(bias):
     return b if b.dtype == torch.float32 and b.is_contiguous() else b.to(torch.float32).contiguous()
 
 
+#: (kernel, logits dtype, E, k, score, normalize, has_bias) -> its launch function: one dictionary lookup per launch
+#: instead of compile_once's locked cache (host time: a small batch waits for it)
+_LAUNCHES: dict = {}
+
+
+def _launch_of(kernel: str, dtype: torch.dtype, E: int, k: int, score: str, normalize: bool, has_bias: bool):
+    key = (kernel, dtype, E, k, score, normalize, has_bias)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        from fusion.kernels import route as kernels
+
+        name = _dtype_name(dtype)
+        compiled = (kernels.compile_route_sort(name, E, k) if kernel == "sort" else
+                    getattr(kernels, f"compile_route_{kernel}")(name, E, k, score, normalize, has_bias))
+        launch = _LAUNCHES[key] = compiled.launch
+    return launch
+
+
 def _forward(logits: torch.Tensor, k: int, score: str, bias32, normalize: bool):
     """(index, group_sizes, probs, expert, top, pos): route's results and what the backward reads. `bias32`: the
     bias as _bias32 gives it (a kernel without one reads the logits' address in its place, never the values)."""
-    from fusion.kernels.route import compile_route_sort, compile_route_topk
-
     logits = logits if logits.is_contiguous() else logits.contiguous()
     T, E = logits.shape
-    S, dev, name = T * k, logits.device, _dtype_name(logits.dtype)
+    S, dev = T * k, logits.device
+    key = (logits.dtype, E, k, score, normalize, bias32 is not None)
     stream = torch._C._cuda_getCurrentRawStream(dev.index)
     top = torch.empty(S, dtype=torch.int16, device=dev)
     w = torch.empty(S, dtype=torch.float32, device=dev)
     offsets = torch.empty(T + 2, dtype=torch.int64, device=dev)
-    compile_route_topk(name, E, k, score, normalize, bias32 is not None).launch(
-        logits.data_ptr(), (logits if bias32 is None else bias32).data_ptr(), top.data_ptr(), w.data_ptr(), offsets.data_ptr(), T, stream)
+    logits_ptr = logits.data_ptr()
+    _launch_of("topk", *key)(logits_ptr, logits_ptr if bias32 is None else bias32.data_ptr(), top.data_ptr(),
+                             w.data_ptr(), offsets.data_ptr(), T, stream)
     index = torch.empty(S, dtype=torch.int64, device=dev)
     expert = torch.empty(S, dtype=torch.int64, device=dev)
     probs = torch.empty(S, dtype=logits.dtype, device=dev)
     sizes = torch.empty(E, dtype=torch.int32, device=dev)
     pos = torch.empty(S, dtype=torch.int32, device=dev)
     rows_by_token = torch.empty(S, dtype=torch.int64, device=dev)
-    compile_route_sort(name, E, k).launch(top.data_ptr(), w.data_ptr(), index.data_ptr(), expert.data_ptr(),
-                                          probs.data_ptr(), sizes.data_ptr(), pos.data_ptr(), rows_by_token.data_ptr(),
-                                          S, stream)
+    _launch_of("sort", *key)(top.data_ptr(), w.data_ptr(), index.data_ptr(), expert.data_ptr(), probs.data_ptr(),
+                             sizes.data_ptr(), pos.data_ptr(), rows_by_token.data_ptr(), S, stream)
     remember_token_layout(index, T, (rows_by_token, offsets))
     return index, sizes, probs, expert, top, pos
 
@@ -86,24 +108,27 @@ class _KernelRoute(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, _index, _sizes, dprobs, _expert):
-        from fusion.kernels.route import compile_route_grad
-
         logits, top, pos = fctx.saved_tensors
         logits = logits if logits.is_contiguous() else logits.contiguous()
         T, E = logits.shape
         dprobs = dprobs.to(logits.dtype).contiguous()
         dlogits = torch.empty_like(logits)
         b = logits if fctx.bias is None else fctx.bias
-        compile_route_grad(_dtype_name(logits.dtype), E, fctx.k, fctx.score, fctx.normalize,
-                           fctx.bias is not None).launch(
+        _launch_of("grad", logits.dtype, E, fctx.k, fctx.score, fctx.normalize, fctx.bias is not None)(
             logits.data_ptr(), b.data_ptr(), top.data_ptr(), pos.data_ptr(), dprobs.data_ptr(), dlogits.data_ptr(),
             T, dprobs.shape[0], torch._C._cuda_getCurrentRawStream(logits.device.index))
         return dlogits, None, None, None, None
+
+
+#: torch.autograd.Function.apply's C implementation for _KernelRoute (as fusion/runtime/autograd.py's _APPLY: the
+#: Python wrapper only unwraps dead functorch wrappers, outside functorch transforms)
+_APPLY = super(torch.autograd.Function, _KernelRoute).apply
 
 
 def route_top_k(logits: torch.Tensor, k: int, score: str, bias, normalize: bool):
     """(index, group_sizes, probs, expert) of route() without token rounding, by the kernels."""
     bias32 = _bias32(bias)
     if torch.is_grad_enabled() and logits.requires_grad:
-        return _KernelRoute.apply(logits, k, score, bias32, normalize)
+        apply = _KernelRoute.apply if torch._C._are_functorch_transforms_active() else _APPLY
+        return apply(logits, k, score, bias32, normalize)
     return _forward(logits, k, score, bias32, normalize)[:4]
