@@ -70,29 +70,35 @@ def _launch_of(kernel: str, dtype: torch.dtype, E: int, k: int, score: str, norm
 
 
 def _forward(logits: torch.Tensor, k: int, score: str, bias32, normalize: bool):
-    """(index, group_sizes, probs, expert, top, pos): route's results and what the backward reads. `bias32`: the
-    bias as _bias32 gives it (a kernel without one reads the logits' address in its place, never the values)."""
+    """(index, group_sizes, probs, expert, slots): route's results, and what the backward reads (`slots`: per
+    token-major slot its score (float32; the sort's input), its routed row (int32, pos) and its expert (int16, top),
+    in that order in one int32 buffer: one allocation instead of three). `bias32`: the bias as _bias32 gives it (a
+    kernel without one reads the logits' address in its place, never the values)."""
     logits = logits if logits.is_contiguous() else logits.contiguous()
     T, E = logits.shape
     S, dev = T * k, logits.device
     key = (logits.dtype, E, k, score, normalize, bias32 is not None)
     stream = torch._C._cuda_getCurrentRawStream(dev.index)
-    top = torch.empty(S, dtype=torch.int16, device=dev)
-    w = torch.empty(S, dtype=torch.float32, device=dev)
+    slots = torch.empty(2 * S + (S + 1) // 2, dtype=torch.int32, device=dev)
     offsets = torch.empty(T + 2, dtype=torch.int64, device=dev)
+    w, pos, top = _slot_pointers(slots.data_ptr(), S)
     logits_ptr = logits.data_ptr()
-    _launch_of("topk", *key)(logits_ptr, logits_ptr if bias32 is None else bias32.data_ptr(), top.data_ptr(),
-                             w.data_ptr(), offsets.data_ptr(), T, stream)
+    _launch_of("topk", *key)(logits_ptr, logits_ptr if bias32 is None else bias32.data_ptr(), top, w,
+                             offsets.data_ptr(), T, stream)
     index = torch.empty(S, dtype=torch.int64, device=dev)
     expert = torch.empty(S, dtype=torch.int64, device=dev)
     probs = torch.empty(S, dtype=logits.dtype, device=dev)
     sizes = torch.empty(E, dtype=torch.int32, device=dev)
-    pos = torch.empty(S, dtype=torch.int32, device=dev)
     rows_by_token = torch.empty(S, dtype=torch.int64, device=dev)
-    _launch_of("sort", *key)(top.data_ptr(), w.data_ptr(), index.data_ptr(), expert.data_ptr(), probs.data_ptr(),
-                             sizes.data_ptr(), pos.data_ptr(), rows_by_token.data_ptr(), S, stream)
+    _launch_of("sort", *key)(top, w, index.data_ptr(), expert.data_ptr(), probs.data_ptr(), sizes.data_ptr(), pos,
+                             rows_by_token.data_ptr(), S, stream)
     remember_token_layout(index, T, (rows_by_token, offsets))
-    return index, sizes, probs, expert, top, pos
+    return index, sizes, probs, expert, slots
+
+
+def _slot_pointers(base: int, S: int) -> tuple[int, int, int]:
+    """(w, pos, top): the addresses of the slots buffer's three arrays (see _forward)."""
+    return base, base + 4 * S, base + 8 * S
 
 
 class _KernelRoute(torch.autograd.Function):
@@ -100,22 +106,23 @@ class _KernelRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, logits, k: int, score: str, bias32, normalize: bool):
-        index, sizes, probs, expert, top, pos = _forward(logits, k, score, bias32, normalize)
-        fctx.save_for_backward(logits, top, pos)
+        index, sizes, probs, expert, slots = _forward(logits, k, score, bias32, normalize)
+        fctx.save_for_backward(logits, slots)
         fctx.k, fctx.score, fctx.normalize, fctx.bias = k, score, normalize, bias32
         fctx.mark_non_differentiable(index, sizes, expert)
         return index, sizes, probs, expert
 
     @staticmethod
     def backward(fctx, _index, _sizes, dprobs, _expert):
-        logits, top, pos = fctx.saved_tensors
+        logits, slots = fctx.saved_tensors
         logits = logits if logits.is_contiguous() else logits.contiguous()
         T, E = logits.shape
+        _, pos, top = _slot_pointers(slots.data_ptr(), T * fctx.k)
         dprobs = dprobs.to(logits.dtype).contiguous()
         dlogits = torch.empty_like(logits)
         b = logits if fctx.bias is None else fctx.bias
         _launch_of("grad", logits.dtype, E, fctx.k, fctx.score, fctx.normalize, fctx.bias is not None)(
-            logits.data_ptr(), b.data_ptr(), top.data_ptr(), pos.data_ptr(), dprobs.data_ptr(), dlogits.data_ptr(),
+            logits.data_ptr(), b.data_ptr(), top, pos, dprobs.data_ptr(), dlogits.data_ptr(),
             T, dprobs.shape[0], torch._C._cuda_getCurrentRawStream(logits.device.index))
         return dlogits, None, None, None, None
 
