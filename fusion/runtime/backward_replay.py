@@ -14,7 +14,8 @@ call shape (rows, routed rows, which gradients autograd wants) runs guards (dY's
 each saved value's; each weight's shape and layout; the extra inputs' layout; the module switches the steps' rules
 read), then allocates what each step allocated, launches what it launched on the current stream, and drops each
 value where the interpretive call did (so dY and the saved activations are freed after their last readers, the same
-peak). Anything a step cannot say (FP8 operands, torch's GEMM, autograd through an op's reference, a bias gradient)
+peak), all as one straight-line function generated when the replay is built (fusion/runtime/launch_code.py).
+Anything a step cannot say (FP8 operands, torch's GEMM, autograd through an op's reference, a bias gradient)
 means no replay for that call shape: every call there stays interpretive.
 
 The gradients are the same bits: the same kernels at the same bindings over the same operands in the same order.
@@ -22,6 +23,7 @@ The gradients are the same bits: the same kernels at the same bindings over the 
 """
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -152,7 +154,6 @@ class BackwardReplay:
             dropped = (*scratch, *(slot_of[("value", name)] for name in release if ("value", name) in slot_of))
             steps.append((tuple(allocs), tuple(calls), dropped))
         self.steps = tuple(steps)
-        self.slots = count[0]
         self.weights, self.extras = tuple(self.weights), tuple(self.extras)
         self.routed = bool(uses & {GATHER_INDEX, INDEX})
         # the routing index's dtype: the gather kernel was compiled for it
@@ -173,8 +174,6 @@ class BackwardReplay:
     def _generate(self):
         """The replay as one straight-line function (fusion/runtime/launch_code.py) of (output_grad, saved, ctx):
         the guards, then every step's allocations, launches and drops, each pointer a local variable."""
-        import sys
-
         code = LaunchCode("backward_replay", "output_grad, saved, ctx")
         c, guard, line = code.const, code.guard, code.line
         tensor = c(torch.Tensor, "Tensor")

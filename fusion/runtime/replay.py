@@ -22,11 +22,15 @@ Two kinds, one per forward mode (`train`):
     it does not read stays in a scratch buffer that is freed with the forward), and the call's context gets them as
     program.forward would set it.
 
-Any guard that fails returns None and the interpretive path runs (and raises its error where the call is wrong).
+Each replay runs as one straight-line function generated when it is built (fusion/runtime/launch_code.py): its
+guards, allocations and launches with every argument written out, nothing interpreted per call. Any guard that fails
+returns None and the interpretive path runs (and raises its error where the call is wrong).
 A plan with a step the replay cannot repeat (torch's GEMM, an op's reference, a quantized output, a wide GEMM's
 gather copy, FP8 operands) is never replayed. `ENABLED = False` turns replays off and builds none (the A/B switch).
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -197,8 +201,6 @@ class ForwardReplay:
     def _generate(self, train: bool):
         """The replay as one straight-line function (fusion/runtime/launch_code.py): of (x, extra) without grad,
         of (x, ctx) in training; its guards, allocations and launches, each pointer a local variable."""
-        import sys
-
         code = LaunchCode("forward_replay", "x, ctx" if train else "x, extra")
         c, guard, line = code.const, code.guard, code.line
         tensor, device, index = c(torch.Tensor, "Tensor"), c(self.device, "device"), self.device_index
@@ -207,7 +209,6 @@ class ForwardReplay:
                      f"{c(self.x_shape)} or x.dtype is not {dtype} or x.get_device() != {index} or not "
                      f"x.is_contiguous() or x.data_ptr() & 15 or {c(POISON, 'poison')}['on'] or "
                      f"{c(launch_switches, 'switches')}() != {c(self.switches, 'switches')}")
-        extra_names = [name for name, _, _ in self.extras]
         if train:
             line("sizes = ctx.routed_group_sizes")
             sizes = ("sizes is not None" if self.sizes_dtype is None else
@@ -273,7 +274,7 @@ class ForwardReplay:
         elif self.sizes_dtype is not None:
             used.add(EXTRAS)
         for slot in sorted(used):
-            line(f"p{slot} = {pointer[slot]}")
+            line(f"p{slot} = {pointer.get(slot, '0')}")   # (0: a slot the call has none of, as before)
 
         def at(source) -> str:
             slot, offset = source
