@@ -1,8 +1,7 @@
 """fusion/runtime/launch_code.py: the generated straight-line functions the replays run (no GPU)."""
-import sys
-
 import torch
 
+import test_backward_replay as stand_in   # (tests/ is on sys.path, as for test_backward_replay_gpu's import)
 from fusion.runtime.launch_code import LaunchCode
 
 
@@ -31,9 +30,6 @@ def test_the_function_runs_its_guards_and_lines():
 
 def test_a_backward_replay_is_straight_line(monkeypatch):
     """The generated backward has no loop: each launch is one call with its arguments written out."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-    import test_backward_replay as stand_in
-
     s = stand_in._setup(monkeypatch)
     source = s.replay._run.__fusion_source__
     assert " for " not in source and "while" not in source
