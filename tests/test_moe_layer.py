@@ -105,3 +105,16 @@ def test_custom_probs_name():
     assert moe.probs_input == "probs"
     assert moe(torch.randn(9, D)).shape == (9, D)
     assert isinstance(fusion.MoE.swiglu(D, 4, F, 2).experts[0], Gather)
+
+
+def test_the_merged_routing_node_stays_off_the_cpu():
+    """fusion/runtime/moe_node.py runs on a Hopper GPU only: on the CPU the layer records route's node and the
+    experts block's node (its GPU tests: tests/test_moe_node_gpu.py)."""
+    from fusion.runtime import moe_node
+
+    moe = fusion.MoE.swiglu(16, 4, 8, k=2)
+    x = torch.randn(6, 16, requires_grad=True)
+    assert moe_node.takes(moe, moe.router(x), x) is None
+    before = moe_node.CALLS["n"]
+    moe(x).sum().backward()
+    assert moe_node.CALLS["n"] == before and x.grad is not None

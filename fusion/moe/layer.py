@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 from fusion.errors import OpArgumentError, ShapeError
-from fusion.moe.routing import SCORES, route
+from fusion.moe.routing import SCORES, _validate, route
 from fusion.ops.args import positive_int
 from fusion.ops import Combine, Gather, GroupLinear, Scale, SwiGLU
+from fusion.runtime import moe_node
 from fusion.sequential import Sequential
 
 
@@ -88,8 +89,15 @@ class MoE(torch.nn.Module):
             raise ShapeError(f"MoE: x has {x.shape[-1]} features but the layer has d={self.d}")
         flat = x.dim() != 2   # (a 2-D x goes through as is: each reshape is a view node for autograd to run)
         tokens = x.reshape(-1, self.d) if flat else x
-        r = self.route(tokens)
-        y = self.experts(tokens, index=r.index, group_sizes=r.group_sizes, **{self.probs_input: r.probs})
+        logits = self.router(tokens)
+        runner = moe_node.takes(self, logits, tokens)
+        if runner is not None:   # training on the GPU: route and the experts block in one autograd node
+            _validate(logits, self.k, self.score, self.expert_bias, self.round_to)   # (as route() checks them)
+            y = moe_node.run(self, runner, logits, tokens)
+        else:
+            r = route(logits, self.k, score=self.score, bias=self.expert_bias, normalize=self.normalize,
+                      round_to=self.round_to)
+            y = self.experts(tokens, index=r.index, group_sizes=r.group_sizes, **{self.probs_input: r.probs})
         return y.reshape(*x.shape[:-1], y.shape[-1]) if flat else y
 
     def extra_repr(self) -> str:

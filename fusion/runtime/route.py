@@ -43,7 +43,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _bias32(bias):
+def kernel_bias(bias):
     """The bias as the kernels read it (float32, contiguous), or None."""
     if bias is None:
         return None
@@ -69,10 +69,10 @@ def _launch_of(kernel: str, dtype: torch.dtype, E: int, k: int, score: str, norm
     return launch
 
 
-def _forward(logits: torch.Tensor, k: int, score: str, bias32, normalize: bool):
+def forward(logits: torch.Tensor, k: int, score: str, bias32, normalize: bool):
     """(index, group_sizes, probs, expert, slots): route's results, and what the backward reads (`slots`: per
     token-major slot its score (float32; the sort's input), its routed row (int32, pos) and its expert (int16, top),
-    in that order in one int32 buffer: one allocation instead of three). `bias32`: the bias as _bias32 gives it (a
+    in that order in one int32 buffer: one allocation instead of three). `bias32`: the bias as kernel_bias gives it (a
     kernel without one reads the logits' address in its place, never the values)."""
     logits = logits if logits.is_contiguous() else logits.contiguous()
     T, E = logits.shape
@@ -97,7 +97,7 @@ def _forward(logits: torch.Tensor, k: int, score: str, bias32, normalize: bool):
 
 
 def _slot_pointers(base: int, S: int) -> tuple[int, int, int]:
-    """(w, pos, top): the addresses of the slots buffer's three arrays (see _forward)."""
+    """(w, pos, top): the addresses of the slots buffer's three arrays (see forward)."""
     return base, base + 4 * S, base + 8 * S
 
 
@@ -106,7 +106,7 @@ class _KernelRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, logits, k: int, score: str, bias32, normalize: bool):
-        index, sizes, probs, expert, slots = _forward(logits, k, score, bias32, normalize)
+        index, sizes, probs, expert, slots = forward(logits, k, score, bias32, normalize)
         fctx.save_for_backward(logits, slots)
         fctx.k, fctx.score, fctx.normalize, fctx.bias = k, score, normalize, bias32
         fctx.mark_non_differentiable(index, sizes, expert)
@@ -115,16 +115,23 @@ class _KernelRoute(torch.autograd.Function):
     @staticmethod
     def backward(fctx, _index, _sizes, dprobs, _expert):
         logits, slots = fctx.saved_tensors
-        logits = logits if logits.is_contiguous() else logits.contiguous()
-        T, E = logits.shape
-        _, pos, top = _slot_pointers(slots.data_ptr(), T * fctx.k)
-        dprobs = dprobs.to(logits.dtype).contiguous()
-        dlogits = torch.empty_like(logits)
-        b = logits if fctx.bias is None else fctx.bias
-        _launch_of("grad", logits.dtype, E, fctx.k, fctx.score, fctx.normalize, fctx.bias is not None)(
-            logits.data_ptr(), b.data_ptr(), top, pos, dprobs.data_ptr(), dlogits.data_ptr(),
-            T, dprobs.shape[0], torch._C._cuda_getCurrentRawStream(logits.device.index))
-        return dlogits, None, None, None, None
+        return backward(logits, slots, dprobs, fctx.k, fctx.score, fctx.normalize, fctx.bias), None, None, None, None
+
+
+def backward(logits: torch.Tensor, slots: torch.Tensor, dprobs: torch.Tensor, k: int, score: str, normalize: bool,
+             bias32) -> torch.Tensor:
+    """dlogits (T, E) from the probs' gradient dprobs (M,): one launch of the chain rule per token (`slots`: what
+    forward kept for it)."""
+    logits = logits if logits.is_contiguous() else logits.contiguous()
+    T, E = logits.shape
+    _, pos, top = _slot_pointers(slots.data_ptr(), T * k)
+    dprobs = dprobs.to(logits.dtype).contiguous()
+    dlogits = torch.empty_like(logits)
+    b = logits if bias32 is None else bias32
+    _launch_of("grad", logits.dtype, E, k, score, normalize, bias32 is not None)(
+        logits.data_ptr(), b.data_ptr(), top, pos, dprobs.data_ptr(), dlogits.data_ptr(), T, dprobs.shape[0],
+        torch._C._cuda_getCurrentRawStream(logits.device.index))
+    return dlogits
 
 
 #: torch.autograd.Function.apply's C implementation for _KernelRoute (as fusion/runtime/autograd.py's _APPLY: the
@@ -134,8 +141,8 @@ _APPLY = super(torch.autograd.Function, _KernelRoute).apply
 
 def route_top_k(logits: torch.Tensor, k: int, score: str, bias, normalize: bool):
     """(index, group_sizes, probs, expert) of route() without token rounding, by the kernels."""
-    bias32 = _bias32(bias)
+    bias32 = kernel_bias(bias)
     if torch.is_grad_enabled() and logits.requires_grad:
         apply = _KernelRoute.apply if torch._C._are_functorch_transforms_active() else _APPLY
         return apply(logits, k, score, bias32, normalize)
-    return _forward(logits, k, score, bias32, normalize)[:4]
+    return forward(logits, k, score, bias32, normalize)[:4]
