@@ -57,12 +57,12 @@ def forward_node(fctx, runner, ctx, x):
     return y
 
 
-def backward_node(fctx, dy, needs: tuple):
+def backward_node(fctx, box: list, needs: tuple):
     """The block's backward inside the node forward_node filled: (dx, [each parameter's and then each extra input's
-    gradient, in their dtypes]), or None where no gradient reached the output. `needs`: whether x, each parameter
-    and each extra input needs a gradient."""
-    grad = [fctx.output_grad.take(dy)]  # a list the program empties: no frame here keeps dY alive
-    del dy
+    gradient, in their dtypes]), or None where no gradient reached the output. `box`: [the gradient autograd passed
+    the node], emptied here (so that no caller's frame keeps dY alive); `needs`: whether x, each parameter and each
+    extra input needs a gradient."""
+    grad = [fctx.output_grad.take(box.pop())]  # a list the program empties: no frame here keeps dY alive
     if grad[0] is None:  # no gradient reached the output: autograd reads None as zeros
         return None
     if isinstance(grad[0], QuantizedTensor):
@@ -90,7 +90,9 @@ class _BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dy):
-        made = backward_node(fctx, dy, fctx.needs_input_grad[2:])
+        box = [dy]
+        del dy
+        made = backward_node(fctx, box, fctx.needs_input_grad[2:])
         if made is None:
             return (None,) * len(fctx.needs_input_grad)
         return (None, None, made[0], *made[1])

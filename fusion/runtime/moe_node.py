@@ -52,9 +52,11 @@ class _RoutedBlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dy):
+        box = [dy]
+        del dy
         needs = fctx.needs_input_grad   # (runner, spec, logits, x, *params)
         # the block's inputs: x, its parameters, then its one float input (the probs) wanted where the logits are
-        made = autograd.backward_node(fctx, dy, (needs[3], *needs[4:], needs[2]))
+        made = autograd.backward_node(fctx, box, (needs[3], *needs[4:], needs[2]))
         logits, slots, k, score, normalize, bias32 = fctx.route
         fctx.route = None
         if made is None:
