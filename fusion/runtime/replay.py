@@ -69,9 +69,9 @@ def _aligned(nbytes: int) -> int:
 
 
 class _Gemm:
-    """A grouped GEMM's bound launch: A from `a`, B the op's weight (read at each call), the epilogue's tensors from
-    `outs`, its tile counter at `counter` bytes into the bounds buffer, the index from `index` (the gather index, or
-    the bounds buffer where the kernel reads none)."""
+    """A grouped GEMM's bound launch, as the generated replay writes it out: A from `a`, B the op's weight (read at
+    each call), the epilogue's tensors from `outs`, its tile counter at `counter` bytes into the bounds buffer, the
+    index from `index` (the gather index, or the bounds buffer where the kernel reads none)."""
 
     __slots__ = ("launch", "a", "params", "weight_shape", "outs", "counter", "index", "M", "T", "ctas")
 
@@ -83,28 +83,17 @@ class _Gemm:
         self.index = INDEX if launch.index else BOUNDS
         self.M, self.T, self.ctas = b.M, b.T, b.num_ctas
 
-    def __call__(self, ptr: list, w_ptr: int, bounds: int, stream: int, extras: list, ctx) -> None:
-        a, outs = self.a, self.outs
-        self.launch(ptr[a[0]] + a[1], w_ptr, bounds, bounds + self.counter, ptr[self.index],
-                    tuple(ptr[s] + o for s, o in outs), self.M, self.T, self.ctas, stream)
-
 
 class _Combine:
-    """The MoE Combine's kernel (fusion/runtime/combine.py): the routed rows at `y` summed per token into `out`, by
-    the token layout of the call's routing index (made per call: route() records it with the index it makes)."""
+    """The MoE Combine's kernel (fusion/runtime/combine.py), as the generated replay writes it out: the routed rows
+    at `y` summed per token into `out`, by the token layout of the call's routing index (made per call: route()
+    records it with the index it makes)."""
 
     __slots__ = ("launch", "y", "out", "M", "T", "index_extra")
 
     def __init__(self, launch, y, out, index_extra: int):
         self.launch, self.y, self.out, self.M, self.T = launch.launch, y, out, launch.M, launch.T
         self.index_extra = index_extra
-
-    def __call__(self, ptr: list, w_ptr, bounds: int, stream: int, extras: list, ctx) -> None:
-        rows, offsets = layout_of(extras[self.index_extra], self.T)
-        if ctx is not None:
-            ctx.derived["token_layout"] = (rows, offsets)   # the backward's Gather reads it (routing.call_layout)
-        self.launch(ptr[self.y[0]] + self.y[1], rows.data_ptr(), offsets.data_ptr(), ptr[self.out[0]] + self.out[1],
-                    self.M, self.T, stream)
 
 
 class ForwardReplay:
