@@ -57,6 +57,7 @@ SHAPES = {  # name: (E, d, f, T, k)
     "qwen3-235b-a22b-T16384": (128, 4096, 1536, 16384, 8),  # 1024
     "gpt-oss-120b-T8192": (128, 2880, 2880, 8192, 4),      # 256
     "deepseek-v3-ep8-T1024": (32, 7168, 2048, 1024, 8),    # 256
+    "gpt-oss-120b-T1024": (128, 2880, 2880, 1024, 4),      # 32: one k-step a tile, the store is the kernel
     # shapes the rule by rows per group (kernels/tile_policy.py WGRAD_PINGPONG_ROWS) was not derived from
     "olmoe-1b-7b-T4096": (64, 2048, 1024, 4096, 8),        # 512
     "sonic-moe-cute-T4096": (128, 4096, 1024, 4096, 8),    # 256
@@ -171,7 +172,9 @@ def run_shape(name, E, d, f, T, k, groups, gen, sweep, gather=True, dev="cuda"):
         out = torch.empty(E, Ma, Nb, dtype=torch.bfloat16, device=dev)
         want = torch._grouped_mm(dy.t(), xg, offs=ends).float()
         scale = want.abs().max().item()
-        rows = {"torch _grouped_mm": lambda: torch._grouped_mm(dy.t(), xg, offs=ends)}
+        # the output's bytes written and nothing read: the ceiling of a kernel whose time is its store
+        rows = {"torch _grouped_mm": lambda: torch._grouped_mm(dy.t(), xg, offs=ends),
+                "torch fill_ (D's bytes alone)": lambda: out.fill_(0.0)}
         if gathered == "b":
             rows["torch index_select + _grouped_mm"] = lambda: torch._grouped_mm(
                 dy.t(), b_tok.index_select(0, index), offs=ends)
@@ -197,9 +200,13 @@ def run_shape(name, E, d, f, T, k, groups, gen, sweep, gather=True, dev="cuda"):
         print(f"  {label}: Ma={Ma} Nb={Nb}", flush=True)
         for key, fn in rows.items():
             ms = median_ms(fn)
-            res[key] = {"ms": ms, "tflops": flops / ms / 1e9, "max_rel_err": errors.get(key)}
+            # D's bytes per second: where a few rows per group leave the kernel its store
+            write_tbs = out.numel() * out.element_size() / ms / 1e9
+            res[key] = {"ms": ms, "tflops": flops / ms / 1e9, "d_write_tbs": write_tbs,
+                        "max_rel_err": errors.get(key)}
             err = f"  err {errors[key]:.1e}" if key in errors else ""
-            print(f"    {key:<52} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s{err}", flush=True)
+            print(f"    {key:<52} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s  D {write_tbs:5.2f} TB/s{err}",
+                  flush=True)
         result["gemms"][label] = {"Ma": Ma, "Nb": Nb, "rows": res}
     return result
 
