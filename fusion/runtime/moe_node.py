@@ -13,11 +13,11 @@ same values as the two nodes: the same bits (tests/test_moe_node_gpu.py).
 the experts block runs fused with its device prologue, outside torch.compile and functorch transforms. Everywhere
 else fusion.MoE records the nodes one by one. ENABLED is the A/B switch (read per call).
 
-Off by default for now (FUSION_MOE_NODE=1 turns it on): its one-process A/B on an H200 measured the Qwen3-30B-A3B
-and OLMoE layers' training steps at T = 1024 14.6% and 9.4% faster, and its CPU test (tests/test_moe_node.py: the
-composition with route's kernels stood in for by torch's routing) gives the layered nodes' bits, but its GPU test
-(tests/test_moe_node_gpu.py) has not yet passed on a GPU: its first run failed on the test's own mistake (a non-leaf
-x, whose .grad stays None) before the device time ran out. On by default once it has.
+On by default (FUSION_MOE_NODE=0 turns it off) since its GPU test (tests/test_moe_node_gpu.py: the same bits as the
+layered nodes, with and without the expert bias and x's gradient, over four routings) passed on an H200 in session
+ad. One-process A/Bs on an H200 measured the Qwen3-30B-A3B and OLMoE layers' training steps at T = 1024 14.6% and
+9.4% faster (session ac), then -0.1% and -7.7% on another machine start (session ad: host 975 against 1175 and 800
+against 1263 µs a step; Qwen3-30B-A3B's step was GPU-bound there).
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import torch
 
 from fusion.runtime import autograd, route
 
-#: Read per call: False records route's node and the block's node separately (the A/B switch). FUSION_MOE_NODE=1
-#: (read at import) turns it on (see above: off until its GPU test has passed).
-ENABLED = os.environ.get("FUSION_MOE_NODE", "0") == "1"
+#: Read per call: False records route's node and the block's node separately (the A/B switch). FUSION_MOE_NODE=0
+#: (read at import) turns it off.
+ENABLED = os.environ.get("FUSION_MOE_NODE", "1") != "0"
 
 #: Routed calls through the merged node (tests assert that it ran).
 CALLS = {"n": 0}
