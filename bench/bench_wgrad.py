@@ -99,7 +99,10 @@ def configs(Ma, Nb, G, rows, gathered, sweep, gather=True):
     then (sweep) the others; gathered (the `gathered` operand, "a" or "b", read through the index, cp.async: no
     cluster) once per tile."""
     base = choose_wgrad_config(Ma, Nb, G, rows=rows)
-    out = [base] + ([c for c in SWEEP if c != base] if sweep else [])
+    # the policy's tile with its schedule walking n fastest, and with 16-byte stores (the store-bound question)
+    store = [dataclasses.replace(base, n_fastest=True), dataclasses.replace(base, store_bytes=16),
+             dataclasses.replace(base, n_fastest=True, store_bytes=16)]
+    out = [base] + ([c for c in SWEEP + tuple(store) if c != base] if sweep else [])
     pairs, seen = [], set()
     for c in out:
         # (a gathered A keeps the tile's CTA pair: B multicast; a gathered B has none)
@@ -188,7 +191,8 @@ def run_shape(name, E, d, f, T, k, groups, gen, sweep, gather=True, dev="cuda"):
                     continue
                 comp = load_compiled(job(cfg, Ma, Nb, E))
                 key = (f"{tag}{suffix} ({cfg.tile_m}x{cfg.tile_n} {'pp' if cfg.pingpong else 'coop'} s{cfg.stages}"
-                       f"{' c2' if cfg.cluster_m > 1 else ''})")
+                       f"{' c2' if cfg.cluster_m > 1 else ''}{' nf' if cfg.n_fastest else ''}"
+                       f"{' st16' if cfg.store_bytes == 16 else ''})")
                 fn = (lambda c, a, b, ix: lambda: run_varlen_k_gemm(c, a, b, offs, out, index=ix))(comp, a_in, b_in,
                                                                                                     idx)
                 out.fill_(float("nan"))

@@ -160,11 +160,14 @@ def store4_run(addr_c: Int64, first: Int32, second: Int32, ok_c: Boolean, ok_c1:
 
 @cute.jit
 def store_tile16(acc: cute.Tensor, tCcC: cute.Tensor, mD: cute.Tensor, row0: Int32, row_end: Int32, col0: Int32,
-                 cols: cutlass.Constexpr, dt: cutlass.Constexpr):
+                 cols: cutlass.Constexpr, dt: cutlass.Constexpr, store_bytes: cutlass.Constexpr = 8):
     """Store a tile's wgmma accumulator (coordinates ``tCcC``) to the row-major 16-bit ``mD`` at (``row0``,
     ``col0``), rows below ``row_end`` and columns below ``cols``, 4 columns per lane and store
-    (:func:`store4_swapped`): the epilogue of the weight-gradient kernels, whose D rows are 8-byte aligned."""
+    (:func:`store4_swapped`; D's rows 8-byte aligned), or with ``store_bytes = 16`` 8 columns per lane
+    (:func:`store8_transposed`; D's rows 16-byte aligned and 4 chunks to a fragment row): the epilogue of the
+    weight-gradient kernels."""
     odd = (cute.arch.lane_idx() & 1) == 1
+    q = cute.arch.lane_idx() & 3
     n_v, n_h, n_c = tCcC.shape[0]
     eb = dt.width // 8
     for mm in cutlass.range_constexpr(cute.size(tCcC, mode=[1])):
@@ -174,8 +177,51 @@ def store_tile16(acc: cute.Tensor, tCcC: cute.Tensor, mD: cute.Tensor, row0: Int
                 row_ok = grow < row_end
                 col = col0 + tCcC[((0, h, 0), mm, nn)][1]        # this lane's column in chunk 0
                 base = row_addr(mD, grow, col, dt)
-                for c in cutlass.range_constexpr(0, n_c, 2):
-                    store4_swapped(base + 8 * c * eb,
-                                   (acc[((0, h, c), mm, nn)], acc[((1, h, c), mm, nn)]),
-                                   (acc[((0, h, c + 1), mm, nn)], acc[((1, h, c + 1), mm, nn)]),
-                                   row_ok & (col + 8 * c < cols), row_ok & (col + 8 * (c + 1) < cols), odd, dt)
+                if cutlass.const_expr(store_bytes == 16):
+                    for c in cutlass.range_constexpr(0, n_c, 4):
+                        pairs = [(acc[((0, h, c + j), mm, nn)], acc[((1, h, c + j), mm, nn)]) for j in range(4)]
+                        # this lane stores chunk c + q: its first column is 8 (c + q) past chunk 0's, 2 q before col
+                        store8_transposed(base + 8 * c * eb, pairs, q,
+                                          row_ok & (col - 2 * q + 8 * (c + q) < cols), dt)
+                else:
+                    for c in cutlass.range_constexpr(0, n_c, 2):
+                        store4_swapped(base + 8 * c * eb,
+                                       (acc[((0, h, c), mm, nn)], acc[((1, h, c), mm, nn)]),
+                                       (acc[((0, h, c + 1), mm, nn)], acc[((1, h, c + 1), mm, nn)]),
+                                       row_ok & (col + 8 * c < cols), row_ok & (col + 8 * (c + 1) < cols), odd, dt)
+
+
+def _swap_round(w: list, bit: Boolean, m: int) -> list:
+    """One butterfly round of a quad's 4x4 word transpose (:func:`store8_transposed`): lane l and lane l ^ m swap
+    the words j whose bit ``m`` differs from l's (``bit``: l's bit ``m`` is set), each receiving the other's word
+    j ^ m; a word whose bit matches stays."""
+    out = list(w)
+    for lo in range(4):
+        if lo & m:
+            continue
+        hi = lo | m
+        # the word this lane gives away: hi where its bit is clear (hi mismatches), lo where set
+        got = cute.arch.shuffle_sync_bfly(cutlass.select_(bit, w[lo], w[hi]), m)
+        out[lo] = cutlass.select_(bit, got, w[lo])
+        out[hi] = cutlass.select_(bit, w[hi], got)
+    return out
+
+
+@cute.jit
+def store8_transposed(addr_c: Int64, pairs, q: Int32, ok: Boolean, dt: cutlass.Constexpr):
+    """Store a quad's 2-column pairs of 4 neighbouring chunks c..c+3 (``pairs[j]``: this lane's pair of chunk c + j;
+    ``addr_c`` the byte address of its pair in chunk c; ``q`` its lane in the quad) as one 16-byte store per lane:
+    a 4x4 transpose of the quad's packed words in two butterfly rounds (4 shuffles) gives lane q the 8 columns of
+    chunk c + q, which ``ok`` guards. Every lane of the warp must call it; D's rows must be 16-byte aligned."""
+    w = [pack2(p[0], p[1], dt) for p in pairs]
+    w = _swap_round(w, (q & 1) == 1, 1)
+    w = _swap_round(w, (q & 2) == 2, 2)
+    words = cute.make_rmem_tensor((4,), Int32)
+    for j in cutlass.range_constexpr(4):
+        words[j] = w[j]
+    eb = dt.width // 8
+    # chunk c + q's first column: 8 q columns past chunk c's, whose pair this lane holds at column 2 q
+    addr = addr_c + Int64(q) * (6 * eb)
+    if ok:
+        p = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=16)
+        cute.autovec_copy(words, cute.make_tensor(p, cute.make_layout((4,))))

@@ -743,6 +743,8 @@ class WgradConfig:
     sm_margin: int = 0       # leave this many SMs free
     cluster_m: int = 1       # 2: CTA pairs on neighbouring m-tiles share B's tile by TMA multicast (no gather)
     cluster_n: int = 1       # 2: CTA pairs on neighbouring n-tiles share A's tile by TMA multicast (the FP8 kernel)
+    n_fastest: bool = False  # the schedule walks a group's n-tiles fastest: running CTAs write whole rows of D
+    store_bytes: int = 8     # bytes one lane stores per instruction in the 16-bit epilogue (8 or 16)
 
 
 #: Mean rows per group (a tile's reduction length) from which, and below which, the varlen-K kernel takes

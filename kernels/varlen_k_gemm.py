@@ -290,10 +290,12 @@ class VarlenKGemmKernel:
 
     # ------------------------------------------------------------------ schedule
     def unit_coords(self, unit):
-        """(group, first m-tile, n-tile) of schedule unit ``unit`` (groups in order, m fastest within one); a
-        unit is ``cluster_m`` neighbouring m-tiles, one per CTA of a cluster."""
+        """(group, first m-tile, n-tile) of schedule unit ``unit`` (groups in order, m fastest within one, or n
+        with ``n_fastest``); a unit is ``cluster_m`` neighbouring m-tiles, one per CTA of a cluster."""
         g = unit // self.group_units
         local = unit - g * self.group_units
+        if self.cfg.n_fastest:
+            return g, (local // self.n_tiles) * self.cluster_m, local % self.n_tiles
         return g, (local % self.m_units) * self.cluster_m, local // self.m_units
 
     @cute.jit
@@ -530,7 +532,7 @@ class VarlenKGemmKernel:
             row0 = g * self.Ma + m_idx * self.tile_m
             if const_expr(self.out_dtype.width == 16):
                 store_tile16(acc, tCcC, epi_tensors[0], row0, (g + 1) * self.Ma, n_idx * self.tile_n, self.Nb,
-                             self.out_dtype)
+                             self.out_dtype, self.cfg.store_bytes)
             else:
                 self.tile_epi.run(acc, tCcC, epi_tensors, row0, (g + 1) * self.Ma, g, n_idx, self.Nb)
 

@@ -49,6 +49,8 @@ def check_wgrad_config(config: WgradConfig, dtype, Ma: int, Nb: int, out_dtype=N
     if config.cluster_m > 1 and config.gather_b:
         problems.append("cluster_m = 2 multicasts B's tile by TMA: a gathered B is loaded by cp.async; use "
                         "cluster_m=1 with gather_b")
+    if config.store_bytes not in (8, 16):
+        problems.append(f"store_bytes = {config.store_bytes}: a lane stores 8 or 16 bytes of D per instruction")
     if config.tile_k != 64:
         problems.append(f"tile_k = {config.tile_k}: the producer copies 64 rows per k-step (16 per pass)")
     if Ma % 8 or Nb % 8:
@@ -73,7 +75,9 @@ class CompiledVarlenKGemm(CompiledArtifact):
         self.name = (f"varlen_k_gemm_{dtype}_{out_dtype}_Ma{Ma}_Nb{Nb}_G{G}_{config.tile_m}x{config.tile_n}x"
                      f"{config.tile_k}s{config.stages}" + ("_pp" if config.pingpong else "")
                      + ("_gA" if config.gather_a else "") + ("_gB" if config.gather_b else "")
-                     + (f"_c{config.cluster_m}" if config.cluster_m > 1 else ""))
+                     + (f"_c{config.cluster_m}" if config.cluster_m > 1 else "")
+                     + ("_nf" if config.n_fastest else "") + (f"_st{config.store_bytes}" if config.store_bytes != 8
+                                                              else ""))
         c = config.cluster_m
         self.tiles = G * -(-Ma // (config.tile_m * c)) * c * -(-Nb // config.tile_n)  # CTAs' tiles, per unit
 

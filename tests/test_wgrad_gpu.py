@@ -43,6 +43,12 @@ CASES = [
     (256, 512, 6, WgradConfig(tile_n=256, stages=4, gather_a=True, cluster_m=2)),
     (264, 200, 6, WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True, cluster_m=2)),   # 3 m-tiles: odd
     (384, 384, 7, WgradConfig(tile_n=192, stages=5, pingpong=True, gather_a=True, cluster_m=2)),   # odd, ragged
+    # the schedule walking n fastest; 16-byte stores (a quad's 4x4 transpose), ragged n-tiles cutting a 4-chunk run
+    (384, 384, 7, WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2, n_fastest=True)),
+    (264, 456, 6, WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2, store_bytes=16)),
+    (200, 264, 5, WgradConfig(tile_n=256, stages=4, cluster_m=2, n_fastest=True, store_bytes=16)),
+    (136, 200, 9, WgradConfig(tile_n=128, stages=6, pingpong=True, store_bytes=16)),
+    (264, 200, 6, WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True, cluster_m=2, store_bytes=16)),
 ]
 
 
@@ -102,7 +108,8 @@ def _run(Ma, Nb, G, cfg, dtype=torch.bfloat16, seed=0):
 
 @pytest.mark.parametrize("Ma,Nb,G,cfg", CASES, ids=lambda c: str(c) if not isinstance(c, WgradConfig) else
                          f"{c.tile_n}{'pp' if c.pingpong else 'co'}{'-gA' if c.gather_a else ''}"
-                         f"{'-gB' if c.gather_b else ''}{'-c2' if c.cluster_m > 1 else ''}")
+                         f"{'-gB' if c.gather_b else ''}{'-c2' if c.cluster_m > 1 else ''}"
+                         f"{'-nf' if c.n_fastest else ''}{'-st16' if c.store_bytes == 16 else ''}")
 def test_varlen_k_matches_float64_per_group(Ma, Nb, G, cfg):
     got, want, sizes = _run(Ma, Nb, G, cfg)
     assert torch.isfinite(got).all(), "an element was not written, or a row past the groups was read"
