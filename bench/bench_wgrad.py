@@ -60,6 +60,7 @@ SHAPES = {  # name: (E, d, f, T, k)
     "gpt-oss-120b-T1024": (128, 2880, 2880, 1024, 4),      # 32: one k-step a tile, the store is the kernel
     # shapes the rule by rows per group (kernels/tile_policy.py WGRAD_PINGPONG_ROWS) was not derived from
     "olmoe-1b-7b-T4096": (64, 2048, 1024, 4096, 8),        # 512
+    "olmoe-1b-7b-T1024": (64, 2048, 1024, 1024, 8),        # 128
     "sonic-moe-cute-T4096": (128, 4096, 1024, 4096, 8),    # 256
     "mixtral-8x7b-T2048": (8, 4096, 14336, 2048, 2),       # 512
     # the training-step bench's blocks at its row counts (the lone-GEMM rule's measurements, fusion/runtime/lone_gemm.py)
