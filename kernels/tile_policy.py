@@ -767,6 +767,18 @@ WGRAD_PINGPONG_PAD = 1 / 16
 #: FUSION_WGRAD_BY_ROWS=0 (read at import): the wide-tile rule at every row count (the A/B switch of the choice by
 #: rows per group).
 WGRAD_BY_ROWS = os.environ.get("FUSION_WGRAD_BY_ROWS", "1") != "0"
+#: Below WGRAD_PINGPONG_ROWS[0] rows per group (weights of several groups, no gathered operand) a tile has one to
+#: three k-steps and the kernel is its store: D's bytes are most of its traffic (at 32 rows per group, GPT-OSS-120B
+#: at T = 1024, D is 6.4 GB against 0.1 GB of operands). There 128x128 pingpong CTA pairs storing 16 bytes a lane
+#: (kernels/fragment_io.py store8_transposed) take the weight gradient. Measured on an H200, interleaved rounds
+#: (bench/probes/wgrad_store_ab.py, bench/results/H200-2026-11-30ad-call3-wgrad-store-ab.json; time against the
+#: rule's tile before, FC1 / FC2): GPT-OSS-120B at 32 rows per group 0.900 / 0.855, Qwen3-30B-A3B at 64 0.885 /
+#: 0.875, OLMoE at 128 0.984 / 0.908, Qwen3-30B-A3B at 128 0.956 / 0.935; the same tile with 8-byte stores 0.95-1.05,
+#: the rule's tile with 16-byte stores 0.88-0.98. At 256 rows per group and more 16-byte stores were no better
+#: (0.93-1.10) and the rule's tiles stay. D stored at 3.1-3.3 TB/s at 32-64 rows per group (2.7-3.0 before), where
+#: torch's fill_ of D alone reaches 3.3-3.4.
+#: FUSION_WGRAD_STORE_BOUND=0 (read at import; read per call, the A/B switch): the rule's tile at every row count.
+WGRAD_STORE_BOUND = os.environ.get("FUSION_WGRAD_STORE_BOUND", "1") != "0"
 
 
 #: Mean rows per group from which the weight gradient of a GroupLinear after a Gather (an MoE FC1: dW = dH.T @
@@ -845,7 +857,11 @@ def choose_wgrad_config(Ma: int, Nb: int, G: int, gather_a: bool = False, gather
     # group, 2.14 / 1.92 OLMoE, 16.64 / 12.11 DeepSeek-V3, 8.10 / 7.00 moe-cute)
     few_k_steps = (rows is not None and WGRAD_BY_ROWS and G > 1 and low <= rows / G < high
                    and not (gather_a or gather_b))
-    if few_k_steps and -(-Nb // 192) * 192 - Nb <= WGRAD_PINGPONG_PAD * Nb:
+    store_bound = (rows is not None and WGRAD_BY_ROWS and WGRAD_STORE_BOUND and G > 1 and rows / G < low
+                   and not (gather_a or gather_b))
+    if store_bound:
+        cfg = WgradConfig(tile_n=128, stages=6, pingpong=True, store_bytes=16)
+    elif few_k_steps and -(-Nb // 192) * 192 - Nb <= WGRAD_PINGPONG_PAD * Nb:
         cfg = WgradConfig(tile_n=192, stages=_max_stages_capped(192, 5), pingpong=True)
     else:
         cfg = _wide_wgrad_tile(Nb)
@@ -856,7 +872,7 @@ def wgrad_configs(Ma: int, Nb: int, G: int, gather_a: bool = False, gather_b: bo
     """Every configuration choose_wgrad_config may pick for D (G, Ma, Nb) at some row count: what is compiled ahead
     of time."""
     out = []
-    for rows in (None, WGRAD_PINGPONG_ROWS[0] * G):
+    for rows in (None, WGRAD_PINGPONG_ROWS[0] * G, G):
         cfg = choose_wgrad_config(Ma, Nb, G, gather_a, gather_b, rows)
         if cfg not in out:
             out.append(cfg)

@@ -168,10 +168,14 @@ def test_explain_and_the_ahead_of_time_jobs_say_which_weight_gradient(monkeypatc
     assert text.count("FP8 columnwise copies of dY and X (FP8 varlen-K kernel) from 64 rows per group") == 2, text
     # FC1's dgrad (op 0) hands dY to its weight gradient; FC2's dY is the caller's (and read by the fused dgrad)
     assert text.count("frees dY before its GEMM") == 1 and "where op 0's weight gradient takes FP8" in text, text
-    # both weight-gradient kernels ahead of time: the call's rows choose between them
+    # both weight-gradient kernels ahead of time: the call's rows choose between them (the bf16 one at every tile
+    # its rows per group may take)
+    from fusion.kernels.tile_policy import wgrad_configs
+
     jobs = plan_jobs(wide, torch.bfloat16)
-    assert sorted(j.mainloop for j in jobs if j.step == "wgrad") == ["fp8_varlen_k", "fp8_varlen_k", "varlen_k",
-                                                                     "varlen_k"]
+    bf16_tiles = sum(len(wgrad_configs(*op.weight.shape[1:], op.weight.shape[0])) for op in (wide[0], wide[2]))
+    assert sorted(j.mainloop for j in jobs if j.step == "wgrad") == ["fp8_varlen_k"] * 2 + ["varlen_k"] * bf16_tiles
+    assert bf16_tiles == 4   # each weight: the shape's tile and the store-bound one (kernels/tile_policy.py)
     clear_cache()
 
 
