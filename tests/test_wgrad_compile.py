@@ -48,6 +48,17 @@ def test_policy_kernels_compile_to_wgmma_without_spills(Ma, Nb, gather):
         assert ops["STS.128"] > 0 and not any(op.startswith("LDGSTS") for op in ops)
 
 
+def test_store_bound_tile_stores_16_bytes_a_lane_without_spills():
+    """The tile the policy takes below WGRAD_PINGPONG_ROWS rows per group (GPT-OSS-120B at T = 1024: 32): 128x128
+    pingpong CTA pairs whose epilogue stores 16 bytes a lane after a quad's 4x4 transpose (2 shuffles a word)."""
+    cfg = choose_wgrad_config(5760, 2880, 128, rows=32 * 128)
+    assert cfg.store_bytes == 16 and cfg.tile_n == 128 and cfg.pingpong and cfg.cluster_m == 2
+    ops = _opcodes(_compile(cfg, 5760, 2880, 128))
+    assert not any(op.startswith(("LDL", "STL")) for op in ops), "register spills"
+    assert any(op.startswith("HGMMA") for op in ops)
+    assert ops["STG.E.128"] > 0 and ops["STG.E.64"] == 0 and ops["SHFL.BFLY"] == 4 * ops["STG.E.128"]
+
+
 @pytest.mark.parametrize("cfg", [WgradConfig(tile_n=256, stages=4, gather_a=True, cluster_m=2),
                                  WgradConfig(tile_n=192, stages=5, pingpong=True, gather_a=True, cluster_m=2)])
 def test_gathered_a_pair_multicasts_b_without_spills(cfg):
@@ -80,20 +91,23 @@ def test_tile_policy_by_rows_per_group():
     """128x192 pingpong where a group's rows make few k-steps (WGRAD_PINGPONG_ROWS) and 192-column tiles pad Nb
     little; the wide-tile rule at fewer or more rows, for an unknown row count, and where 192 pads Nb too much."""
     pp192 = WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2)
+    stores = WgradConfig(tile_n=128, stages=6, pingpong=True, cluster_m=2, store_bytes=16)   # below low: store-bound
     wide = choose_wgrad_config(3072, 4096, 128)
     assert wide == WgradConfig(tile_n=256, stages=4, cluster_m=2)
     low, high = WGRAD_PINGPONG_ROWS
-    for rows, want in ((low * 128 - 1, wide), (low * 128, pp192), (1024 * 128, pp192), (high * 128 - 1, pp192),
-                       (high * 128, wide), (None, wide)):
+    for rows, want in ((0, stores), (32 * 128, stores), (low * 128 - 1, stores), (low * 128, pp192),
+                       (1024 * 128, pp192), (high * 128 - 1, pp192), (high * 128, wide), (None, wide)):
         assert choose_wgrad_config(3072, 4096, 128, rows=rows) == want, rows
     assert choose_wgrad_config(4096, 7168, 32, rows=256 * 32) == pp192      # 7168 = 37.3 tiles: 1.8% padding
     assert choose_wgrad_config(2048, 1024, 64, rows=512 * 64) == choose_wgrad_config(2048, 1024, 64)   # 12.5%
     assert choose_wgrad_config(3072, 4096, 128, gather_b=True, rows=256 * 128).cluster_m == 1
     assert choose_wgrad_config(28672, 4096, 1, rows=1024) == choose_wgrad_config(28672, 4096, 1)   # one group
+    assert choose_wgrad_config(28672, 4096, 1, rows=16) == choose_wgrad_config(28672, 4096, 1)
+    assert choose_wgrad_config(3072, 4096, 128, gather_a=True, rows=32 * 128).store_bytes == 8   # gathered: as was
     # every configuration the policy may pick is compiled ahead of time
-    assert wgrad_configs(3072, 4096, 128) == [wide, pp192]
-    assert wgrad_configs(5760, 2880, 128) == [pp192]
-    assert wgrad_configs(2048, 1024, 64) == [choose_wgrad_config(2048, 1024, 64)]
+    assert wgrad_configs(3072, 4096, 128) == [wide, pp192, stores]
+    assert wgrad_configs(5760, 2880, 128) == [pp192, stores]
+    assert wgrad_configs(2048, 1024, 64) == [choose_wgrad_config(2048, 1024, 64), stores]
 
 
 @pytest.mark.parametrize("cfg,Ma,Nb,needle", [
@@ -142,8 +156,9 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
 
 def test_the_runtime_launches_the_tile_for_each_calls_rows(monkeypatch):
     """fusion/runtime/wgrad_gemm.wgrad picks the tile per call from the routed rows (launch mocked: no GPU): 256
-    rows per group of a 128-group weight take 128x192 pingpong, 64 the wide 128x256 cooperative tile; each row count's
-    kernel is loaded once and every one of them is among the jobs Sequential.compile() builds."""
+    rows per group of a 128-group weight take 128x192 pingpong, 64 the store-bound 128x128 pingpong pairs with
+    16-byte stores, an unknown count the wide 128x256 cooperative tile; each row count's kernel is loaded once and
+    every one of them is among the jobs Sequential.compile() builds."""
     import torch
 
     import fusion.kernels.wgrad_api as api
@@ -166,10 +181,10 @@ def test_the_runtime_launches_the_tile_for_each_calls_rows(monkeypatch):
         x, dy = torch.empty(rows, 4096, device="meta", dtype=bf16), torch.empty(rows, 3072, device="meta", dtype=bf16)
         wgrad_gemm.wgrad(op, x, dy, ctx)
     pp192 = WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2)
-    wide = WgradConfig(tile_n=256, stages=4, cluster_m=2)
-    assert launched == [pp192, wide, pp192]
-    assert [WgradConfig(*job.config) for job in loaded] == [pp192, wide]   # kept per row count: no reload
-    assert {job.key for job in loaded} == {job.key for job in wgrad_gemm.kernel_jobs(op, "wgrad", bf16)}
+    stores = WgradConfig(tile_n=128, stages=6, pingpong=True, cluster_m=2, store_bytes=16)
+    assert launched == [pp192, stores, pp192]
+    assert [WgradConfig(*job.config) for job in loaded] == [pp192, stores]   # kept per row count: no reload
+    assert {job.key for job in loaded} < {job.key for job in wgrad_gemm.kernel_jobs(op, "wgrad", bf16)}
 
 
 def test_fc1_weight_gradient_gathers_its_tokens_at_many_rows_per_group(monkeypatch):

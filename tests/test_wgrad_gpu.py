@@ -48,6 +48,7 @@ CASES = [
     (264, 456, 6, WgradConfig(tile_n=192, stages=5, pingpong=True, cluster_m=2, store_bytes=16)),
     (200, 264, 5, WgradConfig(tile_n=256, stages=4, cluster_m=2, n_fastest=True, store_bytes=16)),
     (136, 200, 9, WgradConfig(tile_n=128, stages=6, pingpong=True, store_bytes=16)),
+    (136, 200, 9, WgradConfig(tile_n=128, stages=6, pingpong=True, cluster_m=2, store_bytes=16)),   # the policy's
     (264, 200, 6, WgradConfig(tile_n=128, stages=6, pingpong=True, gather_a=True, cluster_m=2, store_bytes=16)),
 ]
 
