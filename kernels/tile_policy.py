@@ -781,6 +781,13 @@ WGRAD_BY_ROWS = os.environ.get("FUSION_WGRAD_BY_ROWS", "1") != "0"
 WGRAD_STORE_BOUND = os.environ.get("FUSION_WGRAD_STORE_BOUND", "1") != "0"
 
 
+def wgrad_switches() -> tuple:
+    """The switches choose_wgrad_config reads per call (besides the shape and rows): part of the key under which the
+    runtime keeps a bound weight-gradient launch (fusion/runtime/wgrad_gemm.py), so that flipping one (an A/B)
+    binds the other tile instead of reusing the launch bound before."""
+    return WGRAD_BY_ROWS, WGRAD_STORE_BOUND
+
+
 #: Mean rows per group from which the weight gradient of a GroupLinear after a Gather (an MoE FC1: dW = dH.T @
 #: x[index]) reads x's rows through the routing index (the varlen-K kernel's gathering producer: x by cp.async, dH
 #: by TMA) instead of a regathered copy of x (the gather kernel writing M x d, then the TMA kernel). Measured on an

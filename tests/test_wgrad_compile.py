@@ -185,6 +185,15 @@ def test_the_runtime_launches_the_tile_for_each_calls_rows(monkeypatch):
     assert launched == [pp192, stores, pp192]
     assert [WgradConfig(*job.config) for job in loaded] == [pp192, stores]   # kept per row count: no reload
     assert {job.key for job in loaded} < {job.key for job in wgrad_gemm.kernel_jobs(op, "wgrad", bf16)}
+    # a flipped policy switch (an A/B) binds that setting's tile, not the launch bound before it
+    from fusion.kernels import tile_policy
+
+    monkeypatch.setattr(tile_policy, "WGRAD_STORE_BOUND", False)
+    ctx = RunContext(group_sizes=torch.full((128,), 64))
+    x = torch.empty(128 * 64, 4096, device="meta", dtype=bf16)
+    dy = torch.empty(128 * 64, 3072, device="meta", dtype=bf16)
+    wgrad_gemm.wgrad(op, x, dy, ctx)
+    assert launched[-1] == WgradConfig(tile_n=256, stages=4, cluster_m=2)
 
 
 def test_fc1_weight_gradient_gathers_its_tokens_at_many_rows_per_group(monkeypatch):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from fusion.kernels.tile_policy import (WGRAD_GATHER_ROWS, choose_wgrad_config, gather_dy, gather_in_wgrad,
-                                        wgrad_configs)
+                                        wgrad_configs, wgrad_switches)
 from fusion.op_table import WGRAD_RULE, dtype_name, gemm_refusal
 from fusion.quant import dequantize
 from fusion.run_context import RunContext
@@ -141,7 +141,8 @@ def wgrad(op, x: torch.Tensor, dy: torch.Tensor, ctx: RunContext, index: torch.T
 
 
 def _key(weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, rows: int, gathered: bool, dy_gathered: bool):
-    return weight.shape, x.dtype, rows, x.shape[0], dy.shape[0], gathered, dy_gathered, x.get_device()
+    return (weight.shape, x.dtype, rows, x.shape[0], dy.shape[0], gathered, dy_gathered, x.get_device(),
+            wgrad_switches())
 
 
 def bound_launch(op, x: torch.Tensor, dy: torch.Tensor, rows: int, gathered: bool, dy_gathered: bool):
