@@ -46,7 +46,10 @@ For ``dW[g] = dY_g.T @ X_g``: A = dY (Ma = out_features), B = X (Nb = in_feature
   stored 4 columns (8 bytes) per thread: neighbouring lanes swap one packed pair by a shuffle, so a quad writes
   a whole 32-byte sector of a row per store (the wgmma fragment gives each lane 2 columns of every 8, which
   stored as they are write half sectors; at Qwen3's T = 1024, where the epilogue dominates, the kernel took 2.3x
-  torch._grouped_mm's time with those and 0.88x with these: bench/bench_wgrad.py).
+  torch._grouped_mm's time with those and 0.88x with these: bench/bench_wgrad.py). With ``store_bytes = 16`` (the
+  tile policy's store-bound tile, below 192 rows per group, where the kernel is its store) a quad transposes its 4x4
+  words and each lane stores 8 columns of one chunk (16 bytes; kernels/fragment_io.py store8_transposed).
+  ``n_fastest`` walks a group's n-tiles fastest in the schedule (measured, not taken by the policy).
   A 32-bit D goes through :class:`kernels.tile_epilogue.TileEpilogue` with the identity.
 """
 from __future__ import annotations
