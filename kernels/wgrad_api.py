@@ -132,7 +132,7 @@ class BoundVarlenK:
     (the runtime keys its bindings by device)."""
 
     __slots__ = ("compiled", "launch", "a_shape", "b_shape", "out_shape", "M", "num_ctas", "gathers", "dtype",
-                 "out_dtype")
+                 "out_dtype", "out_align")
 
     def __init__(self, compiled, A, B, out, M: int, num_ctas: int):
         self.compiled, self.launch = compiled, compiled.launch
@@ -140,11 +140,12 @@ class BoundVarlenK:
         self.M, self.num_ctas = M, num_ctas
         self.gathers = compiled.config.gather_a or compiled.config.gather_b
         self.dtype, self.out_dtype = A.dtype, out.dtype
+        self.out_align = _out_alignment(compiled) - 1   # (a mask)
 
     def __call__(self, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
                  index: Optional[torch.Tensor] = None) -> None:
-        a_ptr, b_ptr = A.data_ptr(), B.data_ptr()
-        if ((a_ptr | b_ptr) & 15 or A.shape != self.a_shape or B.shape != self.b_shape or out.shape != self.out_shape
+        a_ptr, b_ptr, out_ptr = A.data_ptr(), B.data_ptr(), out.data_ptr()
+        if ((a_ptr | b_ptr) & 15 or out_ptr & self.out_align or A.shape != self.a_shape or B.shape != self.b_shape or out.shape != self.out_shape
                 or A.dtype != self.dtype or B.dtype != self.dtype or out.dtype != self.out_dtype
                 or not (A.is_contiguous() and B.is_contiguous() and out.is_contiguous())
                 or offsets.dtype != torch.int32 or offsets.numel() <= self.compiled.G):
@@ -162,8 +163,14 @@ class BoundVarlenK:
             bind_varlen_k_gemm(self.compiled, A, B, offsets, out, index, self.num_ctas)
         else:
             idx_ptr = offsets.data_ptr()  # (never read)
-        self.launch(a_ptr, b_ptr, offsets.data_ptr(), idx_ptr, out.data_ptr(), self.M, self.a_shape[0],
+        self.launch(a_ptr, b_ptr, offsets.data_ptr(), idx_ptr, out_ptr, self.M, self.a_shape[0],
                     self.b_shape[0], self.num_ctas, _raw_stream(A.get_device()))
+
+
+def _out_alignment(compiled: CompiledVarlenKGemm) -> int:
+    """The byte alignment D's start needs: a 16-bit D is stored 8 or 16 bytes a lane (``store_bytes``), a 32-bit
+    one 4 bytes at a time."""
+    return compiled.config.store_bytes if compiled.out_dtype in ("bfloat16", "float16") else 4
 
 
 def bind_varlen_k_gemm(compiled: CompiledVarlenKGemm, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
@@ -185,6 +192,9 @@ def bind_varlen_k_gemm(compiled: CompiledVarlenKGemm, A: torch.Tensor, B: torch.
             raise DeviceError(f"{compiled.name}: {name} is on {t.device}, A on {A.device}: move it")
     if not (A.is_contiguous() and B.is_contiguous()) or (A.data_ptr() | B.data_ptr()) & 15:
         raise ShapeError(f"{compiled.name}: A and B must be contiguous and 16-byte aligned")
+    if out.data_ptr() % _out_alignment(compiled):
+        raise ShapeError(f"{compiled.name}: out must be {_out_alignment(compiled)}-byte aligned (its epilogue stores "
+                         f"{cfg.store_bytes} bytes a lane): pass a freshly allocated tensor")
     if offsets.dtype != torch.int32 or offsets.numel() < G + 1 or offsets.device != A.device:
         raise ShapeError(f"{compiled.name}: offsets must be G+1 = {G + 1} int32 bounds on {A.device}")
     gathers = cfg.gather_a or cfg.gather_b

@@ -357,3 +357,26 @@ def test_one_group_takes_torchs_weight_gradient(monkeypatch):
     monkeypatch.setattr(wgrad_gemm, "MIN_GROUPS", 1)
     assert wgrad_gemm.takes(dense, OnHopper())
     assert wgrad_gemm.kernel_jobs(dense, "wgrad", bf16)
+
+
+def test_a_16_byte_store_needs_an_aligned_output(monkeypatch):
+    """The store-bound tile stores 16 bytes a lane: an output view 8 bytes off 16 is refused at binding, naming the
+    alignment (the 8-byte form takes it)."""
+    import torch
+
+    from fusion.errors import ShapeError
+    from fusion.kernels.wgrad_api import bind_varlen_k_gemm
+
+    G, Ma, Nb, M = 2, 128, 128, 64
+    A, B = torch.zeros(M, Ma, dtype=torch.bfloat16), torch.zeros(M, Nb, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 32, 64], dtype=torch.int32)
+    out = torch.empty(G * Ma * Nb + 4, dtype=torch.bfloat16)[4:].view(G, Ma, Nb)   # 8 bytes past an aligned start
+    assert out.data_ptr() % 16 == 8
+    wide = _compile(WgradConfig(tile_n=128, stages=6, pingpong=True, cluster_m=2, store_bytes=16), Ma, Nb, G)
+    with pytest.raises(ShapeError, match="16-byte aligned"):
+        bind_varlen_k_gemm(wide, A, B, offsets, out)
+    import fusion.kernels.wgrad_api as api
+
+    monkeypatch.setattr(api, "_num_sms", lambda device: 132)   # (no GPU to ask)
+    narrow = _compile(WgradConfig(tile_n=128, stages=6, pingpong=True, cluster_m=2), Ma, Nb, G)
+    assert bind_varlen_k_gemm(narrow, A, B, offsets, out) is not None
