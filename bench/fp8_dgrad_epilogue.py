@@ -12,8 +12,10 @@ instruction count beside its time.
 
     python bench/fp8_dgrad_epilogue.py --models qwen3-30b-a3b,olmoe-1b-7b --reps 30
     python bench/fp8_dgrad_epilogue.py --step F1 --variants kernel,value-tests --models qwen3-30b-a3b
+    python bench/fp8_dgrad_epilogue.py --step B1,fprop,dgrad --variants kernel,two-ctas --models olmoe-1b-7b
 
-Variants (--variants): ``kernel`` (the defaults), ``int-decode`` (Fp8DebugKnobs(int_decode=True): the dequantized
+Variants (--variants): ``kernel`` (the defaults), ``two-ctas`` (the job on 128 x <= 128 tiles with one consumer
+warpgroup a CTA, two CTAs an SM: GemmConfig.ctas_per_sm = 2, session ae), ``int-decode`` (Fp8DebugKnobs(int_decode=True): the dequantized
 row's codes decoded by integer instructions, as before session y), ``value-tests`` (Fp8DebugKnobs(value_tests=True):
 each bf16 value bound for an FP8 block tested for finiteness and folded into the block amax one at a time, as before
 session z, not a packed pair at a time). F1 is the FP8 FC1 of a training step: SwiGLU·scale, FC2's input stored as
@@ -23,6 +25,7 @@ about 10 s each). --list (no GPU): the blocks' jobs and their tiles.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -34,9 +37,22 @@ sys.path.insert(0, os.path.dirname(HERE))   # run from a checkout
 sys.path.insert(0, HERE)
 
 #: build name -> Fp8DebugKnobs fields
-VARIANTS = {"kernel": {}, "int-decode": {"int_decode": True}, "value-tests": {"value_tests": True}}
-#: step -> the plan job's variant
-STEPS = {"B1": "backward", "F1": "train"}
+VARIANTS = {"kernel": {}, "int-decode": {"int_decode": True}, "value-tests": {"value_tests": True},
+            "two-ctas": {}, "two-ctas-single": {}, "two-ctas-jit": {"reg_realloc": True}}
+
+
+def _two_ctas(c, **over):
+    return dataclasses.replace(c, **{**dict(tile_m=128, tile_n=min(c.tile_n, 128), ctas_per_sm=2, stages=3), **over})
+
+
+#: build name -> what it changes in the job's tile configuration (a function of it). ``two-ctas-jit`` is ``two-ctas``
+#: compiled in this process rather than loaded from the kernel cache (a knob at its default makes it so): the same
+#: kernel, unless loading from the cache lost a launch attribute (the shared-memory carveout two CTAs need)
+CONFIGS = {"two-ctas": _two_ctas, "two-ctas-jit": _two_ctas,
+           "two-ctas-single": lambda c: _two_ctas(c, cluster_n=1, cluster_m=1)}
+#: step -> the plan job's (step, variant)
+STEPS = {"B1": ("B1", "backward"), "F1": ("F1", "train"), "fprop": ("fp8_fprop", "identity"),
+         "dgrad": ("fp8_dgrad", "identity")}
 
 
 def plan_job(block, step="B1"):
@@ -48,7 +64,7 @@ def plan_job(block, step="B1"):
     seq = Sequential(GroupLinear(block.E, block.d, 2 * block.f, weight_format="fp8_block"), SwiGLU(), Scale(),
                      QuantizeFP8Block(columnwise=False),
                      GroupLinear(block.E, block.f, block.d, weight_format="fp8_block")).to("meta")
-    jobs = [j for j in plan_jobs(seq, torch.bfloat16) if j.step == step and j.variant == STEPS[step]]
+    jobs = [j for j in plan_jobs(seq, torch.bfloat16) if (j.step, j.variant) == STEPS[step]]
     if len(jobs) != 1 or jobs[0].mainloop != "fp8_block":
         raise SystemExit(f"{block.model}: expected one FP8 {step} job, got {[j.name for j in jobs]}")
     return jobs[0]
@@ -66,9 +82,9 @@ def problem(block, job, epilogue, device="cuda"):
 
     torch.manual_seed(0)
     sizes = group_sizes(block).to(device)
-    M, d, G = block.rows, block.d, block.E
-    a_data, a_scale = fp8_block_quantize_2d(torch.randn(M, d, device=device, dtype=torch.bfloat16))
-    wq = quantize_weight_fp8_block(torch.randn(G, job.N, d, device=device, dtype=torch.bfloat16) / d ** 0.5)
+    M, k, G = block.rows, job.K, block.E
+    a_data, a_scale = fp8_block_quantize_2d(torch.randn(M, k, device=device, dtype=torch.bfloat16))
+    wq = quantize_weight_fp8_block(torch.randn(G, job.N, k, device=device, dtype=torch.bfloat16) / k ** 0.5)
     args = (a_data, a_scale, wq.data, wq.scale, K.offsets_from_group_sizes(sizes))
     extras = {"scale_scale": torch.rand(M, device=device, dtype=torch.bfloat16)}
     if any(s.name == "saved" for s in epilogue.inputs):
@@ -81,6 +97,23 @@ def problem(block, job, epilogue, device="cuda"):
                 t.view(torch.uint8).fill_(0x7F if t.element_size() == 1 else 0xFF)   # NaN: what was not written
         return outs
     return args, extras, outputs
+
+
+def variant_job(job, config, name):
+    """The plan job at build `name`'s tile configuration (CONFIGS)."""
+    return dataclasses.replace(job, config=dataclasses.astuple(CONFIGS.get(name, lambda c: c)(config)))
+
+
+def build(job, config, epilogue, name):
+    """Build `name` of the job: from the runtime's kernel cache (FUSION_CACHE_DIR) where it has no debug knobs,
+    else compiled here."""
+    if not VARIANTS[name]:
+        from fusion.runtime.compile import load_compiled
+        return load_compiled(variant_job(job, config, name))
+    import fusion.kernels as K
+    from fusion.kernels.fp8_gemm import Fp8DebugKnobs
+    return K.compile_fp8_grouped_gemm(CONFIGS.get(name, lambda c: c)(config), epilogue, job.N, job.K, job.G,
+                                      debug=Fp8DebugKnobs(**VARIANTS[name]))
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -104,8 +137,11 @@ def main(argv=None):
     ap.add_argument("--models", default="qwen3-30b-a3b,olmoe-1b-7b")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--step", default="B1", choices=sorted(STEPS))
+    ap.add_argument("--step", default="B1", help="B1, F1, fprop (FC2's forward), dgrad (FC1's): one or several, "
+                    "comma-separated")
     ap.add_argument("--list", action="store_true", help="print the jobs (no GPU)")
+    ap.add_argument("--precompile", action="store_true", help="compile the builds without debug knobs into "
+                    "FUSION_CACHE_DIR (no GPU); on the GPU they load from there")
     args = ap.parse_args(argv)
     from bench_training_step import BLOCKS
     from fusion.runtime.compile import _config, _epilogue
@@ -113,18 +149,22 @@ def main(argv=None):
     blocks = [next(b for b in BLOCKS if b.model == m) for m in args.models.split(",")]
     names = args.variants.split(",")
     rows = []
-    for block in blocks:
-        job = plan_job(block, args.step)
-        print(f"{block.model}: {job.name} tile {job.config[:4]}", file=sys.stderr, flush=True)
+    for block, step in [(b, st) for b in blocks for st in args.step.split(",")]:
+        job = plan_job(block, step)
+        print(f"{block.model} {step}: {job.name} tile {job.config[:4]}", file=sys.stderr, flush=True)
         if args.list:
+            continue
+        config, epilogue = _config(job), _epilogue(job)
+        if args.precompile:
+            from fusion.runtime.compile import compile_to_disk
+            for n in names:
+                if not VARIANTS[n]:
+                    compile_to_disk(variant_job(job, config, n))
             continue
         import fusion.kernels as K
         from bench_fp8_gemm import interleaved_ms
-        from fusion.kernels.fp8_gemm import Fp8DebugKnobs
 
-        config, epilogue = _config(job), _epilogue(job)
-        compiled = {n: K.compile_fp8_grouped_gemm(config, epilogue, job.N, job.K, job.G,
-                                                  debug=Fp8DebugKnobs(**VARIANTS[n])) for n in names}
+        compiled = {n: build(job, config, epilogue, n) for n in names}
         operands, extras, outputs = problem(block, job, epilogue)
         outs = {n: outputs() for n in names}
         counters = {n: torch.zeros(1, dtype=torch.int32, device="cuda") for n in names}
@@ -144,7 +184,7 @@ def main(argv=None):
         first = names[0]
         for n, ms in zip(names, times):
             same = all(same_bits(outs[n][k], outs[first][k]) for k in outs[first])
-            row = {"model": block.model, "step": args.step, "variant": n, "ms": ms,
+            row = {"model": block.model, "step": step, "variant": n, "ms": ms, "tile": compiled[n].name,
                    "sass": sass_count(compiled[n].cubin), "same_bits_as_" + first: same}
             rows.append(row)
             print(f"  {n:12s} {ms:8.4f} ms  {row['sass']:5d} SASS instructions  same bits as {first}: {same}",

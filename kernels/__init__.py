@@ -18,7 +18,7 @@ _EXPORTS = {
                      "SwiGLUScaleEpilogue", "DSwiGLUEpilogue", "SwiGLUScaleMXFP8Epilogue"), "epilogue"),
     **dict.fromkeys(("CompiledGroupedGemm", "compile_grouped_gemm", "run_grouped_gemm", "bind_grouped_gemm",
                      "BoundGemm", "grouped_gemm", "check_config", "offsets_from_group_sizes", "sass_text", "sass_opcodes"), "api"),
-    **dict.fromkeys(("GemmConfig", "choose_config", "fp8_block_output_tile"), "tile_policy"),
+    **dict.fromkeys(("GemmConfig", "choose_config", "fp8_block_output_tile", "cooperative_fp8_config"), "tile_policy"),
     **dict.fromkeys(("CompiledFp8GroupedGemm", "choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm",
                      "run_fp8_grouped_gemm", "fp8_grouped_gemm"), "fp8_api"),
 }

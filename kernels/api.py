@@ -515,7 +515,8 @@ def launch_grid(compiled, M: int, dev, offsets, num_ctas=None, counter_ptr=None)
     cfg = compiled.config
     if num_ctas is None:
         n_tiles = ((M + cfg.tile_m - 1) // cfg.tile_m + compiled.G) * compiled.n_tiles
-        num_ctas = max(1, min(_num_sms(dev.index) - cfg.sm_margin, n_tiles)) if cfg.persistent else n_tiles
+        per_sm = getattr(cfg, "ctas_per_sm", 1)
+        num_ctas = max(1, min(per_sm * (_num_sms(dev.index) - cfg.sm_margin), n_tiles)) if cfg.persistent else n_tiles
     pair = cfg.cluster_n * cfg.cluster_m
     num_ctas = max(pair, num_ctas - num_ctas % pair)   # whole CTA pairs
     counter = None

@@ -23,7 +23,7 @@ from .api import (CompiledGroupedGemm, compile_kernel, GemmConfig, _dtype_name, 
 from .epilogue import Epilogue, IdentityEpilogue
 from .fp8_gemm import N_WAVE_TILE, SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
 from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
-from .tile_policy import (FP8_SMEM, band_problem, choose_fp8_config, cluster_m_problems, fp8_stage_bytes,
+from .tile_policy import (band_problem, choose_fp8_config, cluster_m_problems, fp8_smem_limit, fp8_stage_bytes,
                           n_tile_count, resolved_band)
 
 __all__ = ["choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm", "run_fp8_grouped_gemm",
@@ -55,6 +55,13 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
                         "the accumulator and the promotion's scratch fragment, tile_n registers in all: 256 "
                         f"spills), or {N_WAVE_TILE} for a gated 128-row tile (its gate and up halves as two "
                         "n-waves through one scratch fragment)")
+    if config.ctas_per_sm not in (1, 2):
+        problems.append(f"ctas_per_sm = {config.ctas_per_sm}: 1 (two cooperative consumer warpgroups a CTA), or 2 "
+                        "(one consumer warpgroup a CTA, two CTAs an SM)")
+    elif config.ctas_per_sm == 2 and (config.tile_m != 128 or config.tile_n > 128):
+        problems.append(f"ctas_per_sm = 2 with a {config.tile_m}x{config.tile_n} tile: one consumer warpgroup holds "
+                        "the whole tile's accumulator and a 64-row wave's scratch fragment, so the tile is 128 x "
+                        "tile_n with tile_n <= 128")
     if config.pingpong:
         problems.append("pingpong: the FP8 kernel is cooperative (each warpgroup holds an accumulator and the "
                         "promotion's scratch fragment); use pingpong=False")
@@ -89,9 +96,10 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
         problems.append(f"stages = {config.stages}: at least 2 (a consumer holds a stage while it waits for the "
                         "next)")
     smem = config.stages * (fp8_stage_bytes(config.tile_m, config.tile_n, slots) + 16)
-    if smem > FP8_SMEM:
+    if smem > fp8_smem_limit(config):
         problems.append(f"{config.stages} stages need {smem} bytes of shared memory (at most "
-                        f"{FP8_SMEM}): use fewer stages")
+                        f"{fp8_smem_limit(config)}" + (" for each of two CTAs an SM" if config.ctas_per_sm == 2 else "")
+                        + "): use fewer stages")
     if problems:
         raise KernelConfigError(f"cannot build the FP8 grouped GEMM ({type(epilogue).__name__}, N={N}, K={K}, "
                                 f"{config}): " + "; ".join(problems))
@@ -112,6 +120,7 @@ class CompiledFp8GroupedGemm(CompiledGroupedGemm):
                      + (f"_band{resolved_band(config)}" if resolved_band(config) > 1 else "")
                      + ("_dyn" if config.dynamic else "") + ("_c2" if config.cluster_n == 2 else "")
                      + ("_cm2" if config.cluster_m == 2 else "")
+                     + ("_2cta" if config.ctas_per_sm == 2 else "")
                      + debug
                      + ("" if kernel is None or kernel.debug.reg_realloc else "_noregs"))
         self.k_blocks = -(-K // SCALE_BLOCK)
@@ -209,7 +218,7 @@ def fp8_grouped_gemm(A, A_scale, B, B_scale, group_sizes=None, offsets=None, epi
     out_dtype = _dtype_name(out_dtype)
     M, K = A.shape
     G, N = B.shape[0], B.shape[1]
-    config = config or choose_fp8_config(N, K, G, epilogue.gated)
+    config = config or choose_fp8_config(N, K, G, epilogue.gated, plain_epilogue=type(epilogue) is IdentityEpilogue)
     comp = compile_fp8_grouped_gemm(config, epilogue, N, K, G, out_dtype)
     outs = allocate_outputs(epilogue, M, N, out_dtype, A.device)
     run_fp8_grouped_gemm(comp, A, A_scale, B, B_scale, offsets, outs, extras)

@@ -50,12 +50,17 @@ from .scheduler import PEER_SLOTS, TileScheduler
 from .tile_policy import one_band_limit, resolved_band
 from .tile_epilogue import TileEpilogue
 
-__all__ = ["Fp8GroupedGemmKernel", "Fp8DebugKnobs", "N_WAVE_TILE"]
+__all__ = ["Fp8GroupedGemmKernel", "Fp8DebugKnobs", "N_WAVE_TILE", "TWO_CTA_REGISTER_SPLIT"]
 
 FP8 = cutlass.Float8E4M3FN
 SCALE_MODES = ("tma", "unaligned", "off")
 #: The gated tile width walked as two n-waves (gate half, up half) of 128 columns each.
 N_WAVE_TILE = 256
+#: setmaxnreg split (producer, consumer warpgroup) of a CTA of two CTAs an SM: each starts with 256 threads x 128
+#: registers (65536 an SM), and the consumer can take only what the producer's warpgroup gives back (sum <= 256).
+TWO_CTA_REGISTER_SPLIT = (32, 224)
+#: cudaSharedmemCarveoutMaxShared: the SM's whole unified L1 / shared memory as shared memory.
+MAX_SHARED_CARVEOUT = 100
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,18 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # a 256-row tile: each consumer warpgroup walks its 128 rows as two 64-row waves, one after the other,
         # through one scratch fragment (kernels/fp8_mainloop.py), so its registers hold 2 x 64 x tile_n / 128
         # accumulator floats and 64 x tile_n / 128 scratch ones per thread (DeepGEMM's BLOCK_M = 256 on sm90)
-        self.waves = self.tile_m // 128
+        # two CTAs an SM (config.ctas_per_sm = 2): one consumer warpgroup a CTA walks a 128-row tile as two 64-row
+        # m-waves (the registers of the cooperative 256-row tile), and the SM's two CTAs drift apart, so one CTA's
+        # epilogue runs while the other's wgmma do: the overlap a cooperative tile's two warpgroups, reaching their
+        # epilogues together, cannot give (kernels/README.md, "Two CTAs an SM")
+        self.ctas_per_sm = int(getattr(config, "ctas_per_sm", 1))
+        assert self.ctas_per_sm in (1, 2)
+        self.num_mma_wg = 2 if self.ctas_per_sm == 1 else 1
+        self.mma_atoms_m = self.num_mma_wg
+        self.wave_rows = 64 * self.num_mma_wg          # the tile's rows one wave covers (64 per warpgroup)
+        self.waves = self.tile_m // self.wave_rows
+        self.sa_boxes = self.tile_m // 128             # activation-scale boxes a stage holds (one per 128 rows)
+        assert self.ctas_per_sm == 1 or (self.tile_m == 128 and self.tile_n <= 128), "two CTAs an SM: 128 x <=128"
         assert self.tile_n % 16 == 0 and self.tile_n <= 256
         self.gated = epilogue.gated
         # a gated 128 x 256 tile: each consumer warpgroup walks the gate half and then the up half of its 64 rows
@@ -102,9 +118,8 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         assert self.n_waves == 1 or self.tile_m == 128, "n-waves take a 128-row tile"
         self.wave_n = self.tile_n // self.n_waves
         self.pingpong = False            # cooperative: the accumulator and the scratch fragment both fit
-        self.num_mma_wg = 2
-        self.mma_atoms_m = 2
         self.threads = 128 * (1 + self.num_mma_wg)
+        self.register_split = REGISTER_SPLIT[False] if self.ctas_per_sm == 1 else TWO_CTA_REGISTER_SPLIT
         self.sched_stages = 2
         self.stages = config.stages
         self.dynamic = config.dynamic
@@ -118,7 +133,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.cluster_m = int(getattr(config, "cluster_m", 1))
         self.band_m = resolved_band(config)    # the tile order's band (kernels/scheduler.py)
         # a tile whose rows end within its first 64: the second warpgroup issues no wgmma (kernels/fp8_mainloop.py)
-        self.short_tiles = bool(getattr(config, "short_tiles", False)) and self.waves == 1
+        self.short_tiles = bool(getattr(config, "short_tiles", False)) and self.waves == 1 and self.num_mma_wg == 2
         assert self.cluster_n in (1, 2) and self.cluster_m in (1, 2), "cluster_n and cluster_m are 1 or 2"
         assert self.cluster_m == 1 or self.cluster_n == 1, "a CTA pair lies along m or along n, not both"
         self.peer_ids = self.dynamic and self.cluster_size > 1   # rank 0 sends the tile ids it takes to rank 1
@@ -180,8 +195,8 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         )
         self.sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
         self.sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
-        self.sSA_layout = cute.make_layout((SA_BOX, self.waves, self.stages),
-                                           stride=(1, SA_STAGE_FLOATS, SA_STAGE_FLOATS * self.waves))
+        self.sSA_layout = cute.make_layout((SA_BOX, self.sa_boxes, self.stages),
+                                           stride=(1, SA_STAGE_FLOATS, SA_STAGE_FLOATS * self.sa_boxes))
         self.sSB_layout = cute.make_layout((SB_BOX, self.slots, self.stages),
                                            stride=(1, SB_SLOT_FLOATS, SB_SLOT_FLOATS * self.slots))
         sA_one = cute.slice_(self.sA_layout, (None, None, 0))
@@ -207,7 +222,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # out-of-bounds box elements are zero-filled and still counted by the transaction
         self.tx_bytes = cute.size_in_bytes(FP8, sA_one) + cute.size_in_bytes(FP8, sB_one)
         if const_expr(self.debug.scales != "off"):
-            self.tx_bytes += 4 * (SA_BOX * self.waves + SB_BOX * self.slots)
+            self.tx_bytes += 4 * (SA_BOX * self.sa_boxes + SB_BOX * self.slots)
 
         @cute.struct
         class SharedStorage:
@@ -228,7 +243,9 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
             M, self.tiled_mma, self.tiled_mma_log, self.sA_layout, self.sB_layout, self.sSA_layout,
             self.sSB_layout,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), cluster=(self.cluster_size, 1, 1),
-                 smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream)
+                 smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=self.ctas_per_sm,
+                 # two CTAs an SM need the whole 228 KiB carveout (stated, so compiling asks no device for it)
+                 preferred_smem_carveout=MAX_SHARED_CARVEOUT if self.ctas_per_sm > 1 else None, stream=stream)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
@@ -277,12 +294,12 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if wg_idx == 0:
             if const_expr(self.debug.reg_realloc):
-                cute.arch.warpgroup_reg_dealloc(REGISTER_SPLIT[False][0])
+                cute.arch.warpgroup_reg_dealloc(self.register_split[0])
             if warp_idx == 0:
                 self.produce(tma_a, mA, tma_b, mB, mOffs, mCounter, sA, sB, ab_pipe, sched_pipe, sTile,
                              bidx, grid, extras=(tma_sa, mSA, tma_sb, mSB, sSA, sSB, M), rank=rank)
         else:
             if const_expr(self.debug.reg_realloc):
-                cute.arch.warpgroup_reg_alloc(REGISTER_SPLIT[False][1])
+                cute.arch.warpgroup_reg_alloc(self.register_split[1])
             self.consume_fp8(tiled_mma, tiled_mma_log, sA, sB, sSA, sSB, mOffs, epi_tensors, ab_pipe,
                              sched_pipe, sTile, tidx, bidx, grid, M, rank=rank)

@@ -87,7 +87,7 @@ class Fp8WarpRoles(WarpRoles):
         tma_sa, mSA, tma_sb, mSB, sSA, sSB, M = extras
         row0, sb_rows = tile_extra
         one = cute.make_layout(1)
-        for w in range(self.waves):
+        for w in range(self.sa_boxes):
             gSA = cute.local_tile(cute.domain_offset((self.box_start(kt * M + row0 + 128 * w),), mSA), (SA_BOX,),
                                   (0,))
             tSAs, tSAg = cpasync.tma_partition(tma_sa, 0, one, cute.group_modes(sSA, 0, 1),
@@ -132,8 +132,9 @@ class Fp8WarpRoles(WarpRoles):
         if self.debug.scales == "off":
             return [Float32(1.0) for _ in rows], [Float32(1.0) for _ in range(self.slots)]
         row0, sb_rows, M = coords
-        sa_shift = self.box_shift(kt * M + row0 + 128 * wave)
-        row_scales = [sSA[(r + sa_shift, wave, stage)] for r in rows]
+        box, first = divmod(wave * self.wave_rows, 128)   # the wave's 128-row scale box, its first row in it
+        sa_shift = self.box_shift(kt * M + row0 + 128 * box)
+        row_scales = [sSA[(r + first + sa_shift, box, stage)] for r in rows]
         slot_scales = [sSB[(self.box_shift(base + kt), s, stage)] for s, base in enumerate(sb_rows)]
         return row_scales, slot_scales
 
@@ -151,9 +152,9 @@ class Fp8WarpRoles(WarpRoles):
         tCrB = [tiled_mma.make_fragment_B(thr_mma.partition_B(
             cute.local_tile(sB, (self.wave_n, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.n_waves)]
         tCrA = [tiled_mma.make_fragment_A(thr_mma.partition_A(
-            cute.local_tile(sA, (128, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.waves)]
+            cute.local_tile(sA, (self.wave_rows, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.waves)]
         tCcC = tiled_mma_log.get_slice(ctid).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n_log)))
-        tCcW = thr_mma.partition_C(cute.make_identity_tensor((128, self.wave_n)))   # one wave
+        tCcW = thr_mma.partition_C(cute.make_identity_tensor((self.wave_rows, self.wave_n)))   # one wave
         if const_expr(self.n_waves > 1):
             # the tile's accumulator as one 64 x tile_n wgmma would hold it: the gate chunks, then the up chunks
             n_vw, n_hw, n_cw = tCcW.shape[0]

@@ -88,6 +88,9 @@ class GemmConfig:
     quad_beside_fp8: bool = QUAD_BESIDE_FP8_BLOCK  # 16-bit outputs beside an FP8-block output, and a dequantized
                                                    # FP8-block row, store 4 columns per lane
                                                    # (kernels/tile_epilogue.py; QUAD_BESIDE_FP8_BLOCK)
+    ctas_per_sm: int = 1     # FP8 kernel: 2 = one consumer warpgroup a CTA (a 128 x <= 128 tile as two 64-row
+                             # m-waves), two CTAs an SM, so one CTA's epilogue overlaps the other's mainloop
+                             # (kernels/fp8_gemm.py)
 
     @property
     def b_shape_order(self) -> str:
@@ -314,6 +317,13 @@ def pair_ctas(config: GemmConfig, N: int) -> GemmConfig:
 
 #: Shared memory an FP8 kernel's pipeline stages may take: 227 KiB less barriers, scheduler slots, alignment.
 FP8_SMEM = 227 * 1024 - 1024
+#: The same for each of two CTAs an SM (GemmConfig.ctas_per_sm = 2): 228 KiB an SM, 1 KiB of it reserved per CTA.
+FP8_SMEM_TWO_CTAS = 113 * 1024 - 1024
+
+
+def fp8_smem_limit(config) -> int:
+    """The shared memory an FP8 kernel at `config` may give its pipeline stages."""
+    return FP8_SMEM if getattr(config, "ctas_per_sm", 1) == 1 else FP8_SMEM_TWO_CTAS
 
 
 def fp8_stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
@@ -417,6 +427,42 @@ FP8_M_PAIRS = os.environ.get("FUSION_FP8_M_PAIRS", "0") != "0"
 FP8_GATED_M_PAIRS = os.environ.get("FUSION_FP8_GATED_M_PAIRS", "0") != "0"
 
 
+#: FP8 kernels on 128 x 128 tiles with one consumer warpgroup a CTA and two CTAs an SM (GemmConfig.ctas_per_sm = 2:
+#: the SM's two CTAs drift apart, so one's epilogue runs while the other's wgmma do, where a cooperative tile's two
+#: warpgroups reach their epilogues together and the tensor cores wait), by :func:`fp8_two_ctas`
+#: (FUSION_FP8_TWO_CTAS=0, read at import, turns it off; the policy reads this attribute per job, so
+#: bench/ab_switch.py --plan can flip it). Measured on an H200 (bench/fp8_dgrad_epilogue.py --variants
+#: kernel,two-ctas, the plan's own jobs on six blocks' shapes and group sizes, interleaved rounds, the same bits;
+#: bench/results/H200-2026-11-30ae-call1-*): the lone GEMMs (FC2's forward, FC1's dgrad) 3.0-7.3% faster on all twelve;
+#: FC2's dgrad with d(SwiGLU·scale) (B1, whose epilogue reads the saved pre-activation and writes three outputs: a
+#: thread now runs twice its epilogue) -11.0% / -12.9% at K = 4096 / 7168 (Mixtral-8x7B, DeepSeek-V3 EP8), but -3.6 /
+#: -0.1 / +0.7% at K = 2048 (OLMoE, Qwen3-30B-A3B, DeepSeek-V2-Lite) and +6.5% on GPT-OSS-20B (K = 2880): hence
+#: :data:`FP8_TWO_CTAS_EPILOGUE_MIN_K`.
+FP8_TWO_CTAS = os.environ.get("FUSION_FP8_TWO_CTAS", "1") != "0"
+#: The shortest reduction at which a kernel whose epilogue does more than store the accumulator takes two CTAs an
+#: SM: a longer mainloop hides more of the other CTA's (doubled) epilogue.
+FP8_TWO_CTAS_EPILOGUE_MIN_K = 4096
+
+
+def fp8_switches() -> tuple:
+    """The switches the FP8 policy reads per job that a lone FP8 GEMM's kernel depends on besides its shape and rows:
+    part of the key under which the runtime keeps that kernel (fusion/runtime/fp8_gemm.py), so that flipping one (an
+    A/B in one process) loads the other kernel instead of reusing the one loaded before."""
+    return FP8_TWO_CTAS, FP8_TILE_M, FP8_WIDE_ODD, FP8_M_PAIRS
+
+
+def fp8_two_ctas(config: GemmConfig, K: int, plain_epilogue: bool) -> GemmConfig:
+    """`config` as one consumer warpgroup a CTA, two CTAs an SM (128 x 128 tiles, as many stages as fit half the
+    SM's shared memory, its clusters kept) where :data:`FP8_TWO_CTAS` and the rule allow: a plain epilogue (the lone
+    GEMMs' store) at any K, any other from :data:`FP8_TWO_CTAS_EPILOGUE_MIN_K`; not for tiles wider than 128 columns
+    (a gated n-wave tile, 128 x 192 pairs: the accumulator would not fit one warpgroup). Else `config`."""
+    if not FP8_TWO_CTAS or config.tile_n != 128 or not (plain_epilogue or K >= FP8_TWO_CTAS_EPILOGUE_MIN_K):
+        return config
+    slots = 2          # the stage's room for a tile straddling two weight-scale blocks (a gated half: 2 as well)
+    stages = FP8_SMEM_TWO_CTAS // (fp8_stage_bytes(128, 128, slots) + 16)
+    return dataclasses.replace(config, tile_m=128, ctas_per_sm=2, stages=stages)
+
+
 def _fp8_pairs(n_tiles_pair: bool, m_pairs_first: bool = False) -> dict:
     """The cluster fields of a 128-row FP8 tile: along n where its n-tiles pair up (unless `m_pairs_first`), else
     along m where :data:`FP8_M_PAIRS` allows, else single CTAs."""
@@ -448,7 +494,14 @@ def fp8_block_output_tile(N: int, gated: bool = True) -> GemmConfig:
 
 
 def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | None = None,
-                      wide_odd: bool | None = None, col_block: int = 8) -> GemmConfig:
+                      wide_odd: bool | None = None, col_block: int = 8, plain_epilogue: bool = False) -> GemmConfig:
+    """The FP8 kernel's configuration: :func:`cooperative_fp8_config`'s, as two CTAs an SM where
+    :func:`fp8_two_ctas` says (`plain_epilogue`: the epilogue only stores the accumulator, as a lone GEMM's)."""
+    return fp8_two_ctas(cooperative_fp8_config(N, K, G, gated, rows, wide_odd, col_block), K, plain_epilogue)
+
+
+def cooperative_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | None = None,
+                           wide_odd: bool | None = None, col_block: int = 8) -> GemmConfig:
     """The FP8 block-scaled kernel's tile (kernels/fp8_gemm.py): 128 columns (one weight-scale block per n-tile),
     cooperative, as many stages as fit, the dynamic scheduler; where the n-tile count is even, CTA pairs
     (cluster_n = 2) on 256-row tiles (:data:`FP8_TILE_M`: each consumer warpgroup walks its 128 rows as two 64-row

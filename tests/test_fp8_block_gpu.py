@@ -263,7 +263,8 @@ def test_many_rows_per_group_run_single_ctas_with_the_same_bits(monkeypatch):
     as single CTAs instead of pairs: the same tiles and k order, so the output and every gradient are bitwise the
     pairs' (and those match the recipe: test_grouped_block_matches_the_recipe). FC1's gated kernel on the old
     policy's 256-row tile too (FP8_GATED_WAVES off: its 128 x 256 n-waves have no single-CTA variant), and FC2's dgrad
-    without writing FC1's dgrad operand (which takes 128 x 128 tiles: tests/test_fp8_quantized_dgrad_operand_gpu.py)."""
+    without writing FC1's dgrad operand (which takes 128 x 128 tiles: tests/test_fp8_quantized_dgrad_operand_gpu.py);
+    cooperative tiles throughout (FP8_TWO_CTAS off: two CTAs an SM take 128-row tiles, which the rule leaves alone)."""
     import fusion.kernels.fp8_api as fp8_api
     from fusion import dataflow
     from fusion.kernels import tile_policy
@@ -271,6 +272,7 @@ def test_many_rows_per_group_run_single_ctas_with_the_same_bits(monkeypatch):
 
     monkeypatch.setattr(tile_policy, "FP8_GATED_WAVES", False)
     monkeypatch.setattr(dataflow, "QUANTIZES_DGRAD_OPERAND", False)
+    monkeypatch.setattr(tile_policy, "FP8_TWO_CTAS", False)   # the lone GEMMs' 128-row two-CTA tiles have no pairs rule
     clear_cache()
 
     real, launched = fp8_api.launch_grid, []

@@ -18,7 +18,8 @@ from conftest import sass_or_skip  # noqa: E402
 
 
 def _cfg(N, K_, G, gated=False, **over):
-    return replace(K.choose_fp8_config(N, K_, G, gated), **over)
+    """The cooperative configuration (tile_policy.cooperative_fp8_config) with `over`: the cases name their tiles."""
+    return replace(K.cooperative_fp8_config(N, K_, G, gated), **over)
 
 
 CASES = {  # name: (epilogue, N, K, G, config overrides)
@@ -43,6 +44,11 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
     "waves": (K.IdentityEpilogue(), 1024, 528, 8, dict(tile_m=256, stages=4)),
     "waves-pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(tile_m=256, stages=4, cluster_n=2)),
     "waves-gated-split": (K.SwiGLUScaleEpilogue(), 2 * 2888, 1024, 8, dict(tile_m=256, tile_n=128, stages=4)),
+    # two CTAs an SM: one consumer warpgroup a CTA walks a 128-row tile as two 64-row waves
+    "two-ctas": (K.IdentityEpilogue(), 1024, 528, 8, dict(tile_m=128, ctas_per_sm=2, stages=3, cluster_n=1)),
+    "two-ctas-pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(tile_m=128, ctas_per_sm=2, stages=3, cluster_n=2)),
+    "two-ctas-gated-split": (K.SwiGLUScaleEpilogue(), 2 * 2888, 1024, 8,
+                             dict(tile_m=128, tile_n=128, ctas_per_sm=2, stages=3, cluster_n=1)),
 }
 
 
@@ -132,6 +138,74 @@ def test_a_256_row_tile_folds_two_waves_per_k_tile(name):
 def _args(name):
     epi, N, K_, G, _ = CASES[name]
     return epi, N, K_, G
+
+
+@pytest.mark.parametrize("name", ["two-ctas", "two-ctas-pair", "two-ctas-gated-split"])
+def test_two_ctas_an_sm_fit_one_sm_together(name):
+    """Two CTAs an SM (GemmConfig.ctas_per_sm = 2): 256 threads a CTA (the producer warpgroup and one consumer
+    warpgroup), launched for two CTAs an SM (.minnctapersm 2: 128 registers a thread, 65536 an SM), the
+    consumer taking 224 of them by setmaxnreg from the producer's 32 (a sum over 256 would hang), the stages in half
+    the SM's shared memory, and per k-tile two 64-row waves (wgmma, wait, fold twice) with no spills."""
+    from fusion.kernels.fp8_gemm import TWO_CTA_REGISTER_SPLIT
+    from fusion.kernels.tile_policy import FP8_SMEM_TWO_CTAS
+
+    comp = _compile(name)
+    assert "_2cta" in comp.name
+    assert re.search(r"\.minnctapersm 2", comp.ptx)
+    producer, consumer = TWO_CTA_REGISTER_SPLIT
+    assert producer + consumer <= 256
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer};", comp.ptx)
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer};", comp.ptx)
+    assert comp.registers <= 128 and comp.shared_memory_bytes <= FP8_SMEM_TWO_CTAS + 1024
+    sass = sass_or_skip(lambda: comp.sass)
+    assert sass.count("WARPGROUP.ARRIVE") == 2 and comp.frame_size == 0
+    assert not any(o.startswith(("LDL", "STL")) for o in _ops(sass))
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(tile_m=256, ctas_per_sm=2, stages=3), "ctas_per_sm = 2 with a 256x128 tile"),
+    (dict(tile_m=128, tile_n=192, ctas_per_sm=2, stages=3), "ctas_per_sm = 2 with a 128x192 tile"),
+    (dict(tile_m=128, ctas_per_sm=2, stages=4), "for each of two CTAs an SM"),
+    (dict(ctas_per_sm=3), "ctas_per_sm = 3"),
+])
+def test_two_ctas_configs_that_cannot_fit_are_refused(over, match):
+    with pytest.raises(KernelConfigError, match=match):
+        K.check_fp8_config(_cfg(1024, 2048, 8, **over), K.IdentityEpilogue(), 1024, 2048)
+
+
+@pytest.mark.parametrize("plain,K_,two", [(True, 2048, True), (True, 512, True), (False, 2048, False),
+                                          (False, 4096, True), (False, 7168, True)])
+def test_policy_takes_two_ctas_an_sm_by_epilogue_and_reduction(plain, K_, two, monkeypatch):
+    """tile_policy.fp8_two_ctas: a plain epilogue (a lone GEMM's store) on two CTAs an SM at any K; an epilogue that
+    does more (FC2's dgrad with d(SwiGLU·scale)) from FP8_TWO_CTAS_EPILOGUE_MIN_K; 128 x 128 tiles, three stages,
+    the cooperative tile's clusters kept; gated n-wave tiles never; nothing with FP8_TWO_CTAS off."""
+    from fusion.kernels import tile_policy as tp
+
+    cfg = K.choose_fp8_config(4096, K_, 32, plain_epilogue=plain)
+    coop = K.cooperative_fp8_config(4096, K_, 32)
+    if two:
+        assert (cfg.tile_m, cfg.tile_n, cfg.ctas_per_sm, cfg.stages) == (128, 128, 2, 3)
+        assert (cfg.cluster_n, cfg.cluster_m, cfg.dynamic) == (coop.cluster_n, coop.cluster_m, coop.dynamic)
+        K.check_fp8_config(cfg, K.IdentityEpilogue(), 4096, K_)
+    else:
+        assert cfg == coop
+    dequant = K.choose_fp8_config(1024, K_, 32, col_block=128, plain_epilogue=plain)   # B1's 128 x 128 tile
+    assert (dequant.ctas_per_sm == 2) == two
+    gated = K.choose_fp8_config(2 * 2048, K_, 32, gated=True, col_block=128, plain_epilogue=plain)
+    assert gated.ctas_per_sm == 1 and gated.tile_n == 256
+    monkeypatch.setattr(tp, "FP8_TWO_CTAS", False)
+    assert K.choose_fp8_config(4096, K_, 32, plain_epilogue=plain) == coop
+
+
+def test_two_ctas_launch_two_ctas_an_sm(monkeypatch):
+    """The persistent launch of a two-CTA kernel asks for two CTAs an SM (whole pairs), at most one a tile."""
+    from fusion.kernels import api
+
+    monkeypatch.setattr(api, "_num_sms", lambda idx: 132)
+    comp = _compile("two-ctas-pair")
+    n, _, _ = api.launch_grid(comp, 8192 * 32, torch.device("cpu"), None, counter_ptr=0)
+    assert n == 264
+    assert api.launch_grid(comp, 100, torch.device("cpu"), None, counter_ptr=0)[0] <= comp.n_tiles * (1 + 32)
 
 
 # ---- the weight-scale slots of an n-tile

@@ -366,7 +366,7 @@ class _RowScaledDequant(_RowScaled):
 
 
 @pytest.mark.parametrize("stores", ["quad", "pairs"])
-@pytest.mark.parametrize("tile", ["policy", "128x128"])
+@pytest.mark.parametrize("tile", ["policy", "128x128", "two-ctas"])
 @pytest.mark.parametrize("N", [1024, 1000], ids=["N1024", "N1000-partial-block"])
 def test_fp8_block_dequantized_output_is_the_round_trip_of_the_bf16_output(N, tile, stores):
     """The dequantized FP8-block store (what the FP8 dgrad writes for FC2's weight gradient after a
@@ -382,6 +382,8 @@ def test_fp8_block_dequantized_output_is_the_round_trip_of_the_bf16_output(N, ti
     scale[11] = 2.0 ** 100   # the huge row overflows: Inf in float32 and bf16
     cfg = _config(N, Kd, G) if tile == "policy" else K.fp8_block_output_tile(N, gated=False)
     cfg = replace(cfg, quad_beside_fp8=stores == "quad")
+    if tile == "two-ctas":
+        cfg = replace(cfg, ctas_per_sm=2, stages=3)
     hp, got = _nan(M, N), _nan(M, N)
     for epi, out in ((_RowScaled(), hp), (_RowScaledDequant(), got)):
         K.run_fp8_grouped_gemm(K.compile_fp8_grouped_gemm(cfg, epi, N, Kd, G), *args, {"out": out},
@@ -542,6 +544,36 @@ def test_m_pairs_identity_bitwise_equal_to_single_ctas(case, num_ctas, dynamic):
     _check_pair_bitwise(case, cfg, dict(cluster_m=2), "_cm2", num_ctas, seed=21)
 
 
+# ------------------------------------------------------------------ two CTAs an SM (one consumer warpgroup a CTA)
+# the pair cases, plus a partial last k-block
+TWO_CTA_CASES = PAIR_CASES + [(8, 2000, 1024, 528)]
+
+
+@pytest.mark.parametrize("over", [dict(dynamic=True), dict(dynamic=False), dict(dynamic=True, num_ctas=7),
+                                  dict(dynamic=True, cluster_n=2), dict(dynamic=False, cluster_n=2, num_ctas=6)],
+                         ids=["dynamic", "static", "dynamic-7-ctas", "dynamic-pairs", "static-pairs-6-ctas"])
+@pytest.mark.parametrize("case", TWO_CTA_CASES, ids=lambda c: "G{}-M{}-N{}-K{}".format(*c))
+def test_two_ctas_an_sm_bitwise_equal_to_cooperative_tiles(case, over):
+    """One consumer warpgroup a CTA (GemmConfig.ctas_per_sm = 2) walks a 128-row tile as two 64-row m-waves, each
+    the cooperative tile's wgmma on the same rows, folded in the same k order: bitwise the cooperative 128-row
+    kernel's output and within the FP8 tolerance of the float64 product, on either schedule, alone and as CTA pairs
+    along n, on a full grid (two CTAs an SM) and on a few CTAs (many tiles each)."""
+    if len(over) > 1 and case not in TWO_CTA_CASES[:2]:
+        pytest.skip("the launch variants run on the first two cases")
+    over = dict(over)
+    num_ctas = over.pop("num_ctas", None)
+    cfg = _config(*_pair_dims(case), tile_m=128, tile_n=128, stages=6, cluster_n=1, cluster_m=1,
+                  dynamic=over.pop("dynamic"))
+    _check_pair_bitwise(case, cfg, dict(ctas_per_sm=2, stages=3, **over), "_2cta", num_ctas, seed=31)
+
+
+@pytest.mark.parametrize("N", [2 * 1536, 2 * 2888])
+def test_two_ctas_an_sm_gated_swiglu_scale(N):
+    """FC1 + SwiGLU * router prob on a gated 128 x 128 tile, one consumer warpgroup a CTA, two CTAs an SM."""
+    _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, tile_m=128, tile_n=128, cluster_n=1, stages=3,
+                                             ctas_per_sm=2), seed=32)
+
+
 # ------------------------------------------------------------------ 256-row tiles (two 64-row waves per warpgroup)
 # ragged groups with empty ones (many partial 256-row tiles), a partial n-tile and weight block, many groups,
 # issue 9's target widths
@@ -580,3 +612,55 @@ def test_256_row_tiles_gated_swiglu_scale(N, cluster_n):
     """FC1 + SwiGLU * router prob on 256-row tiles (N/2 = 2888: up-half segments straddle weight blocks)."""
     _check_gated(N, lambda N, Kd, G: _config(N, Kd, G, gated=True, tile_m=256, tile_n=128, stages=4, cluster_n=cluster_n),
                  seed=14)
+
+
+# ------------------------------------------------------------------ two CTAs an SM on a training step's own kernels
+def _epilogue_extras(epilogue, M, n, G, gen):
+    """Random inputs of every input spec of a (generated) epilogue, by name: rows (M,), groups (G, n), aux (M, n)
+    (paired specs twice the width), in their dtypes (an AuxInput without one in bf16, the GEMM dtype)."""
+    extras = {}
+    for spec in epilogue.inputs:
+        width = 2 * n if spec.paired else n
+        shape = {K.RowVector: (M,), K.GroupVector: (G, width)}.get(type(spec), (M, width))
+        dtype = getattr(torch, spec.dtype or "bfloat16")
+        extras[spec.name] = torch.randn(shape, generator=gen).to(dtype).to(DEV)
+    return extras
+
+
+@pytest.mark.parametrize("step", ["B1", "fp8_fprop", "fp8_dgrad"])
+def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step):
+    """The FP8 block's own kernels (fusion_fp8: GroupLinear -> SwiGLU -> Scale -> QuantizeFP8Block -> GroupLinear, FP8
+    weights): FC2's dgrad with its generated d(SwiGLU·scale) epilogue (saved pre-activation in, d(gate, up), the
+    router scale's row-sum partials and FC2's input dequantized out), FC2's forward and FC1's dgrad, at the tile
+    policy's configuration and as one consumer warpgroup a CTA, two CTAs an SM: every output bit for bit the same
+    (ragged groups with empty ones, unaligned rows)."""
+    import dataclasses
+
+    from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
+    from fusion.kernels.api import allocate_outputs
+    from fusion.runtime.aot import plan_jobs
+    from fusion.runtime.compile import _config, _epilogue
+
+    G, d, f, M = 8, 1024, 768, 3001
+    seq = Sequential(GroupLinear(G, d, 2 * f, weight_format="fp8_block"), SwiGLU(), Scale(),
+                     QuantizeFP8Block(columnwise=False), GroupLinear(G, f, d, weight_format="fp8_block")).to("meta")
+    job = next(j for j in plan_jobs(seq, torch.bfloat16) if j.step == step and j.mainloop == "fp8_block")
+    cfg, epilogue = _config(job), _epilogue(job)
+    two = dataclasses.replace(cfg, tile_m=128, tile_n=min(cfg.tile_n, 128), ctas_per_sm=2, stages=3)
+    sizes, args, _, _ = _problem(G, M, job.N, job.K, seed=33)
+    n_log = job.N // 2 if epilogue.gated else job.N
+    extras = _epilogue_extras(epilogue, M, n_log, G, torch.Generator().manual_seed(34))
+    outs = []
+    for c in (cfg, two):
+        comp = K.compile_fp8_grouped_gemm(c, epilogue, job.N, job.K, job.G)
+        out = allocate_outputs(epilogue, M, job.N, "bfloat16", DEV)
+        for t in out.values():
+            (t.zero_() if t.dim() == 0 else t.view(torch.uint8).fill_(0x7F))
+        K.run_fp8_grouped_gemm(comp, *args, out, extras=extras)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert "_2cta" in comp.name
+    for name, want in outs[0].items():
+        got = outs[1][name]
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), \
+            f"{step}: {name} differs between the policy's tile and two CTAs an SM"

@@ -115,16 +115,19 @@ def test_many_rows_per_group_take_single_ctas(monkeypatch):
     128-row single tiles keep their configuration; fp8_row_configs lists both (Sequential.compile builds both)."""
     from fusion.kernels import tile_policy as P
 
-    pair = P.choose_fp8_config(4096, 7168, 32)
+    # the cooperative tiles (tile_policy.fp8_two_ctas turns a plain one at this K into two 128-row CTAs an SM, which
+    # this rule leaves alone)
+    pair = P.cooperative_fp8_config(4096, 7168, 32)
     assert (pair.tile_m, pair.cluster_n) == (256, 2)
+    assert P.choose_fp8_config(4096, 7168, 32).ctas_per_sm == 2
     monkeypatch.setattr(P, "FP8_SINGLE_ROWS", 0)   # the default: off
     assert P.fp8_for_rows(pair, 10 ** 9, 32) is pair and P.fp8_row_configs(pair, 32) == [pair]
     monkeypatch.setattr(P, "FP8_SINGLE_ROWS", 4096)
     assert P.fp8_for_rows(pair, None, 32) is pair and P.fp8_for_rows(pair, 32 * 4096 - 1, 32) is pair
     single = P.fp8_for_rows(pair, 32 * 4096, 32)
-    assert single.cluster_n == 1 and single == P.choose_fp8_config(4096, 7168, 32, rows=32 * 4096)
+    assert single.cluster_n == 1 and single == P.cooperative_fp8_config(4096, 7168, 32, rows=32 * 4096)
     assert single == pair.__class__(**{**pair.__dict__, "cluster_n": 1})   # nothing else changes
-    odd = P.choose_fp8_config(2880, 2880, 32)   # 23 n-tiles (15 of 192): single 128-row CTAs whatever the rows
+    odd = P.cooperative_fp8_config(2880, 2880, 32)   # 23 n-tiles (15 of 192): single 128-row CTAs whatever the rows
     assert P.fp8_for_rows(odd, 10 ** 8, 32) is odd and P.fp8_row_configs(odd, 32) == [odd]
     assert P.fp8_row_configs(pair, 32) == [pair, single]
     monkeypatch.setattr(P, "FP8_SINGLE_ROWS", 512)   # the attribute is read at each call (bench/ab_switch.py)
@@ -140,6 +143,7 @@ def test_a_fused_fp8_kernel_launches_the_configuration_of_the_calls_rows(monkeyp
     from fusion.runtime.kernel import BlockScaled, CuteKernel
 
     monkeypatch.setattr(P, "FP8_SINGLE_ROWS", 1024)
+    monkeypatch.setattr(P, "FP8_TWO_CTAS", False)   # the identity job's cooperative 256-row pair (the rule's subject)
     loads, launched = [], []
     monkeypatch.setattr(C, "load_compiled", lambda job: loads.append(job) or job.config)
     fake = type("K", (), {"run_fp8_grouped_gemm": staticmethod(lambda compiled, *a, **k: launched.append(compiled)),
@@ -213,3 +217,19 @@ def test_a_training_steps_fp8_kernels_keep_128_column_single_ctas(monkeypatch):
              for j in plan_jobs(block, torch.bfloat16) if j.mainloop == "fp8_block" and j.step == "F1"
              for c in [GemmConfig(*j.config)]}
     assert tiles == {("F1", "inference"): (128, 192, 2), ("F1", "train"): (128, 128, 1)}, tiles
+
+
+def test_a_lone_fp8_gemm_reloads_when_the_two_cta_switch_flips(monkeypatch):
+    """fp8_gemm._kernel keeps a lone FP8 GEMM's kernel under its shape, rows rule and the FP8 policy's switches
+    (tile_policy.fp8_switches): flipping FP8_TWO_CTAS in one process (bench/ab_switch.py --plan) loads the other
+    kernel rather than reusing the first (session ae's first step A/B compared one kernel with itself so)."""
+    from fusion.kernels import tile_policy as P
+    from fusion.runtime import compile as C
+
+    loads = []
+    monkeypatch.setattr(C, "load_compiled", lambda job: loads.append(P.GemmConfig(*job.config)) or job.config)
+    monkeypatch.setattr(fp8_gemm, "_COMPILED", {})
+    for two in (True, False, True):
+        monkeypatch.setattr(P, "FP8_TWO_CTAS", two)
+        fp8_gemm._kernel(2048, 2048, 64, torch.bfloat16, "fprop", 64 * 1024)
+    assert [c.ctas_per_sm for c in loads] == [2, 1]   # the third call reuses the first

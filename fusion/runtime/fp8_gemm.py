@@ -71,9 +71,9 @@ def identity_job(N: int, K: int, G: int, dtype: torch.dtype, what: str = "fprop"
 def _kernel(N: int, K: int, G: int, dtype: torch.dtype, what: str, rows: int):
     """The compiled FP8 GEMM (memory, the disk cache, or compiled now), per shape and per the configuration a call
     over `rows` rows takes (fusion/runtime/kernel.py `for_rows`; `what` only names it)."""
-    from fusion.kernels.tile_policy import fp8_single_at
+    from fusion.kernels.tile_policy import fp8_single_at, fp8_switches
 
-    key = (N, K, G, dtype, fp8_single_at(rows, G))
+    key = (N, K, G, dtype, fp8_single_at(rows, G), fp8_switches())
     hit = _COMPILED.get(key)
     if hit is None:
         from fusion.runtime.compile import load_compiled

@@ -65,7 +65,8 @@ def make_job(source: str, dtype: torch.dtype, N: int, K: int, G: int, gated: boo
         # pairs would replace them: tile_policy.FP8_WIDE_ODD; a lone GEMM's "identity" and an "inference" take them)
         wide_odd = None if variant in ("inference", "identity") else False
         config = dataclasses.astuple(_with_band(choose_fp8_config(N, K, G, gated, wide_odd=wide_odd,
-                                                                  col_block=col_block)))
+                                                                  col_block=col_block,
+                                                                  plain_epilogue=variant == "identity")))
     else:
         config = dataclasses.astuple(_with_band(GemmConfig(*tile_config(N, K, G, gated, b_major, reads_aux, gather,
                                                                          col_block))))
