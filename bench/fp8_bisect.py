@@ -149,7 +149,7 @@ def build(v: Variant):
         return K.compile_grouped_gemm(K.choose_config(v.M, v.N, v.K, v.G), K.IdentityEpilogue(), "bfloat16",
                                       v.N, v.K, v.G)
     epi = K.SwiGLUScaleEpilogue() if v.gated else K.IdentityEpilogue()
-    cfg = replace(K.choose_fp8_config(v.N, v.K, v.G, v.gated), **v.over)
+    cfg = replace(K.cooperative_fp8_config(v.N, v.K, v.G, v.gated), **v.over)
     return K.compile_fp8_grouped_gemm(cfg, epi, v.N, v.K, v.G,
                                       debug=Fp8DebugKnobs(scales=v.scales, reg_realloc=v.regs))
 

@@ -115,7 +115,7 @@ def test_bands_fp8_kernel(over):
     a_data, a_scale = fp8_block_quantize_2d(x)
     wq = quantize_weight_fp8_block(w)
     offs = K.offsets_from_group_sizes(SIZES.to(DEV))
-    base = replace(K.choose_fp8_config(N, Kd, G), tile_m=128, stages=6, **over)   # the band limit below is 128 rows
+    base = replace(K.cooperative_fp8_config(N, Kd, G), tile_m=128, stages=6, **over)   # the band limit below is 128 rows
     for band in BANDS:
         assert -(-int(SIZES.max()) // 128) > one_band_limit(band, 128, Kd, 1)
     outs = {}

@@ -107,7 +107,9 @@ def _check(out, ref, tol, what=""):
 
 
 def _config(N, Kd, G, gated=False, **over):
-    return replace(K.choose_fp8_config(N, Kd, G, gated), **over)
+    """The cooperative tile policy's configuration (tile_policy.cooperative_fp8_config) with `over`: the tests name
+    their tiles (two CTAs an SM: the two_ctas tests and test_identity_on_the_policys_plain_tile)."""
+    return replace(K.cooperative_fp8_config(N, Kd, G, gated), **over)
 
 
 def _nan(M, N, dtype=torch.bfloat16):
@@ -146,6 +148,23 @@ def test_identity(case):
         K.run_fp8_grouped_gemm(comp, *args, {"out": out}, num_ctas=num_ctas)
         torch.cuda.synchronize()
         _check(out, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name)
+
+
+@pytest.mark.parametrize("case", [(32, 8192, 4096, 7168), (8, 3001, 1024, 512), (130, 5000, 512, 384)],
+                         ids=lambda c: "G{}-M{}-N{}-K{}".format(*c))
+def test_identity_on_the_policys_plain_tile(case):
+    """A lone GEMM's configuration (choose_fp8_config with a plain epilogue: two CTAs an SM, tile_policy.fp8_two_ctas)
+    against the float64 product."""
+    G, M, N, Kd = case
+    sizes, args, a_dq, b_dq = _problem(G, M, N, Kd, seed=35)
+    comp = K.compile_fp8_grouped_gemm(K.choose_fp8_config(N, Kd, G, plain_epilogue=True), K.IdentityEpilogue(), N,
+                                      Kd, G)
+    assert "_2cta" in comp.name
+    out = _nan(M, N)
+    K.run_fp8_grouped_gemm(comp, *args, {"out": out})
+    torch.cuda.synchronize()
+    ref, mag = _reference(a_dq, b_dq, sizes)
+    _check(out, ref, OUT_TOL * ref.abs() + ACC_TOL * mag + 1e-30, comp.name)
 
 
 def test_float8_dtype_operands_and_fp16_output():

@@ -132,7 +132,7 @@ def test_fp8_short_tiles(over):
     outs = []
     for short in (True, False):
         # 128-row tiles: a 256-row tile has no short-tile path (kernels/fp8_gemm.py)
-        config = dataclasses.replace(K.choose_fp8_config(N, Kd, G), tile_m=128, stages=6, short_tiles=short, **over)
+        config = dataclasses.replace(K.cooperative_fp8_config(N, Kd, G), tile_m=128, stages=6, short_tiles=short, **over)
         comp = K.compile_fp8_grouped_gemm(config, K.IdentityEpilogue(), N, Kd, G)
         out = _nan(M, N, dtype=torch.bfloat16)
         K.run_fp8_grouped_gemm(comp, a_data, a_scale, wq.data, wq.scale, _offsets(SIZES), {"out": out}, num_ctas=4)
