@@ -15,8 +15,9 @@ instruction count beside its time.
     python bench/fp8_dgrad_epilogue.py --step B1,fprop,dgrad --variants kernel,two-ctas --models olmoe-1b-7b
 
 Variants (--variants): ``kernel`` (the defaults), ``two-ctas`` (the job on 128 x <= 128 tiles with one consumer
-warpgroup a CTA, two CTAs an SM: GemmConfig.ctas_per_sm = 2, session ae), ``int-decode`` (Fp8DebugKnobs(int_decode=True): the dequantized
-row's codes decoded by integer instructions, as before session y), ``value-tests`` (Fp8DebugKnobs(value_tests=True):
+warpgroup a CTA, two CTAs an SM: GemmConfig.ctas_per_sm = 2, session ae; ``two-ctas-single`` without its CTA pairs,
+``two-ctas-jit`` compiled here rather than loaded from the kernel cache), ``int-decode``
+(Fp8DebugKnobs(int_decode=True): the dequantized row's codes decoded by integer instructions, as before session y), ``value-tests`` (Fp8DebugKnobs(value_tests=True):
 each bf16 value bound for an FP8 block tested for finiteness and folded into the block amax one at a time, as before
 session z, not a packed pair at a time). F1 is the FP8 FC1 of a training step: SwiGLU·scale, FC2's input stored as
 FP8 blocks (codes, scales, amax) and the pre-activation saved. The kernels compile on the GPU machine (in memory,

@@ -24,7 +24,8 @@ per 128-row wave, as a box dimension holds at most 256 elements) and one 16-byte
 scale box starts at the wanted float rounded down to a multiple of 4 and the consumers read ``shift =
 coordinate % 4`` floats into it (:class:`Fp8DebugKnobs` keeps the unaligned start, for the bisect only).
 
-Cooperative warp roles: warpgroup 0 is the producer, warpgroups 1..2 each own 64 rows of a 128-row tile.
+Cooperative warp roles: warpgroup 0 is the producer, warpgroups 1..2 each own 64 rows of a 128-row tile; with
+``ctas_per_sm = 2`` warpgroup 1 alone walks the tile as two 64-row waves, and two CTAs share an SM.
 The scheduler (kernels/scheduler.py) and the epilogue protocol (kernels/tile_epilogue.py) are the bf16
 kernel's, so every epilogue of kernels/epilogue.py (and the generated ones) applies; outputs default to bf16.
 

@@ -9,7 +9,8 @@ wgmma consumers that promote every k-tile's partial sums into an fp32 accumulato
   scale buffers under the stage's mbarrier, so a consumer that waited for the stage reads them from shared
   memory.
 - consumers (warpgroups 1..2, 64 rows of each 128-row wave of the tile: one wave in a 128-row tile, two in a
-  256-row one), per k-tile and wave: wgmma into a scratch fp32 fragment ``part`` (zeroed by the first wgmma:
+  256-row one; with two CTAs an SM, GemmConfig.ctas_per_sm = 2, warpgroup 1 alone, a 128-row tile as two 64-row
+  waves), per k-tile and wave: wgmma into a scratch fp32 fragment ``part`` (zeroed by the first wgmma:
   ACCUMULATE off), read the row and block scales of the stage while it runs, wait, (after the last wave)
   release the stage, then ``acc[wave] = part * (sa[row] * sb[slot]) + acc[wave]`` (one FFMA per element; the
   slot of an accumulator column is known at trace time, or, for a segment that straddles a 128-row boundary,
@@ -79,7 +80,7 @@ class Fp8WarpRoles(WarpRoles):
         return 0 if self.debug.scales == "unaligned" else box_shift(coord)
 
     def stage_extra_loads(self, extras, tile_extra, kt, stage, bar):
-        """k-tile ``kt``'s scales into ``stage``: per 128-row wave the box holding ``sa[kt, row0 + 128 w :
+        """k-tile ``kt``'s scales into ``stage``: per 128 rows of the tile the box holding ``sa[kt, row0 + 128 w :
         + 128]`` and, per slot, the one holding ``sb[g, block, kt]`` (floats past the tensor read zeros; they
         only reach masked outputs)."""
         if self.debug.scales == "off":
@@ -147,7 +148,7 @@ class Fp8WarpRoles(WarpRoles):
         ctid = tidx - 128
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma = tiled_mma.get_slice(ctid)
-        # per m-wave, the operands over its 128-row slice of the A ring; per n-wave, over its wave_n-row slice of
+        # per m-wave, the operands over its wave_rows-row slice of the A ring; per n-wave, over its wave_n-row slice of
         # the B ring (both 1024-byte multiples: the swizzle holds)
         tCrB = [tiled_mma.make_fragment_B(thr_mma.partition_B(
             cute.local_tile(sB, (self.wave_n, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.n_waves)]
@@ -167,7 +168,7 @@ class Fp8WarpRoles(WarpRoles):
         n_h = cute.size(tCcW.shape[0][1])
         assert cute.size(tCcW.shape[1]) == 1 and cute.size(tCcW.shape[2]) == 1, \
             "one wgmma atom per warpgroup and wave: 64 rows x wave_n"
-        # the thread's rows of a wave (wave w holds the tile's rows [128 w, 128 w + 128))
+        # the thread's rows of a wave (wave w holds the tile's rows [wave_rows w, wave_rows (w + 1)))
         rows = [tCcW[((0, h, 0), 0, 0)][0] for h in range(n_h)]
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         if const_expr(self.dynamic):
