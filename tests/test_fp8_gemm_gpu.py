@@ -646,13 +646,16 @@ def _epilogue_extras(epilogue, M, n, G, gen):
     return extras
 
 
-@pytest.mark.parametrize("step", ["B1", "fp8_fprop", "fp8_dgrad"])
-def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step):
+@pytest.mark.parametrize("step,quantized", [("B1", True), ("fp8_fprop", True), ("fp8_dgrad", True), ("B1", False)],
+                         ids=["B1", "fp8_fprop", "fp8_dgrad", "B1-direct"])
+def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step, quantized):
     """The FP8 block's own kernels (fusion_fp8: GroupLinear -> SwiGLU -> Scale -> QuantizeFP8Block -> GroupLinear, FP8
     weights): FC2's dgrad with its generated d(SwiGLU·scale) epilogue (saved pre-activation in, d(gate, up), the
     router scale's row-sum partials and FC2's input dequantized out), FC2's forward and FC1's dgrad, at the tile
     policy's configuration and as one consumer warpgroup a CTA, two CTAs an SM: every output bit for bit the same
-    (ragged groups with empty ones, unaligned rows)."""
+    (ragged groups with empty ones, unaligned rows). "B1-direct": the block without the QuantizeFP8Block (FC2's dgrad
+    writes d(gate, up) and the row sums only; the policy's two-CTA B1 from K = 4096 is this epilogue on the large
+    blocks of fusion_fp8_direct)."""
     import dataclasses
 
     from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
@@ -661,8 +664,9 @@ def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step):
     from fusion.runtime.compile import _config, _epilogue
 
     G, d, f, M = 8, 1024, 768, 3001
-    seq = Sequential(GroupLinear(G, d, 2 * f, weight_format="fp8_block"), SwiGLU(), Scale(),
-                     QuantizeFP8Block(columnwise=False), GroupLinear(G, f, d, weight_format="fp8_block")).to("meta")
+    quantize = [QuantizeFP8Block(columnwise=False)] if quantized else []
+    seq = Sequential(GroupLinear(G, d, 2 * f, weight_format="fp8_block"), SwiGLU(), Scale(), *quantize,
+                     GroupLinear(G, f, d, weight_format="fp8_block")).to("meta")
     job = next(j for j in plan_jobs(seq, torch.bfloat16) if j.step == step and j.mainloop == "fp8_block")
     cfg, epilogue = _config(job), _epilogue(job)
     two = dataclasses.replace(cfg, tile_m=128, tile_n=min(cfg.tile_n, 128), ctas_per_sm=2, stages=3)
