@@ -43,7 +43,11 @@ VARIANTS = {"kernel": {}, "int-decode": {"int_decode": True}, "value-tests": {"v
 
 
 def _two_ctas(c, **over):
-    return dataclasses.replace(c, **{**dict(tile_m=128, tile_n=min(c.tile_n, 128), ctas_per_sm=2, stages=3), **over})
+    """The job's tile as two CTAs an SM (tile_policy.two_cta_tile: 128 x 128, or the gated n-wave tile as 64 x 256
+    CTA pairs along m), with `over`."""
+    from fusion.kernels.tile_policy import two_cta_tile
+
+    return dataclasses.replace(two_cta_tile(c), **over)
 
 
 #: build name -> what it changes in the job's tile configuration (a function of it). ``two-ctas-jit`` is ``two-ctas``

@@ -43,13 +43,15 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
         problems.append(f"target {target!r}: only sm_90a is supported")
     if out_dtype not in _OUT_DTYPES:
         problems.append(f"out_dtype {out_dtype}: the epilogue works in bfloat16 or float16")
-    if config.tile_m not in (128, 256) or config.tile_k != SCALE_BLOCK:
+    if config.tile_m not in (64, 128, 256) or config.tile_k != SCALE_BLOCK:
         problems.append(f"tile {config.tile_m}x{config.tile_n}x{config.tile_k}: the FP8 kernel uses tile_m = 128 "
-                        f"or 256 and tile_k = {SCALE_BLOCK} (one scale block per k-tile)")
+                        f"or 256 (64: a gated n-wave tile of two CTAs an SM) and tile_k = {SCALE_BLOCK} (one scale "
+                        "block per k-tile)")
     if config.tile_m == 256 and config.tile_n > 128:
         problems.append(f"tile 256x{config.tile_n}: a 256-row tile holds two waves' accumulators and one scratch "
                         "fragment, 3 x tile_n / 2 registers a thread: use tile_n <= 128")
-    gated_waves = epilogue.gated and config.tile_m == 128 and config.tile_n == N_WAVE_TILE
+    gated_waves = epilogue.gated and config.tile_m in (64, 128) and config.tile_n == N_WAVE_TILE
+    two_cta_waves = gated_waves and config.tile_m == 64   # one warpgroup's 64 rows of the gate and up n-waves
     if config.tile_n % 16 or not (16 <= config.tile_n <= _MAX_TILE_N or gated_waves):
         problems.append(f"tile_n = {config.tile_n}: a multiple of 16 up to {_MAX_TILE_N} (a consumer thread holds "
                         "the accumulator and the promotion's scratch fragment, tile_n registers in all: 256 "
@@ -58,10 +60,13 @@ def check_fp8_config(config: GemmConfig, epilogue: Epilogue, N: int, K: int, out
     if config.ctas_per_sm not in (1, 2):
         problems.append(f"ctas_per_sm = {config.ctas_per_sm}: 1 (two cooperative consumer warpgroups a CTA), or 2 "
                         "(one consumer warpgroup a CTA, two CTAs an SM)")
-    elif config.ctas_per_sm == 2 and (config.tile_m != 128 or config.tile_n > 128):
+    elif config.ctas_per_sm == 2 and not ((config.tile_m == 128 and config.tile_n <= 128) or two_cta_waves):
         problems.append(f"ctas_per_sm = 2 with a {config.tile_m}x{config.tile_n} tile: one consumer warpgroup holds "
                         "the whole tile's accumulator and a 64-row wave's scratch fragment, so the tile is 128 x "
-                        "tile_n with tile_n <= 128")
+                        "tile_n with tile_n <= 128, or a gated 64 x 256 one (gate and up n-waves)")
+    elif config.tile_m == 64 and not (config.ctas_per_sm == 2 and two_cta_waves):
+        problems.append(f"tile 64x{config.tile_n}: 64 rows are one warpgroup's, a gated n-wave tile (tile_n = "
+                        f"{N_WAVE_TILE}) of two CTAs an SM (ctas_per_sm = 2)")
     if config.pingpong:
         problems.append("pingpong: the FP8 kernel is cooperative (each warpgroup holds an accumulator and the "
                         "promotion's scratch fragment); use pingpong=False")

@@ -93,7 +93,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.ab_dtype = FP8
         self.acc_dtype = Float32
         self.tile_m, self.tile_n, self.tile_k = config.tile_m, config.tile_n, config.tile_k
-        assert self.tile_m in (128, 256) and self.tile_k == SCALE_BLOCK, "FP8 tiles are 128 or 256 x tile_n x 128"
+        assert self.tile_m in (64, 128, 256) and self.tile_k == SCALE_BLOCK, "FP8 tiles are 64-256 x tile_n x 128"
         # a 256-row tile: each consumer warpgroup walks its 128 rows as two 64-row waves, one after the other,
         # through one scratch fragment (kernels/fp8_mainloop.py), so its registers hold 2 x 64 x tile_n / 128
         # accumulator floats and 64 x tile_n / 128 scratch ones per thread (DeepGEMM's BLOCK_M = 256 on sm90)
@@ -107,8 +107,12 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.mma_atoms_m = self.num_mma_wg
         self.wave_rows = 64 * self.num_mma_wg          # the tile's rows one wave covers (64 per warpgroup)
         self.waves = self.tile_m // self.wave_rows
-        self.sa_boxes = self.tile_m // 128             # activation-scale boxes a stage holds (one per 128 rows)
-        assert self.ctas_per_sm == 1 or (self.tile_m == 128 and self.tile_n <= 128), "two CTAs an SM: 128 x <=128"
+        self.sa_boxes = max(1, self.tile_m // 128)     # activation-scale boxes a stage holds (one per 128 rows)
+        # two CTAs an SM: a 128 x <= 128 tile, or a gated 64 x 256 one (one 64-row wave of the gate and up n-waves:
+        # what each warpgroup of the cooperative 128 x 256 n-wave tile holds)
+        assert self.ctas_per_sm == 1 or (self.tile_m == 128 and self.tile_n <= 128) or \
+            (self.tile_m == 64 and epilogue.gated and self.tile_n == N_WAVE_TILE), "two CTAs an SM: 128 x <=128, 64 x 256"
+        assert self.tile_m != 64 or self.ctas_per_sm == 2, "a 64-row tile is one warpgroup's: two CTAs an SM"
         assert self.tile_n % 16 == 0 and self.tile_n <= 256
         self.gated = epilogue.gated
         # a gated 128 x 256 tile: each consumer warpgroup walks the gate half and then the up half of its 64 rows
@@ -116,7 +120,7 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         # as the 256-row tile's m-waves; its 128 logical columns hold a whole 1 x 128 block of FC2's FP8 input,
         # so the epilogue can quantize it (kernels/fp8_block_store.py)
         self.n_waves = 2 if self.gated and self.tile_n == N_WAVE_TILE else 1
-        assert self.n_waves == 1 or self.tile_m == 128, "n-waves take a 128-row tile"
+        assert self.n_waves == 1 or self.tile_m == self.wave_rows, "n-waves take one m-wave's rows"
         self.wave_n = self.tile_n // self.n_waves
         self.pingpong = False            # cooperative: the accumulator and the scratch fragment both fit
         self.threads = 128 * (1 + self.num_mma_wg)

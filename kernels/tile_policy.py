@@ -330,7 +330,7 @@ def fp8_stage_bytes(tile_m: int, tile_n: int, slots: int) -> int:
     """Shared memory of one FP8 pipeline stage: A and B tiles (one byte per element, tile_k = 128), the tile's
     activation scales (one aligned box per 128 rows, padded to 128 bytes) and one 128-byte box per weight-scale slot
     (kernels/fp8_scales.py)."""
-    return (tile_m + tile_n) * SCALE_BLOCK + 4 * SA_STAGE_FLOATS * (tile_m // 128) + 4 * SB_SLOT_FLOATS * slots
+    return (tile_m + tile_n) * SCALE_BLOCK + 4 * SA_STAGE_FLOATS * max(1, tile_m // 128) + 4 * SB_SLOT_FLOATS * slots
 
 
 #: The FP8 kernel's tile rows where its n-tiles pair up (FUSION_FP8_TILE_M, read at import; 128 or 256):
@@ -442,25 +442,49 @@ FP8_TWO_CTAS = os.environ.get("FUSION_FP8_TWO_CTAS", "1") != "0"
 #: The shortest reduction at which a kernel whose epilogue does more than store the accumulator takes two CTAs an
 #: SM: a longer mainloop hides more of the other CTA's (doubled) epilogue.
 FP8_TWO_CTAS_EPILOGUE_MIN_K = 4096
+#: The gated 128 x 256 n-wave tile (the FP8 FC1 with SwiGLU·scale and its FP8-block store) as two CTAs an SM too: a
+#: 64 x 256 tile, one warpgroup's 64 rows of the gate and up n-waves (the registers and the epilogue each cooperative
+#: warpgroup has today), two stages, CTA pairs along m sharing the 32 KiB B box (:func:`two_cta_tile`).
+#: FUSION_FP8_TWO_CTAS_GATED=1 (read at import; the policy reads this attribute per job). **Off: not measured, and
+#: not run on a GPU yet** (built in session ae after its device time was spent; compiles without spills,
+#: tests/test_fp8_gemm_compile.py; tests/test_fp8_gemm_gpu.py holds its bit-for-bit test for the next GPU run).
+FP8_TWO_CTAS_GATED = os.environ.get("FUSION_FP8_TWO_CTAS_GATED", "0") != "0"
 
 
 def fp8_switches() -> tuple:
     """The switches the FP8 policy reads per job that a lone FP8 GEMM's kernel depends on besides its shape and rows:
     part of the key under which the runtime keeps that kernel (fusion/runtime/fp8_gemm.py), so that flipping one (an
     A/B in one process) loads the other kernel instead of reusing the one loaded before."""
-    return FP8_TWO_CTAS, FP8_TILE_M, FP8_WIDE_ODD, FP8_M_PAIRS
+    return FP8_TWO_CTAS, FP8_TWO_CTAS_GATED, FP8_TILE_M, FP8_WIDE_ODD, FP8_M_PAIRS
+
+
+def two_cta_tile(config: GemmConfig) -> GemmConfig | None:
+    """A cooperative FP8 configuration's two-CTA twin (one consumer warpgroup a CTA, two CTAs an SM), or None where
+    it has none: a 128-column tile becomes 128 x 128 (its clusters kept); the gated 128 x 256 n-wave tile 64 x 256,
+    as CTA pairs along m (two stages fit: the pair shares the B box); tiles of 192 columns have none (the
+    accumulator would not fit one warpgroup). As many stages as fit half the SM's shared memory."""
+    if config.tile_n == 128:
+        slots = 2      # the stage's room for a tile straddling two weight-scale blocks (a gated half: 2 as well)
+        stages = FP8_SMEM_TWO_CTAS // (fp8_stage_bytes(128, 128, slots) + 16)
+        return dataclasses.replace(config, tile_m=128, ctas_per_sm=2, stages=stages)
+    if config.tile_n == 256 and config.tile_m == 128:   # the gated n-wave tile (only gated kernels take 256)
+        stages = FP8_SMEM_TWO_CTAS // (fp8_stage_bytes(64, 256, 3) + 16)
+        return dataclasses.replace(config, tile_m=64, ctas_per_sm=2, stages=stages, cluster_n=1, cluster_m=2)
+    return None
 
 
 def fp8_two_ctas(config: GemmConfig, K: int, plain_epilogue: bool) -> GemmConfig:
-    """`config` as one consumer warpgroup a CTA, two CTAs an SM (128 x 128 tiles, as many stages as fit half the
-    SM's shared memory, its clusters kept) where :data:`FP8_TWO_CTAS` and the rule allow: a plain epilogue (the lone
-    GEMMs' store) at any K, any other from :data:`FP8_TWO_CTAS_EPILOGUE_MIN_K`; not for tiles wider than 128 columns
-    (a gated n-wave tile, 128 x 192 pairs: the accumulator would not fit one warpgroup). Else `config`."""
-    if not FP8_TWO_CTAS or config.tile_n != 128 or not (plain_epilogue or K >= FP8_TWO_CTAS_EPILOGUE_MIN_K):
+    """`config` as one consumer warpgroup a CTA, two CTAs an SM (:func:`two_cta_tile`) where :data:`FP8_TWO_CTAS`
+    and the rule allow: a plain epilogue (the lone GEMMs' store) at any K, any other from
+    :data:`FP8_TWO_CTAS_EPILOGUE_MIN_K`; the gated n-wave tile only with :data:`FP8_TWO_CTAS_GATED` (off). Else
+    `config`."""
+    if not FP8_TWO_CTAS:
         return config
-    slots = 2          # the stage's room for a tile straddling two weight-scale blocks (a gated half: 2 as well)
-    stages = FP8_SMEM_TWO_CTAS // (fp8_stage_bytes(128, 128, slots) + 16)
-    return dataclasses.replace(config, tile_m=128, ctas_per_sm=2, stages=stages)
+    if config.tile_n == 256:
+        return (two_cta_tile(config) or config) if FP8_TWO_CTAS_GATED else config
+    if config.tile_n != 128 or not (plain_epilogue or K >= FP8_TWO_CTAS_EPILOGUE_MIN_K):
+        return config
+    return two_cta_tile(config)
 
 
 def _fp8_pairs(n_tiles_pair: bool, m_pairs_first: bool = False) -> dict:

@@ -49,6 +49,9 @@ CASES = {  # name: (epilogue, N, K, G, config overrides)
     "two-ctas-pair": (K.IdentityEpilogue(), 4096, 7168, 32, dict(tile_m=128, ctas_per_sm=2, stages=3, cluster_n=2)),
     "two-ctas-gated-split": (K.SwiGLUScaleEpilogue(), 2 * 2888, 1024, 8,
                              dict(tile_m=128, tile_n=128, ctas_per_sm=2, stages=3, cluster_n=1)),
+    # the gated n-wave tile as two CTAs an SM: 64 x 256, CTA pairs along m (tile_policy.two_cta_tile)
+    "two-ctas-gated-waves": (K.SwiGLUScaleEpilogue(), 2 * 2888, 2048, 32,
+                             dict(tile_m=64, tile_n=256, ctas_per_sm=2, stages=2, cluster_n=1, cluster_m=2)),
 }
 
 
@@ -78,7 +81,7 @@ def test_compile_sass(name):
     assert gmma and all(re.fullmatch(r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3", g) for g in gmma), \
         f"{comp.name}: expected only FP8 E4M3 wgmma, got {sorted(set(gmma))}"
     # a gated 128 x 256 tile issues 64 x 128 wgmmas, its gate and up halves as two n-waves (kernels/fp8_gemm.py)
-    n_waves = epi.gated and (comp.config.tile_m, comp.config.tile_n) == (128, 256)
+    n_waves = epi.gated and comp.config.tile_n == 256
     assert f"x{comp.config.tile_n // (2 if n_waves else 1)}x32" in gmma[0]
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local-memory spills"
     tma = {o for o in ops if o.startswith("UTMALDG")}
@@ -89,7 +92,7 @@ def test_compile_sass(name):
     assert ("UTMALDG.2D.MULTICAST" in tma) == a_paired and ("UTMALDG.2D" in tma) != a_paired, tma
     assert ("UTMALDG.3D.MULTICAST" in tma) == b_paired and ("UTMALDG.3D" in tma) != b_paired, tma
     assert any(o.startswith("UCGABAR") for o in ops) == (a_paired or b_paired)
-    assert ("_c2" in comp.name) == a_paired and comp.name.endswith("_cm2") == b_paired
+    assert ("_c2" in comp.name) == a_paired and ("_cm2" in comp.name) == b_paired
     assert K.compile_fp8_grouped_gemm(comp.config, epi, N, K_, G, out_dtype=comp.dtype) is comp  # cached
 
 
@@ -113,7 +116,7 @@ def test_every_stage_expects_data_and_scales(name):
     comp = _compile(name)
     cfg = comp.config
     slots = num_slots(plan_segments(cfg.tile_n, N, epi.gated))
-    waves = cfg.tile_m // 128
+    waves = max(1, cfg.tile_m // 128)   # scale boxes: one per 128 rows (a 64-row tile's reads half of one)
     tx = (cfg.tile_m + cfg.tile_n) * cfg.tile_k + 4 * 132 * waves + 16 * slots
     assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s+mbarrier\.arrive\.expect_tx", comp.ptx), tx
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d", comp.ptx)) == waves + slots
@@ -140,12 +143,13 @@ def _args(name):
     return epi, N, K_, G
 
 
-@pytest.mark.parametrize("name", ["two-ctas", "two-ctas-pair", "two-ctas-gated-split"])
+@pytest.mark.parametrize("name", ["two-ctas", "two-ctas-pair", "two-ctas-gated-split", "two-ctas-gated-waves"])
 def test_two_ctas_an_sm_fit_one_sm_together(name):
     """Two CTAs an SM (GemmConfig.ctas_per_sm = 2): 256 threads a CTA (the producer warpgroup and one consumer
     warpgroup), launched for two CTAs an SM (.minnctapersm 2: 128 registers a thread, 65536 an SM), the
     consumer taking 224 of them by setmaxnreg from the producer's 32 (a sum over 256 would hang), the stages in half
-    the SM's shared memory, and per k-tile two 64-row waves (wgmma, wait, fold twice) with no spills."""
+    the SM's shared memory, and per k-tile two waves (two 64-row m-waves, or a 64-row tile's gate and up n-waves:
+    wgmma, wait, fold twice) with no spills."""
     from fusion.kernels.fp8_gemm import TWO_CTA_REGISTER_SPLIT
     from fusion.kernels.tile_policy import FP8_SMEM_TWO_CTAS
 
@@ -167,6 +171,8 @@ def test_two_ctas_an_sm_fit_one_sm_together(name):
     (dict(tile_m=128, tile_n=192, ctas_per_sm=2, stages=3), "ctas_per_sm = 2 with a 128x192 tile"),
     (dict(tile_m=128, ctas_per_sm=2, stages=4), "for each of two CTAs an SM"),
     (dict(ctas_per_sm=3), "ctas_per_sm = 3"),
+    (dict(tile_m=64, stages=3), "tile 64x128: 64 rows are one warpgroup's"),
+    (dict(tile_m=64, ctas_per_sm=2, stages=3), "ctas_per_sm = 2 with a 64x128 tile"),
 ])
 def test_two_ctas_configs_that_cannot_fit_are_refused(over, match):
     with pytest.raises(KernelConfigError, match=match):
@@ -193,8 +199,15 @@ def test_policy_takes_two_ctas_an_sm_by_epilogue_and_reduction(plain, K_, two, m
     assert (dequant.ctas_per_sm == 2) == two
     gated = K.choose_fp8_config(2 * 2048, K_, 32, gated=True, col_block=128, plain_epilogue=plain)
     assert gated.ctas_per_sm == 1 and gated.tile_n == 256
+    # the gated n-wave tile only with FP8_TWO_CTAS_GATED (off: not measured): 64 x 256, CTA pairs along m
+    monkeypatch.setattr(tp, "FP8_TWO_CTAS_GATED", True)
+    waves = K.choose_fp8_config(2 * 2048, K_, 32, gated=True, col_block=128, plain_epilogue=plain)
+    assert (waves.tile_m, waves.tile_n, waves.ctas_per_sm, waves.stages, waves.cluster_m, waves.cluster_n) == \
+        (64, 256, 2, 2, 2, 1)
+    K.check_fp8_config(waves, K.SwiGLUScaleEpilogue(), 2 * 2048, K_)
     monkeypatch.setattr(tp, "FP8_TWO_CTAS", False)
     assert K.choose_fp8_config(4096, K_, 32, plain_epilogue=plain) == coop
+    assert K.choose_fp8_config(2 * 2048, K_, 32, gated=True, col_block=128, plain_epilogue=plain) == gated
 
 
 def test_two_ctas_launch_two_ctas_an_sm(monkeypatch):
@@ -327,7 +340,7 @@ def test_unknown_scale_mode_is_rejected():
     (K.IdentityEpilogue(), dict(pingpong=True), 1024, 512, "cooperative"),
     (K.IdentityEpilogue(), dict(tile_n=256, stages=4), 1024, 512, "256 spills"),
     (K.IdentityEpilogue(), dict(tile_k=64), 1024, 512, "tile_k = 128"),
-    (K.IdentityEpilogue(), dict(tile_m=64), 1024, 512, "tile_m = 128"),
+    (K.IdentityEpilogue(), dict(tile_m=64), 1024, 512, "tile 64x128: 64 rows are one warpgroup's"),
     (K.IdentityEpilogue(), dict(tile_m=256, tile_n=192, stages=3), 1024, 512, "tile_n <= 128"),
     (K.IdentityEpilogue(), dict(b_major="MN"), 1024, 512, "K-major"),
     (K.IdentityEpilogue(), {}, 1020, 512, "multiple of 8"),

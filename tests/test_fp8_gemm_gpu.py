@@ -586,6 +586,16 @@ def test_two_ctas_an_sm_bitwise_equal_to_cooperative_tiles(case, over):
     _check_pair_bitwise(case, cfg, dict(ctas_per_sm=2, stages=3, **over), "_2cta", num_ctas, seed=31)
 
 
+@pytest.mark.parametrize("N", [2 * 1536, 2 * 2888, 2 * 2880])
+def test_two_ctas_an_sm_gated_n_waves_swiglu_scale(N):
+    """FC1 + SwiGLU * router prob on the gated n-wave tile as two CTAs an SM: 64 x 256 (one warpgroup's gate and up
+    n-waves), CTA pairs along m sharing each B box (tile_policy.two_cta_tile; FP8_TWO_CTAS_GATED, off). N/2 = 2888
+    and 2880: up-half segments straddling weight blocks, a partial last n-tile."""
+    from fusion.kernels.tile_policy import two_cta_tile
+
+    _check_gated(N, lambda N, Kd, G: two_cta_tile(K.fp8_block_output_tile(N)), seed=36)
+
+
 @pytest.mark.parametrize("N", [2 * 1536, 2 * 2888])
 def test_two_ctas_an_sm_gated_swiglu_scale(N):
     """FC1 + SwiGLU * router prob on a gated 128 x 128 tile, one consumer warpgroup a CTA, two CTAs an SM."""
@@ -646,8 +656,9 @@ def _epilogue_extras(epilogue, M, n, G, gen):
     return extras
 
 
-@pytest.mark.parametrize("step,quantized", [("B1", True), ("fp8_fprop", True), ("fp8_dgrad", True), ("B1", False)],
-                         ids=["B1", "fp8_fprop", "fp8_dgrad", "B1-direct"])
+@pytest.mark.parametrize("step,quantized", [("B1", True), ("fp8_fprop", True), ("fp8_dgrad", True), ("B1", False),
+                                            ("F1", True), ("F1", False)],
+                         ids=["B1", "fp8_fprop", "fp8_dgrad", "B1-direct", "F1", "F1-direct"])
 def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step, quantized):
     """The FP8 block's own kernels (fusion_fp8: GroupLinear -> SwiGLU -> Scale -> QuantizeFP8Block -> GroupLinear, FP8
     weights): FC2's dgrad with its generated d(SwiGLU·scale) epilogue (saved pre-activation in, d(gate, up), the
@@ -655,7 +666,9 @@ def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step, quantized
     policy's configuration and as one consumer warpgroup a CTA, two CTAs an SM: every output bit for bit the same
     (ragged groups with empty ones, unaligned rows). "B1-direct": the block without the QuantizeFP8Block (FC2's dgrad
     writes d(gate, up) and the row sums only; the policy's two-CTA B1 from K = 4096 is this epilogue on the large
-    blocks of fusion_fp8_direct)."""
+    blocks of fusion_fp8_direct). "F1": the training FC1 (SwiGLU·scale, FC2's input stored as FP8 blocks, the
+    pre-activation saved) on its gated n-wave tile as two CTAs an SM, 64 x 256 CTA pairs along m
+    (tile_policy.FP8_TWO_CTAS_GATED, off: written in session ae, first to run on the next GPU call)."""
     import dataclasses
 
     from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
@@ -668,8 +681,10 @@ def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step, quantized
     seq = Sequential(GroupLinear(G, d, 2 * f, weight_format="fp8_block"), SwiGLU(), Scale(), *quantize,
                      GroupLinear(G, f, d, weight_format="fp8_block")).to("meta")
     job = next(j for j in plan_jobs(seq, torch.bfloat16) if j.step == step and j.mainloop == "fp8_block")
+    from fusion.kernels.tile_policy import two_cta_tile
+
     cfg, epilogue = _config(job), _epilogue(job)
-    two = dataclasses.replace(cfg, tile_m=128, tile_n=min(cfg.tile_n, 128), ctas_per_sm=2, stages=3)
+    two = two_cta_tile(cfg)
     sizes, args, _, _ = _problem(G, M, job.N, job.K, seed=33)
     n_log = job.N // 2 if epilogue.gated else job.N
     extras = _epilogue_extras(epilogue, M, n_log, G, torch.Generator().manual_seed(34))
