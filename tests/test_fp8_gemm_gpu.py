@@ -669,8 +669,6 @@ def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step, quantized
     blocks of fusion_fp8_direct). "F1": the training FC1 (SwiGLU·scale, FC2's input stored as FP8 blocks, the
     pre-activation saved) on its gated n-wave tile as two CTAs an SM, 64 x 256 CTA pairs along m
     (tile_policy.FP8_TWO_CTAS_GATED, off: written in session ae, first to run on the next GPU call)."""
-    import dataclasses
-
     from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
     from fusion.kernels.api import allocate_outputs
     from fusion.runtime.aot import plan_jobs
