@@ -215,10 +215,13 @@ def test_two_ctas_launch_two_ctas_an_sm(monkeypatch):
     from fusion.kernels import api
 
     monkeypatch.setattr(api, "_num_sms", lambda idx: 132)
+    cpu = torch.device("cpu")
     comp = _compile("two-ctas-pair")
-    n, _, _ = api.launch_grid(comp, 8192 * 32, torch.device("cpu"), None, counter_ptr=0)
-    assert n == 264
-    assert api.launch_grid(comp, 100, torch.device("cpu"), None, counter_ptr=0)[0] <= comp.n_tiles * (1 + 32)
+    assert api.launch_grid(comp, 8192 * 32, cpu, None, counter_ptr=0)[0] == 264
+    cooperative = _compile("pair")
+    assert api.launch_grid(cooperative, 8192 * 32, cpu, None, counter_ptr=0)[0] == 132
+    # fewer tiles than two CTAs an SM: one CTA a tile (100 rows in 8 groups: 1 + 8 m-tiles of 8 n-tiles)
+    assert api.launch_grid(_compile("two-ctas"), 100, cpu, None, counter_ptr=0)[0] == 72
 
 
 # ---- the weight-scale slots of an n-tile

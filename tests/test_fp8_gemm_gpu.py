@@ -644,18 +644,6 @@ def test_256_row_tiles_gated_swiglu_scale(N, cluster_n):
 
 
 # ------------------------------------------------------------------ two CTAs an SM on a training step's own kernels
-def _epilogue_extras(epilogue, M, n, G, gen):
-    """Random inputs of every input spec of a (generated) epilogue, by name: rows (M,), groups (G, n), aux (M, n)
-    (paired specs twice the width), in their dtypes (an AuxInput without one in bf16, the GEMM dtype)."""
-    extras = {}
-    for spec in epilogue.inputs:
-        width = 2 * n if spec.paired else n
-        shape = {K.RowVector: (M,), K.GroupVector: (G, width)}.get(type(spec), (M, width))
-        dtype = getattr(torch, spec.dtype or "bfloat16")
-        extras[spec.name] = torch.randn(shape, generator=gen).to(dtype).to(DEV)
-    return extras
-
-
 @pytest.mark.parametrize("step,quantized", [("B1", True), ("fp8_fprop", True), ("fp8_dgrad", True), ("B1", False),
                                             ("F1", True), ("F1", False)],
                          ids=["B1", "fp8_fprop", "fp8_dgrad", "B1-direct", "F1", "F1-direct"])
@@ -669,23 +657,27 @@ def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step, quantized
     blocks of fusion_fp8_direct). "F1": the training FC1 (SwiGLU·scale, FC2's input stored as FP8 blocks, the
     pre-activation saved) on its gated n-wave tile as two CTAs an SM, 64 x 256 CTA pairs along m
     (tile_policy.FP8_TWO_CTAS_GATED, off: written in session ae, first to run on the next GPU call)."""
+    import sys
+    from pathlib import Path
+
     from fusion import GroupLinear, QuantizeFP8Block, Scale, Sequential, SwiGLU
     from fusion.kernels.api import allocate_outputs
+    from fusion.kernels.tile_policy import two_cta_tile
     from fusion.runtime.aot import plan_jobs
     from fusion.runtime.compile import _config, _epilogue
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from bench_pair_gemm import slot_tensors   # random inputs of every slot an epilogue declares
 
     G, d, f, M = 8, 1024, 768, 3001
     quantize = [QuantizeFP8Block(columnwise=False)] if quantized else []
     seq = Sequential(GroupLinear(G, d, 2 * f, weight_format="fp8_block"), SwiGLU(), Scale(), *quantize,
                      GroupLinear(G, f, d, weight_format="fp8_block")).to("meta")
     job = next(j for j in plan_jobs(seq, torch.bfloat16) if j.step == step and j.mainloop == "fp8_block")
-    from fusion.kernels.tile_policy import two_cta_tile
-
     cfg, epilogue = _config(job), _epilogue(job)
     two = two_cta_tile(cfg)
     sizes, args, _, _ = _problem(G, M, job.N, job.K, seed=33)
-    n_log = job.N // 2 if epilogue.gated else job.N
-    extras = _epilogue_extras(epilogue, M, n_log, G, torch.Generator().manual_seed(34))
+    _, extras = slot_tensors(epilogue, M, job.N, G, torch.bfloat16, torch.Generator(DEV).manual_seed(34), DEV)
     outs = []
     for c in (cfg, two):
         comp = K.compile_fp8_grouped_gemm(c, epilogue, job.N, job.K, job.G)
