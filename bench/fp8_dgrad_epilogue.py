@@ -13,13 +13,16 @@ instruction count beside its time.
     python bench/fp8_dgrad_epilogue.py --models qwen3-30b-a3b,olmoe-1b-7b --reps 30
     python bench/fp8_dgrad_epilogue.py --step F1 --variants kernel,value-tests --models qwen3-30b-a3b
     python bench/fp8_dgrad_epilogue.py --step B1,fprop,dgrad --variants kernel,two-ctas --models olmoe-1b-7b
+    python bench/fp8_dgrad_epilogue.py --step F1 --variants cooperative,kernel --models gpt-oss-20b,mixtral-8x7b
 
-Variants (--variants): ``kernel`` (the defaults), ``two-ctas`` (the job on 128 x <= 128 tiles with one consumer
-warpgroup a CTA, two CTAs an SM: GemmConfig.ctas_per_sm = 2, session ae; ``two-ctas-single`` without its CTA pairs,
-``two-ctas-jit`` compiled here rather than loaded from the kernel cache), ``int-decode``
-(Fp8DebugKnobs(int_decode=True): the dequantized row's codes decoded by integer instructions, as before session y), ``value-tests`` (Fp8DebugKnobs(value_tests=True):
-each bf16 value bound for an FP8 block tested for finiteness and folded into the block amax one at a time, as before
-session z, not a packed pair at a time). F1 is the FP8 FC1 of a training step: SwiGLU·scale, FC2's input stored as
+Variants (--variants): ``kernel`` (the defaults), ``cooperative`` (the job's tile as the policy chooses it with two
+CTAs an SM off, tile_policy.FP8_TWO_CTAS: where the policy takes two CTAs, the cooperative kernel it replaced),
+``two-ctas`` (the job on 128 x <= 128 tiles with one consumer warpgroup a CTA, two CTAs an SM: GemmConfig.ctas_per_sm
+= 2, session ae; ``two-ctas-single`` without its CTA pairs, ``two-ctas-jit`` compiled here rather than loaded from the
+kernel cache), ``int-decode`` (Fp8DebugKnobs(int_decode=True): the dequantized row's codes decoded by integer
+instructions, as before session y), ``value-tests`` (Fp8DebugKnobs(value_tests=True): each bf16 value bound for an FP8
+block tested for finiteness and folded into the block amax one at a time, as before session z, not a packed pair at a
+time). F1 is the FP8 FC1 of a training step: SwiGLU·scale, FC2's input stored as
 FP8 blocks (codes, scales, amax) and the pre-activation saved. The kernels compile on the GPU machine (in memory,
 about 10 s each). --list (no GPU): the blocks' jobs and their tiles.
 """
@@ -38,16 +41,16 @@ sys.path.insert(0, os.path.dirname(HERE))   # run from a checkout
 sys.path.insert(0, HERE)
 
 #: build name -> Fp8DebugKnobs fields
-VARIANTS = {"kernel": {}, "int-decode": {"int_decode": True}, "value-tests": {"value_tests": True},
+VARIANTS = {"kernel": {}, "cooperative": {}, "int-decode": {"int_decode": True}, "value-tests": {"value_tests": True},
             "two-ctas": {}, "two-ctas-single": {}, "two-ctas-jit": {"reg_realloc": True}}
 
 
 def _two_ctas(c, **over):
     """The job's tile as two CTAs an SM (tile_policy.two_cta_tile: 128 x 128, or the gated n-wave tile as 64 x 256
-    CTA pairs along m), with `over`."""
+    CTA pairs along m; the job's own where the policy took two CTAs), with `over`."""
     from fusion.kernels.tile_policy import two_cta_tile
 
-    return dataclasses.replace(two_cta_tile(c), **over)
+    return dataclasses.replace(c if c.ctas_per_sm == 2 else two_cta_tile(c), **over)
 
 
 #: build name -> what it changes in the job's tile configuration (a function of it). ``two-ctas-jit`` is ``two-ctas``
@@ -104,20 +107,37 @@ def problem(block, job, epilogue, device="cuda"):
     return args, extras, outputs
 
 
-def variant_job(job, config, name):
-    """The plan job at build `name`'s tile configuration (CONFIGS)."""
-    return dataclasses.replace(job, config=dataclasses.astuple(CONFIGS.get(name, lambda c: c)(config)))
+def cooperative_config(block, step):
+    """The job's tile configuration as the policy chooses it with two CTAs an SM off (tile_policy.FP8_TWO_CTAS)."""
+    from fusion.kernels import tile_policy
+    from fusion.runtime.compile import _config
+
+    saved, tile_policy.FP8_TWO_CTAS = tile_policy.FP8_TWO_CTAS, False
+    try:
+        return _config(plan_job(block, step))
+    finally:
+        tile_policy.FP8_TWO_CTAS = saved
 
 
-def build(job, config, epilogue, name):
+def variant_config(config, name, cooperative):
+    """Build `name`'s tile configuration: CONFIGS's change of the job's `config`, or `cooperative`'s."""
+    return cooperative if name == "cooperative" else CONFIGS.get(name, lambda c: c)(config)
+
+
+def variant_job(job, config, name, cooperative=None):
+    """The plan job at build `name`'s tile configuration (`variant_config`)."""
+    return dataclasses.replace(job, config=dataclasses.astuple(variant_config(config, name, cooperative)))
+
+
+def build(job, config, epilogue, name, cooperative):
     """Build `name` of the job: from the runtime's kernel cache (FUSION_CACHE_DIR) where it has no debug knobs,
     else compiled here."""
     if not VARIANTS[name]:
         from fusion.runtime.compile import load_compiled
-        return load_compiled(variant_job(job, config, name))
+        return load_compiled(variant_job(job, config, name, cooperative))
     import fusion.kernels as K
     from fusion.kernels.fp8_gemm import Fp8DebugKnobs
-    return K.compile_fp8_grouped_gemm(CONFIGS.get(name, lambda c: c)(config), epilogue, job.N, job.K, job.G,
+    return K.compile_fp8_grouped_gemm(variant_config(config, name, cooperative), epilogue, job.N, job.K, job.G,
                                       debug=Fp8DebugKnobs(**VARIANTS[name]))
 
 
@@ -160,16 +180,17 @@ def main(argv=None):
         if args.list:
             continue
         config, epilogue = _config(job), _epilogue(job)
+        cooperative = cooperative_config(block, step)
         if args.precompile:
             from fusion.runtime.compile import compile_to_disk
             for n in names:
                 if not VARIANTS[n]:
-                    compile_to_disk(variant_job(job, config, n))
+                    compile_to_disk(variant_job(job, config, n, cooperative))
             continue
         import fusion.kernels as K
         from bench_fp8_gemm import interleaved_ms
 
-        compiled = {n: build(job, config, epilogue, n) for n in names}
+        compiled = {n: build(job, config, epilogue, n, cooperative) for n in names}
         operands, extras, outputs = problem(block, job, epilogue)
         outs = {n: outputs() for n in names}
         counters = {n: torch.zeros(1, dtype=torch.int32, device="cuda") for n in names}

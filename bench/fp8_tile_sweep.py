@@ -20,6 +20,10 @@ rows per group, 1136 against 1096 at DeepSeek-V3's 1024):
     python bench/fp8_tile_sweep.py --shapes "dsv3 fc1,olmoe fc1" --rows-per-group 1024,4096,8192 \
         --pair-vs-single --bands 4,8,16
 
+``--two-ctas``: the lone GEMMs' two-CTA tile (128 x 128, two CTAs an SM) with each cluster shape and schedule:
+
+    python bench/fp8_tile_sweep.py --shapes "dsv3 fc1 32x8192" --two-ctas --bands 4,8,16
+
 One JSON document to stdout (per shape: TFLOP/s of each configuration), a table to stderr.
 """
 from __future__ import annotations
@@ -35,8 +39,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))                   # bench_fp8_gemm
 
-from fusion.kernels.tile_policy import (FP8_SMEM, choose_fp8_config, fp8_stage_bytes,  # noqa: E402
-                                        n_tile_count)
+from fusion.kernels.tile_policy import (FP8_SMEM, choose_fp8_config, cooperative_fp8_config,  # noqa: E402
+                                        fp8_stage_bytes, n_tile_count, two_cta_tile)
 
 #: (name, experts E, K, N, routed rows M): the expert GEMMs of MoE blocks at 16k (DeepSeek-V3: 4k) tokens of
 #: the training-step benchmark (the identity epilogue: the GEMM alone), and issue 9's target shape
@@ -58,13 +62,29 @@ SHAPES = [
 BANDS: list = []
 #: --pair-vs-single: only the 256 x 128 dynamic tile, single CTAs and (where the n-tiles pair) CTA pairs.
 PAIR_VS_SINGLE: list = []
+#: --two-ctas: only the plain epilogue's two-CTA tile (128 x 128, two CTAs an SM: tile_policy.two_cta_tile), as CTA
+#: pairs along n (where the n-tiles pair), along m, and single CTAs, on the dynamic and static schedules (at each
+#: --bands value).
+TWO_CTAS: list = []
 
 
 def candidates(N: int, K: int, G: int, tile_64: bool = False):
     """The tile policy's choice first, then tiles 128 x (64,) 128 / 192 and 256 x 128 (two 64-row waves per
     warpgroup) x static / dynamic x single / paired CTAs (pairs where the n-tile count is even; stages: as many
-    as fit, <= 8); with BANDS, the policy's choice at each band instead."""
-    out = [choose_fp8_config(N, K, G)]
+    as fit, <= 8); with BANDS, the policy's choice at each band instead; with TWO_CTAS the two-CTA tile's
+    clusters and schedules (the policy's choice is then a lone GEMM's, plain_epilogue)."""
+    out = [choose_fp8_config(N, K, G, plain_epilogue=bool(TWO_CTAS))]
+    if TWO_CTAS:
+        base = two_cta_tile(cooperative_fp8_config(N, K, G))
+        clusters = [(1, 1), (2, 1)] + ([(1, 2)] if n_tile_count(N, 128) % 2 == 0 else [])
+        for band in BANDS or [out[0].band_m]:
+            for cluster_m, cluster_n in clusters:
+                for dynamic in (True, False):
+                    cfg = dataclasses.replace(base, cluster_m=cluster_m, cluster_n=cluster_n, dynamic=dynamic,
+                                              band_m=band)
+                    if cfg not in out:
+                        out.append(cfg)
+        return out
     if PAIR_VS_SINGLE:
         base = dataclasses.replace(out[0], tile_m=256, tile_n=128, dynamic=True,
                                    stages=min(8, FP8_SMEM // (fp8_stage_bytes(256, 128, 1) + 16)))
@@ -144,10 +164,12 @@ def measure(reps: int, tile_64: bool = False, interleave: bool = True) -> dict:
         for i, ((cfg, _), ms) in enumerate(zip(candidates_, times)):
             tflops = 2 * M * N * K / ms / 1e9
             row["configs"].append({"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages,
-                                   "dynamic": cfg.dynamic, "cluster_n": cfg.cluster_n, "band_m": cfg.band_m,
+                                   "dynamic": cfg.dynamic, "cluster_n": cfg.cluster_n, "cluster_m": cfg.cluster_m,
+                                   "ctas_per_sm": cfg.ctas_per_sm, "band_m": cfg.band_m,
                                    "ms": ms, "tflops": tflops, "vs_bf16": bf16_ms / ms, "policy": i == 0})
             print(f"{name:16s} tile={cfg.tile_m}x{cfg.tile_n:<3d} stages={cfg.stages} dynamic={cfg.dynamic!s:5s} "
-                  f"pair={cfg.cluster_n == 2!s:5s} band={cfg.band_m:2d} {ms:7.3f} ms {tflops:6.0f} TFLOP/s "
+                  f"pair={cfg.cluster_n == 2!s:5s} m-pair={cfg.cluster_m == 2!s:5s} ctas/SM={cfg.ctas_per_sm} "
+                  f"band={cfg.band_m:2d} {ms:7.3f} ms {tflops:6.0f} TFLOP/s "
                   f"{bf16_ms / ms:4.2f}x bf16" + ("  (policy)" if i == 0 else ""), file=sys.stderr, flush=True)
     return results
 
@@ -165,9 +187,13 @@ def main(argv=None):
                     help="time the configurations one after another (the order before 2026-11-27j), not interleaved")
     ap.add_argument("--pair-vs-single", action="store_true",
                     help="only the 256 x 128 dynamic tile, single CTAs and CTA pairs (at each --bands value)")
+    ap.add_argument("--two-ctas", action="store_true",
+                    help="only the two-CTA 128 x 128 tile: pairs along n / m, single CTAs, dynamic and static "
+                    "(at each --bands value)")
     args = ap.parse_args(argv)
     BANDS[:] = [int(b) for b in args.bands.split(",") if b]
     PAIR_VS_SINGLE[:] = [True] if args.pair_vs_single else []
+    TWO_CTAS[:] = [True] if args.two_ctas else []
     if args.shapes:
         keep = args.shapes.split(",")
         SHAPES[:] = [s for s in SHAPES if any(k in s[0] for k in keep)]

@@ -445,9 +445,13 @@ FP8_TWO_CTAS_EPILOGUE_MIN_K = 4096
 #: The gated 128 x 256 n-wave tile (the FP8 FC1 with SwiGLU·scale and its FP8-block store) as two CTAs an SM too: a
 #: 64 x 256 tile, one warpgroup's 64 rows of the gate and up n-waves (the registers and the epilogue each cooperative
 #: warpgroup has today), two stages, CTA pairs along m sharing the 32 KiB B box (:func:`two_cta_tile`).
-#: FUSION_FP8_TWO_CTAS_GATED=1 (read at import; the policy reads this attribute per job). **Off: not measured, and
-#: not run on a GPU yet** (built in session ae after its device time was spent; compiles without spills,
-#: tests/test_fp8_gemm_compile.py; tests/test_fp8_gemm_gpu.py holds its bit-for-bit test for the next GPU run).
+#: FUSION_FP8_TWO_CTAS_GATED=1 (read at import; the policy reads this attribute per job). **Off: measured slower**
+#: (session af, H200, bitwise the cooperative kernel's output; bench/results/H200-2026-11-30af-call{1,2}-*): the
+#: training FC1 alone (bench/fp8_dgrad_epilogue.py --step F1, interleaved) +3.4..+4.5% at K = 2048 (OLMoE,
+#: Qwen3-30B-A3B, DeepSeek-V2-Lite), +9.7% Qwen3-235B-A22B, +2.8% DeepSeek-V3 EP8, +2.0% GPT-OSS-120B, +0.7%
+#: Mixtral-8x7B, +0.2% Llama-3-70B, GPT-OSS-20B -1.0% / -6.2% (two runs); the FP8 step (bench/ab_switch.py --plan,
+#: three rounds of 100 steps) +0.5..+1.6% on four blocks, -0.5% on GPT-OSS-20B. Two stages (where the cooperative
+#: tile has four) hide less of the mainloop's latency than the overlapped epilogue gains.
 FP8_TWO_CTAS_GATED = os.environ.get("FUSION_FP8_TWO_CTAS_GATED", "0") != "0"
 
 
@@ -476,8 +480,8 @@ def two_cta_tile(config: GemmConfig) -> GemmConfig | None:
 def fp8_two_ctas(config: GemmConfig, K: int, plain_epilogue: bool) -> GemmConfig:
     """`config` as one consumer warpgroup a CTA, two CTAs an SM (:func:`two_cta_tile`) where :data:`FP8_TWO_CTAS`
     and the rule allow: a plain epilogue (the lone GEMMs' store) at any K, any other from
-    :data:`FP8_TWO_CTAS_EPILOGUE_MIN_K`; the gated n-wave tile only with :data:`FP8_TWO_CTAS_GATED` (off). Else
-    `config`."""
+    :data:`FP8_TWO_CTAS_EPILOGUE_MIN_K`; the gated n-wave tile only with :data:`FP8_TWO_CTAS_GATED` (off: measured
+    slower). Else `config`."""
     if not FP8_TWO_CTAS:
         return config
     if config.tile_n == 256:

@@ -60,3 +60,18 @@ def test_the_f1_job_is_the_training_fc1_with_its_fp8_block_store():
     assert fp8_dgrad_epilogue.same_bits(codes, outs["out"])
     codes.view(torch.uint8)[0, 0] = 0
     assert not fp8_dgrad_epilogue.same_bits(codes, outs["out"])
+
+
+def test_the_cooperative_variant_is_the_tile_two_ctas_replaced():
+    """--variants cooperative: where the policy takes two CTAs an SM (Mixtral-8x7B's B1, K = 4096), the cooperative
+    tile it replaced (one CTA an SM, more stages); "two-ctas" keeps the job's own two-CTA tile."""
+    from bench_training_step import BLOCKS
+    from fusion.runtime.compile import _config
+
+    block = next(b for b in BLOCKS if b.model == "mixtral-8x7b")
+    config = _config(fp8_dgrad_epilogue.plan_job(block, "B1"))
+    coop = fp8_dgrad_epilogue.cooperative_config(block, "B1")
+    assert (config.tile_m, config.tile_n, config.ctas_per_sm) == (128, 128, 2)
+    assert (coop.tile_m, coop.tile_n, coop.ctas_per_sm) == (128, 128, 1) and coop.stages > config.stages
+    assert fp8_dgrad_epilogue.variant_config(config, "cooperative", coop) == coop
+    assert fp8_dgrad_epilogue.variant_config(config, "two-ctas", coop) == config

@@ -199,7 +199,7 @@ def test_policy_takes_two_ctas_an_sm_by_epilogue_and_reduction(plain, K_, two, m
     assert (dequant.ctas_per_sm == 2) == two
     gated = K.choose_fp8_config(2 * 2048, K_, 32, gated=True, col_block=128, plain_epilogue=plain)
     assert gated.ctas_per_sm == 1 and gated.tile_n == 256
-    # the gated n-wave tile only with FP8_TWO_CTAS_GATED (off: not measured): 64 x 256, CTA pairs along m
+    # the gated n-wave tile only with FP8_TWO_CTAS_GATED (off: measured slower): 64 x 256, CTA pairs along m
     monkeypatch.setattr(tp, "FP8_TWO_CTAS_GATED", True)
     waves = K.choose_fp8_config(2 * 2048, K_, 32, gated=True, col_block=128, plain_epilogue=plain)
     assert (waves.tile_m, waves.tile_n, waves.ctas_per_sm, waves.stages, waves.cluster_m, waves.cluster_n) == \

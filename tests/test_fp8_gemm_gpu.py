@@ -589,8 +589,8 @@ def test_two_ctas_an_sm_bitwise_equal_to_cooperative_tiles(case, over):
 @pytest.mark.parametrize("N", [2 * 1536, 2 * 2888, 2 * 2880])
 def test_two_ctas_an_sm_gated_n_waves_swiglu_scale(N):
     """FC1 + SwiGLU * router prob on the gated n-wave tile as two CTAs an SM: 64 x 256 (one warpgroup's gate and up
-    n-waves), CTA pairs along m sharing each B box (tile_policy.two_cta_tile; FP8_TWO_CTAS_GATED, off). N/2 = 2888
-    and 2880: up-half segments straddling weight blocks, a partial last n-tile."""
+    n-waves), CTA pairs along m sharing each B box (tile_policy.two_cta_tile; FP8_TWO_CTAS_GATED, off: slower).
+    N/2 = 2888 and 2880: up-half segments straddling weight blocks, a partial last n-tile."""
     from fusion.kernels.tile_policy import two_cta_tile
 
     _check_gated(N, lambda N, Kd, G: two_cta_tile(K.fp8_block_output_tile(N)), seed=36)
@@ -656,7 +656,7 @@ def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step, quantized
     writes d(gate, up) and the row sums only; the policy's two-CTA B1 from K = 4096 is this epilogue on the large
     blocks of fusion_fp8_direct). "F1": the training FC1 (SwiGLU·scale, FC2's input stored as FP8 blocks, the
     pre-activation saved) on its gated n-wave tile as two CTAs an SM, 64 x 256 CTA pairs along m
-    (tile_policy.FP8_TWO_CTAS_GATED, off: written in session ae, first to run on the next GPU call)."""
+    (tile_policy.FP8_TWO_CTAS_GATED, off: measured slower in session af)."""
     import sys
     from pathlib import Path
 
