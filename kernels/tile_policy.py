@@ -366,11 +366,21 @@ FP8_DEQUANT_128 = os.environ.get("FUSION_FP8_DEQUANT_128", "1") != "0"
 #: CTAs instead of CTA pairs; 0 (the default): never (FUSION_FP8_SINGLE_ROWS, read at import; the runtime reads this
 #: attribute per call): :func:`fp8_for_rows`.
 FP8_SINGLE_ROWS = int(os.environ.get("FUSION_FP8_SINGLE_ROWS", "0"))
+#: The same for the two-CTA 128 x 128 tile (GemmConfig.ctas_per_sm = 2: the lone FP8 GEMMs, FC2's fused dgrad from
+#: K = 4096); 0: never (FUSION_FP8_TWO_CTAS_SINGLE_ROWS, read at import; the runtime reads this attribute per call).
+#: Measured on an H200 (session af, bench/fp8_tile_sweep.py --two-ctas, the identity epilogue, interleaved rounds;
+#: bench/results/H200-2026-11-30af-call3-sweep-*): at 8192 rows per group (issue 9's target shape, K = 7168, N =
+#: 4096) single CTAs 1059-1066 TFLOP/s against the pairs' 1024-1039 (+2.6-3.4%, at every band); at 512-1024 rows
+#: per group the pairs level or ahead (Qwen3-30B-A3B's FC2 805 against 784, its FC2 dgrad 942 / 917, OLMoE's FC1
+#: 923 / 925, DeepSeek-V3 EP8's FC2 939 / 946).
+FP8_TWO_CTAS_SINGLE_ROWS = int(os.environ.get("FUSION_FP8_TWO_CTAS_SINGLE_ROWS", "4096"))
 
 
-def fp8_single_at(rows: int | None, G: int) -> bool:
-    """Whether a call over `rows` routed rows in G groups runs a 256-row FP8 tile as single CTAs."""
-    return bool(FP8_SINGLE_ROWS) and rows is not None and rows >= FP8_SINGLE_ROWS * G
+def fp8_single_at(rows: int | None, G: int, two_ctas: bool = False) -> bool:
+    """Whether a call over `rows` routed rows in G groups runs a 256-row FP8 tile (`two_ctas`: the two-CTA 128-row
+    tile) as single CTAs."""
+    threshold = FP8_TWO_CTAS_SINGLE_ROWS if two_ctas else FP8_SINGLE_ROWS
+    return bool(threshold) and rows is not None and rows >= threshold * G
 
 
 def fp8_for_rows(config: GemmConfig, rows: int | None, G: int) -> GemmConfig:
@@ -386,15 +396,20 @@ def fp8_for_rows(config: GemmConfig, rows: int | None, G: int) -> GemmConfig:
     N 3072, 128 groups) within 0.3% from 4096 rows per group, the pair 0.5-1% ahead at 1024. On FP8 blocks in one
     process (bench/ab_switch.py --path fusion_fp8, at 4096 against off, three rounds; -ab-fp8-single-rows.log):
     Llama-3-70B (one group, 8192 rows) forward +1.9%, training step +5.6% slower with single CTAs; Llama-3-8B (16384
-    rows) within 0.6%; DeepSeek-V3 EP8 (1024 rows per group: unchanged kernels) within 0.8%."""
-    if config.cluster_n != 2 or config.tile_m != 256 or not fp8_single_at(rows, G):
+    rows) within 0.6%; DeepSeek-V3 EP8 (1024 rows per group: unchanged kernels) within 0.8%.
+
+    The two-CTA 128-row tile's pairs (GemmConfig.ctas_per_sm = 2) become single CTAs from
+    :data:`FP8_TWO_CTAS_SINGLE_ROWS` rows per group (4096 by default)."""
+    two = config.ctas_per_sm == 2
+    if config.cluster_n != 2 or not (two or config.tile_m == 256) or not fp8_single_at(rows, G, two):
         return config
     return _single_ctas(config)
 
 
 def fp8_row_configs(config: GemmConfig, G: int) -> list[GemmConfig]:
     """Every configuration :func:`fp8_for_rows` can make of `config` (what Sequential.compile builds ahead)."""
-    by_rows = fp8_for_rows(config, FP8_SINGLE_ROWS * G, G)
+    threshold = FP8_TWO_CTAS_SINGLE_ROWS if config.ctas_per_sm == 2 else FP8_SINGLE_ROWS
+    by_rows = fp8_for_rows(config, threshold * G, G)
     return [config] if by_rows == config else [config, by_rows]
 
 

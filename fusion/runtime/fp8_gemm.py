@@ -73,7 +73,7 @@ def _kernel(N: int, K: int, G: int, dtype: torch.dtype, what: str, rows: int):
     over `rows` rows takes (fusion/runtime/kernel.py `for_rows`; `what` only names it)."""
     from fusion.kernels.tile_policy import fp8_single_at, fp8_switches
 
-    key = (N, K, G, dtype, fp8_single_at(rows, G), fp8_switches())
+    key = (N, K, G, dtype, fp8_single_at(rows, G), fp8_single_at(rows, G, two_ctas=True), fp8_switches())
     hit = _COMPILED.get(key)
     if hit is None:
         from fusion.runtime.compile import load_compiled
