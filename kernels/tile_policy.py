@@ -367,19 +367,25 @@ FP8_DEQUANT_128 = os.environ.get("FUSION_FP8_DEQUANT_128", "1") != "0"
 #: attribute per call): :func:`fp8_for_rows`.
 FP8_SINGLE_ROWS = int(os.environ.get("FUSION_FP8_SINGLE_ROWS", "0"))
 #: The same for the two-CTA 128 x 128 tile (GemmConfig.ctas_per_sm = 2: the lone FP8 GEMMs, FC2's fused dgrad from
-#: K = 4096); 0: never (FUSION_FP8_TWO_CTAS_SINGLE_ROWS, read at import; the runtime reads this attribute per call).
-#: Measured on an H200 (session af, bench/fp8_tile_sweep.py --two-ctas, the identity epilogue, interleaved rounds;
-#: bench/results/H200-2026-11-30af-call3-sweep-*): at 8192 rows per group (issue 9's target shape, K = 7168, N =
-#: 4096) single CTAs 1059-1066 TFLOP/s against the pairs' 1024-1039 (+2.6-3.4%, at every band); at 512-1024 rows
-#: per group the pairs level or ahead (Qwen3-30B-A3B's FC2 805 against 784, its FC2 dgrad 942 / 917, OLMoE's FC1
-#: 923 / 925, DeepSeek-V3 EP8's FC2 939 / 946).
+#: K = 4096) of a grouped GEMM (G >= 2); 0: never (FUSION_FP8_TWO_CTAS_SINGLE_ROWS, read at import; the runtime reads
+#: this attribute per call). Measured on an H200 (session af, bench/results/H200-2026-11-30af-call{3,4}-*): issue 9's
+#: target shape (32 groups of 8192 rows, K = 7168, N = 4096; bench/fp8_tile_sweep.py --two-ctas, the identity
+#: epilogue, interleaved rounds) single CTAs 1059-1066 TFLOP/s against the pairs' 1024-1039 (+2.6-3.4% at every band),
+#: by bench/bench_fp8_gemm.py 1100-1103 against 1082 (torch's rowwise FP8 grouped GEMM 1089-1099 in the same runs); at
+#: 512-1024 rows per group the pairs level or ahead (Qwen3-30B-A3B's FC2 805 against 784, its FC2 dgrad 942 / 917,
+#: OLMoE's FC1 923 / 925, DeepSeek-V3 EP8's FC2 939 / 946), hence a threshold by rows per group, as session j's
+#: 256-row pairs on an H100 (DeepSeek-V3's FC1 at 4096 rows per group: single 1122, pair 1094). One-group GEMMs keep
+#: their pairs: the dense FP8 blocks' steps with single CTAs (bench/ab_switch.py, three rounds of 100 steps)
+#: Llama-3-8B +0.6% (forward +0.9%), Llama-3-70B +2.3% (+1.8%), as session j measured for the 256-row tile.
 FP8_TWO_CTAS_SINGLE_ROWS = int(os.environ.get("FUSION_FP8_TWO_CTAS_SINGLE_ROWS", "4096"))
 
 
 def fp8_single_at(rows: int | None, G: int, two_ctas: bool = False) -> bool:
     """Whether a call over `rows` routed rows in G groups runs a 256-row FP8 tile (`two_ctas`: the two-CTA 128-row
-    tile) as single CTAs."""
+    tile, grouped GEMMs only) as single CTAs."""
     threshold = FP8_TWO_CTAS_SINGLE_ROWS if two_ctas else FP8_SINGLE_ROWS
+    if two_ctas and G < 2:
+        return False
     return bool(threshold) and rows is not None and rows >= threshold * G
 
 
@@ -398,7 +404,7 @@ def fp8_for_rows(config: GemmConfig, rows: int | None, G: int) -> GemmConfig:
     Llama-3-70B (one group, 8192 rows) forward +1.9%, training step +5.6% slower with single CTAs; Llama-3-8B (16384
     rows) within 0.6%; DeepSeek-V3 EP8 (1024 rows per group: unchanged kernels) within 0.8%.
 
-    The two-CTA 128-row tile's pairs (GemmConfig.ctas_per_sm = 2) become single CTAs from
+    The two-CTA 128-row tile's pairs (GemmConfig.ctas_per_sm = 2) of a grouped GEMM become single CTAs from
     :data:`FP8_TWO_CTAS_SINGLE_ROWS` rows per group (4096 by default)."""
     two = config.ctas_per_sm == 2
     if config.cluster_n != 2 or not (two or config.tile_m == 256) or not fp8_single_at(rows, G, two):

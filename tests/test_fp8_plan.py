@@ -266,21 +266,24 @@ def test_sequential_compile_builds_every_fp8_kernel_the_plan_launches(monkeypatc
     fp8 = [j for j in jobs if j.mainloop == "fp8_block"]
     expected = [("F1", "train", 512, 256), ("F1", "inference", 512, 256), ("B1", "backward", 256, 256),
                 ("fp8_fprop", "identity", 256, 256), ("fp8_dgrad", "identity", 256, 512)]
-    assert [(j.step, j.variant, j.N, j.K) for j in fp8] == expected
-    assert len({j.key for j in fp8}) == 5
-    # the lone GEMMs (a plain epilogue) on two CTAs an SM (tile_policy.fp8_two_ctas), the fused kernels cooperative
-    # (B1's epilogue at K = 256 < FP8_TWO_CTAS_EPILOGUE_MIN_K)
-    assert [GemmConfig(*j.config).ctas_per_sm for j in fp8] == [1, 1, 1, 2, 2]
-    # with single CTAs from FP8_SINGLE_ROWS rows per group (tile_policy.fp8_for_rows), each 256-row tile also at
-    # those: every one of these widths pairs up its 128-column n-tiles; FC1's gated kernels are 128 x 256 n-waves
-    # (tile_policy.FP8_GATED_WAVES) and the lone GEMMs' two-CTA tiles 128 rows: no single-CTA variant by rows
+    # the lone GEMMs (a plain epilogue) on two CTAs an SM (tile_policy.fp8_two_ctas), as CTA pairs and, for calls of
+    # FP8_TWO_CTAS_SINGLE_ROWS rows per group or more (tile_policy.fp8_for_rows), as single CTAs; the fused kernels
+    # cooperative (B1's epilogue at K = 256 < FP8_TWO_CTAS_EPILOGUE_MIN_K)
+    lone_pairs = {"fp8_fprop": (2, 1), "fp8_dgrad": (2, 1)}
+    assert [(j.step, j.variant, j.N, j.K, GemmConfig(*j.config).cluster_n) for j in fp8] == [
+        (*e, pair) for e in expected for pair in lone_pairs.get(e[0], (2,))]
+    assert len({j.key for j in fp8}) == 7
+    assert [GemmConfig(*j.config).ctas_per_sm for j in fp8] == [1, 1, 1, 2, 2, 2, 2]
+    # with single CTAs from FP8_SINGLE_ROWS rows per group too, each 256-row tile also at those: every one of
+    # these widths pairs up its 128-column n-tiles; FC1's gated kernels are 128 x 256 n-waves
+    # (tile_policy.FP8_GATED_WAVES): no single-CTA variant by rows
     monkeypatch.setattr(tile_policy, "FP8_SINGLE_ROWS", 4096)
     by_rows = [j for j in plan_jobs(block(E=4, d=256, f=256, backend="auto").to("meta", torch.bfloat16),
                                     torch.bfloat16) if j.mainloop == "fp8_block"]
     assert [(j.step, j.variant, j.N, j.K, GemmConfig(*j.config).cluster_n) for j in by_rows] == [
-        (*e, pair) for e in expected for pair in ((2, 1) if e[0] == "B1" else (2,))]
+        (*e, pair) for e in expected for pair in ({"B1": (2, 1)} | lone_pairs).get(e[0], (2,))]
     assert all(GemmConfig(*j.config).tile_n == 256 for j in by_rows if j.step == "F1")
-    assert len({j.key for j in by_rows}) == 6
+    assert len({j.key for j in by_rows}) == 8
     monkeypatch.undo()
     # the weight gradients dW (E, out, in): FC2's (256, 256) and FC1's (512, 256) (N = in, K = out)
     # (each weight's gradient at the shape's tile and at the store-bound one of few rows per group)

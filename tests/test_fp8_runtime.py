@@ -134,6 +134,31 @@ def test_many_rows_per_group_take_single_ctas(monkeypatch):
     assert P.fp8_for_rows(pair, 32 * 512, 32) == single
 
 
+def test_many_rows_per_group_take_single_two_cta_ctas(monkeypatch):
+    """tile_policy.fp8_for_rows on the two-CTA 128-row tile (ctas_per_sm = 2): a grouped GEMM's CTA pairs become
+    single CTAs from FP8_TWO_CTAS_SINGLE_ROWS rows per group (4096 by default: issue 9's 32 x 8192-row shape), and
+    nothing else changes; one-group GEMMs (the dense blocks, measured slower as single CTAs) and fewer rows keep
+    their pairs; 0 turns it off; fp8_row_configs lists both where the rule can apply."""
+    from fusion.kernels import tile_policy as P
+
+    assert P.FP8_TWO_CTAS_SINGLE_ROWS == 4096
+    pair = P.choose_fp8_config(4096, 7168, 32, plain_epilogue=True)   # the target shape's lone GEMM
+    assert (pair.tile_m, pair.ctas_per_sm, pair.cluster_n) == (128, 2, 2)
+    single = P.fp8_for_rows(pair, 32 * 8192, 32)
+    assert single == pair.__class__(**{**pair.__dict__, "cluster_n": 1})
+    assert P.fp8_for_rows(pair, 32 * 4096 - 1, 32) is pair and P.fp8_for_rows(pair, None, 32) is pair
+    assert P.fp8_row_configs(pair, 32) == [pair, single]
+    dense = P.choose_fp8_config(8192, 28672, 1, plain_epilogue=True)  # Llama-3-70B's FC2: one group
+    assert dense.ctas_per_sm == 2 and dense.cluster_n == 2
+    assert P.fp8_for_rows(dense, 10 ** 6, 1) is dense and P.fp8_row_configs(dense, 1) == [dense]
+    monkeypatch.setattr(P, "FP8_TWO_CTAS_SINGLE_ROWS", 0)
+    assert P.fp8_for_rows(pair, 10 ** 9, 32) is pair and P.fp8_row_configs(pair, 32) == [pair]
+    # the 256-row tile's own threshold (FP8_SINGLE_ROWS, off) is not this one
+    coop = P.cooperative_fp8_config(4096, 7168, 32)
+    monkeypatch.setattr(P, "FP8_TWO_CTAS_SINGLE_ROWS", 4096)
+    assert P.fp8_for_rows(coop, 10 ** 9, 32) is coop
+
+
 def test_a_fused_fp8_kernel_launches_the_configuration_of_the_calls_rows(monkeypatch):
     """CuteKernel (fusion/runtime/kernel.py) of an FP8 job loads and launches, per call, the kernel for A's rows:
     the pair below FP8_SINGLE_ROWS rows per group, the single-CTA job from there (each loaded once); the lone FP8
