@@ -297,6 +297,42 @@ def test_many_rows_per_group_run_single_ctas_with_the_same_bits(monkeypatch):
         assert torch.equal(single[name], value), name
 
 
+def test_many_rows_per_group_run_two_cta_tiles_as_single_ctas_with_the_same_bits(monkeypatch):
+    """From tile_policy.FP8_TWO_CTAS_SINGLE_ROWS rows per group (4096 by default) a grouped call's lone FP8 GEMMs
+    (FC2's forward, FC1's dgrad: 128-row tiles, two CTAs an SM) run as single CTAs instead of CTA pairs: the same
+    tiles and k order, so the output and every gradient are bitwise the pairs'; the fused kernels (cooperative here)
+    are untouched."""
+    import fusion.kernels.fp8_api as fp8_api
+    from fusion.kernels import tile_policy
+    from fusion.planner import clear_cache
+
+    clear_cache()
+    real, launched = fp8_api.launch_grid, []
+
+    def spy(compiled, M, dev, offsets, num_ctas=None, counter_ptr=None):
+        c = compiled.config
+        launched.append((c.tile_m, c.cluster_n, c.ctas_per_sm))
+        return real(compiled, M, dev, offsets, num_ctas, counter_ptr)
+
+    monkeypatch.setattr(fp8_api, "launch_grid", spy)
+    E, sizes, d, f = CASES[1]   # 8 x 1024 rows; every width here pairs its n-tiles
+    sizes = torch.tensor(sizes, device=DEV)
+    seq = _block(E, d, f)
+    x, dy, probs = _inputs(E, int(sizes.sum()), d, sizes)
+    monkeypatch.setattr(tile_policy, "FP8_TWO_CTAS_SINGLE_ROWS", 1 << 30)
+    pairs = _step(seq, x, sizes, probs, dy)
+    two_cta = {t for t in launched if t[2] == 2}
+    assert two_cta == {(128, 2, 2)}, launched
+    fused = sorted(t for t in launched if t[2] == 1)
+    launched.clear()
+    monkeypatch.setattr(tile_policy, "FP8_TWO_CTAS_SINGLE_ROWS", 1024)
+    single = _step(seq, x, sizes, probs, dy)
+    assert {t for t in launched if t[2] == 2} == {(128, 1, 2)}, launched
+    assert sorted(t for t in launched if t[2] == 1) == fused
+    for name, value in pairs.items():
+        assert torch.equal(single[name], value), name
+
+
 def test_gated_fc1_on_192_column_pairs_matches_the_recipe(no_reference_recipe, monkeypatch):
     """With FP8_GATED_WAVES off, 2f = 384: three 128-column n-tiles (no pairs), two of 192 columns: FC1's inference
     kernel runs 128 x 192 CTA pairs (tile_policy.FP8_WIDE_ODD), each gated half of a tile straddling two
