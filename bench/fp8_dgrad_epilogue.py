@@ -72,8 +72,10 @@ def plan_job(block, step="B1"):
     seq = Sequential(GroupLinear(block.E, block.d, 2 * block.f, weight_format="fp8_block"), SwiGLU(), Scale(),
                      QuantizeFP8Block(columnwise=False),
                      GroupLinear(block.E, block.f, block.d, weight_format="fp8_block")).to("meta")
+    # the job at its own configuration: plan_jobs lists a job's variants by rows (tile_policy.fp8_for_rows: single
+    # CTAs at many rows per group) after it, under the same name
     jobs = [j for j in plan_jobs(seq, torch.bfloat16) if (j.step, j.variant) == STEPS[step]]
-    if len(jobs) != 1 or jobs[0].mainloop != "fp8_block":
+    if len({j.name for j in jobs}) != 1 or jobs[0].mainloop != "fp8_block":
         raise SystemExit(f"{block.model}: expected one FP8 {step} job, got {[j.name for j in jobs]}")
     return jobs[0]
 
