@@ -651,7 +651,8 @@ def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step, quantized
     """The FP8 block's own kernels (fusion_fp8: GroupLinear -> SwiGLU -> Scale -> QuantizeFP8Block -> GroupLinear, FP8
     weights): FC2's dgrad with its generated d(SwiGLU·scale) epilogue (saved pre-activation in, d(gate, up), the
     router scale's row-sum partials and FC2's input dequantized out), FC2's forward and FC1's dgrad, at the tile
-    policy's configuration and as one consumer warpgroup a CTA, two CTAs an SM: every output bit for bit the same
+    policy's configuration and as one consumer warpgroup a CTA, two CTAs an SM (as CTA pairs, and as single CTAs
+    where the policy pairs them: a grouped call's from FP8_TWO_CTAS_SINGLE_ROWS): every output bit for bit the same
     (ragged groups with empty ones, unaligned rows). "B1-direct": the block without the QuantizeFP8Block (FC2's dgrad
     writes d(gate, up) and the row sums only; the policy's two-CTA B1 from K = 4096 is this epilogue on the large
     blocks of fusion_fp8_direct). "F1": the training FC1 (SwiGLU·scale, FC2's input stored as FP8 blocks, the
@@ -678,17 +679,21 @@ def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step, quantized
     two = two_cta_tile(cfg)
     sizes, args, _, _ = _problem(G, M, job.N, job.K, seed=33)
     _, extras = slot_tensors(epilogue, M, job.N, G, torch.bfloat16, torch.Generator(DEV).manual_seed(34), DEV)
-    outs = []
-    for c in (cfg, two):
+    # the two-CTA tile as CTA pairs along n and as single CTAs (tile_policy.fp8_for_rows: a grouped call's from
+    # FP8_TWO_CTAS_SINGLE_ROWS rows per group)
+    configs = [cfg, two] + ([replace(two, cluster_n=1)] if two.cluster_n == 2 else [])
+    outs, names = [], []
+    for c in configs:
         comp = K.compile_fp8_grouped_gemm(c, epilogue, job.N, job.K, job.G)
         out = allocate_outputs(epilogue, M, job.N, "bfloat16", DEV)
         for t in out.values():
             (t.zero_() if t.dim() == 0 else t.view(torch.uint8).fill_(0x7F))
         K.run_fp8_grouped_gemm(comp, *args, out, extras=extras)
         outs.append(out)
+        names.append(comp.name)
     torch.cuda.synchronize()
-    assert "_2cta" in comp.name
+    assert all("_2cta" in n for n in names[1:])
     for name, want in outs[0].items():
-        got = outs[1][name]
-        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), \
-            f"{step}: {name} differs between the policy's tile and two CTAs an SM"
+        for got, kernel in zip(outs[1:], names[1:]):
+            assert torch.equal(got[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), \
+                f"{step}: {name} differs between the policy's tile and {kernel}"
