@@ -372,8 +372,9 @@ FP8_SINGLE_ROWS = int(os.environ.get("FUSION_FP8_SINGLE_ROWS", "0"))
 #: target shape (32 groups of 8192 rows, K = 7168, N = 4096; bench/fp8_tile_sweep.py --two-ctas, the identity
 #: epilogue, interleaved rounds) single CTAs 1059-1066 TFLOP/s against the pairs' 1024-1039 (+2.6-3.4% at every band),
 #: by bench/bench_fp8_gemm.py 1100-1103 on one machine start, 1087 on another (the pairs 1082 in an earlier call;
-#: torch's rowwise FP8 grouped GEMM 1080-1099 in the same runs); at 512-1024 rows per group the pairs level or ahead (Qwen3-30B-A3B's FC2 805 against 784, its FC2 dgrad 942 / 917,
-#: OLMoE's FC1 923 / 925, DeepSeek-V3 EP8's FC2 939 / 946), hence a threshold by rows per group, as session j's
+#: torch's rowwise FP8 grouped GEMM 1080-1099 in the same runs); at 512-1024 rows per group the pairs level or
+#: ahead (Qwen3-30B-A3B's FC2 805 against 784, its FC2 dgrad 942 / 917, OLMoE's FC1 923 / 925, DeepSeek-V3 EP8's FC2
+#: 939 / 946), hence a threshold by rows per group, as session j's
 #: 256-row pairs on an H100 (DeepSeek-V3's FC1 at 4096 rows per group: single 1122, pair 1094). One-group GEMMs keep
 #: their pairs: the dense FP8 blocks' steps with single CTAs (bench/ab_switch.py, three rounds of 100 steps)
 #: Llama-3-8B +0.6% (forward +0.9%), Llama-3-70B +2.3% (+1.8%), as session j measured for the 256-row tile.
