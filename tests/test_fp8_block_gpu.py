@@ -258,50 +258,10 @@ def test_lone_fp8_gemms_take_their_tile_counter_from_the_calls_buffer(monkeypatc
     assert len(set(given)) == len(given), "every FP8 launch of the step its own counter"
 
 
-def test_many_rows_per_group_run_single_ctas_with_the_same_bits(monkeypatch):
-    """From tile_policy.FP8_SINGLE_ROWS rows per group a call's FP8 kernels (fused and lone) run the 256-row tile
-    as single CTAs instead of pairs: the same tiles and k order, so the output and every gradient are bitwise the
-    pairs' (and those match the recipe: test_grouped_block_matches_the_recipe). FC1's gated kernel on the old
-    policy's 256-row tile too (FP8_GATED_WAVES off: its 128 x 256 n-waves have no single-CTA variant), and FC2's dgrad
-    without writing FC1's dgrad operand (which takes 128 x 128 tiles: tests/test_fp8_quantized_dgrad_operand_gpu.py);
-    cooperative tiles throughout (FP8_TWO_CTAS off: two CTAs an SM take 128-row tiles, which the rule leaves alone)."""
-    import fusion.kernels.fp8_api as fp8_api
-    from fusion import dataflow
-    from fusion.kernels import tile_policy
-    from fusion.planner import clear_cache
-
-    monkeypatch.setattr(tile_policy, "FP8_GATED_WAVES", False)
-    monkeypatch.setattr(dataflow, "QUANTIZES_DGRAD_OPERAND", False)
-    monkeypatch.setattr(tile_policy, "FP8_TWO_CTAS", False)   # the lone GEMMs' 128-row two-CTA tiles have no pairs rule
-    clear_cache()
-
-    real, launched = fp8_api.launch_grid, []
-
-    def spy(compiled, M, dev, offsets, num_ctas=None, counter_ptr=None):
-        launched.append((compiled.config.tile_m, compiled.config.cluster_n))
-        return real(compiled, M, dev, offsets, num_ctas, counter_ptr)
-
-    monkeypatch.setattr(fp8_api, "launch_grid", spy)
-    E, sizes, d, f = CASES[1]   # 8 x 1024 rows; every width here pairs its n-tiles
-    sizes = torch.tensor(sizes, device=DEV)
-    seq = _block(E, d, f)
-    x, dy, probs = _inputs(E, int(sizes.sum()), d, sizes)
-    monkeypatch.setattr(tile_policy, "FP8_SINGLE_ROWS", 1 << 30)
-    pairs = _step(seq, x, sizes, probs, dy)
-    assert launched and set(launched) == {(256, 2)}, launched
-    launched.clear()
-    monkeypatch.setattr(tile_policy, "FP8_SINGLE_ROWS", 1024)
-    single = _step(seq, x, sizes, probs, dy)
-    assert launched and set(launched) == {(256, 1)}, launched
-    for name, value in pairs.items():
-        assert torch.equal(single[name], value), name
-
-
-def test_many_rows_per_group_run_two_cta_tiles_as_single_ctas_with_the_same_bits(monkeypatch):
-    """From tile_policy.FP8_TWO_CTAS_SINGLE_ROWS rows per group (4096 by default) a grouped call's lone FP8 GEMMs
-    (FC2's forward, FC1's dgrad: 128-row tiles, two CTAs an SM) run as single CTAs instead of CTA pairs: the same
-    tiles and k order, so the output and every gradient are bitwise the pairs'; the fused kernels (cooperative here)
-    are untouched."""
+def _steps_by_rows_threshold(monkeypatch, attribute):
+    """The FP8 block's step on CASES[1] (8 x 1024 rows; every width there pairs its n-tiles) with
+    tile_policy.`attribute` (a single-CTA threshold in rows per group) above those rows (1 << 30) and at them
+    (1024): per run, the step's outputs and the (tile_m, cluster_n, ctas_per_sm) of every FP8 launch."""
     import fusion.kernels.fp8_api as fp8_api
     from fusion.kernels import tile_policy
     from fusion.planner import clear_cache
@@ -315,20 +275,48 @@ def test_many_rows_per_group_run_two_cta_tiles_as_single_ctas_with_the_same_bits
         return real(compiled, M, dev, offsets, num_ctas, counter_ptr)
 
     monkeypatch.setattr(fp8_api, "launch_grid", spy)
-    E, sizes, d, f = CASES[1]   # 8 x 1024 rows; every width here pairs its n-tiles
+    E, sizes, d, f = CASES[1]
     sizes = torch.tensor(sizes, device=DEV)
     seq = _block(E, d, f)
     x, dy, probs = _inputs(E, int(sizes.sum()), d, sizes)
-    monkeypatch.setattr(tile_policy, "FP8_TWO_CTAS_SINGLE_ROWS", 1 << 30)
-    pairs = _step(seq, x, sizes, probs, dy)
-    two_cta = {t for t in launched if t[2] == 2}
-    assert two_cta == {(128, 2, 2)}, launched
-    fused = sorted(t for t in launched if t[2] == 1)
-    launched.clear()
-    monkeypatch.setattr(tile_policy, "FP8_TWO_CTAS_SINGLE_ROWS", 1024)
-    single = _step(seq, x, sizes, probs, dy)
-    assert {t for t in launched if t[2] == 2} == {(128, 1, 2)}, launched
-    assert sorted(t for t in launched if t[2] == 1) == fused
+    runs = []
+    for threshold in (1 << 30, 1024):
+        monkeypatch.setattr(tile_policy, attribute, threshold)
+        launched.clear()
+        runs.append((_step(seq, x, sizes, probs, dy), list(launched)))
+    return runs
+
+
+def test_many_rows_per_group_run_single_ctas_with_the_same_bits(monkeypatch):
+    """From tile_policy.FP8_SINGLE_ROWS rows per group a call's FP8 kernels (fused and lone) run the 256-row tile
+    as single CTAs instead of pairs: the same tiles and k order, so the output and every gradient are bitwise the
+    pairs' (and those match the recipe: test_grouped_block_matches_the_recipe). FC1's gated kernel on the old
+    policy's 256-row tile too (FP8_GATED_WAVES off: its 128 x 256 n-waves have no single-CTA variant), and FC2's dgrad
+    without writing FC1's dgrad operand (which takes 128 x 128 tiles: tests/test_fp8_quantized_dgrad_operand_gpu.py);
+    cooperative tiles throughout (FP8_TWO_CTAS off: two CTAs an SM take 128-row tiles, which the rule leaves alone)."""
+    from fusion import dataflow
+    from fusion.kernels import tile_policy
+
+    monkeypatch.setattr(tile_policy, "FP8_GATED_WAVES", False)
+    monkeypatch.setattr(dataflow, "QUANTIZES_DGRAD_OPERAND", False)
+    monkeypatch.setattr(tile_policy, "FP8_TWO_CTAS", False)   # the lone GEMMs' 128-row two-CTA tiles have no pairs rule
+    (pairs, launched_pairs), (single, launched_single) = _steps_by_rows_threshold(monkeypatch, "FP8_SINGLE_ROWS")
+    assert launched_pairs and set(launched_pairs) == {(256, 2, 1)}, launched_pairs
+    assert launched_single and set(launched_single) == {(256, 1, 1)}, launched_single
+    for name, value in pairs.items():
+        assert torch.equal(single[name], value), name
+
+
+def test_many_rows_per_group_run_two_cta_tiles_as_single_ctas_with_the_same_bits(monkeypatch):
+    """From tile_policy.FP8_TWO_CTAS_SINGLE_ROWS rows per group (4096 by default) a grouped call's lone FP8 GEMMs
+    (FC2's forward, FC1's dgrad: 128-row tiles, two CTAs an SM) run as single CTAs instead of CTA pairs: the same
+    tiles and k order, so the output and every gradient are bitwise the pairs'; the fused kernels (cooperative here)
+    are untouched."""
+    (pairs, launched_pairs), (single, launched_single) = _steps_by_rows_threshold(monkeypatch,
+                                                                                  "FP8_TWO_CTAS_SINGLE_ROWS")
+    assert {t for t in launched_pairs if t[2] == 2} == {(128, 2, 2)}, launched_pairs
+    assert {t for t in launched_single if t[2] == 2} == {(128, 1, 2)}, launched_single
+    assert sorted(t for t in launched_single if t[2] == 1) == sorted(t for t in launched_pairs if t[2] == 1)
     for name, value in pairs.items():
         assert torch.equal(single[name], value), name
 
