@@ -7,7 +7,7 @@ Rows per GEMM (ms, TFLOP/s = 2*M*Ma*Nb / time):
 
   torch _grouped_mm bf16        torch._grouped_mm(dy.t(), x, offs)
   bf16 ours                     the bf16 varlen-K kernel at the tile policy's configuration (the default recipe's)
-  fp8 gemm <tile>               the FP8 varlen-K kernel alone on operands already quantized (both tiles)
+  fp8 gemm <tile>               the FP8 varlen-K kernel alone on operands already quantized, by tile (fp8_configs)
   fp8 quantize dY + X           the two columnwise slot-layout quantizations (kernels/fp8_quantize.py, slots=True)
   fp8 total                     both quantizations + the kernel at the policy's tile: what the runtime runs
 
@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from bench_common import median_ms, run_header  # noqa: E402
 from bench_wgrad import SHAPES, gemms, job as bf16_job, routing  # noqa: E402
-from fusion.kernels.tile_policy import choose_fp8_wgrad_config, choose_wgrad_config, fp8_wgrad_stages  # noqa: E402
+from fusion.kernels.tile_policy import (choose_fp8_wgrad_config, choose_wgrad_config, fp8_wgrad_stages,  # noqa: E402
+                                       fp8_wgrad_two_ctas)
 from fusion.runtime.compile import KernelJob  # noqa: E402
 
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite", "deepseek-v3-ep8", "mixtral-8x7b",
@@ -36,11 +37,22 @@ DEFAULT_SHAPES = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite", "deepseek-
 
 
 def fp8_configs(Ma, Nb, G):
-    """The policy's tile first, then the other tile rows, and each without (or with) the CTA pair."""
-    base = choose_fp8_wgrad_config(Ma, Nb, G)
-    other = 128 if base.tile_m == 256 else 256
-    out = [base, dataclasses.replace(base, tile_m=other, stages=fp8_wgrad_stages(other, base.tile_n))]
-    return out + [dataclasses.replace(c, cluster_n=3 - c.cluster_n) for c in out]
+    """The policy's tile first, then the cooperative 256 x 128 and 128 x 128 tiles as single CTAs and pairs, the
+    two-CTA 128 x 128 tile (two CTAs an SM), and the 256 x 128 and two-CTA tiles storing 16 bytes a lane: each once."""
+    coop = dataclasses.replace(fp8_wgrad_two_ctas(), ctas_per_sm=1, tile_m=256, stages=fp8_wgrad_stages(256, 128))
+    short = dataclasses.replace(coop, tile_m=128, stages=fp8_wgrad_stages(128, 128))
+    out = [choose_fp8_wgrad_config(Ma, Nb, G)]
+    for cfg in (coop, short, dataclasses.replace(coop, cluster_n=2), dataclasses.replace(short, cluster_n=2),
+                fp8_wgrad_two_ctas(), dataclasses.replace(coop, store_bytes=16),
+                dataclasses.replace(fp8_wgrad_two_ctas(), store_bytes=16)):
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def config_label(cfg) -> str:
+    return (f"{cfg.tile_m}x{cfg.tile_n} s{cfg.stages}{' c2' if cfg.cluster_n > 1 else ''}"
+            f"{' 2cta' if cfg.ctas_per_sm == 2 else ''}{' st16' if cfg.store_bytes == 16 else ''}")
 
 
 def fp8_job(cfg, Ma, Nb, G) -> KernelJob:
@@ -100,8 +112,7 @@ def run_shape(name, groups, gen, dev="cuda"):
         want = None
         for i, cfg in enumerate(fp8_configs(Ma, Nb, E)):
             comp = load_compiled(fp8_job(cfg, Ma, Nb, E))
-            key = (f"fp8 gemm {cfg.tile_m}x{cfg.tile_n} s{cfg.stages}{' c2' if cfg.cluster_n > 1 else ''}"
-                   + (" (policy)" if i == 0 else ""))
+            key = f"fp8 gemm {config_label(cfg)}" + (" (policy)" if i == 0 else "")
             fn = (lambda c: lambda: run_fp8_varlen_k_gemm(c, *a, *b, offs, out))(comp)
             out.fill_(float("nan"))
             fn()

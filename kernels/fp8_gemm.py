@@ -44,7 +44,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .epilogue import Epilogue
-from .fp8_mainloop import Fp8WarpRoles
+from .fp8_mainloop import MAX_SHARED_CARVEOUT, TWO_CTA_REGISTER_SPLIT, Fp8WarpRoles
 from .mainloop import REGISTER_SPLIT
 from .fp8_scales import SA_BOX, SA_STAGE_FLOATS, SB_BOX, SB_SLOT_FLOATS, SCALE_BLOCK, num_slots, plan_segments
 from .scheduler import PEER_SLOTS, TileScheduler
@@ -57,11 +57,6 @@ FP8 = cutlass.Float8E4M3FN
 SCALE_MODES = ("tma", "unaligned", "off")
 #: The gated tile width walked as two n-waves (gate half, up half) of 128 columns each.
 N_WAVE_TILE = 256
-#: setmaxnreg split (producer, consumer warpgroup) of a CTA of two CTAs an SM: each starts with 256 threads x 128
-#: registers (65536 an SM), and the consumer can take only what the producer's warpgroup gives back (sum <= 256).
-TWO_CTA_REGISTER_SPLIT = (32, 224)
-#: cudaSharedmemCarveoutMaxShared: the SM's whole unified L1 / shared memory as shared memory.
-MAX_SHARED_CARVEOUT = 100
 
 
 @dataclass(frozen=True)

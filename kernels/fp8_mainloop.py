@@ -39,6 +39,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .fp8_scales import SA_BOX, SB_BOX, SCALE_BLOCK, box_shift, box_start, segment_of
 from .mainloop import WarpRoles
 
+#: setmaxnreg split (producer, consumer warpgroup) of a CTA of two CTAs an SM (the FP8 kernels' ``ctas_per_sm = 2``:
+#: kernels/fp8_gemm.py, kernels/fp8_wgrad.py): each starts with 256 threads x 128 registers (65536 an SM), and the
+#: consumer can take only what the producer's warpgroup gives back (sum <= 256).
+TWO_CTA_REGISTER_SPLIT = (32, 224)
+#: cudaSharedmemCarveoutMaxShared: the SM's whole unified L1 / shared memory as shared memory (two CTAs an SM).
+MAX_SHARED_CARVEOUT = 100
+
 
 def issue_wave(tiled_mma, frag, tCrA, tCrB, stage):
     """Trace time: issue one wave's k-tile of wgmma (A: that wave's slice of the stage) into ``frag`` (the first

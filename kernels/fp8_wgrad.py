@@ -26,14 +26,18 @@ and one FFMA per element, the column scales read from the stage's shared memory 
 Warp roles as kernels/fp8_gemm.py's: warp 0 of warpgroup 0 loads by TMA, per k-tile, A's (tile_m x 128) box,
 B's (tile_n x 128) box and the two scale vectors (tile_m and tile_n floats) into one stage under its mbarrier;
 warpgroups 1..2 each own 64 rows of every 128-row wave of the tile (one wave at tile_m = 128, two at 256, sharing
-one scratch fragment as kernels/fp8_mainloop.py's m-waves do). ``cluster_n = 2``: a CTA pair works on two
+one scratch fragment as kernels/fp8_mainloop.py's m-waves do). ``ctas_per_sm = 2``: warpgroup 1 alone walks a 128 x
+128 tile as two 64-row m-waves and two CTAs share an SM (``.minnctapersm 2``, setmaxnreg 32 / 224, three stages in
+half the shared memory, a grid of two CTAs an SM), so one CTA's epilogue (its tile's store) runs while the other's
+wgmma do, as the FP8 forward's lone GEMMs do (kernels/fp8_gemm.py). ``cluster_n = 2``: a CTA pair works on two
 neighbouring n-tiles of one (group, m-tile) in lockstep, and A's box (the same for both) reaches both by TMA
 multicast, each CTA loading half of it: a third less L2 traffic per FLOP at 256 x 128. It did not pay on an H200
 (6% faster on one weight gradient of twelve, 3-20% slower on eight: the kernel is not L2-bound), so the tile
 policy runs single CTAs (kernels/tile_policy.py `choose_fp8_wgrad_config`). Tiles: every group has the same
 ``mt x nt`` tiles; unit u (``cluster_n`` neighbouring n-tiles, one per CTA of a cluster) is group ``u // (mt nu)``,
 m fastest within it; static schedule (``unit += clusters``). An empty group's tiles run no k-tile and store zeros.
-D is (G, Ma, Nb) in 16 bits, stored 4 columns per lane (:func:`kernels.fragment_io.store_tile16`).
+D is (G, Ma, Nb) in 16 bits, stored 4 columns per lane, or 8 with ``store_bytes = 16``
+(:func:`kernels.fragment_io.store_tile16`).
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .dtypes import cutlass_dtype
-from .fp8_mainloop import issue_wave
+from .fp8_mainloop import MAX_SHARED_CARVEOUT, TWO_CTA_REGISTER_SPLIT, issue_wave
 from .fp8_scales import SCALE_BLOCK
 from .fragment_io import store_tile16
 from .mainloop import REGISTER_SPLIT
@@ -68,15 +72,23 @@ class Fp8VarlenKGemmKernel:
         self.tile_m, self.tile_n, self.tile_k = config.tile_m, config.tile_n, config.tile_k
         assert self.tile_m in (128, 256) and self.tile_k == SCALE_BLOCK, "FP8 wgrad tiles are 128/256 x n x 128"
         assert self.tile_n % 16 == 0 and self.tile_n <= 128
-        self.waves = self.tile_m // 128
         self.stages = config.stages
-        self.num_mma_wg = 2
+        # two CTAs an SM (config.ctas_per_sm = 2): one consumer warpgroup a CTA walks a 128-row tile as two 64-row
+        # m-waves, and the SM's two CTAs drift apart, so one's epilogue runs under the other's wgmma (the FP8
+        # forward's two-CTA tile, kernels/fp8_gemm.py)
+        self.ctas_per_sm = int(getattr(config, "ctas_per_sm", 1))
+        assert self.ctas_per_sm in (1, 2)
+        self.num_mma_wg = 2 if self.ctas_per_sm == 1 else 1
+        self.wave_rows = 64 * self.num_mma_wg          # the tile's rows one wave covers (64 per warpgroup)
+        self.waves = self.tile_m // self.wave_rows
         self.threads = 128 * (1 + self.num_mma_wg)
         self.out_dtype = cutlass_dtype(out_dtype)
         assert self.out_dtype.width == 16, "D is stored in 16 bits"
-        self.producer_regs, self.consumer_regs = REGISTER_SPLIT[False]
+        self.producer_regs, self.consumer_regs = \
+            REGISTER_SPLIT[False] if self.ctas_per_sm == 1 else TWO_CTA_REGISTER_SPLIT
         self.cluster_n = int(getattr(config, "cluster_n", 1))
         assert self.cluster_n in (1, 2) and self.tile_m % (8 * self.cluster_n) == 0
+        assert self.ctas_per_sm == 1 or (self.tile_m == 128 and self.cluster_n == 1), "two CTAs an SM: 128-row single"
 
     # ------------------------------------------------------------------ host-side (traced) entry
     @cute.jit
@@ -97,7 +109,7 @@ class Fp8VarlenKGemmKernel:
         mD = cute.make_tensor(pD, cute.make_layout((G * Ma, Nb), stride=(Nb, 1)))
 
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (2, 1, 1),
+            FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (self.num_mma_wg, 1, 1),
             tiler_mn=(64, self.tile_n),
         )
         atom = warpgroup.make_smem_layout_atom(
@@ -133,7 +145,9 @@ class Fp8VarlenKGemmKernel:
         self.kernel(tma_a, tma_tA, tma_b, tma_tB, tma_sa, tma_tSA, tma_sb, tma_tSB, mOffs, mD, self.tiled_mma,
                     self.sA_layout, self.sB_layout, self.sSA_layout, self.sSB_layout).launch(
             grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), cluster=(self.cluster_n, 1, 1),
-            smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream)
+            smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=self.ctas_per_sm,
+            # two CTAs an SM need the whole 228 KiB carveout (stated, so compiling asks no device for it)
+            preferred_smem_carveout=MAX_SHARED_CARVEOUT if self.ctas_per_sm > 1 else None, stream=stream)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
@@ -265,10 +279,10 @@ class Fp8VarlenKGemmKernel:
         ctid = tidx - 128
         thr_mma = tiled_mma.get_slice(ctid)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        # per m-wave, the operand over its 128-row slice of the A ring (a 1024-byte multiple: the swizzle holds)
+        # per m-wave, the operand over its slice of the A ring (64 or 128 rows: 1024-byte multiples, the swizzle holds)
         tCrA = [tiled_mma.make_fragment_A(thr_mma.partition_A(
-            cute.local_tile(sA, (128, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.waves)]
-        tCcW = thr_mma.partition_C(cute.make_identity_tensor((128, self.tile_n)))      # one wave
+            cute.local_tile(sA, (self.wave_rows, self.tile_k, self.stages), (w, 0, 0)))) for w in range(self.waves)]
+        tCcW = thr_mma.partition_C(cute.make_identity_tensor((self.wave_rows, self.tile_n)))      # one wave
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         assert cute.size(tCcC.shape[1]) == self.waves and cute.size(tCcC.shape[2]) == 1
         assert cute.size(tCcW.shape[1]) == 1 and cute.size(tCcW.shape[2]) == 1, "one wgmma atom per wave"
@@ -291,11 +305,11 @@ class Fp8VarlenKGemmKernel:
                 for w in cutlass.range_constexpr(self.waves):
                     tiled_mma = issue_wave(tiled_mma, part, tCrA[w], tCrB, stage)
                     # the row scales' shared-memory loads go out before the wait, under the wgmma
-                    row_scales = [sSA[(128 * w + r, 0, stage)] for r in rows]
+                    row_scales = [sSA[(self.wave_rows * w + r, 0, stage)] for r in rows]
                     warpgroup.wait_group(0)
                     self.promote(acc, w, part, row_scales, sSB, col0, stage)
                 ab_pipe.consumer_release(read_state)
                 read_state.advance()
             store_tile16(acc, tCcC, mD, g * self.Ma + m_idx * self.tile_m, (g + 1) * self.Ma,
-                         n_idx * self.tile_n, self.Nb, self.out_dtype)
+                         n_idx * self.tile_n, self.Nb, self.out_dtype, self.cfg.store_bytes)
             unit = unit + clusters

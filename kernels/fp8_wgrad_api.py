@@ -51,12 +51,20 @@ def check_fp8_wgrad_config(config: WgradConfig, Ma: int, Nb: int, out_dtype="bfl
                         "only: pingpong, gather_a, gather_b and cluster_m must keep their defaults")
     if config.cluster_n not in (1, 2):
         problems.append(f"cluster_n = {config.cluster_n}: 1, or 2 for CTA pairs sharing A's tile")
+    if config.store_bytes not in (8, 16):
+        problems.append(f"store_bytes = {config.store_bytes}: a lane stores 8 or 16 bytes of D")
+    if config.ctas_per_sm not in (1, 2):
+        problems.append(f"ctas_per_sm = {config.ctas_per_sm}: 1, or 2 (one consumer warpgroup a CTA)")
+    elif config.ctas_per_sm == 2 and (config.tile_m != 128 or config.cluster_n != 1):
+        problems.append(f"ctas_per_sm = 2 with a {config.tile_m}-row tile and cluster_n = {config.cluster_n}: two "
+                        "CTAs an SM take 128-row tiles (one warpgroup's two 64-row waves) as single CTAs")
     if Ma % 8 or Nb % 8:
         problems.append(f"(Ma, Nb) = ({Ma}, {Nb}): both must be multiples of 8 (16-byte output pairs, 16-byte "
                         "scale rows for TMA)")
-    if not 2 <= config.stages <= fp8_wgrad_stages(config.tile_m, config.tile_n):
-        problems.append(f"stages = {config.stages}: 2 up to what fits in shared memory "
-                        f"({fp8_wgrad_stages(config.tile_m, config.tile_n)} at this tile)")
+    most = fp8_wgrad_stages(config.tile_m, config.tile_n, config.ctas_per_sm if config.ctas_per_sm == 2 else 1)
+    if not 2 <= config.stages <= most:
+        problems.append(f"stages = {config.stages}: 2 up to what fits in shared memory ({most} at this tile"
+                        + (", for each of two CTAs an SM)" if config.ctas_per_sm == 2 else ")"))
     if problems:
         raise KernelConfigError(f"cannot build the FP8 varlen-K grouped GEMM (Ma={Ma}, Nb={Nb}, {config}): "
                                 + "; ".join(problems))
@@ -72,7 +80,8 @@ class CompiledFp8VarlenKGemm(CompiledArtifact):
         self.dtype = self.out_dtype = out_dtype
         self.Ma, self.Nb, self.G = Ma, Nb, G
         self.name = (f"fp8_varlen_k_gemm_{out_dtype}_Ma{Ma}_Nb{Nb}_G{G}_{config.tile_m}x{config.tile_n}x"
-                     f"{config.tile_k}s{config.stages}" + (f"_c{config.cluster_n}" if config.cluster_n > 1 else ""))
+                     f"{config.tile_k}s{config.stages}" + (f"_c{config.cluster_n}" if config.cluster_n > 1 else "")
+                     + ("_2cta" if config.ctas_per_sm == 2 else "") + ("_st16" if config.store_bytes == 16 else ""))
         c = config.cluster_n
         self.tiles = G * -(-Ma // config.tile_m) * c * -(-Nb // (config.tile_n * c))   # CTAs' tiles, per unit
 
@@ -141,8 +150,8 @@ def run_fp8_varlen_k_gemm(compiled: CompiledFp8VarlenKGemm, a_data: torch.Tensor
             raise ShapeError(f"{compiled.name}: {name} must be contiguous and 16-byte aligned")
     if offsets.dtype != torch.int32 or offsets.numel() < G + 1 or offsets.device != dev:
         raise ShapeError(f"{compiled.name}: offsets must be G+1 = {G + 1} int32 bounds on {dev}")
-    if num_ctas is None:
-        num_ctas = max(1, min(_num_sms(dev.index), compiled.tiles))
+    if num_ctas is None:   # a persistent grid: every SM (two CTAs on each with ctas_per_sm = 2), at most a CTA a tile
+        num_ctas = max(1, min(compiled.config.ctas_per_sm * _num_sms(dev.index), compiled.tiles))
     c = compiled.config.cluster_n
     num_ctas = max(c, num_ctas - num_ctas % c)  # whole clusters
     compiled.launch(a_data.data_ptr(), b_data.data_ptr(), a_scale.data_ptr(), b_scale.data_ptr(),

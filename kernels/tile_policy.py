@@ -847,6 +847,8 @@ class WgradConfig:
     cluster_n: int = 1       # 2: CTA pairs on neighbouring n-tiles share A's tile by TMA multicast (the FP8 kernel)
     n_fastest: bool = False  # the schedule walks a group's n-tiles fastest: running CTAs write whole rows of D
     store_bytes: int = 8     # bytes one lane stores per instruction in the 16-bit epilogue (8 or 16)
+    ctas_per_sm: int = 1     # the FP8 kernel: 2 = one consumer warpgroup a CTA (a 128-row tile as two 64-row
+    #                          m-waves) and two CTAs an SM, one's epilogue under the other's mainloop
 
 
 #: Mean rows per group (a tile's reduction length) from which, and below which, the varlen-K kernel takes
@@ -994,9 +996,11 @@ def fp8_wgrad_stage_bytes(tile_m: int, tile_n: int) -> int:
     return (tile_m + tile_n) * SCALE_BLOCK + 4 * (-(-tile_m // 32) * 32 + -(-tile_n // 32) * 32)
 
 
-def fp8_wgrad_stages(tile_m: int, tile_n: int) -> int:
-    """The most stages of the FP8 varlen-K kernel that fit in shared memory (at most 8)."""
-    return min(8, FP8_SMEM // (fp8_wgrad_stage_bytes(tile_m, tile_n) + 16))
+def fp8_wgrad_stages(tile_m: int, tile_n: int, ctas_per_sm: int = 1) -> int:
+    """The most stages of the FP8 varlen-K kernel that fit in shared memory (at most 8; with two CTAs an SM, in
+    each one's half)."""
+    smem = FP8_SMEM if ctas_per_sm == 1 else FP8_SMEM_TWO_CTAS
+    return min(8, smem // (fp8_wgrad_stage_bytes(tile_m, tile_n) + 16))
 
 
 #: The FP8 varlen-K kernel's tile rows (FUSION_FP8_WGRAD_TILE_M, read at import: 128 or 256): 256 (two m-waves
@@ -1010,6 +1014,24 @@ def choose_fp8_wgrad_config(Ma: int, Nb: int, G: int) -> WgradConfig:
     six MoE blocks (bench/bench_fp8_wgrad.py; bench/results/H200-2026-11-29-fp8-wgrad-b.json): 256 x 128 single
     CTAs the fastest of four tiles on 8 and within 4% on the others; CTA pairs sharing A's box (cluster_n = 2) won
     6% on Mixtral's FC1 and lost 3-20% on eight others: the kernel is not L2-bound."""
+    if FP8_WGRAD_TWO_CTAS:
+        return fp8_wgrad_two_ctas()
     tile_m = FP8_WGRAD_TILE_M
     return WgradConfig(tile_m=tile_m, tile_n=128, tile_k=SCALE_BLOCK, stages=fp8_wgrad_stages(tile_m, 128),
                        pingpong=False, cluster_m=1, cluster_n=1)
+
+
+#: The FP8 varlen-K kernel as two CTAs an SM (:func:`fp8_wgrad_two_ctas`; FUSION_FP8_WGRAD_TWO_CTAS, read at import;
+#: the policy reads this attribute per job, so bench/ab_switch.py can flip it). A weight gradient's tile has only
+#: its group's 128-row blocks to reduce over (8 k-tiles at 1024 rows per group) and then stores a 256 x 128 bf16
+#: tile, which the cooperative tile's two warpgroups reach together while the tensor cores wait.
+FP8_WGRAD_TWO_CTAS = os.environ.get("FUSION_FP8_WGRAD_TWO_CTAS", "0") != "0"
+
+
+def fp8_wgrad_two_ctas() -> WgradConfig:
+    """The FP8 varlen-K kernel's two-CTA tile: 128 x 128, one consumer warpgroup a CTA walking it as two 64-row
+    m-waves through one scratch fragment (the registers each warpgroup of the cooperative 256-row tile holds), two
+    CTAs an SM, as many stages as fit half the SM's shared memory (three), single CTAs: the forward's lone GEMMs'
+    two-CTA tile (:func:`two_cta_tile`)."""
+    return WgradConfig(tile_m=128, tile_n=128, tile_k=SCALE_BLOCK, stages=fp8_wgrad_stages(128, 128, 2),
+                       pingpong=False, cluster_m=1, cluster_n=1, ctas_per_sm=2)

@@ -65,7 +65,8 @@ def test_fp8_wgrad_kernels_compile_clean(monkeypatch):
 
     from fusion.kernels import sass_text
     from fusion.kernels.fp8_wgrad_api import compile_fp8_varlen_k_gemm
-    from fusion.kernels.tile_policy import choose_fp8_wgrad_config, fp8_wgrad_stages
+    from fusion.kernels.tile_policy import FP8_SMEM_TWO_CTAS, choose_fp8_wgrad_config, fp8_wgrad_stages, \
+        fp8_wgrad_two_ctas
     from fusion.planner import clear_cache
     from fusion.quant import fp8_linear
 
@@ -77,11 +78,18 @@ def test_fp8_wgrad_kernels_compile_clean(monkeypatch):
         cfg = dataclasses.replace(choose_fp8_wgrad_config(4096, 7168, 32), tile_m=tile_m,
                                   stages=fp8_wgrad_stages(tile_m, 128))
         kernels.append(compile_fp8_varlen_k_gemm(cfg, 4096, 7168, 32))
+    two = compile_fp8_varlen_k_gemm(fp8_wgrad_two_ctas(), 4096, 7168, 32)
+    kernels.append(two)
     for k in kernels:
         sass = sass_text(k.cubin)
         assert re.search(r"\bQGMMA\.", sass), f"{k.name}: no FP8 wgmma"
         assert not re.findall(r"\b(LDL|STL)\b", sass), f"{k.name}: register spills"
         assert 0 < k.shared_memory_bytes <= 227 * 1024
+    # two CTAs an SM: launched for two (128 registers a thread), the consumer taking 224 from the producer's 32,
+    # the stages in half the SM's shared memory
+    assert re.search(r"\.minnctapersm 2", two.ptx) and two.registers <= 128
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+224;", two.ptx)
+    assert two.shared_memory_bytes <= FP8_SMEM_TWO_CTAS + 1024 and "_2cta" in two.name
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -103,6 +111,12 @@ def test_config_check_names_the_problem():
         check_fp8_wgrad_config(WgradConfig(tile_m=128, tile_n=256, tile_k=128, stages=4), 256, 256)
     with pytest.raises(KernelConfigError, match="multiples of 8"):
         check_fp8_wgrad_config(WgradConfig(tile_m=128, tile_n=128, tile_k=128, stages=4), 260, 256)
+    with pytest.raises(KernelConfigError, match="ctas_per_sm = 2 with a 256-row tile"):
+        check_fp8_wgrad_config(WgradConfig(tile_m=256, tile_n=128, tile_k=128, stages=2, ctas_per_sm=2), 256, 256)
+    with pytest.raises(KernelConfigError, match="for each of two CTAs an SM"):
+        check_fp8_wgrad_config(WgradConfig(tile_m=128, tile_n=128, tile_k=128, stages=4, ctas_per_sm=2), 256, 256)
+    with pytest.raises(KernelConfigError, match="store_bytes = 4"):
+        check_fp8_wgrad_config(WgradConfig(tile_m=128, tile_n=128, tile_k=128, stages=4, store_bytes=4), 256, 256)
 
 
 def test_the_auto_rule_takes_fp8_for_wide_gemms_and_long_groups(monkeypatch):

@@ -3,7 +3,8 @@ columnwise copy in the slot layout (kernels/fp8_quantize.py, slots=True) is, bit
 quantization moved into slots (codes, zeros between, scales); the FP8 varlen-K kernel (kernels/fp8_wgrad.py) agrees
 with a float64 GEMM of the dequantized operands rounded to bf16 within 1e-3 (relative, Frobenius; against the
 unrounded product the bf16 output's own rounding, about 1.7e-3, comes on top), on groups that are empty, a single
-row, partial blocks, widths that are not tile multiples, both tiles, single CTAs and pairs; and a training step
+row, partial blocks, widths that are not tile multiples, both tiles, single CTAs and pairs, two CTAs an SM, 8- and
+16-byte stores; and a training step
 runs it (a spy counts the launches) with weight gradients the reference recipe's within a bf16 rounding."""
 import gc
 
@@ -53,15 +54,22 @@ def _dequantized_groups(data, scale, sizes):
     return out
 
 
-@pytest.mark.parametrize("cluster_n", [1, 2], ids=["single", "pairs"])
-@pytest.mark.parametrize("tile_m", [128, 256])
+#: tile variants: (tile_m, cluster_n, ctas_per_sm, store_bytes)
+VARIANTS = {"128-single": (128, 1, 1, 8), "128-pairs": (128, 2, 1, 8), "256-single": (256, 1, 1, 8),
+            "256-pairs": (256, 2, 1, 8), "256-store16": (256, 1, 1, 16), "two-ctas": (128, 1, 2, 8),
+            "two-ctas-store16": (128, 1, 2, 16)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("Ma,Nb", [(256, 384), (200, 136)], ids=["tiles", "edges"])
-def test_fp8_varlen_k_gemm_against_float64(Ma, Nb, tile_m, cluster_n):
+def test_fp8_varlen_k_gemm_against_float64(Ma, Nb, variant):
     import dataclasses
 
     from fusion.kernels.fp8_quantize_api import quantize_fp8_block_slots
     from fusion.kernels.fp8_wgrad_api import compile_fp8_varlen_k_gemm, run_fp8_varlen_k_gemm
     from fusion.kernels.tile_policy import choose_fp8_wgrad_config, fp8_wgrad_stages
+
+    tile_m, cluster_n, ctas_per_sm, store_bytes = VARIANTS[variant]
 
     G = len(SIZES)
     sizes = torch.tensor(SIZES, device=DEV, dtype=torch.int32)
@@ -69,10 +77,12 @@ def test_fp8_varlen_k_gemm_against_float64(Ma, Nb, tile_m, cluster_n):
     dy, x = _operand(sum(SIZES), Ma, 1), _operand(sum(SIZES), Nb, 2)
     a = quantize_fp8_block_slots(dy, sizes)
     b = quantize_fp8_block_slots(x, sizes)
-    cfg = dataclasses.replace(choose_fp8_wgrad_config(Ma, Nb, G), tile_m=tile_m, stages=fp8_wgrad_stages(tile_m, 128),
-                              cluster_n=cluster_n)
+    cfg = dataclasses.replace(choose_fp8_wgrad_config(Ma, Nb, G), tile_m=tile_m, cluster_n=cluster_n,
+                              stages=fp8_wgrad_stages(tile_m, 128, ctas_per_sm), ctas_per_sm=ctas_per_sm,
+                              store_bytes=store_bytes)
     compiled = compile_fp8_varlen_k_gemm(cfg, Ma, Nb, G)
     assert compiled.frame_size == 0, "the kernel spills"
+    assert ("_2cta" in compiled.name) == (ctas_per_sm == 2)
     out = torch.full((G, Ma, Nb), float("nan"), device=DEV, dtype=torch.bfloat16)
     run_fp8_varlen_k_gemm(compiled, *a, *b, offsets, out)
     for g, (ga, gb) in enumerate(zip(_dequantized_groups(*a, SIZES), _dequantized_groups(*b, SIZES))):
@@ -99,13 +109,15 @@ def _block(columnwise, backend):
     return seq
 
 
+@pytest.mark.parametrize("two_ctas", [False, True], ids=["cooperative", "two-ctas"])
 @pytest.mark.parametrize("columnwise", [False, True], ids=["rowwise-op", "columnwise-op"])
-def test_training_step_runs_the_fp8_wgrad_kernel(columnwise, monkeypatch):
-    from fusion.kernels import fp8_wgrad_api
+def test_training_step_runs_the_fp8_wgrad_kernel(columnwise, two_ctas, monkeypatch):
+    from fusion.kernels import fp8_wgrad_api, tile_policy
     from fusion.quant import fp8_linear
     from fusion.planner import clear_cache
 
     monkeypatch.setattr(fp8_linear, "WGRAD_IN_BF16", False)
+    monkeypatch.setattr(tile_policy, "FP8_WGRAD_TWO_CTAS", two_ctas)
     clear_cache()
     launches = []
     run = fp8_wgrad_api.run_fp8_varlen_k_gemm
@@ -127,6 +139,7 @@ def test_training_step_runs_the_fp8_wgrad_kernel(columnwise, monkeypatch):
         seq(x, group_sizes=sizes, scale=probs).backward(dy)
         grads[backend] = {n: p.grad.float() for n, p in seq.named_parameters()}
     assert len(launches) == 2, f"the FP8 wgrad kernel ran {len(launches)} times, not once per GroupLinear"
+    assert all(("_2cta" in name) == two_ctas for name in launches), launches
     # the same plan in torch (its dY from the emulated fused dgrad) within a bf16 rounding; the unfused recipe
     # (a dY of its own, so some FP8 codes differ) within test_fp8_block_gpu.py's bound
     for other, bound in (("emulate", 1e-2), ("reference", 4e-2)):

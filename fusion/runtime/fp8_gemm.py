@@ -314,10 +314,11 @@ def _fp8_weight_gradient(op, x, dy, ctx: RunContext) -> torch.Tensor:
     from fusion.runtime.compile import load_compiled
 
     dtype = dy.dtype
-    key = ("fp8_wgrad", tuple(op.weight.shape), dtype)
+    job = fp8_wgrad_job(op, dtype)
+    key = ("fp8_wgrad", tuple(op.weight.shape), dtype, job.config)   # the policy's tile: a switch may change it
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = _COMPILED[key] = load_compiled(fp8_wgrad_job(op, dtype))
+        compiled = _COMPILED[key] = load_compiled(job)
     groups = ctx.group_sizes
     if isinstance(dy, SlotGradient):
         a_data, a_scale, rows, device = dy.data, dy.scale, dy.rows, dy.data.device
