@@ -38,13 +38,15 @@ DEFAULT_SHAPES = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite", "deepseek-
 
 def fp8_configs(Ma, Nb, G):
     """The policy's tile first, then the cooperative 256 x 128 and 128 x 128 tiles as single CTAs and pairs, the
-    two-CTA 128 x 128 tile (two CTAs an SM), and the 256 x 128 and two-CTA tiles storing 16 bytes a lane: each once."""
+    two-CTA 128 x 128 tile (two CTAs an SM), and the 256 x 128 (single and pairs) and two-CTA tiles storing 16 bytes
+    a lane: each once."""
     coop = dataclasses.replace(fp8_wgrad_two_ctas(), ctas_per_sm=1, tile_m=256, stages=fp8_wgrad_stages(256, 128))
     short = dataclasses.replace(coop, tile_m=128, stages=fp8_wgrad_stages(128, 128))
     out = [choose_fp8_wgrad_config(Ma, Nb, G)]
     for cfg in (coop, short, dataclasses.replace(coop, cluster_n=2), dataclasses.replace(short, cluster_n=2),
                 fp8_wgrad_two_ctas(), dataclasses.replace(coop, store_bytes=16),
-                dataclasses.replace(fp8_wgrad_two_ctas(), store_bytes=16)):
+                dataclasses.replace(fp8_wgrad_two_ctas(), store_bytes=16),
+                dataclasses.replace(coop, cluster_n=2, store_bytes=16)):
         if cfg not in out:
             out.append(cfg)
     return out

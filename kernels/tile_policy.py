@@ -1018,7 +1018,16 @@ def choose_fp8_wgrad_config(Ma: int, Nb: int, G: int) -> WgradConfig:
         return fp8_wgrad_two_ctas()
     tile_m = FP8_WGRAD_TILE_M
     return WgradConfig(tile_m=tile_m, tile_n=128, tile_k=SCALE_BLOCK, stages=fp8_wgrad_stages(tile_m, 128),
-                       pingpong=False, cluster_m=1, cluster_n=1)
+                       pingpong=False, cluster_m=1, cluster_n=2 if FP8_WGRAD_PAIRS else 1,
+                       store_bytes=16 if FP8_WGRAD_STORE16 else 8)
+
+
+#: The FP8 varlen-K kernel's tiles as CTA pairs along n sharing A's box by TMA multicast (cluster_n = 2;
+#: FUSION_FP8_WGRAD_PAIRS, read at import; the policy reads this attribute per job, so bench/ab_switch.py can flip it).
+FP8_WGRAD_PAIRS = os.environ.get("FUSION_FP8_WGRAD_PAIRS", "0") != "0"
+#: The FP8 varlen-K kernel's lanes storing 16 bytes of D (8 columns) an instruction instead of 8
+#: (FUSION_FP8_WGRAD_STORE16, read at import; read per job).
+FP8_WGRAD_STORE16 = os.environ.get("FUSION_FP8_WGRAD_STORE16", "0") != "0"
 
 
 #: The FP8 varlen-K kernel as two CTAs an SM (:func:`fp8_wgrad_two_ctas`; FUSION_FP8_WGRAD_TWO_CTAS, read at import;

@@ -15,14 +15,14 @@ from fusion.kernels.tile_policy import choose_fp8_wgrad_config  # noqa: E402
 def test_the_policy_tile_comes_first_and_every_variant_has_a_job():
     configs = bench_fp8_wgrad.fp8_configs(2048, 768, 128)
     assert configs[0] == choose_fp8_wgrad_config(2048, 768, 128)
-    assert len(set(configs)) == len(configs) == 7 and {c.tile_m for c in configs} == {128, 256} \
+    assert len(set(configs)) == len(configs) == 8 and {c.tile_m for c in configs} == {128, 256} \
         and {c.cluster_n for c in configs} == {1, 2} and {c.ctas_per_sm for c in configs} == {1, 2} \
         and {c.store_bytes for c in configs} == {8, 16}
     labels = [bench_fp8_wgrad.config_label(c) for c in configs]
-    assert len(set(labels)) == 7 and "128x128 s3 2cta" in labels, labels
+    assert len(set(labels)) == 8 and "128x128 s3 2cta" in labels, labels
     jobs = bench_fp8_wgrad.all_jobs(["qwen3-30b-a3b"])
-    # per weight gradient: the bf16 kernel at the shape's rows and the seven FP8 tiles
-    assert [j.mainloop for j in jobs] == (["varlen_k"] + ["fp8_varlen_k"] * 7) * 2
+    # per weight gradient: the bf16 kernel at the shape's rows and the eight FP8 tiles
+    assert [j.mainloop for j in jobs] == (["varlen_k"] + ["fp8_varlen_k"] * 8) * 2
     assert len({j.key for j in jobs}) == len(jobs)
 
 
