@@ -1010,10 +1010,14 @@ FP8_WGRAD_TILE_M = int(os.environ.get("FUSION_FP8_WGRAD_TILE_M", "256"))
 
 def choose_fp8_wgrad_config(Ma: int, Nb: int, G: int) -> WgradConfig:
     """The FP8 varlen-K kernel's tile for D (G, Ma, Nb): FP8_WGRAD_TILE_M x 128 (one 128-row block slot per
-    k-tile), cooperative, as many stages as fit, single CTAs. Measured on an H200 over twelve weight gradients of
-    six MoE blocks (bench/bench_fp8_wgrad.py; bench/results/H200-2026-11-29-fp8-wgrad-b.json): 256 x 128 single
-    CTAs the fastest of four tiles on 8 and within 4% on the others; CTA pairs sharing A's box (cluster_n = 2) won
-    6% on Mixtral's FC1 and lost 3-20% on eight others: the kernel is not L2-bound."""
+    k-tile), cooperative, as many stages as fit, as CTA pairs along n sharing A's box (:data:`FP8_WGRAD_PAIRS`).
+    Measured on an H200 (bench/bench_fp8_wgrad.py, session ag, bench/results/H200-2026-12-01ag-call{1,2}-*, 22
+    weight gradients of eleven blocks, eight tiles): the 256 x 128 pair 0.4-10.4% faster than the single CTAs on
+    all 22, the fastest tile on 10 and within 3.1% of it on 18 (6.6-13.2% behind on four fine-grained ones, which
+    the recipe's rule runs in bf16 anyway: fusion.quant.fp8_linear.wgrad_in_bf16), and the FP8 steps that run it
+    2.1-2.4% faster (Mixtral, Llama-3-8B, Llama-3-70B). Session o had measured the pair 3-20% slower on eight of
+    twelve, at the kernel of then; the two-CTA tile (:data:`FP8_WGRAD_TWO_CTAS`) and 16-byte stores
+    (:data:`FP8_WGRAD_STORE16`) measured slower in the step."""
     if FP8_WGRAD_TWO_CTAS:
         return fp8_wgrad_two_ctas()
     tile_m = FP8_WGRAD_TILE_M
@@ -1023,17 +1027,24 @@ def choose_fp8_wgrad_config(Ma: int, Nb: int, G: int) -> WgradConfig:
 
 
 #: The FP8 varlen-K kernel's tiles as CTA pairs along n sharing A's box by TMA multicast (cluster_n = 2;
-#: FUSION_FP8_WGRAD_PAIRS, read at import; the policy reads this attribute per job, so bench/ab_switch.py can flip it).
-FP8_WGRAD_PAIRS = os.environ.get("FUSION_FP8_WGRAD_PAIRS", "0") != "0"
+#: FUSION_FP8_WGRAD_PAIRS=0, read at import, turns it off; the policy reads this attribute per job, so
+#: bench/ab_switch.py can flip it). On by default since session ag (H200, bench/ab_switch.py --path fusion_fp8, three
+#: rounds of 100 steps, bench/results/H200-2026-12-01ag-call2-ab-pairs.*): the FP8 step -2.1% Mixtral-8x7B (20.670
+#: against 21.123 ms), -2.3% Llama-3-8B (19.804 / 20.271), -2.4% Llama-3-70B (37.089 / 38.008).
+FP8_WGRAD_PAIRS = os.environ.get("FUSION_FP8_WGRAD_PAIRS", "1") != "0"
 #: The FP8 varlen-K kernel's lanes storing 16 bytes of D (8 columns) an instruction instead of 8
-#: (FUSION_FP8_WGRAD_STORE16, read at import; read per job).
+#: (FUSION_FP8_WGRAD_STORE16=1, read at import; read per job). Off: beside the pairs the FP8 step +0.8% Llama-3-70B,
+#: -0.4% Mixtral-8x7B (session ag, -call2-ab-store16.*); the kernel alone -4..+18% (mixed).
 FP8_WGRAD_STORE16 = os.environ.get("FUSION_FP8_WGRAD_STORE16", "0") != "0"
 
 
-#: The FP8 varlen-K kernel as two CTAs an SM (:func:`fp8_wgrad_two_ctas`; FUSION_FP8_WGRAD_TWO_CTAS, read at import;
-#: the policy reads this attribute per job, so bench/ab_switch.py can flip it). A weight gradient's tile has only
-#: its group's 128-row blocks to reduce over (8 k-tiles at 1024 rows per group) and then stores a 256 x 128 bf16
-#: tile, which the cooperative tile's two warpgroups reach together while the tensor cores wait.
+#: The FP8 varlen-K kernel as two CTAs an SM (:func:`fp8_wgrad_two_ctas`; FUSION_FP8_WGRAD_TWO_CTAS=1, read at
+#: import; the policy reads this attribute per job, so bench/ab_switch.py can flip it). Built for the epilogue: a
+#: weight gradient's tile reduces over its group's 128-row blocks only (8 k-tiles at 1024 rows per group) and then
+#: stores a 256 x 128 bf16 tile, which the cooperative tile's two warpgroups reach together while the tensor cores
+#: wait. **Off: measured slower** (session ag, H200, the same results as the cooperative tile's): the FP8 step +1.3%
+#: Mixtral-8x7B, +1.8% Llama-3-70B against the cooperative single CTAs (-call1-ab-wgrad-two-ctas.*); the kernel
+#: alone -8..+18% against them and behind the 256 x 128 pair on 19 of 22 (three stages where the pair has four).
 FP8_WGRAD_TWO_CTAS = os.environ.get("FUSION_FP8_WGRAD_TWO_CTAS", "0") != "0"
 
 

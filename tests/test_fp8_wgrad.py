@@ -102,6 +102,27 @@ def test_slot_quantize_kernel_compiles_without_spills(dtype):
     assert _cubin_nv_info(cubin).get("frame_size", 0) == 0
 
 
+def test_the_policy_runs_256_row_pairs_unless_switched(monkeypatch):
+    """The FP8 weight gradient's tile (tile_policy.choose_fp8_wgrad_config): 256 x 128 CTA pairs along n by default
+    (FP8_WGRAD_PAIRS, measured 2.1-2.4% off the FP8 steps that run it), single CTAs with the switch off, the two-CTA
+    128 x 128 tile with FP8_WGRAD_TWO_CTAS, 16-byte stores with FP8_WGRAD_STORE16; each a buildable configuration."""
+    from fusion.kernels import tile_policy
+    from fusion.kernels.fp8_wgrad_api import check_fp8_wgrad_config
+
+    cfg = tile_policy.choose_fp8_wgrad_config(4096, 14336, 8)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.ctas_per_sm, cfg.store_bytes) == (256, 128, 2, 1, 8)
+    seen = [cfg]
+    for attr, value, want in (("FP8_WGRAD_PAIRS", False, dict(cluster_n=1)),
+                              ("FP8_WGRAD_STORE16", True, dict(store_bytes=16)),
+                              ("FP8_WGRAD_TWO_CTAS", True, dict(tile_m=128, ctas_per_sm=2, cluster_n=1, stages=3))):
+        monkeypatch.setattr(tile_policy, attr, value)
+        cfg = tile_policy.choose_fp8_wgrad_config(4096, 14336, 8)
+        assert all(getattr(cfg, k) == v for k, v in want.items()), (attr, cfg)
+        check_fp8_wgrad_config(cfg, 4096, 14336)
+        seen.append(cfg)
+    assert len(set(seen)) == 4
+
+
 def test_config_check_names_the_problem():
     from fusion.errors import KernelConfigError
     from fusion.kernels.fp8_wgrad_api import check_fp8_wgrad_config

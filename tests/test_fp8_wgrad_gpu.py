@@ -57,7 +57,7 @@ def _dequantized_groups(data, scale, sizes):
 #: tile variants: (tile_m, cluster_n, ctas_per_sm, store_bytes)
 VARIANTS = {"128-single": (128, 1, 1, 8), "128-pairs": (128, 2, 1, 8), "256-single": (256, 1, 1, 8),
             "256-pairs": (256, 2, 1, 8), "256-store16": (256, 1, 1, 16), "two-ctas": (128, 1, 2, 8),
-            "two-ctas-store16": (128, 1, 2, 16)}
+            "two-ctas-store16": (128, 1, 2, 16), "256-pairs-store16": (256, 2, 1, 16)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -140,6 +140,8 @@ def test_training_step_runs_the_fp8_wgrad_kernel(columnwise, two_ctas, monkeypat
         grads[backend] = {n: p.grad.float() for n, p in seq.named_parameters()}
     assert len(launches) == 2, f"the FP8 wgrad kernel ran {len(launches)} times, not once per GroupLinear"
     assert all(("_2cta" in name) == two_ctas for name in launches), launches
+    # the policy's tile otherwise: 256 x 128 CTA pairs (tile_policy.FP8_WGRAD_PAIRS)
+    assert all(("_c2" in name) == (not two_ctas and tile_policy.FP8_WGRAD_PAIRS) for name in launches), launches
     # the same plan in torch (its dY from the emulated fused dgrad) within a bf16 rounding; the unfused recipe
     # (a dY of its own, so some FP8 codes differ) within test_fp8_block_gpu.py's bound
     for other, bound in (("emulate", 1e-2), ("reference", 4e-2)):
