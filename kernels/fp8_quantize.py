@@ -431,36 +431,41 @@ class FP8QuantizeKernel:
 
 def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
                          sizes_dtype: str | None = None, amax: bool = False, slots: bool = False,
-                         rowwise: bool = True) -> UtilityKernel:
+                         rowwise: bool = True, min_ctas: int = 0) -> UtilityKernel:
     """The quantize kernel for rows of ``dtype`` ("bfloat16", "float16", "float32") and length ``K``, compiled
     once per process. ``launch(x, data, scale, cw_data, cw_scale, sizes, amax, M, stream)`` with plain integers
     (pointers; rowwise only, the columnwise ones and ``sizes`` may be 0; without ``amax``, so may its). ``G``,
     ``sizes_dtype``: the groups of the columnwise blocks (ignored rowwise; None: one group of all rows);
-    ``slots``, ``rowwise``: :class:`FP8QuantizeKernel`'s."""
+    ``slots``, ``rowwise``: :class:`FP8QuantizeKernel`'s; ``min_ctas``: :func:`build_kernel`'s."""
     if not columnwise:
         G, sizes_dtype, slots, rowwise = 1, None, False, True
     pairs = PAIRS
-    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs),
-                        lambda: build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs)[0])
+    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas),
+                        lambda: build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs,
+                                             min_ctas)[0])
 
 
 def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
-                 amax: bool = False, slots: bool = False, rowwise: bool = True, pairs: bool = True):
+                 amax: bool = False, slots: bool = False, rowwise: bool = True, pairs: bool = True,
+                 min_ctas: int = 0):
     """``(compiled function, cubin, kernel)``: built for two CTAs an SM (128 registers a thread), or for one
     where that spills (the fp32 columnwise kernel, and a few shapes where the compiler's schedule needs more),
-    as the grouped GEMMs fall back to a tile that does not spill. What tests read the SASS of."""
+    as the grouped GEMMs fall back to a tile that does not spill; ``min_ctas`` > 0: built for that many CTAs an SM
+    whatever it spills (the bf16 rowwise + slots build needs 138 registers, so the rule above gives it one CTA an SM
+    and half the loads in flight). What tests read the SASS of."""
     import shlex
     import tempfile
 
     from .api import _cubin_nv_info
 
-    for min_ctas in (MIN_CTAS_PER_SM, 1):
+    for min_ctas in ((min_ctas,) if min_ctas else (MIN_CTAS_PER_SM, 1)):
         kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise, pairs)
         with tempfile.TemporaryDirectory() as dump:
             fn = compile_kernel(kernel, f"--enable-tvm-ffi --keep-cubin --dump-dir={shlex.quote(dump)}")
             cubin = getattr(fn, "__cubin__", None)
         if min_ctas == 1 or cubin is None or not _cubin_nv_info(cubin).get("frame_size", 0):
             return fn, cubin, kernel
+    return fn, cubin, kernel
 
 
 def compile_kernel(kernel: FP8QuantizeKernel, options: str = "--enable-tvm-ffi"):

@@ -18,6 +18,7 @@ import torch
 from fusion.errors import DeviceError, DTypeError, GroupSizesError, ShapeError
 
 __all__ = ["quantize_fp8_block_device", "try_quantize_fp8_block_device", "quantize_fp8_block_slots",
+           "quantize_fp8_block_rowwise_slots",
            "unsupported_reason", "FP8_BLOCK"]
 
 #: Elements per block (rowwise: 1x128 of a row; columnwise: 128 rows of a group).
@@ -123,6 +124,37 @@ def _launch(x2d: torch.Tensor, columnwise: bool, group_sizes, amax_bits=None):
                   cw_data.data_ptr() if columnwise else 0, cw_scale.data_ptr() if columnwise else 0,
                   group_sizes.data_ptr() if columnwise and group_sizes is not None else 0,
                   0 if amax_bits is None else amax_bits.data_ptr(), M, stream)
+    return data, scale, cw_data, cw_scale
+
+
+def quantize_fp8_block_rowwise_slots(x2d: torch.Tensor, group_sizes=None, min_ctas: int = 0):
+    """``(data, scale, cw_data, cw_scale)``: the rowwise FP8-block copy of ``x2d`` (as
+    :func:`quantize_fp8_block_device`) and its columnwise copy in the slot layout (as
+    :func:`quantize_fp8_block_slots`) in one launch that reads ``x2d`` once, bit for bit the two launches'.
+    ``min_ctas``: the build's CTAs an SM (kernels/fp8_quantize.py ``build_kernel``; 0: its no-spill rule)."""
+    problem = _problem(x2d, True, group_sizes)
+    if problem is not None:
+        cls, message = problem
+        raise cls(f"quantize_fp8_block_rowwise_slots: {message}")
+    M, K = x2d.shape
+    dev = x2d.device
+    G = 1 if group_sizes is None else group_sizes.numel()
+    capacity = -(-M // FP8_BLOCK) + G
+    empty = M == 0 or K == 0
+    data = torch.empty(M, K, dtype=torch.uint8, device=dev)
+    scale = torch.empty(-(-K // FP8_BLOCK), M, dtype=torch.float32, device=dev)
+    cw_data = (torch.zeros if empty else torch.empty)(K, FP8_BLOCK * capacity, dtype=torch.uint8, device=dev)
+    cw_scale = (torch.zeros if empty else torch.empty)(capacity, K, dtype=torch.float32, device=dev)
+    if empty:
+        return data, scale, cw_data, cw_scale
+    from .fp8_quantize import compile_fp8_quantize
+
+    sizes_dtype = None if group_sizes is None else _SIZES_DTYPES[group_sizes.dtype]
+    kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, True, G, sizes_dtype, False, slots=True, rowwise=True,
+                                  min_ctas=min_ctas)
+    stream = torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
+    kernel.launch(x2d.data_ptr(), data.data_ptr(), scale.data_ptr(), cw_data.data_ptr(), cw_scale.data_ptr(),
+                  group_sizes.data_ptr() if group_sizes is not None else 0, 0, M, stream)
     return data, scale, cw_data, cw_scale
 
 

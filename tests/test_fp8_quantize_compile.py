@@ -183,3 +183,18 @@ def test_bf16_rowwise_kernel_tests_packed_pairs(amax):
     assert ops[True]["VIMNMX3.U16"] + ops[True]["VIMNMX.U16"] > 0, ops[True]
     assert sum(ops[True].values()) < 0.9 * sum(ops[False].values()), (sum(ops[True].values()),
                                                                       sum(ops[False].values()))
+
+
+def test_rowwise_slots_build_forced_to_two_ctas_an_sm():
+    """The bf16 rowwise + slots build (one read of dY for both backward copies: fusion.runtime.fp8_gemm
+    ONE_PASS_DY_CTAS): its no-spill rule builds it for one CTA an SM (it needs more than 128 registers); ``min_ctas =
+    2`` builds it for two whatever it spills, and the launch bound says so."""
+    from fusion.kernels.api import _cubin_nv_info
+    from fusion.kernels.fp8_quantize import build_kernel
+
+    # Mixtral's FC1 dY (K = 28672): 138 registers, so one CTA an SM by the rule (K = 2048 fits two)
+    _, cubin, kernel = build_kernel("bfloat16", 28672, True, 8, "int32", slots=True, rowwise=True)
+    assert kernel.min_ctas == 1 and _cubin_nv_info(cubin).get("frame_size", 0) == 0
+    _, cubin, kernel = build_kernel("bfloat16", 28672, True, 8, "int32", slots=True, rowwise=True, min_ctas=2)
+    info = _cubin_nv_info(cubin)
+    assert kernel.min_ctas == 2 and info["registers"] <= 128

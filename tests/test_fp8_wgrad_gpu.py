@@ -215,3 +215,48 @@ def test_fc1_dgrad_quantizes_dy_for_both_gemms_and_frees_it(monkeypatch):
         f"at FC1's weight gradient {fc1_on / 2**20:.1f} MiB in use with dY dropped, {fc1_off / 2**20:.1f} without: "
         f"the difference is not dY's {dh_bytes / 2**20:.1f} MiB")
     assert peak_on < peak_off, f"backward peak {peak_on} bytes with dY dropped early, {peak_off} without"
+
+
+@pytest.mark.parametrize("min_ctas", [0, 2], ids=["no-spill-rule", "two-ctas"])
+@pytest.mark.parametrize("K", [256, 200, 1032])
+def test_one_pass_rowwise_and_slots_are_the_two_launches_bit_for_bit(K, min_ctas):
+    """The quantize kernel's rowwise + slots build (one read of dY: fp8_gemm.ONE_PASS_DY_CTAS) writes the bytes of
+    the rowwise-only and the slots-only launches, as its no-spill rule builds it and forced to two CTAs an SM."""
+    from fusion.kernels.fp8_quantize_api import (quantize_fp8_block_device, quantize_fp8_block_rowwise_slots,
+                                                 quantize_fp8_block_slots)
+
+    sizes = torch.tensor(SIZES, device=DEV, dtype=torch.int32)
+    x = _operand(sum(SIZES), K, 3)
+    x[7, 3] = float("inf")
+    x[9, 5] = float("nan")
+    data, scale, _, _ = quantize_fp8_block_device(x, False, None)
+    want = (data, scale, *quantize_fp8_block_slots(x, sizes))
+    got = quantize_fp8_block_rowwise_slots(x, sizes, min_ctas)
+    for name, g, w in zip(("data", "scale", "cw_data", "cw_scale"), got, want):
+        assert g.shape == w.shape and torch.equal(g, w), f"{name} differs at {(g != w).nonzero()[:8].tolist()}"
+
+
+def test_training_step_with_one_pass_dy_quantization_has_the_same_bits(monkeypatch):
+    """FC1's dgrad making both FP8 copies of its dY in one launch (fp8_gemm.ONE_PASS_DY_CTAS = 2) gives the weight
+    gradients and dX of the two launches, bit for bit."""
+    from fusion.planner import clear_cache
+    from fusion.quant import fp8_linear
+    from fusion.runtime import fp8_gemm
+
+    monkeypatch.setattr(fp8_linear, "WGRAD_IN_BF16", False)
+    sizes = torch.tensor(SIZES, device=DEV)
+    M = sum(SIZES)
+    torch.manual_seed(1)
+    x = torch.randn(M, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(M, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(M, 256, device=DEV, dtype=torch.bfloat16)
+    grads = {}
+    for ctas in (0, 2):
+        monkeypatch.setattr(fp8_gemm, "ONE_PASS_DY_CTAS", ctas)
+        clear_cache()
+        x.grad = None
+        seq = _block(False, "auto")
+        seq(x, group_sizes=sizes, scale=probs).backward(dy)
+        grads[ctas] = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in seq.named_parameters()}}
+    for name, want in grads[0].items():
+        assert torch.equal(grads[2][name], want), f"{name} differs with the one-pass quantization"

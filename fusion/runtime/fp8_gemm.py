@@ -29,6 +29,7 @@ captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -223,14 +224,26 @@ def quantizes_for_wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> bool:
     return fp8_wgrad_takes(op, x, dy, ctx.group_sizes)
 
 
+#: CTAs an SM of the quantize kernel's rowwise + slots build, which `quantize_for_backward` launches once where
+#: this is set (0: two launches, the rowwise-only and the slots-only builds). That build needs 138 registers a thread,
+#: so its no-spill rule builds it for one CTA an SM (1.44 TB/s on an H200); 2 forces two, spilling
+#: (FUSION_FP8_ONE_PASS_DY_CTAS, read at import; read per call, so bench/ab_switch.py can flip it).
+ONE_PASS_DY_CTAS = int(os.environ.get("FUSION_FP8_ONE_PASS_DY_CTAS", "0"))
+
+
 def quantize_for_backward(dy: torch.Tensor, ctx: RunContext):
     """``(rowwise BlockScaled, SlotGradient)`` of a GEMM's output gradient: the dgrad's 1x128 rowwise copy
     (`operand`) and the weight gradient's per-group columnwise copy in the slot layout, each bit for bit what the
-    two GEMMs quantize from dY on their own. Two launches of the quantize kernel, not its rowwise + slots build
-    that reads dY once: on an H200 that one took 1.31 ms on Mixtral's FC1 dY (16384 x 28672), 1.44 TB/s, where the
-    rowwise-only and slots-only builds run near 3.6 and 2.4 TB/s (about 0.98 ms for both; docs/quantization.md)."""
-    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_slots
+    two GEMMs quantize from dY on their own. Two launches of the quantize kernel by default, not its rowwise + slots
+    build that reads dY once (:data:`ONE_PASS_DY_CTAS`): on an H200 that one took 1.31 ms on Mixtral's FC1 dY
+    (16384 x 28672), 1.44 TB/s, where the rowwise-only and slots-only builds run near 3.6 and 2.4 TB/s (about
+    0.98 ms for both; docs/quantization.md)."""
+    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_rowwise_slots, quantize_fp8_block_slots
+    from fusion.runtime.kernel import BlockScaled
 
+    if ONE_PASS_DY_CTAS and dy.dtype == torch.bfloat16 and dy.is_contiguous():
+        data, scale, cw_data, cw_scale = quantize_fp8_block_rowwise_slots(dy, ctx.group_sizes, ONE_PASS_DY_CTAS)
+        return BlockScaled(data, scale), SlotGradient(cw_data, cw_scale, dy.shape[0], dy.dtype)
     rowwise = operand(dy)
     cw_data, cw_scale = quantize_fp8_block_slots(dy, ctx.group_sizes)
     return rowwise, SlotGradient(cw_data, cw_scale, dy.shape[0], dy.dtype)
