@@ -224,20 +224,23 @@ def quantizes_for_wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> bool:
     return fp8_wgrad_takes(op, x, dy, ctx.group_sizes)
 
 
-#: CTAs an SM of the quantize kernel's rowwise + slots build, which `quantize_for_backward` launches once where
-#: this is set (0: two launches, the rowwise-only and the slots-only builds). That build needs 138 registers a thread,
-#: so its no-spill rule builds it for one CTA an SM (1.44 TB/s on an H200); 2 forces two, spilling
-#: (FUSION_FP8_ONE_PASS_DY_CTAS, read at import; read per call, so bench/ab_switch.py can flip it).
-ONE_PASS_DY_CTAS = int(os.environ.get("FUSION_FP8_ONE_PASS_DY_CTAS", "0"))
+#: CTAs an SM of the quantize kernel's rowwise + slots build, which `quantize_for_backward` launches once (a bf16
+#: dY read once for both copies) where this is set; 0: two launches, the rowwise-only and the slots-only builds
+#: (FUSION_FP8_ONE_PASS_DY_CTAS, read at import; read per call, so bench/ab_switch.py can flip it). That build needs
+#: up to 138 registers a thread, so its no-spill rule builds it for one CTA an SM; 2 (the default) forces two,
+#: spilling 16 bytes. Measured on an H200 (session ag, bench/probes/quantize_one_pass_ab.py, the same bytes): Mixtral's
+#: FC1 dY (16384 x 28672) 0.778 ms against 0.880 for the two launches (1.111 at one CTA an SM), Llama-3-70B's
+#: (8192 x 57344) 0.749 against 0.859; the FP8 steps (bench/ab_switch.py, three rounds of 100 steps) -0.8% Mixtral-8x7B,
+#: -0.4% Llama-3-70B, -0.4% Llama-3-8B.
+ONE_PASS_DY_CTAS = int(os.environ.get("FUSION_FP8_ONE_PASS_DY_CTAS", "2"))
 
 
 def quantize_for_backward(dy: torch.Tensor, ctx: RunContext):
     """``(rowwise BlockScaled, SlotGradient)`` of a GEMM's output gradient: the dgrad's 1x128 rowwise copy
     (`operand`) and the weight gradient's per-group columnwise copy in the slot layout, each bit for bit what the
-    two GEMMs quantize from dY on their own. Two launches of the quantize kernel by default, not its rowwise + slots
-    build that reads dY once (:data:`ONE_PASS_DY_CTAS`): on an H200 that one took 1.31 ms on Mixtral's FC1 dY
-    (16384 x 28672), 1.44 TB/s, where the rowwise-only and slots-only builds run near 3.6 and 2.4 TB/s (about
-    0.98 ms for both; docs/quantization.md)."""
+    two GEMMs quantize from dY on their own: one launch of the quantize kernel's rowwise + slots build, which reads
+    a bf16 dY once, at :data:`ONE_PASS_DY_CTAS` CTAs an SM (11-13% faster than the two launches of the rowwise-only
+    and slots-only builds, which other dtypes and ``ONE_PASS_DY_CTAS = 0`` take)."""
     from fusion.kernels.fp8_quantize_api import quantize_fp8_block_rowwise_slots, quantize_fp8_block_slots
     from fusion.runtime.kernel import BlockScaled
 
