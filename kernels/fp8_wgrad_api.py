@@ -61,10 +61,11 @@ def check_fp8_wgrad_config(config: WgradConfig, Ma: int, Nb: int, out_dtype="bfl
     if Ma % 8 or Nb % 8:
         problems.append(f"(Ma, Nb) = ({Ma}, {Nb}): both must be multiples of 8 (16-byte output pairs, 16-byte "
                         "scale rows for TMA)")
-    most = fp8_wgrad_stages(config.tile_m, config.tile_n, config.ctas_per_sm if config.ctas_per_sm == 2 else 1)
+    two_ctas = config.ctas_per_sm == 2
+    most = fp8_wgrad_stages(config.tile_m, config.tile_n, 2 if two_ctas else 1)
     if not 2 <= config.stages <= most:
         problems.append(f"stages = {config.stages}: 2 up to what fits in shared memory ({most} at this tile"
-                        + (", for each of two CTAs an SM)" if config.ctas_per_sm == 2 else ")"))
+                        + (", for each of two CTAs an SM)" if two_ctas else ")"))
     if problems:
         raise KernelConfigError(f"cannot build the FP8 varlen-K grouped GEMM (Ma={Ma}, Nb={Nb}, {config}): "
                                 + "; ".join(problems))
