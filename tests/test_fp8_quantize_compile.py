@@ -188,7 +188,7 @@ def test_bf16_rowwise_kernel_tests_packed_pairs(amax):
 def test_rowwise_slots_build_forced_to_two_ctas_an_sm():
     """The bf16 rowwise + slots build (one read of dY for both backward copies: fusion.runtime.fp8_gemm
     ONE_PASS_DY_CTAS): its no-spill rule builds it for one CTA an SM (it needs more than 128 registers); ``min_ctas =
-    2`` builds it for two whatever it spills, and the launch bound says so."""
+    2`` builds it for two whatever it spills: at most 128 registers a thread."""
     from fusion.kernels.api import _cubin_nv_info
     from fusion.kernels.fp8_quantize import build_kernel
 
