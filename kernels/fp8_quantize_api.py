@@ -132,30 +132,7 @@ def quantize_fp8_block_rowwise_slots(x2d: torch.Tensor, group_sizes=None, min_ct
     :func:`quantize_fp8_block_device`) and its columnwise copy in the slot layout (as
     :func:`quantize_fp8_block_slots`) in one launch that reads ``x2d`` once, bit for bit the two launches'.
     ``min_ctas``: the build's CTAs an SM (kernels/fp8_quantize.py ``build_kernel``; 0: its no-spill rule)."""
-    problem = _problem(x2d, True, group_sizes)
-    if problem is not None:
-        cls, message = problem
-        raise cls(f"quantize_fp8_block_rowwise_slots: {message}")
-    M, K = x2d.shape
-    dev = x2d.device
-    G = 1 if group_sizes is None else group_sizes.numel()
-    capacity = -(-M // FP8_BLOCK) + G
-    empty = M == 0 or K == 0
-    data = torch.empty(M, K, dtype=torch.uint8, device=dev)
-    scale = torch.empty(-(-K // FP8_BLOCK), M, dtype=torch.float32, device=dev)
-    cw_data = (torch.zeros if empty else torch.empty)(K, FP8_BLOCK * capacity, dtype=torch.uint8, device=dev)
-    cw_scale = (torch.zeros if empty else torch.empty)(capacity, K, dtype=torch.float32, device=dev)
-    if empty:
-        return data, scale, cw_data, cw_scale
-    from .fp8_quantize import compile_fp8_quantize
-
-    sizes_dtype = None if group_sizes is None else _SIZES_DTYPES[group_sizes.dtype]
-    kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, True, G, sizes_dtype, False, slots=True, rowwise=True,
-                                  min_ctas=min_ctas)
-    stream = torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
-    kernel.launch(x2d.data_ptr(), data.data_ptr(), scale.data_ptr(), cw_data.data_ptr(), cw_scale.data_ptr(),
-                  group_sizes.data_ptr() if group_sizes is not None else 0, 0, M, stream)
-    return data, scale, cw_data, cw_scale
+    return _slots_launch("quantize_fp8_block_rowwise_slots", x2d, group_sizes, True, min_ctas)
 
 
 def quantize_fp8_block_slots(x2d: torch.Tensor, group_sizes=None):
@@ -165,19 +142,39 @@ def quantize_fp8_block_slots(x2d: torch.Tensor, group_sizes=None):
     in unused slots), ``cw_scale`` float32 ``(capacity, K)`` = ``fp8_block_quantize_columnwise(x2d,
     group_sizes)[1]`` (``capacity = ceil(M/128) + G``). Block b's codes are those of the ``(K, M)`` copy's block b,
     bit for bit. One launch, no host sync; a FusionError for what the kernel does not take."""
+    return _slots_launch("quantize_fp8_block_slots", x2d, group_sizes, False, 0)[2:]
+
+
+def _slots_launch(caller: str, x2d: torch.Tensor, group_sizes, rowwise: bool, min_ctas: int):
+    """``(data, scale, cw_data, cw_scale)`` of one launch of the slot-layout build (``data`` and ``scale`` None
+    without ``rowwise``); a FusionError named after ``caller`` for what the kernel does not take."""
     problem = _problem(x2d, True, group_sizes)
     if problem is not None:
         cls, message = problem
-        raise cls(f"quantize_fp8_block_slots: {message}")
+        raise cls(f"{caller}: {message}")
     M, K = x2d.shape
     dev = x2d.device
     G = 1 if group_sizes is None else group_sizes.numel()
     capacity = -(-M // FP8_BLOCK) + G
     empty = M == 0 or K == 0
+    data = scale = None
+    if rowwise:
+        data = torch.empty(M, K, dtype=torch.uint8, device=dev)
+        scale = torch.empty(-(-K // FP8_BLOCK), M, dtype=torch.float32, device=dev)
     cw_data = (torch.zeros if empty else torch.empty)(K, FP8_BLOCK * capacity, dtype=torch.uint8, device=dev)
     cw_scale = (torch.zeros if empty else torch.empty)(capacity, K, dtype=torch.float32, device=dev)
     if empty:
-        return cw_data, cw_scale
+        return data, scale, cw_data, cw_scale
+    from .fp8_quantize import compile_fp8_quantize
+
+    sizes_dtype = None if group_sizes is None else _SIZES_DTYPES[group_sizes.dtype]
+    kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, True, G, sizes_dtype, False, slots=True, rowwise=rowwise,
+                                  min_ctas=min_ctas)
+    stream = torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
+    kernel.launch(x2d.data_ptr(), data.data_ptr() if rowwise else 0, scale.data_ptr() if rowwise else 0,
+                  cw_data.data_ptr(), cw_scale.data_ptr(), group_sizes.data_ptr() if group_sizes is not None else 0,
+                  0, M, stream)
+    return data, scale, cw_data, cw_scale
     from .fp8_quantize import compile_fp8_quantize
 
     sizes_dtype = None if group_sizes is None else _SIZES_DTYPES[group_sizes.dtype]

@@ -236,19 +236,25 @@ def test_fp8_block_inside_torch_compile_runs_the_fused_fp8_kernels(columnwise):
         assert got[name] is not None and _rel(got[name], ref) < 1e-3, name
 
 
+def _spy_fp8_launches(monkeypatch, record):
+    """Every FP8 GEMM launch of what runs next calls ``record(compiled, counter_ptr)`` before it launches."""
+    import fusion.kernels.fp8_api as fp8_api
+
+    real = fp8_api.launch_grid
+
+    def spy(compiled, M, dev, offsets, num_ctas=None, counter_ptr=None):
+        record(compiled, counter_ptr)
+        return real(compiled, M, dev, offsets, num_ctas, counter_ptr)
+
+    monkeypatch.setattr(fp8_api, "launch_grid", spy)
+
+
 def test_lone_fp8_gemms_take_their_tile_counter_from_the_calls_buffer(monkeypatch, no_reference_recipe):
     """FC2's fprop and FC1's dgrad (the lone FP8 GEMMs, dynamic schedule) launch with a counter slot of the call's
     bounds buffer: no launch allocates and zeroes one. The results still match (a shared or stale counter would
     skip tiles)."""
-    import fusion.kernels.fp8_api as fp8_api
-
-    real, given = fp8_api.launch_grid, []
-
-    def spy(compiled, M, dev, offsets, num_ctas=None, counter_ptr=None):
-        given.append(counter_ptr)
-        return real(compiled, M, dev, offsets, num_ctas, counter_ptr)
-
-    monkeypatch.setattr(fp8_api, "launch_grid", spy)
+    given = []
+    _spy_fp8_launches(monkeypatch, lambda compiled, counter_ptr: given.append(counter_ptr))
     E, sizes, d, f = CASES[0]
     sizes = torch.tensor(sizes, device=DEV)
     seq = _block(E, d, f)
@@ -262,19 +268,13 @@ def _steps_by_rows_threshold(monkeypatch, attribute):
     """The FP8 block's step on CASES[1] (8 x 1024 rows; every width there pairs its n-tiles) with
     tile_policy.`attribute` (a single-CTA threshold in rows per group) above those rows (1 << 30) and at them
     (1024): per run, the step's outputs and the (tile_m, cluster_n, ctas_per_sm) of every FP8 launch."""
-    import fusion.kernels.fp8_api as fp8_api
     from fusion.kernels import tile_policy
     from fusion.planner import clear_cache
 
     clear_cache()
-    real, launched = fp8_api.launch_grid, []
-
-    def spy(compiled, M, dev, offsets, num_ctas=None, counter_ptr=None):
-        c = compiled.config
-        launched.append((c.tile_m, c.cluster_n, c.ctas_per_sm))
-        return real(compiled, M, dev, offsets, num_ctas, counter_ptr)
-
-    monkeypatch.setattr(fp8_api, "launch_grid", spy)
+    launched = []
+    _spy_fp8_launches(monkeypatch, lambda compiled, counter_ptr: launched.append(
+        (compiled.config.tile_m, compiled.config.cluster_n, compiled.config.ctas_per_sm)))
     E, sizes, d, f = CASES[1]
     sizes = torch.tensor(sizes, device=DEV)
     seq = _block(E, d, f)

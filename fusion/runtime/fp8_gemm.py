@@ -329,12 +329,15 @@ def _fp8_weight_gradient(op, x, dy, ctx: RunContext) -> torch.Tensor:
     from fusion.kernels.fp8_wgrad_api import run_fp8_varlen_k_gemm
     from fusion.runtime.compile import load_compiled
 
+    from fusion.kernels.tile_policy import choose_fp8_wgrad_config
+
     dtype = dy.dtype
-    job = fp8_wgrad_job(op, dtype)
-    key = ("fp8_wgrad", tuple(op.weight.shape), dtype, job.config)   # the policy's tile: a switch may change it
+    G, out_f, in_f = op.weight.shape
+    # the policy's tile is in the key: a switch may change it (the job is built only on a miss)
+    key = ("fp8_wgrad", (G, out_f, in_f), dtype, choose_fp8_wgrad_config(out_f, in_f, G))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = _COMPILED[key] = load_compiled(job)
+        compiled = _COMPILED[key] = load_compiled(fp8_wgrad_job(op, dtype))
     groups = ctx.group_sizes
     if isinstance(dy, SlotGradient):
         a_data, a_scale, rows, device = dy.data, dy.scale, dy.rows, dy.data.device
