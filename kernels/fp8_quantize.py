@@ -30,9 +30,12 @@ Launched through TVM-FFI with integer arguments (fusion.kernels.fp8_quantize_api
 """
 from __future__ import annotations
 
+import os
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8, const_expr
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_ptr
 from cutlass.memory import SmemAllocator
 
@@ -63,6 +66,16 @@ MAX_GROUPS = 1024
 #: about four a value; session z) instead of one value at a time. Read when a kernel is built (it is in the key);
 #: bench/bench_quantize.py --ab-pairs times the two builds.
 PAIRS = True
+#: Whether a slot-layout build is persistent and pipelined (:class:`FP8QuantizeKernel` ``pipelined``): each CTA walks
+#: tiles ``bid, bid + grid, ...`` with the next tiles' loads in flight (cp.async into a ring of shared-memory tiles)
+#: while it encodes the current one. The one-tile-a-CTA build loads, parks, encodes and stores in turn, so an SM has
+#: at most its two CTAs' 32 KiB loads in flight and only while neither computes: the slot builds ran at about 0.6 of
+#: a copy's bandwidth where the rowwise-only build (registers only, no barriers) reaches 0.82-0.90. Read when a
+#: kernel is built (it is in the key); FUSION_FP8_QUANTIZE_PIPELINED=0 builds the one-tile-a-CTA kernel.
+PIPELINED = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED", "1") != "0"
+#: Shared memory an SM gives its CTAs (sm_90: 227 KiB), and the most tiles a pipelined CTA keeps in its ring.
+_SMEM_PER_SM = 227 * 1024
+_MAX_STAGES = 4
 
 
 def _word(x):
@@ -91,7 +104,9 @@ class FP8QuantizeKernel:
     non-negative float's bits order as integers, so the result is independent of the order); ``slots``: the
     columnwise codes in the slot layout (below) instead of ``(K, M)``; ``rowwise`` False: no rowwise copy (the
     FP8 weight gradient reads only the columnwise one); ``pairs``: a bf16 rowwise-only kernel tests and folds its
-    values a packed pair at a time (:data:`PAIRS`).
+    values a packed pair at a time (:data:`PAIRS`); ``pipelined``: a slot-layout build runs persistent CTAs whose
+    next tiles load while the current one is encoded (:data:`PIPELINED`), launched with a grid of at most
+    ``grid_limit`` CTAs (one wave: the SMs times ``min_ctas``).
 
     The slot layout, ``cw_data[k, 128 b + r]`` of shape ``(K, 128 * (ceil(M/128) + G))``: block ``b``'s rows
     at bytes ``[128 b, 128 b + 128)`` of each column, zeros past the block's rows and in unused capacity, so that
@@ -99,7 +114,7 @@ class FP8QuantizeKernel:
 
     def __init__(self, dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
                  min_ctas: int = 0, amax: bool = False, slots: bool = False, rowwise: bool = True,
-                 pairs: bool = True):
+                 pairs: bool = True, pipelined: bool = False):
         self.dtype = cutlass_dtype(dtype)
         self.vec = _CHUNK_BYTES * 8 // self.dtype.width
         if K <= 0 or K % self.vec:
@@ -123,10 +138,21 @@ class FP8QuantizeKernel:
         self.slots = slots and columnwise
         self.rowwise = rowwise or not columnwise
         self.pairs = pairs and not columnwise and self.dtype is cutlass.BFloat16
+        #: tiles in a pipelined CTA's ring (0: one tile a CTA): as many as fit the SM's shared memory shared by
+        #: ``min_ctas`` CTAs beside the fixed tiles, at most _MAX_STAGES; fewer than two: not pipelined. Slot
+        #: builds only: the (K, M) layout's byte-masked column stores kept their per-lane addresses live across
+        #: the persistent loop (194 registers at K = 2048 against 112, one CTA an SM instead of two)
+        self.stages = 0
+        if pipelined and self.slots:
+            tile_bytes = TILE * TILE * self.dtype.width // 8
+            fixed = 2 * TILE * 4 + TILE * THREADS // _LANES * 4 + TILE * TILE + 1024
+            fit = min(_MAX_STAGES, (_SMEM_PER_SM // self.min_ctas - fixed) // tile_bytes)
+            self.stages = fit if fit >= 2 else 0
 
     @cute.jit
     def __call__(self, pX: cute.Pointer, pData: cute.Pointer, pScale: cute.Pointer, pCwData: cute.Pointer,
-                 pCwScale: cute.Pointer, pSizes: cute.Pointer, pAmax: cute.Pointer, M: Int32, stream):
+                 pCwScale: cute.Pointer, pSizes: cute.Pointer, pAmax: cute.Pointer, M: Int32, grid_limit: Int32,
+                 stream):
         chunks = self.K // self.vec
         mX = cute.make_tensor(pX, cute.make_layout((M, chunks, self.vec), stride=(self.K, self.vec, 1)))
         mData = cute.make_tensor(pData, cute.make_layout((M, chunks, self.vec), stride=(self.K, self.vec, 1)))
@@ -137,8 +163,12 @@ class FP8QuantizeKernel:
         mCwScale = cute.make_tensor(pCwScale, cute.make_layout((blocks, self.K), stride=(self.K, 1)))
         mSizes = cute.make_tensor(pSizes, cute.make_layout((self.G,)))
         mAmax = cute.make_tensor(pAmax, cute.make_layout((1,)))
-        self.kernel(mX, mData, mScale, pCwData, mCwScale, mSizes, mAmax, M).launch(
-            grid=(blocks, self.nkb, 1), block=(THREADS, 1, 1), min_blocks_per_mp=self.min_ctas,
+        tiles = blocks * self.nkb
+        grid = (blocks, self.nkb, 1)
+        if const_expr(self.stages):
+            grid = (cutlass.min(tiles, grid_limit), 1, 1)
+        self.kernel(mX, mData, mScale, pCwData, mCwScale, mSizes, mAmax, M, tiles).launch(
+            grid=grid, block=(THREADS, 1, 1), min_blocks_per_mp=self.min_ctas,
             preferred_smem_carveout=_CARVEOUT_DEFAULT, stream=stream)
 
     # ------------------------------------------------------------------ the block's rows
@@ -228,14 +258,10 @@ class FP8QuantizeKernel:
     # ------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScale: cute.Tensor, pCwData: cute.Pointer,
-               mCwScale: cute.Tensor, mSizes: cute.Tensor, mAmax: cute.Tensor, M: Int32):
+               mCwScale: cute.Tensor, mSizes: cute.Tensor, mAmax: cute.Tensor, M: Int32, tiles: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        b, kb, _ = cute.arch.block_idx()
+        bid, kb, _ = cute.arch.block_idx()
         lane = tidx % _LANES
-        warp = tidx // _LANES
-        c = tidx % self.cpb
-        q = tidx // self.cpb
-        row0, nrows = self.block_rows(mSizes, M, b, lane)
 
         smem = SmemAllocator()
         sRowScale = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), 16)
@@ -244,16 +270,42 @@ class FP8QuantizeKernel:
             sColInv = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), 16)
             sPart = smem.allocate_tensor(Int32, cute.make_layout((TILE, THREADS // _LANES)), 16)
             sCodes = smem.allocate_tensor(Int32, cute.make_layout((TILE * TILE // 4,)), 16)
-            # the loaded tile, parked for the columnwise pass (registers would hold it across the barriers);
-            # a thread's row u is the 16 bytes after the other threads' row u: one STS.128 per row, no conflicts
+            # the loaded tile, parked for the columnwise pass (registers would hold it across the barriers); a
+            # thread's row u is the 16 bytes after the other threads' row u: one STS.128 per row, no conflicts.
+            # A pipelined build keeps a ring of `stages` tiles (the last mode).
+            tile_elems = self.vec * self.rpt * THREADS
             sRaw = smem.allocate_tensor(self.dtype, cute.make_layout(
-                (self.vec, self.rpt, THREADS), stride=(1, THREADS * self.vec, self.vec)), 16)
+                (self.vec, self.rpt, THREADS, max(self.stages, 1)),
+                stride=(1, THREADS * self.vec, self.vec, tile_elems)), 16)
+        shared = (sRowScale, sColInv, sPart, sCodes)
 
-        # A block past the used ones (columnwise capacity, nrows == 0) runs the same code with every load and
-        # store masked, and writes its zero scales: no branch around the shuffles, which stay convergent.
+        if const_expr(self.stages):
+            self.pipelined_tiles(mX, mData, mScale, pCwData, mCwScale, mSizes, mAmax, M, tiles, sRaw, shared,
+                                 bid, tidx)
+        else:
+            row0, nrows = self.block_rows(mSizes, M, bid, lane)
+            # A block past the used ones (columnwise capacity, nrows == 0) runs the same code with every load and
+            # store masked, and writes its zero scales: no branch around the shuffles, which stay convergent.
+            frag = self.load_rows(mX, row0, nrows, kb, tidx)
+            sTile = None
+            if const_expr(self.columnwise):
+                # parked in shared memory and read back row by row after a barrier (which the compiler cannot
+                # move loads across): the loaded registers free up, and the columnwise pass reads the tile again
+                sTile = sRaw[None, None, tidx, 0]
+                cute.autovec_copy(frag, sTile)
+                cute.arch.sync_threads()
+                frag = cute.make_rmem_tensor((self.vec, self.rpt), self.dtype)
+                cute.autovec_copy(sTile, frag)
+            self.encode_tile(frag, sTile, mData, mScale, pCwData, mCwScale, mAmax, shared, M, bid, kb, row0, nrows,
+                             tidx)
+
+    @cute.jit
+    def load_rows(self, mX: cute.Tensor, row0: Int32, nrows: Int32, kb: Int32, tidx: Int32) -> cute.Tensor:
+        """The thread's RPT rows x one 16-byte chunk of tile ``(row0, kb)`` in registers (zeros where masked)."""
+        c = tidx % self.cpb
+        q = tidx // self.cpb
         chunk = kb * self.cpb + c
         col_ok = chunk * self.vec < self.K
-        # ---- load RPT rows x one 16-byte chunk
         load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=_CHUNK_BYTES * 8)
         frag = cute.make_rmem_tensor((self.vec, self.rpt), self.dtype)
         frag.fill(0.0)
@@ -261,13 +313,84 @@ class FP8QuantizeKernel:
         for u in cutlass.range_constexpr(self.rpt):
             if col_ok & (q * self.rpt + u < nrows):
                 cute.copy(load, mX[first_row + u, chunk, None], frag[None, u])
-        if const_expr(self.columnwise):
-            # parked in shared memory and read back row by row after a barrier (which the compiler cannot
-            # move loads across): the loaded registers free up, and the columnwise pass reads the tile again
-            cute.autovec_copy(frag, sRaw[None, None, tidx])
-            cute.arch.sync_threads()
+        return frag
+
+    @cute.jit
+    def issue_tile(self, mX: cute.Tensor, mSizes: cute.Tensor, M: Int32, t: Int32, sTile: cute.Tensor, tidx: Int32):
+        """cp.async of tile ``t``'s rows into the thread's slice ``sTile`` (vec, RPT) of a ring stage, rows past
+        the block's and chunks past K zero-filled (source size 0, read from row 0 of the tile's column block)."""
+        c = tidx % self.cpb
+        q = tidx // self.cpb
+        b = t // self.nkb
+        kb = t - b * self.nkb
+        row0, nrows = self.block_rows(mSizes, M, b, tidx % _LANES)
+        chunk = kb * self.cpb + c
+        col_ok = chunk * self.vec < self.K
+        safe_chunk = cutlass.min(chunk, Int32(self.K // self.vec - 1))
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                                   num_bits_per_copy=_CHUNK_BYTES * 8)
+        first_row = Int64(row0 + q * self.rpt)
+        for u in cutlass.range_constexpr(self.rpt):
+            ok = cute.make_rmem_tensor((1,), cutlass.Boolean)
+            ok[0] = col_ok & (q * self.rpt + u < nrows)
+            row = cutlass.select_(ok[0], first_row + u, Int64(0))
+            # one 16-byte atom: a (V, rest) profile whose V is the whole chunk
+            src = cute.make_tensor(mX[row, safe_chunk, None].iterator, cute.make_layout(((self.vec, 1),)))
+            dst = cute.make_tensor(sTile[None, u].iterator, cute.make_layout(((self.vec, 1),)))
+            cute.copy(atom, src, dst, pred=ok)
+
+    @cute.jit
+    def pipelined_tiles(self, mX: cute.Tensor, mData: cute.Tensor, mScale: cute.Tensor, pCwData: cute.Pointer,
+                        mCwScale: cute.Tensor, mSizes: cute.Tensor, mAmax: cute.Tensor, M: Int32, tiles: Int32,
+                        sRaw: cute.Tensor, shared, bid: Int32, tidx: Int32):
+        """The persistent CTA's loop: tiles ``bid, bid + grid, ...`` (tile ``t`` = columnwise block ``t // nkb``,
+        column block ``t % nkb``), the loads of the next ``stages - 1`` in flight (one cp.async group each, empty
+        past the last tile) while tile ``i`` is encoded from ring stage ``i % stages``. A stage is refilled only
+        after the barriers of the tile that read it."""
+        S = self.stages
+        grid, _, _ = cute.arch.grid_dim()
+        for s in cutlass.range_constexpr(S - 1):
+            if bid + s * grid < tiles:
+                self.issue_tile(mX, mSizes, M, bid + s * grid, sRaw[None, None, tidx, s], tidx)
+            cute.arch.cp_async_commit_group()
+        t = bid
+        i = Int32(0)
+        while t < tiles:
+            ahead = t + (S - 1) * grid
+            if ahead < tiles:
+                self.issue_tile(mX, mSizes, M, ahead, sRaw[None, None, tidx, (i + S - 1) % S], tidx)
+            cute.arch.cp_async_commit_group()
+            # tile i's group: the S - 1 after it may stay in flight. No barrier: a thread reads back only its own
+            # slice of the stage, and encode_tile's barriers order the shared tiles' reuse between tiles
+            cute.arch.cp_async_wait_group(S - 1)
+            b = t // self.nkb
+            kb = t - b * self.nkb
+            row0, nrows = self.block_rows(mSizes, M, b, tidx % _LANES)
+            sTile = sRaw[None, None, tidx, i % S]
             frag = cute.make_rmem_tensor((self.vec, self.rpt), self.dtype)
-            cute.autovec_copy(sRaw[None, None, tidx], frag)
+            cute.autovec_copy(sTile, frag)
+            self.encode_tile(frag, sTile, mData, mScale, pCwData, mCwScale, mAmax, shared, M, b, kb, row0, nrows,
+                             tidx)
+            t = t + grid
+            i = i + 1
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def encode_tile(self, frag: cute.Tensor, sTile, mData: cute.Tensor, mScale: cute.Tensor, pCwData: cute.Pointer,
+                    mCwScale: cute.Tensor, mAmax: cute.Tensor, shared, M: Int32, b: Int32, kb: Int32, row0: Int32,
+                    nrows: Int32, tidx: Int32):
+        """One tile from the thread's loaded rows ``frag`` (and, columnwise, their parked copy ``sTile``): the
+        rowwise codes and scales, the columnwise amax, scales and codes. Ends after a barrier past the last read
+        of ``sTile``, so a pipelined CTA may refill that stage; the next tile writes the shared tiles only after
+        barriers every thread reaches when done with this one's."""
+        sRowScale, sColInv, sPart, sCodes = shared
+        lane = tidx % _LANES
+        warp = tidx // _LANES
+        c = tidx % self.cpb
+        q = tidx // self.cpb
+        chunk = kb * self.cpb + c
+        col_ok = chunk * self.vec < self.K
+        first_row = Int64(row0 + q * self.rpt)
         # ---- rowwise: amax over the row's CPB lanes, codes, scale to shared memory
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), FP8, num_bits_per_copy=self.vec * 8)
         col_bits = [Int32(0)] * self.vec
@@ -337,7 +460,7 @@ class FP8QuantizeKernel:
         if const_expr(self.columnwise):
             cute.arch.sync_threads()
             parked = cute.make_rmem_tensor((self.vec, self.rpt), self.dtype)
-            cute.autovec_copy(sRaw[None, None, tidx], parked)
+            cute.autovec_copy(sTile, parked)
             self.columns_to_smem(parked, sColInv, sCodes, c, q)
             cute.arch.sync_threads()
             if const_expr(self.slots):
@@ -433,33 +556,48 @@ def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
                          sizes_dtype: str | None = None, amax: bool = False, slots: bool = False,
                          rowwise: bool = True, min_ctas: int = 0) -> UtilityKernel:
     """The quantize kernel for rows of ``dtype`` ("bfloat16", "float16", "float32") and length ``K``, compiled
-    once per process. ``launch(x, data, scale, cw_data, cw_scale, sizes, amax, M, stream)`` with plain integers
-    (pointers; rowwise only, the columnwise ones and ``sizes`` may be 0; without ``amax``, so may its). ``G``,
-    ``sizes_dtype``: the groups of the columnwise blocks (ignored rowwise; None: one group of all rows);
-    ``slots``, ``rowwise``: :class:`FP8QuantizeKernel`'s; ``min_ctas``: :func:`build_kernel`'s."""
+    once per process. ``launch(x, data, scale, cw_data, cw_scale, sizes, amax, M, grid_limit, stream)`` with plain
+    integers (pointers; rowwise only, the columnwise ones and ``sizes`` may be 0; without ``amax``, so may its;
+    ``grid_limit``: :func:`grid_limit`). ``G``, ``sizes_dtype``: the groups of the columnwise blocks (ignored
+    rowwise; None: one group of all rows); ``slots``, ``rowwise``: :class:`FP8QuantizeKernel`'s; ``min_ctas``:
+    :func:`build_kernel`'s. The result's ``ctas_per_sm`` is the build's launch bound."""
     if not columnwise:
         G, sizes_dtype, slots, rowwise = 1, None, False, True
-    pairs = PAIRS
-    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas),
-                        lambda: build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs,
-                                             min_ctas)[0])
+    pairs, pipelined = PAIRS, PIPELINED
+
+    def build():
+        fn, _, kernel = build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
+                                     pipelined)
+        return UtilityKernel(fn, ctas_per_sm=kernel.min_ctas)
+
+    return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
+                         pipelined), build)
+
+
+def grid_limit(kernel: UtilityKernel, sms: int) -> int:
+    """The most CTAs a pipelined build's launch takes on a GPU of ``sms`` SMs: one wave, its persistent CTAs
+    (the one-tile-a-CTA builds ignore it)."""
+    return sms * kernel.ctas_per_sm
 
 
 def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
                  amax: bool = False, slots: bool = False, rowwise: bool = True, pairs: bool = True,
-                 min_ctas: int = 0):
+                 min_ctas: int = 0, pipelined: bool | None = None):
     """``(compiled function, cubin, kernel)``: built for two CTAs an SM (128 registers a thread), or for one
     where that spills (the fp32 columnwise kernel, and a few shapes where the compiler's schedule needs more),
     as the grouped GEMMs fall back to a tile that does not spill; ``min_ctas`` > 0: built for that many CTAs an SM
     whatever it spills (the bf16 rowwise + slots build needs 138 registers, so the rule above gives it one CTA an SM
-    and half the loads in flight). What tests read the SASS of."""
+    and half the loads in flight); ``pipelined``: :class:`FP8QuantizeKernel`'s (None: :data:`PIPELINED`). What
+    tests read the SASS of."""
     import shlex
     import tempfile
 
     from .api import _cubin_nv_info
 
+    pipelined = PIPELINED if pipelined is None else pipelined
     for min_ctas in ((min_ctas,) if min_ctas else (MIN_CTAS_PER_SM, 1)):
-        kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise, pairs)
+        kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise, pairs,
+                                   pipelined)
         with tempfile.TemporaryDirectory() as dump:
             fn = compile_kernel(kernel, f"--enable-tvm-ffi --keep-cubin --dump-dir={shlex.quote(dump)}")
             cubin = getattr(fn, "__cubin__", None)
@@ -477,5 +615,5 @@ def compile_kernel(kernel: FP8QuantizeKernel, options: str = "--enable-tvm-ffi")
     floats = make_ptr(Float32, 0, cute.AddressSpace.gmem, assumed_align=16)
     sizes = make_ptr(cutlass_dtype(kernel.sizes_dtype or "int32"), 0, cute.AddressSpace.gmem, assumed_align=4)
     amax = make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=4)
-    return cute.compile(kernel, x, codes, floats, codes, floats, sizes, amax, Int32(1), make_fake_stream(),
+    return cute.compile(kernel, x, codes, floats, codes, floats, sizes, amax, Int32(1), Int32(1), make_fake_stream(),
                         options=options)

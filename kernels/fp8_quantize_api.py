@@ -119,11 +119,11 @@ def _launch(x2d: torch.Tensor, columnwise: bool, group_sizes, amax_bits=None):
 
     sizes_dtype = None if group_sizes is None else _SIZES_DTYPES[group_sizes.dtype]
     kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, columnwise, G, sizes_dtype, amax_bits is not None)
-    stream = torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
+    index, stream = _device_and_stream(dev)
     kernel.launch(x2d.data_ptr(), data.data_ptr(), scale.data_ptr(),
                   cw_data.data_ptr() if columnwise else 0, cw_scale.data_ptr() if columnwise else 0,
                   group_sizes.data_ptr() if columnwise and group_sizes is not None else 0,
-                  0 if amax_bits is None else amax_bits.data_ptr(), M, stream)
+                  0 if amax_bits is None else amax_bits.data_ptr(), M, _grid_limit(kernel, index), stream)
     return data, scale, cw_data, cw_scale
 
 
@@ -143,6 +143,20 @@ def quantize_fp8_block_slots(x2d: torch.Tensor, group_sizes=None):
     group_sizes)[1]`` (``capacity = ceil(M/128) + G``). Block b's codes are those of the ``(K, M)`` copy's block b,
     bit for bit. One launch, no host sync; a FusionError for what the kernel does not take."""
     return _slots_launch("quantize_fp8_block_slots", x2d, group_sizes, False, 0)[2:]
+
+
+def _device_and_stream(dev: torch.device):
+    """``(device index, torch's current raw stream on it)``."""
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return index, torch._C._cuda_getCurrentRawStream(index)
+
+
+def _grid_limit(kernel, index: int) -> int:
+    """A pipelined build's grid bound on device ``index`` (kernels/fp8_quantize.py ``grid_limit``)."""
+    from .api import _num_sms
+    from .fp8_quantize import grid_limit
+
+    return grid_limit(kernel, _num_sms(index))
 
 
 def _slots_launch(caller: str, x2d: torch.Tensor, group_sizes, rowwise: bool, min_ctas: int):
@@ -170,16 +184,8 @@ def _slots_launch(caller: str, x2d: torch.Tensor, group_sizes, rowwise: bool, mi
     sizes_dtype = None if group_sizes is None else _SIZES_DTYPES[group_sizes.dtype]
     kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, True, G, sizes_dtype, False, slots=True, rowwise=rowwise,
                                   min_ctas=min_ctas)
-    stream = torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
+    index, stream = _device_and_stream(dev)
     kernel.launch(x2d.data_ptr(), data.data_ptr() if rowwise else 0, scale.data_ptr() if rowwise else 0,
                   cw_data.data_ptr(), cw_scale.data_ptr(), group_sizes.data_ptr() if group_sizes is not None else 0,
-                  0, M, stream)
+                  0, M, _grid_limit(kernel, index), stream)
     return data, scale, cw_data, cw_scale
-    from .fp8_quantize import compile_fp8_quantize
-
-    sizes_dtype = None if group_sizes is None else _SIZES_DTYPES[group_sizes.dtype]
-    kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, True, G, sizes_dtype, False, slots=True, rowwise=False)
-    stream = torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
-    kernel.launch(x2d.data_ptr(), 0, 0, cw_data.data_ptr(), cw_scale.data_ptr(),
-                  group_sizes.data_ptr() if group_sizes is not None else 0, 0, M, stream)
-    return cw_data, cw_scale

@@ -260,3 +260,45 @@ def test_training_step_with_one_pass_dy_quantization_has_the_same_bits(monkeypat
         grads[ctas] = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in seq.named_parameters()}}
     for name, want in grads[0].items():
         assert torch.equal(grads[2][name], want), f"{name} differs with the one-pass quantization"
+
+
+@pytest.mark.parametrize("build", ["slots", "rowwise-slots-rule", "rowwise-slots-two-ctas"])
+def test_pipelined_slot_builds_over_many_tiles_a_cta_match_the_reference(build, monkeypatch):
+    """The pipelined slot builds (kernels/fp8_quantize.py PIPELINED: persistent CTAs, the next tiles' rows loaded by
+    cp.async into a ring of shared tiles) over ~20 tiles a CTA, where ring stages are refilled many times: every
+    byte the one-tile-a-CTA build's and the reference's. Ragged groups put partial blocks (rows zero-filled over a
+    stage's previous tile), empty groups and unused capacity all through the launch; a huge row and Inf/NaN test
+    the scales."""
+    from fusion.kernels import fp8_quantize
+    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_rowwise_slots, quantize_fp8_block_slots
+    from fusion.quant.fp8_block import fp8_block_columnwise_slots, fp8_block_quantize_2d, fp8_block_quantize_columnwise
+
+    gen = torch.Generator().manual_seed(5)
+    sizes = (torch.rand(64, generator=gen) * 1400).long()
+    sizes[::9] = 0
+    sizes[5] = 1
+    sizes = sizes.to(DEV, torch.int32)
+    M, K = int(sizes.sum()), 1032
+    x = _operand(M, K, 6)
+    x[11, 7], x[2000, 9] = float("inf"), float("nan")
+
+    def run():
+        if build == "slots":
+            return quantize_fp8_block_slots(x, sizes)
+        return quantize_fp8_block_rowwise_slots(x, sizes, 2 if build.endswith("two-ctas") else 0)
+
+    monkeypatch.setattr(fp8_quantize, "PIPELINED", False)
+    want = run()
+    monkeypatch.setattr(fp8_quantize, "PIPELINED", True)
+    got = run()
+    tiles = (-(-M // 128) + 64) * -(-K // 128)
+    assert tiles > 10 * 2 * torch.cuda.get_device_properties(0).multi_processor_count, "too few tiles a CTA"
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w), f"differs at {(g != w).nonzero()[:8].tolist()}"
+    cw_data, cw_scale = got[-2:]
+    ref_data, ref_scale = fp8_block_quantize_columnwise(x, sizes)
+    assert torch.equal(cw_data, fp8_block_columnwise_slots(ref_data, sizes))
+    assert torch.equal(cw_scale, ref_scale)
+    if build != "slots":
+        data, scale = fp8_block_quantize_2d(x)
+        assert torch.equal(got[0], data) and torch.equal(got[1], scale)
