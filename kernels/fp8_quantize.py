@@ -41,8 +41,8 @@ from cutlass.memory import SmemAllocator
 
 from .dtypes import cutlass_dtype
 from .fragment_io import bits_f32, unpack2
-from .pow2_quant import bf16_pair_amax_bits, clean_bf16_words, finite_abs_bits, fp8_block_scale_bits, max2_u16, \
-    scaled_clean_pair, scaled_or_nan
+from .pow2_quant import bf16_pair_amax_bits, clean_bf16_words, finite_abs2_bf16, finite_abs_bits, \
+    fp8_block_scale_bits, max2_u16, scaled_clean_pair, scaled_or_nan
 from .utility_kernel import UtilityKernel, compile_once
 
 FP8 = cutlass.Float8E4M3FN
@@ -66,6 +66,12 @@ MAX_GROUPS = 1024
 #: about four a value; session z) instead of one value at a time. Read when a kernel is built (it is in the key);
 #: bench/bench_quantize.py --ab-pairs times the two builds.
 PAIRS = True
+#: Whether a bf16 columnwise build tests and folds its values a packed pair at a time as the rowwise-only build does
+#: (:data:`PAIRS`): a word's two magnitudes fold into two columns' running maxima with one ``max.u16x2``, the row
+#: scan parks the cleaned words (non-finite halves a quiet NaN) back in the thread's shared slice, and the column
+#: pass then scales each value with no test. FUSION_FP8_QUANTIZE_COLUMN_PAIRS=0: value at a time (read when a
+#: kernel is built; it is in the key).
+COLUMN_PAIRS = os.environ.get("FUSION_FP8_QUANTIZE_COLUMN_PAIRS", "1") != "0"
 #: Whether a slot-layout build is persistent and pipelined (:class:`FP8QuantizeKernel` ``pipelined``): each CTA walks
 #: tiles ``bid, bid + grid, ...`` with the next tiles' loads in flight (cp.async into a ring of shared-memory tiles)
 #: while it encodes the current one. The one-tile-a-CTA build loads, parks, encodes and stores in turn, so an SM has
@@ -106,7 +112,8 @@ class FP8QuantizeKernel:
     FP8 weight gradient reads only the columnwise one); ``pairs``: a bf16 rowwise-only kernel tests and folds its
     values a packed pair at a time (:data:`PAIRS`); ``pipelined``: a slot-layout build runs persistent CTAs whose
     next tiles load while the current one is encoded (:data:`PIPELINED`), launched with a grid of at most
-    ``grid_limit`` CTAs (one wave: the SMs times ``min_ctas``).
+    ``grid_limit`` CTAs (one wave: the SMs times ``min_ctas``); ``column_pairs``: a bf16 columnwise build tests and
+    folds its values a packed pair at a time (:data:`COLUMN_PAIRS`).
 
     The slot layout, ``cw_data[k, 128 b + r]`` of shape ``(K, 128 * (ceil(M/128) + G))``: block ``b``'s rows
     at bytes ``[128 b, 128 b + 128)`` of each column, zeros past the block's rows and in unused capacity, so that
@@ -114,7 +121,7 @@ class FP8QuantizeKernel:
 
     def __init__(self, dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
                  min_ctas: int = 0, amax: bool = False, slots: bool = False, rowwise: bool = True,
-                 pairs: bool = True, pipelined: bool = False):
+                 pairs: bool = True, pipelined: bool = False, column_pairs: bool = False):
         self.dtype = cutlass_dtype(dtype)
         self.vec = _CHUNK_BYTES * 8 // self.dtype.width
         if K <= 0 or K % self.vec:
@@ -138,6 +145,7 @@ class FP8QuantizeKernel:
         self.slots = slots and columnwise
         self.rowwise = rowwise or not columnwise
         self.pairs = pairs and not columnwise and self.dtype is cutlass.BFloat16
+        self.column_pairs = column_pairs and columnwise and self.dtype is cutlass.BFloat16
         #: tiles in a pipelined CTA's ring (0: one tile a CTA): as many as fit the SM's shared memory shared by
         #: ``min_ctas`` CTAs beside the fixed tiles, at most _MAX_STAGES; fewer than two: not pipelined. Slot
         #: builds only: the (K, M) layout's byte-masked column stores kept their per-lane addresses live across
@@ -242,6 +250,32 @@ class FP8QuantizeKernel:
         for j in range(per_row):
             vals[2 * j], vals[2 * j + 1] = scaled_clean_pair(clean[j], row_inv)
         return vals, row_bits, run
+
+    def row_and_columns_by_pairs(self, frag, u: int, col_runs: list, sTile):
+        """Trace time (``column_pairs``): the thread's row ``u`` of bf16 words cleaned (pow2_quant.finite_abs2_bf16),
+        each word's magnitudes folded into ``col_runs`` (its two columns' running maxima, in place), the clean words
+        parked back over the row in ``sTile`` (the column pass reads them), and with ``rowwise`` the row's
+        ``(values times 2^-e, scale bits)`` as :meth:`row_by_pairs` computes them (else ``(None, None)``)."""
+        words = cute.recast_tensor(frag, Int32)
+        per_row = self.vec // 2
+        run = Int32(0)
+        clean = cute.make_rmem_tensor((per_row,), Int32)
+        for j in range(per_row):
+            mag, clean[j] = finite_abs2_bf16(words[j + per_row * u])
+            col_runs[j] = max2_u16(col_runs[j], mag)
+            run = max2_u16(run, mag)
+        parked = cute.make_tensor(cute.recast_ptr(sTile[None, u].iterator, dtype=Int32), cute.make_layout((per_row,)))
+        cute.autovec_copy(clean, parked)
+        if const_expr(not self.rowwise):
+            return None, None
+        amax = bf16_pair_amax_bits(run)
+        for k in range(self.cpb.bit_length() - 1):
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << k))
+        row_bits, row_inv = fp8_block_scale_bits(amax)
+        vals = cute.make_rmem_tensor((self.vec,), Float32)
+        for j in range(per_row):
+            vals[2 * j], vals[2 * j + 1] = scaled_clean_pair(clean[j], row_inv)
+        return vals, row_bits
 
     # ------------------------------------------------------------------ the loaded values
     def row_values(self, frag, u: int):
@@ -395,10 +429,13 @@ class FP8QuantizeKernel:
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), FP8, num_bits_per_copy=self.vec * 8)
         col_bits = [Int32(0)] * self.vec
         run_all = Int32(0)    # (pairs) the halfwise max of the thread's finite bf16 magnitudes
+        col_runs = [Int32(0)] * (self.vec // 2)   # (column_pairs) halfwise maxima: columns 2j, 2j + 1 of word j
         for u in cutlass.range_constexpr(self.rpt):
             if const_expr(self.pairs):
                 vals, row_bits, run = self.row_by_pairs(frag, u)
                 run_all = max2_u16(run_all, run)
+            elif const_expr(self.column_pairs):
+                vals, row_bits = self.row_and_columns_by_pairs(frag, u, col_runs, sTile)
             else:
                 ys = self.row_values(frag, u)
                 mags = []
@@ -426,6 +463,14 @@ class FP8QuantizeKernel:
                     sRowScale[r] = bits_f32(row_bits)
         if const_expr(self.pairs):
             col_bits = [bf16_pair_amax_bits(run_all)]
+        if const_expr(self.column_pairs):
+            # ---- columnwise amax: the words' halfwise maxima over the lanes of the same chunk, then per column
+            for j in cutlass.range_constexpr(self.vec // 2):
+                for k in cutlass.range_constexpr((_LANES // self.cpb).bit_length() - 1):
+                    col_runs[j] = max2_u16(col_runs[j], cute.arch.shuffle_sync_bfly(col_runs[j], self.cpb << k))
+            col_bits = []
+            for j in cutlass.range_constexpr(self.vec // 2):
+                col_bits.extend([(col_runs[j] & 0xFFFF) << 16, (col_runs[j] >> 16 & 0xFFFF) << 16])
         if const_expr(self.amax):
             # ---- the tensor's finite amax: the thread's columns, the warp, one atomic max per warp
             amax_bits = col_bits[0]
@@ -438,9 +483,10 @@ class FP8QuantizeKernel:
         if const_expr(self.columnwise):
             # ---- columnwise amax: this thread's rows, the lanes of the same chunk, the warps
             for i in cutlass.range_constexpr(self.vec):
-                for k in cutlass.range_constexpr((_LANES // self.cpb).bit_length() - 1):
-                    col_bits[i] = cutlass.max(col_bits[i],
-                                              cute.arch.shuffle_sync_bfly(col_bits[i], self.cpb << k))
+                if const_expr(not self.column_pairs):
+                    for k in cutlass.range_constexpr((_LANES // self.cpb).bit_length() - 1):
+                        col_bits[i] = cutlass.max(col_bits[i],
+                                                  cute.arch.shuffle_sync_bfly(col_bits[i], self.cpb << k))
                 if lane < self.cpb:
                     sPart[c * self.vec + i, warp] = col_bits[i]
         cute.arch.sync_threads()
@@ -461,7 +507,10 @@ class FP8QuantizeKernel:
             cute.arch.sync_threads()
             parked = cute.make_rmem_tensor((self.vec, self.rpt), self.dtype)
             cute.autovec_copy(sTile, parked)
-            self.columns_to_smem(parked, sColInv, sCodes, c, q)
+            if const_expr(self.column_pairs):
+                self.columns_to_smem_by_pairs(parked, sColInv, sCodes, c, q)
+            else:
+                self.columns_to_smem(parked, sColInv, sCodes, c, q)
             cute.arch.sync_threads()
             if const_expr(self.slots):
                 self.store_slot(sCodes, pCwData, M, b, kb, warp, lane)
@@ -485,6 +534,35 @@ class FP8QuantizeKernel:
         for i in cutlass.range_constexpr(self.vec):
             self.column_to_smem([y[i] for y in ys], sColInv, sCodes, c * self.vec + i, slot)
 
+    @cute.jit
+    def columns_to_smem_by_pairs(self, frag: cute.Tensor, sColInv: cute.Tensor, sCodes: cute.Tensor, c: Int32,
+                                 q: Int32):
+        """:meth:`columns_to_smem` from the parked clean words (``column_pairs``: their non-finite halves are a quiet
+        NaN already), so each value is widened and scaled with no test."""
+        slot = q ^ (c % self.rg)
+        words = cute.recast_tensor(frag, Int32)
+        per_row = self.vec // 2
+        for j in cutlass.range_constexpr(per_row):
+            inv_lo, inv_hi = sColInv[c * self.vec + 2 * j], sColInv[c * self.vec + 2 * j + 1]
+            lo = cute.make_rmem_tensor((self.rpt,), Float32)
+            hi = cute.make_rmem_tensor((self.rpt,), Float32)
+            for u in cutlass.range_constexpr(self.rpt):
+                y_lo, y_hi = unpack2(words[j + per_row * u], self.dtype)
+                lo[u] = y_lo * inv_lo
+                hi[u] = y_hi * inv_hi
+            self.codes_to_smem(lo, sCodes, c * self.vec + 2 * j, slot)
+            self.codes_to_smem(hi, sCodes, c * self.vec + 2 * j + 1, slot)
+
+    def codes_to_smem(self, vals, sCodes: cute.Tensor, k: Int32, slot: Int32):
+        """Trace time: one column's RPT scaled values as E4M3 codes into the column's slot of the shared tile."""
+        codes = cute.make_rmem_tensor((self.rpt,), FP8)
+        codes.store(vals.load().to(FP8))
+        words = cute.recast_tensor(codes, Int32)
+        addr = sCodes.iterator.toint() + (k * (TILE // 4) + slot * self.slot_words) * 4
+        dst = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=self.rpt),
+                               cute.make_layout((self.slot_words,)))
+        cute.autovec_copy(words, dst)
+
     def column_to_smem(self, ys, sColInv: cute.Tensor, sCodes: cute.Tensor, k: Int32, slot: Int32):
         """Trace time: one column's RPT values encoded with its scale into the column's slot of the shared tile."""
         inv = sColInv[k]
@@ -493,13 +571,7 @@ class FP8QuantizeKernel:
             y = ys[u]
             _, fin = finite_abs_bits(y)
             vals[u] = scaled_or_nan(y, fin, inv)
-        codes = cute.make_rmem_tensor((self.rpt,), FP8)
-        codes.store(vals.load().to(FP8))
-        words = cute.recast_tensor(codes, Int32)
-        addr = sCodes.iterator.toint() + (k * (TILE // 4) + slot * self.slot_words) * 4
-        dst = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=self.rpt),
-                               cute.make_layout((self.slot_words,)))
-        cute.autovec_copy(words, dst)
+        self.codes_to_smem(vals, sCodes, k, slot)
 
     @cute.jit
     def store_columns(self, sCodes: cute.Tensor, pCwData: cute.Pointer, M: Int32, row0: Int32, nrows: Int32,
@@ -563,15 +635,15 @@ def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
     :func:`build_kernel`'s. The result's ``ctas_per_sm`` is the build's launch bound."""
     if not columnwise:
         G, sizes_dtype, slots, rowwise = 1, None, False, True
-    pairs, pipelined = PAIRS, PIPELINED
+    pairs, pipelined, column_pairs = PAIRS, PIPELINED, COLUMN_PAIRS
 
     def build():
         fn, _, kernel = build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
-                                     pipelined)
+                                     pipelined, column_pairs)
         return UtilityKernel(fn, ctas_per_sm=kernel.min_ctas)
 
     return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
-                         pipelined), build)
+                         pipelined, column_pairs), build)
 
 
 def grid_limit(kernel: UtilityKernel, sms: int) -> int:
@@ -582,22 +654,23 @@ def grid_limit(kernel: UtilityKernel, sms: int) -> int:
 
 def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
                  amax: bool = False, slots: bool = False, rowwise: bool = True, pairs: bool = True,
-                 min_ctas: int = 0, pipelined: bool | None = None):
+                 min_ctas: int = 0, pipelined: bool | None = None, column_pairs: bool | None = None):
     """``(compiled function, cubin, kernel)``: built for two CTAs an SM (128 registers a thread), or for one
     where that spills (the fp32 columnwise kernel, and a few shapes where the compiler's schedule needs more),
     as the grouped GEMMs fall back to a tile that does not spill; ``min_ctas`` > 0: built for that many CTAs an SM
     whatever it spills (the bf16 rowwise + slots build needs 138 registers, so the rule above gives it one CTA an SM
-    and half the loads in flight); ``pipelined``: :class:`FP8QuantizeKernel`'s (None: :data:`PIPELINED`). What
-    tests read the SASS of."""
+    and half the loads in flight); ``pipelined``, ``column_pairs``: :class:`FP8QuantizeKernel`'s (None:
+    :data:`PIPELINED`, :data:`COLUMN_PAIRS`). What tests read the SASS of."""
     import shlex
     import tempfile
 
     from .api import _cubin_nv_info
 
     pipelined = PIPELINED if pipelined is None else pipelined
+    column_pairs = COLUMN_PAIRS if column_pairs is None else column_pairs
     for min_ctas in ((min_ctas,) if min_ctas else (MIN_CTAS_PER_SM, 1)):
         kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise, pairs,
-                                   pipelined)
+                                   pipelined, column_pairs)
         with tempfile.TemporaryDirectory() as dump:
             fn = compile_kernel(kernel, f"--enable-tvm-ffi --keep-cubin --dump-dir={shlex.quote(dump)}")
             cubin = getattr(fn, "__cubin__", None)

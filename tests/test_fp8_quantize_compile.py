@@ -187,14 +187,40 @@ def test_bf16_rowwise_kernel_tests_packed_pairs(amax):
 
 def test_rowwise_slots_build_forced_to_two_ctas_an_sm():
     """The bf16 rowwise + slots build (one read of dY for both backward copies: fusion.runtime.fp8_gemm
-    ONE_PASS_DY_CTAS): its no-spill rule builds it for one CTA an SM (it needs more than 128 registers); ``min_ctas =
+    ONE_PASS_DY_CTAS). Testing its values a packed pair at a time (COLUMN_PAIRS) it fits two CTAs an SM by its
+    no-spill rule; value at a time it needs more than 128 registers, so the rule builds it for one, and ``min_ctas =
     2`` builds it for two whatever it spills: at most 128 registers a thread."""
     from fusion.kernels.api import _cubin_nv_info
     from fusion.kernels.fp8_quantize import build_kernel
 
-    # Mixtral's FC1 dY (K = 28672): 138 registers, so one CTA an SM by the rule (K = 2048 fits two)
-    _, cubin, kernel = build_kernel("bfloat16", 28672, True, 8, "int32", slots=True, rowwise=True)
+    # Mixtral's FC1 dY (K = 28672)
+    _, cubin, kernel = build_kernel("bfloat16", 28672, True, 8, "int32", slots=True, rowwise=True, column_pairs=True)
+    assert kernel.min_ctas == 2 and _cubin_nv_info(cubin).get("frame_size", 0) == 0
+    _, cubin, kernel = build_kernel("bfloat16", 28672, True, 8, "int32", slots=True, rowwise=True, column_pairs=False)
     assert kernel.min_ctas == 1 and _cubin_nv_info(cubin).get("frame_size", 0) == 0
-    _, cubin, kernel = build_kernel("bfloat16", 28672, True, 8, "int32", slots=True, rowwise=True, min_ctas=2)
+    _, cubin, kernel = build_kernel("bfloat16", 28672, True, 8, "int32", slots=True, rowwise=True, min_ctas=2,
+                                    column_pairs=False)
     info = _cubin_nv_info(cubin)
     assert kernel.min_ctas == 2 and info["registers"] <= 128
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["slots", "rowwise-slots"])
+def test_bf16_columnwise_builds_test_packed_pairs(rowwise):
+    """COLUMN_PAIRS: a bf16 columnwise build folds a word's two magnitudes with one max.u16x2 (VIMNMX.U16 /
+    VIMNMX3.U16 in SASS) and scales the parked clean words with no per-value test: fewer instructions than the
+    value-at-a-time build, no spills, two CTAs an SM; and the pipelined slot build loads by cp.async (LDGSTS)."""
+    from fusion.kernels.api import _cubin_nv_info, sass_opcodes, sass_text
+    from fusion.kernels.fp8_quantize import build_kernel
+
+    counts = {}
+    for column_pairs in (False, True):
+        _, cubin, kernel = build_kernel("bfloat16", 2048, True, 64, "int32", slots=True, rowwise=rowwise,
+                                        pipelined=True, column_pairs=column_pairs)
+        ops = sass_opcodes(sass_or_skip(lambda: sass_text(cubin)))
+        counts[column_pairs] = len(ops)
+        if column_pairs:
+            assert kernel.column_pairs and kernel.stages >= 2
+            assert _cubin_nv_info(cubin).get("frame_size", 0) == 0 and kernel.min_ctas == 2
+            assert any(o.startswith("LDGSTS") for o in ops), "the pipelined build loads by cp.async"
+            assert any(o in ("VIMNMX.U16", "VIMNMX3.U16") for o in ops), "no packed 16-bit max"
+    assert counts[True] < 0.9 * counts[False], f"{counts[True]} instructions with pairs, {counts[False]} without"

@@ -4,7 +4,8 @@ the FP8 training step quantizes columnwise: a GEMM output gradient's two copies 
 fusion.runtime.fp8_gemm.quantize_for_backward runs it, and as its no-spill rule builds it) and the slot copy alone
 (an FP8 weight gradient's input).
 Interleaved rounds, medians; TB/s of bytes read and written and as a share of ``x.clone()``'s; every build's
-buffers compared byte for byte with the one-tile-a-CTA build's.
+buffers compared byte for byte with the other setting's. ``--switch COLUMN_PAIRS``: instead the A/B of
+fusion.kernels.fp8_quantize.COLUMN_PAIRS (the columnwise values tested a packed bf16 pair at a time).
 
     python bench/probes/quantize_pipelined_ab.py [--shapes olmoe-fc1,mixtral-fc1] [--rounds 5] [--out r.json]
 """
@@ -40,7 +41,7 @@ def builds(x, sizes):
             "slots": (lambda: quantize_fp8_block_slots(x, sizes), read + codes)}
 
 
-def run(name, rounds, iters, device):
+def run(name, rounds, iters, device, switch="PIPELINED"):
     from fusion.kernels import fp8_quantize
 
     M, K, G = SHAPES[name]
@@ -55,23 +56,23 @@ def run(name, rounds, iters, device):
     for build, (fn, nbytes) in builds(x, sizes).items():
         results, times = {}, {True: [], False: []}
         for setting in (False, True):
-            fp8_quantize.PIPELINED = setting
+            setattr(fp8_quantize, switch, setting)
             results[setting] = [t.clone() if t is not None else None for t in fn()]
         same = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(results[True], results[False]))
         for r in range(rounds):
             for setting in ((True, False) if r % 2 else (False, True)):
-                fp8_quantize.PIPELINED = setting
+                setattr(fp8_quantize, switch, setting)
                 times[setting].append(_time_ms(fn, iters, device))
-        fp8_quantize.PIPELINED = True
+        setattr(fp8_quantize, switch, True)
         row = {}
-        for setting, label in ((False, "one tile a CTA"), (True, "pipelined")):
+        for setting, label in ((False, "off"), (True, "on")):
             ms = statistics.median(times[setting])
             tbps = nbytes / ms / 1e9
             row[label] = dict(ms=round(ms, 4), TBps=round(tbps, 2), of_clone=round(tbps / clone_tbps, 3))
-        change = row["pipelined"]["ms"] / row["one tile a CTA"]["ms"] - 1
-        print(f"    {build:26s} one tile a CTA {row['one tile a CTA']['ms']:8.4f} ms "
-              f"({row['one tile a CTA']['of_clone']:.2f} of clone)  pipelined {row['pipelined']['ms']:8.4f} ms "
-              f"({row['pipelined']['of_clone']:.2f})  change {change:+.1%}  same bytes: {same}", flush=True)
+        change = row["on"]["ms"] / row["off"]["ms"] - 1
+        print(f"    {build:26s} {switch} off {row['off']['ms']:8.4f} ms "
+              f"({row['off']['of_clone']:.2f} of clone)  on {row['on']['ms']:8.4f} ms "
+              f"({row['on']['of_clone']:.2f})  change {change:+.1%}  same bytes: {same}", flush=True)
         out["builds"][build] = dict(row, change=round(change, 4), same_bytes=same)
     return out
 
@@ -81,14 +82,15 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--switch", default="PIPELINED", choices=["PIPELINED", "COLUMN_PAIRS"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), flush=True)
-    results = {n: run(n, args.rounds, args.iters, device) for n in args.shapes.split(",")}
+    results = {n: run(n, args.rounds, args.iters, device, args.switch) for n in args.shapes.split(",")}
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "switch": args.switch, "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":
