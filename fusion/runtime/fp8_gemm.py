@@ -226,9 +226,10 @@ def quantizes_for_wgrad(op, x, dy: torch.Tensor, ctx: RunContext) -> bool:
 
 #: CTAs an SM of the quantize kernel's rowwise + slots build, which `quantize_for_backward` launches once (a bf16
 #: dY read once for both copies) where this is set; 0: two launches, the rowwise-only and the slots-only builds
-#: (FUSION_FP8_ONE_PASS_DY_CTAS, read at import; read per call, so bench/ab_switch.py can flip it). That build needs
-#: up to 138 registers a thread, so its no-spill rule builds it for one CTA an SM; 2 (the default) forces two,
-#: spilling 16 bytes. Measured on an H200 (session ag, bench/probes/quantize_one_pass_ab.py, the same bytes): Mixtral's
+#: (FUSION_FP8_ONE_PASS_DY_CTAS, read at import; read per call, so bench/ab_switch.py can flip it). Value at a time
+#: that build needed up to 138 registers a thread, so its no-spill rule built it for one CTA an SM and 2 (the
+#: default) forced two, spilling 16 bytes; tested a bf16 pair at a time (kernels/fp8_quantize.py COLUMN_PAIRS,
+#: session ah) the rule gives it two with no spill, the kernel that forcing two builds. Measured on an H200 (session ag, bench/probes/quantize_one_pass_ab.py, the same bytes): Mixtral's
 #: FC1 dY (16384 x 28672) 0.778 ms against 0.880 for the two launches (1.111 at one CTA an SM), Llama-3-70B's
 #: (8192 x 57344) 0.749 against 0.859; the FP8 steps (bench/ab_switch.py, three rounds of 100 steps) -0.8% Mixtral-8x7B,
 #: -0.4% Llama-3-70B, -0.4% Llama-3-8B.
