@@ -79,6 +79,11 @@ COLUMN_PAIRS = os.environ.get("FUSION_FP8_QUANTIZE_COLUMN_PAIRS", "1") != "0"
 #: a copy's bandwidth where the rowwise-only build (registers only, no barriers) reaches 0.82-0.90. Read when a
 #: kernel is built (it is in the key); FUSION_FP8_QUANTIZE_PIPELINED=0 builds the one-tile-a-CTA kernel.
 PIPELINED = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED", "1") != "0"
+#: Whether the rowwise-only builds (a training step's x, dY and d(gate, up) for the FP8 GEMMs) are pipelined the same
+#: way, their ring the only shared tile. **Off: built, not yet run on a GPU** (session ah: no device time was left);
+#: the rowwise-only build, registers only, already moves 0.82-0.90 of a copy's bandwidth. Read when a kernel is
+#: built (it is in the key); FUSION_FP8_QUANTIZE_PIPELINED_ROWWISE=1 turns it on.
+PIPELINED_ROWWISE = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED_ROWWISE", "0") == "1"
 #: Shared memory an SM gives its CTAs (sm_90: 227 KiB), and the most tiles a pipelined CTA keeps in its ring.
 _SMEM_PER_SM = 227 * 1024
 _MAX_STAGES = 4
@@ -111,7 +116,8 @@ class FP8QuantizeKernel:
     columnwise codes in the slot layout (below) instead of ``(K, M)``; ``rowwise`` False: no rowwise copy (the
     FP8 weight gradient reads only the columnwise one); ``pairs``: a bf16 rowwise-only kernel tests and folds its
     values a packed pair at a time (:data:`PAIRS`); ``pipelined``: a slot-layout build runs persistent CTAs whose
-    next tiles load while the current one is encoded (:data:`PIPELINED`), launched with a grid of at most
+    next tiles load while the current one is encoded (:data:`PIPELINED`; a rowwise-only build too, with
+    :data:`PIPELINED_ROWWISE`), launched with a grid of at most
     ``grid_limit`` CTAs (one wave: the SMs times ``min_ctas``); ``column_pairs``: a bf16 columnwise build tests and
     folds its values a packed pair at a time (:data:`COLUMN_PAIRS`).
 
@@ -147,13 +153,15 @@ class FP8QuantizeKernel:
         self.pairs = pairs and not columnwise and self.dtype is cutlass.BFloat16
         self.column_pairs = column_pairs and columnwise and self.dtype is cutlass.BFloat16
         #: tiles in a pipelined CTA's ring (0: one tile a CTA): as many as fit the SM's shared memory shared by
-        #: ``min_ctas`` CTAs beside the fixed tiles, at most _MAX_STAGES; fewer than two: not pipelined. Slot
-        #: builds only: the (K, M) layout's byte-masked column stores kept their per-lane addresses live across
-        #: the persistent loop (194 registers at K = 2048 against 112, one CTA an SM instead of two)
+        #: ``min_ctas`` CTAs beside the fixed tiles, at most _MAX_STAGES; fewer than two: not pipelined. Slot and
+        #: rowwise-only builds: the (K, M) layout's byte-masked column stores kept their per-lane addresses live
+        #: across the persistent loop (194 registers at K = 2048 against 112, one CTA an SM instead of two)
         self.stages = 0
-        if pipelined and self.slots:
+        if pipelined and (self.slots or not columnwise):
             tile_bytes = TILE * TILE * self.dtype.width // 8
-            fixed = 2 * TILE * 4 + TILE * THREADS // _LANES * 4 + TILE * TILE + 1024
+            fixed = TILE * 4 + 1024
+            if columnwise:
+                fixed += TILE * 4 + TILE * THREADS // _LANES * 4 + TILE * TILE
             fit = min(_MAX_STAGES, (_SMEM_PER_SM // self.min_ctas - fixed) // tile_bytes)
             self.stages = fit if fit >= 2 else 0
 
@@ -304,6 +312,7 @@ class FP8QuantizeKernel:
             sColInv = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), 16)
             sPart = smem.allocate_tensor(Int32, cute.make_layout((TILE, THREADS // _LANES)), 16)
             sCodes = smem.allocate_tensor(Int32, cute.make_layout((TILE * TILE // 4,)), 16)
+        if const_expr(self.columnwise or self.stages):
             # the loaded tile, parked for the columnwise pass (registers would hold it across the barriers); a
             # thread's row u is the 16 bytes after the other threads' row u: one STS.128 per row, no conflicts.
             # A pipelined build keeps a ring of `stages` tiles (the last mode).
@@ -416,7 +425,8 @@ class FP8QuantizeKernel:
         """One tile from the thread's loaded rows ``frag`` (and, columnwise, their parked copy ``sTile``): the
         rowwise codes and scales, the columnwise amax, scales and codes. Ends after a barrier past the last read
         of ``sTile``, so a pipelined CTA may refill that stage; the next tile writes the shared tiles only after
-        barriers every thread reaches when done with this one's."""
+        barriers every thread reaches when done with this one's (a pipelined rowwise-only build ends with one: the
+        next tile's row scales would overwrite this one's before every thread stored them)."""
         sRowScale, sColInv, sPart, sCodes = shared
         lane = tidx % _LANES
         warp = tidx // _LANES
@@ -516,6 +526,8 @@ class FP8QuantizeKernel:
                 self.store_slot(sCodes, pCwData, M, b, kb, warp, lane)
             else:
                 self.store_columns(sCodes, pCwData, M, row0, nrows, kb, warp, lane)
+        elif const_expr(self.stages):
+            cute.arch.sync_threads()
 
     # ------------------------------------------------------------------ columnwise codes
     @cute.jit
@@ -635,7 +647,8 @@ def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
     :func:`build_kernel`'s. The result's ``ctas_per_sm`` is the build's launch bound."""
     if not columnwise:
         G, sizes_dtype, slots, rowwise = 1, None, False, True
-    pairs, pipelined, column_pairs = PAIRS, PIPELINED, COLUMN_PAIRS
+    pairs, column_pairs = PAIRS, COLUMN_PAIRS
+    pipelined = PIPELINED if columnwise else PIPELINED_ROWWISE
 
     def build():
         fn, _, kernel = build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
@@ -660,13 +673,14 @@ def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: 
     as the grouped GEMMs fall back to a tile that does not spill; ``min_ctas`` > 0: built for that many CTAs an SM
     whatever it spills (the bf16 rowwise + slots build needs 138 registers, so the rule above gives it one CTA an SM
     and half the loads in flight); ``pipelined``, ``column_pairs``: :class:`FP8QuantizeKernel`'s (None:
-    :data:`PIPELINED`, :data:`COLUMN_PAIRS`). What tests read the SASS of."""
+    :data:`PIPELINED` (rowwise only: :data:`PIPELINED_ROWWISE`), :data:`COLUMN_PAIRS`). What tests read the SASS
+    of."""
     import shlex
     import tempfile
 
     from .api import _cubin_nv_info
 
-    pipelined = PIPELINED if pipelined is None else pipelined
+    pipelined = (PIPELINED if columnwise else PIPELINED_ROWWISE) if pipelined is None else pipelined
     column_pairs = COLUMN_PAIRS if column_pairs is None else column_pairs
     for min_ctas in ((min_ctas,) if min_ctas else (MIN_CTAS_PER_SM, 1)):
         kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise, pairs,

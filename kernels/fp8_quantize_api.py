@@ -151,12 +151,20 @@ def _device_and_stream(dev: torch.device):
     return index, torch._C._cuda_getCurrentRawStream(index)
 
 
-def _grid_limit(kernel, index: int) -> int:
-    """A pipelined build's grid bound on device ``index`` (kernels/fp8_quantize.py ``grid_limit``)."""
-    from .api import _num_sms
-    from .fp8_quantize import grid_limit
+_GRID_LIMITS: dict = {}
 
-    return grid_limit(kernel, _num_sms(index))
+
+def _grid_limit(kernel, index: int) -> int:
+    """A pipelined build's grid bound on device ``index`` (kernels/fp8_quantize.py ``grid_limit``), worked out once
+    per kernel and device: a launch on a training step's hot path pays one dictionary lookup."""
+    key = (id(kernel), index)
+    limit = _GRID_LIMITS.get(key)
+    if limit is None:
+        from .api import _num_sms
+        from .fp8_quantize import grid_limit
+
+        limit = _GRID_LIMITS[key] = grid_limit(kernel, _num_sms(index))
+    return limit
 
 
 def _slots_launch(caller: str, x2d: torch.Tensor, group_sizes, rowwise: bool, min_ctas: int):

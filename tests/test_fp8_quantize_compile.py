@@ -224,3 +224,20 @@ def test_bf16_columnwise_builds_test_packed_pairs(rowwise):
             assert any(o.startswith("LDGSTS") for o in ops), "the pipelined build loads by cp.async"
             assert any(o in ("VIMNMX.U16", "VIMNMX3.U16") for o in ops), "no packed 16-bit max"
     assert counts[True] < 0.9 * counts[False], f"{counts[True]} instructions with pairs, {counts[False]} without"
+
+
+def test_pipelined_rowwise_build_compiles_with_its_ring_and_a_closing_barrier():
+    """PIPELINED_ROWWISE (off by default): the rowwise-only build as persistent CTAs loading their next tiles by
+    cp.async into a ring of shared tiles. It compiles without spills at two CTAs an SM with three stages, loads by
+    LDGSTS, and each tile ends with a barrier (the next tile's row scales go through the same shared tile)."""
+    from fusion.kernels.api import _cubin_nv_info, sass_opcodes, sass_text
+    from fusion.kernels.fp8_quantize import build_kernel
+
+    _, cubin, kernel = build_kernel("bfloat16", 2048, False, pipelined=True)
+    _, plain_cubin, _ = build_kernel("bfloat16", 2048, False, pipelined=False)
+    ops = sass_opcodes(sass_or_skip(lambda: sass_text(cubin)))
+    plain = sass_opcodes(sass_text(plain_cubin))
+    assert kernel.stages == 3 and kernel.min_ctas == 2 and _cubin_nv_info(cubin).get("frame_size", 0) == 0
+    assert any(o.startswith("LDGSTS") for o in ops) and not any(o.startswith("LDGSTS") for o in plain)
+    bars = lambda codes: sum(o.startswith("BAR.SYNC") for o in codes)  # noqa: E731
+    assert bars(ops) == bars(plain) + 1, (bars(ops), bars(plain))

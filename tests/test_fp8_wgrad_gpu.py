@@ -306,3 +306,32 @@ def test_pipelined_slot_builds_over_many_tiles_a_cta_match_the_reference(build, 
     if build != "slots":
         data, scale = fp8_block_quantize_2d(x)
         assert torch.equal(got[0], data) and torch.equal(got[1], scale)
+
+
+@pytest.mark.parametrize("K", [2048, 1032])
+def test_pipelined_rowwise_build_over_many_tiles_a_cta_matches_the_reference(K, monkeypatch):
+    """PIPELINED_ROWWISE (off by default; built in session ah without a GPU): the rowwise-only build as persistent
+    CTAs, each over many tiles (ring stages refilled many times, a partial last row block and a partial last column
+    block when K = 1032), bit for bit the one-tile-a-CTA build and the reference, with the tensor's amax."""
+    from fusion.kernels import fp8_quantize
+    from fusion.kernels.fp8_quantize_api import try_quantize_fp8_block_device
+    from fusion.quant.fp8_block import fp8_block_quantize_2d
+
+    M = 40000 + 77
+    x = _operand(M, K, 8)
+    x[11, 7], x[2000, 9] = float("inf"), float("nan")
+
+    def run():
+        amax = torch.zeros((), dtype=torch.int32, device=DEV)
+        data, scale, _, _ = try_quantize_fp8_block_device(x, False, None, amax)
+        return data, scale, amax
+
+    monkeypatch.setattr(fp8_quantize, "PIPELINED_ROWWISE", False)
+    want = run()
+    monkeypatch.setattr(fp8_quantize, "PIPELINED_ROWWISE", True)
+    got = run()
+    assert (-(-M // 128) * -(-K // 128)) > 10 * 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), f"differs at {(g != w).nonzero()[:8].tolist()}"
+    data, scale = fp8_block_quantize_2d(x)
+    assert torch.equal(got[0], data) and torch.equal(got[1], scale)

@@ -5,7 +5,8 @@ fusion.runtime.fp8_gemm.quantize_for_backward runs it, and as its no-spill rule 
 (an FP8 weight gradient's input).
 Interleaved rounds, medians; TB/s of bytes read and written and as a share of ``x.clone()``'s; every build's
 buffers compared byte for byte with the other setting's. ``--switch COLUMN_PAIRS``: instead the A/B of
-fusion.kernels.fp8_quantize.COLUMN_PAIRS (the columnwise values tested a packed bf16 pair at a time).
+fusion.kernels.fp8_quantize.COLUMN_PAIRS (the columnwise values tested a packed bf16 pair at a time), or of
+``PIPELINED_ROWWISE`` (the rowwise-only build pipelined too; its row is the one that setting changes).
 
     python bench/probes/quantize_pipelined_ab.py [--shapes olmoe-fc1,mixtral-fc1] [--rounds 5] [--out r.json]
 """
@@ -32,13 +33,15 @@ SHAPES = {"olmoe-fc1": (65536, 2048, 64), "qwen3-30b-a3b-fc1": (65536, 1536, 128
 
 def builds(x, sizes):
     """name: (callable returning the buffers, bytes read + written)."""
-    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_rowwise_slots, quantize_fp8_block_slots
+    from fusion.kernels.fp8_quantize_api import (quantize_fp8_block_device, quantize_fp8_block_rowwise_slots,
+                                                 quantize_fp8_block_slots)
 
     M, K = x.shape
     read, codes = 2 * M * K, M * K
     return {"rowwise + slots (2 CTAs)": (lambda: quantize_fp8_block_rowwise_slots(x, sizes, 2), read + 2 * codes),
             "rowwise + slots (rule)": (lambda: quantize_fp8_block_rowwise_slots(x, sizes, 0), read + 2 * codes),
-            "slots": (lambda: quantize_fp8_block_slots(x, sizes), read + codes)}
+            "slots": (lambda: quantize_fp8_block_slots(x, sizes), read + codes),
+            "rowwise only": (lambda: quantize_fp8_block_device(x, False, None), read + codes)}
 
 
 def run(name, rounds, iters, device, switch="PIPELINED"):
@@ -82,7 +85,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--switch", default="PIPELINED", choices=["PIPELINED", "COLUMN_PAIRS"])
+    ap.add_argument("--switch", default="PIPELINED", choices=["PIPELINED", "COLUMN_PAIRS", "PIPELINED_ROWWISE"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cuda")
