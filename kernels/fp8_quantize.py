@@ -25,8 +25,13 @@ byte tile, slots XOR-swizzled so that stores and reads are free of bank conflict
 rows of one column of ``cw_data`` with 4-byte stores aligned in global memory (``cw_data[k]`` starts wherever
 ``k * M + row0`` falls): two shared words funnel-shifted, bytes at the edges of the block.
 
+Pipelined builds (slot layout; :data:`PIPELINED`) are persistent: a one-wave grid of CTAs walks the tiles, each
+thread's rows of the next tiles loaded by ``cp.async`` into a ring of shared tiles while the current one is encoded
+(``pipelined_tiles``). bf16 columnwise builds test their values a packed pair at a time (:data:`COLUMN_PAIRS`).
+
 Launched through TVM-FFI with integer arguments (fusion.kernels.fp8_quantize_api), compiled once per
-``(dtype, K, columnwise, G, sizes dtype)``; ``M`` and ``group_sizes`` are run-time.
+``(dtype, K, columnwise, G, sizes dtype, amax, slots, rowwise, pairs, min_ctas, pipelined, column_pairs)``
+(``compile_fp8_quantize``'s key); ``M`` and ``group_sizes`` are run-time.
 """
 from __future__ import annotations
 
@@ -661,8 +666,8 @@ def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
 
 def grid_limit(kernel: UtilityKernel, sms: int) -> int:
     """The most CTAs a pipelined build's launch takes on a GPU of ``sms`` SMs: one wave, its persistent CTAs
-    (the one-tile-a-CTA builds ignore it)."""
-    return sms * kernel.ctas_per_sm
+    (the one-tile-a-CTA builds ignore it); at least one."""
+    return max(1, sms * kernel.ctas_per_sm)
 
 
 def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,

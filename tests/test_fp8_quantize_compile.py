@@ -241,3 +241,20 @@ def test_pipelined_rowwise_build_compiles_with_its_ring_and_a_closing_barrier():
     assert any(o.startswith("LDGSTS") for o in ops) and not any(o.startswith("LDGSTS") for o in plain)
     bars = lambda codes: sum(o.startswith("BAR.SYNC") for o in codes)  # noqa: E731
     assert bars(ops) == bars(plain) + 1, (bars(ops), bars(plain))
+
+
+def test_pipelined_loads_zero_fill_what_they_mask(tmp_path):
+    """The pipelined builds' cp.async loads carry a source size (``cp.async.cg.shared.global [dst], [src], 16, n``):
+    a masked row or chunk is zero-filled (n = 0) rather than skipped, so a ring stage never hands a tile the rows an
+    earlier tile left there (the slot layout's zeros past a block's rows and the amaxes depend on it)."""
+    import re
+
+    from fusion.kernels.fp8_quantize import FP8QuantizeKernel, compile_kernel
+
+    kernel = FP8QuantizeKernel("bfloat16", 1032, True, 8, "int32", 2, False, True, False, True, True, True)
+    assert kernel.stages >= 2
+    compile_kernel(kernel, f"--enable-tvm-ffi --keep-ptx --dump-dir={tmp_path}")
+    ptx = "\n".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
+    loads = re.findall(r"cp\.async\.cg\.shared\.global\s+\[[^]]+\],\s*\[[^]]+\],\s*16(,\s*%r\d+)?;", ptx)
+    assert loads, "no 16-byte cp.async in the pipelined slot build"
+    assert all(size for size in loads), "a cp.async without a source size: masked rows would keep stale data"
