@@ -5,7 +5,10 @@ For each (M, K) shape: GB/s (bytes read + written, divided by the time of one ca
 * ``clone``: ``x.clone()`` (read and write x once: the ceiling a one-pass kernel aims at),
 * ``kernel_rowwise``, ``kernel_rowwise_cw``: the kernel, rowwise and rowwise + columnwise (per-group blocks of
   ``--groups`` ragged groups),
-* ``reference_rowwise``, ``reference_rowwise_cw``: the eager torch reference (fusion.quant.fp8_block),
+* ``kernel_slots``, ``kernel_rowwise_slots``: the columnwise copy in the FP8 weight gradient's slot layout alone, and
+  with the rowwise copy in the same pass (what an FP8 training step runs; its padding zeros are bytes written too),
+* ``reference_rowwise``, ``reference_rowwise_cw``, ``reference_slots``: the eager torch reference
+  (fusion.quant.fp8_block),
 
 and ``of_clone``: the kernel's GB/s over clone's. The kernel rows also record whether the buffers equal the
 reference's bit for bit. ``--dry-run`` runs tiny shapes with the reference only (CPU), so the script cannot rot.
@@ -74,6 +77,21 @@ def _time_ms(fn, iters: int, device) -> float:
     return start.elapsed_time(end) / iters
 
 
+def _slot_bytes(M: int, K: int, elem: int, G: int, rowwise: bool) -> int:
+    """Bytes a slot-layout quantization reads and writes: x, the (K, 128 * capacity) codes (zeros past each block's
+    rows included) and the (capacity, K) scales, plus the rowwise codes and scales when it makes those too."""
+    capacity = -(-M // BLOCK) + G
+    total = M * K * elem + K * BLOCK * capacity + 4 * capacity * K
+    return total + (M * K + 4 * -(-K // BLOCK) * M if rowwise else 0)
+
+
+def _reference_slots(x, sizes):
+    from fusion.quant.fp8_block import fp8_block_columnwise_slots
+
+    data, scale = fp8_block_quantize_columnwise(x.float(), sizes)
+    return fp8_block_columnwise_slots(data, sizes), scale
+
+
 def _reference(x, columnwise, sizes):
     data, scale = fp8_block_quantize_2d(x.float())
     if not columnwise:
@@ -112,6 +130,20 @@ def run(shapes, dtype, G: int, device, kernel: bool, iters: int) -> list[dict]:
                 matches = _equal(call(), _reference(x, columnwise, sizes))
                 row("kernel_rowwise" + suffix, ms, nbytes, matches_reference=matches,
                     of_clone=round(nbytes / ms / 1e6 / clone_gbps, 3))
+        row("reference_slots", _time_ms(lambda: _reference_slots(x, sizes), max(iters // 10, 1), device),
+            _slot_bytes(M, K, elem, G, False))
+        if kernel and x.dtype != torch.float32:
+            from fusion.kernels.fp8_quantize_api import quantize_fp8_block_rowwise_slots, quantize_fp8_block_slots
+
+            want = _reference_slots(x, sizes)
+            for path, call, rowwise in (
+                    ("kernel_slots", lambda: quantize_fp8_block_slots(x, sizes), False),
+                    ("kernel_rowwise_slots", lambda: quantize_fp8_block_rowwise_slots(x, sizes), True)):
+                nbytes = _slot_bytes(M, K, elem, G, rowwise)
+                ms = _time_ms(call, iters, device)
+                got = call()
+                matches = _equal(got[-2:], want) and (not rowwise or _equal(got[:2], _reference(x, False, sizes)[:2]))
+                row(path, ms, nbytes, matches_reference=matches, of_clone=round(nbytes / ms / 1e6 / clone_gbps, 3))
     return rows
 
 
