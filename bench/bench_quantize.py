@@ -132,7 +132,7 @@ def run(shapes, dtype, G: int, device, kernel: bool, iters: int) -> list[dict]:
                     of_clone=round(nbytes / ms / 1e6 / clone_gbps, 3))
         row("reference_slots", _time_ms(lambda: _reference_slots(x, sizes), max(iters // 10, 1), device),
             _slot_bytes(M, K, elem, G, False))
-        if kernel and x.dtype != torch.float32:
+        if kernel:
             from fusion.kernels.fp8_quantize_api import quantize_fp8_block_rowwise_slots, quantize_fp8_block_slots
 
             want = _reference_slots(x, sizes)
