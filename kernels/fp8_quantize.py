@@ -255,14 +255,19 @@ class FP8QuantizeKernel:
         words = cute.recast_tensor(frag, Int32)
         per_row = self.vec // 2
         run, clean = clean_bf16_words([words[j + per_row * u] for j in range(per_row)])
+        return (*self.scaled_row(run, clean), run)
+
+    def scaled_row(self, run, clean):
+        """Trace time: ``(values times 2^-e, scale bits)`` of a row from this lane's halfwise magnitude max ``run``
+        (the butterfly over the row's CPB lanes makes it the row's amax) and its clean bf16 words ``clean``."""
         amax = bf16_pair_amax_bits(run)
         for k in range(self.cpb.bit_length() - 1):
             amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << k))
         row_bits, row_inv = fp8_block_scale_bits(amax)
         vals = cute.make_rmem_tensor((self.vec,), Float32)
-        for j in range(per_row):
+        for j in range(self.vec // 2):
             vals[2 * j], vals[2 * j + 1] = scaled_clean_pair(clean[j], row_inv)
-        return vals, row_bits, run
+        return vals, row_bits
 
     def row_and_columns_by_pairs(self, frag, u: int, col_runs: list, sTile):
         """Trace time (``column_pairs``): the thread's row ``u`` of bf16 words cleaned (pow2_quant.finite_abs2_bf16),
@@ -281,14 +286,7 @@ class FP8QuantizeKernel:
         cute.autovec_copy(clean, parked)
         if const_expr(not self.rowwise):
             return None, None
-        amax = bf16_pair_amax_bits(run)
-        for k in range(self.cpb.bit_length() - 1):
-            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << k))
-        row_bits, row_inv = fp8_block_scale_bits(amax)
-        vals = cute.make_rmem_tensor((self.vec,), Float32)
-        for j in range(per_row):
-            vals[2 * j], vals[2 * j + 1] = scaled_clean_pair(clean[j], row_inv)
-        return vals, row_bits
+        return self.scaled_row(run, clean)
 
     # ------------------------------------------------------------------ the loaded values
     def row_values(self, frag, u: int):
