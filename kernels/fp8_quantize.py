@@ -25,7 +25,7 @@ byte tile, slots XOR-swizzled so that stores and reads are free of bank conflict
 rows of one column of ``cw_data`` with 4-byte stores aligned in global memory (``cw_data[k]`` starts wherever
 ``k * M + row0`` falls): two shared words funnel-shifted, bytes at the edges of the block.
 
-Pipelined builds (slot layout; :data:`PIPELINED`) are persistent: a one-wave grid of CTAs walks the tiles, each
+Pipelined builds (slot layout: :data:`PIPELINED`; (K, M) layout: :data:`PIPELINED_COLUMNS`) are persistent: a one-wave grid of CTAs walks the tiles, each
 thread's rows of the next tiles loaded by ``cp.async`` into a ring of shared tiles while the current one is encoded
 (``pipelined_tiles``). bf16 columnwise builds test their values a packed pair at a time (:data:`COLUMN_PAIRS`).
 
@@ -89,6 +89,12 @@ PIPELINED = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED", "1") != "0"
 #: the rowwise-only build, registers only, already moves 0.82-0.90 of a copy's bandwidth. Read when a kernel is
 #: built (it is in the key); FUSION_FP8_QUANTIZE_PIPELINED_ROWWISE=1 turns it on.
 PIPELINED_ROWWISE = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED_ROWWISE", "0") == "1"
+#: Whether the (K, M) columnwise builds (a user's unfused ``QuantizeFP8Block(columnwise=True)``) are pipelined the same
+#: way. Session ah left them one tile a CTA: pipelined then, their byte-masked column stores kept per-lane addresses
+#: live across the persistent loop (194 registers at K = 2048, one CTA an SM); with the values tested a pair at a
+#: time (:data:`COLUMN_PAIRS`) the pipelined bf16 build fits 128 registers without spilling (session ai). Read when
+#: a kernel is built (it is in the key); FUSION_FP8_QUANTIZE_PIPELINED_COLUMNS=0 builds one tile a CTA.
+PIPELINED_COLUMNS = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED_COLUMNS", "1") != "0"
 #: Shared memory an SM gives its CTAs (sm_90: 227 KiB), and the most tiles a pipelined CTA keeps in its ring.
 _SMEM_PER_SM = 227 * 1024
 _MAX_STAGES = 4
@@ -120,9 +126,9 @@ class FP8QuantizeKernel:
     non-negative float's bits order as integers, so the result is independent of the order); ``slots``: the
     columnwise codes in the slot layout (below) instead of ``(K, M)``; ``rowwise`` False: no rowwise copy (the
     FP8 weight gradient reads only the columnwise one); ``pairs``: a bf16 rowwise-only kernel tests and folds its
-    values a packed pair at a time (:data:`PAIRS`); ``pipelined``: a slot-layout build runs persistent CTAs whose
-    next tiles load while the current one is encoded (:data:`PIPELINED`; a rowwise-only build too, with
-    :data:`PIPELINED_ROWWISE`), launched with a grid of at most
+    values a packed pair at a time (:data:`PAIRS`); ``pipelined``: the build runs persistent CTAs whose
+    next tiles load while the current one is encoded (:data:`PIPELINED`; the (K, M) layout with
+    :data:`PIPELINED_COLUMNS`, a rowwise-only build with :data:`PIPELINED_ROWWISE`), launched with a grid of at most
     ``grid_limit`` CTAs (one wave: the SMs times ``min_ctas``); ``column_pairs``: a bf16 columnwise build tests and
     folds its values a packed pair at a time (:data:`COLUMN_PAIRS`).
 
@@ -158,11 +164,9 @@ class FP8QuantizeKernel:
         self.pairs = pairs and not columnwise and self.dtype is cutlass.BFloat16
         self.column_pairs = column_pairs and columnwise and self.dtype is cutlass.BFloat16
         #: tiles in a pipelined CTA's ring (0: one tile a CTA): as many as fit the SM's shared memory shared by
-        #: ``min_ctas`` CTAs beside the fixed tiles, at most _MAX_STAGES; fewer than two: not pipelined. Slot and
-        #: rowwise-only builds: the (K, M) layout's byte-masked column stores kept their per-lane addresses live
-        #: across the persistent loop (194 registers at K = 2048 against 112, one CTA an SM instead of two)
+        #: ``min_ctas`` CTAs beside the fixed tiles, at most _MAX_STAGES; fewer than two: not pipelined
         self.stages = 0
-        if pipelined and (self.slots or not columnwise):
+        if pipelined:
             tile_bytes = TILE * TILE * self.dtype.width // 8
             fixed = TILE * 4 + 1024
             if columnwise:
@@ -597,23 +601,28 @@ class FP8QuantizeKernel:
         covers is written byte by byte (the neighbouring block writes the rest), and lane 31 writes the
         ``sh`` bytes past word 31."""
         for it in cutlass.range_constexpr(TILE // (THREADS // _LANES)):
-            kl = it * (THREADS // _LANES) + warp
-            k = kb * TILE + kl
-            if k < self.K:
-                start = Int64(k) * Int64(M) + Int64(row0)
-                sh = Int32(start & 3)
-                word0 = pCwData.toint() + (start - Int64(sh))
-                val, spill = funnel_word(self.code_word(sCodes, kl, cutlass.max(lane - 1, Int32(0))),
-                                         self.code_word(sCodes, kl, lane), sh, lane == 0)
-                p = lane * 4 - sh
-                addr = word0 + Int64(lane * 4)
-                if (p >= 0) & (p + 4 <= nrows):
-                    cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
-                                     cute.make_layout((1,)))[0] = Int32(val)
-                else:
-                    self.store_bytes(addr, val, p, 4, nrows)
-                if (lane == _LANES - 1) & (sh > 0):
-                    self.store_bytes(word0 + Int64(TILE), spill, TILE - sh, sh, nrows)
+            self.store_column(sCodes, pCwData, M, row0, nrows, kb, it * (THREADS // _LANES) + warp, lane)
+
+    @cute.jit
+    def store_column(self, sCodes: cute.Tensor, pCwData: cute.Pointer, M: Int32, row0: Int32, nrows: Int32,
+                     kb: Int32, kl: Int32, lane: Int32):
+        """Column ``kl`` of the tile: this lane's word of ``cw_data[k, row0 : row0 + nrows]`` (:meth:`store_columns`)."""
+        k = kb * TILE + kl
+        if k < self.K:
+            start = Int64(k) * Int64(M) + Int64(row0)
+            sh = Int32(start & 3)
+            word0 = pCwData.toint() + (start - Int64(sh))
+            val, spill = funnel_word(self.code_word(sCodes, kl, cutlass.max(lane - 1, Int32(0))),
+                                     self.code_word(sCodes, kl, lane), sh, lane == 0)
+            p = lane * 4 - sh
+            addr = word0 + Int64(lane * 4)
+            if (p >= 0) & (p + 4 <= nrows):
+                cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
+                                 cute.make_layout((1,)))[0] = Int32(val)
+            else:
+                self.store_bytes(addr, val, p, 4, nrows)
+            if (lane == _LANES - 1) & (sh > 0):
+                self.store_bytes(word0 + Int64(TILE), spill, TILE - sh, sh, nrows)
 
     @cute.jit
     def store_slot(self, sCodes: cute.Tensor, pCwData: cute.Pointer, M: Int32, b: Int32, kb: Int32, warp: Int32,
@@ -651,7 +660,7 @@ def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
     if not columnwise:
         G, sizes_dtype, slots, rowwise = 1, None, False, True
     pairs, column_pairs = PAIRS, COLUMN_PAIRS
-    pipelined = PIPELINED if columnwise else PIPELINED_ROWWISE
+    pipelined = _pipelined(columnwise, slots)
 
     def build():
         fn, _, kernel = build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
@@ -660,6 +669,14 @@ def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
 
     return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
                          pipelined, column_pairs), build)
+
+
+def _pipelined(columnwise: bool, slots: bool) -> bool:
+    """Whether a build of this layout is pipelined: :data:`PIPELINED` (slot layout), :data:`PIPELINED_COLUMNS`
+    ((K, M) layout) or :data:`PIPELINED_ROWWISE` (rowwise only), read when it is built."""
+    if not columnwise:
+        return PIPELINED_ROWWISE
+    return PIPELINED if slots else PIPELINED_COLUMNS
 
 
 def grid_limit(kernel: UtilityKernel, sms: int) -> int:
@@ -676,14 +693,14 @@ def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: 
     as the grouped GEMMs fall back to a tile that does not spill; ``min_ctas`` > 0: built for that many CTAs an SM
     whatever it spills (the bf16 rowwise + slots build needs 138 registers, so the rule above gives it one CTA an SM
     and half the loads in flight); ``pipelined``, ``column_pairs``: :class:`FP8QuantizeKernel`'s (None:
-    :data:`PIPELINED` (rowwise only: :data:`PIPELINED_ROWWISE`), :data:`COLUMN_PAIRS`). What tests read the SASS
+    :func:`_pipelined`'s setting for the layout, :data:`COLUMN_PAIRS`). What tests read the SASS
     of."""
     import shlex
     import tempfile
 
     from .api import _cubin_nv_info
 
-    pipelined = (PIPELINED if columnwise else PIPELINED_ROWWISE) if pipelined is None else pipelined
+    pipelined = _pipelined(columnwise, slots) if pipelined is None else pipelined
     column_pairs = COLUMN_PAIRS if column_pairs is None else column_pairs
     for min_ctas in ((min_ctas,) if min_ctas else (MIN_CTAS_PER_SM, 1)):
         kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise, pairs,

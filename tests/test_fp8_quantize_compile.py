@@ -21,6 +21,7 @@ def _compile(dtype, K, columnwise, G=1, sizes_dtype=None, amax=False):
     _, cubin, kernel = build_kernel(dtype, K, columnwise, G, sizes_dtype, amax)  # what compile_fp8_quantize builds
     info = _cubin_nv_info(cubin)
     info["min_ctas"] = kernel.min_ctas
+    info["stages"] = kernel.stages
     ops = sass_opcodes(sass_or_skip(lambda: sass_text(cubin)))
     return info, ops
 
@@ -54,6 +55,10 @@ def test_kernel_compiles_without_spills(dtype, K, columnwise, G, sizes_dtype):
         assert info["min_ctas"] == 2, "the rowwise kernel fits two CTAs an SM"
     if dtype == "bfloat16":
         assert info["min_ctas"] == 2, "the bf16 kernels fit two CTAs an SM"
+    from fusion.kernels import fp8_quantize
+    if columnwise and dtype == "bfloat16" and fp8_quantize.PIPELINED_COLUMNS:
+        # the (K, M) build pipelined at two CTAs an SM: a ring of tiles loaded by cp.async
+        assert info["stages"] >= 2 and any(o.startswith("LDGSTS") for o in ops), (info, "no cp.async ring")
 
 
 @pytest.mark.parametrize("dtype,K,columnwise,G,sizes_dtype", [VARIANTS[0], VARIANTS[4], VARIANTS[8]])

@@ -211,3 +211,37 @@ def test_runs_on_the_current_stream():
         ref = _reference(x, True, None)
         for name, g, w in zip(("data", "scale", "cw_data", "cw_scale"), out, ref):
             _same_bits(name, g, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pipelined_columns_over_many_tiles_a_cta_match_the_reference(dtype, monkeypatch):
+    """PIPELINED_COLUMNS (kernels/fp8_quantize.py): the (K, M) columnwise + rowwise build as persistent CTAs over
+    ~13 or more tiles each, ring stages refilled many times, with ragged groups (group starts at every byte
+    alignment of a column, partial blocks zero-filled over a stage's previous tile, empty groups, unused capacity),
+    Inf/NaN, a partial last column block: every byte the one-tile-a-CTA build's and the reference's, and the
+    tensor's amax (the try_ entry point) the same. fp32 at this K is built one CTA an SM, pipelined too."""
+    from fusion.kernels import fp8_quantize
+    from fusion.kernels.fp8_quantize_api import try_quantize_fp8_block_device
+
+    gen = torch.Generator().manual_seed(7)
+    sizes = (torch.rand(64, generator=gen) * 1400).long()
+    sizes[::9] = 0
+    sizes[5], sizes[6] = 1, 3
+    sizes = sizes.to(DEV, torch.int32)
+    M, K = int(sizes.sum()), 1032
+    x = _adversarial(M, K, dtype)
+
+    def run():
+        amax = torch.zeros((), dtype=torch.int32, device=DEV)
+        return (*try_quantize_fp8_block_device(x, True, sizes, amax), amax)
+
+    monkeypatch.setattr(fp8_quantize, "PIPELINED_COLUMNS", False)
+    want = run()
+    monkeypatch.setattr(fp8_quantize, "PIPELINED_COLUMNS", True)
+    got = run()
+    tiles = (-(-M // 128) + 64) * -(-K // 128)
+    assert tiles > 10 * 2 * torch.cuda.get_device_properties(0).multi_processor_count, "too few tiles a CTA"
+    for name, g, w in zip(("data", "scale", "cw_data", "cw_scale", "amax"), got, want):
+        _same_bits(name, g, w)
+    for name, g, w in zip(("data", "scale", "cw_data", "cw_scale"), got, _reference(x, True, sizes)):
+        _same_bits(name, g, w)

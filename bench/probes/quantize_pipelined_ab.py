@@ -6,9 +6,12 @@ fusion.runtime.fp8_gemm.quantize_for_backward runs it, and as its no-spill rule 
 Interleaved rounds, medians; TB/s of bytes read and written and as a share of ``x.clone()``'s; every build's
 buffers compared byte for byte with the other setting's. ``--switch COLUMN_PAIRS``: instead the A/B of
 fusion.kernels.fp8_quantize.COLUMN_PAIRS (the columnwise values tested a packed bf16 pair at a time), or of
-``PIPELINED_ROWWISE`` (the rowwise-only build pipelined too; its row is the one that setting changes).
+``PIPELINED_ROWWISE`` (the rowwise-only build pipelined too; its row is the one that setting changes), or of
+``PIPELINED_COLUMNS`` (the (K, M) columnwise + rowwise build a user's ``QuantizeFP8Block(columnwise=True)`` runs,
+pipelined; session ai). ``--dtype float16``: the input in fp16 (value-at-a-time encoding).
 
     python bench/probes/quantize_pipelined_ab.py [--shapes olmoe-fc1,mixtral-fc1] [--rounds 5] [--out r.json]
+        [--switch PIPELINED_COLUMNS] [--dtype bfloat16|float16]
 """
 from __future__ import annotations
 
@@ -37,26 +40,29 @@ def builds(x, sizes):
                                                  quantize_fp8_block_slots)
 
     M, K = x.shape
-    read, codes = 2 * M * K, M * K
+    read, codes = x.element_size() * M * K, M * K
     return {"rowwise + slots (2 CTAs)": (lambda: quantize_fp8_block_rowwise_slots(x, sizes, 2), read + 2 * codes),
             "rowwise + slots (rule)": (lambda: quantize_fp8_block_rowwise_slots(x, sizes, 0), read + 2 * codes),
             "slots": (lambda: quantize_fp8_block_slots(x, sizes), read + codes),
-            "rowwise only": (lambda: quantize_fp8_block_device(x, False, None), read + codes)}
+            "rowwise only": (lambda: quantize_fp8_block_device(x, False, None), read + codes),
+            "(K, M) columnwise + rowwise": (lambda: quantize_fp8_block_device(x, True, sizes), read + 2 * codes)}
 
 
-def run(name, rounds, iters, device, switch="PIPELINED"):
+def run(name, rounds, iters, device, switch="PIPELINED", dtype=torch.bfloat16, only=()):
     from fusion.kernels import fp8_quantize
 
     M, K, G = SHAPES[name]
-    x = torch.randn(M, K, device=device).to(torch.bfloat16)
+    x = torch.randn(M, K, device=device).to(dtype)
     x.view(-1)[::997] = float("inf")
     x[: M // 3 : 7] *= 1e-30
     sizes = _sizes(M, G, device).to(torch.int32)
     clone_ms = statistics.median(_time_ms(lambda: x.clone(), iters, device) for _ in range(3))
-    clone_tbps = 4 * M * K / clone_ms / 1e9
+    clone_tbps = 2 * x.element_size() * M * K / clone_ms / 1e9
     print(f"  {name}: M={M} K={K} G={G}  clone {clone_ms:.4f} ms {clone_tbps:.2f} TB/s", flush=True)
     out = {"shape": dict(M=M, K=K, G=G), "clone_ms": round(clone_ms, 4), "builds": {}}
     for build, (fn, nbytes) in builds(x, sizes).items():
+        if only and build not in only:
+            continue
         results, times = {}, {True: [], False: []}
         for setting in (False, True):
             setattr(fp8_quantize, switch, setting)
@@ -85,15 +91,21 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--switch", default="PIPELINED", choices=["PIPELINED", "COLUMN_PAIRS", "PIPELINED_ROWWISE"])
+    ap.add_argument("--switch", default="PIPELINED", choices=["PIPELINED", "COLUMN_PAIRS", "PIPELINED_ROWWISE",
+                                                                "PIPELINED_COLUMNS"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--builds", default="", help="comma-separated build names (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), flush=True)
-    results = {n: run(n, args.rounds, args.iters, device, args.switch) for n in args.shapes.split(",")}
+    dtype = getattr(torch, args.dtype)
+    results = {n: run(n, args.rounds, args.iters, device, args.switch, dtype,
+                      tuple(b for b in args.builds.split(",") if b)) for n in args.shapes.split(",")}
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"gpu": torch.cuda.get_device_name(), "switch": args.switch, "results": results}, fh, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "switch": args.switch, "dtype": args.dtype,
+                       "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":
