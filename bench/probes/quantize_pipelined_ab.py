@@ -45,7 +45,7 @@ def builds(x, sizes):
             "rowwise + slots (rule)": (lambda: quantize_fp8_block_rowwise_slots(x, sizes, 0), read + 2 * codes),
             "slots": (lambda: quantize_fp8_block_slots(x, sizes), read + codes),
             "rowwise only": (lambda: quantize_fp8_block_device(x, False, None), read + codes),
-            "(K, M) columnwise + rowwise": (lambda: quantize_fp8_block_device(x, True, sizes), read + 2 * codes)}
+            "(K x M) columnwise + rowwise": (lambda: quantize_fp8_block_device(x, True, sizes), read + 2 * codes)}
 
 
 def run(name, rounds, iters, device, switch="PIPELINED", dtype=torch.bfloat16, only=()):
