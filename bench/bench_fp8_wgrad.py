@@ -36,13 +36,20 @@ DEFAULT_SHAPES = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite", "deepseek-
                   "gpt-oss-120b", "qwen3-235b-a22b-T4096", "qwen3-30b-a3b-T1024")
 
 
-def fp8_configs(Ma, Nb, G):
+def fp8_configs(Ma, Nb, G, tiles="all"):
     """The policy's tile first, then the cooperative 256 x 128 and 128 x 128 tiles as single CTAs and pairs, the
     two-CTA 128 x 128 tile (two CTAs an SM), and the 256 x 128 (single and pairs) and two-CTA tiles storing 16 bytes
-    a lane: each once."""
+    a lane: each once. ``tiles="ordered"``: the policy's tile with and without ordered waves
+    (WgradConfig.ordered_waves) and the 256 x 128 single CTA with them, only."""
     coop = dataclasses.replace(fp8_wgrad_two_ctas(), ctas_per_sm=1, tile_m=256, stages=fp8_wgrad_stages(256, 128))
     short = dataclasses.replace(coop, tile_m=128, stages=fp8_wgrad_stages(128, 128))
     out = [choose_fp8_wgrad_config(Ma, Nb, G)]
+    if tiles == "ordered":
+        for cfg in (dataclasses.replace(out[0], ordered_waves=not out[0].ordered_waves),
+                    dataclasses.replace(coop, ordered_waves=True)):
+            if cfg not in out:
+                out.append(cfg)
+        return out
     for cfg in (coop, short, dataclasses.replace(coop, cluster_n=2), dataclasses.replace(short, cluster_n=2),
                 fp8_wgrad_two_ctas(), dataclasses.replace(coop, store_bytes=16),
                 dataclasses.replace(fp8_wgrad_two_ctas(), store_bytes=16),
@@ -54,7 +61,8 @@ def fp8_configs(Ma, Nb, G):
 
 def config_label(cfg) -> str:
     return (f"{cfg.tile_m}x{cfg.tile_n} s{cfg.stages}{' c2' if cfg.cluster_n > 1 else ''}"
-            f"{' 2cta' if cfg.ctas_per_sm == 2 else ''}{' st16' if cfg.store_bytes == 16 else ''}")
+            f"{' 2cta' if cfg.ctas_per_sm == 2 else ''}{' st16' if cfg.store_bytes == 16 else ''}"
+            f"{' ord' if cfg.ordered_waves else ''}")
 
 
 def fp8_job(cfg, Ma, Nb, G) -> KernelJob:
@@ -62,13 +70,13 @@ def fp8_job(cfg, Ma, Nb, G) -> KernelJob:
                      N=Nb, K=Ma, G=G, target="sm_90a", mainloop="fp8_varlen_k")
 
 
-def all_jobs(names):
+def all_jobs(names, tiles="all"):
     jobs = []
     for name in names:
         E, d, f, T, k = SHAPES[name]
         for _, Ma, Nb, _ in gemms(E, d, f, T, k):
             jobs.append(bf16_job(choose_wgrad_config(Ma, Nb, E, rows=T * k), Ma, Nb, E))
-            jobs += [fp8_job(c, Ma, Nb, E) for c in fp8_configs(Ma, Nb, E)]
+            jobs += [fp8_job(c, Ma, Nb, E) for c in fp8_configs(Ma, Nb, E, tiles)]
     return jobs
 
 
@@ -83,7 +91,7 @@ def dequantized_groups(data, scale, sizes):
     return out
 
 
-def run_shape(name, groups, gen, dev="cuda"):
+def run_shape(name, groups, gen, dev="cuda", tiles="all"):
     from fusion.kernels.fp8_quantize_api import quantize_fp8_block_slots
     from fusion.kernels.fp8_wgrad_api import run_fp8_varlen_k_gemm
     from fusion.kernels.wgrad_api import run_varlen_k_gemm
@@ -112,7 +120,7 @@ def run_shape(name, groups, gen, dev="cuda"):
                 "bf16 ours": lambda: run_varlen_k_gemm(bf16, dy, x, offs, out)}
         errors = {}
         want = None
-        for i, cfg in enumerate(fp8_configs(Ma, Nb, E)):
+        for i, cfg in enumerate(fp8_configs(Ma, Nb, E, tiles)):
             comp = load_compiled(fp8_job(cfg, Ma, Nb, E))
             key = f"fp8 gemm {config_label(cfg)}" + (" (policy)" if i == 0 else "")
             fn = (lambda c: lambda: run_fp8_varlen_k_gemm(c, *a, *b, offs, out))(comp)
@@ -156,6 +164,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
     ap.add_argument("--groups", default="lognormal")
     ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--tiles", default="all", choices=["all", "ordered"],
+                    help="ordered: the policy's tile with and without ordered waves, and the 256 x 128 single CTA")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     names = args.shapes.split(",")
@@ -164,12 +174,12 @@ def main(argv=None):
         raise SystemExit(f"unknown --shapes {unknown}; known: {sorted(SHAPES)}")
     if args.precompile:
         from fusion.runtime.aot import compile_jobs
-        compile_jobs(all_jobs(names), parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "1")))
+        compile_jobs(all_jobs(names, args.tiles), parallel=int(os.environ.get("FUSION_COMPILE_WORKERS", "1")))
         return None
     gen = torch.Generator().manual_seed(0)
     header = run_header()
     print(f"{header['gpu']}, torch {torch.__version__}, commit {header['commit']}", flush=True)
-    results = [run_shape(n, g, gen) for n in names for g in args.groups.split(",")]
+    results = [run_shape(n, g, gen, tiles=args.tiles) for n in names for g in args.groups.split(",")]
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({**header, "results": results}, fh, indent=1)

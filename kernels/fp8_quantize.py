@@ -95,6 +95,10 @@ PIPELINED_ROWWISE = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED_ROWWISE", "0")
 #: time (:data:`COLUMN_PAIRS`) the pipelined bf16 build fits 128 registers without spilling (session ai). Read when
 #: a kernel is built (it is in the key); FUSION_FP8_QUANTIZE_PIPELINED_COLUMNS=0 builds one tile a CTA.
 PIPELINED_COLUMNS = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED_COLUMNS", "1") != "0"
+#: Whether a pipelined (K, M) build's CTAs walk their tiles row blocks fastest (concurrent CTAs then write neighbouring
+#: rows of the same columns of ``cw_data``, as the one-tile-a-CTA grid's do) instead of column blocks fastest (they
+#: read neighbouring columns of the same rows of x). Read when a kernel is built (it is in the key).
+BLOCKS_FASTEST = True
 #: Shared memory an SM gives its CTAs (sm_90: 227 KiB), and the most tiles a pipelined CTA keeps in its ring.
 _SMEM_PER_SM = 227 * 1024
 _MAX_STAGES = 4
@@ -138,7 +142,8 @@ class FP8QuantizeKernel:
 
     def __init__(self, dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
                  min_ctas: int = 0, amax: bool = False, slots: bool = False, rowwise: bool = True,
-                 pairs: bool = True, pipelined: bool = False, column_pairs: bool = False):
+                 pairs: bool = True, pipelined: bool = False, column_pairs: bool = False,
+                 blocks_fastest: bool = False):
         self.dtype = cutlass_dtype(dtype)
         self.vec = _CHUNK_BYTES * 8 // self.dtype.width
         if K <= 0 or K % self.vec:
@@ -165,6 +170,9 @@ class FP8QuantizeKernel:
         self.column_pairs = column_pairs and columnwise and self.dtype is cutlass.BFloat16
         #: tiles in a pipelined CTA's ring (0: one tile a CTA): as many as fit the SM's shared memory shared by
         #: ``min_ctas`` CTAs beside the fixed tiles, at most _MAX_STAGES; fewer than two: not pipelined
+        #: a pipelined CTA's tiles walk the column blocks' row blocks fastest (tile t = row block t % blocks of column
+        #: block t // blocks) instead of the row blocks' column blocks
+        self.blocks_fastest = blocks_fastest
         self.stages = 0
         if pipelined:
             tile_bytes = TILE * TILE * self.dtype.width // 8
@@ -371,8 +379,7 @@ class FP8QuantizeKernel:
         the block's and chunks past K zero-filled (source size 0, read from row 0 of the tile's column block)."""
         c = tidx % self.cpb
         q = tidx // self.cpb
-        b = t // self.nkb
-        kb = t - b * self.nkb
+        b, kb = self.tile_coords(t, M)
         row0, nrows = self.block_rows(mSizes, M, b, tidx % _LANES)
         chunk = kb * self.cpb + c
         col_ok = chunk * self.vec < self.K
@@ -388,6 +395,19 @@ class FP8QuantizeKernel:
             src = cute.make_tensor(mX[row, safe_chunk, None].iterator, cute.make_layout(((self.vec, 1),)))
             dst = cute.make_tensor(sTile[None, u].iterator, cute.make_layout(((self.vec, 1),)))
             cute.copy(atom, src, dst, pred=ok)
+
+    @cute.jit
+    def tile_coords(self, t: Int32, M: Int32):
+        """``(row block b, column block kb)`` of a pipelined CTA's tile ``t``."""
+        b = t // self.nkb
+        kb = t - b * self.nkb
+        if const_expr(self.blocks_fastest):
+            blocks = (M + TILE - 1) // TILE
+            if const_expr(self.columnwise):
+                blocks = blocks + self.G
+            kb = t // blocks
+            b = t - kb * blocks
+        return b, kb
 
     @cute.jit
     def pipelined_tiles(self, mX: cute.Tensor, mData: cute.Tensor, mScale: cute.Tensor, pCwData: cute.Pointer,
@@ -413,8 +433,7 @@ class FP8QuantizeKernel:
             # tile i's group: the S - 1 after it may stay in flight. No barrier: a thread reads back only its own
             # slice of the stage, and encode_tile's barriers order the shared tiles' reuse between tiles
             cute.arch.cp_async_wait_group(S - 1)
-            b = t // self.nkb
-            kb = t - b * self.nkb
+            b, kb = self.tile_coords(t, M)
             row0, nrows = self.block_rows(mSizes, M, b, tidx % _LANES)
             sTile = sRaw[None, None, tidx, i % S]
             frag = cute.make_rmem_tensor((self.vec, self.rpt), self.dtype)
@@ -660,23 +679,24 @@ def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
     if not columnwise:
         G, sizes_dtype, slots, rowwise = 1, None, False, True
     pairs, column_pairs = PAIRS, COLUMN_PAIRS
-    pipelined = _pipelined(columnwise, slots)
+    pipelined = _pipelined(dtype, columnwise, slots)
+    blocks_fastest = BLOCKS_FASTEST and columnwise and not slots
 
     def build():
         fn, _, kernel = build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
-                                     pipelined, column_pairs)
+                                     pipelined, column_pairs, blocks_fastest)
         return UtilityKernel(fn, ctas_per_sm=kernel.min_ctas)
 
     return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
-                         pipelined, column_pairs), build)
+                         pipelined, column_pairs, blocks_fastest), build)
 
 
-def _pipelined(columnwise: bool, slots: bool) -> bool:
+def _pipelined(dtype: str, columnwise: bool, slots: bool) -> bool:
     """Whether a build of this layout is pipelined: :data:`PIPELINED` (slot layout), :data:`PIPELINED_COLUMNS`
-    ((K, M) layout) or :data:`PIPELINED_ROWWISE` (rowwise only), read when it is built."""
+    ((K, M) layout, bf16 only) or :data:`PIPELINED_ROWWISE` (rowwise only), read when it is built."""
     if not columnwise:
         return PIPELINED_ROWWISE
-    return PIPELINED if slots else PIPELINED_COLUMNS
+    return PIPELINED if slots else PIPELINED_COLUMNS and dtype == "bfloat16"
 
 
 def grid_limit(kernel: UtilityKernel, sms: int) -> int:
@@ -687,7 +707,8 @@ def grid_limit(kernel: UtilityKernel, sms: int) -> int:
 
 def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
                  amax: bool = False, slots: bool = False, rowwise: bool = True, pairs: bool = True,
-                 min_ctas: int = 0, pipelined: bool | None = None, column_pairs: bool | None = None):
+                 min_ctas: int = 0, pipelined: bool | None = None, column_pairs: bool | None = None,
+                 blocks_fastest: bool = False):
     """``(compiled function, cubin, kernel)``: built for two CTAs an SM (128 registers a thread), or for one
     where that spills (the fp32 columnwise kernel, and a few shapes where the compiler's schedule needs more),
     as the grouped GEMMs fall back to a tile that does not spill; ``min_ctas`` > 0: built for that many CTAs an SM
@@ -700,11 +721,11 @@ def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: 
 
     from .api import _cubin_nv_info
 
-    pipelined = _pipelined(columnwise, slots) if pipelined is None else pipelined
+    pipelined = _pipelined(dtype, columnwise, slots) if pipelined is None else pipelined
     column_pairs = COLUMN_PAIRS if column_pairs is None else column_pairs
     for min_ctas in ((min_ctas,) if min_ctas else (MIN_CTAS_PER_SM, 1)):
         kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise, pairs,
-                                   pipelined, column_pairs)
+                                   pipelined, column_pairs, blocks_fastest)
         with tempfile.TemporaryDirectory() as dump:
             fn = compile_kernel(kernel, f"--enable-tvm-ffi --keep-cubin --dump-dir={shlex.quote(dump)}")
             cubin = getattr(fn, "__cubin__", None)

@@ -56,12 +56,15 @@ from .dtypes import cutlass_dtype
 from .fp8_mainloop import MAX_SHARED_CARVEOUT, TWO_CTA_REGISTER_SPLIT, issue_wave
 from .fp8_scales import SCALE_BLOCK
 from .fragment_io import store_tile16
-from .mainloop import REGISTER_SPLIT
+from .mainloop import PINGPONG_BARRIER, REGISTER_SPLIT
 from .scheduler import multicast_mask
 
 __all__ = ["Fp8VarlenKGemmKernel"]
 
 FP8 = cutlass.Float8E4M3FN
+#: Named barriers 8, 9 (those of the bf16 kernels' pingpong order, unused here): consumer warpgroup ``w`` waits on
+#: ``WAVE_ORDER_BARRIER + w`` for its turn to issue a wave (``ordered_waves``).
+WAVE_ORDER_BARRIER = PINGPONG_BARRIER
 
 
 class Fp8VarlenKGemmKernel:
@@ -90,6 +93,8 @@ class Fp8VarlenKGemmKernel:
         self.cluster_n = int(getattr(config, "cluster_n", 1))
         assert self.cluster_n in (1, 2) and self.tile_m % (8 * self.cluster_n) == 0
         assert self.ctas_per_sm == 1 or (self.tile_m == 128 and self.cluster_n == 1), "two CTAs an SM: 128-row single"
+        #: the two consumer warpgroups issue their waves in turn (:meth:`consume`); one warpgroup has no turns to take
+        self.ordered = bool(getattr(config, "ordered_waves", False)) and self.num_mma_wg == 2
 
     # ------------------------------------------------------------------ host-side (traced) entry
     @cute.jit
@@ -296,6 +301,10 @@ class Fp8VarlenKGemmKernel:
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         clusters = grid // self.cluster_n
         unit = bidx // self.cluster_n
+        cwg = ctid // 128
+        if const_expr(self.ordered):
+            if cwg == 1:   # warpgroup 0 takes the first turn
+                cute.arch.barrier_arrive(barrier_id=WAVE_ORDER_BARRIER, number_of_threads=256)
         while unit < total:
             g, m_idx, n_idx = self.unit_coords(unit, rank)
             steps = self.k_tiles(mOffs, g)
@@ -304,13 +313,21 @@ class Fp8VarlenKGemmKernel:
                 ab_pipe.consumer_wait(read_state)
                 stage = read_state.index
                 for w in cutlass.range_constexpr(self.waves):
+                    if const_expr(self.ordered):
+                        cute.arch.barrier(barrier_id=WAVE_ORDER_BARRIER + cwg, number_of_threads=256)
                     tiled_mma = issue_wave(tiled_mma, part, tCrA[w], tCrB, stage)
                     # the row scales' shared-memory loads go out before the wait, under the wgmma
                     row_scales = [sSA[(self.wave_rows * w + r, 0, stage)] for r in rows]
                     warpgroup.wait_group(0)
+                    if const_expr(self.ordered):
+                        # this wave's wgmma are done: the other warpgroup's turn, while this one promotes
+                        cute.arch.barrier_arrive(barrier_id=WAVE_ORDER_BARRIER + 1 - cwg, number_of_threads=256)
                     self.promote(acc, w, part, row_scales, sSB, col0, stage)
                 ab_pipe.consumer_release(read_state)
                 read_state.advance()
             store_tile16(acc, tCcC, mD, g * self.Ma + m_idx * self.tile_m, (g + 1) * self.Ma,
                          n_idx * self.tile_n, self.Nb, self.out_dtype, self.cfg.store_bytes)
             unit = unit + clusters
+        if const_expr(self.ordered):
+            if cwg == 0:   # warpgroup 1's turn after its last wave (or its first arrival, with no wave at all)
+                cute.arch.barrier(barrier_id=WAVE_ORDER_BARRIER, number_of_threads=256)

@@ -82,7 +82,8 @@ class CompiledFp8VarlenKGemm(CompiledArtifact):
         self.Ma, self.Nb, self.G = Ma, Nb, G
         self.name = (f"fp8_varlen_k_gemm_{out_dtype}_Ma{Ma}_Nb{Nb}_G{G}_{config.tile_m}x{config.tile_n}x"
                      f"{config.tile_k}s{config.stages}" + (f"_c{config.cluster_n}" if config.cluster_n > 1 else "")
-                     + ("_2cta" if config.ctas_per_sm == 2 else "") + ("_st16" if config.store_bytes == 16 else ""))
+                     + ("_2cta" if config.ctas_per_sm == 2 else "") + ("_st16" if config.store_bytes == 16 else "")
+                     + ("_ord" if config.ordered_waves else ""))
         c = config.cluster_n
         self.tiles = G * -(-Ma // config.tile_m) * c * -(-Nb // (config.tile_n * c))   # CTAs' tiles, per unit
 

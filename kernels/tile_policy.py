@@ -849,6 +849,8 @@ class WgradConfig:
     store_bytes: int = 8     # bytes one lane stores per instruction in the 16-bit epilogue (8 or 16)
     ctas_per_sm: int = 1     # the FP8 kernel: 2 = one consumer warpgroup a CTA (a 128-row tile as two 64-row
     #                          m-waves) and two CTAs an SM, one's epilogue under the other's mainloop
+    ordered_waves: bool = False  # the FP8 kernel: its two consumer warpgroups issue their waves' wgmma in turn, so
+    #                              one's promotion runs under the other's wgmma (kernels/fp8_wgrad.py)
 
 
 #: Mean rows per group (a tile's reduction length) from which, and below which, the varlen-K kernel takes
@@ -1023,7 +1025,7 @@ def choose_fp8_wgrad_config(Ma: int, Nb: int, G: int) -> WgradConfig:
     tile_m = FP8_WGRAD_TILE_M
     return WgradConfig(tile_m=tile_m, tile_n=128, tile_k=SCALE_BLOCK, stages=fp8_wgrad_stages(tile_m, 128),
                        pingpong=False, cluster_m=1, cluster_n=2 if FP8_WGRAD_PAIRS else 1,
-                       store_bytes=16 if FP8_WGRAD_STORE16 else 8)
+                       store_bytes=16 if FP8_WGRAD_STORE16 else 8, ordered_waves=FP8_WGRAD_ORDERED_WAVES)
 
 
 #: The FP8 varlen-K kernel's tiles as CTA pairs along n sharing A's box by TMA multicast (cluster_n = 2;
@@ -1036,6 +1038,13 @@ FP8_WGRAD_PAIRS = os.environ.get("FUSION_FP8_WGRAD_PAIRS", "1") != "0"
 #: (FUSION_FP8_WGRAD_STORE16=1, read at import; read per job). Off: beside the pairs the FP8 step +0.8% Llama-3-70B,
 #: -0.4% Mixtral-8x7B (session ag, -call2-ab-store16.*); the kernel alone -4..+18% (mixed).
 FP8_WGRAD_STORE16 = os.environ.get("FUSION_FP8_WGRAD_STORE16", "0") != "0"
+#: The FP8 varlen-K kernel's two consumer warpgroups issuing their waves' wgmma in turn (WgradConfig.ordered_waves;
+#: FUSION_FP8_WGRAD_ORDERED_WAVES=1, read at import; read per job). Nsight Compute on Mixtral-8x7B's FP8 step (session
+#: ai, H200, bench/results/H200-2026-12-01ai-call2-ncu.log): the FP8 weight gradients kept the tensor pipe 50-52% busy
+#: against 78-79% for the FP8 dgrads of the same FLOPs; 60% of their instructions are the promotion (an FMUL and an
+#: FFMA an element, the row and column scales both per 128-row slot), and the two warpgroups, waiting on the same
+#: stage, run their wgmma together and then promote together with the tensor cores idle.
+FP8_WGRAD_ORDERED_WAVES = os.environ.get("FUSION_FP8_WGRAD_ORDERED_WAVES", "0") != "0"
 
 
 #: The FP8 varlen-K kernel as two CTAs an SM (:func:`fp8_wgrad_two_ctas`; FUSION_FP8_WGRAD_TWO_CTAS=1, read at

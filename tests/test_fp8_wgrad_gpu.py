@@ -54,10 +54,12 @@ def _dequantized_groups(data, scale, sizes):
     return out
 
 
-#: tile variants: (tile_m, cluster_n, ctas_per_sm, store_bytes)
-VARIANTS = {"128-single": (128, 1, 1, 8), "128-pairs": (128, 2, 1, 8), "256-single": (256, 1, 1, 8),
-            "256-pairs": (256, 2, 1, 8), "256-store16": (256, 1, 1, 16), "two-ctas": (128, 1, 2, 8),
-            "two-ctas-store16": (128, 1, 2, 16), "256-pairs-store16": (256, 2, 1, 16)}
+#: tile variants: (tile_m, cluster_n, ctas_per_sm, store_bytes, ordered_waves)
+VARIANTS = {"128-single": (128, 1, 1, 8, False), "128-pairs": (128, 2, 1, 8, False),
+            "256-single": (256, 1, 1, 8, False), "256-pairs": (256, 2, 1, 8, False),
+            "256-store16": (256, 1, 1, 16, False), "two-ctas": (128, 1, 2, 8, False),
+            "two-ctas-store16": (128, 1, 2, 16, False), "256-pairs-store16": (256, 2, 1, 16, False),
+            "256-pairs-ordered": (256, 2, 1, 8, True), "128-single-ordered": (128, 1, 1, 8, True)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -69,7 +71,7 @@ def test_fp8_varlen_k_gemm_against_float64(Ma, Nb, variant):
     from fusion.kernels.fp8_wgrad_api import compile_fp8_varlen_k_gemm, run_fp8_varlen_k_gemm
     from fusion.kernels.tile_policy import choose_fp8_wgrad_config, fp8_wgrad_stages
 
-    tile_m, cluster_n, ctas_per_sm, store_bytes = VARIANTS[variant]
+    tile_m, cluster_n, ctas_per_sm, store_bytes, ordered = VARIANTS[variant]
 
     G = len(SIZES)
     sizes = torch.tensor(SIZES, device=DEV, dtype=torch.int32)
@@ -79,10 +81,10 @@ def test_fp8_varlen_k_gemm_against_float64(Ma, Nb, variant):
     b = quantize_fp8_block_slots(x, sizes)
     cfg = dataclasses.replace(choose_fp8_wgrad_config(Ma, Nb, G), tile_m=tile_m, cluster_n=cluster_n,
                               stages=fp8_wgrad_stages(tile_m, 128, ctas_per_sm), ctas_per_sm=ctas_per_sm,
-                              store_bytes=store_bytes)
+                              store_bytes=store_bytes, ordered_waves=ordered)
     compiled = compile_fp8_varlen_k_gemm(cfg, Ma, Nb, G)
     assert compiled.frame_size == 0, "the kernel spills"
-    assert ("_2cta" in compiled.name) == (ctas_per_sm == 2)
+    assert ("_2cta" in compiled.name) == (ctas_per_sm == 2) and ("_ord" in compiled.name) == ordered
     out = torch.full((G, Ma, Nb), float("nan"), device=DEV, dtype=torch.bfloat16)
     run_fp8_varlen_k_gemm(compiled, *a, *b, offsets, out)
     for g, (ga, gb) in enumerate(zip(_dequantized_groups(*a, SIZES), _dequantized_groups(*b, SIZES))):

@@ -8,7 +8,7 @@ buffers compared byte for byte with the other setting's. ``--switch COLUMN_PAIRS
 fusion.kernels.fp8_quantize.COLUMN_PAIRS (the columnwise values tested a packed bf16 pair at a time), or of
 ``PIPELINED_ROWWISE`` (the rowwise-only build pipelined too; its row is the one that setting changes), or of
 ``PIPELINED_COLUMNS`` (the (K, M) columnwise + rowwise build a user's ``QuantizeFP8Block(columnwise=True)`` runs,
-pipelined; session ai). ``--dtype float16``: the input in fp16 (value-at-a-time encoding).
+pipelined; session ai), or of ``BLOCKS_FASTEST`` (that build's tile order). ``--dtype float16``: the input in fp16 (value-at-a-time encoding).
 
     python bench/probes/quantize_pipelined_ab.py [--shapes olmoe-fc1,mixtral-fc1] [--rounds 5] [--out r.json]
         [--switch PIPELINED_COLUMNS] [--dtype bfloat16|float16]
@@ -64,6 +64,7 @@ def run(name, rounds, iters, device, switch="PIPELINED", dtype=torch.bfloat16, o
         if only and build not in only:
             continue
         results, times = {}, {True: [], False: []}
+        original = getattr(fp8_quantize, switch)
         for setting in (False, True):
             setattr(fp8_quantize, switch, setting)
             results[setting] = [t.clone() if t is not None else None for t in fn()]
@@ -72,7 +73,7 @@ def run(name, rounds, iters, device, switch="PIPELINED", dtype=torch.bfloat16, o
             for setting in ((True, False) if r % 2 else (False, True)):
                 setattr(fp8_quantize, switch, setting)
                 times[setting].append(_time_ms(fn, iters, device))
-        setattr(fp8_quantize, switch, True)
+        setattr(fp8_quantize, switch, original)
         row = {}
         for setting, label in ((False, "off"), (True, "on")):
             ms = statistics.median(times[setting])
@@ -92,7 +93,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--switch", default="PIPELINED", choices=["PIPELINED", "COLUMN_PAIRS", "PIPELINED_ROWWISE",
-                                                                "PIPELINED_COLUMNS"])
+                                                                "PIPELINED_COLUMNS", "BLOCKS_FASTEST"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--builds", default="", help="comma-separated build names (default: all)")
     ap.add_argument("--out", default=None)
