@@ -126,6 +126,7 @@ class CompiledFp8GroupedGemm(CompiledGroupedGemm):
                      + ("_dyn" if config.dynamic else "") + ("_c2" if config.cluster_n == 2 else "")
                      + ("_cm2" if config.cluster_m == 2 else "")
                      + ("_2cta" if config.ctas_per_sm == 2 else "")
+                     + ("_ord" if getattr(config, "ordered_waves", False) else "")
                      + debug
                      + ("" if kernel is None or kernel.debug.reg_realloc else "_noregs"))
         self.k_blocks = -(-K // SCALE_BLOCK)

@@ -99,6 +99,8 @@ class Fp8GroupedGemmKernel(Fp8WarpRoles):
         self.ctas_per_sm = int(getattr(config, "ctas_per_sm", 1))
         assert self.ctas_per_sm in (1, 2)
         self.num_mma_wg = 2 if self.ctas_per_sm == 1 else 1
+        #: the two consumer warpgroups issue their waves in turn (kernels/fp8_mainloop.py ``take_turn``)
+        self.ordered = bool(getattr(config, "ordered_waves", False)) and self.num_mma_wg == 2
         self.mma_atoms_m = self.num_mma_wg
         self.wave_rows = 64 * self.num_mma_wg          # the tile's rows one wave covers (64 per warpgroup)
         self.waves = self.tile_m // self.wave_rows

@@ -37,7 +37,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .fp8_scales import SA_BOX, SB_BOX, SCALE_BLOCK, box_shift, box_start, segment_of
-from .mainloop import WarpRoles
+from .mainloop import PINGPONG_BARRIER, WarpRoles
 
 #: setmaxnreg split (producer, consumer warpgroup) of a CTA of two CTAs an SM (the FP8 kernels' ``ctas_per_sm = 2``:
 #: kernels/fp8_gemm.py, kernels/fp8_wgrad.py): each starts with 256 threads x 128 registers (65536 an SM), and the
@@ -45,6 +45,41 @@ from .mainloop import WarpRoles
 TWO_CTA_REGISTER_SPLIT = (32, 224)
 #: cudaSharedmemCarveoutMaxShared: the SM's whole unified L1 / shared memory as shared memory (two CTAs an SM).
 MAX_SHARED_CARVEOUT = 100
+#: Named barriers 8, 9 (the bf16 kernels' pingpong order; the FP8 kernels are cooperative): with ordered waves,
+#: consumer warpgroup ``w`` waits on ``WAVE_ORDER_BARRIER + w`` for its turn to issue a wave (GemmConfig.ordered_waves,
+#: WgradConfig.ordered_waves).
+WAVE_ORDER_BARRIER = PINGPONG_BARRIER
+
+
+@cute.jit
+def take_turn(ordered: cutlass.Constexpr, cwg: Int32):
+    """With ``ordered``: consumer warpgroup ``cwg`` (0 or 1) waits for its turn to issue a wave."""
+    if const_expr(ordered):
+        cute.arch.barrier(barrier_id=WAVE_ORDER_BARRIER + cwg, number_of_threads=256)
+
+
+@cute.jit
+def pass_turn(ordered: cutlass.Constexpr, cwg: Int32):
+    """With ``ordered``: the wave's wgmma are done; the other consumer warpgroup's turn (while this one promotes)."""
+    if const_expr(ordered):
+        cute.arch.barrier_arrive(barrier_id=WAVE_ORDER_BARRIER + 1 - cwg, number_of_threads=256)
+
+
+@cute.jit
+def first_turn(ordered: cutlass.Constexpr, cwg: Int32):
+    """With ``ordered``, before the first wave: warpgroup 1 hands warpgroup 0 the first turn."""
+    if const_expr(ordered):
+        if cwg == 1:
+            cute.arch.barrier_arrive(barrier_id=WAVE_ORDER_BARRIER, number_of_threads=256)
+
+
+@cute.jit
+def last_turn(ordered: cutlass.Constexpr, cwg: Int32):
+    """With ``ordered``, after the last wave: warpgroup 0 takes warpgroup 1's last turn, so every arrival on the
+    order barriers is matched (warpgroup 1's first one too, when there was no wave at all)."""
+    if const_expr(ordered):
+        if cwg == 0:
+            cute.arch.barrier(barrier_id=WAVE_ORDER_BARRIER, number_of_threads=256)
 
 
 def issue_wave(tiled_mma, frag, tCrA, tCrB, stage):
@@ -178,6 +213,9 @@ class Fp8WarpRoles(WarpRoles):
         # the thread's rows of a wave (wave w holds the tile's rows [wave_rows w, wave_rows (w + 1)))
         rows = [tCcW[((0, h, 0), 0, 0)][0] for h in range(n_h)]
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        ordered = self.ordered
+        cwg = wg_idx - 1
+        first_turn(ordered, cwg)
         if const_expr(self.dynamic):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
             tile_id, sched_state = self.sched.first_dynamic(sched_pipe, sched_state, sTile, 0)
@@ -205,16 +243,22 @@ class Fp8WarpRoles(WarpRoles):
                 for w in cutlass.range_constexpr(self.waves * self.n_waves):
                     wa = w if self.waves > 1 else 0      # the A slice (m-waves) and the B slice (n-waves)
                     wb = w if self.n_waves > 1 else 0
+                    take_turn(ordered, cwg)
                     tiled_mma = issue_wave(tiled_mma, part, tCrA[wa], tCrB[wb], stage)
                     # the scales' shared-memory loads go out before the wait, their latency under the wgmma's
                     scales = self.read_scales(sSA, sSB, rows, coords, kt, stage, wa)
                     warpgroup.wait_group(0)
+                    pass_turn(ordered, cwg)
                     if const_expr(w == self.waves * self.n_waves - 1):
                         ab_pipe.consumer_release(read_state)
                     self.promote(acc, w, part, *scales, bounds)
                 read_state.advance()
             for kt in cutlass.range(self.k_tiles - mma_tiles, unroll=1):
                 ab_pipe.consumer_wait(read_state)
+                for w in cutlass.range_constexpr(self.waves * self.n_waves):
+                    # a short tile's idle warpgroup still takes its turns: the order barriers stay matched
+                    take_turn(ordered, cwg)
+                    pass_turn(ordered, cwg)
                 ab_pipe.consumer_release(read_state)
                 read_state.advance()
 
@@ -225,3 +269,4 @@ class Fp8WarpRoles(WarpRoles):
             else:
                 tile_id = self.sched.next_static(tile_id, grid)
             g, base, cnt = self.sched.seek(mOffs, tile_id, g, base, cnt)
+        last_turn(ordered, cwg)

@@ -53,18 +53,16 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .dtypes import cutlass_dtype
-from .fp8_mainloop import MAX_SHARED_CARVEOUT, TWO_CTA_REGISTER_SPLIT, issue_wave
+from .fp8_mainloop import MAX_SHARED_CARVEOUT, TWO_CTA_REGISTER_SPLIT, first_turn, issue_wave, last_turn, pass_turn, \
+    take_turn
 from .fp8_scales import SCALE_BLOCK
 from .fragment_io import store_tile16
-from .mainloop import PINGPONG_BARRIER, REGISTER_SPLIT
+from .mainloop import REGISTER_SPLIT
 from .scheduler import multicast_mask
 
 __all__ = ["Fp8VarlenKGemmKernel"]
 
 FP8 = cutlass.Float8E4M3FN
-#: Named barriers 8, 9 (those of the bf16 kernels' pingpong order, unused here): consumer warpgroup ``w`` waits on
-#: ``WAVE_ORDER_BARRIER + w`` for its turn to issue a wave (``ordered_waves``).
-WAVE_ORDER_BARRIER = PINGPONG_BARRIER
 
 
 class Fp8VarlenKGemmKernel:
@@ -302,9 +300,7 @@ class Fp8VarlenKGemmKernel:
         clusters = grid // self.cluster_n
         unit = bidx // self.cluster_n
         cwg = ctid // 128
-        if const_expr(self.ordered):
-            if cwg == 1:   # warpgroup 0 takes the first turn
-                cute.arch.barrier_arrive(barrier_id=WAVE_ORDER_BARRIER, number_of_threads=256)
+        first_turn(self.ordered, cwg)
         while unit < total:
             g, m_idx, n_idx = self.unit_coords(unit, rank)
             steps = self.k_tiles(mOffs, g)
@@ -313,21 +309,16 @@ class Fp8VarlenKGemmKernel:
                 ab_pipe.consumer_wait(read_state)
                 stage = read_state.index
                 for w in cutlass.range_constexpr(self.waves):
-                    if const_expr(self.ordered):
-                        cute.arch.barrier(barrier_id=WAVE_ORDER_BARRIER + cwg, number_of_threads=256)
+                    take_turn(self.ordered, cwg)
                     tiled_mma = issue_wave(tiled_mma, part, tCrA[w], tCrB, stage)
                     # the row scales' shared-memory loads go out before the wait, under the wgmma
                     row_scales = [sSA[(self.wave_rows * w + r, 0, stage)] for r in rows]
                     warpgroup.wait_group(0)
-                    if const_expr(self.ordered):
-                        # this wave's wgmma are done: the other warpgroup's turn, while this one promotes
-                        cute.arch.barrier_arrive(barrier_id=WAVE_ORDER_BARRIER + 1 - cwg, number_of_threads=256)
+                    pass_turn(self.ordered, cwg)
                     self.promote(acc, w, part, row_scales, sSB, col0, stage)
                 ab_pipe.consumer_release(read_state)
                 read_state.advance()
             store_tile16(acc, tCcC, mD, g * self.Ma + m_idx * self.tile_m, (g + 1) * self.Ma,
                          n_idx * self.tile_n, self.Nb, self.out_dtype, self.cfg.store_bytes)
             unit = unit + clusters
-        if const_expr(self.ordered):
-            if cwg == 0:   # warpgroup 1's turn after its last wave (or its first arrival, with no wave at all)
-                cute.arch.barrier(barrier_id=WAVE_ORDER_BARRIER, number_of_threads=256)
+        last_turn(self.ordered, cwg)

@@ -91,6 +91,8 @@ class GemmConfig:
     ctas_per_sm: int = 1     # FP8 kernel: 2 = one consumer warpgroup a CTA (a 128 x <= 128 tile as two 64-row
                              # m-waves), two CTAs an SM, so one CTA's epilogue overlaps the other's mainloop
                              # (kernels/fp8_gemm.py)
+    ordered_waves: bool = False  # FP8 kernel, two consumer warpgroups: they issue their waves' wgmma in turn, so one's
+                                 # promotion runs under the other's wgmma (kernels/fp8_mainloop.py; FP8_ORDERED_WAVES)
 
     @property
     def b_shape_order(self) -> str:
@@ -546,7 +548,17 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
                       wide_odd: bool | None = None, col_block: int = 8, plain_epilogue: bool = False) -> GemmConfig:
     """The FP8 kernel's configuration: :func:`cooperative_fp8_config`'s, as two CTAs an SM where
     :func:`fp8_two_ctas` says (`plain_epilogue`: the epilogue only stores the accumulator, as a lone GEMM's)."""
-    return fp8_two_ctas(cooperative_fp8_config(N, K, G, gated, rows, wide_odd, col_block), K, plain_epilogue)
+    cfg = fp8_two_ctas(cooperative_fp8_config(N, K, G, gated, rows, wide_odd, col_block), K, plain_epilogue)
+    if FP8_ORDERED_WAVES and cfg.ctas_per_sm == 1:
+        cfg = dataclasses.replace(cfg, ordered_waves=True)
+    return cfg
+
+
+#: The FP8 forward / dgrad kernel's two consumer warpgroups issuing their waves' wgmma in turn
+#: (GemmConfig.ordered_waves; FUSION_FP8_ORDERED_WAVES=1, read at import; read per job, so bench/ab_switch.py --plan
+#: can flip it): what the FP8 weight gradient's ordered waves (FP8_WGRAD_ORDERED_WAVES) do, for the kernels whose
+#: promotion is one FFMA an element. Two-CTA tiles have one consumer warpgroup and are left as they are.
+FP8_ORDERED_WAVES = os.environ.get("FUSION_FP8_ORDERED_WAVES", "0") != "0"
 
 
 def cooperative_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | None = None,

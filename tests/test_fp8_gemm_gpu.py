@@ -697,3 +697,28 @@ def test_two_ctas_an_sm_run_the_fp8_training_kernels_bit_for_bit(step, quantized
         for got, kernel in zip(outs[1:], names[1:]):
             assert torch.equal(got[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), \
                 f"{step}: {name} differs between the policy's tile and {kernel}"
+
+
+# ------------------------------------------------------------------ ordered waves (GemmConfig.ordered_waves)
+# (G, M, N, K, config overrides): 128-row tiles with short last m-tiles (their second warpgroup idle, still taking its
+# turns), 256-row tiles as CTA pairs (two m-waves), the dynamic scheduler, many groups
+ORDERED_CASES = [(8, 3001, 1024, 512, dict(tile_m=128, cluster_n=1)), (130, 5000, 512, 384, dict(dynamic=True)),
+                 (32, 8192, 4096, 7168, {}), (8, 3001, 1024, 512, dict(cluster_n=2, dynamic=False)),
+                 (4, 1000, 1000, 640, dict(tile_m=128, cluster_n=1, dynamic=True))]
+
+
+@pytest.mark.parametrize("num_ctas", [None, 7])
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=lambda c: "G{}-M{}-N{}-K{}-{}".format(*c))
+def test_ordered_waves_are_bitwise_the_unordered_kernel(case, num_ctas):
+    """The two consumer warpgroups issuing their waves in turn (named-barrier turns, kernels/fp8_mainloop.py
+    ``take_turn``) change when each wgmma runs, not what it folds: bitwise the unordered kernel's output, within the FP8
+    tolerance of the float64 product; launched on 7 CTAs, each walks many tiles (the turns carry across tiles)."""
+    G, M, N, Kd, over = case
+    _check_pair_bitwise((G, M, N, Kd), _config(N, Kd, G, **over), dict(ordered_waves=True), "_ord", num_ctas,
+                        seed=13)
+
+
+@pytest.mark.parametrize("N", [2 * 1536, 2 * 2048])
+def test_ordered_waves_gated_swiglu_scale(N):
+    """FC1 + SwiGLU * router prob with ordered waves: the policy's gated tile (two n-waves) against float64."""
+    _check_gated(N, lambda N, Kd, G: replace(K.choose_fp8_config(N, Kd, G, gated=True), ordered_waves=True), seed=14)
