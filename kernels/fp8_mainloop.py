@@ -23,6 +23,10 @@ wgmma consumers that promote every k-tile's partial sums into an fp32 accumulato
   give, which the gated epilogue reads), so each accumulator row is 128 whole logical columns: the FP8-block
   store's 1x128 block (kernels/fp8_block_store.py).
 
+  With ``GemmConfig.ordered_waves`` the two warpgroups take turns on named barriers (:func:`take_turn`): a wave's
+  wgmma are issued only after the other warpgroup's previous wave finished. Measured 1.1-3.0% slower in five FP8 steps
+  (session ai): they drift apart as it is, and the turns add a barrier's latency to each wave (off).
+
   No "overlapped" fold (a second scratch fragment, k-tile t folded while k-tile t + 1's wgmma runs): an earlier
   build had one, and on an H200 it gave wrong results under load (launches on 7 CTAs, 2-26 of 60 wrong against
   0 of 60 for this serial fold, at K = 512) while the serial fold was as fast or faster (0.92-1.01x its time on

@@ -85,19 +85,28 @@ COLUMN_PAIRS = os.environ.get("FUSION_FP8_QUANTIZE_COLUMN_PAIRS", "1") != "0"
 #: kernel is built (it is in the key); FUSION_FP8_QUANTIZE_PIPELINED=0 builds the one-tile-a-CTA kernel.
 PIPELINED = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED", "1") != "0"
 #: Whether the rowwise-only builds (a training step's x, dY and d(gate, up) for the FP8 GEMMs) are pipelined the same
-#: way, their ring the only shared tile. **Off: built, not yet run on a GPU** (session ah: no device time was left);
-#: the rowwise-only build, registers only, already moves 0.82-0.90 of a copy's bandwidth. Read when a kernel is
+#: way, their ring the only shared tile. **Off: measured slower** (session ai, H200, bench/probes/quantize_pipelined_ab.py
+#: --switch PIPELINED_ROWWISE, bench/results/H200-2026-12-01ai-call1-*): +4.8..+5.6% on four of five tensors (OLMoE's and
+#: Qwen3-30B-A3B's FC1 dY, Mixtral's, Llama-3-70B's), -3.0% on Mixtral's 16384 x 4096; the FP8 steps -0.6 / +0.1 / -0.2%
+#: (OLMoE / Qwen3-30B-A3B / Mixtral, three rounds of 100). The registers-only build already moves 0.89-0.92 of a copy's
+#: bandwidth there, and the ring's barrier per tile costs more than the loads it keeps in flight. Read when a kernel is
 #: built (it is in the key); FUSION_FP8_QUANTIZE_PIPELINED_ROWWISE=1 turns it on.
 PIPELINED_ROWWISE = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED_ROWWISE", "0") == "1"
-#: Whether the (K, M) columnwise builds (a user's unfused ``QuantizeFP8Block(columnwise=True)``) are pipelined the same
-#: way. Session ah left them one tile a CTA: pipelined then, their byte-masked column stores kept per-lane addresses
-#: live across the persistent loop (194 registers at K = 2048, one CTA an SM); with the values tested a pair at a
-#: time (:data:`COLUMN_PAIRS`) the pipelined bf16 build fits 128 registers without spilling (session ai). Read when
-#: a kernel is built (it is in the key); FUSION_FP8_QUANTIZE_PIPELINED_COLUMNS=0 builds one tile a CTA.
+#: Whether the bf16 (K, M) columnwise builds (a user's unfused ``QuantizeFP8Block(columnwise=True)``) are pipelined the
+#: same way. Session ah left them one tile a CTA: pipelined then, their byte-masked column stores kept per-lane
+#: addresses live across the persistent loop (194 registers at K = 2048, one CTA an SM); with the values tested a pair
+#: at a time (:data:`COLUMN_PAIRS`) the pipelined bf16 build fits 128 registers without spilling. On an H200 (session
+#: ai, bench/probes/quantize_pipelined_ab.py --switch PIPELINED_COLUMNS, with :data:`BLOCKS_FASTEST`;
+#: bench/results/H200-2026-12-01ai-call{2,3}-quant-*) it is 5.4-12.4% faster on five tensors (0.41-0.58 -> 0.43-0.66
+#: of a copy's bandwidth). fp16 and fp32 stay one tile a CTA: pipelined they need one CTA an SM (192-213 registers) and
+#: fp16 ran 21-25% slower. Read when a kernel is built (it is in the key); FUSION_FP8_QUANTIZE_PIPELINED_COLUMNS=0 builds
+#: one tile a CTA.
 PIPELINED_COLUMNS = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED_COLUMNS", "1") != "0"
 #: Whether a pipelined (K, M) build's CTAs walk their tiles row blocks fastest (concurrent CTAs then write neighbouring
 #: rows of the same columns of ``cw_data``, as the one-tile-a-CTA grid's do) instead of column blocks fastest (they
-#: read neighbouring columns of the same rows of x). Read when a kernel is built (it is in the key).
+#: read neighbouring columns of the same rows of x). Session ai (H200, --switch BLOCKS_FASTEST): -15.4% on Mixtral's
+#: FC1 dY (16384 x 28672, where columns fastest had been 8.1% slower than one tile a CTA), -0.2..+1.8% on the other
+#: four. Read when a kernel is built (it is in the key).
 BLOCKS_FASTEST = True
 #: Shared memory an SM gives its CTAs (sm_90: 227 KiB), and the most tiles a pipelined CTA keeps in its ring.
 _SMEM_PER_SM = 227 * 1024

@@ -38,7 +38,9 @@ it timed and 2.1-2.4% off the FP8 steps that run it, so the tile policy pairs (k
 ``mt x nt`` tiles; unit u (``cluster_n`` neighbouring n-tiles, one per CTA of a cluster) is group ``u // (mt nu)``,
 m fastest within it; static schedule (``unit += clusters``). An empty group's tiles run no k-tile and store zeros.
 D is (G, Ma, Nb) in 16 bits, stored 4 columns per lane, or 8 with ``store_bytes = 16``
-(:func:`kernels.fragment_io.store_tile16`).
+(:func:`kernels.fragment_io.store_tile16`). ``ordered_waves``: the two consumer warpgroups take turns issuing their
+waves (kernels/fp8_mainloop.py ``take_turn``), so one promotes while the other's wgmma run; faster alone, slower in
+the FP8 steps, which run at the card's power limit (off; tile_policy.FP8_WGRAD_ORDERED_WAVES).
 """
 from __future__ import annotations
 

@@ -556,8 +556,11 @@ def choose_fp8_config(N: int, K: int, G: int, gated: bool = False, rows: int | N
 
 #: The FP8 forward / dgrad kernel's two consumer warpgroups issuing their waves' wgmma in turn
 #: (GemmConfig.ordered_waves; FUSION_FP8_ORDERED_WAVES=1, read at import; read per job, so bench/ab_switch.py --plan
-#: can flip it): what the FP8 weight gradient's ordered waves (FP8_WGRAD_ORDERED_WAVES) do, for the kernels whose
-#: promotion is one FFMA an element. Two-CTA tiles have one consumer warpgroup and are left as they are.
+#: can flip it), as :data:`FP8_WGRAD_ORDERED_WAVES` for the kernels whose promotion is one FFMA an element. Two-CTA tiles
+#: have one consumer warpgroup and are left as they are. **Off: measured slower** (session ai, H200, three rounds of 100
+#: FP8 steps, bench/results/H200-2026-12-01ai-call4-ab-ordered.*): +1.1% Mixtral-8x7B and Qwen3-30B-A3B, +1.8% OLMoE,
+#: +2.1% GPT-OSS-20B, +3.0% DeepSeek-V2-Lite: these warpgroups already drift apart (kernels/fp8_mainloop.py), and the
+#: turns add a barrier's latency to every wave.
 FP8_ORDERED_WAVES = os.environ.get("FUSION_FP8_ORDERED_WAVES", "0") != "0"
 
 
@@ -1052,10 +1055,15 @@ FP8_WGRAD_PAIRS = os.environ.get("FUSION_FP8_WGRAD_PAIRS", "1") != "0"
 FP8_WGRAD_STORE16 = os.environ.get("FUSION_FP8_WGRAD_STORE16", "0") != "0"
 #: The FP8 varlen-K kernel's two consumer warpgroups issuing their waves' wgmma in turn (WgradConfig.ordered_waves;
 #: FUSION_FP8_WGRAD_ORDERED_WAVES=1, read at import; read per job). Nsight Compute on Mixtral-8x7B's FP8 step (session
-#: ai, H200, bench/results/H200-2026-12-01ai-call2-ncu.log): the FP8 weight gradients kept the tensor pipe 50-52% busy
-#: against 78-79% for the FP8 dgrads of the same FLOPs; 60% of their instructions are the promotion (an FMUL and an
-#: FFMA an element, the row and column scales both per 128-row slot), and the two warpgroups, waiting on the same
-#: stage, run their wgmma together and then promote together with the tensor cores idle.
+#: ai, H200, bench/results/H200-2026-12-01ai-call2-ncu-mixtral-fp8.log): the FP8 weight gradients kept the tensor pipe
+#: 50-52% busy against 78-79% for the FP8 dgrads of the same FLOPs; 60% of their instructions are the promotion (an FMUL
+#: and an FFMA an element: the row and column scales both per 128-row slot). Taking turns, one warpgroup promotes under
+#: the other's wgmma. **Off: faster alone, slower in the step.** Alone (bench/bench_fp8_wgrad.py --tiles ordered, -call3-)
+#: -1.5% / -3.3% on Mixtral's FC1 / FC2, -0.1% DeepSeek-V3 EP8, -1.8..-6.9% GPT-OSS-120B, -6.4..-10.4% Qwen3-235B-A22B
+#: and Qwen3-30B-A3B (whose weight gradients the recipe runs in bf16); in the FP8 steps that run it (bench/ab_switch.py,
+#: three rounds of 100) +0.4% Mixtral-8x7B, +0.9% Llama-3-70B, +0.6% Llama-3-8B: those steps run at the card's power
+#: limit (about 1580 MHz at 640 W, -call4-smi.csv), where a kernel that keeps the tensor cores busier only lowers the
+#: clock.
 FP8_WGRAD_ORDERED_WAVES = os.environ.get("FUSION_FP8_WGRAD_ORDERED_WAVES", "0") != "0"
 
 
