@@ -108,6 +108,13 @@ PIPELINED_COLUMNS = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED_COLUMNS", "1")
 #: FC1 dY (16384 x 28672, where columns fastest had been 8.1% slower than one tile a CTA), -0.2..+1.8% on the other
 #: four. Read when a kernel is built (it is in the key).
 BLOCKS_FASTEST = True
+#: Whether a (K, M) column's edge bytes (the up to 3 rows before its first 4-byte-aligned word and the up to 3 after
+#: its last whole one) are stored by six lanes, one predicated byte store each, instead of byte loops in lanes 0 and
+#: 31 (up to 4 + 4 predicated stores those lanes issue while the other 30 wait). Session ai's Nsight Compute run of
+#: the (K, M) build (bench/results/H200-2026-12-01ai-call5-ncu-quant.log) found it issuing 4.3x the global store
+#: instructions of the rowwise + slot build over the same bytes (7.99M against 1.84M on OLMoE's FC1 input). Read when
+#: a kernel is built (it is in the key); FUSION_FP8_QUANTIZE_EDGE_BYTES_BY_LANES=0 builds the byte loops.
+EDGE_BYTES_BY_LANES = os.environ.get("FUSION_FP8_QUANTIZE_EDGE_BYTES_BY_LANES", "1") != "0"
 #: Shared memory an SM gives its CTAs (sm_90: 227 KiB), and the most tiles a pipelined CTA keeps in its ring.
 _SMEM_PER_SM = 227 * 1024
 _MAX_STAGES = 4
@@ -131,6 +138,29 @@ def funnel_word(prev, word, sh, first):
     return _word(cutlass.select_(sh == 0, word, joined)), _word(word >> right)
 
 
+def whole_word_rows(lane, sh, nrows):
+    """Trace time: ``(p, whole)``: the first of the four rows lane ``lane``'s aligned word holds when a column of
+    ``nrows`` codes starts ``sh`` (0..3) bytes into a word (``p`` = 4 lane - sh), and whether all four are the
+    column's (then the lane stores the word whole)."""
+    p = lane * 4 - sh
+    return p, (p >= 0) & (p + 4 <= nrows)
+
+
+def edge_byte_row(lane, sh, nrows):
+    """Trace time: ``(r, edge)``: the row whose byte lane ``lane`` stores beside the whole words of
+    :func:`whole_word_rows`, and whether it stores one. The whole words hold rows ``rb .. re - 1`` (``rb`` =
+    (4 - sh) & 3 rows before the first aligned word, ``re`` = rb + a multiple of 4); lanes 0-2 take the head rows
+    ``0 .. min(rb, nrows) - 1``, lanes 3-5 the tail rows ``re .. nrows - 1`` when the column is longer than its
+    head. Every row of ``[0, nrows)`` is stored exactly once (tests/test_fp8_quantize_compile.py checks every
+    ``sh`` and ``nrows``)."""
+    rb = (4 - sh) & 3
+    re = rb + ((nrows - rb) & Int32(-4))
+    r = cutlass.select_(lane < 3, lane, re + lane - 3)
+    head = (lane < 3) & (r < cutlass.min(rb, nrows))
+    tail = (lane >= 3) & (lane < 6) & (nrows > rb) & (r < nrows)
+    return r, head | tail
+
+
 class FP8QuantizeKernel:
     """Trace-time parameters: the input dtype, the row length ``K`` (a multiple of 16 bytes of elements),
     whether the columnwise copy is written, and for it the groups ``G`` and their sizes' dtype ("int32",
@@ -152,7 +182,7 @@ class FP8QuantizeKernel:
     def __init__(self, dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
                  min_ctas: int = 0, amax: bool = False, slots: bool = False, rowwise: bool = True,
                  pairs: bool = True, pipelined: bool = False, column_pairs: bool = False,
-                 blocks_fastest: bool = False):
+                 blocks_fastest: bool = False, edge_lanes: bool = False):
         self.dtype = cutlass_dtype(dtype)
         self.vec = _CHUNK_BYTES * 8 // self.dtype.width
         if K <= 0 or K % self.vec:
@@ -182,6 +212,8 @@ class FP8QuantizeKernel:
         #: a pipelined CTA's tiles walk the column blocks' row blocks fastest (tile t = row block t % blocks of column
         #: block t // blocks) instead of the row blocks' column blocks
         self.blocks_fastest = blocks_fastest
+        #: a (K, M) column's edge bytes by six lanes (:data:`EDGE_BYTES_BY_LANES`)
+        self.edge_lanes = edge_lanes and columnwise and not self.slots
         self.stages = 0
         if pipelined:
             tile_bytes = TILE * TILE * self.dtype.width // 8
@@ -642,15 +674,33 @@ class FP8QuantizeKernel:
             word0 = pCwData.toint() + (start - Int64(sh))
             val, spill = funnel_word(self.code_word(sCodes, kl, cutlass.max(lane - 1, Int32(0))),
                                      self.code_word(sCodes, kl, lane), sh, lane == 0)
-            p = lane * 4 - sh
+            p, whole = whole_word_rows(lane, sh, nrows)
             addr = word0 + Int64(lane * 4)
-            if (p >= 0) & (p + 4 <= nrows):
-                cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
-                                 cute.make_layout((1,)))[0] = Int32(val)
+            if const_expr(self.edge_lanes):
+                if whole:
+                    cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
+                                     cute.make_layout((1,)))[0] = Int32(val)
+                self.store_edge_byte(sCodes, pCwData.toint() + start, kl, sh, nrows, lane)
             else:
-                self.store_bytes(addr, val, p, 4, nrows)
-            if (lane == _LANES - 1) & (sh > 0):
-                self.store_bytes(word0 + Int64(TILE), spill, TILE - sh, sh, nrows)
+                if whole:
+                    cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
+                                     cute.make_layout((1,)))[0] = Int32(val)
+                else:
+                    self.store_bytes(addr, val, p, 4, nrows)
+                if (lane == _LANES - 1) & (sh > 0):
+                    self.store_bytes(word0 + Int64(TILE), spill, TILE - sh, sh, nrows)
+
+    @cute.jit
+    def store_edge_byte(self, sCodes: cute.Tensor, base: Int64, kl: Int32, sh: Int32, nrows: Int32, lane: Int32):
+        """The edge bytes of column ``kl``'s ``nrows`` codes at ``base`` (``sh`` bytes into a word), one per lane
+        (:data:`EDGE_BYTES_BY_LANES`): lanes 0-2 the head rows before the first aligned word (``rb`` of them, at most
+        ``nrows``), lanes 3-5 the tail rows after the last whole word (from ``re``, when the column is longer than
+        its head; :func:`edge_byte_row`). :meth:`store_column`'s whole words hold rows ``rb .. re - 1``."""
+        r, edge = edge_byte_row(lane, sh, nrows)
+        if edge:
+            word = _word(self.code_word(sCodes, kl, r >> 2))
+            cute.make_tensor(cute.make_ptr(Uint8, base + Int64(r), cute.AddressSpace.gmem, assumed_align=1),
+                             cute.make_layout((1,)))[0] = Uint8((word >> _word(8 * (r & 3))) & _word(0xFF))
 
     @cute.jit
     def store_slot(self, sCodes: cute.Tensor, pCwData: cute.Pointer, M: Int32, b: Int32, kb: Int32, warp: Int32,
@@ -690,14 +740,15 @@ def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
     pairs, column_pairs = PAIRS, COLUMN_PAIRS
     pipelined = _pipelined(dtype, columnwise, slots)
     blocks_fastest = BLOCKS_FASTEST and columnwise and not slots
+    edge_lanes = EDGE_BYTES_BY_LANES and columnwise and not slots
 
     def build():
         fn, _, kernel = build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
-                                     pipelined, column_pairs, blocks_fastest)
+                                     pipelined, column_pairs, blocks_fastest, edge_lanes)
         return UtilityKernel(fn, ctas_per_sm=kernel.min_ctas)
 
     return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
-                         pipelined, column_pairs, blocks_fastest), build)
+                         pipelined, column_pairs, blocks_fastest, edge_lanes), build)
 
 
 def _pipelined(dtype: str, columnwise: bool, slots: bool) -> bool:
@@ -717,7 +768,7 @@ def grid_limit(kernel: UtilityKernel, sms: int) -> int:
 def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
                  amax: bool = False, slots: bool = False, rowwise: bool = True, pairs: bool = True,
                  min_ctas: int = 0, pipelined: bool | None = None, column_pairs: bool | None = None,
-                 blocks_fastest: bool = False):
+                 blocks_fastest: bool = False, edge_lanes: bool | None = None):
     """``(compiled function, cubin, kernel)``: built for two CTAs an SM (128 registers a thread), or for one
     where that spills (the fp32 columnwise kernel, and a few shapes where the compiler's schedule needs more),
     as the grouped GEMMs fall back to a tile that does not spill; ``min_ctas`` > 0: built for that many CTAs an SM
@@ -732,9 +783,10 @@ def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: 
 
     pipelined = _pipelined(dtype, columnwise, slots) if pipelined is None else pipelined
     column_pairs = COLUMN_PAIRS if column_pairs is None else column_pairs
+    edge_lanes = EDGE_BYTES_BY_LANES if edge_lanes is None else edge_lanes
     for min_ctas in ((min_ctas,) if min_ctas else (MIN_CTAS_PER_SM, 1)):
         kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise, pairs,
-                                   pipelined, column_pairs, blocks_fastest)
+                                   pipelined, column_pairs, blocks_fastest, edge_lanes)
         with tempfile.TemporaryDirectory() as dump:
             fn = compile_kernel(kernel, f"--enable-tvm-ffi --keep-cubin --dump-dir={shlex.quote(dump)}")
             cubin = getattr(fn, "__cubin__", None)

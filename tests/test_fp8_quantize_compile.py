@@ -151,6 +151,39 @@ def test_columnwise_words_carry_the_column_bytes_at_every_alignment():
             f"sh={sh}: bytes {(stored[sh:sh + 128] != codes).nonzero().flatten()[:8].tolist()} differ")
 
 
+def test_column_edge_bytes_and_whole_words_store_every_row_once():
+    """store_column's rows as the kernel computes them (whole_word_rows, edge_byte_row; compiled by the DSL for
+    the host): for every start alignment ``sh`` and column length ``nrows`` (1..128), the lanes' whole words and
+    their edge bytes together write each row of ``[0, nrows)`` exactly once, and nothing outside it."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    from fusion.kernels.fp8_quantize import edge_byte_row, whole_word_rows
+
+    @cute.jit
+    def rows(out: cute.Tensor, sh: Int32, nrows: Int32):
+        for lane in cutlass.range(32):
+            p, whole = whole_word_rows(lane, sh, nrows)
+            r, edge = edge_byte_row(lane, sh, nrows)
+            out[4 * lane] = p
+            out[4 * lane + 1] = Int32(whole)
+            out[4 * lane + 2] = r
+            out[4 * lane + 3] = Int32(edge)
+
+    out = torch.zeros(128, dtype=torch.int32)
+    compiled = cute.compile(rows, from_dlpack(out), Int32(0), Int32(1))
+    for sh in range(4):
+        for nrows in range(1, 129):
+            compiled(from_dlpack(out), Int32(sh), Int32(nrows))
+            lanes = out.view(32, 4).tolist()
+            written = [p + j for p, whole, _, _ in lanes if whole for j in range(4)]
+            written += [r for _, _, r, edge in lanes if edge]
+            assert sorted(written) == list(range(nrows)), (sh, nrows, sorted(written))
+            assert all(r < 0 or not edge or lane < 6 for lane, (_, _, r, edge) in enumerate(lanes))
+
+
 def test_columnwise_store_shifts_are_logical(tmp_path):
     """In the compiled kernel, no right shift by a register amount is arithmetic (``shr.s32``): the funnel
     shifts of the columnwise store move raw code bytes (constant shifts, e.g. of signed divisions, may be)."""

@@ -248,3 +248,22 @@ def test_pipelined_columns_over_many_tiles_a_cta_match_the_reference(dtype, bloc
         _same_bits(name, g, w)
     for name, g, w in zip(("data", "scale", "cw_data", "cw_scale"), got, _reference(x, True, sizes)):
         _same_bits(name, g, w)
+
+
+@pytest.mark.parametrize("edge_lanes", [True, False], ids=["edge-lanes", "edge-loops"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_column_edge_bytes_by_lanes_or_loops_match_the_reference(dtype, edge_lanes, monkeypatch):
+    """EDGE_BYTES_BY_LANES (kernels/fp8_quantize.py): a (K, M) column's head and tail bytes stored one by each of six
+    lanes, or by the byte loops of lanes 0 and 31: groups of every length 0..131 (starts at every byte alignment,
+    columns shorter than their head, partial blocks), over memory full of a poison pattern: every byte the
+    reference's."""
+    from fusion.kernels import fp8_quantize
+
+    monkeypatch.setattr(fp8_quantize, "EDGE_BYTES_BY_LANES", edge_lanes)
+    gen = torch.Generator().manual_seed(11)
+    sizes = torch.cat([torch.arange(0, 132), torch.randint(0, 300, (40,), generator=gen)])
+    sizes = sizes[torch.randperm(len(sizes), generator=gen)].to(DEV, torch.int32)
+    x = _adversarial(int(sizes.sum()), 264, dtype)
+    junk = torch.full((64 << 20,), 0x55, dtype=torch.uint8, device=DEV)
+    del junk
+    _check(x, columnwise=True, group_sizes=sizes)

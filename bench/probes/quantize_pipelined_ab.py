@@ -8,10 +8,11 @@ buffers compared byte for byte with the other setting's. ``--switch COLUMN_PAIRS
 fusion.kernels.fp8_quantize.COLUMN_PAIRS (the columnwise values tested a packed bf16 pair at a time), or of
 ``PIPELINED_ROWWISE`` (the rowwise-only build pipelined too; its row is the one that setting changes), or of
 ``PIPELINED_COLUMNS`` (the (K, M) columnwise + rowwise build a user's ``QuantizeFP8Block(columnwise=True)`` runs,
-pipelined; session ai), or of ``BLOCKS_FASTEST`` (that build's tile order). ``--dtype float16``: the input in fp16 (value-at-a-time encoding).
+pipelined; session ai), or of ``BLOCKS_FASTEST`` (that build's tile order), or of ``EDGE_BYTES_BY_LANES`` (its
+columns' edge bytes by six lanes or by byte loops; session aj). ``--dtype float16``: the input in fp16 (value-at-a-time encoding).
 
     python bench/probes/quantize_pipelined_ab.py [--shapes olmoe-fc1,mixtral-fc1] [--rounds 5] [--out r.json]
-        [--switch PIPELINED_COLUMNS] [--dtype bfloat16|float16]
+        [--switch PIPELINED_COLUMNS|BLOCKS_FASTEST|EDGE_BYTES_BY_LANES] [--dtype bfloat16|float16]
 """
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--switch", default="PIPELINED", choices=["PIPELINED", "COLUMN_PAIRS", "PIPELINED_ROWWISE",
-                                                                "PIPELINED_COLUMNS", "BLOCKS_FASTEST"])
+                                                                "PIPELINED_COLUMNS", "BLOCKS_FASTEST",
+                                                                "EDGE_BYTES_BY_LANES"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--builds", default="", help="comma-separated build names (default: all)")
     ap.add_argument("--out", default=None)
