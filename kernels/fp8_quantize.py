@@ -109,8 +109,9 @@ PIPELINED_COLUMNS = os.environ.get("FUSION_FP8_QUANTIZE_PIPELINED_COLUMNS", "1")
 #: four. Read when a kernel is built (it is in the key).
 BLOCKS_FASTEST = True
 #: Whether a (K, M) column's edge bytes (the up to 3 rows before its first 4-byte-aligned word and the up to 3 after
-#: its last whole one) are stored by six lanes, one predicated byte store each, instead of byte loops in lanes 0 and
-#: 31 (up to 4 + 4 predicated stores those lanes issue while the other 30 wait). Session ai's Nsight Compute run of
+#: its last whole one) are stored once per tile after the whole words, two threads a column and three predicated byte
+#: stores each (:meth:`FP8QuantizeKernel.store_edges`), instead of byte loops in lanes 0 and 31 beside each column's
+#: words (up to 4 + 4 predicated stores those lanes issue while the other 30 wait). Session ai's Nsight Compute run of
 #: the (K, M) build (bench/results/H200-2026-12-01ai-call5-ncu-quant.log) found it issuing 4.3x the global store
 #: instructions of the rowwise + slot build over the same bytes (7.99M against 1.84M on OLMoE's FC1 input). Read when
 #: a kernel is built (it is in the key); FUSION_FP8_QUANTIZE_EDGE_BYTES_BY_LANES=0 builds the byte loops.
@@ -146,18 +147,18 @@ def whole_word_rows(lane, sh, nrows):
     return p, (p >= 0) & (p + 4 <= nrows)
 
 
-def edge_byte_row(lane, sh, nrows):
-    """Trace time: ``(r, edge)``: the row whose byte lane ``lane`` stores beside the whole words of
-    :func:`whole_word_rows`, and whether it stores one. The whole words hold rows ``rb .. re - 1`` (``rb`` =
-    (4 - sh) & 3 rows before the first aligned word, ``re`` = rb + a multiple of 4); lanes 0-2 take the head rows
-    ``0 .. min(rb, nrows) - 1``, lanes 3-5 the tail rows ``re .. nrows - 1`` when the column is longer than its
-    head. Every row of ``[0, nrows)`` is stored exactly once (tests/test_fp8_quantize_compile.py checks every
-    ``sh`` and ``nrows``)."""
+def edge_byte_row(e, sh, nrows):
+    """Trace time: ``(r, edge)``: the row of edge byte ``e`` (0..5; none from 6) of a column of ``nrows`` codes
+    starting ``sh`` bytes into a word, and whether the column has it. The whole words of :func:`whole_word_rows`
+    hold rows ``rb .. re - 1`` (``rb`` = (4 - sh) & 3 rows before the first aligned word, ``re`` = rb + a multiple
+    of 4); edge bytes 0-2 are the head rows ``0 .. min(rb, nrows) - 1``, 3-5 the tail rows ``re .. nrows - 1``
+    when the column is longer than its head. Every row of ``[0, nrows)`` is stored exactly once
+    (tests/test_fp8_quantize_compile.py checks every ``sh`` and ``nrows``)."""
     rb = (4 - sh) & 3
     re = rb + ((nrows - rb) & Int32(-4))
-    r = cutlass.select_(lane < 3, lane, re + lane - 3)
-    head = (lane < 3) & (r < cutlass.min(rb, nrows))
-    tail = (lane >= 3) & (lane < 6) & (nrows > rb) & (r < nrows)
+    r = cutlass.select_(e < 3, e, re + e - 3)
+    head = (e < 3) & (r < cutlass.min(rb, nrows))
+    tail = (e >= 3) & (e < 6) & (nrows > rb) & (r < nrows)
     return r, head | tail
 
 
@@ -212,7 +213,7 @@ class FP8QuantizeKernel:
         #: a pipelined CTA's tiles walk the column blocks' row blocks fastest (tile t = row block t % blocks of column
         #: block t // blocks) instead of the row blocks' column blocks
         self.blocks_fastest = blocks_fastest
-        #: a (K, M) column's edge bytes by six lanes (:data:`EDGE_BYTES_BY_LANES`)
+        #: a (K, M) tile's edge bytes after its whole words, two threads a column (:data:`EDGE_BYTES_BY_LANES`)
         self.edge_lanes = edge_lanes and columnwise and not self.slots
         self.stages = 0
         if pipelined:
@@ -600,8 +601,10 @@ class FP8QuantizeKernel:
     @cute.jit
     def code_word(self, sCodes: cute.Tensor, kl: Int32, w: Int32) -> Int32:
         """Codes of rows ``4w .. 4w + 3`` of tile column ``kl`` (little endian) from the swizzled tile."""
-        slot = (w // self.slot_words) ^ ((kl // self.vec) % self.rg)
-        return sCodes[kl * (TILE // 4) + slot * self.slot_words + w % self.slot_words]
+        # slot_words, vec and rg are powers of two and kl, w >= 0: shifts and masks, not signed division
+        sw, v = self.slot_words.bit_length() - 1, self.vec.bit_length() - 1
+        slot = (w >> sw) ^ ((kl >> v) & (self.rg - 1))
+        return sCodes[kl * (TILE // 4) + (slot << sw) + (w & (self.slot_words - 1))]
 
     @cute.jit
     def columns_to_smem(self, frag: cute.Tensor, sColInv: cute.Tensor, sCodes: cute.Tensor, c: Int32, q: Int32):
@@ -659,9 +662,12 @@ class FP8QuantizeKernel:
         writes the ``w``-th 4-byte-aligned word from the one holding ``k * M + row0``: rows ``4w - sh ..``
         (``sh`` = that start's misalignment), two shared words funnel-shifted; a word the block only partly
         covers is written byte by byte (the neighbouring block writes the rest), and lane 31 writes the
-        ``sh`` bytes past word 31."""
+        ``sh`` bytes past word 31. With :data:`EDGE_BYTES_BY_LANES` the lanes store only whole words, and the
+        columns' partial words follow as bytes, a few a thread (:meth:`store_edges`)."""
         for it in cutlass.range_constexpr(TILE // (THREADS // _LANES)):
             self.store_column(sCodes, pCwData, M, row0, nrows, kb, it * (THREADS // _LANES) + warp, lane)
+        if const_expr(self.edge_lanes):
+            self.store_edges(sCodes, pCwData, M, row0, nrows, kb, warp * _LANES + lane)
 
     @cute.jit
     def store_column(self, sCodes: cute.Tensor, pCwData: cute.Pointer, M: Int32, row0: Int32, nrows: Int32,
@@ -680,7 +686,6 @@ class FP8QuantizeKernel:
                 if whole:
                     cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
                                      cute.make_layout((1,)))[0] = Int32(val)
-                self.store_edge_byte(sCodes, pCwData.toint() + start, kl, sh, nrows, lane)
             else:
                 if whole:
                     cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
@@ -691,16 +696,25 @@ class FP8QuantizeKernel:
                     self.store_bytes(word0 + Int64(TILE), spill, TILE - sh, sh, nrows)
 
     @cute.jit
-    def store_edge_byte(self, sCodes: cute.Tensor, base: Int64, kl: Int32, sh: Int32, nrows: Int32, lane: Int32):
-        """The edge bytes of column ``kl``'s ``nrows`` codes at ``base`` (``sh`` bytes into a word), one per lane
-        (:data:`EDGE_BYTES_BY_LANES`): lanes 0-2 the head rows before the first aligned word (``rb`` of them, at most
-        ``nrows``), lanes 3-5 the tail rows after the last whole word (from ``re``, when the column is longer than
-        its head; :func:`edge_byte_row`). :meth:`store_column`'s whole words hold rows ``rb .. re - 1``."""
-        r, edge = edge_byte_row(lane, sh, nrows)
-        if edge:
-            word = _word(self.code_word(sCodes, kl, r >> 2))
-            cute.make_tensor(cute.make_ptr(Uint8, base + Int64(r), cute.AddressSpace.gmem, assumed_align=1),
-                             cute.make_layout((1,)))[0] = Uint8((word >> _word(8 * (r & 3))) & _word(0xFF))
+    def store_edges(self, sCodes: cute.Tensor, pCwData: cute.Pointer, M: Int32, row0: Int32, nrows: Int32, kb: Int32,
+                    tidx: Int32):
+        """The bytes of the tile's columns that no whole word holds (:data:`EDGE_BYTES_BY_LANES`), once per tile
+        after :meth:`store_column`'s whole words: thread ``tidx`` takes column ``tidx // 2``'s head (even threads:
+        edge rows 0-2 of :func:`edge_byte_row`) or tail (odd: edge rows 3-5), three predicated byte stores. A
+        column's edge work thus costs a warp a few instructions, not the ~20 every lane issued for each of its 16
+        columns when the edge bytes were computed beside the words."""
+        kl = tidx >> 1
+        k = kb * TILE + kl
+        if k < self.K:
+            start = Int64(k) * Int64(M) + Int64(row0)
+            sh = Int32(start & 3)
+            base = pCwData.toint() + start
+            for j in cutlass.range_constexpr(3):
+                r, edge = edge_byte_row((tidx & 1) * 3 + j, sh, nrows)
+                if edge:
+                    word = _word(self.code_word(sCodes, kl, r >> 2))
+                    cute.make_tensor(cute.make_ptr(Uint8, base + Int64(r), cute.AddressSpace.gmem, assumed_align=1),
+                                     cute.make_layout((1,)))[0] = Uint8((word >> _word(8 * (r & 3))) & _word(0xFF))
 
     @cute.jit
     def store_slot(self, sCodes: cute.Tensor, pCwData: cute.Pointer, M: Int32, b: Int32, kb: Int32, warp: Int32,
