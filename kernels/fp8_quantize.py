@@ -112,9 +112,14 @@ BLOCKS_FASTEST = True
 #: its last whole one) are stored once per tile after the whole words, two threads a column and three predicated byte
 #: stores each (:meth:`FP8QuantizeKernel.store_edges`), instead of byte loops in lanes 0 and 31 beside each column's
 #: words (up to 4 + 4 predicated stores those lanes issue while the other 30 wait). Session ai's Nsight Compute run of
-#: the (K, M) build (bench/results/H200-2026-12-01ai-call5-ncu-quant.log) found it issuing 4.3x the global store
-#: instructions of the rowwise + slot build over the same bytes (7.99M against 1.84M on OLMoE's FC1 input). Read when
-#: a kernel is built (it is in the key); FUSION_FP8_QUANTIZE_EDGE_BYTES_BY_LANES=0 builds the byte loops.
+#: the (K, M) build (bench/results/H200-2026-12-01ai-call5-ncu-quant.log): the same DRAM bytes as the rowwise + slot
+#: build but 1.6x its instructions at the same issue rate (0.65 a scheduler a cycle: issue-bound), 4.3x its global
+#: stores. Session aj (H200, bench/probes/quantize_pipelined_ab.py --switch EDGE_BYTES_BY_LANES,
+#: bench/results/H200-2026-12-01aj-call{1,2}-*): one byte a lane beside each column's words cut the stores 2.6x but
+#: not the time (-3.1..+13.5%: the edge arithmetic every lane issued for each column, predicated off); once per tile
+#: the column store is 24 SASS instructions a column instead of 63 and the build 8.0-11.9% faster on five bf16
+#: tensors (0.43-0.66 -> 0.49-0.72 of a copy's bandwidth), 9.9-11.2% on two fp16 ones; the same bytes. Read when a
+#: kernel is built (it is in the key); FUSION_FP8_QUANTIZE_EDGE_BYTES_BY_LANES=0 builds the byte loops.
 EDGE_BYTES_BY_LANES = os.environ.get("FUSION_FP8_QUANTIZE_EDGE_BYTES_BY_LANES", "1") != "0"
 #: Shared memory an SM gives its CTAs (sm_90: 227 KiB), and the most tiles a pipelined CTA keeps in its ring.
 _SMEM_PER_SM = 227 * 1024
