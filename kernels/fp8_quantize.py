@@ -121,6 +121,18 @@ BLOCKS_FASTEST = True
 #: tensors (0.43-0.66 -> 0.49-0.72 of a copy's bandwidth), 9.9-11.2% on two fp16 ones; the same bytes. Read when a
 #: kernel is built (it is in the key); FUSION_FP8_QUANTIZE_EDGE_BYTES_BY_LANES=0 builds the byte loops.
 EDGE_BYTES_BY_LANES = os.environ.get("FUSION_FP8_QUANTIZE_EDGE_BYTES_BY_LANES", "1") != "0"
+#: Whether a pipelined columnwise build's CTA skips the work of a tile of unused columnwise capacity (a block past
+#: its group's rows, ``nrows`` 0: the launch covers ``ceil(M / 128) + G`` row blocks because the group sizes stay on
+#: the device) and writes only what that tile owes: its columns' zero scales and, in the slot layout, its zero codes,
+#: straight from registers (:meth:`FP8QuantizeKernel.empty_tile`). The kernel is bound by issuing instructions, and
+#: such a tile cost as many as a full one: with 128 ragged groups (a fifth empty) about 12% of the tiles. The loop
+#: bound is their warp sum marked warp-uniform (else ptxas wrapped every shuffle of the loop in collective code, and
+#: the kernel doubled). Session ak (H200, bench/probes/quantize_pipelined_ab.py --switch SKIP_EMPTY_TILES,
+#: bench/results/H200-2026-12-01ak-call1-skip-empty.*): -8.1 / -8.6 / -9.6% on Qwen3-30B-A3B's FC1 input (G=128; the
+#: slot, rowwise + slot and (K, M) builds, 0.68 -> 0.74, 0.68 -> 0.74, 0.49 -> 0.54 of a copy's bandwidth), -2.3..-4.3%
+#: at G=64 (OLMoE), -0.6..-2.9% at G=8 (Mixtral); the same bytes. Read when a kernel is built (it is in the key);
+#: FUSION_FP8_QUANTIZE_SKIP_EMPTY_TILES=0 encodes them like the others.
+SKIP_EMPTY_TILES = os.environ.get("FUSION_FP8_QUANTIZE_SKIP_EMPTY_TILES", "1") != "0"
 #: Shared memory an SM gives its CTAs (sm_90: 227 KiB), and the most tiles a pipelined CTA keeps in its ring.
 _SMEM_PER_SM = 227 * 1024
 _MAX_STAGES = 4
@@ -188,7 +200,7 @@ class FP8QuantizeKernel:
     def __init__(self, dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
                  min_ctas: int = 0, amax: bool = False, slots: bool = False, rowwise: bool = True,
                  pairs: bool = True, pipelined: bool = False, column_pairs: bool = False,
-                 blocks_fastest: bool = False, edge_lanes: bool = False):
+                 blocks_fastest: bool = False, edge_lanes: bool = False, skip_empty: bool = False):
         self.dtype = cutlass_dtype(dtype)
         self.vec = _CHUNK_BYTES * 8 // self.dtype.width
         if K <= 0 or K % self.vec:
@@ -221,6 +233,8 @@ class FP8QuantizeKernel:
         #: a (K, M) tile's edge bytes after its whole words, two threads a column (:data:`EDGE_BYTES_BY_LANES`)
         self.edge_lanes = edge_lanes and columnwise and not self.slots
         self.stages = 0
+        #: a pipelined columnwise CTA's tiles of unused capacity take only their zero writes (:data:`SKIP_EMPTY_TILES`)
+        self.skip_empty = skip_empty and columnwise
         if pipelined:
             tile_bytes = TILE * TILE * self.dtype.width // 8
             fixed = TILE * 4 + 1024
@@ -266,14 +280,7 @@ class FP8QuantizeKernel:
             rows_sum = Int32(0)
             blocks_sum = Int32(0)
             for j in cutlass.range_constexpr(self.per_lane):
-                i = lane * self.per_lane + j
-                size = Int32(0)
-                if i < self.G:
-                    raw = mSizes[cutlass.min(i, self.G - 1)]
-                    if const_expr(self.sizes_dtype == "int64"):
-                        size = Int32(cutlass.max(cutlass.min(Int64(raw), Int64(M)), Int64(0)))
-                    else:
-                        size = cutlass.max(cutlass.min(Int32(raw), M), Int32(0))
+                size = self.group_size(mSizes, M, lane * self.per_lane + j)
                 sizes.append(size)
                 rows_sum = cutlass.min(rows_sum + size, M)
                 blocks_sum = blocks_sum + (size + TILE - 1) // TILE
@@ -421,12 +428,14 @@ class FP8QuantizeKernel:
         return frag
 
     @cute.jit
-    def issue_tile(self, mX: cute.Tensor, mSizes: cute.Tensor, M: Int32, t: Int32, sTile: cute.Tensor, tidx: Int32):
-        """cp.async of tile ``t``'s rows into the thread's slice ``sTile`` (vec, RPT) of a ring stage, rows past
-        the block's and chunks past K zero-filled (source size 0, read from row 0 of the tile's column block)."""
+    def issue_tile(self, mX: cute.Tensor, mSizes: cute.Tensor, M: Int32, t: Int32, blocks: Int32, sTile: cute.Tensor,
+                   tidx: Int32):
+        """cp.async of tile ``t`` (of ``blocks`` row blocks)'s rows into the thread's slice ``sTile`` (vec, RPT) of a
+        ring stage, rows past the block's and chunks past K zero-filled (source size 0, read from row 0 of the
+        tile's column block)."""
         c = tidx % self.cpb
         q = tidx // self.cpb
-        b, kb = self.tile_coords(t, M)
+        b, kb = self.tile_coords(t, blocks)
         row0, nrows = self.block_rows(mSizes, M, b, tidx % _LANES)
         chunk = kb * self.cpb + c
         col_ok = chunk * self.vec < self.K
@@ -444,17 +453,51 @@ class FP8QuantizeKernel:
             cute.copy(atom, src, dst, pred=ok)
 
     @cute.jit
-    def tile_coords(self, t: Int32, M: Int32):
-        """``(row block b, column block kb)`` of a pipelined CTA's tile ``t``."""
+    def tile_coords(self, t: Int32, blocks: Int32):
+        """``(row block b, column block kb)`` of a pipelined CTA's tile ``t`` of ``blocks`` row blocks."""
         b = t // self.nkb
         kb = t - b * self.nkb
         if const_expr(self.blocks_fastest):
-            blocks = (M + TILE - 1) // TILE
-            if const_expr(self.columnwise):
-                blocks = blocks + self.G
             kb = t // blocks
             b = t - kb * blocks
         return b, kb
+
+    def row_blocks(self, M: Int32):
+        """Trace time: the row blocks a launch covers: ``ceil(M / 128)``, plus ``G`` columnwise (each group may end
+        in a partial block; the sizes stay on the device)."""
+        blocks = (M + TILE - 1) // TILE
+        if const_expr(self.columnwise):
+            blocks = blocks + self.G
+        return blocks
+
+    @cute.jit
+    def used_blocks(self, mSizes: cute.Tensor, M: Int32, lane: Int32) -> Int32:
+        """The row blocks the groups use (the sum of their ``ceil(size / 128)``, as :meth:`block_rows` counts
+        them, at most :meth:`row_blocks`): the blocks past them are unused capacity (:data:`SKIP_EMPTY_TILES`).
+        Every lane of the warp must call it."""
+        used = (M + TILE - 1) // TILE
+        if const_expr(self.sizes_dtype is not None):
+            part = Int32(0)
+            for j in cutlass.range_constexpr(self.per_lane):
+                part = part + (self.group_size(mSizes, M, lane * self.per_lane + j) + TILE - 1) // TILE
+            for k in cutlass.range_constexpr(5):
+                part = part + cute.arch.shuffle_sync_bfly(part, 1 << k)
+            used = part
+        # every lane holds the same sum: said so, the loops it bounds are not divergent to ptxas (whose collective
+        # shuffle wrappers otherwise doubled the kernel)
+        return cute.arch.make_warp_uniform(cutlass.min(used, self.row_blocks(M)))
+
+    @cute.jit
+    def group_size(self, mSizes: cute.Tensor, M: Int32, i: Int32) -> Int32:
+        """Group ``i``'s size clamped to ``[0, M]`` (0 past the last group)."""
+        size = Int32(0)
+        if i < self.G:
+            raw = mSizes[cutlass.min(i, self.G - 1)]
+            if const_expr(self.sizes_dtype == "int64"):
+                size = Int32(cutlass.max(cutlass.min(Int64(raw), Int64(M)), Int64(0)))
+            else:
+                size = cutlass.max(cutlass.min(Int32(raw), M), Int32(0))
+        return size
 
     @cute.jit
     def pipelined_tiles(self, mX: cute.Tensor, mData: cute.Tensor, mScale: cute.Tensor, pCwData: cute.Pointer,
@@ -463,24 +506,30 @@ class FP8QuantizeKernel:
         """The persistent CTA's loop: tiles ``bid, bid + grid, ...`` (tile ``t`` = columnwise block ``t // nkb``,
         column block ``t % nkb``), the loads of the next ``stages - 1`` in flight (one cp.async group each, empty
         past the last tile) while tile ``i`` is encoded from ring stage ``i % stages``. A stage is refilled only
-        after the barriers of the tile that read it."""
+        after the barriers of the tile that read it. With :data:`SKIP_EMPTY_TILES` the loop covers only the row
+        blocks the groups use (:meth:`used_blocks`), and the unused capacity's tiles follow as
+        :meth:`empty_tile`'s zero writes, again ``bid, bid + grid, ...``."""
         S = self.stages
         grid, _, _ = cute.arch.grid_dim()
+        blocks = self.row_blocks(M)
+        if const_expr(self.skip_empty):
+            blocks = self.used_blocks(mSizes, M, tidx % _LANES)
+            tiles = blocks * self.nkb
         for s in cutlass.range_constexpr(S - 1):
             if bid + s * grid < tiles:
-                self.issue_tile(mX, mSizes, M, bid + s * grid, sRaw[None, None, tidx, s], tidx)
+                self.issue_tile(mX, mSizes, M, bid + s * grid, blocks, sRaw[None, None, tidx, s], tidx)
             cute.arch.cp_async_commit_group()
         t = bid
         i = Int32(0)
         while t < tiles:
             ahead = t + (S - 1) * grid
             if ahead < tiles:
-                self.issue_tile(mX, mSizes, M, ahead, sRaw[None, None, tidx, (i + S - 1) % S], tidx)
+                self.issue_tile(mX, mSizes, M, ahead, blocks, sRaw[None, None, tidx, (i + S - 1) % S], tidx)
             cute.arch.cp_async_commit_group()
             # tile i's group: the S - 1 after it may stay in flight. No barrier: a thread reads back only its own
             # slice of the stage, and encode_tile's barriers order the shared tiles' reuse between tiles
             cute.arch.cp_async_wait_group(S - 1)
-            b, kb = self.tile_coords(t, M)
+            b, kb = self.tile_coords(t, blocks)
             row0, nrows = self.block_rows(mSizes, M, b, tidx % _LANES)
             sTile = sRaw[None, None, tidx, i % S]
             frag = cute.make_rmem_tensor((self.vec, self.rpt), self.dtype)
@@ -490,6 +539,24 @@ class FP8QuantizeKernel:
             t = t + grid
             i = i + 1
         cute.arch.cp_async_wait_group(0)
+        if const_expr(self.skip_empty):
+            e = bid
+            while e < (self.row_blocks(M) - blocks) * self.nkb:
+                b = e // self.nkb
+                self.empty_tile(pCwData, mCwScale, M, blocks + b, e - b * self.nkb, tidx)
+                e = e + grid
+
+    @cute.jit
+    def empty_tile(self, pCwData: cute.Pointer, mCwScale: cute.Tensor, M: Int32, b: Int32, kb: Int32, tidx: Int32):
+        """What a tile of unused columnwise capacity (row block ``b`` past every group's blocks) writes, the same
+        bytes :meth:`encode_tile` writes for it: its columns' scales 0.0 and, in the slot layout, its 128 rows of zero
+        codes (the rowwise and (K, M) copies have no rows there; the amax gains nothing). No load, no barrier, no
+        shared memory."""
+        if tidx < TILE:
+            if kb * TILE + tidx < self.K:
+                mCwScale[b, kb * TILE + tidx] = Float32(0.0)
+        if const_expr(self.slots):
+            self.store_slot(None, pCwData, M, b, kb, tidx // _LANES, tidx % _LANES, zero=True)
 
     @cute.jit
     def encode_tile(self, frag: cute.Tensor, sTile, mData: cute.Tensor, mScale: cute.Tensor, pCwData: cute.Pointer,
@@ -723,18 +790,19 @@ class FP8QuantizeKernel:
 
     @cute.jit
     def store_slot(self, sCodes: cute.Tensor, pCwData: cute.Pointer, M: Int32, b: Int32, kb: Int32, warp: Int32,
-                   lane: Int32):
+                   lane: Int32, zero: cutlass.Constexpr = False):
         """The slot layout: ``cw_data[k, 128 b : 128 b + 128]`` for the tile's columns, one column per warp and
         step, lane ``w`` writing rows ``4w .. 4w + 3`` as one aligned word (rows past the block's are zero codes:
-        their values were loaded as zeros)."""
+        their values were loaded as zeros; ``zero``: every word zero, ``sCodes`` unread)."""
         length = Int64((M + TILE - 1) // TILE + self.G) * Int64(TILE)
         for it in cutlass.range_constexpr(TILE // (THREADS // _LANES)):
             kl = it * (THREADS // _LANES) + warp
             k = kb * TILE + kl
             if k < self.K:
                 addr = pCwData.toint() + Int64(k) * length + Int64(b) * Int64(TILE) + Int64(lane * 4)
+                word = Int32(0) if const_expr(zero) else self.code_word(sCodes, kl, lane)
                 cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
-                                 cute.make_layout((1,)))[0] = self.code_word(sCodes, kl, lane)
+                                 cute.make_layout((1,)))[0] = word
 
     @cute.jit
     def store_bytes(self, addr: Int64, val, p: Int32, count, nrows: Int32):
@@ -760,14 +828,15 @@ def compile_fp8_quantize(dtype: str, K: int, columnwise: bool, G: int = 1,
     pipelined = _pipelined(dtype, columnwise, slots)
     blocks_fastest = BLOCKS_FASTEST and columnwise and not slots
     edge_lanes = EDGE_BYTES_BY_LANES and columnwise and not slots
+    skip_empty = SKIP_EMPTY_TILES and columnwise
 
     def build():
         fn, _, kernel = build_kernel(dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
-                                     pipelined, column_pairs, blocks_fastest, edge_lanes)
+                                     pipelined, column_pairs, blocks_fastest, edge_lanes, skip_empty)
         return UtilityKernel(fn, ctas_per_sm=kernel.min_ctas)
 
     return compile_once(("fp8_quantize", dtype, K, columnwise, G, sizes_dtype, amax, slots, rowwise, pairs, min_ctas,
-                         pipelined, column_pairs, blocks_fastest, edge_lanes), build)
+                         pipelined, column_pairs, blocks_fastest, edge_lanes, skip_empty), build)
 
 
 def _pipelined(dtype: str, columnwise: bool, slots: bool) -> bool:
@@ -787,7 +856,7 @@ def grid_limit(kernel: UtilityKernel, sms: int) -> int:
 def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: str | None = None,
                  amax: bool = False, slots: bool = False, rowwise: bool = True, pairs: bool = True,
                  min_ctas: int = 0, pipelined: bool | None = None, column_pairs: bool | None = None,
-                 blocks_fastest: bool | None = None, edge_lanes: bool | None = None):
+                 blocks_fastest: bool | None = None, edge_lanes: bool | None = None, skip_empty: bool | None = None):
     """``(compiled function, cubin, kernel)``: built for two CTAs an SM (128 registers a thread), or for one
     where that spills (the fp32 columnwise kernel, and a few shapes where the compiler's schedule needs more),
     as the grouped GEMMs fall back to a tile that does not spill; ``min_ctas`` > 0: built for that many CTAs an SM
@@ -809,9 +878,10 @@ def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: 
     edge_lanes = EDGE_BYTES_BY_LANES if edge_lanes is None else edge_lanes
     if blocks_fastest is None:
         blocks_fastest = BLOCKS_FASTEST and columnwise and not slots
+    skip_empty = SKIP_EMPTY_TILES if skip_empty is None else skip_empty
     for min_ctas in ((min_ctas,) if min_ctas else (MIN_CTAS_PER_SM, 1)):
         kernel = FP8QuantizeKernel(dtype, K, columnwise, G, sizes_dtype, min_ctas, amax, slots, rowwise, pairs,
-                                   pipelined, column_pairs, blocks_fastest, edge_lanes)
+                                   pipelined, column_pairs, blocks_fastest, edge_lanes, skip_empty)
         with tempfile.TemporaryDirectory() as dump:
             fn = compile_kernel(kernel, f"--enable-tvm-ffi --keep-cubin --dump-dir={shlex.quote(dump)}")
             cubin = getattr(fn, "__cubin__", None)

@@ -267,3 +267,42 @@ def test_column_edge_bytes_by_lanes_or_loops_match_the_reference(dtype, edge_lan
     junk = torch.full((64 << 20,), 0x55, dtype=torch.uint8, device=DEV)
     del junk
     _check(x, columnwise=True, group_sizes=sizes)
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-empty", "encode-empty"])
+@pytest.mark.parametrize("build", ["columns", "slots", "rowwise-slots"])
+def test_tiles_of_unused_capacity_skipped_or_encoded_match_the_reference(build, skip, monkeypatch):
+    """SKIP_EMPTY_TILES (kernels/fp8_quantize.py): a pipelined columnwise build's tiles past every group's blocks
+    (unused capacity: ``ceil(M / 128) + G`` row blocks are launched) take only their zero writes, after the used
+    tiles, or are encoded like the others. 128 groups, most empty, so the unused tiles outnumber the CTAs several
+    times over and the trailing loop runs many rounds; over memory full of a poison pattern (every zero scale and
+    slot code must be written): every byte the reference's, in the (K, M) layout and the slot layouts."""
+    from fusion.kernels import fp8_quantize
+    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_rowwise_slots, quantize_fp8_block_slots
+    from fusion.quant.fp8_block import fp8_block_columnwise_slots
+
+    monkeypatch.setattr(fp8_quantize, "SKIP_EMPTY_TILES", skip)
+    gen = torch.Generator().manual_seed(13)
+    sizes = torch.zeros(128, dtype=torch.int64)
+    used = torch.randperm(128, generator=gen)[:24]
+    sizes[used] = torch.randint(1, 700, (24,), generator=gen)
+    sizes[used[0]] = 128
+    sizes = sizes.to(DEV, torch.int32)
+    M, K = int(sizes.sum()), 1032
+    x = _adversarial(M, K, torch.bfloat16)
+    empty_tiles = (-(-M // 128) + 128 - int((sizes.long() + 127).div(128, rounding_mode="floor").sum())) * -(-K // 128)
+    assert empty_tiles > 2 * 2 * torch.cuda.get_device_properties(0).multi_processor_count, "too few unused tiles"
+    junk = torch.full((64 << 20,), 0x55, dtype=torch.uint8, device=DEV)
+    del junk
+    data, scale, ref_cw, ref_cw_scale = _reference(x, True, sizes)
+    if build == "columns":
+        got = quantize_fp8_block_device(x, True, sizes)
+        want = (data, scale, ref_cw, ref_cw_scale)
+    elif build == "slots":
+        got = quantize_fp8_block_slots(x, sizes)
+        want = (fp8_block_columnwise_slots(ref_cw, sizes), ref_cw_scale)
+    else:
+        got = quantize_fp8_block_rowwise_slots(x, sizes, 0)
+        want = (data, scale, fp8_block_columnwise_slots(ref_cw, sizes), ref_cw_scale)
+    for i, (g, w) in enumerate(zip(got, want)):
+        _same_bits(f"output {i}", g, w)

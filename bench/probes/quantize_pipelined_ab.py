@@ -9,10 +9,12 @@ fusion.kernels.fp8_quantize.COLUMN_PAIRS (the columnwise values tested a packed 
 ``PIPELINED_ROWWISE`` (the rowwise-only build pipelined too; its row is the one that setting changes), or of
 ``PIPELINED_COLUMNS`` (the (K, M) columnwise + rowwise build a user's ``QuantizeFP8Block(columnwise=True)`` runs,
 pipelined; session ai), or of ``BLOCKS_FASTEST`` (that build's tile order), or of ``EDGE_BYTES_BY_LANES`` (its
-columns' edge bytes by six lanes or by byte loops; session aj). ``--dtype float16``: the input in fp16 (value-at-a-time encoding).
+columns' edge bytes by six lanes or by byte loops; session aj), or of ``SKIP_EMPTY_TILES`` (the pipelined
+columnwise builds' tiles of unused capacity written as zeros without their encoding work; session ak).
+``--dtype float16``: the input in fp16 (value-at-a-time encoding).
 
     python bench/probes/quantize_pipelined_ab.py [--shapes olmoe-fc1,mixtral-fc1] [--rounds 5] [--out r.json]
-        [--switch PIPELINED_COLUMNS|BLOCKS_FASTEST|EDGE_BYTES_BY_LANES] [--dtype bfloat16|float16]
+        [--switch PIPELINED_COLUMNS|BLOCKS_FASTEST|EDGE_BYTES_BY_LANES|SKIP_EMPTY_TILES] [--dtype bfloat16|float16]
 """
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--switch", default="PIPELINED", choices=["PIPELINED", "COLUMN_PAIRS", "PIPELINED_ROWWISE",
                                                                 "PIPELINED_COLUMNS", "BLOCKS_FASTEST",
-                                                                "EDGE_BYTES_BY_LANES"])
+                                                                "EDGE_BYTES_BY_LANES", "SKIP_EMPTY_TILES"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--builds", default="", help="comma-separated build names (default: all)")
     ap.add_argument("--out", default=None)
