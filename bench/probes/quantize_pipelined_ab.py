@@ -34,7 +34,8 @@ from bench_quantize import _sizes, _time_ms  # noqa: E402
 #: name: (rows M, width K, groups): output gradients and inputs of the FP8 blocks' GEMMs
 SHAPES = {"olmoe-fc1": (65536, 2048, 64), "qwen3-30b-a3b-fc1": (65536, 1536, 128),
           "qwen3-30b-a3b-fc2-in": (65536, 768, 128), "mixtral-fc1": (16384, 28672, 8),
-          "mixtral-fc2": (16384, 4096, 8), "llama-3-70b-fc1": (8192, 57344, 1)}
+          "mixtral-fc2": (16384, 4096, 8), "llama-3-70b-fc1": (8192, 57344, 1),
+          "small-batch-fc1": (4096, 2048, 8)}
 
 
 def builds(x, sizes):
