@@ -862,9 +862,9 @@ def build_kernel(dtype: str, K: int, columnwise: bool, G: int = 1, sizes_dtype: 
     as the grouped GEMMs fall back to a tile that does not spill; ``min_ctas`` > 0: built for that many CTAs an SM
     whatever it spills (the bf16 rowwise + slots build needs 138 registers, so the rule above gives it one CTA an SM
     and half the loads in flight); ``pipelined``, ``column_pairs``: :class:`FP8QuantizeKernel`'s (None:
-    :func:`_pipelined`'s setting for the layout, :data:`COLUMN_PAIRS`); ``blocks_fastest``, ``edge_lanes``: None
-    reads :data:`BLOCKS_FASTEST` (a (K, M) build's) and :data:`EDGE_BYTES_BY_LANES`, as :func:`compile_fp8_quantize`
-    does. What tests read the SASS of: the defaults build what runs. The tile order changes ptxas's allocation: at
+    :func:`_pipelined`'s setting for the layout, :data:`COLUMN_PAIRS`); ``blocks_fastest``, ``edge_lanes``,
+    ``skip_empty``: None reads :data:`BLOCKS_FASTEST` (a (K, M) build's), :data:`EDGE_BYTES_BY_LANES` and
+    :data:`SKIP_EMPTY_TILES`, as :func:`compile_fp8_quantize` does. What tests read the SASS of: the defaults build what runs. The tile order changes ptxas's allocation: at
     G=1 and K=7168 or 2880 the column-blocks-fastest order spills one register at two CTAs an SM (stop 66's CI
     failure, a test building that order), the row-blocks-fastest order that runs does not (nor on 23 other
     (K, G) of real blocks, session ak)."""

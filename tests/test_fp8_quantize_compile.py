@@ -30,7 +30,8 @@ def _compile(dtype, K, columnwise, G=1, sizes_dtype=None, amax=False):
 # (K, M) at G=1 with K=7168 and 2880, where the other tile order spilled at two CTAs an SM (stop 66)
 VARIANTS = [
     ("bfloat16", 2048, False, 1, None), ("float16", 200, False, 1, None), ("float32", 7168, False, 1, None),
-    ("bfloat16", 7168, True, 1, None), ("bfloat16", 2880, True, 1, None), ("bfloat16", 136, True, 6, "int32"), ("bfloat16", 1536, True, 128, "int64"),
+    ("bfloat16", 7168, True, 1, None), ("bfloat16", 2880, True, 1, None), ("bfloat16", 136, True, 6, "int32"),
+    ("bfloat16", 1536, True, 128, "int64"),
     ("float16", 2048, True, 1024, "int32"), ("float16", 8, True, 1, None),
     ("float32", 200, True, 6, "int64"), ("float32", 2048, True, 1, None),
 ]
