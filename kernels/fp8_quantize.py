@@ -251,9 +251,7 @@ class FP8QuantizeKernel:
         mX = cute.make_tensor(pX, cute.make_layout((M, chunks, self.vec), stride=(self.K, self.vec, 1)))
         mData = cute.make_tensor(pData, cute.make_layout((M, chunks, self.vec), stride=(self.K, self.vec, 1)))
         mScale = cute.make_tensor(pScale, cute.make_layout((self.nkb, M), stride=(M, 1)))
-        blocks = (M + TILE - 1) // TILE
-        if const_expr(self.columnwise):
-            blocks = blocks + self.G
+        blocks = self.row_blocks(M)
         mCwScale = cute.make_tensor(pCwScale, cute.make_layout((blocks, self.K), stride=(self.K, 1)))
         mSizes = cute.make_tensor(pSizes, cute.make_layout((self.G,)))
         mAmax = cute.make_tensor(pAmax, cute.make_layout((1,)))
@@ -794,7 +792,7 @@ class FP8QuantizeKernel:
         """The slot layout: ``cw_data[k, 128 b : 128 b + 128]`` for the tile's columns, one column per warp and
         step, lane ``w`` writing rows ``4w .. 4w + 3`` as one aligned word (rows past the block's are zero codes:
         their values were loaded as zeros; ``zero``: every word zero, ``sCodes`` unread)."""
-        length = Int64((M + TILE - 1) // TILE + self.G) * Int64(TILE)
+        length = Int64(self.row_blocks(M)) * Int64(TILE)
         for it in cutlass.range_constexpr(TILE // (THREADS // _LANES)):
             kl = it * (THREADS // _LANES) + warp
             k = kb * TILE + kl
