@@ -17,7 +17,8 @@ lower SM clocks):
     python bench/b2b_calls.py --clocks b2b.log smi.csv
 
 Prints, per block and count, each path's median ms per step and the ratio baseline / fused; --out writes the rows.
---fused fusion_fp8: the FP8 block against the same bf16 baseline (issue 9's ratio). --precompile (no GPU): compile
+--fused fusion_fp8: the FP8 block against the same bf16 baseline (issue 9's ratio); --fused fusion,fusion_fp8: both
+against it in one process (one baseline compile a block). --precompile (no GPU): compile
 the fused kernels of the blocks into FUSION_CACHE_DIR (bench_training_step's; the FP8 twins' too).
 """
 from __future__ import annotations
@@ -54,16 +55,19 @@ def steps_ms(fn, clear, count: int) -> float:
 
 
 def ratio_rows(model: str, times: dict, counts, paths=PATHS) -> list[dict]:
-    """Per count: each path's median over the rounds and baseline / fused (the rows this script prints and writes).
-    `times[(path, count)]` is the list of the rounds' ms; `paths` (fused, baseline)."""
-    fused, base = paths
+    """Per count and fused path: each path's median over the rounds and baseline / fused (the rows this script
+    prints and writes). `times[(path, count)]` is the list of the rounds' ms; `paths` (fused, ..., baseline): one
+    or more fused paths, each timed against the last."""
+    *fused_paths, base = paths
     rows = []
     for count in counts:
         med = {p: statistics.median(times[(p, count)]) for p in paths}
-        rows.append({"model": model, "count": count, "fused": fused, "baseline": base,
-                     **{f"{p}_ms": round(med[p], 4) for p in paths},
-                     "rounds": {p: [round(t, 4) for t in times[(p, count)]] for p in paths},
-                     "ratio": round(med[base] / med[fused], 4)})
+        for fused in fused_paths:
+            pair = (fused, base)
+            rows.append({"model": model, "count": count, "fused": fused, "baseline": base,
+                         **{f"{p}_ms": round(med[p], 4) for p in pair},
+                         "rounds": {p: [round(t, 4) for t in times[(p, count)]] for p in pair},
+                         "ratio": round(med[base] / med[fused], 4)})
     return rows
 
 
@@ -88,8 +92,9 @@ def run(block, counts, rounds, log, paths=PATHS, windows=False) -> list[dict]:
                     log(f"window {block.model} {p} {count} {t0:.3f} {time.time():.3f} {times[(p, count)][-1]:.4f}")
     rows = ratio_rows(block.model, times, counts, paths)
     for row in rows:
-        log(f"{block.model:18s} {row['count']:5d} steps  {paths[0]} {row[paths[0] + '_ms']:8.3f} ms  "
-            f"{paths[1]} {row[paths[1] + '_ms']:8.3f} ms  ratio {row['ratio']:.3f}")
+        fused, base = row["fused"], row["baseline"]
+        log(f"{block.model:18s} {row['count']:5d} steps  {fused} {row[fused + '_ms']:8.3f} ms  "
+            f"{base} {row[base + '_ms']:8.3f} ms  ratio {row['ratio']:.3f}")
     del fns, setup
     torch.cuda.empty_cache()
     return rows
@@ -127,7 +132,8 @@ def main():
     ap.add_argument("--models", default=None, help="bench_training_step's block names (required unless --clocks)")
     ap.add_argument("--counts", default="10,100")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--fused", default=PATHS[0], help="the fused path (fusion, fusion_fp8, ...)")
+    ap.add_argument("--fused", default=PATHS[0], help="the fused path (fusion, fusion_fp8, ...), or several "
+                    "comma-separated (each against the baseline, all alternating in one process)")
     ap.add_argument("--baseline", default=PATHS[1], help="the path it is timed against")
     ap.add_argument("--precompile", action="store_true")
     ap.add_argument("--windows", action="store_true", help="log every window's wall-clock start and end")
@@ -156,8 +162,8 @@ def main():
         print(msg, flush=True)
 
     header = run_header()
-    paths = (args.fused, args.baseline)
-    log(f"{header['gpu']}, commit {header['commit']}; {paths[0]} against {paths[1]}, counts {counts}, "
+    paths = (*args.fused.split(","), args.baseline)
+    log(f"{header['gpu']}, commit {header['commit']}; {', '.join(paths[:-1])} against {paths[-1]}, counts {counts}, "
         f"{args.rounds} rounds")
     rows = [row for block in blocks for row in run(block, counts, args.rounds, log, paths, args.windows)]
     if args.out:

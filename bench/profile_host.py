@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # run from a checkout
 
-from bench_training_step import BLOCKS, phase_fn, setup_block  # noqa: E402
+from bench_training_step import phase_fn, select_blocks, setup_block  # noqa: E402
 from profiling import print_host, print_ops  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.single_thread:
         torch.autograd.set_multithreading_enabled(False)
-    block = next(b for b in BLOCKS if b.model == args.model)
+    block, = select_blocks(args.model)   # a block of BLOCKS or of the held-out table
     setup = setup_block(block)
     call, clear = phase_fn(setup.path(args.path), args.phase, setup.x, setup.dy)
     for _ in range(args.warmup):

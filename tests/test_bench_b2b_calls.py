@@ -24,6 +24,16 @@ def test_other_paths_name_their_columns():
     assert row["fusion_fp8_ms"] == 1.0 and row["ratio"] == 1.3 and row["fused"] == "fusion_fp8"
 
 
+def test_several_fused_paths_each_against_the_last():
+    """--fused fusion,fusion_fp8: one row per fused path and count, each ratio against the baseline (the last path)."""
+    times = {("fusion", 100): [2.0, 2.2], ("fusion_fp8", 100): [1.5, 1.5], ("unfused_fullgraph", 100): [3.0, 3.0]}
+    rows = b2b_calls.ratio_rows("m", times, [100], ("fusion", "fusion_fp8", "unfused_fullgraph"))
+    assert [(r["fused"], r["baseline"]) for r in rows] == [("fusion", "unfused_fullgraph"),
+                                                            ("fusion_fp8", "unfused_fullgraph")]
+    assert rows[0]["ratio"] == round(3.0 / 2.1, 4) and rows[1]["ratio"] == 2.0
+    assert "fusion_fp8_ms" not in rows[0] and rows[1]["fusion_fp8_ms"] == 1.5
+
+
 def test_rounds_alternate_the_order(monkeypatch):
     """run() times each count once per path per round, the fused path first in even rounds and last in odd ones."""
     calls = []
