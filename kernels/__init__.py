@@ -20,7 +20,7 @@ _EXPORTS = {
                      "BoundGemm", "grouped_gemm", "check_config", "offsets_from_group_sizes", "sass_text", "sass_opcodes"), "api"),
     **dict.fromkeys(("GemmConfig", "choose_config", "fp8_block_output_tile", "cooperative_fp8_config"), "tile_policy"),
     **dict.fromkeys(("CompiledFp8GroupedGemm", "choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm",
-                     "run_fp8_grouped_gemm", "fp8_grouped_gemm"), "fp8_api"),
+                     "run_fp8_grouped_gemm", "bind_fp8_grouped_gemm", "BoundFp8Gemm", "fp8_grouped_gemm"), "fp8_api"),
 }
 
 __all__ = list(_EXPORTS)

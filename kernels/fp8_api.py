@@ -17,9 +17,8 @@ from cutlass.cute.runtime import make_ptr
 
 from fusion.errors import DeviceError, KernelConfigError, ShapeError
 
-from .api import (CompiledGroupedGemm, compile_kernel, GemmConfig, _dtype_name, _fake_ptr, _slot_dtypes,
-                  allocate_outputs, current_stream, epilogue_pointers, launch_grid, offsets_from_group_sizes,
-                  output_problems)
+from .api import (CompiledGroupedGemm, compile_kernel, GemmConfig, _dtype_name, _fake_ptr, _raw_stream,
+                  _slot_dtypes, allocate_outputs, launch_grid, offsets_from_group_sizes, output_problems)
 from .epilogue import Epilogue, IdentityEpilogue
 from .fp8_gemm import N_WAVE_TILE, SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
 from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
@@ -27,7 +26,7 @@ from .tile_policy import (band_problem, choose_fp8_config, cluster_m_problems, f
                           n_tile_count, resolved_band)
 
 __all__ = ["choose_fp8_config", "check_fp8_config", "compile_fp8_grouped_gemm", "run_fp8_grouped_gemm",
-           "fp8_grouped_gemm", "CompiledFp8GroupedGemm"]
+           "bind_fp8_grouped_gemm", "BoundFp8Gemm", "fp8_grouped_gemm", "CompiledFp8GroupedGemm"]
 
 _OUT_DTYPES = ("bfloat16", "float16")
 _MAX_TILE_N = 192
@@ -193,26 +192,99 @@ def run_fp8_grouped_gemm(compiled: CompiledFp8GroupedGemm, A: torch.Tensor, A_sc
     ``B_scale`` (G, ceil(N/128), ceil(K/128)) float32 (``FP8BlockWeight.data`` / ``.scale``); ``offsets``
     (G+1,) int32 group row bounds. ``outputs`` / ``extras``: the epilogue's tensors by name, as
     :func:`kernels.api.run_grouped_gemm`. ``counter_ptr``: a zeroed int32 for the dynamic scheduler (else one
-    is allocated)."""
-    extras = extras or {}
-    M, K, G = A.shape[0], compiled.K, compiled.G
+    is allocated).
+
+    A caller that launches the same kernel at the same shapes again keeps :func:`bind_fp8_grouped_gemm`'s
+    BoundFp8Gemm instead (the runtime does): this function is that binding and its call."""
+    tensors = outputs if not extras else {**outputs, **extras}
+    bind_fp8_grouped_gemm(compiled, A, A_scale, B, B_scale, offsets, num_ctas)(A, A_scale, B, B_scale, offsets,
+                                                                                tensors, counter_ptr)
+
+
+def _check_fp8_operands(compiled: CompiledFp8GroupedGemm, A, A_scale, B, B_scale, offsets) -> None:
+    """What reads no data: the operands' shapes, dtypes, contiguity, 16-byte alignment, G+1 int32 offsets, one
+    CUDA device (raises, naming the problem)."""
+    K, G = compiled.K, compiled.G
     if A.dim() != 2:
         raise ShapeError(f"FP8 grouped GEMM {compiled.name}: A must be 2-D (M, {K}), got {tuple(A.shape)}")
+    M = A.shape[0]
     _check_operand("A", A, (M, K), _FP8_TORCH, "E4M3 codes (uint8 or float8_e4m3fn)")
     _check_operand("A_scale", A_scale, (compiled.k_blocks, M), (torch.float32,), "float32 k-block-major scales")
     _check_operand("B", B, (G, compiled.N, K), _FP8_TORCH, "E4M3 codes (uint8 or float8_e4m3fn)")
     _check_operand("B_scale", B_scale, compiled.b_scale_shape, (torch.float32,), "float32 128x128 block scales")
     if offsets.numel() < G + 1 or offsets.dtype != torch.int32:
         raise ShapeError(f"FP8 grouped GEMM {compiled.name}: offsets must hold G+1 = {G + 1} int32 bounds")
-    ptrs = epilogue_pointers(compiled, outputs, extras)
-    if M == 0:
-        return
-    if not A.is_cuda or any(t.device != A.device for t in (A_scale, B, B_scale, offsets)):
+    if M and (not A.is_cuda or any(t.device != A.device for t in (A_scale, B, B_scale, offsets))):
         raise DeviceError(f"FP8 grouped GEMM {compiled.name}: A, the scales, B and offsets must be on one CUDA "
                           f"device; got A on {A.device}")
-    num_ctas, counter_ptr, _counter = launch_grid(compiled, M, A.device, offsets, num_ctas, counter_ptr)
-    compiled.launch(A.data_ptr(), B.data_ptr(), A_scale.data_ptr(), B_scale.data_ptr(), offsets.data_ptr(),
-                    counter_ptr, ptrs, M, num_ctas, current_stream(A.device))
+
+
+class BoundFp8Gemm:
+    """A compiled FP8 kernel's launch at one call shape (A's rows; B, the scales and the epilogue's pointer order
+    fixed by the kernel): :func:`_check_fp8_operands`, the launch grid and the epilogue's pointer order worked out once
+    by :func:`bind_fp8_grouped_gemm`, so that a call checks only what may change between calls of that shape (the
+    operands' shapes, dtypes, contiguity and 16-byte alignment; the epilogue tensors' contiguity), reads the pointers
+    and launches, as the bf16 kernel's kernels.api.BoundGemm does: a training step launches up to four FP8 GEMMs, and
+    run_fp8_grouped_gemm's full checks cost each of them tens of microseconds of host time. Bound per device: the
+    runtime keeps one per kernel, call shape and device (fusion/runtime/kernel.py, fusion/runtime/fp8_gemm.py)."""
+
+    __slots__ = ("compiled", "launch", "a_shape", "sa_shape", "b_shape", "sb_shape", "M", "num_ctas", "names",
+                 "dynamic", "min_offsets")
+
+    def __init__(self, compiled: CompiledFp8GroupedGemm, M: int, num_ctas: int):
+        self.compiled, self.launch = compiled, compiled.launch
+        self.M, self.num_ctas = M, num_ctas
+        self.a_shape = torch.Size((M, compiled.K))
+        self.sa_shape = torch.Size((compiled.k_blocks, M))
+        self.b_shape = torch.Size((compiled.G, compiled.N, compiled.K))
+        self.sb_shape = torch.Size(compiled.b_scale_shape)
+        # the epilogue's tensors in slot order: each slot's tensor, then its extra tensors (scales, amax)
+        self.names = tuple(n for name, suffixes in compiled.slots for n in (name, *(name + s for s in suffixes)))
+        self.dynamic = compiled.config.dynamic
+        self.min_offsets = compiled.G + 1
+
+    def __call__(self, A: torch.Tensor, A_scale: torch.Tensor, B: torch.Tensor, B_scale: torch.Tensor,
+                 offsets: torch.Tensor, tensors: dict, counter_ptr: Optional[int] = None) -> None:
+        """Launch on torch's current stream (see :func:`run_fp8_grouped_gemm`); `tensors` maps every epilogue name
+        (and a quantized output's suffixed names) to its tensor."""
+        a_ptr, sa_ptr, b_ptr, sb_ptr = A.data_ptr(), A_scale.data_ptr(), B.data_ptr(), B_scale.data_ptr()
+        if ((a_ptr | sa_ptr | b_ptr | sb_ptr) & 15 or A.shape != self.a_shape or A_scale.shape != self.sa_shape
+                or B.shape != self.b_shape or B_scale.shape != self.sb_shape or A.dtype not in _FP8_TORCH
+                or B.dtype not in _FP8_TORCH or A_scale.dtype != torch.float32 or B_scale.dtype != torch.float32
+                or not (A.is_contiguous() and A_scale.is_contiguous() and B.is_contiguous()
+                        and B_scale.is_contiguous())
+                or offsets.numel() < self.min_offsets or offsets.dtype != torch.int32):
+            if A.dim() != 2 or A.shape[0] == self.M:
+                _check_fp8_operands(self.compiled, A, A_scale, B, B_scale, offsets)   # raises, naming the problem
+            raise ShapeError(f"FP8 grouped GEMM {self.compiled.name}: bound at {self.M} rows, got A "
+                             f"{tuple(A.shape)}: bind the kernel at this call's rows")
+        ptrs = []
+        for name in self.names:
+            t = tensors[name]
+            if not t.is_contiguous():
+                raise ShapeError(f"FP8 grouped GEMM {self.compiled.name}: epilogue tensor {name!r} must be "
+                                 "contiguous")
+            ptrs.append(t.data_ptr())
+        if self.M == 0:
+            return
+        counter = None
+        if counter_ptr is None:
+            counter = torch.zeros(1, dtype=torch.int32, device=A.device) if self.dynamic else offsets
+            counter_ptr = counter.data_ptr()
+        self.launch(a_ptr, b_ptr, sa_ptr, sb_ptr, offsets.data_ptr(), counter_ptr, tuple(ptrs), self.M,
+                    self.num_ctas, _raw_stream(A.get_device()))
+        del counter   # (a fresh counter is freed stream-ordered, after the launch)
+
+
+def bind_fp8_grouped_gemm(compiled: CompiledFp8GroupedGemm, A: torch.Tensor, A_scale: torch.Tensor,
+                          B: torch.Tensor, B_scale: torch.Tensor, offsets: torch.Tensor,
+                          num_ctas: Optional[int] = None) -> BoundFp8Gemm:
+    """The launch of `compiled` at A's rows, checked once: a BoundFp8Gemm to call with each call's tensors of
+    those shapes (see :func:`run_fp8_grouped_gemm`)."""
+    _check_fp8_operands(compiled, A, A_scale, B, B_scale, offsets)
+    M = A.shape[0]
+    num_ctas, _, _ = launch_grid(compiled, M, A.device, offsets, num_ctas, counter_ptr=0) if M else (1, 0, None)
+    return BoundFp8Gemm(compiled, M, num_ctas)
 
 
 def fp8_grouped_gemm(A, A_scale, B, B_scale, group_sizes=None, offsets=None, epilogue: Optional[Epilogue] = None,

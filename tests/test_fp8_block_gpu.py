@@ -237,16 +237,18 @@ def test_fp8_block_inside_torch_compile_runs_the_fused_fp8_kernels(columnwise):
 
 
 def _spy_fp8_launches(monkeypatch, record):
-    """Every FP8 GEMM launch of what runs next calls ``record(compiled, counter_ptr)`` before it launches."""
+    """Every FP8 GEMM launch of what runs next calls ``record(compiled, counter_ptr)`` before it launches: each goes
+    through a bound launch (kernels.fp8_api.BoundFp8Gemm: the runtime's, or run_fp8_grouped_gemm's own)."""
     import fusion.kernels.fp8_api as fp8_api
 
-    real = fp8_api.launch_grid
+    real = fp8_api.BoundFp8Gemm.__call__
 
-    def spy(compiled, M, dev, offsets, num_ctas=None, counter_ptr=None):
-        record(compiled, counter_ptr)
-        return real(compiled, M, dev, offsets, num_ctas, counter_ptr)
+    def spy(self, A, A_scale, B, B_scale, offsets, tensors, counter_ptr=None):
+        if self.M:
+            record(self.compiled, counter_ptr)
+        return real(self, A, A_scale, B, B_scale, offsets, tensors, counter_ptr)
 
-    monkeypatch.setattr(fp8_api, "launch_grid", spy)
+    monkeypatch.setattr(fp8_api.BoundFp8Gemm, "__call__", spy)
 
 
 def test_lone_fp8_gemms_take_their_tile_counter_from_the_calls_buffer(monkeypatch, no_reference_recipe):

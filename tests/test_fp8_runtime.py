@@ -171,7 +171,14 @@ def test_a_fused_fp8_kernel_launches_the_configuration_of_the_calls_rows(monkeyp
     monkeypatch.setattr(P, "FP8_TWO_CTAS", False)   # the identity job's cooperative 256-row pair (the rule's subject)
     loads, launched = [], []
     monkeypatch.setattr(C, "load_compiled", lambda job: loads.append(job) or job.config)
-    fake = type("K", (), {"run_fp8_grouped_gemm": staticmethod(lambda compiled, *a, **k: launched.append(compiled)),
+    class Bound:   # kernels.fp8_api.BoundFp8Gemm's stand-in: records the compiled kernel of each launch
+        def __init__(self, compiled):
+            self.compiled = compiled
+
+        def __call__(self, *args):
+            launched.append(self.compiled)
+
+    fake = type("K", (), {"bind_fp8_grouped_gemm": staticmethod(lambda compiled, *a, **k: Bound(compiled)),
                           "run_grouped_gemm": None})
     monkeypatch.setattr(Kr, "_kernels", lambda: fake)
     job = fp8_gemm.identity_job(256, 512, 4, torch.bfloat16)

@@ -37,6 +37,8 @@ import torch
 from fusion.grouped import group_offsets, grouped_wgrad
 from fusion.op_table import device_method_refusal
 from fusion.runtime.bounds import row_bounds
+from fusion.runtime import kernel as runtime_kernel
+from fusion.runtime.kernel import ShapeCache
 from fusion.quant import QuantizedTensor
 from fusion.run_context import RunContext
 
@@ -131,15 +133,30 @@ def _rowwise(x: torch.Tensor):
     return _quantized(x)[:2]
 
 
+#: The lone FP8 GEMMs' launches bound per kernel, rows and device (kernels.fp8_api.BoundFp8Gemm): checked once per
+#: call shape, not at every call.
+_BOUND = ShapeCache(256)
+
+
 def _gemm(a, b, bounds, dtype, what: str, counter=None):
     """``out[r] = A[r] @ B[g(r)].T`` for BlockScaled operands, B (G, N, K); `counter`: TILE_COUNTER's address, or
     None (a zeroed one is allocated for the launch)."""
-    from fusion.kernels.fp8_api import run_fp8_grouped_gemm
-
     G, N, K = b.data.shape
-    compiled = _kernel(N, K, G, dtype, what, a.data.shape[0])
-    out = torch.empty(a.data.shape[0], N, dtype=dtype, device=a.data.device)
-    run_fp8_grouped_gemm(compiled, a.data, a.scale, b.data, b.scale, bounds, {"out": out}, counter_ptr=counter)
+    rows, device = a.data.shape[0], a.data.device
+    compiled = _kernel(N, K, G, dtype, what, rows)
+    out = torch.empty(rows, N, dtype=dtype, device=device)
+    if not runtime_kernel.FP8_BOUND_LAUNCHES:   # the A/B switch
+        from fusion.kernels.fp8_api import run_fp8_grouped_gemm
+
+        run_fp8_grouped_gemm(compiled, a.data, a.scale, b.data, b.scale, bounds, {"out": out}, counter_ptr=counter)
+        return out
+    key = (id(compiled), rows, device.index)
+    bound = _BOUND.get(key)
+    if bound is None or bound.compiled is not compiled:
+        from fusion.kernels.fp8_api import bind_fp8_grouped_gemm
+
+        bound = _BOUND.keep(key, bind_fp8_grouped_gemm(compiled, a.data, a.scale, b.data, b.scale, bounds))
+    bound(a.data, a.scale, b.data, b.scale, bounds, {"out": out}, counter)
     return out
 
 

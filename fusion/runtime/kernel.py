@@ -104,6 +104,11 @@ def make_wgrad_job(dtype: torch.dtype, out_features: int, in_features: int, G: i
                      mainloop="varlen_k")
 
 
+#: Read per call: False launches every FP8 GEMM (fused here, lone in fusion/runtime/fp8_gemm.py) through
+#: kernels.fp8_api.run_fp8_grouped_gemm's full checks, as before the bound launches (the A/B switch).
+FP8_BOUND_LAUNCHES = True
+
+
 class ShapeCache(dict):
     """What the runtime works out once per call shape (bound launches, a rule's answer), at most `limit` shapes; past
     that it starts again, so rows that change at every call cost a rebuild each (what a call cost before binding),
@@ -137,7 +142,8 @@ class CuteKernel:
         self._config = GemmConfig(*job.config) if self.fp8 else None
         self._by_rows: dict = {self._config: self.compiled}
         self._run = _kernels().run_grouped_gemm
-        #: the bf16 kernel's launch bound per call shape (A's rows, the routed rows): kernels.api.BoundGemm
+        #: the launch bound per call shape: the bf16 kernel's by (A's rows, the routed rows), kernels.api.BoundGemm;
+        #: the FP8 kernel's by A's rows, kernels.fp8_api.BoundFp8Gemm
         self._bound = ShapeCache(64)
 
     def run(self, A, B, bounds, tensors: dict, counter_ptr: int | None = None, index=None) -> None:
@@ -145,8 +151,18 @@ class CuteKernel:
         gathering kernel's int32 (M,) token row of every routed row (A is then the (T, K) tokens). A "fp8_block"
         job's A and B are BlockScaled; its kernel is the one for A's rows (for_rows)."""
         if self.fp8:
-            _kernels().run_fp8_grouped_gemm(self._for_rows(A.data.shape[0]), A.data, A.scale, B.data, B.scale,
-                                            bounds, tensors, tensors, counter_ptr=counter_ptr)
+            rows = A.data.shape[0]
+            compiled = self._for_rows(rows)
+            if not FP8_BOUND_LAUNCHES:
+                _kernels().run_fp8_grouped_gemm(compiled, A.data, A.scale, B.data, B.scale, bounds, tensors, tensors,
+                                                counter_ptr=counter_ptr)
+                LAUNCHES.count(self.job)
+                return
+            bound = self._bound.get(rows)
+            if bound is None or bound.compiled is not compiled:   # (a switch may give these rows another tile)
+                bound = self._bound.keep(rows, _kernels().bind_fp8_grouped_gemm(compiled, A.data, A.scale, B.data,
+                                                                               B.scale, bounds))
+            bound(A.data, A.scale, B.data, B.scale, bounds, tensors, counter_ptr)
             LAUNCHES.count(self.job)
             return
         key = (A.shape[0], -1 if index is None else index.numel())
