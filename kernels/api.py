@@ -431,21 +431,35 @@ class BoundGemm:
             _check_operands(self.compiled, A, B, offsets, index)
         else:
             idx_ptr = offsets.data_ptr()  # (the index slot is never read)
-        ptrs = []
-        for name in self.names:
-            t = tensors[name]
-            if not t.is_contiguous():
-                raise ShapeError(f"grouped GEMM {self.compiled.name}: epilogue tensor {name!r} must be contiguous")
-            ptrs.append(t.data_ptr())
+        ptrs = bound_epilogue_pointers(f"grouped GEMM {self.compiled.name}", self.names, tensors)
         if self.M == 0:
             return
-        counter = None
-        if counter_ptr is None:
-            counter = torch.zeros(1, dtype=torch.int32, device=A.device) if self.dynamic else offsets
-            counter_ptr = counter.data_ptr()
-        self.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, idx_ptr, tuple(ptrs), self.M, self.T,
+        counter_ptr, counter = tile_counter(self.dynamic, offsets, A.device, counter_ptr)
+        self.launch(a_ptr, b_ptr, offsets.data_ptr(), counter_ptr, idx_ptr, ptrs, self.M, self.T,
                     self.num_ctas, _raw_stream(A.get_device()))
         del counter   # (a fresh counter is freed stream-ordered, after the launch)
+
+
+def bound_epilogue_pointers(label: str, names: tuple, tensors: dict) -> tuple:
+    """A bound launch's epilogue addresses: each of `names` (its slot order) looked up in `tensors`, contiguous
+    (else a ShapeError naming `label` and the tensor)."""
+    ptrs = []
+    for name in names:
+        t = tensors[name]
+        if not t.is_contiguous():
+            raise ShapeError(f"{label}: epilogue tensor {name!r} must be contiguous")
+        ptrs.append(t.data_ptr())
+    return tuple(ptrs)
+
+
+def tile_counter(dynamic: bool, offsets: torch.Tensor, device, counter_ptr=None):
+    """(address, the tensor behind it) of a launch's tile counter: `counter_ptr` where the caller gives one (None
+    behind it), else a fresh zero for a dynamic schedule, which the caller keeps alive until after the launch (its
+    memory is then freed stream-ordered); a static schedule reads none (the offsets' address stands in)."""
+    if counter_ptr is not None:
+        return counter_ptr, None
+    counter = torch.zeros(1, dtype=torch.int32, device=device) if dynamic else offsets
+    return counter.data_ptr(), counter
 
 
 def bind_grouped_gemm(compiled: CompiledGroupedGemm, A: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
@@ -519,10 +533,7 @@ def launch_grid(compiled, M: int, dev, offsets, num_ctas=None, counter_ptr=None)
         num_ctas = max(1, min(per_sm * (_num_sms(dev.index) - cfg.sm_margin), n_tiles)) if cfg.persistent else n_tiles
     pair = cfg.cluster_n * cfg.cluster_m
     num_ctas = max(pair, num_ctas - num_ctas % pair)   # whole CTA pairs
-    counter = None
-    if counter_ptr is None:
-        counter = torch.zeros(1, dtype=torch.int32, device=dev) if cfg.dynamic else offsets
-        counter_ptr = counter.data_ptr()
+    counter_ptr, counter = tile_counter(cfg.dynamic, offsets, dev, counter_ptr)
     return num_ctas, counter_ptr, counter
 
 

@@ -18,7 +18,8 @@ from cutlass.cute.runtime import make_ptr
 from fusion.errors import DeviceError, KernelConfigError, ShapeError
 
 from .api import (CompiledGroupedGemm, compile_kernel, GemmConfig, _dtype_name, _fake_ptr, _raw_stream,
-                  _slot_dtypes, allocate_outputs, launch_grid, offsets_from_group_sizes, output_problems)
+                  _slot_dtypes, allocate_outputs, bound_epilogue_pointers, launch_grid, offsets_from_group_sizes,
+                  output_problems, tile_counter)
 from .epilogue import Epilogue, IdentityEpilogue
 from .fp8_gemm import N_WAVE_TILE, SCALE_MODES, Fp8DebugKnobs, Fp8GroupedGemmKernel
 from .fp8_scales import SCALE_BLOCK, num_slots, plan_segments
@@ -258,20 +259,11 @@ class BoundFp8Gemm:
                 _check_fp8_operands(self.compiled, A, A_scale, B, B_scale, offsets)   # raises, naming the problem
             raise ShapeError(f"FP8 grouped GEMM {self.compiled.name}: bound at {self.M} rows, got A "
                              f"{tuple(A.shape)}: bind the kernel at this call's rows")
-        ptrs = []
-        for name in self.names:
-            t = tensors[name]
-            if not t.is_contiguous():
-                raise ShapeError(f"FP8 grouped GEMM {self.compiled.name}: epilogue tensor {name!r} must be "
-                                 "contiguous")
-            ptrs.append(t.data_ptr())
+        ptrs = bound_epilogue_pointers(f"FP8 grouped GEMM {self.compiled.name}", self.names, tensors)
         if self.M == 0:
             return
-        counter = None
-        if counter_ptr is None:
-            counter = torch.zeros(1, dtype=torch.int32, device=A.device) if self.dynamic else offsets
-            counter_ptr = counter.data_ptr()
-        self.launch(a_ptr, b_ptr, sa_ptr, sb_ptr, offsets.data_ptr(), counter_ptr, tuple(ptrs), self.M,
+        counter_ptr, counter = tile_counter(self.dynamic, offsets, A.device, counter_ptr)
+        self.launch(a_ptr, b_ptr, sa_ptr, sb_ptr, offsets.data_ptr(), counter_ptr, ptrs, self.M,
                     self.num_ctas, _raw_stream(A.get_device()))
         del counter   # (a fresh counter is freed stream-ordered, after the launch)
 
