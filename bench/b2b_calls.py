@@ -20,6 +20,9 @@ Prints, per block and count, each path's median ms per step and the ratio baseli
 --fused fusion_fp8: the FP8 block against the same bf16 baseline (issue 9's ratio); --fused fusion,fusion_fp8: both
 against it in one process (one baseline compile a block). --precompile (no GPU): compile
 the fused kernels of the blocks into FUSION_CACHE_DIR (bench_training_step's; the FP8 twins' too).
+--weights-change: each FP8 path also timed as its step runs after an optimizer step (path name + "@weights_change":
+fusion.quant.invalidate_weight_caches(), what the optimizer hook calls, before each step), so it quantizes its weights
+again in every step, as a training loop without gradient accumulation does; the bf16 paths hold no quantized weights.
 """
 from __future__ import annotations
 
@@ -71,13 +74,32 @@ def ratio_rows(model: str, times: dict, counts, paths=PATHS) -> list[dict]:
     return rows
 
 
-def run(block, counts, rounds, log, paths=PATHS, windows=False) -> list[dict]:
+#: The suffix of a path timed with its weights changing every step (--weights-change)
+CHANGING = "@weights_change"
+
+
+def weights_changing(fn):
+    """`fn` preceded by what an optimizer step does to the FP8 weight caches (every one quantizes again)."""
+    from fusion.quant import invalidate_weight_caches
+
+    def step():
+        invalidate_weight_caches()
+        fn()
+    return step
+
+
+def run(block, counts, rounds, log, paths=PATHS, windows=False, weights_change=False) -> list[dict]:
     """One block's training steps on both paths, `rounds` rounds of every count in `counts` (see the module
-    docstring); `windows`: log each window's wall-clock bounds. Returns :func:`ratio_rows`' rows."""
+    docstring); `windows`: log each window's wall-clock bounds; `weights_change`: each FP8 path also timed with
+    an optimizer step's cache invalidation before each step (:func:`weights_changing`; the next window of a path
+    with fixed weights then quantizes once in its first step). Returns :func:`ratio_rows`' rows."""
     setup = B.setup_block(block)
     fns = {}
+    if weights_change:   # each FP8 path also as it runs after an optimizer step, beside it with fixed weights
+        paths = (*[q for p in paths[:-1] for q in ((p, p + CHANGING) if "fp8" in p else (p,))], paths[-1])
     for name in paths:
-        fns[name] = B.phase_fn(setup.path(name), "training_step", setup.x, setup.dy)
+        step, clear = B.phase_fn(setup.path(name.removesuffix(CHANGING)), "training_step", setup.x, setup.dy)
+        fns[name] = (weights_changing(step) if name.endswith(CHANGING) else step), clear
         for _ in range(3):          # compile, warm up
             fns[name][0]()
     torch.cuda.synchronize()
@@ -137,6 +159,8 @@ def main():
     ap.add_argument("--baseline", default=PATHS[1], help="the path it is timed against")
     ap.add_argument("--precompile", action="store_true")
     ap.add_argument("--windows", action="store_true", help="log every window's wall-clock start and end")
+    ap.add_argument("--weights-change", action="store_true", help="each FP8 path also as after an optimizer step: "
+                    "it quantizes its weights again in each step")
     ap.add_argument("--out", default=None)
     ap.add_argument("--clocks", nargs=2, metavar=("LOG", "SMI_CSV"),
                     help="no run: summarize a --windows log against an nvidia-smi log (clock, power, J per step)")
@@ -164,8 +188,10 @@ def main():
     header = run_header()
     paths = (*args.fused.split(","), args.baseline)
     log(f"{header['gpu']}, commit {header['commit']}; {', '.join(paths[:-1])} against {paths[-1]}, counts {counts}, "
-        f"{args.rounds} rounds")
-    rows = [row for block in blocks for row in run(block, counts, args.rounds, log, paths, args.windows)]
+        f"{args.rounds} rounds" + ("; FP8 paths also with weights changing every step" if args.weights_change
+                                   else ""))
+    rows = [row for block in blocks
+            for row in run(block, counts, args.rounds, log, paths, args.windows, args.weights_change)]
     if args.out:
         Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
 

@@ -105,3 +105,13 @@ def fp8_block_scale_bits(bits):
     e8, inv = e8m0_scale_bits(bits)
     scale = cutlass.select_(e8 == 0, Int32(_MIN_SCALE_BITS), e8 << 23)
     return cutlass.select_(bits == 0, Int32(_ONE_BITS), scale), inv
+
+
+def pack4_e4m3(v0, v1, v2, v3) -> Int32:
+    """Four fp32 values as one word of E4M3 codes (v0 in the low byte): two ``cvt.rn.satfinite.e4m3x2.f32`` (the
+    conversion of every encoder here) and one move, where converting a value at a time spends a pair conversion
+    and merge instructions on each value."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Float32(v).ir_value() for v in (v0, v1, v2, v3)],
+        "{ .reg .b16 l, h; cvt.rn.satfinite.e4m3x2.f32 l, $2, $1; cvt.rn.satfinite.e4m3x2.f32 h, $4, $3; "
+        "mov.b32 $0, {l, h}; }", "=r,f,f,f,f"))

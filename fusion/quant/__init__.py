@@ -16,7 +16,8 @@ from .mxfp8 import (MXFP8_BLOCK, mxfp8_dequantize_2d, mxfp8_dequantize_columnwis
 from .nvfp4 import (NVFP4_BLOCK, nvfp4_dequantize_2d, nvfp4_dequantize_columnwise, nvfp4_global_scale,
                     nvfp4_quantize_2d, nvfp4_quantize_columnwise)
 from .tensor import QuantizedTensor, dequantize, quantize, quantize_fp8_block, quantize_mxfp8, quantize_nvfp4
-from .fp8_weight import FP8BlockWeight, FP8BlockWeightCache, invalidate_weight_caches, quantize_weight_fp8_block
+from .fp8_weight import (FP8BlockWeight, FP8BlockWeightCache, invalidate_weight_caches, quantize_weight_fp8_block,
+                         quantize_weight_fp8_block_reference)
 from .fp8_linear import fp8_block_linear
 
 __all__ = [
@@ -32,6 +33,6 @@ __all__ = [
     "nvfp4_quantize_columnwise", "nvfp4_dequantize_columnwise",
     "fp8_block_scale_exponent", "fp8_block_quantize_2d", "fp8_block_dequantize_2d",
     "fp8_block_quantize_columnwise", "fp8_block_dequantize_columnwise",
-    "FP8BlockWeight", "quantize_weight_fp8_block", "FP8BlockWeightCache", "invalidate_weight_caches",
+    "FP8BlockWeight", "quantize_weight_fp8_block", "quantize_weight_fp8_block_reference", "FP8BlockWeightCache", "invalidate_weight_caches",
     "fp8_block_linear",
 ]

@@ -20,7 +20,14 @@ from .errors import QuantizationError
 from .formats import decode_e4m3, encode_e4m3, pow2_f32
 from .fp8_block import FP8_BLOCK, fp8_block_scale_exponent
 
-__all__ = ["FP8BlockWeight", "quantize_weight_fp8_block", "FP8BlockWeightCache", "invalidate_weight_caches"]
+__all__ = ["FP8BlockWeight", "quantize_weight_fp8_block", "quantize_weight_fp8_block_reference", "FP8BlockWeightCache",
+           "invalidate_weight_caches", "DEVICE_QUANTIZERS"]
+
+#: Device quantizers tried in order before the torch reference: each ``fn(weight)`` returns the four buffers of
+#: :class:`FP8BlockWeight` bit for bit, or None where it does not take the weight. The runtime registers the CUDA
+#: kernel's (kernels/fp8_weight_quantize_api.py; this layer imports no kernel). Not used inside torch.compile, which
+#: traces the reference into its graph.
+DEVICE_QUANTIZERS: list = []
 
 
 class FP8BlockWeight(NamedTuple):
@@ -61,7 +68,19 @@ def _dequantize_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_weight_fp8_block(weight: torch.Tensor) -> FP8BlockWeight:
-    """Quantize a ``(G, N, K)`` or ``(N, K)`` weight in 128x128 FP8 blocks (see :class:`FP8BlockWeight`).
+    """Quantize a ``(G, N, K)`` or ``(N, K)`` weight in 128x128 FP8 blocks (see :class:`FP8BlockWeight`): a device
+    quantizer's buffers where one takes the weight (:data:`DEVICE_QUANTIZERS`: on a GPU, one launch), else
+    :func:`quantize_weight_fp8_block_reference`'s; the same bits either way."""
+    if DEVICE_QUANTIZERS and isinstance(weight, torch.Tensor) and not torch.compiler.is_compiling():
+        for quantizer in DEVICE_QUANTIZERS:
+            buffers = quantizer(weight)
+            if buffers is not None:
+                return FP8BlockWeight(*buffers)
+    return quantize_weight_fp8_block_reference(weight)
+
+
+def quantize_weight_fp8_block_reference(weight: torch.Tensor) -> FP8BlockWeight:
+    """The specification of :func:`quantize_weight_fp8_block`, in torch.
 
     Scale rule as FP8-block activations: ``2^ceil(log2(block_amax / 448))`` over the block's finite
     elements, 1 for an all-zero block; NaN / Inf elements encode as E4M3 NaN ``0x7F``. Not differentiable

@@ -39,7 +39,7 @@ from fusion.op_table import device_method_refusal
 from fusion.runtime.bounds import row_bounds
 from fusion.runtime import kernel as runtime_kernel
 from fusion.runtime.kernel import ShapeCache
-from fusion.quant import QuantizedTensor
+from fusion.quant import QuantizedTensor, fp8_weight
 from fusion.run_context import RunContext
 
 _COMPILED: dict = {}
@@ -48,6 +48,25 @@ _COMPILED: dict = {}
 #: slot of the call's bounds buffer that the program gives the step (fusion/runtime/program.py), so a lone FP8
 #: GEMM allocates and zeroes none per launch.
 TILE_COUNTER = True
+
+
+def quantize_weight_device(weight):
+    """The FP8-block weight quantize kernel's buffers of `weight` (kernels/fp8_weight_quantize.py: one launch, the
+    reference's bits), or None where it does not take it: fusion.quant's device quantizer, so every fp8_block
+    weight cache re-quantizes on the GPU after an optimizer step (the torch reference loops over the groups with
+    float32 temporaries: milliseconds a step at MoE scale). ``WEIGHT_KERNEL = False`` leaves it to the reference."""
+    if not WEIGHT_KERNEL or not isinstance(weight, torch.Tensor) or not weight.is_cuda:
+        return None
+    from fusion.kernels.fp8_weight_quantize_api import try_quantize_weight_fp8_block_device
+
+    return try_quantize_weight_fp8_block_device(weight)
+
+
+#: Read per call: False quantizes FP8-block weights with the torch reference (the A/B switch;
+#: FUSION_FP8_WEIGHT_KERNEL=0 at import).
+WEIGHT_KERNEL = os.environ.get("FUSION_FP8_WEIGHT_KERNEL", "1") != "0"
+if quantize_weight_device not in fp8_weight.DEVICE_QUANTIZERS:
+    fp8_weight.DEVICE_QUANTIZERS.append(quantize_weight_device)
 
 
 def takes(op, x) -> bool:
