@@ -17,7 +17,8 @@ import torch
 
 from fusion.errors import DeviceError, DTypeError, GroupSizesError, ShapeError
 
-__all__ = ["quantize_fp8_block_device", "try_quantize_fp8_block_device", "quantize_fp8_block_slots",
+__all__ = ["quantize_fp8_block_device", "try_quantize_fp8_block_device", "quantize_fp8_block_rowwise_bound",
+           "quantize_fp8_block_slots",
            "quantize_fp8_block_rowwise_slots",
            "unsupported_reason", "FP8_BLOCK"]
 
@@ -98,6 +99,49 @@ def try_quantize_fp8_block_device(x2d, columnwise: bool = False, group_sizes=Non
     if _problem(x2d, columnwise, group_sizes) is not None:
         return None
     return _launch(x2d, columnwise, group_sizes, amax_bits)
+
+
+#: Read per call: False makes :func:`quantize_fp8_block_rowwise_bound` take the checked path every time (the A/B
+#: switch of the launches bound per call shape).
+BOUND_ROWWISE = True
+
+#: (rows, K, dtype, device index, the build's switches) -> (launch, grid limit, k-blocks): what a rowwise launch at a
+#: shape already checked needs, so a training step's quantizations of x, dY and dH skip the checks, the kernel's
+#: compile-once key and the grid lookup (a few microseconds each, three times a step)
+_ROWWISE: dict = {}
+
+
+def quantize_fp8_block_rowwise_bound(x2d):
+    """:func:`try_quantize_fp8_block_device`'s rowwise ``(data, scale)`` (no amax), or None where the kernel does
+    not take `x2d`: after the first call at a shape, a call checks only that `x2d` is a plain contiguous 16-byte
+    aligned 2-D tensor of that shape, dtype and device, allocates the two outputs and launches."""
+    if type(x2d) is not torch.Tensor or x2d.dim() != 2 or not x2d.is_cuda:
+        return _checked_rowwise(x2d)
+    from .fp8_quantize import PAIRS, PIPELINED_ROWWISE
+
+    M, K = x2d.shape
+    key = (M, K, x2d.dtype, x2d.get_device(), PAIRS, PIPELINED_ROWWISE)
+    bound = _ROWWISE.get(key) if BOUND_ROWWISE else None
+    if bound is None or not x2d.is_contiguous() or x2d.data_ptr() & 15 or not M or not K:
+        buffers = _checked_rowwise(x2d)
+        if buffers is not None and BOUND_ROWWISE and M and K and len(_ROWWISE) < 1024:
+            from .fp8_quantize import compile_fp8_quantize
+
+            kernel = compile_fp8_quantize(_DTYPES[x2d.dtype], K, False)
+            _ROWWISE[key] = (kernel.launch, _grid_limit(kernel, key[3]), -(-K // FP8_BLOCK))
+        return buffers
+    launch, grid, nkb = bound
+    dev = x2d.device
+    data = torch.empty(M, K, dtype=torch.uint8, device=dev)
+    scale = torch.empty(nkb, M, dtype=torch.float32, device=dev)
+    launch(x2d.data_ptr(), data.data_ptr(), scale.data_ptr(), 0, 0, 0, 0, M, grid,
+           torch._C._cuda_getCurrentRawStream(key[3]))
+    return data, scale
+
+
+def _checked_rowwise(x2d):
+    buffers = try_quantize_fp8_block_device(x2d)
+    return None if buffers is None else buffers[:2]
 
 
 def _launch(x2d: torch.Tensor, columnwise: bool, group_sizes, amax_bits=None):

@@ -298,3 +298,18 @@ def test_pipelined_loads_zero_fill_what_they_mask(tmp_path):
     loads = re.findall(r"cp\.async\.cg\.shared\.global\s+\[[^]]+\],\s*\[[^]]+\],\s*16(,\s*%r\d+)?;", ptx)
     assert loads, "no 16-byte cp.async in the pipelined slot build"
     assert all(size for size in loads), "a cp.async without a source size: masked rows would keep stale data"
+
+
+def test_bound_rowwise_quantization_on_the_cpu_is_the_checked_path():
+    """quantize_fp8_block_rowwise_bound binds CUDA launches only: a CPU tensor takes the checked path, which
+    declines it (the runtime then runs the reference), and nothing is bound."""
+    from fusion.kernels import fp8_quantize_api as api
+    from fusion.runtime import fp8_gemm
+    from fusion.quant.fp8_block import fp8_block_quantize_2d
+
+    x = torch.randn(300, 256, dtype=torch.bfloat16)
+    before = dict(api._ROWWISE)
+    assert api.quantize_fp8_block_rowwise_bound(x) is None
+    assert api._ROWWISE == before
+    got, want = fp8_gemm._rowwise(x), fp8_block_quantize_2d(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

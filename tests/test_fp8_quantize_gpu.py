@@ -306,3 +306,28 @@ def test_tiles_of_unused_capacity_skipped_or_encoded_match_the_reference(build, 
         want = (data, scale, fp8_block_columnwise_slots(ref_cw, sizes), ref_cw_scale)
     for i, (g, w) in enumerate(zip(got, want)):
         _same_bits(f"output {i}", g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rowwise_launch_bound_per_shape(dtype, monkeypatch):
+    """The training step's rowwise quantizations launch through a binding made once per call shape
+    (fp8_quantize_api.quantize_fp8_block_rowwise_bound): the same bits as the checked launch at every call, a new
+    binding for a new shape, the checked path (and its refusal) for what the binding cannot take."""
+    from fusion.kernels import fp8_quantize_api as api
+
+    monkeypatch.setattr(api, "_ROWWISE", {})
+    for M, K in ((300, 256), (300, 256), (4096, 2048), (1, 1536), (300, 256)):
+        x = torch.randn(M, K, device=DEV, dtype=dtype) * 3
+        got = api.quantize_fp8_block_rowwise_bound(x)
+        want = fp8_block_quantize_2d(x.float())
+        _same_bits("data", got[0], want[0])
+        _same_bits("scale", got[1], want[1])
+    assert len(api._ROWWISE) == 3
+    wide = torch.randn(64, 512, device=DEV, dtype=dtype)
+    got = api.quantize_fp8_block_rowwise_bound(wide[:, :256])   # a strided view: the checked path declines it
+    assert got is None
+    got = api.quantize_fp8_block_rowwise_bound(wide[1:, :].contiguous()[:, :256].contiguous())
+    _same_bits("data", got[0], fp8_block_quantize_2d(wide[1:, :256].float())[0])
+    monkeypatch.setattr(api, "BOUND_ROWWISE", False)
+    x = torch.randn(300, 256, device=DEV, dtype=dtype)
+    _same_bits("data", api.quantize_fp8_block_rowwise_bound(x)[0], fp8_block_quantize_2d(x.float())[0])

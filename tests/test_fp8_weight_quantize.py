@@ -71,3 +71,4 @@ def test_weight_quantization_goes_through_the_device_quantizer_table(monkeypatch
     assert len(asked) == 1 and asked[0] is w
     assert all(a is b for a, b in zip(got, sentinel))
     assert isinstance(got, fp8_weight.FP8BlockWeight)
+

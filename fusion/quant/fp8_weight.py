@@ -165,8 +165,8 @@ class FP8BlockWeightCache:
     def get(self, param: torch.Tensor) -> FP8BlockWeight:
         if torch.compiler.is_compiling():
             return quantize_weight_fp8_block(param)
-        key = (param.data_ptr(), param._version, tuple(param.shape), tuple(param.stride()), param.dtype,
-               param.device, _GENERATION[0])
+        key = (param.data_ptr(), param._version, param.shape, param.stride(), param.dtype, param.device,
+               _GENERATION[0])
         if self._value is None or self._param is None or self._param() is not param or self._key != key:
             self._value = quantize_weight_fp8_block(param)
             self._param, self._source, self._key = weakref.ref(param), param.detach(), key

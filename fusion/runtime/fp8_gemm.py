@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from fusion.grouped import group_offsets, grouped_wgrad
-from fusion.op_table import device_method_refusal
+from fusion.op_table import device_method_refusal, dtype_name
 from fusion.runtime.bounds import row_bounds
 from fusion.runtime import kernel as runtime_kernel
 from fusion.runtime.kernel import ShapeCache
@@ -74,11 +74,20 @@ def takes(op, x) -> bool:
     one), no bias, and widths the kernel's 16-byte rows take (in_features % 16, out_features % 16)."""
     if getattr(op, "bias", None) is not None or not x.is_cuda or x.dim() != 2:
         return False
-    if isinstance(x, QuantizedTensor) and x.format != "fp8_block":
+    if type(x) is not torch.Tensor and isinstance(x, QuantizedTensor) and x.format != "fp8_block":
         return False
-    # the limits the plan states (fusion.op_table.DEVICE_METHOD_LIMITS), so explain() says what runs
-    return op.weight.dtype == x.dtype and device_method_refusal(
-        "gemm", "fp8_block", str(x.dtype).removeprefix("torch."), (op.in_features, op.out_features)) is None
+    if op._parameters["weight"].dtype != x.dtype:
+        return False
+    # the limits the plan states (fusion.op_table.DEVICE_METHOD_LIMITS), so explain() says what runs; kept per
+    # (widths, dtype): every FP8 forward, dgrad and weight gradient asks on every call
+    key = (op.in_features, op.out_features, x.dtype)
+    refused = _REFUSALS.get(key)
+    if refused is None:
+        refused = _REFUSALS[key] = device_method_refusal("gemm", "fp8_block", dtype_name(x.dtype), key[:2]) is not None
+    return not refused
+
+
+_REFUSALS: dict = {}
 
 
 def identity_job(N: int, K: int, G: int, dtype: torch.dtype, what: str = "fprop"):
@@ -148,8 +157,12 @@ def _quantized(x: torch.Tensor, columnwise: bool = False, groups=None):
 
 
 def _rowwise(x: torch.Tensor):
-    """(data (M, K) uint8 E4M3, scale (ceil(K/128), M) float32) of a high-precision 2-D tensor."""
-    return _quantized(x)[:2]
+    """(data (M, K) uint8 E4M3, scale (ceil(K/128), M) float32) of a high-precision 2-D tensor: the quantize
+    kernel's launch bound per call shape (three a training step), else the reference."""
+    from fusion.kernels.fp8_quantize_api import quantize_fp8_block_rowwise_bound
+
+    buffers = quantize_fp8_block_rowwise_bound(x)
+    return buffers if buffers is not None else _quantized(x)[:2]
 
 
 #: The lone FP8 GEMMs' launches bound per kernel, rows and device (kernels.fp8_api.BoundFp8Gemm): checked once per
