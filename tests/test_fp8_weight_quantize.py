@@ -72,3 +72,24 @@ def test_weight_quantization_goes_through_the_device_quantizer_table(monkeypatch
     assert all(a is b for a, b in zip(got, sentinel))
     assert isinstance(got, fp8_weight.FP8BlockWeight)
 
+
+
+def test_stale_buffers_are_dropped_before_the_weight_is_quantized_again(monkeypatch):
+    """After an optimizer step the cache lets its stale FP8 buffers go before quantizing again, so the new ones can
+    take their memory (held through the quantization, a weight's FP8 copies would add its bf16 size to the peak)."""
+    from fusion.quant import fp8_weight
+
+    w = torch.nn.Parameter(torch.randn(2, 128, 256, dtype=torch.bfloat16))
+    cache = fp8_weight.FP8BlockWeightCache()
+    seen = []
+
+    def quantizer(t):
+        seen.append(cache._value)
+        return None   # the reference then runs
+
+    monkeypatch.setattr(fp8_weight, "DEVICE_QUANTIZERS", [quantizer])
+    first = cache.get(w)
+    fp8_weight.invalidate_weight_caches()
+    second = cache.get(w)
+    assert seen == [None, None] and cache.misses == 2
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -99,3 +99,21 @@ def test_weight_cache_requantizes_on_the_kernel_after_each_optimizer_step(monkey
         opt.step()
         opt.zero_grad()
     assert launched.count((4, 512, 256)) == 3 and launched.count((4, 256, 256)) == 3, launched
+
+
+def test_requantization_reuses_the_stale_buffers_memory():
+    """The step after an optimizer step quantizes each weight again in the memory of its stale copies: the peak
+    grows by far less than the copies' size (2 bytes an element: codes and the transposed codes)."""
+    from fusion import GroupLinear
+    from fusion.quant import invalidate_weight_caches
+
+    op = GroupLinear(8, 1024, 2048, weight_format="fp8_block").cuda().bfloat16()
+    op.quantized_weight()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    invalidate_weight_caches()
+    op.quantized_weight()
+    torch.cuda.synchronize()
+    copies = 2 * op.weight.numel()
+    assert torch.cuda.max_memory_allocated() - base < copies // 8, (torch.cuda.max_memory_allocated() - base, copies)

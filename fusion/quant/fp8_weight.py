@@ -168,6 +168,9 @@ class FP8BlockWeightCache:
         key = (param.data_ptr(), param._version, param.shape, param.stride(), param.dtype, param.device,
                _GENERATION[0])
         if self._value is None or self._param is None or self._param() is not param or self._key != key:
+            # the stale buffers go first: the new ones can take their memory (a weight's FP8 copies are the size of
+            # the bf16 weight itself; held through the quantization they would add that to the step's peak)
+            self._value = self._source = None
             self._value = quantize_weight_fp8_block(param)
             self._param, self._source, self._key = weakref.ref(param), param.detach(), key
             self.misses += 1

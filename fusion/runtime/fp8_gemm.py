@@ -55,12 +55,14 @@ def quantize_weight_device(weight):
     reference's bits), or None where it does not take it: fusion.quant's device quantizer, so every fp8_block
     weight cache re-quantizes on the GPU after an optimizer step (the torch reference loops over the groups with
     float32 temporaries: milliseconds a step at MoE scale). ``WEIGHT_KERNEL = False`` leaves it to the reference."""
-    if not WEIGHT_KERNEL or not isinstance(weight, torch.Tensor) or not weight.is_cuda:
+    if not WEIGHT_KERNEL or type(weight) not in _PLAIN or not weight.is_cuda:   # (a DTensor: the reference's ops)
         return None
     from fusion.kernels.fp8_weight_quantize_api import try_quantize_weight_fp8_block_device
 
     return try_quantize_weight_fp8_block_device(weight)
 
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 #: Read per call: False quantizes FP8-block weights with the torch reference (the A/B switch;
 #: FUSION_FP8_WEIGHT_KERNEL=0 at import).
