@@ -33,6 +33,7 @@ __all__ = [
     "nvfp4_quantize_columnwise", "nvfp4_dequantize_columnwise",
     "fp8_block_scale_exponent", "fp8_block_quantize_2d", "fp8_block_dequantize_2d",
     "fp8_block_quantize_columnwise", "fp8_block_dequantize_columnwise",
-    "FP8BlockWeight", "quantize_weight_fp8_block", "quantize_weight_fp8_block_reference", "FP8BlockWeightCache", "invalidate_weight_caches",
+    "FP8BlockWeight", "quantize_weight_fp8_block", "quantize_weight_fp8_block_reference", "FP8BlockWeightCache",
+    "invalidate_weight_caches",
     "fp8_block_linear",
 ]

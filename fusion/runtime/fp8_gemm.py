@@ -85,7 +85,8 @@ def takes(op, x) -> bool:
     key = (op.in_features, op.out_features, x.dtype)
     refused = _REFUSALS.get(key)
     if refused is None:
-        refused = _REFUSALS[key] = device_method_refusal("gemm", "fp8_block", dtype_name(x.dtype), key[:2]) is not None
+        refused = _REFUSALS[key] = device_method_refusal("gemm", "fp8_block", dtype_name(x.dtype),
+                                                         key[:2]) is not None
     return not refused
 
 
