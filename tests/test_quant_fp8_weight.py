@@ -81,6 +81,38 @@ def test_cache_never_stale_after_optimizer_step(make_opt):
     assert torch.equal(layer(x, group_sizes=gs), fp8_block_linear(x, layer.weight.detach(), gs))
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_frozen_weight_is_quantized_once_across_optimizer_steps(fused):
+    """A frozen weight (requires_grad False: a frozen expert, base weights under an adapter) gets no gradient, which
+    every optimizer skips: its cache survives the steps of the parameters that train, while theirs re-quantize;
+    unfreezing it, an in-place write and invalidate_weight_caches() still re-quantize it."""
+    frozen = GroupLinear(2, 64, 32, weight_format="fp8_block")
+    frozen.weight.requires_grad_(False)
+    trained = GroupLinear(2, 32, 64, weight_format="fp8_block")
+    opt = torch.optim.AdamW([*frozen.parameters(), *trained.parameters()], lr=0.1, fused=fused)
+    x = torch.randn(10, 64)
+    gs = torch.tensor([4, 6])
+    for _ in range(3):
+        trained(frozen(x, group_sizes=gs), group_sizes=gs).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert frozen._fp8_weight.misses == 1
+    assert trained._fp8_weight.misses == 3
+    assert torch.equal(trained.quantized_weight().data, fresh(trained)) and trained._fp8_weight.misses == 4
+    frozen.weight.requires_grad_(True)                    # trains from now on: quantized again
+    frozen.quantized_weight()
+    assert frozen._fp8_weight.misses == 2
+    frozen.weight.requires_grad_(False)
+    frozen.quantized_weight()
+    with torch.no_grad():
+        frozen.weight.mul_(3)                             # bumps _version
+    assert torch.equal(frozen.quantized_weight().data, fresh(frozen))
+    misses = frozen._fp8_weight.misses
+    invalidate_weight_caches()
+    frozen.quantized_weight()
+    assert frozen._fp8_weight.misses == misses + 1
+
+
 def test_cache_sees_inplace_writes_and_replaced_data():
     layer = Linear(64, 32, weight_format="fp8_block")
     cache = layer._fp8_weight

@@ -122,24 +122,33 @@ def _quantize_2d_blocks(weight: torch.Tensor):
 # the cache
 # ------------------------------------------------------------------------------------------------------------
 
-#: Bumped after every optimizer step (a global optimizer hook, installed with the first cache) and by
-#: invalidate_weight_caches(): fused optimizers (``fused=True``) update parameters without bumping their
-#: ``_version``, so the version counter alone would let a cache go stale.
+#: Bumped by invalidate_weight_caches(): every cache re-quantizes.
 _GENERATION = [0]
+#: Bumped after every optimizer step (a global optimizer hook, installed with the first cache): the caches of
+#: parameters that require grad re-quantize. Fused optimizers (``fused=True``) update parameters without bumping
+#: their ``_version``, so the version counter alone would let a cache go stale; a parameter that does not require
+#: grad gets no gradient, which every optimizer skips, so a frozen weight (a frozen expert, the base weights under
+#: an adapter) is quantized once, not after every step of the parameters that train.
+_STEPS = [0]
 _HOOK = []
 
 
 def invalidate_weight_caches() -> None:
     """Make every FP8 weight cache re-quantize on its next use. Needed only after writing a parameter in a
-    way that bumps neither its version counter nor an optimizer step (e.g. through ``param.data``)."""
+    way that bumps neither its version counter nor an optimizer step (e.g. through ``param.data``), or after an
+    optimizer updated a parameter that does not require grad (given a gradient by hand)."""
     _GENERATION[0] += 1
+
+
+def _optimizer_stepped(*_) -> None:
+    _STEPS[0] += 1
 
 
 def _install_optimizer_hook() -> None:
     if not _HOOK:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        _HOOK.append(register_optimizer_step_post_hook(lambda *_: invalidate_weight_caches()))
+        _HOOK.append(register_optimizer_step_post_hook(_optimizer_stepped))
 
 
 class FP8BlockWeightCache:
@@ -147,8 +156,9 @@ class FP8BlockWeightCache:
 
     The key is the parameter's identity, ``data_ptr``, ``_version`` (moved by every in-place update under
     autograd's version counter, e.g. ``optimizer.step()`` of the for-loop and foreach optimizers), shape,
-    strides, dtype, device, and a global generation bumped after every optimizer step (fused optimizers do
-    not move ``_version``). The cache keeps a reference to the storage it quantized, so a replaced
+    strides, dtype, device, a global generation (:func:`invalidate_weight_caches`) and, for a parameter that
+    requires grad, the count of optimizer steps (fused optimizers do not move ``_version``; a frozen parameter
+    gets no gradient, so no optimizer step changes it). The cache keeps a reference to the storage it quantized, so a replaced
     ``param.data`` cannot hand its address to a new tensor while the entry lives. It is a plain attribute,
     never a buffer: nothing shows up in ``state_dict()``; copies and pickles start empty.
     Inside ``torch.compile`` the weight is quantized in the graph (no Python-side cache there).
@@ -166,7 +176,7 @@ class FP8BlockWeightCache:
         if torch.compiler.is_compiling():
             return quantize_weight_fp8_block(param)
         key = (param.data_ptr(), param._version, param.shape, param.stride(), param.dtype, param.device,
-               _GENERATION[0])
+               _GENERATION[0], _STEPS[0] if param.requires_grad else -1)
         if self._value is None or self._param is None or self._param() is not param or self._key != key:
             # the stale buffers go first: the new ones can take their memory (a weight's FP8 copies are the size of
             # the bf16 weight itself; held through the quantization they would add that to the step's peak)
