@@ -20,9 +20,10 @@ Prints, per block and count, each path's median ms per step and the ratio baseli
 --fused fusion_fp8: the FP8 block against the same bf16 baseline (issue 9's ratio); --fused fusion,fusion_fp8: both
 against it in one process (one baseline compile a block). --precompile (no GPU): compile
 the fused kernels of the blocks into FUSION_CACHE_DIR (bench_training_step's; the FP8 twins' too).
---weights-change: each FP8 path also timed as its step runs after an optimizer step (path name + "@weights_change":
-fusion.quant.invalidate_weight_caches(), what the optimizer hook calls, before each step), so it quantizes its weights
-again in every step, as a training loop without gradient accumulation does; the bf16 paths hold no quantized weights.
+--weights-change: each FP8 path also timed as its step runs after an optimizer step (bench_training_step's
+<path>_after_step: fusion.quant.invalidate_weight_caches(), what the optimizer hook calls, before each step), so it
+quantizes its weights again in every step, as a training loop without gradient accumulation does (session am's
+records name it <path>@weights_change); the bf16 paths hold no quantized weights.
 """
 from __future__ import annotations
 
@@ -74,32 +75,24 @@ def ratio_rows(model: str, times: dict, counts, paths=PATHS) -> list[dict]:
     return rows
 
 
-#: The suffix of a path timed with its weights changing every step (--weights-change)
-CHANGING = "@weights_change"
-
-
-def weights_changing(fn):
-    """`fn` preceded by what an optimizer step does to the FP8 weight caches (every one quantizes again)."""
-    from fusion.quant import invalidate_weight_caches
-
-    def step():
-        invalidate_weight_caches()
-        fn()
-    return step
+def with_after_step(paths) -> tuple:
+    """`paths` (fused, ..., baseline) with each FP8 fused path followed by its <path>_after_step twin (the same
+    block, each step as the first after an optimizer step), the baseline last."""
+    *fused, base = paths
+    return (*[q for p in fused for q in ((p, p + B.AFTER_STEP) if "fp8" in p else (p,))], base)
 
 
 def run(block, counts, rounds, log, paths=PATHS, windows=False, weights_change=False) -> list[dict]:
     """One block's training steps on both paths, `rounds` rounds of every count in `counts` (see the module
-    docstring); `windows`: log each window's wall-clock bounds; `weights_change`: each FP8 path also timed with
-    an optimizer step's cache invalidation before each step (:func:`weights_changing`; the next window of a path
-    with fixed weights then quantizes once in its first step). Returns :func:`ratio_rows`' rows."""
+    docstring); `windows`: log each window's wall-clock bounds; `weights_change`: each FP8 path also as
+    <path>_after_step (bench_training_step.AfterStepPath; the next window of a path with fixed weights then
+    quantizes once in its first step). Returns :func:`ratio_rows`' rows."""
     setup = B.setup_block(block)
     fns = {}
-    if weights_change:   # each FP8 path also as it runs after an optimizer step, beside it with fixed weights
-        paths = (*[q for p in paths[:-1] for q in ((p, p + CHANGING) if "fp8" in p else (p,))], paths[-1])
+    if weights_change:
+        paths = with_after_step(paths)
     for name in paths:
-        step, clear = B.phase_fn(setup.path(name.removesuffix(CHANGING)), "training_step", setup.x, setup.dy)
-        fns[name] = (weights_changing(step) if name.endswith(CHANGING) else step), clear
+        fns[name] = B.phase_fn(setup.path(name), "training_step", setup.x, setup.dy)
         for _ in range(3):          # compile, warm up
             fns[name][0]()
     torch.cuda.synchronize()

@@ -25,6 +25,10 @@ Paths (all in bf16, the same weights, inputs and group sizes):
 - <path>_graphed    any path above with its forward and backward captured by torch.cuda.make_graphed_callables
                     (fusion_graphed, unfused_compiled_graphed, ...): the host removed, as a user with a small batch
                     runs it; each call copies its inputs into the graphs' static inputs and replays.
+- <path>_after_step any path above with each call made as the first after an optimizer step
+                    (fusion_fp8_after_step): fusion.quant.invalidate_weight_caches() first, what the optimizer
+                    hook does, so an FP8 path quantizes its weights again in every call, as a training loop without
+                    gradient accumulation does (session am); a bf16 path holds no quantized weights.
 - fusion_fp8, fusion_fp8_fp8wgrad, fusion_fp8_direct, unfused_fp8: the FP8 paths (bench/fp8_paths.py): the
                     fp8_block block against torch._scaled_grouped_mm with compiled act and quantization. Their relative error is
                     against the bf16 reference, so it includes FP8's rounding.
@@ -106,10 +110,12 @@ HELD_OUT_BLOCKS = [Block(h.model, h.E, h.tokens, h.top_k, h.d, h.f) for h in HEL
 #: over 10 steps, 1.13x / 1.13x / 1.14x over 100; bench/results/H200-2026-11-29v-b2b-calls.log).
 B2B_CALLS = _B2B_CALLS
 PATHS = ["fusion", "fusion_compiled", "unfused_compiled", "unfused_fullgraph", "quack", "reference", "fusion_fp8", "fusion_fp8_fp8wgrad",
-         "fusion_fp8_direct", "unfused_fp8"]
+         "fusion_fp8_direct", "unfused_fp8", "fusion_fp8_after_step"]
 PHASES = ["forward", "training_step", "gemm"]
 #: Paths that compile the whole block per shape (only on --compiled-models' blocks).
 WHOLE_COMPILED = ("fusion_compiled", "unfused_fullgraph")
+#: A path name plus this suffix (fusion_fp8_after_step): each of its calls as the first after an optimizer step
+AFTER_STEP = "_after_step"
 #: A path name plus this suffix (fusion_graphed, unfused_compiled_graphed, ...): that path captured in CUDA graphs
 #: (GraphedPath).
 GRAPHED = "_graphed"
@@ -331,7 +337,24 @@ def fingerprint(path: Path_, x, dy) -> dict:
     return out
 
 
+class AfterStepPath(Path_):
+    """Another path with each call made as the first after an optimizer step: fusion.quant.invalidate_weight_caches()
+    (what the optimizer hook does) before its forward, so every FP8 weight is quantized again in the call, as in a
+    training loop that steps the optimizer after every batch."""
+
+    def __init__(self, inner: Path_):
+        self.inner, self.params, self.probs = inner, inner.params, inner.probs
+
+    def forward(self, x):
+        from fusion.quant import invalidate_weight_caches
+
+        invalidate_weight_caches()
+        return self.inner.forward(x)
+
+
 def make_path(name: str, seq, sizes, offsets, probs):
+    if name.endswith(AFTER_STEP):
+        return AfterStepPath(make_path(name.removesuffix(AFTER_STEP), seq, sizes, offsets, probs))
     if name.endswith(GRAPHED):
         inner = make_path(name.removesuffix(GRAPHED), seq, sizes, offsets, probs)
         return GraphedPath(inner, seq, int(sizes.sum()))

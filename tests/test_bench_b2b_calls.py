@@ -78,3 +78,26 @@ def test_clock_rows_take_the_samples_inside_each_window():
     assert (row["path"], row["count"], row["samples"]) == ("fusion", 100, 2)
     assert row["sm_mhz"] == 1410 and row["power_w"] == 695 and row["temp_c"] == 52
     assert row["joules_per_step"] == round(695 * 4.0 / 1e3, 3)
+
+
+def test_weights_change_adds_each_fp8_paths_after_step_twin():
+    """--weights-change times each FP8 path beside its twin whose every step is the first after an optimizer step
+    (bench_training_step's <path>_after_step); bf16 paths and the baseline stay as they are, the baseline last."""
+    assert b2b_calls.with_after_step(("fusion", "fusion_fp8", "unfused_fullgraph")) == (
+        "fusion", "fusion_fp8", "fusion_fp8_after_step", "unfused_fullgraph")
+
+
+def test_after_step_path_invalidates_the_weight_caches_before_each_call():
+    """The _after_step path makes each call as the first after an optimizer step: every FP8 weight cache goes stale
+    (fusion.quant.invalidate_weight_caches) before the inner path's forward runs."""
+    from types import SimpleNamespace
+
+    import bench_training_step as B
+    from fusion.quant import fp8_weight
+
+    seen = []
+    inner = SimpleNamespace(params=[], probs=None, forward=lambda x: seen.append(fp8_weight._GENERATION[0]) or x)
+    path = B.AfterStepPath(inner)
+    start = fp8_weight._GENERATION[0]
+    assert path.forward(1) == 1 and path.forward(2) == 2
+    assert seen == [start + 1, start + 2]
