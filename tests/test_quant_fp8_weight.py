@@ -113,6 +113,23 @@ def test_frozen_weight_is_quantized_once_across_optimizer_steps(fused):
     assert frozen._fp8_weight.misses == misses + 1
 
 
+def test_gradient_accumulation_quantizes_once_per_optimizer_step():
+    """Micro-batches between optimizer steps reuse the weight's FP8 blocks: the quantization a step after an optimizer
+    step pays (docs/benchmarks.md, session am) is divided by the micro-batches a gradient accumulation runs."""
+    from fusion import Sequential, SwiGLU
+
+    seq = Sequential(GroupLinear(2, 64, 64, weight_format="fp8_block"), SwiGLU(),
+                     GroupLinear(2, 32, 64, weight_format="fp8_block"), backend="emulate")
+    opt = torch.optim.SGD(seq.parameters(), lr=0.1)
+    gs = torch.tensor([4, 6])
+    for _ in range(3):
+        for _ in range(4):   # micro-batches
+            seq(torch.randn(10, 64), group_sizes=gs).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert seq[0]._fp8_weight.misses == 3 and seq[2]._fp8_weight.misses == 3
+
+
 def test_cache_sees_inplace_writes_and_replaced_data():
     layer = Linear(64, 32, weight_format="fp8_block")
     cache = layer._fp8_weight
