@@ -36,8 +36,10 @@ def weight_unsupported_reason(weight) -> str | None:
     return None
 
 
-def try_quantize_weight_fp8_block_device(weight: torch.Tensor):
-    """``(data, scale, data_t, scale_t)`` of `weight` from the kernel (see the module docstring), or None."""
+def try_quantize_weight_fp8_block_device(weight: torch.Tensor, out=None):
+    """``(data, scale, data_t, scale_t)`` of `weight` from the kernel (see the module docstring), or None. `out`:
+    four buffers of those shapes and dtypes on the weight's device, contiguous, to write (and return) instead of
+    new ones; buffers that do not fit are not used (new ones are)."""
     if weight_unsupported_reason(weight) is not None:
         return None
     from .fp8_weight_quantize import compile_fp8_weight_quantize
@@ -48,10 +50,13 @@ def try_quantize_weight_fp8_block_device(weight: torch.Tensor):
     N, K = w.shape[-2:]
     nnb, nkb = -(-N // BLOCK), -(-K // BLOCK)
     dev = w.device
-    data = torch.empty(*lead, N, K, dtype=torch.uint8, device=dev)
-    scale = torch.empty(*lead, nnb, nkb, dtype=torch.float32, device=dev)
-    data_t = torch.empty(*lead, K, N, dtype=torch.uint8, device=dev)
-    scale_t = torch.empty(*lead, nkb, nnb, dtype=torch.float32, device=dev)
+    shapes = (((*lead, N, K), torch.uint8), ((*lead, nnb, nkb), torch.float32), ((*lead, K, N), torch.uint8),
+              ((*lead, nkb, nnb), torch.float32))
+    if out is None or len(out) != 4 or not all(
+            isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.dtype == dtype and t.device == dev
+            and t.is_contiguous() for t, (shape, dtype) in zip(out, shapes)):
+        out = tuple(torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in shapes)
+    data, scale, data_t, scale_t = out
     kernel = compile_fp8_weight_quantize(_DTYPES[w.dtype], N, K)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     kernel.launch(w.data_ptr(), data.data_ptr(), scale.data_ptr(), data_t.data_ptr(), scale_t.data_ptr(), G,

@@ -65,8 +65,8 @@ def test_weight_quantization_goes_through_the_device_quantizer_table(monkeypatch
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     asked = []
     sentinel = tuple(t.clone() for t in want)
-    monkeypatch.setattr(fp8_weight, "DEVICE_QUANTIZERS", [lambda t: asked.append(t) or None,
-                                                          lambda t: sentinel])
+    monkeypatch.setattr(fp8_weight, "DEVICE_QUANTIZERS", [lambda t, out: asked.append(t) or None,
+                                                          lambda t, out: sentinel])
     got = fp8_weight.quantize_weight_fp8_block(w)
     assert len(asked) == 1 and asked[0] is w
     assert all(a is b for a, b in zip(got, sentinel))
@@ -74,22 +74,26 @@ def test_weight_quantization_goes_through_the_device_quantizer_table(monkeypatch
 
 
 
-def test_stale_buffers_are_dropped_before_the_weight_is_quantized_again(monkeypatch):
-    """After an optimizer step the cache lets its stale FP8 buffers go before quantizing again, so the new ones can
-    take their memory (held through the quantization, a weight's FP8 copies would add its bf16 size to the peak)."""
+def test_weight_quantized_again_into_its_own_buffers(monkeypatch):
+    """After an optimizer step the cache quantizes the weight again into the buffers it holds (the device quantizer
+    is handed them as `out`): no second copy beside the stale one (a weight's FP8 copies are the size of the bf16
+    weight itself), and the addresses a captured CUDA graph reads stay."""
     from fusion.quant import fp8_weight
 
     w = torch.nn.Parameter(torch.randn(2, 128, 256, dtype=torch.bfloat16))
     cache = fp8_weight.FP8BlockWeightCache()
     seen = []
 
-    def quantizer(t):
-        seen.append(cache._value)
-        return None   # the reference then runs
+    def quantizer(t, out):
+        seen.append(out)
+        return None   # the reference then runs, into `out` where given
 
     monkeypatch.setattr(fp8_weight, "DEVICE_QUANTIZERS", [quantizer])
     first = cache.get(w)
-    fp8_weight.invalidate_weight_caches()
+    codes = first.data.clone()
+    with torch.no_grad():
+        w.mul_(-1)
     second = cache.get(w)
-    assert seen == [None, None] and cache.misses == 2
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert seen == [None, first] and second is first and cache.misses == 2
+    assert torch.equal(second.data, fp8_weight.quantize_weight_fp8_block_reference(w).data)
+    assert not torch.equal(second.data, codes)

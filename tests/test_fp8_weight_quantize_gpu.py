@@ -77,8 +77,8 @@ def test_two_dimensional_weight():
 
 
 def test_weight_cache_requantizes_on_the_kernel_after_each_optimizer_step(monkeypatch):
-    """A training loop: each optimizer step changes the weights, the next forward's FP8 weights are the kernel's,
-    and they equal the reference's quantization of the updated weights."""
+    """A training loop: each optimizer step changes the weights and quantizes them again on the kernel, into the same
+    buffers; the next forward's FP8 weights equal the reference's quantization of the updated weights."""
     import fusion
     from fusion import GroupLinear, SwiGLU
     from fusion.kernels import fp8_weight_quantize_api as api
@@ -92,13 +92,53 @@ def test_weight_cache_requantizes_on_the_kernel_after_each_optimizer_step(monkey
     opt = torch.optim.SGD(seq.parameters(), lr=0.1)
     sizes = torch.tensor([100, 0, 300, 112], device="cuda")
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    ptrs = None
     for step in range(3):
         seq(x, group_sizes=sizes).float().square().mean().backward()
         for op in (seq[0], seq[2]):
             _same_bits(op.quantized_weight(), quantize_weight_fp8_block_reference(op.weight))
+        now = [t.data_ptr() for op in (seq[0], seq[2]) for t in op.quantized_weight()]
+        assert ptrs is None or now == ptrs, "quantized again into the same buffers"
+        ptrs = now
         opt.step()
         opt.zero_grad()
-    assert launched.count((4, 512, 256)) == 3 and launched.count((4, 256, 256)) == 3, launched
+    # the first forward's, then one at each step (the optimizer hook's)
+    assert launched.count((4, 512, 256)) == 4 and launched.count((4, 256, 256)) == 4, launched
+
+
+def test_cuda_graph_replays_read_the_stepped_fp8_weights():
+    """A no-grad forward captured in a CUDA graph, replayed after each optimizer step (the weights changed, no Python
+    ran in the replay): its output is the eager forward's at the stepped weights, bit for bit, because the optimizer
+    hook quantizes them again into the buffers the graph reads. (Before session am the cache quantized into new
+    buffers at the next eager forward, and the replay read the stale ones.)"""
+    import fusion
+    from fusion import GroupLinear, SwiGLU
+
+    seq = fusion.Sequential(GroupLinear(4, 256, 512, weight_format="fp8_block"), SwiGLU(),
+                            GroupLinear(4, 256, 256, weight_format="fp8_block")).cuda().bfloat16()
+    opt = torch.optim.AdamW(seq.parameters(), lr=0.05, fused=True)
+    sizes = torch.tensor([100, 0, 300, 112], device="cuda")
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):
+            seq(x, group_sizes=sizes)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y = seq(x, group_sizes=sizes)
+    first = None
+    for _ in range(3):
+        seq(x, group_sizes=sizes).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        graph.replay()
+        with torch.no_grad():
+            want = seq(x, group_sizes=sizes)
+        assert torch.equal(y, want)
+        first = y.clone() if first is None else first
+    assert not torch.equal(first, y), "the weights moved between replays"
 
 
 def test_requantization_reuses_the_stale_buffers_memory():

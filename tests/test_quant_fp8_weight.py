@@ -72,10 +72,12 @@ def test_cache_never_stale_after_optimizer_step(make_opt):
     x = torch.randn(10, 64)
     gs = torch.tensor([4, 6])
     layer(x, group_sizes=gs).square().sum().backward()
-    opt.step()
+    before = a.data.clone()
+    opt.step()                                            # the hook quantizes the stepped weight at once ...
+    assert cache.misses == 2
     b = layer.quantized_weight()
-    assert b is not a and cache.misses == 2 and torch.equal(b.data, fresh(layer))
-    assert not torch.equal(b.data, a.data)
+    assert b is a and cache.misses == 2 and torch.equal(b.data, fresh(layer))   # ... into the same buffers
+    assert not torch.equal(b.data, before)
     # the forward after the step uses the new weight
     from fusion.quant import fp8_block_linear
     assert torch.equal(layer(x, group_sizes=gs), fp8_block_linear(x, layer.weight.detach(), gs))
@@ -97,7 +99,7 @@ def test_frozen_weight_is_quantized_once_across_optimizer_steps(fused):
         opt.step()
         opt.zero_grad()
     assert frozen._fp8_weight.misses == 1
-    assert trained._fp8_weight.misses == 3
+    assert trained._fp8_weight.misses == 4                # its first forward, then at each step (the hook)
     assert torch.equal(trained.quantized_weight().data, fresh(trained)) and trained._fp8_weight.misses == 4
     frozen.weight.requires_grad_(True)                    # trains from now on: quantized again
     frozen.quantized_weight()
@@ -127,7 +129,28 @@ def test_gradient_accumulation_quantizes_once_per_optimizer_step():
             seq(torch.randn(10, 64), group_sizes=gs).square().sum().backward()
         opt.step()
         opt.zero_grad()
-    assert seq[0]._fp8_weight.misses == 3 and seq[2]._fp8_weight.misses == 3
+    assert seq[0]._fp8_weight.misses == 1 + 3 and seq[2]._fp8_weight.misses == 1 + 3   # first use, then each step
+
+
+def test_requantized_in_place_so_a_captured_graph_reads_the_stepped_weights():
+    """The buffers a CUDA graph captured (their addresses) hold the stepped weight's blocks after optimizer.step(),
+    with no forward in between (a replay runs no Python): the hook quantizes the parameters that optimizer holds, into
+    the same buffers. A parameter of another optimizer, or none, goes stale and is quantized at its next use, into
+    its own buffers too; another parameter in the op's place gets new ones."""
+    stepped = GroupLinear(2, 64, 32, weight_format="fp8_block")
+    other = GroupLinear(2, 32, 64, weight_format="fp8_block")
+    captured = [t.data_ptr() for t in stepped.quantized_weight()]
+    other_ptrs = [t.data_ptr() for t in other.quantized_weight()]
+    opt = torch.optim.AdamW(stepped.parameters(), lr=0.1, fused=True)   # (fused: no _version bump)
+    gs = torch.tensor([4, 6])
+    other(stepped(torch.randn(10, 64), group_sizes=gs), group_sizes=gs).square().sum().backward()
+    opt.step()
+    assert stepped._fp8_weight.misses == 2 and other._fp8_weight.misses == 1   # one at once, the other later
+    value = stepped._fp8_weight._value
+    assert [t.data_ptr() for t in value] == captured and torch.equal(value.data, fresh(stepped))
+    assert [t.data_ptr() for t in other.quantized_weight()] == other_ptrs and other._fp8_weight.misses == 2
+    stepped.weight = torch.nn.Parameter(torch.randn(2, 32, 64))    # another parameter: new buffers
+    assert [t.data_ptr() for t in stepped.quantized_weight()] != captured
 
 
 def test_cache_sees_inplace_writes_and_replaced_data():

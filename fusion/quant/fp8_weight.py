@@ -23,10 +23,11 @@ from .fp8_block import FP8_BLOCK, fp8_block_scale_exponent
 __all__ = ["FP8BlockWeight", "quantize_weight_fp8_block", "quantize_weight_fp8_block_reference", "FP8BlockWeightCache",
            "invalidate_weight_caches", "DEVICE_QUANTIZERS"]
 
-#: Device quantizers tried in order before the torch reference: each ``fn(weight)`` returns the four buffers of
-#: :class:`FP8BlockWeight` bit for bit, or None where it does not take the weight. The runtime registers the CUDA
-#: kernel's (kernels/fp8_weight_quantize_api.py; this layer imports no kernel). Not used inside torch.compile, which
-#: traces the reference into its graph.
+#: Device quantizers tried in order before the torch reference: each ``fn(weight, out)`` returns the four buffers of
+#: :class:`FP8BlockWeight` bit for bit (written into ``out``'s where ``out``, an FP8BlockWeight of the weight's
+#: shapes, is given), or None where it does not take the weight. The runtime registers the CUDA kernel's
+#: (kernels/fp8_weight_quantize_api.py; this layer imports no kernel). Not used inside torch.compile, which traces the
+#: reference into its graph.
 DEVICE_QUANTIZERS: list = []
 
 
@@ -67,16 +68,32 @@ def _dequantize_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return decode_e4m3(data) * _spread(scale, rows, cols)
 
 
-def quantize_weight_fp8_block(weight: torch.Tensor) -> FP8BlockWeight:
+def quantize_weight_fp8_block(weight: torch.Tensor, out: FP8BlockWeight | None = None) -> FP8BlockWeight:
     """Quantize a ``(G, N, K)`` or ``(N, K)`` weight in 128x128 FP8 blocks (see :class:`FP8BlockWeight`): a device
     quantizer's buffers where one takes the weight (:data:`DEVICE_QUANTIZERS`: on a GPU, one launch), else
-    :func:`quantize_weight_fp8_block_reference`'s; the same bits either way."""
+    :func:`quantize_weight_fp8_block_reference`'s; the same bits either way. ``out``: an earlier quantization of a
+    weight of these shapes on this device, whose buffers are rewritten and returned (what a cache keeps: the
+    buffers' addresses stay, so a captured CUDA graph reads the new blocks); ignored where it does not fit."""
+    if out is not None and not _fits(out, weight):
+        out = None
     if DEVICE_QUANTIZERS and isinstance(weight, torch.Tensor) and not torch.compiler.is_compiling():
         for quantizer in DEVICE_QUANTIZERS:
-            buffers = quantizer(weight)
+            buffers = quantizer(weight, out)
             if buffers is not None:
-                return FP8BlockWeight(*buffers)
-    return quantize_weight_fp8_block_reference(weight)
+                return out if out is not None and buffers[0] is out.data else FP8BlockWeight(*buffers)
+    value = quantize_weight_fp8_block_reference(weight)
+    if out is None:
+        return value
+    with torch.no_grad():
+        for dst, src in zip(out, value):
+            dst.copy_(src)
+    return out
+
+
+def _fits(value: FP8BlockWeight, weight) -> bool:
+    """Whether `value`'s buffers can hold `weight`'s quantization: the same shapes, on its device, contiguous."""
+    return (isinstance(weight, torch.Tensor) and value.data.shape == weight.shape
+            and value.data.device == weight.device and all(t.is_contiguous() for t in value))
 
 
 def quantize_weight_fp8_block_reference(weight: torch.Tensor) -> FP8BlockWeight:
@@ -140,8 +157,24 @@ def invalidate_weight_caches() -> None:
     _GENERATION[0] += 1
 
 
-def _optimizer_stepped(*_) -> None:
+#: Every live cache (the optimizer hook re-quantizes those of the parameters it stepped)
+_CACHES: "weakref.WeakSet[FP8BlockWeightCache]" = weakref.WeakSet()
+
+
+def _optimizer_stepped(optimizer=None, *_) -> None:
+    """After ``optimizer.step()``: the caches of parameters that require grad go stale (:data:`_STEPS`), and those of
+    the parameters this optimizer holds are quantized again now, in place (FP8BlockWeightCache.refresh), so a CUDA
+    graph captured over them reads the stepped weights; a cache whose parameter it does not hold as such (a view of
+    a flat parameter) is quantized again at its next use, in place too."""
     _STEPS[0] += 1
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups or not _CACHES:
+        return
+    held = {id(p) for group in groups for p in group["params"]}
+    for cache in list(_CACHES):
+        param = cache.param()
+        if param is not None and id(param) in held:
+            cache.refresh(param)
 
 
 def _install_optimizer_hook() -> None:
@@ -162,10 +195,17 @@ class FP8BlockWeightCache:
     ``param.data`` cannot hand its address to a new tensor while the entry lives. It is a plain attribute,
     never a buffer: nothing shows up in ``state_dict()``; copies and pickles start empty.
     Inside ``torch.compile`` the weight is quantized in the graph (no Python-side cache there).
+
+    The same parameter is quantized again into the same buffers (its shapes unchanged): their addresses stay, so a
+    CUDA graph captured over the block (``torch.cuda.graph``, ``make_graphed_callables``, ``mode="reduce-overhead"``)
+    reads the new blocks, and no second copy is allocated beside the stale one. After ``optimizer.step()`` the hook
+    quantizes the caches of the parameters that optimizer holds at once (:meth:`refresh`): a replayed graph runs no
+    Python, so the next forward could not.
     """
 
     def __init__(self):
         _install_optimizer_hook()
+        _CACHES.add(self)
         self._param = None      # weakref to the parameter
         self._source = None     # the storage quantized (kept alive: see above)
         self._key = None
@@ -178,13 +218,27 @@ class FP8BlockWeightCache:
         key = (param.data_ptr(), param._version, param.shape, param.stride(), param.dtype, param.device,
                _GENERATION[0], _STEPS[0] if param.requires_grad else -1)
         if self._value is None or self._param is None or self._param() is not param or self._key != key:
+            self._quantize(param, key)
+        return self._value
+
+    def param(self):
+        """The parameter quantized last, or None (none yet, or gone)."""
+        return None if self._param is None else self._param()
+
+    def refresh(self, param: torch.Tensor) -> None:
+        """Quantize `param` again now if the cache holds a stale value of it (the optimizer hook's call)."""
+        if self._value is not None and param.requires_grad:
+            self.get(param)
+
+    def _quantize(self, param: torch.Tensor, key) -> None:
+        old = self._value if self.param() is param else None
+        if old is None or not _fits(old, param):
             # the stale buffers go first: the new ones can take their memory (a weight's FP8 copies are the size of
             # the bf16 weight itself; held through the quantization they would add that to the step's peak)
-            self._value = self._source = None
-            self._value = quantize_weight_fp8_block(param)
-            self._param, self._source, self._key = weakref.ref(param), param.detach(), key
-            self.misses += 1
-        return self._value
+            self._value = self._source = old = None
+        self._value = quantize_weight_fp8_block(param, out=old)
+        self._param, self._source, self._key = weakref.ref(param), param.detach(), key
+        self.misses += 1
 
     def clear(self) -> None:
         self._param = self._source = self._key = self._value = None

@@ -50,16 +50,17 @@ _COMPILED: dict = {}
 TILE_COUNTER = True
 
 
-def quantize_weight_device(weight):
+def quantize_weight_device(weight, out=None):
     """The FP8-block weight quantize kernel's buffers of `weight` (kernels/fp8_weight_quantize.py: one launch, the
-    reference's bits), or None where it does not take it: fusion.quant's device quantizer, so every fp8_block
-    weight cache re-quantizes on the GPU after an optimizer step (the torch reference loops over the groups with
-    float32 temporaries: milliseconds a step at MoE scale). ``WEIGHT_KERNEL = False`` leaves it to the reference."""
+    reference's bits; written into `out`'s, an FP8BlockWeight that fits, where given), or None where it does not
+    take it: fusion.quant's device quantizer, so every fp8_block weight cache re-quantizes on the GPU after an
+    optimizer step (the torch reference loops over the groups with float32 temporaries: 50-310 ms a weight at MoE
+    scale on an H200). ``WEIGHT_KERNEL = False`` leaves it to the reference."""
     if not WEIGHT_KERNEL or type(weight) not in _PLAIN or not weight.is_cuda:   # (a DTensor: the reference's ops)
         return None
     from fusion.kernels.fp8_weight_quantize_api import try_quantize_weight_fp8_block_device
 
-    return try_quantize_weight_fp8_block_device(weight)
+    return try_quantize_weight_fp8_block_device(weight, out)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
