@@ -197,3 +197,20 @@ def test_cache_standalone():
     assert cache.get(q) is not a
     cache.clear()
     assert cache.get(q) is not a and "FP8BlockWeightCache" in repr(cache)
+
+
+def test_optimizer_hook_traced_by_the_compiler_only_marks_the_caches_stale(monkeypatch):
+    """Under torch.compile (a compiled optimizer step) the hook launches nothing: it marks the caches of parameters
+    that require grad stale (each is quantized at its next use, into its buffers), so the traced step stays a graph."""
+    from fusion.quant import fp8_weight
+
+    layer = GroupLinear(2, 64, 32, weight_format="fp8_block")
+    layer.quantized_weight()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    steps = fp8_weight._STEPS[0]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    fp8_weight._optimizer_stepped(opt, (), {})
+    monkeypatch.undo()
+    assert fp8_weight._STEPS[0] == steps + 1 and layer._fp8_weight.misses == 1
+    layer.quantized_weight()
+    assert layer._fp8_weight.misses == 2

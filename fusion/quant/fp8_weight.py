@@ -168,7 +168,7 @@ def _optimizer_stepped(optimizer=None, *_) -> None:
     a flat parameter) is quantized again at its next use, in place too."""
     _STEPS[0] += 1
     groups = getattr(optimizer, "param_groups", None)
-    if not groups or not _CACHES:
+    if not groups or not _CACHES or torch.compiler.is_compiling():   # (a compiled step: each cache at its next use)
         return
     held = {id(p) for group in groups for p in group["params"]}
     for cache in list(_CACHES):
