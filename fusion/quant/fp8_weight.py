@@ -191,8 +191,8 @@ class FP8BlockWeightCache:
     autograd's version counter, e.g. ``optimizer.step()`` of the for-loop and foreach optimizers), shape,
     strides, dtype, device, a global generation (:func:`invalidate_weight_caches`) and, for a parameter that
     requires grad, the count of optimizer steps (fused optimizers do not move ``_version``; a frozen parameter
-    gets no gradient, so no optimizer step changes it). The cache keeps a reference to the storage it quantized, so a replaced
-    ``param.data`` cannot hand its address to a new tensor while the entry lives. It is a plain attribute,
+    gets no gradient, so no optimizer step changes it). The cache keeps a reference to the storage it quantized, so
+    a replaced ``param.data`` cannot hand its address to a new tensor while the entry lives. It is a plain attribute,
     never a buffer: nothing shows up in ``state_dict()``; copies and pickles start empty.
     Inside ``torch.compile`` the weight is quantized in the graph (no Python-side cache there).
 
