@@ -174,15 +174,21 @@ class FP8WeightQuantizeKernel:
                     cute.autovec_copy(pair, dst)
 
 
-def build_kernel(dtype: str, N: int, K: int, options: str = "--enable-tvm-ffi"):
-    """``(compiled function, kernel)``: ``cute.compile`` of the kernel with placeholder pointers."""
+def build_kernel(dtype: str, N: int, K: int, keep_cubin: bool = False):
+    """``(compiled function, kernel)``: ``cute.compile`` of the kernel with placeholder pointers; with `keep_cubin`
+    the function's ``__cubin__`` holds the binary (dumped into a temporary directory, not the working one)."""
+    import shlex
+    import tempfile
+
     from cutlass.runtime import make_fake_stream
 
     kernel = FP8WeightQuantizeKernel(dtype, N, K)
     w = make_ptr(kernel.dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
     codes = make_ptr(cutlass.Uint8, 0, cute.AddressSpace.gmem, assumed_align=16)
     floats = make_ptr(Float32, 0, cute.AddressSpace.gmem, assumed_align=16)
-    fn = cute.compile(kernel, w, codes, floats, codes, floats, Int32(1), make_fake_stream(), options=options)
+    with tempfile.TemporaryDirectory() as dump:
+        options = "--enable-tvm-ffi" + (f" --keep-cubin --dump-dir={shlex.quote(dump)}" if keep_cubin else "")
+        fn = cute.compile(kernel, w, codes, floats, codes, floats, Int32(1), make_fake_stream(), options=options)
     return fn, kernel
 
 

@@ -20,7 +20,7 @@ def test_kernel_compiles_without_spills(dtype, N, K):
     from fusion.kernels.api import _cubin_nv_info, sass_opcodes, sass_text
     from fusion.kernels.fp8_weight_quantize import build_kernel
 
-    fn, _ = build_kernel(dtype, N, K, options="--enable-tvm-ffi --keep-cubin")
+    fn, _ = build_kernel(dtype, N, K, keep_cubin=True)
     info = _cubin_nv_info(fn.__cubin__)
     ops = sass_opcodes(sass_or_skip(lambda: sass_text(fn.__cubin__)))
     assert info.get("frame_size", 0) == 0, f"{info.get('frame_size')}-byte stack frame (spills)"
