@@ -21,6 +21,17 @@ def hopper_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+def assert_same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """`got` equals `want` bit for bit (float32 compared as their int32 bits, so NaN codes and signed zeros count),
+    else an assertion naming how many elements differ and the first."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
+    if got.dtype == torch.float32:
+        got, want = got.view(torch.int32), want.view(torch.int32)
+    bad = (got != want).nonzero()
+    assert bad.numel() == 0, f"{name}: {bad.shape[0]} differ, first at {bad[0].tolist()}: got " \
+                             f"{got[tuple(bad[0])].item():#x}, want {want[tuple(bad[0])].item():#x}"
+
+
 def every_bf16_pattern() -> torch.Tensor:
     """All 65536 bf16 bit patterns as a (512, 1024) bf16 tensor (CPU): eight copies rolled by 17 each, so every pattern
     sits in both halves of a packed word and in blocks of every kind (with and without Inf, NaN of either sign,

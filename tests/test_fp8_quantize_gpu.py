@@ -9,7 +9,7 @@ host synchronisation (the call is captured in a CUDA graph and replayed).
 """
 import pytest
 import torch
-from conftest import every_bf16_pattern, hopper_available
+from conftest import assert_same_bits, every_bf16_pattern, hopper_available
 
 pytestmark = pytest.mark.gpu
 
@@ -31,13 +31,7 @@ def _reference(x, columnwise, group_sizes):
     return data, scale, cw_data, cw_scale
 
 
-def _same_bits(name, got, want):
-    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
-    if got.dtype == torch.float32:
-        got, want = got.view(torch.int32), want.view(torch.int32)
-    bad = (got != want).nonzero()
-    assert bad.numel() == 0, f"{name}: {bad.shape[0]} differ, first at {bad[0].tolist()}: got " \
-                             f"{got[tuple(bad[0])].item():#x}, want {want[tuple(bad[0])].item():#x}"
+_same_bits = assert_same_bits
 
 
 def _check(x, columnwise=True, group_sizes=None):

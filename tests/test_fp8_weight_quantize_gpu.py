@@ -8,7 +8,7 @@ each optimizer step.
 """
 import pytest
 import torch
-from conftest import hopper_available
+from conftest import assert_same_bits, hopper_available
 
 pytestmark = pytest.mark.gpu
 
@@ -23,12 +23,7 @@ NAMES = ("data", "scale", "data_t", "scale_t")
 
 def _same_bits(got, want):
     for name, a, b in zip(NAMES, got, want):
-        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
-        if a.dtype == torch.float32:
-            a, b = a.view(torch.int32), b.view(torch.int32)
-        bad = (a != b).nonzero()
-        assert bad.numel() == 0, f"{name}: {bad.shape[0]} differ, first at {bad[0].tolist()}: got " \
-                                 f"{a[tuple(bad[0])].item():#x}, want {b[tuple(bad[0])].item():#x}"
+        assert_same_bits(name, a, b)
 
 
 def _adversarial(w):
