@@ -148,8 +148,8 @@ def main(argv=None):
     ap.add_argument("--moe", default=None, help="an MoE config of bench_moe.py")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--path", default="fusion", choices=["fusion", "fusion_compiled"],
-                    help="--model's path: eager, or inside torch.compile (the custom ops)")
+    ap.add_argument("--path", default="fusion", choices=["fusion", "fusion_fp8", "fusion_compiled"],
+                    help="--model's path: eager (bf16 or FP8), or inside torch.compile (the custom ops)")
     ap.add_argument("--no-replay", action="store_true",
                     help="run every forward interpretively (fusion/runtime/replay.py off), so that its steps show; "
                          "a replayed forward shows as one piece, outside the program")

@@ -13,6 +13,8 @@ first, so that a caller can take the reference quantizer instead.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from fusion.errors import DeviceError, DTypeError, GroupSizesError, ShapeError
@@ -137,6 +139,27 @@ def quantize_fp8_block_rowwise_bound(x2d):
     launch(x2d.data_ptr(), data.data_ptr(), scale.data_ptr(), 0, 0, 0, 0, M, grid,
            torch._C._cuda_getCurrentRawStream(key[3]))
     return data, scale
+
+
+def rowwise_launch(x2d):
+    """The launch :func:`quantize_fp8_block_rowwise_bound` bound for x2d's shape, dtype and device, as
+    ``(launch, grid, k_blocks)``, or None where none is bound (no call at that shape yet, or BOUND_ROWWISE off): a
+    replayed forward (fusion/runtime/replay.py) calls ``launch(x, data, scale, 0, 0, 0, 0, M, grid, stream)``
+    itself, into buffers of its own (data (M, K) uint8, scale (k_blocks, M) float32)."""
+    if not BOUND_ROWWISE or type(x2d) is not torch.Tensor or x2d.dim() != 2 or not x2d.is_cuda:
+        return None
+    from .fp8_quantize import PAIRS, PIPELINED_ROWWISE
+
+    M, K = x2d.shape
+    return _ROWWISE.get((M, K, x2d.dtype, x2d.get_device(), PAIRS, PIPELINED_ROWWISE))
+
+
+def rowwise_switches() -> tuple:
+    """The switches read per call that :func:`rowwise_launch`'s binding depends on (a replay holds for these): read
+    from the kernel's module where it is imported (any bound launch imported it, so a replay built over one always
+    finds it), without an import statement per call (a few microseconds each, per replayed call)."""
+    quantize = sys.modules.get(__package__ + ".fp8_quantize")
+    return (BOUND_ROWWISE,) if quantize is None else (BOUND_ROWWISE, quantize.PAIRS, quantize.PIPELINED_ROWWISE)
 
 
 def _checked_rowwise(x2d):

@@ -257,3 +257,87 @@ def test_a_routed_replay_reads_the_calls_index_and_layout(monkeypatch):
     assert comb[:4] == (gather[2], rows.data_ptr(), offsets.data_ptr(), dx.data_ptr())
     assert dx.shape == (ROWS // 2, D) and grads[0].shape == w.shape and extra == []
     assert replay([dy], [h], ctx(index.to(torch.int32))) is None
+
+
+class Fp8Op:
+    """An fp8_block GroupLinear stand-in: its weight, and the cache's blocks (`quantized_weight`, asked at each
+    call: `fresh` hands out new buffers, as after the weight changed shape; `none`: the cache has none)."""
+
+    def __init__(self, weight):
+        self._parameters = {"weight": weight}
+        self.fresh = self.none = False
+        self.blocks = self._blocks()
+
+    def _blocks(self):
+        G_, N, K = self._parameters["weight"].shape
+        return SimpleNamespace(data_t=torch.empty(G_, K, N, dtype=torch.uint8),
+                               scale_t=torch.empty(G_, -(-K // 128), -(-N // 128), dtype=F32))
+
+    def quantized_weight(self):
+        if self.fresh:
+            self.blocks = self._blocks()
+        return None if self.none else self.blocks
+
+
+def _fp8_setup(monkeypatch):
+    """An FP8 block's lone dgrad recorded: dY's rowwise quantization into the step's scratch, then the FP8 kernel
+    on those codes and scales with the weight's transposed blocks, writing dX."""
+    monkeypatch.setattr(B, "_raw_stream", lambda index: 77)
+    log = []
+    w = torch.randn(G, D, F, dtype=BF16)
+    fc = Fp8Op(w)
+    program = SimpleNamespace(plan=SimpleNamespace(saves=()), output_grad="g2", input_grad="g1", params=[w],
+                              prologue=object(), zero_backward_counters=lambda ctx: None,
+                              backward_steps=[SimpleNamespace(fp8=True)])
+    step = StepLaunches(
+        ((None, (ROWS, D), torch.uint8), (None, (1, ROWS), F32), (("value", "g1"), (ROWS, F), BF16)),
+        ((Launch(log, "quantize"), (("value", "g2"), ("made", 0), ("made", 1), 0, 0, 0, 0, ROWS, 7, ("stream",)),
+          None),
+         (Launch(log, "dgrad"), (("made", 0), ("fp8_weight", fc, 0), ("made", 1), ("fp8_weight", fc, 1),
+                                 ("bounds", 0), ("bounds", BASE), [("made", 2)], ROWS, 4, ("stream",)), None)))
+    sizes = torch.full((G,), ROWS // G, dtype=torch.int32)
+
+    def ctx():
+        return RunContext(group_sizes=sizes, routed_group_sizes=sizes,
+                          counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32), groups=G)
+
+    call = B.CallShape((ROWS, D), BF16, torch.device("cpu"), -1, ())
+    replay = B.build(program, ctx(), [(step, ("g2",))], call, (True, False))
+    assert isinstance(replay, B.BackwardReplay) and replay.fp8
+    return replay, fc, log, ctx
+
+
+def test_an_fp8_dgrad_replays_its_quantization_and_reads_the_weight_blocks_at_each_call(monkeypatch):
+    replay, fc, log, ctx = _fp8_setup(monkeypatch)
+    dy = torch.randn(ROWS, D, dtype=BF16)
+    c = ctx()
+    dx, grads, _ = replay([dy], [], c)
+    (_, q), (_, k) = log
+    assert q[0] == dy.data_ptr() and q[3:] == (0, 0, 0, 0, ROWS, 7, 77)
+    codes, scales = q[1], q[2]
+    bounds = c.counters.data_ptr()
+    assert k == (codes, fc.blocks.data_t.data_ptr(), scales, fc.blocks.scale_t.data_ptr(), bounds, bounds + BASE,
+                 (dx.data_ptr(),), ROWS, 4, 77)
+    assert dx.shape == (ROWS, F) and grads == [None]
+    fc.fresh = True                      # the cache's blocks at this call, not the recording's
+    log.clear()
+    replay([torch.randn(ROWS, D, dtype=BF16)], [], ctx())
+    assert log[1][1][1] == fc.blocks.data_t.data_ptr() and log[1][1][3] == fc.blocks.scale_t.data_ptr()
+    fc.fresh, fc.none = False, True      # no blocks: the program runs the call
+    log.clear()
+    assert replay([torch.randn(ROWS, D, dtype=BF16)], [], ctx()) is None and log == []
+    fc.none = False
+    from fusion.quant import fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "WGRAD_IN_BF16", not fp8_linear.WGRAD_IN_BF16)   # an FP8 switch
+    assert replay([torch.randn(ROWS, D, dtype=BF16)], [], ctx()) is None and log == []
+
+
+def test_the_fp8_switch_sends_fp8_replays_to_the_program(monkeypatch):
+    from fusion.runtime import replay as R
+
+    replay, fc, log, ctx = _fp8_setup(monkeypatch)
+    monkeypatch.setattr(R, "FP8", False)
+    assert replay([torch.randn(ROWS, D, dtype=BF16)], [], ctx()) is None and log == []
+    monkeypatch.setattr(R, "FP8", True)
+    assert replay([torch.randn(ROWS, D, dtype=BF16)], [], ctx()) is not None

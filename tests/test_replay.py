@@ -229,3 +229,160 @@ def test_an_moe_block_replays_its_routed_prologue_gather_and_combine(monkeypatch
         y_rows, layout_rows, layout_offsets, out, comb_m, comb_t, _ = comb
         assert (y_rows, out, comb_m, comb_t) == (ptrs[0], y.data_ptr(), M, T)
         assert replay(x, {"index": index[:-1], "group_sizes": sizes, "scale": probs[:-1]}) is None   # another M
+
+
+class Fp8Bound:
+    """A kernels.fp8_api.BoundFp8Gemm stand-in: its launch records the arguments."""
+
+    def __init__(self, log, label, names, N, K, num_ctas=5):
+        self.names, self.M, self.num_ctas = names, ROWS, num_ctas
+        self.a_shape, self.b_shape = torch.Size((ROWS, K)), torch.Size((G, N, K))
+        self.launch = lambda *args: log.append((label, args))
+
+
+class Fp8Op:
+    """An fp8_block GroupLinear stand-in: its weight, and the cache's FP8 blocks (`quantized_weight`, which the
+    replay asks at each call; `fresh` hands out new buffers, as a cache whose weight changed shape would)."""
+
+    def __init__(self, N, K):
+        self._parameters = {"weight": torch.randn(G, N, K, dtype=BF16)}
+        self.asked, self.fresh, self.none = 0, False, False
+        self._q = self._blocks(N, K)
+
+    @staticmethod
+    def _blocks(N, K):
+        return SimpleNamespace(data=torch.empty(G, N, K, dtype=torch.uint8),
+                               scale=torch.empty(G, -(-N // 128), -(-K // 128), dtype=torch.float32))
+
+    def quantized_weight(self):
+        self.asked += 1
+        if self.fresh:
+            self._q = self._blocks(*self._q.data.shape[1:])
+        return None if self.none else self._q
+
+
+def _fp8_made(monkeypatch, train: bool):
+    """An FP8 block's replay: F1 the fused FP8 kernel of GroupLinear(G, D, 2F) + SwiGLU + Scale + QuantizeFP8Block
+    (x quantized 1x128 rowwise first; its output FP8-block; training: it saves the pre-activation v1), F2 the lone FP8
+    GEMM of GroupLinear(G, F, D) reading F1's codes and scales as they are."""
+    monkeypatch.setattr(R, "_raw_stream", lambda index: 77)
+    log = []
+    fc1, fc2 = Fp8Op(F, D), Fp8Op(D, F)
+    plan = SimpleNamespace(ops=[fc1, None, None, None, fc2], saves=("v1", "v0"))
+    program = SimpleNamespace(plan=plan, counters=COUNTERS)
+    runner = SimpleNamespace(program=program, params=[fc1._parameters["weight"], fc2._parameters["weight"]],
+                             device_checked=True,
+                             seq=SimpleNamespace(inputs=SimpleNamespace(names=frozenset({"group_sizes", "scale"}))))
+    x = torch.randn(ROWS, D, dtype=BF16)
+    sizes = torch.full((G,), ROWS // G, dtype=torch.int32)
+    probs = torch.rand(ROWS, dtype=BF16)
+    ctx = RunContext(group_sizes=sizes, routed_group_sizes=sizes, extra={"scale": probs},
+                     counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32), groups=G)
+    quantize = (lambda *args: log.append(("quantize", args)), 9, -(-D // 128))
+    names = ("out", "out_scale", "out_amax", *(("saved",) if train else ()), "scale")
+    tensors = (("out", None), ("scale", None), ("amax", None), *((("saved", None),) if train else ()),
+               ("extra", "scale"))
+    f1 = S.Fp8Launch(Fp8Bound(log, "F1", names, F, D), SimpleNamespace(step="F1"), "v0", "v4", F, fc1, tensors, 0,
+                     quantize, "v1" if train else None, 2 * F if train else 0, True)
+    f2 = S.Fp8Launch(Fp8Bound(log, "F2", ("out",), D, F), None, "v4", "v5", D, fc2, (("out", None),), 1, None)
+    replay = R.ForwardReplay(runner, x, ctx, [f1, f2], Prologue(log), train)
+    return replay, x, {"group_sizes": sizes, "scale": probs}, (fc1, fc2), log
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_an_fp8_block_replays_its_quantize_and_fp8_kernels(monkeypatch, train):
+    """The prologue, then x's rowwise quantization into the scratch, F1 reading those codes and scales with the
+    weight's cached FP8 blocks and writing its FP8-block output into the scratch (codes, scales, amax), F2 reading
+    them as they are; each kernel its own tile counter, each weight's blocks asked of the cache at each call."""
+    replay, x, extra, (fc1, fc2), log = _fp8_made(monkeypatch, train)
+    LAUNCHES.reset()
+    if train:
+        ctx = RunContext(group_sizes=extra["group_sizes"], routed_group_sizes=extra["group_sizes"],
+                         extra={"scale": extra["scale"]})
+        y, saved = replay.train(x, ctx)
+        pre, again = saved
+        assert again is x and pre.shape == (ROWS, 2 * F) and pre.dtype == BF16
+        bounds = ctx.counters.data_ptr()
+    else:
+        y = replay(x, extra)
+        bounds = log[0][1][1]
+    assert y.shape == (ROWS, D) and y.dtype == BF16 and replay.calls == 1
+    assert [label for label, _ in log] == ["prologue", "quantize", "F1", "F2"]
+    (_, q), (_, f1), (_, f2) = log[1:]
+    x_ptr, codes, scales, *zeros, rows, grid, stream = q
+    assert (x_ptr, rows, grid, stream, zeros) == (x.data_ptr(), ROWS, 9, 77, [0, 0, 0, 0])
+    assert scales - codes >= ROWS * D and (scales - codes) % R.ALIGN == 0
+    assert train or (codes - bounds) % R.ALIGN == 0 and codes - bounds >= 4 * (G + 1 + COUNTERS)   # past the bounds
+    w1 = fc1.quantized_weight()
+    a, b, sa, sb, offsets, counter, ptrs, M, ctas, stream = f1
+    assert (a, b, sa, sb, offsets, M, ctas) == (codes, w1.data.data_ptr(), scales, w1.scale.data_ptr(), bounds, ROWS, 5)
+    assert counter == bounds + 4 * (G + 1)
+    out_codes, out_scales, amax = ptrs[:3]
+    assert len({codes, scales, out_codes, out_scales, amax}) == 5 and ptrs[-1] == extra["scale"].data_ptr()
+    if train:
+        assert ptrs[3] == pre.data_ptr()
+    w2 = fc2.quantized_weight()
+    a, b, sa, sb, offsets, counter, ptrs, M, ctas, stream = f2
+    assert (a, b, sa, sb, offsets, ptrs) == (out_codes, w2.data.data_ptr(), out_scales, w2.scale.data_ptr(), bounds,
+                                             (y.data_ptr(),))
+    assert counter == bounds + 4 * (G + 2)
+    assert LAUNCHES.by_step == {"F1": 1}
+    assert fc1.asked == fc2.asked == 2   # once in the call (and once above)
+
+
+def test_an_fp8_replay_reads_the_weight_blocks_at_each_call(monkeypatch):
+    """After an optimizer step the cache hands out the stepped weight's blocks: the replay launches on what it
+    returns at that call; a cache with none sends the call back to the interpretive path."""
+    replay, x, extra, (fc1, fc2), log = _fp8_made(monkeypatch, False)
+    fc1.fresh = True
+    replay(x, extra)
+    assert log[2][1][1] == fc1._q.data.data_ptr() and log[2][1][3] == fc1._q.scale.data_ptr()
+    log.clear()
+    fc2.none = True
+    assert replay(x, extra) is None and log == []
+    fc2.none = False
+    from fusion.kernels import fp8_quantize_api, tile_policy
+
+    monkeypatch.setattr(tile_policy, "FP8_TILE_M", not tile_policy.FP8_TILE_M)    # another FP8 tile
+    assert replay(x, extra) is None and log == []
+    monkeypatch.undo()
+    monkeypatch.setattr(R, "_raw_stream", lambda index: 77)
+    assert replay(x, extra) is not None
+    monkeypatch.setattr(fp8_quantize_api, "BOUND_ROWWISE", False)                # the quantize's binding off
+    log.clear()
+    assert replay(x, extra) is None and log == []
+    monkeypatch.setattr(fp8_quantize_api, "BOUND_ROWWISE", True)
+    monkeypatch.setattr(R, "FP8", False)                                          # the FP8 replays' A/B switch
+    assert replay(x, extra) is None and log == []
+
+
+def test_build_keeps_a_quantized_value_in_the_replay(monkeypatch):
+    """An FP8-block value only feeds the FP8 GEMM that reads it as is: a plan whose output, or a value the backward
+    reads, is quantized is not replayed; a plain step cannot read a quantized value."""
+    from fusion.runtime.bounds import DevicePrologue
+
+    replay, x, extra, (fc1, fc2), log = _fp8_made(monkeypatch, True)
+    prologue = DevicePrologue(G, True)
+    prologue._compiled[torch.int32] = Prologue(log)
+    ctx = RunContext(group_sizes=extra["group_sizes"], routed_group_sizes=extra["group_sizes"],
+                     extra={"scale": extra["scale"]}, counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32),
+                     groups=G)
+    quantize = (lambda *args: None, 9, 1)
+    q1 = S.Fp8Launch(Fp8Bound(log, "F1", ("out", "out_scale", "out_amax"), F, D), None, "v0", "v4", F, fc1,
+                     (("out", None), ("scale", None), ("amax", None)), 0, quantize, quantized=True)
+    q2 = S.Fp8Launch(Fp8Bound(log, "F2", ("out",), D, F), None, "v4", "v5", D, fc2, (("out", None),), 1, None)
+    plain2 = S.BoundLaunch(Bound(log, "F2", ("out",)), None, "v4", "v5", D, fc2, (("out", None),), 1)
+
+    def built(launches, saves=("v0",), ops=5):
+        steps = [SimpleNamespace(replay_launch=lambda state, train, launch=launch: launch) for launch in launches]
+        program = SimpleNamespace(prologue=prologue, forward_steps=steps, counters=COUNTERS,
+                                  plan=SimpleNamespace(ops=[fc1] + [None] * (ops - 1), saves=saves))
+        runner = SimpleNamespace(program=program, params=[], device_checked=True,
+                                 seq=SimpleNamespace(inputs=SimpleNamespace(names=frozenset({"group_sizes", "scale"}))))
+        state = SimpleNamespace(env={"v0": x})
+        return R.build(runner, x, ctx, state, train=True)
+
+    assert isinstance(built([q1, q2]), R.ForwardReplay)
+    assert built([q1, q2], saves=("v0", "v4")) is None      # the backward reads F1's FP8 output
+    assert built([q1], ops=4) is None                        # the block's output is FP8
+    assert built([q1, plain2]) is None                       # a bf16 kernel cannot read the codes

@@ -210,3 +210,65 @@ def test_a_frozen_block_replays_with_grad_enabled():
     y = block(x, **extras)
     assert replay.calls == 1 and not y.requires_grad
     assert torch.equal(y, _interpretive(block, x, extras))
+
+
+def _fp8_block(E, d, f, quantize: bool):
+    """The FP8 twin of the training-step block: FC1's kernel writes FC2's FP8 input where `quantize` (a
+    QuantizeFP8Block in its epilogue), else FC2 quantizes its bf16 input itself."""
+    from fusion import QuantizeFP8Block
+
+    torch.manual_seed(0)
+    ops = [GroupLinear(E, d, 2 * f, weight_format="fp8_block"), SwiGLU(), Scale()]
+    ops += [QuantizeFP8Block(columnwise=False)] if quantize else []
+    return fusion.Sequential(*ops, GroupLinear(E, f, d, weight_format="fp8_block")).to("cuda", torch.bfloat16)
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_an_fp8_block_replays_its_forwards_and_backward_bit_for_bit(quantize):
+    """FP8 weights: the no-grad and the training forward replayed (x's rowwise quantization, the fused FP8 kernel,
+    the lone FP8 GEMM), and the backward (dY's quantizations, the fused FP8 dgrad, the lone FP8 dgrad, the weight
+    gradients the recipe takes in bf16) give the interpretive outputs and gradients bit for bit, after each optimizer
+    step too (each replay asks the weight cache at each call, which quantizes the stepped weights again)."""
+    from fusion.runtime import backward_replay as B
+
+    E, d, f, M = 8, 256, 256, 1000
+    block = _fp8_block(E, d, f, quantize)
+    opt = torch.optim.SGD(block.parameters(), lr=0.5)
+    x, extras = _inputs(E, M, d)
+    dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+
+    def step(enabled: bool):
+        R.ENABLED = B.ENABLED = enabled
+        try:
+            block.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            scale = extras["scale"].clone().requires_grad_()
+            y = block(xi, group_sizes=extras["group_sizes"], scale=scale)
+            y.backward(dy)
+            with torch.no_grad():
+                inference = block(x, **extras)
+            return [inference, y.detach(), xi.grad, scale.grad] + [p.grad.clone() for p in block.parameters()]
+        finally:
+            R.ENABLED = B.ENABLED = True
+
+    step(True)                                         # interpretive; keeps its launches
+    runner = runner_for(block, x)
+    replay, train_replay = runner.replays.get(M), runner.train_replays.get(M)
+    backward = runner.backward_replays.get((M, -1, (True, True, True, True)))
+    assert isinstance(replay, R.ForwardReplay) and isinstance(train_replay, R.ForwardReplay), "FP8 forwards replay"
+    assert isinstance(backward, B.BackwardReplay), "the FP8 backward replays"
+    assert replay.fp8 and train_replay.fp8 and backward.fp8
+    for _ in range(2):
+        LAUNCHES.reset()
+        replayed = step(True)
+        assert LAUNCHES.by_step.get("F1") == 2         # the fused FP8 kernel ran in both forwards
+        assert LAUNCHES.by_step.get("B1") == 1         # the fused FP8 dgrad ran
+        interpreted = step(False)
+        for a, b in zip(replayed, interpreted):
+            assert torch.equal(a, b)
+        opt.step()                                     # the weights change: both paths read the re-quantized blocks
+    assert replay.calls == 2 and train_replay.calls == 2 and backward.calls == 2
+    with torch.no_grad():
+        ref = copy.deepcopy(block)
+        ref.backend = "reference"
+        assert rel(block(x, **extras), ref(x, **extras)) < 2e-2

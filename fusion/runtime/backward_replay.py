@@ -15,8 +15,12 @@ each saved value's; each weight's shape and layout; the extra inputs' layout; th
 read), then allocates what each step allocated, launches what it launched on the current stream, and drops each
 value where the interpretive call did (so dY and the saved activations are freed after their last readers, the same
 peak), all as one straight-line function generated when the replay is built (fusion/runtime/launch_code.py).
-Anything a step cannot say (FP8 operands, torch's GEMM, autograd through an op's reference, a bias gradient)
-means no replay for that call shape: every call there stays interpretive.
+FP8 steps (fp8_block weights) say theirs too: dY's rowwise quantization (the quantize kernel's launch bound at its
+shape, into scratch freed with the step), then the FP8 kernel on those codes and the weight's transposed blocks,
+asked of the weight's cache at each call (quantized again there after an optimizer step); a weight gradient the
+recipe takes in high precision on the bf16 varlen-K kernel. Anything a step cannot say (the FP8 varlen-K weight
+gradient and its slot copies, a dgrad reading the fused dgrad's FP8 copy, torch's GEMM, autograd through an op's
+reference, a bias gradient) means no replay for that call shape: every call there stays interpretive.
 
 The gradients are the same bits: the same kernels at the same bindings over the same operands in the same order.
 `ENABLED = False` turns the replay off and builds none (the A/B switch).
@@ -33,7 +37,9 @@ from fusion.runtime import lone_gemm, row_sums, wgrad_gemm
 from fusion.runtime.gather import gather_index
 from fusion.runtime.kernel import LAUNCHES
 from fusion.runtime.launch_code import LaunchCode
-from fusion.runtime.replay import launch_switches
+from fusion.runtime import fp8_gemm
+from fusion.runtime import replay as replay_module
+from fusion.runtime.replay import fp8_launch_switches, launch_switches
 from fusion.runtime.steps import POISON
 
 #: Read per call: False runs every backward through the program's steps, and builds no replay (the A/B switch).
@@ -50,6 +56,11 @@ def _switches() -> tuple:
     """The module switches read per call that the recorded steps' choices depend on (the lone GEMM's and the
     forward's, the weight gradient's group minimum, the row-sum kernel's)."""
     return (*launch_switches(), wgrad_gemm.MIN_GROUPS, row_sums.KERNEL, lone_gemm.DENSE_DGRAD)
+
+
+def _fp8_switches() -> tuple:
+    """Those of a block with fp8_block GEMMs besides: the FP8 launches' and the FP8 recipe's choices."""
+    return (*_switches(), *fp8_launch_switches(), *fp8_gemm.replay_switches())
 
 
 class CallShape(NamedTuple):
@@ -83,7 +94,9 @@ class BackwardReplay:
         self.dtype, self.device, self.device_index = call.dtype, call.device, call.device_index
         self.dy_shape = call.dy_shape
         self.groups = ctx.groups
-        self.switches = _switches()
+        # a block with FP8 GEMMs also holds for the FP8 switches (its steps' choices read them)
+        self.fp8 = any(getattr(runner, "fp8", False) for runner in getattr(program, "backward_steps", ()))
+        self.switches = _fp8_switches() if self.fp8 else _switches()
         slot_of: dict = {}   # ("value", name) / ("weight", id) / ("extra", name) -> slot
         count = [LAYOUT_OFFSETS + 1]
         uses = set()         # the shared slots some launch reads
@@ -98,6 +111,7 @@ class BackwardReplay:
         self.saved = tuple((new_slot(("value", name)), k, *meta)
                            for k, (name, meta) in enumerate(zip(program.plan.saves, call.saved)) if meta is not None)
         self.weights, self.extras = [], []
+        self.fp8_weights = []   # (codes slot, scales slot, op, the transposed codes' shape)
         targets: dict = {}   # ("param", id) / ("extra", name) -> slot
 
         def source(arg, made_slots):
@@ -112,6 +126,13 @@ class BackwardReplay:
                     weight = arg[1]._parameters["weight"]
                     self.weights.append((new_slot(key), arg[1]._parameters, weight.shape))
                 return slot_of[key], 0
+            if kind == "fp8_weight":   # the cache's transposed blocks, asked at each call
+                key = ("fp8_weight", id(arg[1]))
+                if key not in slot_of:
+                    blocks = arg[1].quantized_weight()
+                    codes, scales = new_slot(key), new_slot(key + ("scales",))
+                    self.fp8_weights.append((codes, scales, arg[1], tuple(blocks.data_t.shape)))
+                return (slot_of[key] if arg[2] == 0 else slot_of[key + ("scales",)]), 0
             if kind == "extra":   # (its dtype and shape as the call's: a kernel reads it in its own dtype)
                 if arg not in slot_of:
                     t = ctx.extra[arg[1]]
@@ -155,6 +176,7 @@ class BackwardReplay:
             steps.append((tuple(allocs), tuple(calls), dropped))
         self.steps = tuple(steps)
         self.weights, self.extras = tuple(self.weights), tuple(self.extras)
+        self.fp8_weights = tuple(self.fp8_weights)
         self.routed = bool(uses & {GATHER_INDEX, INDEX})
         # the routing index's dtype: the gather kernel was compiled for it
         self.index_dtype = None if ctx.index is None else ctx.index.dtype
@@ -178,11 +200,14 @@ class BackwardReplay:
         c, guard, line = code.const, code.guard, code.line
         tensor = c(torch.Tensor, "Tensor")
         line("dy = output_grad[0]")
-        guard(f"not {c(sys.modules[__name__], 'mod')}.ENABLED or {c(POISON, 'poison')}['on'] or type(dy) is not "
+        enabled = f"{c(sys.modules[__name__], 'mod')}.ENABLED"
+        if self.fp8:   # (the FP8 replays' A/B switch)
+            enabled += f" and {c(replay_module, 'replay')}.FP8"
+        guard(f"not ({enabled}) or {c(POISON, 'poison')}['on'] or type(dy) is not "
               f"{tensor} or dy.shape != {c(self.dy_shape)} or dy.dtype is not {c(self.dtype, 'dtype')} or not "
               f"dy.is_contiguous() or dy.data_ptr() & 15 or dy.get_device() != {self.device_index} or ctx.counters "
-              f"is None or ctx.groups != {c(self.groups)} or {c(_switches, 'switches')}() != "
-              f"{c(self.switches, 'switches')}")
+              f"is None or ctx.groups != {c(self.groups)} or "
+              f"{c(_fp8_switches if self.fp8 else _switches, 'switches')}() != {c(self.switches, 'switches')}")
         for slot, k, shape, dtype in self.saved:
             line(f"t = saved[{k}]")
             guard(f"type(t) is not {tensor} or t.shape != {c(tuple(shape))} or t.dtype is not {c(dtype, 'dtype')} "
@@ -193,6 +218,10 @@ class BackwardReplay:
             line(f"t = {c(params, 'params')}['weight']")
             line(f"p{slot} = t.data_ptr()")
             guard(f"t.shape != {c(tuple(shape))} or p{slot} & 15 or not t.is_contiguous()")
+        for codes, scales, op, shape in self.fp8_weights:   # quantized again here where the weight changed
+            line(f"t = {c(op, 'op')}.quantized_weight()")
+            guard(f"t is None or t.data_t.shape != {c(shape)}")
+            line(f"p{codes}, p{scales} = t.data_t.data_ptr(), t.scale_t.data_ptr()")
         for slot, name, dtype, shape in self.extras:
             line(f"t = ctx.extra.get({name!r})")
             guard(f"t is None or t.dtype is not {c(dtype, 'dtype')} or t.shape != {c(tuple(shape))} or not "

@@ -58,7 +58,7 @@ class CombineLaunch(NamedTuple):
 def replay_launch(op, y: torch.Tensor, ctx: RunContext, input: str, output: str) -> CombineLaunch | None:
     """What :func:`run` launched for rows `y` (the kernel, compiled once per dtype and width), or None where it
     launched nothing (no tokens)."""
-    if not takes(op, y) or not ctx.tokens:
+    if type(y) is not torch.Tensor or not takes(op, y) or not ctx.tokens:
         return None
     from fusion.kernels.combine import compile_combine
 

@@ -39,7 +39,7 @@ from fusion.op_table import device_method_refusal, dtype_name
 from fusion.runtime.bounds import row_bounds
 from fusion.runtime import kernel as runtime_kernel
 from fusion.runtime.kernel import ShapeCache
-from fusion.quant import QuantizedTensor, fp8_weight
+from fusion.quant import QuantizedTensor, fp8_linear, fp8_weight
 from fusion.run_context import RunContext
 
 _COMPILED: dict = {}
@@ -200,6 +200,35 @@ def _gemm(a, b, bounds, dtype, what: str, counter=None):
     return out
 
 
+def replay_launch(op, x, ctx: RunContext, input: str, output: str):
+    """What :func:`run` launched for `x` in the call that just ran, for the forward's replay (fusion/runtime/replay.py):
+    a steps.Fp8Launch of the FP8 GEMM bound at x's rows (its tile counter's slot the step's to fill in), quantizing a
+    high-precision x first by the rowwise launch bound for its shape; or None where a replay cannot repeat it (bounds
+    other than the call's buffer, a launch not bound at these rows, an x that is neither plain nor FP8-block)."""
+    from fusion.runtime.steps import Fp8Launch
+
+    quantize = None
+    if type(x) is torch.Tensor:
+        from fusion.kernels.fp8_quantize_api import rowwise_launch
+
+        quantize = rowwise_launch(x)
+        if quantize is None:
+            return None
+    elif not isinstance(x, QuantizedTensor) or x.format != "fp8_block" or x.dim() != 2:
+        return None
+    w = op._parameters["weight"]
+    G, N, K = tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
+    rows = x.shape[0]
+    if (not runtime_kernel.FP8_BOUND_LAUNCHES or row_bounds(op, rows, ctx, x.device) is not ctx.counters
+            or ctx.counters is None):
+        return None
+    compiled = _kernel(N, K, G, x.dtype, "fprop", rows)
+    bound = _BOUND.get((id(compiled), rows, x.device.index))
+    if bound is None or bound.compiled is not compiled or bound.names != ("out",):
+        return None
+    return Fp8Launch(bound, None, input, output, N, op, (("out", None),), 0, quantize)
+
+
 def operand(x):
     """x as an FP8 kernel's A, a BlockScaled (E4M3 codes (M, K), scales (ceil(K/128), M)): an fp8_block
     QuantizedTensor's own rowwise buffers, else its 1x128 rowwise quantization (the kernel on the GPU, the
@@ -244,6 +273,49 @@ def dgrad_quantized(op, a, dtype: torch.dtype, ctx: RunContext, counter: int | N
     rows = a.data.shape[0]
     return _gemm(a, weight_operand(op, transposed=True), row_bounds(op, rows, ctx, a.data.device), dtype, "dgrad",
                  counter)
+
+
+def dgrad_launches(op, dy: torch.Tensor, ctx: RunContext):
+    """What :func:`dgrad` launched for a plain `dy` in the call that just ran, for the backward's replay
+    (fusion/runtime/backward_replay.py): ``((quantize launch, grid, k_blocks), BoundFp8Gemm)``, dY's rowwise
+    quantization as kernels.fp8_quantize_api.rowwise_launch bound it and the FP8 GEMM bound at dY's rows reading
+    the call's bounds buffer; or None where either is not bound."""
+    from fusion.kernels.fp8_quantize_api import rowwise_launch
+
+    quantize = rowwise_launch(dy)
+    rows = dy.shape[0]
+    if (quantize is None or not runtime_kernel.FP8_BOUND_LAUNCHES or ctx.counters is None
+            or row_bounds(op, rows, ctx, dy.device) is not ctx.counters):
+        return None
+    w = op._parameters["weight"]
+    G, out_f, in_f = tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
+    compiled = _kernel(in_f, out_f, G, dy.dtype, "dgrad", rows)
+    bound = _BOUND.get((id(compiled), rows, dy.device.index))
+    if bound is None or bound.compiled is not compiled or bound.names != ("out",) or not bound.M:
+        return None
+    return quantize, bound
+
+
+def wgrad_in_bf16_kernel(op, x, dy):
+    """fusion/runtime/wgrad_gemm.py's `bound_launch` where :func:`wgrad` hands this call (plain x and dY) to that
+    bf16/fp16 varlen-K kernel, as ``fp8_linear.wgrad_in_bf16`` says at dY's rows; else None (the FP8 kernels, or
+    torch's GEMM, ran it)."""
+    from fusion.quant import fp8_linear
+    from fusion.runtime import wgrad_gemm
+
+    if type(x) is not torch.Tensor or type(dy) is not torch.Tensor:
+        return None
+    w = op._parameters["weight"]
+    if not fp8_linear.wgrad_in_bf16(w.shape[-2], w.shape[-1], dy.shape[0], w.shape[0] if w.dim() == 3 else 1):
+        return None
+    return wgrad_gemm.bound_launch if wgrad_gemm.takes(op, x) else None
+
+
+def replay_switches() -> tuple:
+    """The switches read per call that this module's choices in a backward depend on (the weight gradient's
+    precision rule, the dgrad's copy of dY for it): a replayed FP8 backward holds for these only."""
+    return (fp8_linear.WGRAD_IN_BF16, fp8_linear.FP8_WGRAD_MIN_WIDTH, fp8_linear.FP8_WGRAD_MIN_ROWS,
+            WGRAD_COPY_IN_DGRAD, ONE_PASS_DY_CTAS)
 
 
 class SlotGradient(NamedTuple):

@@ -174,6 +174,12 @@ class CuteKernel:
         bound(A, B, bounds, tensors, counter_ptr, index)
         LAUNCHES.count(self.job)
 
+    def bound_fp8(self, rows: int):
+        """The FP8 kernel's launch as a call at `rows` bound it (kernels.fp8_api.BoundFp8Gemm), or None where none
+        was bound there, or a switch has given those rows another tile since: what the forward's replay repeats."""
+        bound = self._bound.get(rows) if self.fp8 else None
+        return bound if bound is not None and bound.compiled is self._for_rows(rows) else None
+
     def _for_rows(self, rows: int):
         """The compiled FP8 kernel for a call over `rows` rows (for_rows; loaded on first use)."""
         config = fp8_for_rows(self._config, rows, self.job.G)

@@ -25,8 +25,13 @@ Two kinds, one per forward mode (`train`):
 Each replay runs as one straight-line function generated when it is built (fusion/runtime/launch_code.py): its
 guards, allocations and launches with every argument written out, nothing interpreted per call. Any guard that fails
 returns None and the interpretive path runs (and raises its error where the call is wrong).
-A plan with a step the replay cannot repeat (torch's GEMM, an op's reference, a quantized output, a wide GEMM's
-gather copy, FP8 operands) is never replayed. `ENABLED = False` turns replays off and builds none (the A/B switch).
+FP8 steps (fp8_block weights) replay too: a fused FP8 kernel or a lone FP8 GEMM (steps.Fp8Launch), its input
+quantized 1x128 rowwise first by the quantize kernel's launch bound at the call's shape, or read as the FP8-block
+output the step before wrote into the scratch buffer (codes, scales, and an amax nobody reads); each weight's FP8
+blocks come from its cache at each call (`quantized_weight()`, which quantizes them again after the weight changed).
+A plan with a step the replay cannot repeat (torch's GEMM, an op's reference, an MXFP8 output, a quantized value
+the backward or the caller reads, a wide GEMM's gather copy) is never replayed. `ENABLED = False` turns replays
+off and builds none (the A/B switch).
 """
 from __future__ import annotations
 
@@ -35,17 +40,21 @@ import sys
 import torch
 
 from fusion.dataflow import v
-from fusion.kernels import tile_policy
+from fusion.kernels import fp8_quantize_api, tile_policy
 from fusion.ops.routing import layout_of
 from fusion.runtime import bounds as bounds_module
+from fusion.runtime import kernel as runtime_kernel
 from fusion.runtime import lone_gemm
 from fusion.runtime.bounds import DevicePrologue, RoutedPrologue
 from fusion.runtime.kernel import LAUNCHES
 from fusion.runtime.launch_code import LaunchCode
-from fusion.runtime.steps import POISON, BoundLaunch
+from fusion.runtime.steps import POISON, BoundLaunch, Fp8Launch
 
 #: Read per call: False runs every call through the interpretive forward, and builds no replay (the A/B switch).
 ENABLED = True
+#: Read per call by replays with FP8 steps, forward and backward: False runs those calls through the interpretive
+#: path (the A/B switch of the FP8 replays; replays are still built, so flipping it back replays again).
+FP8 = True
 
 #: Each value in a scratch buffer starts at a multiple of this (TMA needs 16 bytes; 256 keeps rows' sectors whole)
 ALIGN = 256
@@ -62,6 +71,12 @@ def launch_switches() -> tuple:
     (lone_gemm._takes) and the routed prologue's sizes (bounds.SIZES_FROM_KERNEL). A replay holds for these only."""
     return (lone_gemm.ENABLED, lone_gemm.WIDE_TILE, lone_gemm.OUTPUT_BUDGET, tile_policy.DYNAMIC_PAIRS,
             tile_policy.DYNAMIC_PAIRS_MAX_GROUPS, bounds_module.SIZES_FROM_KERNEL)
+
+
+def fp8_launch_switches() -> tuple:
+    """The switches read per call that a replayed FP8 step's launches depend on: the bound FP8 launches, the FP8
+    tile policy's, the rowwise quantize kernel's build and binding. A replay with FP8 steps holds for these only."""
+    return (runtime_kernel.FP8_BOUND_LAUNCHES, *tile_policy.fp8_switches(), *fp8_quantize_api.rowwise_switches())
 
 
 def _aligned(nbytes: int) -> int:
@@ -82,6 +97,22 @@ class _Gemm:
         self.weight_shape = tuple(self.params["weight"].shape)
         self.index = INDEX if launch.index else BOUNDS
         self.M, self.T, self.ctas = b.M, b.T, b.num_ctas
+
+
+class _Fp8Gemm:
+    """An FP8 GEMM's bound launch (steps.Fp8Launch), as the generated replay writes it out: where `quantize` is set,
+    first the rowwise quantize of the high-precision value at `x` into `a` (codes, scales); A from `a`; B the op's
+    cached FP8 weight (`op.quantized_weight()`, read at each call, which quantizes it again where the weight
+    changed); the epilogue's tensors from `outs`, its tile counter at `counter` bytes into the bounds buffer."""
+
+    __slots__ = ("launch", "quantize", "x", "a", "op", "params", "weight_shape", "b_shape", "outs", "counter", "M",
+                 "ctas")
+
+    def __init__(self, launch: Fp8Launch, x, a, outs, counter: int, b_shape: tuple):
+        self.launch, self.quantize, self.x, self.a, self.outs = launch.bound.launch, launch.quantize, x, a, outs
+        self.op, self.params = launch.op, launch.op._parameters
+        self.weight_shape, self.b_shape = tuple(self.params["weight"].shape), b_shape
+        self.counter, self.M, self.ctas = counter, launch.bound.M, launch.bound.num_ctas
 
 
 class _Combine:
@@ -134,6 +165,7 @@ class ForwardReplay:
             offset += _aligned(4 * self.rows) if self.routed else 0
         self.saved_shapes = []     # (name, (rows, width)) of each saved tensor, in source order after the extras
         steps = []
+        quantized = {}             # an FP8-block value (scratch only) -> its (codes, scales, amax) sources
 
         def place(name: str, rows: int, width: int):
             if name == last:
@@ -148,7 +180,34 @@ class ForwardReplay:
                 offset += _aligned(rows * width * esize)
             return where[name]
 
+        def scratch(nbytes: int):
+            nonlocal offset
+            at = (SCRATCH, offset)
+            offset += _aligned(nbytes)
+            return at
+
+        def place_fp8(rows: int, width: int):
+            """Scratch for an FP8-block value: E4M3 codes (rows, width), float32 scales (ceil(width / 128), rows)
+            and the int32 amax its kernel may write (nothing reads it, so it is never zeroed)."""
+            return scratch(rows * width), scratch(4 * rows * -(-width // 128)), scratch(4)
+
         for launch in launches:
+            if isinstance(launch, Fp8Launch):
+                M, K = launch.bound.M, launch.bound.a_shape[1]
+                x_at, a = (where[launch.input], place_fp8(M, K)[:2]) if launch.quantize else \
+                    (None, quantized[launch.input][:2])
+                if launch.quantized:
+                    made = dict(zip(("out", "scale", "amax"), place_fp8(M, launch.width)))
+                    quantized[launch.output] = (made["out"], made["scale"], made["amax"])
+                else:
+                    made = {"out": place(launch.output, M, launch.width)}
+                if launch.saved is not None:
+                    made["saved"] = place(launch.saved, M, launch.saved_width)
+                outs = tuple(made[kind] if kind in made else (extra_slot[name], 0) for kind, name in launch.tensors)
+                b_shape = tuple(launch.bound.b_shape) if launch.op._parameters["weight"].dim() == 3 else \
+                    tuple(launch.bound.b_shape)[1:]
+                steps.append(_Fp8Gemm(launch, x_at, a, outs, 4 * (ctx.groups + 1 + launch.slot), b_shape))
+                continue
             a = where[launch.input]
             if isinstance(launch, BoundLaunch):
                 made = {"out": place(launch.output, launch.bound.M, launch.width)}
@@ -166,7 +225,8 @@ class ForwardReplay:
         self.saves = tuple(("x",) if name == v(0) else ("saved", saved_index[name]) if name in saved_index else None
                            for name in program.plan.saves) if train else ()
         self.jobs = tuple(launch.job for launch in launches if getattr(launch, "job", None) is not None)
-        self.switches = launch_switches()
+        self.fp8 = any(type(step) is _Fp8Gemm for step in self.steps)
+        self.switches = launch_switches() + (fp8_launch_switches() if self.fp8 else ())
         self.calls = 0   # replayed calls (tests assert that the replay ran)
         self.training = train   # the mode it was built in: __call__ (no grad) or train()
         self._run = self._generate(train)
@@ -194,10 +254,15 @@ class ForwardReplay:
         c, guard, line = code.const, code.guard, code.line
         tensor, device, index = c(torch.Tensor, "Tensor"), c(self.device, "device"), self.device_index
         dtype = c(self.dtype, "dtype")
-        x_differs = (f"not {c(sys.modules[__name__], 'mod')}.ENABLED or type(x) is not {tensor} or x.shape != "
+        switches = f"{c(launch_switches, 'switches')}()"
+        enabled = f"{c(sys.modules[__name__], 'mod')}.ENABLED"
+        if self.fp8:
+            switches += f" + {c(fp8_launch_switches, 'fp8_switches')}()"
+            enabled += f" and {c(sys.modules[__name__], 'mod')}.FP8"
+        x_differs = (f"not ({enabled}) or type(x) is not {tensor} or x.shape != "
                      f"{c(self.x_shape)} or x.dtype is not {dtype} or x.get_device() != {index} or not "
                      f"x.is_contiguous() or x.data_ptr() & 15 or {c(POISON, 'poison')}['on'] or "
-                     f"{c(launch_switches, 'switches')}() != {c(self.switches, 'switches')}")
+                     f"{switches} != {c(self.switches, 'switches')}")
         if train:
             line("sizes = ctx.routed_group_sizes")
             sizes = ("sizes is not None" if self.sizes_dtype is None else
@@ -227,6 +292,11 @@ class ForwardReplay:
                 line(f"t = {c(step.params, 'params')}['weight']")
                 line(f"w{n} = t.data_ptr()")
                 guard(f"t.shape != {c(step.weight_shape)} or w{n} & 15 or not t.is_contiguous()")
+            elif type(step) is _Fp8Gemm:   # its FP8 blocks from the op's cache (quantized again where it changed)
+                guard(f"{c(step.params, 'params')}['weight'].shape != {c(step.weight_shape)}")
+                line(f"t = {c(step.op, 'op')}.quantized_weight()")
+                guard(f"t is None or t.data.shape != {c(step.b_shape)}")
+                line(f"w{n}, ws{n} = t.data.data_ptr(), t.scale.data_ptr()")
         empty = c(torch.empty, "empty")
         pointer = {X: "x.data_ptr()", OUT: "y.data_ptr()"}
         pointer.update({EXTRAS + k: f"e{k}.data_ptr()" for k in range(len(self.extras))})
@@ -256,6 +326,10 @@ class ForwardReplay:
         for step in self.steps:
             if type(step) is _Gemm:
                 used.update((step.a[0], step.index, *(s for s, _ in step.outs)))
+            elif type(step) is _Fp8Gemm:
+                used.update((*(s for s, _ in step.a), *(s for s, _ in step.outs)))
+                if step.x is not None:
+                    used.add(step.x[0])
             else:
                 used.update((step.y[0], step.out[0]))
         if self.routed:
@@ -278,7 +352,15 @@ class ForwardReplay:
             sizes_at = f"p{BOUNDS}" if self.sizes_dtype is None else f"p{EXTRAS}"
             line(f"{prologue}.launch({sizes_at}, p{BOUNDS}, {self.rows}, {self.counters}, s)")
         for n, step in enumerate(self.steps):
-            if type(step) is _Gemm:
+            if type(step) is _Fp8Gemm:
+                data, scale = (at(o) for o in step.a)
+                if step.quantize is not None:   # A's rowwise FP8 copy (kernels/fp8_quantize_api.py rowwise_launch)
+                    quantize, grid, _ = step.quantize
+                    line(f"{c(quantize, 'quantize')}({at(step.x)}, {data}, {scale}, 0, 0, 0, 0, {step.M}, {grid}, s)")
+                outs = "".join(at(o) + ", " for o in step.outs)
+                line(f"{c(step.launch, 'launch')}({data}, w{n}, {scale}, ws{n}, p{BOUNDS}, p{BOUNDS} + "
+                     f"{step.counter}, ({outs}), {step.M}, {step.ctas}, s)")
+            elif type(step) is _Gemm:
                 outs = "".join(at(o) + ", " for o in step.outs)
                 line(f"{c(step.launch, 'launch')}({at(step.a)}, w{n}, p{BOUNDS}, p{BOUNDS} + {step.counter}, "
                      f"p{step.index}, ({outs}), {step.M}, {step.T}, {step.ctas}, s)")
@@ -315,17 +397,27 @@ def build(runner, x: torch.Tensor, ctx, state, train: bool = False) -> ForwardRe
             or routed != (ctx.index is not None) or routed and (ctx.index.numel() == 0
                                                                or not bounds_module.SIZES_FROM_KERNEL)):
         return None
-    launches, made = [], {v(0)}
+    launches, made, quantized = [], {v(0)}, set()
     for step in program.forward_steps:
         replay_launch = getattr(step, "replay_launch", None)
         launch = None if replay_launch is None else replay_launch(state, train)
-        if launch is None or launch.input not in made:
+        if launch is None:
+            return None
+        # an FP8-block value feeds only an FP8 GEMM that reads it as is (its codes and scales in the scratch)
+        fp8_reader = isinstance(launch, Fp8Launch) and launch.quantize is None
+        if launch.input not in (quantized if fp8_reader else made):
             return None
         launches.append(launch)
-        made.update((launch.output, getattr(launch, "saved", None)))
+        if getattr(launch, "quantized", False):
+            quantized.add(launch.output)
+            made.add(getattr(launch, "saved", None))
+        else:
+            made.update((launch.output, getattr(launch, "saved", None)))
     last = v(len(program.plan.ops))
-    if not launches or launches[-1].output != last:
+    if not launches or launches[-1].output != last or last in quantized:
         return None
+    if any(name in quantized for name in program.plan.saves if name is not None):
+        return None   # the backward would read a quantized value the replay keeps in scratch only
     if train and any(name not in made and name in state.env for name in program.plan.saves):
         return None   # a saved value that no replayed step makes
     if routed:

@@ -87,6 +87,30 @@ class BoundLaunch(NamedTuple):
     index: bool = False        # the kernel loads A's rows through the call's gather index (an MoE FC1)
 
 
+class Fp8Launch(NamedTuple):
+    """An FP8 GEMM step's launch as a call made it (a fused FP8 kernel, or a lone FP8 GEMM's), bound at that call's
+    shape: what the forward's replay repeats (fusion/runtime/replay.py). A is `input`'s FP8 copy: where `quantize`
+    is set (the rowwise quantize kernel's launch as kernels.fp8_quantize_api.rowwise_launch bound it) the replay
+    quantizes the high-precision input first; else `input` is the FP8-block output of the step before. B is `op`'s
+    cached FP8 weight (fusion.quant.fp8_weight), read at each call. `tensors`: the epilogue's tensors in pointer
+    order, each ("out", None) for the step's output (its E4M3 codes where `quantized`), ("scale", None) and
+    ("amax", None) for a quantized output's scales and amax, ("saved", None) for the value a training kernel
+    saves, or ("extra", name) for an extra input of the call."""
+
+    bound: object          # kernels.fp8_api.BoundFp8Gemm
+    job: object            # its KernelJob, counted in LAUNCHES as the step's launch; None for a lone GEMM
+    input: str
+    output: str
+    width: int
+    op: object             # the fp8_block GEMM op whose quantized weight is B
+    tensors: tuple
+    slot: int              # its tile counter in the call's buffer
+    quantize: tuple | None  # (launch, grid, k_blocks) of the rowwise quantize, or None: A is already FP8
+    saved: str | None = None
+    saved_width: int = 0
+    quantized: bool = False  # the output is FP8-block: codes (M, width), scales (ceil(width / 128), M), amax
+
+
 class StepLaunches(NamedTuple):
     """What a backward step launched in a call, for the backward's replay (fusion/runtime/backward_replay.py).
 
@@ -97,7 +121,8 @@ class StepLaunches(NamedTuple):
     pointer; ("made", k) the step's k-th tensor's; ("weight", op) the op's weight's; ("bounds", bytes) the call's
     bounds buffer's plus bytes; ("gather_index",) the call's int32 gather index's; ("index",) the routing index's;
     ("extra", name) an extra input's; ("layout", 0 | 1) the token layout's rows or offsets; ("stream",) the
-    current stream."""
+    current stream; ("fp8_weight", op, part) the op's cached FP8 weight blocks as a dgrad reads them (transposed:
+    part 0 the codes, 1 the scales), asked of the cache at each call."""
 
     made: tuple
     calls: tuple
@@ -318,12 +343,14 @@ class FusedForward(_KernelStep):
         """This step's launch in the call `state` ran (in mode `train`), or None where a replay cannot repeat it: an
         FP8 kernel, a wide GEMM's gather copy, a quantized output, a shared bias (its expanded copy is checked per
         call)."""
+        if self.fp8:
+            return self._fp8_replay_launch(state, train)
         x = state.env.get(self.input)
         variant = "train" if train and self.writes_saved else "inference"
         kernel = None if type(x) is not torch.Tensor else self._kernels.get((x.dtype, variant))
         plain = self._plain[variant]
         index = state.ctx.derived.get("gather_index") if self.reads_index else None
-        if (kernel is None or self.fp8 or self.copies_rows or self._quant_format is not None or plain is None
+        if (kernel is None or self.copies_rows or self._quant_format is not None or plain is None
                 or self.reads_index and index is None):
             return None
         widths = dict(plain)
@@ -338,6 +365,35 @@ class FusedForward(_KernelStep):
         saved = self.saved if "saved" in widths else None
         return BoundLaunch(bound, kernel.job, self.input, self.output, widths["out"], self.gemm, tensors, self.slot,
                            saved, widths.get("saved", 0), self.reads_index)
+
+
+    def _fp8_replay_launch(self, state: RunState, train: bool) -> Fp8Launch | None:
+        """The FP8 kernel's launch (and its input's rowwise quantization) in the call `state` ran, or None where a
+        replay cannot repeat it: an input that is not a plain tensor, an MXFP8 output, a shared bias, a kernel or a
+        quantization not bound at the call's rows."""
+        x = state.env.get(self.input)
+        variant = "train" if train and self.writes_saved else "inference"
+        kernel = None if type(x) is not torch.Tensor else self._kernels.get((x.dtype, variant))
+        if kernel is None or not getattr(kernel, "fp8", False) or self._quant_format not in (None, "fp8_block"):
+            return None
+        bound = kernel.bound_fp8(x.shape[0])
+        from fusion.kernels.fp8_quantize_api import rowwise_launch
+
+        quantize = rowwise_launch(x)
+        extras = {slot.kernel_name: slot.name for slot in self._in_slots if not isinstance(slot, slots.GroupBias)}
+        if bound is None or quantize is None or len(extras) != len(self._in_slots):
+            return None
+        own = {"out": ("out", None), "out_scale": ("scale", None), "out_amax": ("amax", None),
+               "saved": ("saved", None)}
+        tensors = tuple(own[n] if n in own else ("extra", extras.get(n)) for n in bound.names)
+        if any(kind == "extra" and name is None for kind, name in tensors) or ("out", None) not in tensors:
+            return None
+        quantized = self._quant_format == "fp8_block"
+        if quantized != (("scale", None) in tensors):
+            return None
+        saved = self.saved if ("saved", None) in tensors else None
+        return Fp8Launch(bound, kernel.job, self.input, self.output, self.spec.out_features, self.gemm, tensors,
+                         self.slot, quantize, saved, self._saved_width if saved else 0, quantized)
 
 
 def _quantized(op, outs: dict, ctx: RunContext):
@@ -418,13 +474,15 @@ class OpForward(_DeviceMethodStep):
 
     def replay_launch(self, state: RunState, train: bool):
         """The device kernel's launch in the call `state` ran, where the device method can say what it launched (an
-        MoE Combine's: fusion/runtime/combine.py `replay_launch`), else None (the reference, or a method that
-        cannot)."""
+        MoE Combine's: fusion/runtime/combine.py `replay_launch`; a lone FP8 GEMM's: fusion/runtime/fp8_gemm.py),
+        else None (the reference, or a method that cannot)."""
         x = state.env.get(self.input)
         describe = getattr(self.device, "replay_launch", None)
-        if describe is None or type(x) is not torch.Tensor or not self.device.takes(self.op, x):
+        if describe is None or x is None or not self.device.takes(self.op, x):
             return None
-        return describe(self.op, x, state.ctx, self.input, self.output)
+        launch = describe(self.op, x, state.ctx, self.input, self.output)
+        # (a launch reading a tile counter gets this step's slot of the call's buffer)
+        return launch._replace(slot=self.slot) if self.tile_counter and launch is not None else launch
 
 
 class GemmForward(OpForward):
@@ -631,19 +689,33 @@ class FusedDgrad(_KernelStep):
 
     def replay_backward(self, state: RunState) -> StepLaunches | None:
         """What :meth:`run` launched in the call `state` ran: the bf16 kernel at the call's shape and the scale
-        gradients' row-sum kernel; or None (FP8 operands, a quantized input gradient, a bias gradient or a shared
-        bias: torch ops or per-call copies)."""
+        gradients' row-sum kernel; or None (a quantized input gradient, a bias gradient or a shared bias: torch ops
+        or per-call copies). An FP8 kernel's: dY's rowwise quantization first (the quantize kernel's launch bound at
+        its shape, into scratch freed with the step), then the kernel on those codes and the weight's cached
+        transposed blocks."""
         index = state.dy_through_index and self.dy_tokens is not None
         a = self.dy_tokens if index else self.grad_in
         dy = state.env.get(a)
-        if self.fp8 or self.quantized_dinput is not None or self._biases or not _plain(dy):
+        if self.quantized_dinput is not None or self._biases or not _plain(dy):
             return None
         kernel = self._kernels.get((dy.dtype, "backward_gather" if index else "backward"))
-        rows = state.ctx.index.numel() if index else -1
-        bound = getattr(kernel, "_bound", {}).get((dy.shape[0], rows))
-        if bound is None or not bound.M:
-            return None
-        sources, made = {}, []
+        sources, made, calls = {}, [], []
+        if self.fp8:
+            from fusion.kernels.fp8_quantize_api import rowwise_launch
+
+            bound = None if kernel is None or index else kernel.bound_fp8(dy.shape[0])
+            quantize = rowwise_launch(dy)
+            if bound is None or quantize is None or not bound.M:
+                return None
+            launch, grid, k_blocks = quantize
+            made += [(None, tuple(dy.shape), torch.uint8), (None, (k_blocks, dy.shape[0]), torch.float32)]
+            calls.append((launch, (("value", a), ("made", 0), ("made", 1), 0, 0, 0, 0, bound.M, grid, ("stream",)),
+                          None))
+        else:
+            rows = state.ctx.index.numel() if index else -1
+            bound = getattr(kernel, "_bound", {}).get((dy.shape[0], rows))
+            if bound is None or not bound.M:
+                return None
         for slot in self._slots[0]:
             if isinstance(slot, slots.SavedIn):
                 sources["saved"] = ("value", self.saved)
@@ -658,10 +730,16 @@ class FusedDgrad(_KernelStep):
             made.append((target, *self._plain_output(slot, bound.M, dy.dtype)))
         if any(name not in sources for name in bound.names):
             return None
-        calls = [(bound.launch, (("value", a), ("weight", self.gemm), ("bounds", 0),
-                                 ("bounds", 4 * (state.ctx.groups + 1 + state.counter_base + self.slot)),
-                                 ("gather_index",) if index else ("bounds", 0), [sources[n] for n in bound.names],
-                                 bound.M, bound.T, bound.num_ctas, ("stream",)), kernel.job)]
+        counter = ("bounds", 4 * (state.ctx.groups + 1 + state.counter_base + self.slot))
+        outs = [sources[n] for n in bound.names]
+        if self.fp8:
+            calls.append((bound.launch, (("made", 0), ("fp8_weight", self.gemm, 0), ("made", 1),
+                                         ("fp8_weight", self.gemm, 1), ("bounds", 0), counter, outs, bound.M,
+                                         bound.num_ctas, ("stream",)), kernel.job))
+        else:
+            calls.append((bound.launch, (("value", a), ("weight", self.gemm), ("bounds", 0), counter,
+                                         ("gather_index",) if index else ("bounds", 0), outs, bound.M, bound.T,
+                                         bound.num_ctas, ("stream",)), kernel.job))
         for kernel_name, name in self._scale_grads:
             partials = made[sources[kernel_name][1]]
             dtype = state.ctx.extra[name].dtype
@@ -726,8 +804,13 @@ class GemmDgrad(_DeviceMethodStep):
 
     def replay_backward(self, state: RunState) -> StepLaunches | None:
         """What :meth:`run` launched in the call `state` ran: the varlen-M kernel (fusion/runtime/lone_gemm.py) at
-        the call's rows, reading the call's bounds buffer; or None (torch's GEMM, FP8)."""
+        the call's rows, reading the call's bounds buffer; an FP8 GEMM's (fusion/runtime/fp8_gemm.py
+        `dgrad_launches`: dY's rowwise quantization, then the FP8 kernel on the weight's cached transposed blocks);
+        or None (torch's GEMM, an FP8 dgrad that made its weight gradient's copy of dY too, or read the fused dgrad's
+        quantization)."""
         dy, out = state.env.get(self.grad_in), state.env.get(f"g{self.index}")
+        if self.fp8:
+            return self._fp8_replay_backward(state, dy, out)
         bound_launch = getattr(self.device, "bound_launch", None)
         if (bound_launch is None or not self.tile_counter or self.quantized_in is not None or not _plain(dy)
                 or not self.takes(self.op, dy) or type(out) is not torch.Tensor
@@ -741,6 +824,24 @@ class GemmDgrad(_DeviceMethodStep):
                             ((bound.launch, (("value", self.grad_in), ("weight", self.op), ("bounds", 0), counter,
                                              ("bounds", 0), [("made", 0)], bound.M, bound.T, bound.num_ctas,
                                              ("stream",)), None),))
+
+
+    def _fp8_replay_backward(self, state: RunState, dy, out) -> StepLaunches | None:
+        if (self.device is not fp8_gemm or not self.tile_counter or self.quantized_in is not None or not _plain(dy)
+                or type(out) is not torch.Tensor or not self.takes(self.op, dy)):
+            return None   # (dY a SlotGradient now: this dgrad quantized it for the weight gradient too)
+        found = fp8_gemm.dgrad_launches(self.op, dy, state.ctx)
+        if found is None:
+            return None
+        (quantize, grid, k_blocks), bound = found
+        counter = ("bounds", 4 * (state.ctx.groups + 1 + state.counter_base + self.slot))
+        made = ((None, tuple(dy.shape), torch.uint8), (None, (k_blocks, dy.shape[0]), torch.float32),
+                (("value", f"g{self.index}"), tuple(out.shape), out.dtype))
+        return StepLaunches(made, (
+            (quantize, (("value", self.grad_in), ("made", 0), ("made", 1), 0, 0, 0, 0, bound.M, grid, ("stream",)),
+             None),
+            (bound.launch, (("made", 0), ("fp8_weight", self.op, 0), ("made", 1), ("fp8_weight", self.op, 1),
+                            ("bounds", 0), counter, [("made", 2)], bound.M, bound.num_ctas, ("stream",)), None)))
 
 
 class GemmWgrad:
@@ -844,12 +945,15 @@ class GemmWgrad:
 
     def replay_backward(self, state: RunState) -> StepLaunches | None:
         """What :meth:`run` launched in the call `state` ran: the varlen-K kernel (fusion/runtime/wgrad_gemm.py) at
-        the call's rows, reading x or dY through the gather index where the call did; or None (a bias gradient,
-        torch's GEMM, FP8)."""
+        the call's rows, reading x or dY through the gather index where the call did (an fp8_block GEMM's
+        where its recipe took the high-precision operands: fusion/runtime/fp8_gemm.py `wgrad_in_bf16_kernel`); or
+        None (a bias gradient, torch's GEMM, the FP8 varlen-K kernel)."""
         op, ctx, env = self.op, state.ctx, state.env
         weight, bias = weight_of(op), op.bias
         bound_launch = getattr(self.device, "bound_launch", None)
-        if (self.fp8 or bound_launch is None or not weight.requires_grad or bias is not None and bias.requires_grad
+        if self.fp8:   # the bf16 varlen-K kernel ran where the recipe's rule took dY and X in high precision
+            bound_launch = fp8_gemm.wgrad_in_bf16_kernel(op, env.get(self.input), env.get(self.grad_in))
+        if (bound_launch is None or not weight.requires_grad or bias is not None and bias.requires_grad
                 or isinstance(env.get(self.grad_in), fp8_gemm.SlotGradient)):
             return None
         dy_index = state.dy_through_index and self.dy_tokens is not None
@@ -857,7 +961,7 @@ class GemmWgrad:
         tokens = self.tokens is not None and self.input not in env
         x_name = self.tokens if tokens else self.input
         dy, x = env.get(dy_name), env.get(x_name)
-        if not (_plain(dy) and _plain(x)) or not (tokens or dy_index or self.device.takes(op, x)):
+        if not (_plain(dy) and _plain(x)) or not (tokens or dy_index or self.fp8 or self.device.takes(op, x)):
             return None
         rows = ctx.index.numel() if tokens or dy_index else dy.shape[0]
         bound = bound_launch(op, x, dy, rows, tokens, dy_index)
