@@ -33,12 +33,11 @@ from typing import NamedTuple
 import torch
 
 from fusion.ops.routing import call_layout
-from fusion.runtime import lone_gemm, row_sums, wgrad_gemm
+from fusion.runtime import fp8_gemm, lone_gemm, row_sums, wgrad_gemm
+from fusion.runtime import replay as replay_module
 from fusion.runtime.gather import gather_index
 from fusion.runtime.kernel import LAUNCHES
 from fusion.runtime.launch_code import LaunchCode
-from fusion.runtime import fp8_gemm
-from fusion.runtime import replay as replay_module
 from fusion.runtime.replay import fp8_launch_switches, launch_switches
 from fusion.runtime.steps import POISON
 

@@ -201,10 +201,11 @@ def _gemm(a, b, bounds, dtype, what: str, counter=None):
 
 
 def replay_launch(op, x, ctx: RunContext, input: str, output: str):
-    """What :func:`run` launched for `x` in the call that just ran, for the forward's replay (fusion/runtime/replay.py):
-    a steps.Fp8Launch of the FP8 GEMM bound at x's rows (its tile counter's slot the step's to fill in), quantizing a
-    high-precision x first by the rowwise launch bound for its shape; or None where a replay cannot repeat it (bounds
-    other than the call's buffer, a launch not bound at these rows, an x that is neither plain nor FP8-block)."""
+    """What :func:`run` launched for `x` in the call that just ran, for the forward's replay
+    (fusion/runtime/replay.py): a steps.Fp8Launch of the FP8 GEMM bound at x's rows (its tile counter's slot the
+    step's to fill in), quantizing a high-precision x first by the rowwise launch bound for its shape; or None where
+    a replay cannot repeat it (bounds other than the call's buffer, a launch not bound at these rows, an x that is
+    neither plain nor FP8-block)."""
     from fusion.runtime.steps import Fp8Launch
 
     quantize = None
@@ -300,7 +301,6 @@ def wgrad_in_bf16_kernel(op, x, dy):
     """fusion/runtime/wgrad_gemm.py's `bound_launch` where :func:`wgrad` hands this call (plain x and dY) to that
     bf16/fp16 varlen-K kernel, as ``fp8_linear.wgrad_in_bf16`` says at dY's rows; else None (the FP8 kernels, or
     torch's GEMM, ran it)."""
-    from fusion.quant import fp8_linear
     from fusion.runtime import wgrad_gemm
 
     if type(x) is not torch.Tensor or type(dy) is not torch.Tensor:

@@ -340,9 +340,9 @@ class FusedForward(_KernelStep):
             env[self.saved] = outs["saved"]
 
     def replay_launch(self, state: RunState, train: bool) -> BoundLaunch | None:
-        """This step's launch in the call `state` ran (in mode `train`), or None where a replay cannot repeat it: an
-        FP8 kernel, a wide GEMM's gather copy, a quantized output, a shared bias (its expanded copy is checked per
-        call)."""
+        """This step's launch in the call `state` ran (in mode `train`), or None where a replay cannot repeat it: a
+        wide GEMM's gather copy, a quantized output, a shared bias (its expanded copy is checked per call). An FP8
+        kernel's: `_fp8_replay_launch`."""
         if self.fp8:
             return self._fp8_replay_launch(state, train)
         x = state.env.get(self.input)
@@ -365,7 +365,6 @@ class FusedForward(_KernelStep):
         saved = self.saved if "saved" in widths else None
         return BoundLaunch(bound, kernel.job, self.input, self.output, widths["out"], self.gemm, tensors, self.slot,
                            saved, widths.get("saved", 0), self.reads_index)
-
 
     def _fp8_replay_launch(self, state: RunState, train: bool) -> Fp8Launch | None:
         """The FP8 kernel's launch (and its input's rowwise quantization) in the call `state` ran, or None where a
@@ -825,8 +824,8 @@ class GemmDgrad(_DeviceMethodStep):
                                              ("bounds", 0), [("made", 0)], bound.M, bound.T, bound.num_ctas,
                                              ("stream",)), None),))
 
-
     def _fp8_replay_backward(self, state: RunState, dy, out) -> StepLaunches | None:
+        """The FP8 dgrad's launches in the call `state` ran (see replay_backward)."""
         if (self.device is not fp8_gemm or not self.tile_counter or self.quantized_in is not None or not _plain(dy)
                 or type(out) is not torch.Tensor or not self.takes(self.op, dy)):
             return None   # (dY a SlotGradient now: this dgrad quantized it for the weight gradient too)
