@@ -11,6 +11,7 @@ import torch
 from fusion.run_context import RunContext
 from fusion.runtime import replay as R
 from fusion.runtime import steps as S
+from fusion.runtime.fp8_gemm import Fp8Launch
 from fusion.runtime.kernel import LAUNCHES
 
 BF16 = torch.bfloat16
@@ -282,9 +283,9 @@ def _fp8_made(monkeypatch, train: bool):
     names = ("out", "out_scale", "out_amax", *(("saved",) if train else ()), "scale")
     tensors = (("out", None), ("scale", None), ("amax", None), *((("saved", None),) if train else ()),
                ("extra", "scale"))
-    f1 = S.Fp8Launch(Fp8Bound(log, "F1", names, F, D), SimpleNamespace(step="F1"), "v0", "v4", F, fc1, tensors, 0,
+    f1 = Fp8Launch(Fp8Bound(log, "F1", names, F, D), SimpleNamespace(step="F1"), "v0", "v4", F, fc1, tensors, 0,
                      quantize, "v1" if train else None, 2 * F if train else 0, True)
-    f2 = S.Fp8Launch(Fp8Bound(log, "F2", ("out",), D, F), None, "v4", "v5", D, fc2, (("out", None),), 1, None)
+    f2 = Fp8Launch(Fp8Bound(log, "F2", ("out",), D, F), None, "v4", "v5", D, fc2, (("out", None),), 1, None)
     replay = R.ForwardReplay(runner, x, ctx, [f1, f2], Prologue(log), train)
     return replay, x, {"group_sizes": sizes, "scale": probs}, (fc1, fc2), log
 
@@ -368,9 +369,9 @@ def test_build_keeps_a_quantized_value_in_the_replay(monkeypatch):
                      extra={"scale": extra["scale"]}, counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32),
                      groups=G)
     quantize = (lambda *args: None, 9, 1)
-    q1 = S.Fp8Launch(Fp8Bound(log, "F1", ("out", "out_scale", "out_amax"), F, D), None, "v0", "v4", F, fc1,
+    q1 = Fp8Launch(Fp8Bound(log, "F1", ("out", "out_scale", "out_amax"), F, D), None, "v0", "v4", F, fc1,
                      (("out", None), ("scale", None), ("amax", None)), 0, quantize, quantized=True)
-    q2 = S.Fp8Launch(Fp8Bound(log, "F2", ("out",), D, F), None, "v4", "v5", D, fc2, (("out", None),), 1, None)
+    q2 = Fp8Launch(Fp8Bound(log, "F2", ("out",), D, F), None, "v4", "v5", D, fc2, (("out", None),), 1, None)
     plain2 = S.BoundLaunch(Bound(log, "F2", ("out",)), None, "v4", "v5", D, fc2, (("out", None),), 1)
 
     def built(launches, saves=("v0",), ops=5):

@@ -200,14 +200,37 @@ def _gemm(a, b, bounds, dtype, what: str, counter=None):
     return out
 
 
+class Fp8Launch(NamedTuple):
+    """An FP8 GEMM step's launch as a call made it (a fused FP8 kernel: fusion/runtime/steps.py FusedForward; or a
+    lone FP8 GEMM's: :func:`replay_launch`), bound at that call's shape: what the forward's replay repeats
+    (fusion/runtime/replay.py). A is `input`'s FP8 copy: where `quantize`
+    is set (the rowwise quantize kernel's launch as kernels.fp8_quantize_api.rowwise_launch bound it) the replay
+    quantizes the high-precision input first; else `input` is the FP8-block output of the step before. B is `op`'s
+    cached FP8 weight (fusion.quant.fp8_weight), read at each call. `tensors`: the epilogue's tensors in pointer
+    order, each ("out", None) for the step's output (its E4M3 codes where `quantized`), ("scale", None) and
+    ("amax", None) for a quantized output's scales and amax, ("saved", None) for the value a training kernel
+    saves, or ("extra", name) for an extra input of the call."""
+
+    bound: object          # kernels.fp8_api.BoundFp8Gemm
+    job: object            # its KernelJob, counted in LAUNCHES as the step's launch; None for a lone GEMM
+    input: str
+    output: str
+    width: int
+    op: object             # the fp8_block GEMM op whose quantized weight is B
+    tensors: tuple
+    slot: int              # its tile counter in the call's buffer
+    quantize: tuple | None  # (launch, grid, k_blocks) of the rowwise quantize, or None: A is already FP8
+    saved: str | None = None
+    saved_width: int = 0
+    quantized: bool = False  # the output is FP8-block: codes (M, width), scales (ceil(width / 128), M), amax
+
+
 def replay_launch(op, x, ctx: RunContext, input: str, output: str):
     """What :func:`run` launched for `x` in the call that just ran, for the forward's replay
-    (fusion/runtime/replay.py): a steps.Fp8Launch of the FP8 GEMM bound at x's rows (its tile counter's slot the
+    (fusion/runtime/replay.py): an Fp8Launch of the FP8 GEMM bound at x's rows (its tile counter's slot the
     step's to fill in), quantizing a high-precision x first by the rowwise launch bound for its shape; or None where
     a replay cannot repeat it (bounds other than the call's buffer, a launch not bound at these rows, an x that is
     neither plain nor FP8-block)."""
-    from fusion.runtime.steps import Fp8Launch
-
     quantize = None
     if type(x) is torch.Tensor:
         from fusion.kernels.fp8_quantize_api import rowwise_launch

@@ -25,7 +25,7 @@ Two kinds, one per forward mode (`train`):
 Each replay runs as one straight-line function generated when it is built (fusion/runtime/launch_code.py): its
 guards, allocations and launches with every argument written out, nothing interpreted per call. Any guard that fails
 returns None and the interpretive path runs (and raises its error where the call is wrong).
-FP8 steps (fp8_block weights) replay too: a fused FP8 kernel or a lone FP8 GEMM (steps.Fp8Launch), its input
+FP8 steps (fp8_block weights) replay too: a fused FP8 kernel or a lone FP8 GEMM (fp8_gemm.Fp8Launch), its input
 quantized 1x128 rowwise first by the quantize kernel's launch bound at the call's shape, or read as the FP8-block
 output the step before wrote into the scratch buffer (codes, scales, and an amax nobody reads); each weight's FP8
 blocks come from its cache at each call (`quantized_weight()`, which quantizes them again after the weight changed).
@@ -48,7 +48,8 @@ from fusion.runtime import lone_gemm
 from fusion.runtime.bounds import DevicePrologue, RoutedPrologue
 from fusion.runtime.kernel import LAUNCHES
 from fusion.runtime.launch_code import LaunchCode
-from fusion.runtime.steps import POISON, BoundLaunch, Fp8Launch
+from fusion.runtime.fp8_gemm import Fp8Launch
+from fusion.runtime.steps import POISON, BoundLaunch
 
 #: Read per call: False runs every call through the interpretive forward, and builds no replay (the A/B switch).
 ENABLED = True
@@ -100,7 +101,7 @@ class _Gemm:
 
 
 class _Fp8Gemm:
-    """An FP8 GEMM's bound launch (steps.Fp8Launch), as the generated replay writes it out: where `quantize` is set,
+    """An FP8 GEMM's bound launch (fp8_gemm.Fp8Launch), as the generated replay writes it out: where `quantize` is set,
     first the rowwise quantize of the high-precision value at `x` into `a` (codes, scales); A from `a`; B the op's
     cached FP8 weight (`op.quantized_weight()`, read at each call, which quantizes it again where the weight
     changed); the epilogue's tensors from `outs`, its tile counter at `counter` bytes into the bounds buffer."""

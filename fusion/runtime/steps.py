@@ -87,30 +87,6 @@ class BoundLaunch(NamedTuple):
     index: bool = False        # the kernel loads A's rows through the call's gather index (an MoE FC1)
 
 
-class Fp8Launch(NamedTuple):
-    """An FP8 GEMM step's launch as a call made it (a fused FP8 kernel, or a lone FP8 GEMM's), bound at that call's
-    shape: what the forward's replay repeats (fusion/runtime/replay.py). A is `input`'s FP8 copy: where `quantize`
-    is set (the rowwise quantize kernel's launch as kernels.fp8_quantize_api.rowwise_launch bound it) the replay
-    quantizes the high-precision input first; else `input` is the FP8-block output of the step before. B is `op`'s
-    cached FP8 weight (fusion.quant.fp8_weight), read at each call. `tensors`: the epilogue's tensors in pointer
-    order, each ("out", None) for the step's output (its E4M3 codes where `quantized`), ("scale", None) and
-    ("amax", None) for a quantized output's scales and amax, ("saved", None) for the value a training kernel
-    saves, or ("extra", name) for an extra input of the call."""
-
-    bound: object          # kernels.fp8_api.BoundFp8Gemm
-    job: object            # its KernelJob, counted in LAUNCHES as the step's launch; None for a lone GEMM
-    input: str
-    output: str
-    width: int
-    op: object             # the fp8_block GEMM op whose quantized weight is B
-    tensors: tuple
-    slot: int              # its tile counter in the call's buffer
-    quantize: tuple | None  # (launch, grid, k_blocks) of the rowwise quantize, or None: A is already FP8
-    saved: str | None = None
-    saved_width: int = 0
-    quantized: bool = False  # the output is FP8-block: codes (M, width), scales (ceil(width / 128), M), amax
-
-
 class StepLaunches(NamedTuple):
     """What a backward step launched in a call, for the backward's replay (fusion/runtime/backward_replay.py).
 
@@ -366,7 +342,7 @@ class FusedForward(_KernelStep):
         return BoundLaunch(bound, kernel.job, self.input, self.output, widths["out"], self.gemm, tensors, self.slot,
                            saved, widths.get("saved", 0), self.reads_index)
 
-    def _fp8_replay_launch(self, state: RunState, train: bool) -> Fp8Launch | None:
+    def _fp8_replay_launch(self, state: RunState, train: bool) -> fp8_gemm.Fp8Launch | None:
         """The FP8 kernel's launch (and its input's rowwise quantization) in the call `state` ran, or None where a
         replay cannot repeat it: an input that is not a plain tensor, an MXFP8 output, a shared bias, a kernel or a
         quantization not bound at the call's rows."""
@@ -391,7 +367,7 @@ class FusedForward(_KernelStep):
         if quantized != (("scale", None) in tensors):
             return None
         saved = self.saved if ("saved", None) in tensors else None
-        return Fp8Launch(bound, kernel.job, self.input, self.output, self.spec.out_features, self.gemm, tensors,
+        return fp8_gemm.Fp8Launch(bound, kernel.job, self.input, self.output, self.spec.out_features, self.gemm, tensors,
                          self.slot, quantize, saved, self._saved_width if saved else 0, quantized)
 
 
