@@ -32,6 +32,20 @@ class Prologue:
         self.launch = lambda *args: log.append(("prologue", args))
 
 
+def _call(ops: list, saves: tuple, params: list):
+    """(runner, x, sizes, probs, ctx) of a call at ROWS over G equal groups: a runner stand-in whose plan has `ops` and
+    `saves`, with `params`, the keyword inputs group_sizes and scale, and the context its interpretive call made."""
+    program = SimpleNamespace(plan=SimpleNamespace(ops=ops, saves=saves), counters=COUNTERS)
+    runner = SimpleNamespace(program=program, params=params, device_checked=True,
+                             seq=SimpleNamespace(inputs=SimpleNamespace(names=frozenset({"group_sizes", "scale"}))))
+    x = torch.randn(ROWS, D, dtype=BF16)
+    sizes = torch.full((G,), ROWS // G, dtype=torch.int32)
+    probs = torch.rand(ROWS, dtype=BF16)
+    ctx = RunContext(group_sizes=sizes, routed_group_sizes=sizes, extra={"scale": probs},
+                     counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32), groups=G)
+    return runner, x, sizes, probs, ctx
+
+
 def _made(monkeypatch, train: bool):
     monkeypatch.setattr(R, "_raw_stream", lambda index: 77)
     log = []
@@ -39,15 +53,7 @@ def _made(monkeypatch, train: bool):
     w2 = torch.randn(G, D, F, dtype=BF16)
     fc1, fc2 = SimpleNamespace(_parameters={"weight": w1}), SimpleNamespace(_parameters={"weight": w2})
     # training: the plan saves x and F1's second output v1 (a pre-activation of 2F columns); v2 is recomputed
-    plan = SimpleNamespace(ops=[fc1, None, None, fc2], saves=("v1", "v0", "v2"))
-    program = SimpleNamespace(plan=plan, counters=COUNTERS)
-    runner = SimpleNamespace(program=program, params=[w1, w2], device_checked=True,
-                             seq=SimpleNamespace(inputs=SimpleNamespace(names=frozenset({"group_sizes", "scale"}))))
-    x = torch.randn(ROWS, D, dtype=BF16)
-    sizes = torch.full((G,), ROWS // G, dtype=torch.int32)
-    probs = torch.rand(ROWS, dtype=BF16)
-    ctx = RunContext(group_sizes=sizes, routed_group_sizes=sizes, extra={"scale": probs},
-                     counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32), groups=G)
+    runner, x, sizes, probs, ctx = _call([fc1, None, None, fc2], ("v1", "v0", "v2"), [w1, w2])
     job = SimpleNamespace(step="F1")
     f1 = (S.BoundLaunch(Bound(log, "F1", ("out", "saved", "scale")), job, "v0", "v3", F, fc1,
                         (("out", None), ("saved", None), ("extra", "scale")), 0, "v1", 2 * F) if train else
@@ -269,16 +275,8 @@ def _fp8_made(monkeypatch, train: bool):
     monkeypatch.setattr(R, "_raw_stream", lambda index: 77)
     log = []
     fc1, fc2 = Fp8Op(F, D), Fp8Op(D, F)
-    plan = SimpleNamespace(ops=[fc1, None, None, None, fc2], saves=("v1", "v0"))
-    program = SimpleNamespace(plan=plan, counters=COUNTERS)
-    runner = SimpleNamespace(program=program, params=[fc1._parameters["weight"], fc2._parameters["weight"]],
-                             device_checked=True,
-                             seq=SimpleNamespace(inputs=SimpleNamespace(names=frozenset({"group_sizes", "scale"}))))
-    x = torch.randn(ROWS, D, dtype=BF16)
-    sizes = torch.full((G,), ROWS // G, dtype=torch.int32)
-    probs = torch.rand(ROWS, dtype=BF16)
-    ctx = RunContext(group_sizes=sizes, routed_group_sizes=sizes, extra={"scale": probs},
-                     counters=torch.zeros(G + 1 + COUNTERS, dtype=torch.int32), groups=G)
+    runner, x, sizes, probs, ctx = _call([fc1, None, None, None, fc2], ("v1", "v0"),
+                                         [fc1._parameters["weight"], fc2._parameters["weight"]])
     quantize = (lambda *args: log.append(("quantize", args)), 9, -(-D // 128))
     names = ("out", "out_scale", "out_amax", *(("saved",) if train else ()), "scale")
     tensors = (("out", None), ("scale", None), ("amax", None), *((("saved", None),) if train else ()),

@@ -46,6 +46,17 @@ def _inputs(E, M, d, seed=0):
             {"group_sizes": _sizes(E, M, seed), "scale": torch.rand(M, device="cuda", dtype=torch.bfloat16)})
 
 
+def _training_step(block, x, extras, dy) -> list:
+    """One training step of `block` on fresh leaves: its output, then the gradients of x, the router scale and each
+    parameter (set anew by this step's backward)."""
+    block.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    scale = extras["scale"].clone().requires_grad_()
+    y = block(xi, group_sizes=extras["group_sizes"], scale=scale)
+    y.backward(dy)
+    return [y.detach(), xi.grad, scale.grad] + [p.grad for p in block.parameters()]
+
+
 def _interpretive(block, x, extras):
     R.ENABLED = False
     try:
@@ -124,12 +135,7 @@ def test_replayed_training_forwards_give_the_interpretive_gradients():
     def step(enabled: bool):
         R.ENABLED = enabled
         try:
-            block.zero_grad(set_to_none=True)
-            xi = x.clone().requires_grad_()
-            scale = extras["scale"].clone().requires_grad_()
-            y = block(xi, group_sizes=extras["group_sizes"], scale=scale)
-            y.backward(dy)
-            return [y.detach(), xi.grad, scale.grad] + [p.grad for p in block.parameters()]
+            return _training_step(block, x, extras, dy)
         finally:
             R.ENABLED = True
 
@@ -240,14 +246,10 @@ def test_an_fp8_block_replays_its_forwards_and_backward_bit_for_bit(quantize):
     def step(enabled: bool):
         R.ENABLED = B.ENABLED = enabled
         try:
-            block.zero_grad(set_to_none=True)
-            xi = x.clone().requires_grad_()
-            scale = extras["scale"].clone().requires_grad_()
-            y = block(xi, group_sizes=extras["group_sizes"], scale=scale)
-            y.backward(dy)
+            made = _training_step(block, x, extras, dy)
             with torch.no_grad():
-                inference = block(x, **extras)
-            return [inference, y.detach(), xi.grad, scale.grad] + [p.grad.clone() for p in block.parameters()]
+                made.append(block(x, **extras))        # the no-grad forward's
+            return made
         finally:
             R.ENABLED = B.ENABLED = True
 

@@ -240,17 +240,27 @@ def replay_launch(op, x, ctx: RunContext, input: str, output: str):
             return None
     elif not isinstance(x, QuantizedTensor) or x.format != "fp8_block" or x.dim() != 2:
         return None
+    bound = _bound_in_call(op, "fprop", x.shape[0], x.dtype, x.device, ctx)
+    if bound is None:
+        return None
+    return Fp8Launch(bound, None, input, output, bound.b_shape[1], op, (("out", None),), 0, quantize)
+
+
+def _bound_in_call(op, what: str, rows: int, dtype: torch.dtype, device, ctx: RunContext):
+    """The launch `_gemm` bound for `op`'s `what` ("fprop" or "dgrad") at `rows`, where a replay can repeat it: the
+    bound launches on, the call's bounds buffer as its row bounds, the kernel the policy gives these rows now, the
+    plain output alone; else None."""
+    if (not runtime_kernel.FP8_BOUND_LAUNCHES or ctx.counters is None
+            or row_bounds(op, rows, ctx, device) is not ctx.counters):
+        return None
     w = op._parameters["weight"]
-    G, N, K = tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
-    rows = x.shape[0]
-    if (not runtime_kernel.FP8_BOUND_LAUNCHES or row_bounds(op, rows, ctx, x.device) is not ctx.counters
-            or ctx.counters is None):
+    G, out_f, in_f = tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
+    N, K = (out_f, in_f) if what == "fprop" else (in_f, out_f)
+    compiled = _kernel(N, K, G, dtype, what, rows)
+    bound = _BOUND.get((id(compiled), rows, device.index))
+    if bound is None or bound.compiled is not compiled or bound.names != ("out",) or not bound.M:
         return None
-    compiled = _kernel(N, K, G, x.dtype, "fprop", rows)
-    bound = _BOUND.get((id(compiled), rows, x.device.index))
-    if bound is None or bound.compiled is not compiled or bound.names != ("out",):
-        return None
-    return Fp8Launch(bound, None, input, output, N, op, (("out", None),), 0, quantize)
+    return bound
 
 
 def operand(x):
@@ -307,17 +317,8 @@ def dgrad_launches(op, dy: torch.Tensor, ctx: RunContext):
     from fusion.kernels.fp8_quantize_api import rowwise_launch
 
     quantize = rowwise_launch(dy)
-    rows = dy.shape[0]
-    if (quantize is None or not runtime_kernel.FP8_BOUND_LAUNCHES or ctx.counters is None
-            or row_bounds(op, rows, ctx, dy.device) is not ctx.counters):
-        return None
-    w = op._parameters["weight"]
-    G, out_f, in_f = tuple(w.shape) if w.dim() == 3 else (1, *w.shape)
-    compiled = _kernel(in_f, out_f, G, dy.dtype, "dgrad", rows)
-    bound = _BOUND.get((id(compiled), rows, dy.device.index))
-    if bound is None or bound.compiled is not compiled or bound.names != ("out",) or not bound.M:
-        return None
-    return quantize, bound
+    bound = None if quantize is None else _bound_in_call(op, "dgrad", dy.shape[0], dy.dtype, dy.device, ctx)
+    return None if bound is None else (quantize, bound)
 
 
 def wgrad_in_bf16_kernel(op, x, dy):

@@ -674,7 +674,7 @@ class FusedDgrad(_KernelStep):
         if self.quantized_dinput is not None or self._biases or not _plain(dy):
             return None
         kernel = self._kernels.get((dy.dtype, "backward_gather" if index else "backward"))
-        sources, made, calls = {}, [], []
+        sources = {}
         if self.fp8:
             from fusion.kernels.fp8_quantize_api import rowwise_launch
 
@@ -682,15 +682,13 @@ class FusedDgrad(_KernelStep):
             quantize = rowwise_launch(dy)
             if bound is None or quantize is None or not bound.M:
                 return None
-            launch, grid, k_blocks = quantize
-            made += [(None, tuple(dy.shape), torch.uint8), (None, (k_blocks, dy.shape[0]), torch.float32)]
-            calls.append((launch, (("value", a), ("made", 0), ("made", 1), 0, 0, 0, 0, bound.M, grid, ("stream",)),
-                          None))
         else:
             rows = state.ctx.index.numel() if index else -1
             bound = getattr(kernel, "_bound", {}).get((dy.shape[0], rows))
             if bound is None or not bound.M:
                 return None
+        # an FP8 kernel's A: dY's rowwise copy, the step's first two tensors (scratch)
+        made, calls = _rowwise_quantization(("value", a), quantize, bound) if self.fp8 else ([], [])
         for slot in self._slots[0]:
             if isinstance(slot, slots.SavedIn):
                 sources["saved"] = ("value", self.saved)
@@ -708,9 +706,7 @@ class FusedDgrad(_KernelStep):
         counter = ("bounds", 4 * (state.ctx.groups + 1 + state.counter_base + self.slot))
         outs = [sources[n] for n in bound.names]
         if self.fp8:
-            calls.append((bound.launch, (("made", 0), ("fp8_weight", self.gemm, 0), ("made", 1),
-                                         ("fp8_weight", self.gemm, 1), ("bounds", 0), counter, outs, bound.M,
-                                         bound.num_ctas, ("stream",)), kernel.job))
+            calls.append(_fp8_dgrad_call(bound, self.gemm, counter, outs, kernel.job))
         else:
             calls.append((bound.launch, (("value", a), ("weight", self.gemm), ("bounds", 0), counter,
                                          ("gather_index",) if index else ("bounds", 0), outs, bound.M, bound.T,
@@ -808,15 +804,12 @@ class GemmDgrad(_DeviceMethodStep):
         found = fp8_gemm.dgrad_launches(self.op, dy, state.ctx)
         if found is None:
             return None
-        (quantize, grid, k_blocks), bound = found
+        quantize, bound = found
         counter = ("bounds", 4 * (state.ctx.groups + 1 + state.counter_base + self.slot))
-        made = ((None, tuple(dy.shape), torch.uint8), (None, (k_blocks, dy.shape[0]), torch.float32),
-                (("value", f"g{self.index}"), tuple(out.shape), out.dtype))
-        return StepLaunches(made, (
-            (quantize, (("value", self.grad_in), ("made", 0), ("made", 1), 0, 0, 0, 0, bound.M, grid, ("stream",)),
-             None),
-            (bound.launch, (("made", 0), ("fp8_weight", self.op, 0), ("made", 1), ("fp8_weight", self.op, 1),
-                            ("bounds", 0), counter, [("made", 2)], bound.M, bound.num_ctas, ("stream",)), None)))
+        made, calls = _rowwise_quantization(("value", self.grad_in), quantize, bound)
+        made.append((("value", f"g{self.index}"), tuple(out.shape), out.dtype))
+        calls.append(_fp8_dgrad_call(bound, self.op, counter, [("made", 2)], None))
+        return StepLaunches(tuple(made), tuple(calls))
 
 
 class GemmWgrad:
@@ -947,6 +940,23 @@ class GemmWgrad:
                             ((bound.launch, (("value", dy_name), ("value", x_name), ("bounds", 0), index, ("made", 0),
                                              bound.M, bound.a_shape[0], bound.b_shape[0], bound.num_ctas,
                                              ("stream",)), None),))
+
+
+def _rowwise_quantization(dy, quantize, bound) -> tuple[list, list]:
+    """(made, calls) of an FP8 dgrad's first launch in a replay: dY (the source `dy`) quantized 1x128 rowwise by the
+    launch kernels.fp8_quantize_api.rowwise_launch bound (`quantize`) into two scratch tensors of the step, made 0
+    (codes, A's shape) and made 1 (scales)."""
+    launch, grid, k_blocks = quantize
+    M, K = bound.a_shape
+    return ([(None, (M, K), torch.uint8), (None, (k_blocks, M), torch.float32)],
+            [(launch, (dy, ("made", 0), ("made", 1), 0, 0, 0, 0, M, grid, ("stream",)), None)])
+
+
+def _fp8_dgrad_call(bound, op, counter, outs, job) -> tuple:
+    """An FP8 dgrad kernel's launch in a replay: A the step's made 0 and 1 (`_rowwise_quantization`), B op's cached
+    transposed weight blocks, writing `outs`."""
+    return (bound.launch, (("made", 0), ("fp8_weight", op, 0), ("made", 1), ("fp8_weight", op, 1), ("bounds", 0),
+                           counter, outs, bound.M, bound.num_ctas, ("stream",)), job)
 
 
 def _is_fp8(op) -> bool:
