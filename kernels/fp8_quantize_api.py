@@ -154,12 +154,14 @@ def rowwise_launch(x2d):
     return _ROWWISE.get((M, K, x2d.dtype, x2d.get_device(), PAIRS, PIPELINED_ROWWISE))
 
 
-def rowwise_switches() -> tuple:
-    """The switches read per call that :func:`rowwise_launch`'s binding depends on (a replay holds for these): read
-    from the kernel's module where it is imported (any bound launch imported it, so a replay built over one always
-    finds it), without an import statement per call (a few microseconds each, per replayed call)."""
+def rowwise_switch_sources() -> tuple:
+    """The switches that :func:`rowwise_launch`'s binding depends on, as (module, attribute) pairs a replay reads per
+    call (it holds for these): the kernel module's where it is imported (any bound launch imported it, so a replay
+    built over one always finds it), found without an import statement (a few microseconds each, per call)."""
+    here = sys.modules[__name__]
     quantize = sys.modules.get(__package__ + ".fp8_quantize")
-    return (BOUND_ROWWISE,) if quantize is None else (BOUND_ROWWISE, quantize.PAIRS, quantize.PIPELINED_ROWWISE)
+    return ((here, "BOUND_ROWWISE"),) + (() if quantize is None else ((quantize, "PAIRS"),
+                                                                     (quantize, "PIPELINED_ROWWISE")))
 
 
 def _checked_rowwise(x2d):

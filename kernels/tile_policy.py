@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from dataclasses import dataclass
 
 from .fp8_scales import SA_STAGE_FLOATS, SB_SLOT_FLOATS, SCALE_BLOCK
@@ -478,11 +479,23 @@ FP8_TWO_CTAS_EPILOGUE_MIN_K = 4096
 FP8_TWO_CTAS_GATED = os.environ.get("FUSION_FP8_TWO_CTAS_GATED", "0") != "0"
 
 
+#: The switches the FP8 policy reads per job that a lone FP8 GEMM's kernel depends on besides its shape and rows
+_FP8_SWITCHES = ("FP8_TWO_CTAS", "FP8_TWO_CTAS_GATED", "FP8_TILE_M", "FP8_WIDE_ODD", "FP8_M_PAIRS")
+
+
 def fp8_switches() -> tuple:
-    """The switches the FP8 policy reads per job that a lone FP8 GEMM's kernel depends on besides its shape and rows:
-    part of the key under which the runtime keeps that kernel (fusion/runtime/fp8_gemm.py), so that flipping one (an
-    A/B in one process) loads the other kernel instead of reusing the one loaded before."""
-    return FP8_TWO_CTAS, FP8_TWO_CTAS_GATED, FP8_TILE_M, FP8_WIDE_ODD, FP8_M_PAIRS
+    """The values of those switches: part of the key under which the runtime keeps an FP8 kernel
+    (fusion/runtime/fp8_gemm.py), so that flipping one (an A/B in one process) loads the other kernel instead of
+    reusing the one loaded before."""
+    here = globals()
+    return tuple(here[name] for name in _FP8_SWITCHES)
+
+
+def fp8_switch_sources() -> tuple:
+    """Those switches as (module, attribute) pairs: a replay's generated guard reads each attribute itself
+    (fusion/runtime/launch_code.py `LaunchCode.switches`), with no function call per replayed call."""
+    here = sys.modules[__name__]
+    return tuple((here, name) for name in _FP8_SWITCHES)
 
 
 def two_cta_tile(config: GemmConfig) -> GemmConfig | None:

@@ -14,6 +14,7 @@ import torch
 from fusion.run_context import RunContext
 from fusion.runtime import backward_replay as B
 from fusion.runtime.kernel import LAUNCHES
+from fusion.runtime.replay import aligned
 from fusion.runtime.steps import StepLaunches
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -315,6 +316,9 @@ def test_an_fp8_dgrad_replays_its_quantization_and_reads_the_weight_blocks_at_ea
     (_, q), (_, k) = log
     assert q[0] == dy.data_ptr() and q[3:] == (0, 0, 0, 0, ROWS, 7, 77)
     codes, scales = q[1], q[2]
+    # dY's codes and scales (the step's scratch) share one buffer: one allocation beside dX's
+    assert scales == codes + aligned(ROWS * D)
+    assert sum(" = _empty" in text for text in replay._run.__fusion_source__.splitlines()) == 2
     bounds = c.counters.data_ptr()
     assert k == (codes, fc.blocks.data_t.data_ptr(), scales, fc.blocks.scale_t.data_ptr(), bounds, bounds + BASE,
                  (dx.data_ptr(),), ROWS, 4, 77)

@@ -89,7 +89,7 @@ def test_the_training_replay_keeps_what_the_backward_reads(monkeypatch):
     assert saved_ptr == pre.data_ptr() and scale_ptr == extra["scale"].data_ptr()
     assert f1[2] == bounds and f1[3] == bounds + 4 * (G + 1)
     assert f2[0] == hidden and f2[5] == (y.data_ptr(),) and f2[3] == bounds + 4 * (G + 2)
-    assert replay.scratch_bytes == R._aligned(ROWS * F * 2)     # the hidden value only: no bounds in it
+    assert replay.scratch_bytes == R.aligned(ROWS * F * 2)     # the hidden value only: no bounds in it
     ctx.routed_group_sizes = extra["group_sizes"].long()        # another prologue kernel: not this replay
     assert replay.train(x, ctx) is None
 
@@ -230,7 +230,7 @@ def test_an_moe_block_replays_its_routed_prologue_gather_and_combine(monkeypatch
         if train:
             assert (bounds_ptr, gather_at) == (bounds, gather_ptr)
         else:   # the scratch: the bounds and absorbed sizes, then the gather index, then FC1's rows
-            assert gather_at == bounds_ptr + R._aligned(4 * (G + 1 + COUNTERS + G))
+            assert gather_at == bounds_ptr + R.aligned(4 * (G + 1 + COUNTERS + G))
         a, b, f1_bounds, counter, f1_index, ptrs, f1_m, f1_t, *_ = f1
         assert (a, b, f1_bounds, f1_index, f1_m) == (x.data_ptr(), w1.data_ptr(), bounds_ptr, gather_at, M)
         y_rows, layout_rows, layout_offsets, out, comb_m, comb_t, _ = comb

@@ -27,6 +27,7 @@ The gradients are the same bits: the same kernels at the same bindings over the 
 """
 from __future__ import annotations
 
+import math
 import sys
 from typing import NamedTuple
 
@@ -37,8 +38,8 @@ from fusion.runtime import fp8_gemm, lone_gemm, row_sums, wgrad_gemm
 from fusion.runtime import replay as replay_module
 from fusion.runtime.gather import gather_index
 from fusion.runtime.kernel import LAUNCHES
-from fusion.runtime.launch_code import LaunchCode
-from fusion.runtime.replay import fp8_launch_switches, launch_switches
+from fusion.runtime.launch_code import LaunchCode, read_switches
+from fusion.runtime.replay import aligned, fp8_launch_switch_sources, launch_switch_sources
 from fusion.runtime.steps import POISON
 
 #: Read per call: False runs every backward through the program's steps, and builds no replay (the A/B switch).
@@ -51,15 +52,15 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 STREAM, BOUNDS, GATHER_INDEX, INDEX, LAYOUT_ROWS, LAYOUT_OFFSETS = range(6)
 
 
-def _switches() -> tuple:
+def _switch_sources() -> tuple:
     """The module switches read per call that the recorded steps' choices depend on (the lone GEMM's and the
-    forward's, the weight gradient's group minimum, the row-sum kernel's)."""
-    return (*launch_switches(), wgrad_gemm.MIN_GROUPS, row_sums.KERNEL, lone_gemm.DENSE_DGRAD)
+    forward's, the weight gradient's group minimum, the row-sum kernel's), as (module, attribute) pairs."""
+    return (*launch_switch_sources(), (wgrad_gemm, "MIN_GROUPS"), (row_sums, "KERNEL"), (lone_gemm, "DENSE_DGRAD"))
 
 
-def _fp8_switches() -> tuple:
+def _fp8_switch_sources() -> tuple:
     """Those of a block with fp8_block GEMMs besides: the FP8 launches' and the FP8 recipe's choices."""
-    return (*_switches(), *fp8_launch_switches(), *fp8_gemm.replay_switches())
+    return (*_switch_sources(), *fp8_launch_switch_sources(), *fp8_gemm.replay_switch_sources())
 
 
 class CallShape(NamedTuple):
@@ -95,7 +96,8 @@ class BackwardReplay:
         self.groups = ctx.groups
         # a block with FP8 GEMMs also holds for the FP8 switches (its steps' choices read them)
         self.fp8 = any(getattr(runner, "fp8", False) for runner in getattr(program, "backward_steps", ()))
-        self.switches = _fp8_switches() if self.fp8 else _switches()
+        self.switch_sources = _fp8_switch_sources() if self.fp8 else _switch_sources()
+        self.switches = read_switches(self.switch_sources)
         slot_of: dict = {}   # ("value", name) / ("weight", id) / ("extra", name) -> slot
         count = [LAYOUT_OFFSETS + 1]
         uses = set()         # the shared slots some launch reads
@@ -149,7 +151,9 @@ class BackwardReplay:
             for target, shape, dtype in launches.made:
                 if target is None:   # freed with the step, as the step's own outputs dictionary is
                     slot = new_slot(("scratch", count[0]))
-                    scratch.append(slot)
+                    scratch.append((slot, tuple(shape), dtype))
+                    made_slots.append(slot)
+                    continue
                 elif target[0] == "value":
                     slot = new_slot(target)
                 else:
@@ -171,8 +175,12 @@ class BackwardReplay:
                     else:
                         spec.append(arg)
                 calls.append((launch, tuple(spec), job))
-            dropped = (*scratch, *(slot_of[("value", name)] for name in release if ("value", name) in slot_of))
-            steps.append((tuple(allocs), tuple(calls), dropped))
+            shared = _shared_scratch(scratch)
+            if shared is None:   # (none, or one: allocated as it was made)
+                allocs += scratch
+            dropped = (*(s[0] for s in (scratch if shared is None else scratch[:1])),
+                       *(slot_of[("value", name)] for name in release if ("value", name) in slot_of))
+            steps.append((tuple(allocs), tuple(calls), dropped, shared))
         self.steps = tuple(steps)
         self.weights, self.extras = tuple(self.weights), tuple(self.extras)
         self.fp8_weights = tuple(self.fp8_weights)
@@ -206,7 +214,7 @@ class BackwardReplay:
               f"{tensor} or dy.shape != {c(self.dy_shape)} or dy.dtype is not {c(self.dtype, 'dtype')} or not "
               f"dy.is_contiguous() or dy.data_ptr() & 15 or dy.get_device() != {self.device_index} or ctx.counters "
               f"is None or ctx.groups != {c(self.groups)} or "
-              f"{c(_fp8_switches if self.fp8 else _switches, 'switches')}() != {c(self.switches, 'switches')}")
+              f"{code.switches(self.switch_sources)} != {c(self.switches, 'switches')}")
         for slot, k, shape, dtype in self.saved:
             line(f"t = saved[{k}]")
             guard(f"type(t) is not {tensor} or t.shape != {c(tuple(shape))} or t.dtype is not {c(dtype, 'dtype')} "
@@ -261,10 +269,17 @@ class BackwardReplay:
                 return "(" + "".join(pointer(s) + ", " for s in a) + ")"
             return c(a)
 
-        for allocs, calls, dropped in self.steps:
+        for allocs, calls, dropped, shared in self.steps:
             for slot, shape, dtype in allocs:
                 line(f"v{slot} = {empty}({c(shape)}, dtype={c(dtype, 'dtype')}, device={device})")
                 line(f"p{slot} = v{slot}.data_ptr()")
+            if shared is not None:   # the step's scratch values in one buffer, each at its offset
+                nbytes, at = shared
+                base = at[0][0]
+                line(f"v{base} = {empty}({nbytes}, dtype={c(torch.uint8, 'dtype')}, device={device})")
+                line(f"p{base} = v{base}.data_ptr()")
+                for slot, offset in at[1:]:
+                    line(f"p{slot} = p{base} + {offset}")
             for launch, spec, job in calls:
                 line(f"{c(launch, 'launch')}({', '.join(argument(a) for a in spec)})")
                 if job is not None:
@@ -278,6 +293,20 @@ class BackwardReplay:
         line(f"return ({value(self.dx_slot)}, [{', '.join(value(s) for s in self.param_slots)}], "
              f"[{', '.join(value(s) for s in self.extra_slots)}])")
         return code.compile()
+
+
+def _shared_scratch(scratch: list) -> tuple | None:
+    """(bytes, ((slot, byte offset), ...)) of one buffer holding a step's scratch values (those no later step reads,
+    freed with the step: an FP8 dgrad's quantized dY, codes and scales), each at a multiple of replay.ALIGN; or None
+    where the step has fewer than two. One allocation instead of one per value: each torch.empty costs 4-6 µs of
+    host time on the H200 machines (bench/probes/replay_lines.py), and every scratch value of a step dies with it."""
+    if len(scratch) < 2:
+        return None
+    at, offset = [], 0
+    for slot, shape, dtype in scratch:
+        at.append((slot, offset))
+        offset += aligned(math.prod(shape) * dtype.itemsize)
+    return offset, tuple(at)
 
 
 class _Unrepeatable(Exception):

@@ -30,6 +30,7 @@ captured in a CUDA graph.
 from __future__ import annotations
 
 import os
+import sys
 from typing import NamedTuple
 
 import torch
@@ -335,11 +336,13 @@ def wgrad_in_bf16_kernel(op, x, dy):
     return wgrad_gemm.bound_launch if wgrad_gemm.takes(op, x) else None
 
 
-def replay_switches() -> tuple:
+def replay_switch_sources() -> tuple:
     """The switches read per call that this module's choices in a backward depend on (the weight gradient's
-    precision rule, the dgrad's copy of dY for it): a replayed FP8 backward holds for these only."""
-    return (fp8_linear.WGRAD_IN_BF16, fp8_linear.FP8_WGRAD_MIN_WIDTH, fp8_linear.FP8_WGRAD_MIN_ROWS,
-            WGRAD_COPY_IN_DGRAD, ONE_PASS_DY_CTAS)
+    precision rule, the dgrad's copy of dY for it), as (module, attribute) pairs: a replayed FP8 backward holds for
+    these only (fusion/runtime/launch_code.py `LaunchCode.switches`)."""
+    here = sys.modules[__name__]
+    return ((fp8_linear, "WGRAD_IN_BF16"), (fp8_linear, "FP8_WGRAD_MIN_WIDTH"), (fp8_linear, "FP8_WGRAD_MIN_ROWS"),
+            (here, "WGRAD_COPY_IN_DGRAD"), (here, "ONE_PASS_DY_CTAS"))
 
 
 class SlotGradient(NamedTuple):

@@ -20,6 +20,12 @@ import itertools
 _LITERALS = (int, float, bool, str, type(None))
 
 
+def read_switches(sources) -> tuple:
+    """The values of `sources`, (module, attribute) pairs: the module switches a replay holds for, read as its
+    generated guard reads them (:meth:`LaunchCode.switches`), to compare against the values it was built at."""
+    return tuple(getattr(module, name) for module, name in sources)
+
+
 class LaunchCode:
     """Source lines being built for one generated function, and the objects its names refer to."""
 
@@ -44,6 +50,12 @@ class LaunchCode:
             name = self._bound[id(obj)] = f"_{hint}{len(self._bound)}"
             self.namespace[name] = obj
         return name
+
+    def switches(self, sources) -> str:
+        """A tuple expression reading each (module, attribute) of `sources` per call: the module switches a replay
+        holds for, read in the guard itself (a function call assembling them cost a few microseconds per call on a
+        slow host; bench/probes/replay_lines.py)."""
+        return "(" + "".join(f"{self.const(module, 'mod')}.{name}, " for module, name in sources) + ")"
 
     def line(self, text: str) -> None:
         self.lines.append("    " * self.indent + text)

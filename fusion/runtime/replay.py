@@ -47,7 +47,7 @@ from fusion.runtime import kernel as runtime_kernel
 from fusion.runtime import lone_gemm
 from fusion.runtime.bounds import DevicePrologue, RoutedPrologue
 from fusion.runtime.kernel import LAUNCHES
-from fusion.runtime.launch_code import LaunchCode
+from fusion.runtime.launch_code import LaunchCode, read_switches
 from fusion.runtime.fp8_gemm import Fp8Launch
 from fusion.runtime.steps import POISON, BoundLaunch
 
@@ -67,20 +67,24 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 X, OUT, SCRATCH, BOUNDS, INDEX, EXTRAS = 0, 1, 2, 3, 4, 5
 
 
-def launch_switches() -> tuple:
-    """The module switches read per call that the replayed launches depend on: the lone GEMM's rule
-    (lone_gemm._takes) and the routed prologue's sizes (bounds.SIZES_FROM_KERNEL). A replay holds for these only."""
-    return (lone_gemm.ENABLED, lone_gemm.WIDE_TILE, lone_gemm.OUTPUT_BUDGET, tile_policy.DYNAMIC_PAIRS,
-            tile_policy.DYNAMIC_PAIRS_MAX_GROUPS, bounds_module.SIZES_FROM_KERNEL)
+def launch_switch_sources() -> tuple:
+    """The module switches read per call that the replayed launches depend on, as (module, attribute) pairs: the lone
+    GEMM's rule (lone_gemm._takes) and the routed prologue's sizes (bounds.SIZES_FROM_KERNEL). A replay holds for
+    these only."""
+    return ((lone_gemm, "ENABLED"), (lone_gemm, "WIDE_TILE"), (lone_gemm, "OUTPUT_BUDGET"),
+            (tile_policy, "DYNAMIC_PAIRS"), (tile_policy, "DYNAMIC_PAIRS_MAX_GROUPS"),
+            (bounds_module, "SIZES_FROM_KERNEL"))
 
 
-def fp8_launch_switches() -> tuple:
-    """The switches read per call that a replayed FP8 step's launches depend on: the bound FP8 launches, the FP8
-    tile policy's, the rowwise quantize kernel's build and binding. A replay with FP8 steps holds for these only."""
-    return (runtime_kernel.FP8_BOUND_LAUNCHES, *tile_policy.fp8_switches(), *fp8_quantize_api.rowwise_switches())
+def fp8_launch_switch_sources() -> tuple:
+    """Those that a replayed FP8 step's launches depend on besides: the bound FP8 launches, the FP8 tile policy's,
+    the rowwise quantize kernel's build and binding. A replay with FP8 steps holds for these too."""
+    return ((runtime_kernel, "FP8_BOUND_LAUNCHES"), *tile_policy.fp8_switch_sources(),
+            *fp8_quantize_api.rowwise_switch_sources())
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of ALIGN: where the next value in a scratch buffer starts."""
     return -(-nbytes // ALIGN) * ALIGN
 
 
@@ -161,9 +165,9 @@ class ForwardReplay:
         esize = x.element_size()
         offset = 0
         if not train:   # no grad: the bounds buffer and the gather index head the scratch buffer
-            offset = _aligned(4 * self.bounds_numel)
+            offset = aligned(4 * self.bounds_numel)
             self.index_offset = offset
-            offset += _aligned(4 * self.rows) if self.routed else 0
+            offset += aligned(4 * self.rows) if self.routed else 0
         self.saved_shapes = []     # (name, (rows, width)) of each saved tensor, in source order after the extras
         steps = []
         quantized = {}             # an FP8-block value (scratch only) -> its (codes, scales, amax) sources
@@ -178,13 +182,13 @@ class ForwardReplay:
             else:
                 nonlocal offset
                 where[name] = (SCRATCH, offset)
-                offset += _aligned(rows * width * esize)
+                offset += aligned(rows * width * esize)
             return where[name]
 
         def scratch(nbytes: int):
             nonlocal offset
             at = (SCRATCH, offset)
-            offset += _aligned(nbytes)
+            offset += aligned(nbytes)
             return at
 
         def place_fp8(rows: int, width: int):
@@ -227,7 +231,8 @@ class ForwardReplay:
                            for name in program.plan.saves) if train else ()
         self.jobs = tuple(launch.job for launch in launches if getattr(launch, "job", None) is not None)
         self.fp8 = any(type(step) is _Fp8Gemm for step in self.steps)
-        self.switches = launch_switches() + (fp8_launch_switches() if self.fp8 else ())
+        self.switch_sources = launch_switch_sources() + (fp8_launch_switch_sources() if self.fp8 else ())
+        self.switches = read_switches(self.switch_sources)
         self.calls = 0   # replayed calls (tests assert that the replay ran)
         self.training = train   # the mode it was built in: __call__ (no grad) or train()
         self._run = self._generate(train)
@@ -255,10 +260,9 @@ class ForwardReplay:
         c, guard, line = code.const, code.guard, code.line
         tensor, device, index = c(torch.Tensor, "Tensor"), c(self.device, "device"), self.device_index
         dtype = c(self.dtype, "dtype")
-        switches = f"{c(launch_switches, 'switches')}()"
+        switches = code.switches(self.switch_sources)
         enabled = f"{c(sys.modules[__name__], 'mod')}.ENABLED"
         if self.fp8:
-            switches += f" + {c(fp8_launch_switches, 'fp8_switches')}()"
             enabled += f" and {c(sys.modules[__name__], 'mod')}.FP8"
         x_differs = (f"not ({enabled}) or type(x) is not {tensor} or x.shape != "
                      f"{c(self.x_shape)} or x.dtype is not {dtype} or x.get_device() != {index} or not "

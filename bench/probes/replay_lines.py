@@ -1,0 +1,105 @@
+"""Host microseconds per line of the generated replays (fusion/runtime/launch_code.py): each top-level line of every
+forward and backward replay a block builds, timed over back-to-back training steps.
+
+    python bench/probes/replay_lines.py --model small-batch --path fusion_fp8 [--calls 200] [--phase forward]
+
+cProfile charges a launch (a TVM-FFI call, not a Python function) to the generated function's own time and
+multiplies the cost of small Python calls several times over; bench/host_split.py times whole replays. This probe
+compiles every replay with a `perf_counter_ns` mark before each top-level statement (LaunchCode.compile patched
+before the block builds its replays: no copy of the runtime's code to keep in step) and prints each line with its
+mean cost per call. The GPU is kept ahead by a small block, so these are host times; the marks add about 0.1 µs a
+line.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+
+import torch  # noqa: E402
+
+from fusion.runtime import launch_code  # noqa: E402
+
+MARKS: dict = {}   # function name -> list of (line number, ns) marks of the calls timed
+SOURCES: dict = {}  # function name -> its source lines
+
+
+def _marked_source(lines: list[str]) -> list[str]:
+    """`lines` with `_mark(i)` before each top-level statement i (and at the function's end, before a return)."""
+    out = [lines[0], "    _mark(0)"]
+    for i, text in enumerate(lines[1:], 1):
+        if text.startswith("    ") and not text.startswith("     "):
+            out.append(f"    _mark({i})")
+        out.append(text)
+    return out
+
+
+def _patched_compile(self):
+    name = f"{self.name} #{len(SOURCES)}"
+    marks = MARKS.setdefault(name, [])
+    SOURCES[name] = self.lines
+    ns = time.perf_counter_ns
+    self.namespace["_mark"] = lambda i: marks.append((i, ns()))
+    self.lines = _marked_source(self.lines)
+    fn = _ORIGINAL(self)
+    self.lines = SOURCES[name]
+    return fn
+
+
+_ORIGINAL = launch_code.LaunchCode.compile
+
+
+def report(calls: int) -> None:
+    for name, marks in MARKS.items():
+        lines = SOURCES[name]
+        cost: "collections.Counter[int]" = collections.Counter()
+        runs = 0
+        for (i, t0), (following, t1) in zip(marks, marks[1:]):
+            runs += i == 0
+            if following != 0:   # (a mark 0 starts the next run)
+                cost[i] += t1 - t0
+        if not runs:
+            continue
+        total = sum(cost.values()) / runs / 1e3
+        print(f"== {name}: {runs} runs timed, {total:.1f} µs per run between the first mark and the last")
+        for i, text in enumerate(lines):
+            if i in cost:
+                print(f"{cost[i] / runs / 1e3:8.2f}  {text.strip()[:150]}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small-batch")
+    ap.add_argument("--path", default="fusion_fp8")
+    ap.add_argument("--phase", default="training_step", choices=["forward", "training_step"])
+    ap.add_argument("--calls", type=int, default=200)
+    args = ap.parse_args(argv)
+    launch_code.LaunchCode.compile = _patched_compile
+    from bench_training_step import phase_fn, select_blocks, setup_block
+
+    block, = select_blocks(args.model)
+    setup = setup_block(block)
+    call, clear = phase_fn(setup.path(args.path), args.phase, setup.x, setup.dy)
+    for _ in range(10):
+        clear()
+        call()
+    torch.cuda.synchronize()
+    for marks in MARKS.values():
+        marks.clear()
+    start = time.perf_counter()
+    for _ in range(args.calls):
+        clear()
+        call()
+    host = (time.perf_counter() - start) / args.calls * 1e6
+    torch.cuda.synchronize()
+    print(f"== {args.model} {args.path} {args.phase}: {host:.1f} µs of host per call with the marks "
+          f"({args.calls} calls, {torch.cuda.get_device_name()})")
+    report(args.calls)
+
+
+if __name__ == "__main__":
+    main()
