@@ -2,6 +2,7 @@
 forward and backward replay a block builds, timed over back-to-back training steps.
 
     python bench/probes/replay_lines.py --model small-batch --path fusion_fp8 [--calls 200] [--phase forward]
+    python bench/probes/replay_lines.py --moe qwen3-30b-a3b --tokens 1024      # a whole MoE layer (bench_moe.py)
 
 cProfile charges a launch (a TVM-FFI call, not a Python function) to the generated function's own time and
 multiplies the cost of small Python calls several times over; bench/host_split.py times whole replays. This probe
@@ -77,13 +78,25 @@ def main(argv=None):
     ap.add_argument("--path", default="fusion_fp8")
     ap.add_argument("--phase", default="training_step", choices=["forward", "training_step"])
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--moe", default=None, help="an MoE config of bench_moe.py: its layer's step (or forward), "
+                                                "path fusion; --model and --path are then not read")
+    ap.add_argument("--tokens", type=int, default=1024)
     args = ap.parse_args(argv)
     launch_code.LaunchCode.compile = _patched_compile
-    from bench_training_step import phase_fn, select_blocks, setup_block
+    if args.moe:
+        from bench_moe import phase_fn as moe_phase_fn
+        from profile_moe import setup as moe_setup
 
-    block, = select_blocks(args.model)
-    setup = setup_block(block)
-    call, clear = phase_fn(setup.path(args.path), args.phase, setup.x, setup.dy)
+        path, x, dy = moe_setup(args.moe, args.tokens, "fusion")
+        phase = "moe_forward" if args.phase == "forward" else "moe_training_step"
+        call, clear = moe_phase_fn(path, phase, x, dy)
+        args.model, args.path = f"{args.moe} T={args.tokens}", "fusion"
+    else:
+        from bench_training_step import phase_fn, select_blocks, setup_block
+
+        block, = select_blocks(args.model)
+        setup = setup_block(block)
+        call, clear = phase_fn(setup.path(args.path), args.phase, setup.x, setup.dy)
     for _ in range(10):
         clear()
         call()
