@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import sys
 from dataclasses import dataclass
@@ -481,14 +482,14 @@ FP8_TWO_CTAS_GATED = os.environ.get("FUSION_FP8_TWO_CTAS_GATED", "0") != "0"
 
 #: The switches the FP8 policy reads per job that a lone FP8 GEMM's kernel depends on besides its shape and rows
 _FP8_SWITCHES = ("FP8_TWO_CTAS", "FP8_TWO_CTAS_GATED", "FP8_TILE_M", "FP8_WIDE_ODD", "FP8_M_PAIRS")
+_read_fp8_switches = operator.attrgetter(*_FP8_SWITCHES)
 
 
 def fp8_switches() -> tuple:
     """The values of those switches: part of the key under which the runtime keeps an FP8 kernel
     (fusion/runtime/fp8_gemm.py), so that flipping one (an A/B in one process) loads the other kernel instead of
-    reusing the one loaded before."""
-    here = globals()
-    return tuple(here[name] for name in _FP8_SWITCHES)
+    reusing the one loaded before. (Read per interpretive FP8 GEMM call: one C-level attrgetter over this module.)"""
+    return _read_fp8_switches(sys.modules[__name__])
 
 
 def fp8_switch_sources() -> tuple:
