@@ -133,13 +133,36 @@ def moe_step(model: str, tokens: int, calls: int) -> None:
             fn = route_kernels._KernelRoute
             fn.backward = staticmethod(timed("route backward", fn.backward))
             moe.router.forward = timed("router Linear", moe.router.forward)
+            moe.forward = timed("MoE.forward (all)", moe.forward)
+            torch.autograd.backward = timed("torch.autograd.backward (engine and nodes)", torch.autograd.backward)
             for name, child in moe.named_modules():
                 if hasattr(child, "inputs") and hasattr(child, "ops"):
                     runner = runner_for(child, x)
                     if runner.program is not None:
                         instrument_program(runner.program, prefix=f"{name}.")
             instrument_autograd()
+            instrument_moe_node()
         measure(call, clear, calls, f"{model} T={tokens} fusion {phase}")
+
+
+def instrument_moe_node() -> None:
+    """The merged MoE node's pieces (fusion/runtime/moe_node.py: route and the experts block in one autograd
+    node, the default for a training step): its forward and backward whole, route's kernels' host path in each,
+    the input checks, and the block's node parts around its replays."""
+    from fusion.runtime import autograd, moe_node, route
+
+    fn = moe_node._RoutedBlockFunction
+    fn.forward = staticmethod(timed("moe node forward (all)", fn.forward))
+    fn.backward = staticmethod(timed("moe node backward (all)", fn.backward))
+    route.forward = timed("  route kernels forward", route.forward)
+    route.backward = timed("  route kernels backward", route.backward)
+    autograd.forward_node = timed("  block forward_node (replay incl.)", autograd.forward_node)
+    autograd.backward_node = timed("  block backward_node (replay incl.)", autograd.backward_node)
+    moe_node.takes = timed("moe_node.takes", moe_node.takes)
+    moe_node.run = timed("moe_node.run (apply incl.)", moe_node.run)
+    from fusion.inputs import BlockInputs
+
+    BlockInputs.context = timed("  input checks (BlockInputs.context)", BlockInputs.context)
 
 
 def main(argv=None):

@@ -11,6 +11,7 @@ import torch
 
 import fusion
 from fusion.moe import routing
+from fusion.ops.routing import token_layout
 from fusion.runtime import moe_node, route, runner_for
 
 T, D, F, E, K = 24, 16, 8, 4, 2
@@ -26,7 +27,7 @@ def torch_route(monkeypatch):
                                                                    for_backward=True)
         slots = torch.empty(0)
         kept[id(slots)] = saved
-        return index, sizes, probs, expert, slots
+        return index, sizes, probs, expert, slots, token_layout(index, logits.shape[0])
 
     def backward(logits, slots, dprobs, k, score, normalize, bias32):
         fctx = SimpleNamespace(saved_tensors=kept.pop(id(slots)), score=score, logits_dtype=logits.dtype)
@@ -80,3 +81,23 @@ def test_a_frozen_router_gets_no_logits_gradient(torch_route):
     y = moe_node.run(moe, runner_for(moe.experts, x), moe.router(x), x)
     y.sum().backward()
     assert moe.router.weight.grad is None and moe.experts[1].weight.grad is not None
+
+
+def test_route_hands_its_token_layout_to_the_block_context(torch_route, monkeypatch):
+    """The merged node puts route's token layout into the block call's context (the index never leaves the node),
+    so the Combine and the Gather's backward read it from there, not through the weak table of fusion.ops.routing."""
+    layouts = []
+    forward = route.forward
+
+    def recording(*args):
+        out = forward(*args)
+        layouts.append(out[-1])
+        return out
+
+    monkeypatch.setattr(route, "forward", recording)
+    torch.manual_seed(0)
+    moe = fusion.MoE.swiglu(D, E, F, k=K, backend="emulate")
+    x = torch.randn(T, D)
+    y = moe_node.run(moe, runner_for(moe.experts, x), moe.router(x), x)
+    assert y.grad_fn.ctx.derived["token_layout"] is layouts[-1]
+    y.sum().backward()

@@ -217,7 +217,12 @@ def test_an_moe_block_replays_its_routed_prologue_gather_and_combine(monkeypatch
             assert saved == [x]
             gather = call.derived["gather_index"]
             assert gather.shape == (M,) and gather.dtype == torch.int32
-            assert call.counters.shape == (G + 1 + COUNTERS,) and call.group_sizes.shape == (G,)
+            # ctx.counters is the whole buffer (bounds, tile counters, absorbed sizes); the sizes' view is made
+            # only when read, and the offsets' view stops at the bounds
+            assert call.counters.shape == (G + 1 + COUNTERS + G,) and call.groups == G
+            assert call._group_sizes is None and call.sizes_at == G + 1 + COUNTERS
+            assert call.offsets.shape == (G,) and call._group_sizes is None
+            assert call.group_sizes.shape == (G,) and call.sizes_at == 0
             assert call.group_sizes.data_ptr() == call.counters.data_ptr() + 4 * (G + 1 + COUNTERS)
             assert call.derived["token_layout"] is not None
             bounds, gather_ptr = call.counters.data_ptr(), gather.data_ptr()
@@ -236,6 +241,14 @@ def test_an_moe_block_replays_its_routed_prologue_gather_and_combine(monkeypatch
         y_rows, layout_rows, layout_offsets, out, comb_m, comb_t, _ = comb
         assert (y_rows, out, comb_m, comb_t) == (ptrs[0], y.data_ptr(), M, T)
         assert replay(x, {"index": index[:-1], "group_sizes": sizes, "scale": probs[:-1]}) is None   # another M
+        if train:   # a layout already in the call's context (the merged MoE node's route wrote it) is the one launched
+            layout = (torch.zeros(M, dtype=torch.int64), torch.zeros(T + 2, dtype=torch.int64))
+            call = RunContext(group_sizes=sizes, routed_group_sizes=sizes, extra={"scale": probs}, index=index,
+                              tokens=T, derived={"token_layout": layout})
+            log.clear()
+            replay.train(x, call)
+            assert call.derived["token_layout"] is layout
+            assert log[-1][1][1:3] == (layout[0].data_ptr(), layout[1].data_ptr())
 
 
 class Fp8Bound:

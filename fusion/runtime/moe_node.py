@@ -41,10 +41,13 @@ class _RoutedBlockFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, runner, spec, logits, x, *params):
         k, score, bias32, normalize, probs_name = spec
-        index, sizes, probs, _expert, slots = route.forward(logits, k, score, bias32, normalize)
+        index, sizes, probs, _expert, slots, layout = route.forward(logits, k, score, bias32, normalize)
         runner.check(x)
         ctx = runner.seq.inputs.context(x, {"index": index, "group_sizes": sizes, probs_name: probs},
                                         check_sum=runner.check_sum, device_checked=runner.device_checked)
+        # the index never leaves this node: its token layout goes straight into the call's context (what the
+        # Combine and the Gather's backward read: fusion.ops.routing.call_layout), not through the weak table
+        ctx.derived["token_layout"] = layout
         y = autograd.forward_node(fctx, runner, ctx, x)
         # logits held as a plain attribute: the router's output, which nothing else holds or changes in place
         fctx.route = (logits, slots, k, score, normalize, bias32)

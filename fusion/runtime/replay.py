@@ -369,21 +369,27 @@ class ForwardReplay:
                 outs = "".join(at(o) + ", " for o in step.outs)
                 line(f"{c(step.launch, 'launch')}({at(step.a)}, w{n}, p{BOUNDS}, p{BOUNDS} + {step.counter}, "
                      f"p{step.index}, ({outs}), {step.M}, {step.T}, {step.ctas}, s)")
-            else:   # a Combine: the token layout of the call's routing index (the backward's Gather reads it)
-                line(f"rows, offsets = {c(layout_of, 'layout_of')}(e{step.index_extra}, {step.T})")
+            else:   # a Combine: the token layout of the call's routing index (the backward's Gather reads it),
+                # in training already in ctx where the merged MoE node routed this call (fusion/runtime/moe_node.py)
+                layout = f"{c(layout_of, 'layout_of')}(e{step.index_extra}, {step.T})"
                 if train:
-                    line("ctx.derived['token_layout'] = (rows, offsets)")
-                line(f"{c(step.launch, 'launch')}({at(step.y)}, rows.data_ptr(), offsets.data_ptr(), "
+                    line("t = ctx.derived.get('token_layout')")
+                    line("if t is None:")
+                    line(f"    t = ctx.derived['token_layout'] = {layout}")
+                else:
+                    line(f"t = {layout}")
+                line(f"{c(step.launch, 'launch')}({at(step.y)}, t[0].data_ptr(), t[1].data_ptr(), "
                      f"{at(step.out)}, {step.M}, {step.T}, s)")
         for job in self.jobs:
             line(f"{c(LAUNCHES, 'launches')}.count({c(job, 'job')})")
         if not train:
             line("return y")
             return code.compile()
-        if self.routed:   # as RoutedPrologue sets them (fusion/runtime/bounds.py)
+        if self.routed:   # what RoutedPrologue sets (fusion/runtime/bounds.py), without its two views: ctx.counters
+            # is the whole buffer (the bounds and tile counters, then the absorbed sizes) and the sizes' view is
+            # made only if something reads ctx.group_sizes (a replayed backward reads neither)
             line("ctx.derived['gather_index'] = index32")
-            line(f"ctx.group_sizes = bounds.narrow(0, {self.head}, {self.groups})")
-            line(f"bounds = bounds.narrow(0, 0, {self.head})")
+            line(f"ctx.absorb_sizes_at({self.head})")
         line(f"ctx.counters, ctx.groups, ctx.backward_counters_used = bounds, {self.groups}, False")
         saves = ", ".join("None" if s is None else "x" if s[0] == "x" else f"s{s[1]}" for s in self.saves)
         line(f"return y, [{saves}]")

@@ -25,15 +25,22 @@ ENABLED = os.environ.get("FUSION_ROUTE_KERNEL", "1") != "0"
 
 def takes(logits: torch.Tensor, k: int, bias: torch.Tensor | None) -> bool:
     """Whether the kernels run this route() call (its arguments already validated)."""
-    if not (ENABLED and logits.is_cuda and logits.dtype in KERNEL_DTYPES and logits.shape[0] > 0
-            and (bias is None or bias.device == logits.device) and not torch.compiler.is_compiling()
-            and cuda_major(logits.device) == 9):
+    return takes_call(logits.device, logits.dtype, logits.shape[0], logits.shape[1], k, bias)
+
+
+def takes_call(device: torch.device, dtype: torch.dtype, tokens: int, experts: int, k: int,
+               bias: torch.Tensor | None) -> bool:
+    """takes() for logits of this device, dtype and shape (tokens, experts), before they exist (the merged MoE
+    node computes them inside: fusion/runtime/moe_node.py)."""
+    if not (ENABLED and device.type == "cuda" and dtype in KERNEL_DTYPES and tokens > 0
+            and (bias is None or bias.device == device) and not torch.compiler.is_compiling()
+            and cuda_major(device) == 9):
         return False
     if not _LIMITS:
         from fusion.kernels.route import MAX_EXPERTS, MAX_K   # (loads the DSL: only for a CUDA tensor)
 
         _LIMITS.extend((MAX_EXPERTS, MAX_K))
-    return logits.shape[1] <= _LIMITS[0] and k <= _LIMITS[1]
+    return experts <= _LIMITS[0] and k <= _LIMITS[1]
 
 
 _LIMITS: list = []   # (MAX_EXPERTS, MAX_K) of the kernels, once they are imported
@@ -70,10 +77,13 @@ def _launch_of(kernel: str, dtype: torch.dtype, E: int, k: int, score: str, norm
 
 
 def forward(logits: torch.Tensor, k: int, score: str, bias32, normalize: bool):
-    """(index, group_sizes, probs, expert, slots): route's results, and what the backward reads (`slots`: per
+    """(index, group_sizes, probs, expert, slots, layout): route's results, what the backward reads (`slots`: per
     token-major slot its score (float32; the sort's input), its routed row (int32, pos) and its expert (int16, top),
-    in that order in one int32 buffer: one allocation instead of three). `bias32`: the bias as kernel_bias gives it (a
-    kernel without one reads the logits' address in its place, never the values)."""
+    in that order in one int32 buffer: one allocation instead of three), and the index's token layout
+    (fusion.ops.routing.token_layout's (rows_by_token, token_offsets), which the sort writes too). The caller
+    records the layout where the index leaves its hands (remember_token_layout); the merged MoE node hands it to
+    the block's context instead. `bias32`: the bias as kernel_bias gives it (a kernel without one reads the logits'
+    address in its place, never the values)."""
     logits = logits if logits.is_contiguous() else logits.contiguous()
     T, E = logits.shape
     S, dev = T * k, logits.device
@@ -92,8 +102,7 @@ def forward(logits: torch.Tensor, k: int, score: str, bias32, normalize: bool):
     rows_by_token = torch.empty(S, dtype=torch.int64, device=dev)
     _launch_of("sort", *key)(top, w, index.data_ptr(), expert.data_ptr(), probs.data_ptr(), sizes.data_ptr(), pos,
                              rows_by_token.data_ptr(), S, stream)
-    remember_token_layout(index, T, (rows_by_token, offsets))
-    return index, sizes, probs, expert, slots
+    return index, sizes, probs, expert, slots, (rows_by_token, offsets)
 
 
 def _slot_pointers(base: int, S: int) -> tuple[int, int, int]:
@@ -106,7 +115,8 @@ class _KernelRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, logits, k: int, score: str, bias32, normalize: bool):
-        index, sizes, probs, expert, slots = forward(logits, k, score, bias32, normalize)
+        index, sizes, probs, expert, slots, layout = forward(logits, k, score, bias32, normalize)
+        remember_token_layout(index, logits.shape[0], layout)
         fctx.save_for_backward(logits, slots)
         fctx.k, fctx.score, fctx.normalize, fctx.bias = k, score, normalize, bias32
         fctx.mark_non_differentiable(index, sizes, expert)
@@ -145,4 +155,6 @@ def route_top_k(logits: torch.Tensor, k: int, score: str, bias, normalize: bool)
     if torch.is_grad_enabled() and logits.requires_grad:
         apply = _KernelRoute.apply if torch._C._are_functorch_transforms_active() else _APPLY
         return apply(logits, k, score, bias32, normalize)
-    return forward(logits, k, score, bias32, normalize)[:4]
+    index, sizes, probs, expert, _slots, layout = forward(logits, k, score, bias32, normalize)
+    remember_token_layout(index, logits.shape[0], layout)
+    return index, sizes, probs, expert
