@@ -42,7 +42,8 @@ def _step(moe, x, dy, merged: bool):
         p.grad = None
     x = x.detach().clone().requires_grad_(x.requires_grad)
     if merged:
-        y = moe_node.run(moe, runner_for(moe.experts, x), x, moe._validate_logits)
+        logits = moe.router(x)
+        y = moe_node.run(moe, runner_for(moe.experts, x), logits, x)
     else:
         y = moe(x)
     y.backward(dy)
@@ -77,7 +78,7 @@ def test_a_frozen_router_gets_no_logits_gradient(torch_route):
     moe = fusion.MoE.swiglu(D, E, F, k=K, backend="emulate")
     moe.router.weight.requires_grad_(False)
     x = torch.randn(T, D)
-    y = moe_node.run(moe, runner_for(moe.experts, x), x, moe._validate_logits)
+    y = moe_node.run(moe, runner_for(moe.experts, x), moe.router(x), x)
     y.sum().backward()
     assert moe.router.weight.grad is None and moe.experts[1].weight.grad is not None
 
@@ -97,6 +98,6 @@ def test_route_hands_its_token_layout_to_the_block_context(torch_route, monkeypa
     torch.manual_seed(0)
     moe = fusion.MoE.swiglu(D, E, F, k=K, backend="emulate")
     x = torch.randn(T, D)
-    y = moe_node.run(moe, runner_for(moe.experts, x), x, moe._validate_logits)
+    y = moe_node.run(moe, runner_for(moe.experts, x), moe.router(x), x)
     assert y.grad_fn.ctx.derived["token_layout"] is layouts[-1]
     y.sum().backward()

@@ -89,18 +89,16 @@ class MoE(torch.nn.Module):
             raise ShapeError(f"MoE: x has {x.shape[-1]} features but the layer has d={self.d}")
         flat = x.dim() != 2   # (a 2-D x goes through as is: each reshape is a view node for autograd to run)
         tokens = x.reshape(-1, self.d) if flat else x
-        runner = moe_node.takes(self, tokens)
-        if runner is not None:   # training on the GPU: the router, route and the experts block in one autograd node
-            y = moe_node.run(self, runner, tokens, self._validate_logits)
+        logits = self.router(tokens)
+        runner = moe_node.takes(self, logits, tokens)
+        if runner is not None:   # training on the GPU: route and the experts block in one autograd node
+            _validate(logits, self.k, self.score, self.expert_bias, self.round_to)   # (as route() checks them)
+            y = moe_node.run(self, runner, logits, tokens)
         else:
-            r = route(self.router(tokens), self.k, score=self.score, bias=self.expert_bias, normalize=self.normalize,
+            r = route(logits, self.k, score=self.score, bias=self.expert_bias, normalize=self.normalize,
                       round_to=self.round_to)
             y = self.experts(tokens, index=r.index, group_sizes=r.group_sizes, **{self.probs_input: r.probs})
         return y.reshape(*x.shape[:-1], y.shape[-1]) if flat else y
-
-    def _validate_logits(self, logits: torch.Tensor) -> None:
-        """The checks route() runs on its arguments (the merged node's logits never reach route())."""
-        _validate(logits, self.k, self.score, self.expert_bias, self.round_to)
 
     def extra_repr(self) -> str:
         return (f"d={self.d}, E={self.num_experts}, k={self.k}, score={self.score!r}, normalize={self.normalize}, "
