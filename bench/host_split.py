@@ -163,6 +163,7 @@ def instrument_moe_node() -> None:
     from fusion.inputs import BlockInputs
 
     BlockInputs.context = timed("  input checks (BlockInputs.context)", BlockInputs.context)
+    BlockInputs.routed_context = timed("  input checks (BlockInputs.routed_context)", BlockInputs.routed_context)
 
 
 def main(argv=None):

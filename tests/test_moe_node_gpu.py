@@ -80,3 +80,20 @@ def test_a_second_backward_raises_the_blocks_error(monkeypatch):
     y.sum().backward(retain_graph=True)
     with pytest.raises(SecondBackwardError):
         y.sum().backward()
+
+
+def test_the_merged_node_builds_its_context_without_the_host_checks(monkeypatch):
+    """Route's outputs go into the block's context by BlockInputs.routed_context (valid by construction; the device
+    prologue checks the values), not through context()'s per-call checks; the bits are the test above's."""
+    from fusion.inputs import BlockInputs
+
+    monkeypatch.setattr(moe_node, "ENABLED", True)
+    made, checked = [], []
+    routed, full = BlockInputs.routed_context, BlockInputs.context
+    monkeypatch.setattr(BlockInputs, "routed_context", lambda self, *a: made.append(routed(self, *a)) or made[-1])
+    monkeypatch.setattr(BlockInputs, "context", lambda self, *a, **kw: checked.append(1) or full(self, *a, **kw))
+    moe = make_moe()
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):
+        moe(x).sum().backward()
+    assert len(made) == 2 and all(ctx is not None for ctx in made) and not checked

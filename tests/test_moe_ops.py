@@ -223,3 +223,29 @@ def test_gather_and_combine_compile_without_graph_breaks():
     got, want = compiled(x), roundtrip(x)
     assert torch.equal(got, want)
     assert torch.equal(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0])
+
+
+def test_routed_context_is_the_device_checked_context_of_routes_outputs():
+    """BlockInputs.routed_context (the merged MoE node's inputs, made by route's kernels) gives the RunContext that
+    context() gives for them with the checks left to the device, and declines (None) where context() would raise:
+    probs in another dtype than x, another group count, a block that reads other inputs."""
+    from fusion.moe import route
+    from fusion.runtime import runner_for
+
+    E, d, f, k = 4, 16, 8, 2
+    block = Sequential(Gather(), GroupLinear(E, d, 2 * f), SwiGLU(), Scale(name="probs"), GroupLinear(E, f, d),
+                       Combine())
+    x = torch.randn(T, d)
+    r = route(torch.randn(T, E), k)
+    inputs = runner_for(block, x).seq.inputs
+    got = inputs.routed_context(x, r.index, r.group_sizes, "probs", r.probs)
+    want = inputs.context(x, {"index": r.index, "group_sizes": r.group_sizes, "probs": r.probs}, check_sum=False,
+                          host=False, device_checked=True)
+    assert got == want and got.group_sizes is r.group_sizes and got.routed_group_sizes is r.group_sizes
+    assert got.index is r.index and got.extra["probs"] is r.probs and got.tokens == T and got.offsets is None
+    assert inputs.routed_context(x, r.index, r.group_sizes, "probs", r.probs.double()) is None
+    with pytest.raises(fusion.DTypeError):
+        inputs.context(x, {"index": r.index, "group_sizes": r.group_sizes, "probs": r.probs.double()},
+                       check_sum=False, host=False, device_checked=True)
+    assert inputs.routed_context(x, r.index, torch.ones(E + 1, dtype=torch.int32), "probs", r.probs) is None
+    assert inputs.routed_context(x, r.index, r.group_sizes, "scale", r.probs) is None

@@ -43,8 +43,13 @@ class _RoutedBlockFunction(torch.autograd.Function):
         k, score, bias32, normalize, probs_name = spec
         index, sizes, probs, _expert, slots, layout = route.forward(logits, k, score, bias32, normalize)
         runner.check(x)
-        ctx = runner.seq.inputs.context(x, {"index": index, "group_sizes": sizes, probs_name: probs},
-                                        check_sum=runner.check_sum, device_checked=runner.device_checked)
+        inputs = runner.seq.inputs
+        ctx = None
+        if runner.device_checked and not runner.check_sum:   # route's own outputs: valid by construction
+            ctx = inputs.routed_context(x, index, sizes, probs_name, probs)
+        if ctx is None:
+            ctx = inputs.context(x, {"index": index, "group_sizes": sizes, probs_name: probs},
+                                 check_sum=runner.check_sum, device_checked=runner.device_checked)
         # the index never leaves this node: its token layout goes straight into the call's context (what the
         # Combine and the Gather's backward read: fusion.ops.routing.call_layout), not through the weak table
         ctx.derived["token_layout"] = layout
