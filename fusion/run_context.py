@@ -42,9 +42,9 @@ class RunContext:
     #: Gather's backward sum by (fusion/ops/routing.py).
     derived: dict[str, object] = field(default_factory=dict)
 
-    #: Where a routed forward's replay left the group sizes with the padding absorbed: at this element of `counters`
-    #: (0: not there). `group_sizes` makes the view when first read (see below).
-    sizes_at: int = 0
+    #: Where a routed forward's replay left the group sizes with the padding absorbed: (buffer, element, count), or
+    #: None. `group_sizes` makes their view when first read (see below).
+    sizes_at: tuple | None = None
 
     @property
     def offsets(self) -> torch.Tensor | None:
@@ -52,7 +52,7 @@ class RunContext:
         fused program's device prologue writes them into its bounds buffer (`counters`); the view is made only
         when a torch op asks for it (a view costs host time, and a call whose GEMMs are all our kernels needs
         none)."""
-        if self._offsets is None and self.counters is not None and (self._group_sizes is not None or self.sizes_at):
+        if self._offsets is None and self.counters is not None and (self._group_sizes is not None or self.sizes_at is not None):
             self._offsets = self.counters[1:self.groups + 1]
         return self._offsets
 
@@ -60,12 +60,12 @@ class RunContext:
     def offsets(self, value: torch.Tensor | None) -> None:
         self._offsets = value
 
-    def absorb_sizes_at(self, position: int) -> None:
-        """The group sizes with the padding absorbed are counters[position:position + groups] (what a routed
-        prologue writes after the bounds and tile counters): `group_sizes` reads them from there, as a view made
-        when first read. A routed forward's replay sets this instead of making the view: the view costs 5-15 µs of
-        host per call, and a replayed step reads only the buffer's address."""
-        self._group_sizes, self.sizes_at = None, position
+    def absorb_sizes_at(self, buffer: torch.Tensor, position: int, count: int) -> None:
+        """The group sizes with the padding absorbed are buffer[position:position + count] (what a routed prologue
+        writes after the bounds and tile counters): `group_sizes` reads them from there, as a view made when first
+        read. A routed forward's replay sets this instead of making the view: the view costs 5-15 µs of host per
+        call, and a replayed step reads only the buffer's address."""
+        self._group_sizes, self.sizes_at = None, (buffer, position, count)
 
     def derive(self, name: str, make):
         """The value `name` derived from this call's inputs: `make()` the first time it is asked for, then kept."""
@@ -79,14 +79,15 @@ def _group_sizes(self) -> torch.Tensor | None:
     """The call's group sizes (G,), None for a dense block; after a Gather, with the padding rows absorbed into the
     last group once the program's routed prologue has run (see RunContext.index)."""
     sizes = self._group_sizes
-    if sizes is None and self.sizes_at:
-        sizes = self._group_sizes = self.counters.narrow(0, self.sizes_at, self.groups)
-        self.sizes_at = 0
+    if sizes is None and self.sizes_at is not None:
+        buffer, position, count = self.sizes_at
+        sizes = self._group_sizes = buffer.narrow(0, position, count)
+        self.sizes_at = None
     return sizes
 
 
 def _set_group_sizes(self, value: torch.Tensor | None) -> None:
-    self._group_sizes, self.sizes_at = value, 0
+    self._group_sizes, self.sizes_at = value, None
 
 
 # `group_sizes` stays a dataclass field (the constructor's keyword, repr, eq) and reads through this property: the

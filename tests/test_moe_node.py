@@ -11,6 +11,7 @@ import torch
 
 import fusion
 from fusion.moe import routing
+from fusion.ops import routing as ops_routing
 from fusion.ops.routing import token_layout
 from fusion.runtime import moe_node, route, runner_for
 
@@ -95,6 +96,11 @@ def test_route_hands_its_token_layout_to_the_block_context(torch_route, monkeypa
         return out
 
     monkeypatch.setattr(route, "forward", recording)
+
+    def no_sort(*args):
+        raise AssertionError("the block sorted its own token layout")
+
+    monkeypatch.setattr(ops_routing, "layout_of", no_sort)   # (what call_layout runs where the context has none)
     torch.manual_seed(0)
     moe = fusion.MoE.swiglu(D, E, F, k=K, backend="emulate")
     x = torch.randn(T, D)

@@ -220,9 +220,10 @@ def test_an_moe_block_replays_its_routed_prologue_gather_and_combine(monkeypatch
             # ctx.counters is the whole buffer (bounds, tile counters, absorbed sizes); the sizes' view is made
             # only when read, and the offsets' view stops at the bounds
             assert call.counters.shape == (G + 1 + COUNTERS + G,) and call.groups == G
-            assert call._group_sizes is None and call.sizes_at == G + 1 + COUNTERS
+            assert call._group_sizes is None and call.sizes_at[0] is call.counters
+            assert call.sizes_at[1:] == (G + 1 + COUNTERS, G)
             assert call.offsets.shape == (G,) and call._group_sizes is None
-            assert call.group_sizes.shape == (G,) and call.sizes_at == 0
+            assert call.group_sizes.shape == (G,) and call.sizes_at is None
             assert call.group_sizes.data_ptr() == call.counters.data_ptr() + 4 * (G + 1 + COUNTERS)
             assert call.derived["token_layout"] is not None
             bounds, gather_ptr = call.counters.data_ptr(), gather.data_ptr()

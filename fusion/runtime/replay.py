@@ -370,7 +370,9 @@ class ForwardReplay:
                 line(f"{c(step.launch, 'launch')}({at(step.a)}, w{n}, p{BOUNDS}, p{BOUNDS} + {step.counter}, "
                      f"p{step.index}, ({outs}), {step.M}, {step.T}, {step.ctas}, s)")
             else:   # a Combine: the token layout of the call's routing index (the backward's Gather reads it),
-                # in training already in ctx where the merged MoE node routed this call (fusion/runtime/moe_node.py)
+                # in training already in ctx where the merged MoE node routed this call (fusion/runtime/moe_node.py).
+                # Trusted as it is: ctx.derived["token_layout"] holds the layout of ctx.index over ctx.tokens, and
+                # only its producers (that node, fusion.ops.routing.call_layout) write it
                 layout = f"{c(layout_of, 'layout_of')}(e{step.index_extra}, {step.T})"
                 if train:
                     line("t = ctx.derived.get('token_layout')")
@@ -389,7 +391,7 @@ class ForwardReplay:
             # is the whole buffer (the bounds and tile counters, then the absorbed sizes) and the sizes' view is
             # made only if something reads ctx.group_sizes (a replayed backward reads neither)
             line("ctx.derived['gather_index'] = index32")
-            line(f"ctx.absorb_sizes_at({self.head})")
+            line(f"ctx.absorb_sizes_at(bounds, {self.head}, {self.groups})")
         line(f"ctx.counters, ctx.groups, ctx.backward_counters_used = bounds, {self.groups}, False")
         saves = ", ".join("None" if s is None else "x" if s[0] == "x" else f"s{s[1]}" for s in self.saves)
         line(f"return y, [{saves}]")

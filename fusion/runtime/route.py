@@ -25,22 +25,15 @@ ENABLED = os.environ.get("FUSION_ROUTE_KERNEL", "1") != "0"
 
 def takes(logits: torch.Tensor, k: int, bias: torch.Tensor | None) -> bool:
     """Whether the kernels run this route() call (its arguments already validated)."""
-    return takes_call(logits.device, logits.dtype, logits.shape[0], logits.shape[1], k, bias)
-
-
-def takes_call(device: torch.device, dtype: torch.dtype, tokens: int, experts: int, k: int,
-               bias: torch.Tensor | None) -> bool:
-    """takes() for logits of this device, dtype and shape (tokens, experts), before they exist (the merged MoE
-    node computes them inside: fusion/runtime/moe_node.py)."""
-    if not (ENABLED and device.type == "cuda" and dtype in KERNEL_DTYPES and tokens > 0
-            and (bias is None or bias.device == device) and not torch.compiler.is_compiling()
-            and cuda_major(device) == 9):
+    if not (ENABLED and logits.is_cuda and logits.dtype in KERNEL_DTYPES and logits.shape[0] > 0
+            and (bias is None or bias.device == logits.device) and not torch.compiler.is_compiling()
+            and cuda_major(logits.device) == 9):
         return False
     if not _LIMITS:
         from fusion.kernels.route import MAX_EXPERTS, MAX_K   # (loads the DSL: only for a CUDA tensor)
 
         _LIMITS.extend((MAX_EXPERTS, MAX_K))
-    return experts <= _LIMITS[0] and k <= _LIMITS[1]
+    return logits.shape[1] <= _LIMITS[0] and k <= _LIMITS[1]
 
 
 _LIMITS: list = []   # (MAX_EXPERTS, MAX_K) of the kernels, once they are imported
