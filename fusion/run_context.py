@@ -52,7 +52,8 @@ class RunContext:
         fused program's device prologue writes them into its bounds buffer (`counters`); the view is made only
         when a torch op asks for it (a view costs host time, and a call whose GEMMs are all our kernels needs
         none)."""
-        if self._offsets is None and self.counters is not None and (self._group_sizes is not None or self.sizes_at is not None):
+        grouped = self._group_sizes is not None or self.sizes_at is not None   # (without making the sizes' view)
+        if self._offsets is None and self.counters is not None and grouped:
             self._offsets = self.counters[1:self.groups + 1]
         return self._offsets
 
